@@ -1,0 +1,302 @@
+//! The backward kernel: FlashAttention-2 backward on the CPU, parallel over
+//! key tiles, with a deterministic dQ.
+//!
+//! Schedule:
+//! 1. `D_i = rowsum(dO_i ∘ O_i)` for every query row (parallel, `O(Sq)` memory).
+//! 2. One rayon task per (batch, kv head, chunk of consecutive key tiles).
+//!    The task owns its rows of dK and dV outright (no races, no atomics) and
+//!    keeps each key/value tile resident while it streams the query tiles of
+//!    every query head of the GQA group past it. Per (key tile, query tile),
+//!    `Empty` tiles are skipped and only `Partial` ones evaluate the mask:
+//!    - `S = scale · Q Kᵀ`, `P = e^(score(S) − lse)` (0 where hidden),
+//!    - `dV += Pᵀ dO`, `dP = dO Vᵀ`,
+//!    - `dS = P ∘ (dP − D) ∘ score_grad(S)`,
+//!    - `dK += scale · dSᵀ Q`, `dQ += scale · dS K`.
+//! 3. dQ: the first chunk of each (batch, kv head) accumulates straight into
+//!    `dq`, each other chunk into a private partial buffer; the partials are
+//!    then added into `dq` in chunk order. The order of every floating-point
+//!    sum is therefore fixed by the chunking alone, not by thread scheduling,
+//!    and the result is bitwise identical from run to run.
+//!
+//! Memory: the partials hold `(chunks − 1) · group · Sq · D` floats per
+//! (batch, kv head), with `chunks` ≈ `2 · threads / (B · Hkv)` (so at most
+//! about `2 · threads` copies of dQ in total), plus per-task tile scratch.
+//! Never anything of size `Sq × Sk`.
+
+use super::forward::score_and_mask;
+use super::gemm::{MatMut, MatRef, Write, matmul};
+use super::math;
+use super::tile::CpuTiles;
+use super::{BackwardInputs, Positions, tile_class};
+use crate::problem::Problem;
+use crate::variant::{TileClass, Variant};
+use rayon::prelude::*;
+
+/// Below this many flops per chunk, splitting the keys further costs more in
+/// task overhead and dQ partials (zeroing + reduction) than it gains.
+const MIN_CHUNK_FLOPS: usize = 1 << 22;
+/// Elements per task of the D and dQ-reduction passes (memory-bound).
+const ELEMENTWISE_BLOCK: usize = 1 << 14;
+
+/// How many chunks to cut each (batch, kv head)'s key tiles into.
+///
+/// Enough tasks that every thread is busy even for `B = Hkv = 1`, with a 2×
+/// margin because chunks are uneven under causal-like masks (early keys are
+/// seen by more queries); but no chunk smaller than one key tile or than
+/// [`MIN_CHUNK_FLOPS`] of work, since each extra chunk costs a dQ partial.
+pub(super) fn key_chunks(p: &Problem, tiles: CpuTiles, threads: usize) -> usize {
+    let key_tiles = p.seq_k.div_ceil(tiles.kv);
+    let heads = p.batch * p.heads_kv;
+    let wanted = (2 * threads.max(1)).div_ceil(heads);
+    // Five GEMMs of 2 flops per (query, key, dim) each.
+    let flops = 10 * p.group() * p.seq_q * p.seq_k * p.head_dim;
+    let affordable = (flops / MIN_CHUNK_FLOPS).max(1);
+    wanted.min(key_tiles).min(affordable).max(1)
+}
+
+/// One task: the keys `key0 .. key0 + dk.len()/D` of one (batch, kv head).
+struct KeyChunk<'a> {
+    b: usize,
+    kvh: usize,
+    key0: usize,
+    dk: &'a mut [f32],
+    dv: &'a mut [f32],
+    /// dQ `[group, Sq, D]` of the group's query heads: the real `dq` for the
+    /// first chunk, a private partial for the others.
+    dq: &'a mut [f32],
+}
+
+/// Per-task scratch, three `Bq × Bk` tiles.
+struct Scratch {
+    /// Scaled logits, then probabilities P.
+    s: Vec<f32>,
+    /// dP, then dS.
+    dp: Vec<f32>,
+    /// `score_grad` of the logits (empty when the score is the identity).
+    g: Vec<f32>,
+}
+
+impl Scratch {
+    fn new<V: Variant>(t: CpuTiles) -> Self {
+        let g = if V::SCORE_IS_IDENTITY { 0 } else { t.q * t.kv };
+        Self { s: vec![0.0; t.q * t.kv], dp: vec![0.0; t.q * t.kv], g: vec![0.0; g] }
+    }
+}
+
+/// Everything a task reads.
+struct Shared<'a, V> {
+    variant: &'a V,
+    p: &'a Problem,
+    tiles: CpuTiles,
+    pos: Positions,
+    x: BackwardInputs<'a>,
+    /// `D_i = rowsum(dO_i ∘ O_i)`, `[B, Hq, Sq]`.
+    delta: &'a [f32],
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn backward<V: Variant>(
+    variant: &V,
+    p: &Problem,
+    tiles: CpuTiles,
+    chunks: usize,
+    x: BackwardInputs<'_>,
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+) {
+    let (sq, sk, d, group) = (p.seq_q, p.seq_k, p.head_dim, p.group());
+
+    let mut delta = vec![0.0f32; p.lse_len()];
+    delta.par_chunks_mut(ELEMENTWISE_BLOCK).enumerate().for_each(|(c, block)| {
+        for (i, di) in block.iter_mut().enumerate() {
+            let r = (c * ELEMENTWISE_BLOCK + i) * d;
+            *di = math::dot(&x.dout[r..r + d], &x.out[r..r + d]);
+        }
+    });
+
+    // Chunks are whole key tiles; recount after rounding up the chunk size.
+    let key_tiles = sk.div_ceil(tiles.kv);
+    let chunk_keys = key_tiles.div_ceil(chunks.clamp(1, key_tiles)) * tiles.kv;
+    let chunks = sk.div_ceil(chunk_keys);
+    let dq_group = group * sq * d;
+
+    // Carve the outputs into disjoint per-task slices, in (b, kv head, chunk)
+    // order; partial `c ≥ 1` of head `bg` is `partials[bg][c - 1]`.
+    let mut partials = vec![0.0f32; p.batch * p.heads_kv * (chunks - 1) * dq_group];
+    let mut partial_slots = partials.chunks_mut(dq_group.max(1));
+    let mut tasks = Vec::with_capacity(p.batch * p.heads_kv * chunks);
+    let per_head = dk.chunks_mut(sk * d).zip(dv.chunks_mut(sk * d)).zip(dq.chunks_mut(dq_group));
+    for (bg, ((dk_bg, dv_bg), dq_bg)) in per_head.enumerate() {
+        let mut dq_first = Some(dq_bg);
+        let per_chunk = dk_bg.chunks_mut(chunk_keys * d).zip(dv_bg.chunks_mut(chunk_keys * d));
+        for (c, (dk, dv)) in per_chunk.enumerate() {
+            let dq = match dq_first.take() {
+                Some(dq_bg) => dq_bg,
+                None => partial_slots.next().expect("one partial per extra chunk"),
+            };
+            let (b, kvh) = (bg / p.heads_kv, bg % p.heads_kv);
+            tasks.push(KeyChunk { b, kvh, key0: c * chunk_keys, dk, dv, dq });
+        }
+    }
+
+    let shared = Shared { variant, p, tiles, pos: Positions::new(p), x, delta: &delta };
+    tasks
+        .into_par_iter()
+        .for_each_init(|| Scratch::new::<V>(tiles), |sc, task| key_chunk(&shared, task, sc));
+
+    if chunks > 1 {
+        // dq += partial_1 + partial_2 + ... in that order, element by element.
+        dq.par_chunks_mut(dq_group)
+            .zip(partials.par_chunks(dq_group * (chunks - 1)))
+            .for_each(|(dq_bg, parts)| {
+                dq_bg.par_chunks_mut(ELEMENTWISE_BLOCK).enumerate().for_each(|(blk, dst)| {
+                    let at = blk * ELEMENTWISE_BLOCK;
+                    for part in parts.chunks_exact(dq_group) {
+                        math::add_assign(dst, &part[at..at + dst.len()]);
+                    }
+                });
+            });
+    }
+}
+
+/// One task: all query tiles of all query heads of the group, against each
+/// key tile of the chunk in turn.
+fn key_chunk<V: Variant>(sh: &Shared<'_, V>, task: KeyChunk<'_>, sc: &mut Scratch) {
+    let p = sh.p;
+    let (sq, sk, d, group) = (p.seq_q, p.seq_k, p.head_dim, p.group());
+    let KeyChunk { b, kvh, key0, dk, dv, dq } = task;
+    dk.fill(0.0);
+    dv.fill(0.0);
+    dq.fill(0.0);
+    let kv_bh = (b * p.heads_kv + kvh) * sk * d;
+    let keys = dk.len() / d;
+
+    for t0 in (0..keys).step_by(sh.tiles.kv) {
+        let cols = sh.tiles.kv.min(keys - t0);
+        let kv0 = key0 + t0;
+        let at = kv_bh + kv0 * d..kv_bh + (kv0 + cols) * d;
+        let (k_t, v_t) = (&sh.x.k[at.clone()], &sh.x.v[at]);
+        let dk_t = &mut dk[t0 * d..(t0 + cols) * d];
+        let dv_t = &mut dv[t0 * d..(t0 + cols) * d];
+        for hl in 0..group {
+            let h = kvh * group + hl;
+            let bh = b * p.heads_q + h;
+            let dq_h = &mut dq[hl * sq * d..(hl + 1) * sq * d];
+            for r0 in (0..sq).step_by(sh.tiles.q) {
+                let rows = sh.tiles.q.min(sq - r0);
+                let tile = Tile { b, h, bh, r0, rows, kv0, cols };
+                query_tile(sh, &tile, k_t, v_t, dk_t, dv_t, &mut dq_h[r0 * d..(r0 + rows) * d], sc);
+            }
+        }
+    }
+}
+
+/// Coordinates of one (query tile × key tile).
+struct Tile {
+    b: usize,
+    h: usize,
+    /// Flat (batch, query head) index into q/out/dout/lse.
+    bh: usize,
+    /// First query row and number of rows.
+    r0: usize,
+    rows: usize,
+    /// First key and number of keys.
+    kv0: usize,
+    cols: usize,
+}
+
+/// The contribution of one (query tile × key tile) to dK, dV and dQ.
+#[allow(clippy::too_many_arguments)]
+fn query_tile<V: Variant>(
+    sh: &Shared<'_, V>,
+    t: &Tile,
+    k_t: &[f32],
+    v_t: &[f32],
+    dk_t: &mut [f32],
+    dv_t: &mut [f32],
+    dq_t: &mut [f32],
+    sc: &mut Scratch,
+) {
+    let p = sh.p;
+    let (d, sq, scale) = (p.head_dim, p.seq_q, p.scale);
+    let (b, h) = (Positions::to_i32(t.b), Positions::to_i32(t.h));
+    let (rows, cols) = (t.rows, t.cols);
+    let (q_lo, q_hi) = sh.pos.query_range(t.r0, rows);
+    let class = tile_class(sh.variant, b, h, (q_lo, q_hi), t.kv0, cols);
+    if class == TileClass::Empty {
+        return;
+    }
+    let kv_lo = Positions::to_i32(t.kv0);
+    let rows_at = (t.bh * sq + t.r0) * d..(t.bh * sq + t.r0 + rows) * d;
+    let q_t = &sh.x.q[rows_at.clone()];
+    let do_t = &sh.x.dout[rows_at];
+    let lse = &sh.x.lse[t.bh * sq + t.r0..][..rows];
+    let delta = &sh.delta[t.bh * sq + t.r0..][..rows];
+
+    // Recompute P from the saved log-sum-exp.
+    let s = &mut sc.s[..rows * cols];
+    matmul(
+        MatMut::row_major(s, rows, cols),
+        Write::Overwrite,
+        MatRef::row_major(q_t, rows, d),
+        MatRef::row_major(k_t, cols, d).t(),
+        scale,
+    );
+    for (i, row) in s.chunks_exact_mut(cols).enumerate() {
+        let qi = q_lo + i as i32;
+        if !V::SCORE_IS_IDENTITY {
+            // d score/d s at the raw logit, before `score` overwrites it.
+            let g = &mut sc.g[i * cols..(i + 1) * cols];
+            for (j, (g, &s)) in g.iter_mut().zip(row.iter()).enumerate() {
+                *g = sh.variant.score_grad(s, b, h, qi, kv_lo + j as i32);
+            }
+        }
+        score_and_mask(sh.variant, b, h, qi, kv_lo, class, row);
+        if lse[i] == f32::NEG_INFINITY {
+            // No visible key in this row: P = 0 (and `x − lse` would be NaN).
+            row.fill(0.0);
+        } else {
+            math::exp_sub(row, lse[i]);
+        }
+    }
+    let p_t = MatRef::row_major(s, rows, cols);
+    let do_m = MatRef::row_major(do_t, rows, d);
+
+    // dV += Pᵀ dO.
+    matmul(MatMut::row_major(dv_t, cols, d), Write::Accumulate, p_t.t(), do_m, 1.0);
+
+    // dP = dO Vᵀ, then dS = P ∘ (dP − D) ∘ score_grad, in place.
+    let dp = &mut sc.dp[..rows * cols];
+    matmul(
+        MatMut::row_major(dp, rows, cols),
+        Write::Overwrite,
+        do_m,
+        MatRef::row_major(v_t, cols, d).t(),
+        1.0,
+    );
+    let s = &sc.s[..rows * cols];
+    for (i, (ds, p)) in dp.chunks_exact_mut(cols).zip(s.chunks_exact(cols)).enumerate() {
+        let di = delta[i];
+        if V::SCORE_IS_IDENTITY {
+            for (ds, &p) in ds.iter_mut().zip(p) {
+                *ds = p * (*ds - di);
+            }
+        } else {
+            // Hidden pairs (P = 0) stay exactly 0 whatever score_grad says
+            // about a logit that was never used.
+            let g = &sc.g[i * cols..(i + 1) * cols];
+            for ((ds, &p), &g) in ds.iter_mut().zip(p).zip(g) {
+                let v = p * (*ds - di) * g;
+                *ds = if p == 0.0 { 0.0 } else { v };
+            }
+        }
+    }
+    let ds_t = MatRef::row_major(dp, rows, cols);
+
+    // dK += scale · dSᵀ Q;  dQ += scale · dS K.
+    let q_m = MatRef::row_major(q_t, rows, d);
+    matmul(MatMut::row_major(dk_t, cols, d), Write::Accumulate, ds_t.t(), q_m, scale);
+    let k_m = MatRef::row_major(k_t, cols, d);
+    matmul(MatMut::row_major(dq_t, rows, d), Write::Accumulate, ds_t, k_m, scale);
+}

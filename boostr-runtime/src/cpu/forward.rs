@@ -1,0 +1,207 @@
+//! The forward kernel: FlashAttention-2 on the CPU.
+//!
+//! Schedule: one rayon task per (batch, query head, query tile). The task's
+//! query tile stays resident; key/value tiles stream through it. Per key tile:
+//! classify it (skip `Empty`), `S = scale · Q Kᵀ` (GEMM), score and mask in
+//! place, online softmax (running row max `m`, running sum `l`, rescale of
+//! the output accumulator by `e^(m_old − m_new)` when the max grows), then
+//! `O += P V` (GEMM). The accumulator is the task's own slice of `out`.
+//!
+//! Guarantees: every element of `out` and `lse` is written; memory beyond
+//! the outputs is `O(Bq·Bk)` per task (nothing of size `Sq × Sk`); a row with
+//! no visible key gets `out = 0`, `lse = -inf` and never NaN; logits of any
+//! finite magnitude are safe because every `exp` argument is `≤ 0`.
+
+use super::gemm::{MatMut, MatRef, Write, matmul};
+use super::math;
+use super::tile::CpuTiles;
+use super::{Positions, tile_class};
+use crate::problem::Problem;
+use crate::variant::{TileClass, Variant};
+use rayon::prelude::*;
+
+/// Per-task scratch: the score tile and the running softmax statistics.
+struct Scratch {
+    /// `Bq × Bk` scores, then probabilities, row-major with stride = tile width.
+    s: Vec<f32>,
+    /// Running row max of the (masked, modified) logits.
+    m: Vec<f32>,
+    /// Running row sum of `e^(x − m)`.
+    l: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(t: CpuTiles) -> Self {
+        Self { s: vec![0.0; t.q * t.kv], m: vec![0.0; t.q], l: vec![0.0; t.q] }
+    }
+}
+
+/// The inputs shared by every query tile of one (batch, query head).
+struct Head<'a, V> {
+    variant: &'a V,
+    p: &'a Problem,
+    pos: Positions,
+    /// Batch and query head, as passed to the variant.
+    b: i32,
+    h: i32,
+    /// This head's K and V, `Sk × D` each.
+    k: &'a [f32],
+    v: &'a [f32],
+}
+
+pub(super) fn forward<V: Variant>(
+    variant: &V,
+    p: &Problem,
+    tiles: CpuTiles,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+    lse: &mut [f32],
+) {
+    let (sq, sk, d) = (p.seq_q, p.seq_k, p.head_dim);
+    debug_assert_eq!(q.len(), p.q_len());
+    debug_assert_eq!((k.len(), v.len()), (p.kv_len(), p.kv_len()));
+    debug_assert_eq!((out.len(), lse.len()), (p.q_len(), p.lse_len()));
+    let pos = Positions::new(p);
+
+    // Outer: one (batch, query head) per item; inner: its query tiles. Rayon
+    // flattens the nesting by work stealing, so B = H = 1 still uses every
+    // thread when there are enough query tiles.
+    out.par_chunks_mut(sq * d)
+        .zip(lse.par_chunks_mut(sq))
+        .enumerate()
+        .for_each(|(bh, (out_bh, lse_bh))| {
+            let (b, h) = (bh / p.heads_q, bh % p.heads_q);
+            let kv_bh = (b * p.heads_kv + h / p.group()) * sk * d;
+            let head = Head {
+                variant,
+                p,
+                pos,
+                b: Positions::to_i32(b),
+                h: Positions::to_i32(h),
+                k: &k[kv_bh..kv_bh + sk * d],
+                v: &v[kv_bh..kv_bh + sk * d],
+            };
+            let q_bh = &q[bh * sq * d..(bh + 1) * sq * d];
+            out_bh
+                .par_chunks_mut(tiles.q * d)
+                .zip(lse_bh.par_chunks_mut(tiles.q))
+                .enumerate()
+                .for_each_init(
+                    || Scratch::new(tiles),
+                    |scratch, (t, (out_t, lse_t))| {
+                        let row0 = t * tiles.q;
+                        let q_t = &q_bh[row0 * d..row0 * d + out_t.len()];
+                        query_tile(&head, tiles, row0, q_t, out_t, lse_t, scratch);
+                    },
+                );
+        });
+}
+
+/// One query tile of `rows = lse.len()` rows starting at row `row0`:
+/// stream every key tile through it, then normalise.
+fn query_tile<V: Variant>(
+    head: &Head<'_, V>,
+    tiles: CpuTiles,
+    row0: usize,
+    q_t: &[f32],
+    out: &mut [f32],
+    lse: &mut [f32],
+    sc: &mut Scratch,
+) {
+    let (d, sk, scale) = (head.p.head_dim, head.p.seq_k, head.p.scale);
+    let rows = lse.len();
+    let (q_lo, q_hi) = head.pos.query_range(row0, rows);
+    let (m, l) = (&mut sc.m[..rows], &mut sc.l[..rows]);
+    out.fill(0.0);
+    m.fill(f32::NEG_INFINITY);
+    l.fill(0.0);
+
+    for kv0 in (0..sk).step_by(tiles.kv) {
+        let cols = tiles.kv.min(sk - kv0);
+        let class = tile_class(head.variant, head.b, head.h, (q_lo, q_hi), kv0, cols);
+        if class == TileClass::Empty {
+            continue;
+        }
+        let s = &mut sc.s[..rows * cols];
+        let k_t = &head.k[kv0 * d..(kv0 + cols) * d];
+        matmul(
+            MatMut::row_major(s, rows, cols),
+            Write::Overwrite,
+            MatRef::row_major(q_t, rows, d),
+            MatRef::row_major(k_t, cols, d).t(),
+            scale,
+        );
+
+        for (i, row) in s.chunks_exact_mut(cols).enumerate() {
+            let qi = q_lo + i as i32;
+            let kv_lo = Positions::to_i32(kv0);
+            score_and_mask(head.variant, head.b, head.h, qi, kv_lo, class, row);
+
+            let m_new = m[i].max(math::max(row));
+            if m_new == f32::NEG_INFINITY {
+                // Nothing visible in this row yet: `e^(x − m)` would be
+                // `e^(-inf + inf)` = NaN. The row contributes nothing.
+                row.fill(0.0);
+                continue;
+            }
+            let row_sum = math::exp_sub_sum(row, m_new);
+            if m_new > m[i] {
+                // The max grew: rescale what was accumulated under the old
+                // one. `m[i] = -inf` gives alpha = 0 on a still-zero row.
+                let alpha = math::exp(m[i] - m_new);
+                l[i] *= alpha;
+                math::scale(&mut out[i * d..(i + 1) * d], alpha);
+                m[i] = m_new;
+            }
+            l[i] += row_sum;
+        }
+
+        let v_t = &head.v[kv0 * d..(kv0 + cols) * d];
+        matmul(
+            MatMut::row_major(out, rows, d),
+            Write::Accumulate,
+            MatRef::row_major(s, rows, cols),
+            MatRef::row_major(v_t, cols, d),
+            1.0,
+        );
+    }
+
+    for i in 0..rows {
+        // `l > 0` exactly when some key was visible (the max contributes 1).
+        if l[i] > 0.0 {
+            math::scale(&mut out[i * d..(i + 1) * d], 1.0 / l[i]);
+            lse[i] = m[i] + l[i].ln();
+        } else {
+            out[i * d..(i + 1) * d].fill(0.0);
+            lse[i] = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// Apply `score` (unless it is the identity) and, on a `Partial` tile, the
+/// mask (`-inf` where hidden) to one row of scaled logits `s`, in place.
+/// Shared with the backward so both see exactly the same logits.
+#[inline(always)]
+pub(super) fn score_and_mask<V: Variant>(
+    variant: &V,
+    b: i32,
+    h: i32,
+    qi: i32,
+    kv_lo: i32,
+    class: TileClass,
+    row: &mut [f32],
+) {
+    if !V::SCORE_IS_IDENTITY {
+        for (j, x) in row.iter_mut().enumerate() {
+            *x = variant.score(*x, b, h, qi, kv_lo + j as i32);
+        }
+    }
+    if class == TileClass::Partial {
+        for (j, x) in row.iter_mut().enumerate() {
+            let visible = variant.mask(b, h, qi, kv_lo + j as i32);
+            *x = if visible { *x } else { f32::NEG_INFINITY };
+        }
+    }
+}

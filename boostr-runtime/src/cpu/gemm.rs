@@ -1,0 +1,162 @@
+//! Safe, bounds-checked matrix views over f32 slices, and the one GEMM entry
+//! point the kernels use (`gemm::gemm` from the `gemm` crate, single-threaded).
+//!
+//! Every tile product of the attention kernels is `dst (=|+=) beta · lhs · rhs`
+//! on row-major tiles, some of them transposed. A transpose is a view (swap
+//! the strides), never a copy: `gemm` takes arbitrary row/column strides and
+//! packs its operands itself.
+//!
+//! Guarantees: a [`MatRef`]/[`MatMut`] can only be built over a slice that
+//! holds every element it addresses (checked on construction), and
+//! [`matmul`] checks that the shapes agree, so the `unsafe` call into `gemm`
+//! reads and writes in bounds. `dst` is a `&mut` borrow, so it cannot alias an
+//! operand. Threading is left to the caller (tile-level rayon tasks):
+//! `gemm` runs with `Parallelism::None`, and is deterministic for fixed
+//! inputs and shapes.
+
+/// A read-only `rows × cols` view: element `(i, j)` is `data[i*rs + j*cs]`.
+#[derive(Clone, Copy, Debug)]
+pub struct MatRef<'a> {
+    data: &'a [f32],
+    rows: usize,
+    cols: usize,
+    rs: usize,
+    cs: usize,
+}
+
+impl<'a> MatRef<'a> {
+    /// The row-major `rows × cols` matrix at the start of `data`.
+    #[inline]
+    pub fn row_major(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        assert!(data.len() >= rows * cols, "matrix view out of bounds");
+        Self { data, rows, cols, rs: cols, cs: 1 }
+    }
+
+    /// The transpose, as a view over the same elements.
+    #[inline]
+    pub fn t(self) -> Self {
+        Self { rows: self.cols, cols: self.rows, rs: self.cs, cs: self.rs, ..self }
+    }
+}
+
+/// A writable row-major `rows × cols` view at the start of a slice.
+#[derive(Debug)]
+pub struct MatMut<'a> {
+    data: &'a mut [f32],
+    rows: usize,
+    cols: usize,
+}
+
+impl<'a> MatMut<'a> {
+    /// The row-major `rows × cols` matrix at the start of `data`.
+    #[inline]
+    pub fn row_major(data: &'a mut [f32], rows: usize, cols: usize) -> Self {
+        assert!(data.len() >= rows * cols, "matrix view out of bounds");
+        Self { data, rows, cols }
+    }
+}
+
+/// Whether [`matmul`] replaces `dst` or adds to it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Write {
+    /// `dst = beta · lhs · rhs`; the old contents of `dst` are never read
+    /// (they may be NaN).
+    Overwrite,
+    /// `dst += beta · lhs · rhs`.
+    Accumulate,
+}
+
+/// `dst (=|+=) beta · lhs · rhs` with `gemm::gemm`, single-threaded.
+///
+/// Panics if the shapes disagree.
+#[inline]
+pub fn matmul(dst: MatMut<'_>, write: Write, lhs: MatRef<'_>, rhs: MatRef<'_>, beta: f32) {
+    assert_eq!(lhs.cols, rhs.rows, "inner dimensions differ");
+    assert_eq!((dst.rows, dst.cols), (lhs.rows, rhs.cols), "output shape");
+    let (m, n, k) = (dst.rows, dst.cols, lhs.cols);
+    if m == 0 || n == 0 {
+        return;
+    }
+    // Views over slices shorter than their extent cannot be built, and a
+    // zero-sized inner dimension makes `gemm` touch only `dst`.
+    let s = |x: usize| x as isize;
+    // SAFETY: `MatRef::row_major`/`MatMut::row_major` checked that every
+    // `(i, j)` with `i < rows`, `j < cols` lies inside the viewed slice for the
+    // row-major strides, and `t()` only permutes (rows, rs) with (cols, cs), so
+    // the extent `(rows-1)*rs + (cols-1)*cs` is unchanged. The shapes were
+    // checked above, so `gemm` accesses `dst` at `m × n`, `lhs` at `m × k`,
+    // `rhs` at `k × n`, all in bounds. `dst` is borrowed mutably, so it does
+    // not overlap `lhs` or `rhs` (shared borrows). With `read_dst = false`
+    // `gemm` sets alpha to zero and never reads `dst`.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.data.as_mut_ptr(),
+            1,
+            s(dst.cols),
+            write == Write::Accumulate,
+            lhs.data.as_ptr(),
+            s(lhs.cs),
+            s(lhs.rs),
+            rhs.data.as_ptr(),
+            s(rhs.cs),
+            s(rhs.rs),
+            1.0,
+            beta,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(a: MatRef<'_>, b: MatRef<'_>) -> Vec<f32> {
+        let mut c = vec![0.0; a.rows * b.cols];
+        for i in 0..a.rows {
+            for j in 0..b.cols {
+                let mut acc = 0.0f64;
+                for p in 0..a.cols {
+                    acc += a.data[i * a.rs + p * a.cs] as f64 * b.data[p * b.rs + j * b.cs] as f64;
+                }
+                c[i * b.cols + j] = acc as f32;
+            }
+        }
+        c
+    }
+
+    #[test]
+    fn transposed_views_overwrite_and_accumulate() {
+        let (m, n, k) = (7, 5, 3);
+        let a: Vec<f32> = (0..m * k).map(|i| i as f32 * 0.25 - 2.0).collect();
+        let bt: Vec<f32> = (0..n * k).map(|i| 1.0 - i as f32 * 0.125).collect();
+        let lhs = MatRef::row_major(&a, m, k);
+        let rhs = MatRef::row_major(&bt, n, k).t();
+        let want = naive(lhs, rhs);
+
+        let mut c = vec![f32::NAN; m * n];
+        matmul(MatMut::row_major(&mut c, m, n), Write::Overwrite, lhs, rhs, 1.0);
+        for (x, y) in c.iter().zip(&want) {
+            assert!((x - y).abs() < 1e-5, "{x} vs {y}");
+        }
+        matmul(MatMut::row_major(&mut c, m, n), Write::Accumulate, lhs, rhs, 0.5);
+        for (x, y) in c.iter().zip(&want) {
+            assert!((x - 1.5 * y).abs() < 1e-5, "{x} vs {}", 1.5 * y);
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "inner dimensions differ")]
+    fn shape_mismatch_panics() {
+        let a = [0.0f32; 6];
+        let mut c = [0.0f32; 4];
+        let lhs = MatRef::row_major(&a, 2, 3);
+        matmul(MatMut::row_major(&mut c, 2, 2), Write::Overwrite, lhs, lhs, 1.0);
+    }
+}

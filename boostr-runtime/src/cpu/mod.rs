@@ -1,0 +1,175 @@
+//! Fused attention kernels for the CPU: FlashAttention-2 forward and backward
+//! over contiguous f32 slices, generic over the [`Variant`] so that `score`,
+//! `score_grad`, `mask` and `classify_tile` inline into the tile loops.
+//!
+//! Layout and semantics are those of [`Problem`]: `q, out [B, Hq, Sq, D]`,
+//! `k, v [B, Hkv, Sk, D]`, `lse [B, Hq, Sq]`, query head `h` reads kv head
+//! `h / (Hq / Hkv)`, query row `i` sits at position `i + Sk − Sq`.
+//!
+//! How the work is organised (see each module for details):
+//! - [`tile`]: the tile sizes and why.
+//! - `forward`: one task per (batch, query head, query tile), key/value tiles
+//!   streamed through with an online softmax.
+//! - `backward`: one task per (batch, kv head, chunk of key tiles), query
+//!   tiles streamed through; dQ reduced in a fixed order for determinism.
+//! - `gemm`: the tile products, on `gemm::gemm`, single-threaded per task.
+//! - `math`: vectorizable `exp` and row reductions for the softmax.
+//!
+//! Guarantees, for finite inputs:
+//! - Every element of every output slice is written (they may arrive
+//!   uninitialised or poisoned).
+//! - No NaN: a query row with no visible key gets `out = 0`, `lse = -inf`,
+//!   `dq = 0`, and contributes nothing to `dk`/`dv`; logits of any finite
+//!   magnitude are handled by the running max.
+//! - Extra memory is `O((Sq + Sk)·D)` plus per-thread tile scratch (forward),
+//!   and `O(Sq·D·group·chunks)` for the backward's dQ partials — never `Sq × Sk`.
+//! - Tiles that `classify_tile` proves `Empty` are skipped without any
+//!   arithmetic; `Full` tiles never evaluate the mask.
+//! - The backward is bitwise reproducible from run to run for a given rayon
+//!   thread count (the key-chunking depends on it, the summation order within
+//!   a chunking does not depend on scheduling).
+
+mod backward;
+mod forward;
+mod gemm;
+mod math;
+mod tile;
+
+#[cfg(test)]
+mod tests;
+
+pub use tile::CpuTiles;
+
+use crate::problem::Problem;
+use crate::variant::{TileClass, Variant};
+
+/// The tensors the backward reads; all contiguous f32 in the layout of
+/// [`Problem`] (`out`, `dout` like `q`; `lse` as the forward wrote it).
+#[derive(Clone, Copy, Debug)]
+pub struct BackwardInputs<'a> {
+    /// Queries `[B, Hq, Sq, D]`.
+    pub q: &'a [f32],
+    /// Keys `[B, Hkv, Sk, D]`.
+    pub k: &'a [f32],
+    /// Values `[B, Hkv, Sk, D]`.
+    pub v: &'a [f32],
+    /// The forward's output `[B, Hq, Sq, D]`.
+    pub out: &'a [f32],
+    /// The forward's log-sum-exp `[B, Hq, Sq]` (`-inf` for fully masked rows).
+    pub lse: &'a [f32],
+    /// Gradient of the loss with respect to `out`, `[B, Hq, Sq, D]`.
+    pub dout: &'a [f32],
+}
+
+/// Attention forward with the default [`CpuTiles`]: writes `out` and `lse`.
+pub fn forward<V: Variant>(
+    variant: &V,
+    p: &Problem,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+    lse: &mut [f32],
+) {
+    forward_tiled(variant, p, CpuTiles::DEFAULT, q, k, v, out, lse);
+}
+
+/// Attention forward with explicit tile sizes (for tuning and tests).
+#[allow(clippy::too_many_arguments)]
+pub fn forward_tiled<V: Variant>(
+    variant: &V,
+    p: &Problem,
+    tiles: CpuTiles,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+    lse: &mut [f32],
+) {
+    assert_eq!(q.len(), p.q_len(), "q length");
+    assert_eq!(k.len(), p.kv_len(), "k length");
+    assert_eq!(v.len(), p.kv_len(), "v length");
+    assert_eq!(out.len(), p.q_len(), "out length");
+    assert_eq!(lse.len(), p.lse_len(), "lse length");
+    forward::forward(variant, p, CpuTiles::new(tiles.q, tiles.kv), q, k, v, out, lse);
+}
+
+/// Attention backward with the default [`CpuTiles`]: writes `dq`, `dk`, `dv`.
+pub fn backward<V: Variant>(
+    variant: &V,
+    p: &Problem,
+    inputs: BackwardInputs<'_>,
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+) {
+    backward_tiled(variant, p, CpuTiles::DEFAULT, inputs, dq, dk, dv);
+}
+
+/// Attention backward with explicit tile sizes (for tuning and tests).
+pub fn backward_tiled<V: Variant>(
+    variant: &V,
+    p: &Problem,
+    tiles: CpuTiles,
+    inputs: BackwardInputs<'_>,
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+) {
+    let i = &inputs;
+    assert_eq!(i.q.len(), p.q_len(), "q length");
+    assert_eq!((i.k.len(), i.v.len()), (p.kv_len(), p.kv_len()), "k/v length");
+    assert_eq!((i.out.len(), i.dout.len()), (p.q_len(), p.q_len()), "out/dout length");
+    assert_eq!(i.lse.len(), p.lse_len(), "lse length");
+    assert_eq!(dq.len(), p.q_len(), "dq length");
+    assert_eq!((dk.len(), dv.len()), (p.kv_len(), p.kv_len()), "dk/dv length");
+    let tiles = CpuTiles::new(tiles.q, tiles.kv);
+    let chunks = backward::key_chunks(p, tiles, rayon::current_num_threads());
+    backward::backward(variant, p, tiles, chunks, inputs, dq, dk, dv);
+}
+
+/// Positions of rows and keys as the variant sees them (bottom-right aligned).
+#[derive(Clone, Copy, Debug)]
+struct Positions {
+    /// `Sk − Sq`: query row `i` is at position `i + q_offset`.
+    q_offset: i32,
+}
+
+impl Positions {
+    fn new(p: &Problem) -> Self {
+        // Positions are i32 in the variant's signature; sequences beyond
+        // 2^31 would not fit any of its index arguments.
+        Self::to_i32(p.seq_q.max(p.seq_k));
+        let q_offset = i32::try_from(p.q_offset()).expect("sequence length fits i32");
+        Self { q_offset }
+    }
+
+    /// An index (batch, head, position) as the variant's `i32`.
+    fn to_i32(x: usize) -> i32 {
+        i32::try_from(x).expect("index fits i32")
+    }
+
+    /// Inclusive positions of `rows` query rows starting at row `row0`.
+    fn query_range(self, row0: usize, rows: usize) -> (i32, i32) {
+        let lo = Self::to_i32(row0) + self.q_offset;
+        (lo, lo + Self::to_i32(rows) - 1)
+    }
+}
+
+/// The class of the tile (query positions `q_lo..=q_hi`) × (`cols` keys from
+/// `kv0`). Without a mask every tile is `Full` and `classify_tile` is not called.
+#[inline]
+fn tile_class<V: Variant>(
+    variant: &V,
+    b: i32,
+    h: i32,
+    (q_lo, q_hi): (i32, i32),
+    kv0: usize,
+    cols: usize,
+) -> TileClass {
+    if !V::HAS_MASK {
+        return TileClass::Full;
+    }
+    let kv_lo = Positions::to_i32(kv0);
+    variant.classify_tile(b, h, q_lo, q_hi, kv_lo, kv_lo + Positions::to_i32(cols) - 1)
+}

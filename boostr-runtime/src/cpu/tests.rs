@@ -1,0 +1,576 @@
+//! Kernel tests against an f64 reference, with hand-written variants.
+
+use super::backward::{self, key_chunks};
+use super::*;
+use crate::variant::CompiledStages;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+// ---------------------------------------------------------------- variants
+
+/// Plain attention: no mask, identity score. Its mask and classifier must
+/// never be called (`HAS_MASK = false`).
+#[derive(Clone, Debug)]
+struct Plain;
+
+impl Variant for Plain {
+    const NAME: &'static str = "Plain";
+    const SCORE_IS_IDENTITY: bool = true;
+    const HAS_MASK: bool = false;
+    fn score(&self, s: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
+        s
+    }
+    fn score_grad(&self, _: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
+        1.0
+    }
+    fn mask(&self, _: i32, _: i32, _: i32, _: i32) -> bool {
+        panic!("mask called on a variant without one")
+    }
+    fn classify_tile(&self, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32) -> TileClass {
+        panic!("classify_tile called on a variant without a mask")
+    }
+    fn score_f64(&self, s: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
+        s
+    }
+    fn score_grad_f64(&self, _: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
+        1.0
+    }
+    fn mask_f64(&self, _: i32, _: i32, _: i32, _: i32) -> bool {
+        true
+    }
+    fn compiled() -> CompiledStages {
+        CompiledStages { name: Self::NAME, text: "" }
+    }
+}
+
+/// Causal mask with a tanh softcap on the score.
+#[derive(Clone, Debug)]
+struct CausalSoftcap {
+    cap: f32,
+}
+
+/// Tile class of `kv ≤ q` over `[q_lo, q_hi] × [kv_lo, kv_hi]`.
+fn causal_class(q_lo: i32, q_hi: i32, kv_lo: i32, kv_hi: i32) -> TileClass {
+    if kv_hi <= q_lo {
+        TileClass::Full
+    } else if kv_lo > q_hi {
+        TileClass::Empty
+    } else {
+        TileClass::Partial
+    }
+}
+
+impl Variant for CausalSoftcap {
+    const NAME: &'static str = "CausalSoftcap";
+    const SCORE_IS_IDENTITY: bool = false;
+    const HAS_MASK: bool = true;
+    fn score(&self, s: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
+        self.cap * (s / self.cap).tanh()
+    }
+    fn score_grad(&self, s: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
+        let t = (s / self.cap).tanh();
+        1.0 - t * t
+    }
+    fn mask(&self, _: i32, _: i32, q: i32, kv: i32) -> bool {
+        kv <= q
+    }
+    fn classify_tile(&self, _: i32, _: i32, ql: i32, qh: i32, kl: i32, kh: i32) -> TileClass {
+        causal_class(ql, qh, kl, kh)
+    }
+    fn score_f64(&self, s: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
+        let cap = self.cap as f64;
+        cap * (s / cap).tanh()
+    }
+    fn score_grad_f64(&self, s: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
+        let t = (s / self.cap as f64).tanh();
+        1.0 - t * t
+    }
+    fn mask_f64(&self, _: i32, _: i32, q: i32, kv: i32) -> bool {
+        kv <= q
+    }
+    fn compiled() -> CompiledStages {
+        CompiledStages { name: Self::NAME, text: "" }
+    }
+}
+
+/// Causal sliding window: `0 ≤ q − kv < window`, identity score.
+#[derive(Clone, Debug)]
+struct SlidingWindow {
+    window: i32,
+}
+
+impl Variant for SlidingWindow {
+    const NAME: &'static str = "SlidingWindow";
+    const SCORE_IS_IDENTITY: bool = true;
+    const HAS_MASK: bool = true;
+    fn score(&self, s: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
+        s
+    }
+    fn score_grad(&self, _: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
+        1.0
+    }
+    fn mask(&self, _: i32, _: i32, q: i32, kv: i32) -> bool {
+        kv <= q && q - kv < self.window
+    }
+    fn classify_tile(&self, _: i32, _: i32, ql: i32, qh: i32, kl: i32, kh: i32) -> TileClass {
+        // q − kv ranges over [ql − kh, qh − kl].
+        let (lo, hi) = (ql - kh, qh - kl);
+        if hi < 0 || lo >= self.window {
+            TileClass::Empty
+        } else if lo >= 0 && hi < self.window {
+            TileClass::Full
+        } else {
+            TileClass::Partial
+        }
+    }
+    fn score_f64(&self, s: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
+        s
+    }
+    fn score_grad_f64(&self, _: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
+        1.0
+    }
+    fn mask_f64(&self, _: i32, _: i32, q: i32, kv: i32) -> bool {
+        kv <= q && q - kv < self.window
+    }
+    fn compiled() -> CompiledStages {
+        CompiledStages { name: Self::NAME, text: "" }
+    }
+}
+
+/// An ALiBi-like bias that depends on batch, query head and both positions,
+/// so a wrong `b`, `h` (e.g. the kv head) or position shows up. No mask.
+#[derive(Clone, Debug)]
+struct Alibi {
+    slope: f32,
+}
+
+impl Variant for Alibi {
+    const NAME: &'static str = "Alibi";
+    const SCORE_IS_IDENTITY: bool = false;
+    const HAS_MASK: bool = false;
+    fn score(&self, s: f32, b: i32, h: i32, q: i32, kv: i32) -> f32 {
+        s - self.slope * (h + 1) as f32 * (q - kv).abs() as f32 + 0.25 * b as f32
+    }
+    fn score_grad(&self, _: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
+        1.0
+    }
+    fn mask(&self, _: i32, _: i32, _: i32, _: i32) -> bool {
+        panic!("mask called on a variant without one")
+    }
+    fn classify_tile(&self, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32) -> TileClass {
+        panic!("classify_tile called on a variant without a mask")
+    }
+    fn score_f64(&self, s: f64, b: i32, h: i32, q: i32, kv: i32) -> f64 {
+        s - self.slope as f64 * (h + 1) as f64 * (q - kv).abs() as f64 + 0.25 * b as f64
+    }
+    fn score_grad_f64(&self, _: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
+        1.0
+    }
+    fn mask_f64(&self, _: i32, _: i32, _: i32, _: i32) -> bool {
+        true
+    }
+    fn compiled() -> CompiledStages {
+        CompiledStages { name: Self::NAME, text: "" }
+    }
+}
+
+/// Causal, counting how often the kernels call `score` and `mask`.
+#[derive(Clone, Debug, Default)]
+struct CountingCausal {
+    scores: Arc<AtomicUsize>,
+    masks: Arc<AtomicUsize>,
+}
+
+impl Variant for CountingCausal {
+    const NAME: &'static str = "CountingCausal";
+    const SCORE_IS_IDENTITY: bool = false;
+    const HAS_MASK: bool = true;
+    fn score(&self, s: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
+        self.scores.fetch_add(1, Ordering::Relaxed);
+        s
+    }
+    fn score_grad(&self, _: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
+        1.0
+    }
+    fn mask(&self, _: i32, _: i32, q: i32, kv: i32) -> bool {
+        self.masks.fetch_add(1, Ordering::Relaxed);
+        kv <= q
+    }
+    fn classify_tile(&self, _: i32, _: i32, ql: i32, qh: i32, kl: i32, kh: i32) -> TileClass {
+        causal_class(ql, qh, kl, kh)
+    }
+    fn score_f64(&self, s: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
+        s
+    }
+    fn score_grad_f64(&self, _: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
+        1.0
+    }
+    fn mask_f64(&self, _: i32, _: i32, q: i32, kv: i32) -> bool {
+        kv <= q
+    }
+    fn compiled() -> CompiledStages {
+        CompiledStages { name: Self::NAME, text: "" }
+    }
+}
+
+// --------------------------------------------------------------- reference
+
+fn problem(batch: usize, heads_q: usize, heads_kv: usize, seq_q: usize, seq_k: usize, head_dim: usize) -> Problem {
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    Problem { batch, heads_q, heads_kv, seq_q, seq_k, head_dim, scale }
+}
+
+/// Deterministic uniform values in `[-amp, amp)` (SplitMix64).
+fn random(len: usize, seed: u64, amp: f32) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+    (0..len)
+        .map(|_| {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            ((z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * amp
+        })
+        .collect()
+}
+
+struct Inputs {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    dout: Vec<f32>,
+}
+
+impl Inputs {
+    fn new(p: &Problem, seed: u64, qk_amp: f32) -> Self {
+        Self {
+            q: random(p.q_len(), seed, qk_amp),
+            k: random(p.kv_len(), seed + 1, qk_amp),
+            v: random(p.kv_len(), seed + 2, 1.0),
+            dout: random(p.q_len(), seed + 3, 1.0),
+        }
+    }
+}
+
+/// Forward and backward of attention in f64, straight from the definition.
+struct Reference {
+    out: Vec<f64>,
+    lse: Vec<f64>,
+    dq: Vec<f64>,
+    dk: Vec<f64>,
+    dv: Vec<f64>,
+}
+
+fn reference<V: Variant>(var: &V, p: &Problem, x: &Inputs) -> Reference {
+    let (sq, sk, d) = (p.seq_q, p.seq_k, p.head_dim);
+    let scale = p.scale as f64;
+    let f = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+    let (q, k, v, dout) = (f(&x.q), f(&x.k), f(&x.v), f(&x.dout));
+    let mut r = Reference {
+        out: vec![0.0; p.q_len()],
+        lse: vec![f64::NEG_INFINITY; p.lse_len()],
+        dq: vec![0.0; p.q_len()],
+        dk: vec![0.0; p.kv_len()],
+        dv: vec![0.0; p.kv_len()],
+    };
+    for b in 0..p.batch {
+        for h in 0..p.heads_q {
+            let bh = b * p.heads_q + h;
+            let kvb = (b * p.heads_kv + h / p.group()) * sk;
+            let (bi, hi) = (b as i32, h as i32);
+            for i in 0..sq {
+                let qi = (i as i64 + p.q_offset()) as i32;
+                let qrow = &q[(bh * sq + i) * d..][..d];
+                let mut s = vec![0.0; sk];
+                let mut x = vec![f64::NEG_INFINITY; sk];
+                for j in 0..sk {
+                    let krow = &k[(kvb + j) * d..][..d];
+                    s[j] = qrow.iter().zip(krow).map(|(a, b)| a * b).sum::<f64>() * scale;
+                    if var.mask_f64(bi, hi, qi, j as i32) {
+                        x[j] = var.score_f64(s[j], bi, hi, qi, j as i32);
+                    }
+                }
+                let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                if m == f64::NEG_INFINITY {
+                    continue; // out = 0, lse = -inf, no gradient
+                }
+                let l: f64 = x.iter().map(|&x| (x - m).exp()).sum();
+                let lse = m + l.ln();
+                r.lse[bh * sq + i] = lse;
+                let pr: Vec<f64> = x.iter().map(|&x| (x - lse).exp()).collect();
+                let o = &mut r.out[(bh * sq + i) * d..][..d];
+                for j in 0..sk {
+                    for (o, &vv) in o.iter_mut().zip(&v[(kvb + j) * d..][..d]) {
+                        *o += pr[j] * vv;
+                    }
+                }
+                let o = r.out[(bh * sq + i) * d..][..d].to_vec();
+                let dorow = &dout[(bh * sq + i) * d..][..d];
+                let di: f64 = dorow.iter().zip(&o).map(|(a, b)| a * b).sum();
+                for j in 0..sk {
+                    if pr[j] == 0.0 {
+                        continue;
+                    }
+                    let (krow, vrow) = (&k[(kvb + j) * d..][..d], &v[(kvb + j) * d..][..d]);
+                    let dp: f64 = dorow.iter().zip(vrow).map(|(a, b)| a * b).sum();
+                    let ds = pr[j] * (dp - di) * var.score_grad_f64(s[j], bi, hi, qi, j as i32);
+                    for c in 0..d {
+                        r.dv[(kvb + j) * d + c] += pr[j] * dorow[c];
+                        r.dq[(bh * sq + i) * d + c] += scale * ds * krow[c];
+                        r.dk[(kvb + j) * d + c] += scale * ds * qrow[c];
+                    }
+                }
+            }
+        }
+    }
+    r
+}
+
+// ----------------------------------------------------------------- helpers
+
+/// `|got − want| ≤ tol · (1 + |want|)` everywhere, and no NaN.
+#[track_caller]
+fn assert_close(what: &str, got: &[f32], want: &[f64], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(!g.is_nan(), "{what}[{i}] is NaN (unwritten?)");
+        if w == f64::NEG_INFINITY {
+            assert_eq!(g, f32::NEG_INFINITY, "{what}[{i}]");
+            continue;
+        }
+        let err = (g as f64 - w).abs();
+        assert!(err <= tol * (1.0 + w.abs()), "{what}[{i}] = {g}, want {w} (err {err:e})");
+    }
+}
+
+struct Outputs {
+    out: Vec<f32>,
+    lse: Vec<f32>,
+    dq: Vec<f32>,
+    dk: Vec<f32>,
+    dv: Vec<f32>,
+}
+
+/// Forward then backward (fed the kernel's own `out` and `lse`), into
+/// NaN-poisoned buffers.
+fn run<V: Variant>(var: &V, p: &Problem, tiles: CpuTiles, chunks: Option<usize>, x: &Inputs) -> Outputs {
+    let mut o = Outputs {
+        out: vec![f32::NAN; p.q_len()],
+        lse: vec![f32::NAN; p.lse_len()],
+        dq: vec![f32::NAN; p.q_len()],
+        dk: vec![f32::NAN; p.kv_len()],
+        dv: vec![f32::NAN; p.kv_len()],
+    };
+    forward_tiled(var, p, tiles, &x.q, &x.k, &x.v, &mut o.out, &mut o.lse);
+    let inputs =
+        BackwardInputs { q: &x.q, k: &x.k, v: &x.v, out: &o.out, lse: &o.lse, dout: &x.dout };
+    match chunks {
+        None => backward_tiled(var, p, tiles, inputs, &mut o.dq, &mut o.dk, &mut o.dv),
+        Some(c) => backward::backward(var, p, tiles, c, inputs, &mut o.dq, &mut o.dk, &mut o.dv),
+    }
+    o
+}
+
+#[track_caller]
+fn check<V: Variant>(var: &V, p: &Problem, tiles: CpuTiles, chunks: Option<usize>, seed: u64) {
+    let x = Inputs::new(p, seed, 1.0);
+    let want = reference(var, p, &x);
+    let got = run(var, p, tiles, chunks, &x);
+    let ctx = format!("{} {p:?} {tiles:?} chunks {chunks:?}", V::NAME);
+    assert_close(&format!("out {ctx}"), &got.out, &want.out, 2e-5);
+    assert_close(&format!("lse {ctx}"), &got.lse, &want.lse, 2e-5);
+    assert_close(&format!("dq {ctx}"), &got.dq, &want.dq, 1e-4);
+    assert_close(&format!("dk {ctx}"), &got.dk, &want.dk, 1e-4);
+    assert_close(&format!("dv {ctx}"), &got.dv, &want.dv, 1e-4);
+}
+
+/// Odd shapes: S ∈ {1, 17, 97, 130}, D ∈ {40, 64, 80}, Sq ≠ Sk both ways,
+/// GQA 4:1, MQA, batch 2.
+const SHAPES: [(usize, usize, usize, usize, usize, usize); 7] = [
+    (1, 1, 1, 1, 1, 40),
+    (1, 2, 2, 1, 17, 64),
+    (2, 4, 1, 17, 17, 64),
+    (1, 4, 4, 97, 130, 80),
+    (1, 3, 1, 130, 97, 40),
+    (2, 2, 2, 130, 130, 64),
+    (1, 8, 2, 17, 97, 40),
+];
+
+const TILES: [CpuTiles; 3] =
+    [CpuTiles::DEFAULT, CpuTiles { q: 16, kv: 32 }, CpuTiles { q: 7, kv: 13 }];
+
+fn check_all<V: Variant>(var: &V) {
+    for (n, &(b, hq, hkv, sq, sk, d)) in SHAPES.iter().enumerate() {
+        for tiles in TILES {
+            check(var, &problem(b, hq, hkv, sq, sk, d), tiles, None, n as u64 * 10);
+        }
+    }
+}
+
+// ------------------------------------------------------------------- tests
+
+#[test]
+fn plain_matches_reference() {
+    check_all(&Plain);
+}
+
+#[test]
+fn causal_softcap_matches_reference() {
+    check_all(&CausalSoftcap { cap: 2.0 });
+}
+
+#[test]
+fn sliding_window_matches_reference() {
+    check_all(&SlidingWindow { window: 20 });
+}
+
+#[test]
+fn alibi_sees_batch_query_head_and_positions() {
+    check_all(&Alibi { slope: 0.05 });
+}
+
+#[test]
+fn every_key_chunking_matches_reference() {
+    // Chunk counts beyond the number of key tiles are clamped.
+    let p = problem(2, 4, 2, 97, 130, 64);
+    for chunks in [1, 2, 3, 5, 100] {
+        check(&CausalSoftcap { cap: 3.0 }, &p, CpuTiles::new(16, 16), Some(chunks), 7);
+        check(&Plain, &p, CpuTiles::new(32, 16), Some(chunks), 8);
+    }
+}
+
+#[test]
+fn fully_masked_rows_are_zero_with_lse_neg_inf() {
+    // Causal with Sq > Sk: rows 0..12 sit at negative positions, see no key.
+    let p = problem(2, 2, 1, 17, 5, 40);
+    for tiles in TILES.into_iter().chain([CpuTiles::new(4, 2)]) {
+        let x = Inputs::new(&p, 3, 1.0);
+        let got = run(&CausalSoftcap { cap: 5.0 }, &p, tiles, None, &x);
+        let want = reference(&CausalSoftcap { cap: 5.0 }, &p, &x);
+        for bh in 0..4 {
+            for i in 0..17 {
+                let row = (bh * 17 + i) * 40..(bh * 17 + i + 1) * 40;
+                if i < 12 {
+                    assert_eq!(got.lse[bh * 17 + i], f32::NEG_INFINITY);
+                    assert!(got.out[row.clone()].iter().all(|&o| o == 0.0));
+                    assert!(got.dq[row].iter().all(|&g| g == 0.0));
+                } else {
+                    assert!(got.lse[bh * 17 + i].is_finite());
+                }
+            }
+        }
+        assert_close("out", &got.out, &want.out, 2e-5);
+        assert_close("dq", &got.dq, &want.dq, 1e-4);
+        assert_close("dk", &got.dk, &want.dk, 1e-4);
+        assert_close("dv", &got.dv, &want.dv, 1e-4);
+    }
+
+    // No visible key at all: everything is zero, lse is -inf.
+    let p = problem(1, 1, 1, 9, 40, 64);
+    let x = Inputs::new(&p, 4, 1.0);
+    let got = run(&SlidingWindow { window: 0 }, &p, CpuTiles::new(4, 8), Some(3), &x);
+    assert!(got.lse.iter().all(|&l| l == f32::NEG_INFINITY));
+    for g in [&got.out, &got.dq, &got.dk, &got.dv] {
+        assert!(g.iter().all(|&x| x == 0.0));
+    }
+}
+
+#[test]
+fn huge_logits_do_not_overflow() {
+    // q, k of magnitude 100 with D = 64: logits spread over about ±1e4.
+    let p = problem(1, 2, 1, 33, 70, 64);
+    let x = Inputs::new(&p, 5, 100.0);
+    let logits = reference(&Plain, &p, &x).lse;
+    assert!(logits.iter().any(|&l| l.abs() > 5e3), "logits not large: {logits:?}");
+    for tiles in [CpuTiles::DEFAULT, CpuTiles::new(8, 16)] {
+        for causal in [false, true] {
+            let (got, want) = if causal {
+                let var = CausalSoftcap { cap: 1e6 };
+                (run(&var, &p, tiles, None, &x), reference(&var, &p, &x))
+            } else {
+                (run(&Plain, &p, tiles, None, &x), reference(&Plain, &p, &x))
+            };
+            // The f32 logits themselves carry ~1e-3 relative error, so the
+            // comparison is loose; the point is: finite, and right.
+            assert_close("lse", &got.lse, &want.lse, 1e-5);
+            assert_close("out", &got.out, &want.out, 2e-2);
+            let gmax = want.dq.iter().chain(&want.dk).map(|g| g.abs()).fold(1.0, f64::max);
+            for (what, g, w) in [("dq", &got.dq, &want.dq), ("dk", &got.dk, &want.dk)] {
+                for (&g, &w) in g.iter().zip(w.iter()) {
+                    assert!(g.is_finite(), "{what} not finite");
+                    assert!((g as f64 - w).abs() <= 2e-2 * gmax, "{what}: {g} vs {w}");
+                }
+            }
+            assert_close("dv", &got.dv, &want.dv, 2e-2);
+        }
+    }
+}
+
+#[test]
+fn backward_is_bitwise_deterministic() {
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(4).build().unwrap();
+    let p = problem(1, 2, 1, 130, 130, 64);
+    let tiles = CpuTiles::new(16, 16);
+    let chunks = pool.install(|| key_chunks(&p, tiles, rayon::current_num_threads()));
+    assert!(chunks > 1, "the test must exercise dQ partials (got {chunks} chunk)");
+    let x = Inputs::new(&p, 9, 1.0);
+    let var = CausalSoftcap { cap: 4.0 };
+    let bits = |o: &Outputs| {
+        [&o.dq, &o.dk, &o.dv].map(|g| g.iter().map(|x| x.to_bits()).collect::<Vec<u32>>())
+    };
+    let first = bits(&pool.install(|| run(&var, &p, tiles, None, &x)));
+    for _ in 0..3 {
+        assert!(first == bits(&pool.install(|| run(&var, &p, tiles, None, &x))));
+    }
+    check(&var, &p, tiles, Some(chunks), 9);
+}
+
+#[test]
+fn key_chunking_follows_threads_and_work() {
+    let t = CpuTiles::DEFAULT;
+    // One head, long sequence: split so two threads both get work.
+    assert!(key_chunks(&problem(1, 1, 1, 1024, 1024, 64), t, 2) >= 2);
+    assert_eq!(key_chunks(&problem(1, 1, 1, 1024, 1024, 64), t, 2), 4);
+    // Enough (batch, kv head) pairs already: no split, no dQ partials.
+    assert_eq!(key_chunks(&problem(2, 8, 8, 1024, 1024, 64), t, 2), 1);
+    // Never more chunks than key tiles, never a tiny chunk.
+    assert_eq!(key_chunks(&problem(1, 1, 1, 1024, 100, 64), t, 64), 1);
+    assert_eq!(key_chunks(&problem(1, 1, 1, 8, 8, 64), CpuTiles::new(1, 1), 64), 1);
+}
+
+#[test]
+fn empty_tiles_are_skipped_and_full_tiles_unmasked() {
+    let (sq, sk) = (70, 100);
+    let p = problem(1, 1, 1, sq, sk, 40);
+    let tiles = CpuTiles::new(16, 32);
+    let x = Inputs::new(&p, 11, 1.0);
+    let var = CountingCausal::default();
+    let mut out = vec![f32::NAN; p.q_len()];
+    let mut lse = vec![f32::NAN; p.lse_len()];
+    forward_tiled(&var, &p, tiles, &x.q, &x.k, &x.v, &mut out, &mut lse);
+
+    // Expected: score on every element of each non-Empty tile, mask on every
+    // element of each Partial tile, nothing else.
+    let (mut scored, mut masked) = (0, 0);
+    for r0 in (0..sq).step_by(tiles.q) {
+        let rows = tiles.q.min(sq - r0);
+        let (ql, qh) = ((r0 + sk - sq) as i32, (r0 + rows - 1 + sk - sq) as i32);
+        for c0 in (0..sk).step_by(tiles.kv) {
+            let cols = tiles.kv.min(sk - c0);
+            match causal_class(ql, qh, c0 as i32, (c0 + cols - 1) as i32) {
+                TileClass::Empty => {}
+                TileClass::Full => scored += rows * cols,
+                TileClass::Partial => {
+                    scored += rows * cols;
+                    masked += rows * cols;
+                }
+            }
+        }
+    }
+    assert!(scored < sq * sk && masked < scored, "shape must have all three classes");
+    assert_eq!(var.scores.load(Ordering::Relaxed), scored);
+    assert_eq!(var.masks.load(Ordering::Relaxed), masked);
+    let want = reference(&var, &p, &x);
+    assert_close("out", &out, &want.out, 2e-5);
+}

@@ -1,0 +1,108 @@
+//! Errors of the attention ops. Every variant names the rule that was broken
+//! and the values that broke it.
+
+use numr::dtype::DType;
+
+/// Result of a boostr attention call.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Why an attention call was refused or failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A tensor's rank is not 4.
+    #[error("{name} must have rank 4 [batch, heads, seq, head_dim], got shape {shape:?}")]
+    Rank {
+        /// Which tensor.
+        name: &'static str,
+        /// Its shape.
+        shape: Vec<usize>,
+    },
+    /// A dimension is zero.
+    #[error("{name} has a zero-size dimension: shape {shape:?}; every dimension must be at least 1")]
+    ZeroSize {
+        /// Which tensor.
+        name: &'static str,
+        /// Its shape.
+        shape: Vec<usize>,
+    },
+    /// Shapes of the inputs disagree.
+    #[error("shape mismatch: {rule} (q {q:?}, k {k:?}, v {v:?})")]
+    Shapes {
+        /// The rule that does not hold.
+        rule: &'static str,
+        /// Shape of q.
+        q: Vec<usize>,
+        /// Shape of k.
+        k: Vec<usize>,
+        /// Shape of v.
+        v: Vec<usize>,
+    },
+    /// A tensor that must match another's shape does not.
+    #[error("{name} must have shape {expected:?}, got {got:?}")]
+    ShapeOf {
+        /// Which tensor.
+        name: &'static str,
+        /// The shape it must have.
+        expected: Vec<usize>,
+        /// The shape it has.
+        got: Vec<usize>,
+    },
+    /// `Hq` is not a multiple of `Hkv`.
+    #[error("query heads must be a multiple of kv heads (GQA): Hq = {heads_q}, Hkv = {heads_kv}")]
+    Heads {
+        /// Query heads.
+        heads_q: usize,
+        /// Key/value heads.
+        heads_kv: usize,
+    },
+    /// An explicit argument disagrees with the tensors' shapes.
+    #[error("argument {name} = {given} disagrees with the tensors, which have {actual}")]
+    Argument {
+        /// Argument name.
+        name: &'static str,
+        /// The value passed.
+        given: usize,
+        /// The value the shapes imply.
+        actual: usize,
+    },
+    /// A dtype that this backend does not support (yet).
+    #[error("{name} has dtype {dtype:?}; the {backend} backend supports {supported}")]
+    DType {
+        /// Which tensor.
+        name: &'static str,
+        /// Its dtype.
+        dtype: DType,
+        /// The backend.
+        backend: &'static str,
+        /// What it supports.
+        supported: &'static str,
+    },
+    /// A size that does not fit the kernels' index type.
+    #[error("{name} = {value} exceeds the largest supported size {max}")]
+    TooLarge {
+        /// Which size.
+        name: &'static str,
+        /// Its value.
+        value: usize,
+        /// The bound.
+        max: usize,
+    },
+    /// `scale` is not a finite number.
+    #[error("scale must be finite, got {0}")]
+    Scale(f32),
+    /// An error from numr (allocation, device).
+    #[error(transparent)]
+    Numr(#[from] numr::error::Error),
+}
+
+impl From<Error> for numr::error::Error {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Numr(inner) => inner,
+            other => numr::error::Error::InvalidArgument {
+                arg: "attention",
+                reason: other.to_string(),
+            },
+        }
+    }
+}

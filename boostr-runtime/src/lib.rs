@@ -1,0 +1,25 @@
+//! Fused attention kernels compiled from `#[attention]` variant declarations,
+//! exposed as tensor ops and as one autograd op on numr's [`Var`](numr::autograd::Var).
+#![doc = include_str!("../../README.md")]
+
+extern crate self as boostr_runtime;
+
+pub mod backend;
+pub mod cpu;
+pub mod dsl;
+mod error;
+mod flash;
+mod op;
+mod problem;
+pub mod stock;
+pub mod testing;
+mod validate;
+mod variant;
+
+pub use backend::AttentionRuntime;
+pub use boostr_macros::attention;
+pub use error::{Error, Result};
+pub use flash::var_flash_attention;
+pub use op::{AttentionOptions, attention_bwd, attention_fwd, var_attention};
+pub use problem::Problem;
+pub use variant::{CompiledStages, TileClass, Variant};

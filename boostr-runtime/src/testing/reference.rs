@@ -1,0 +1,385 @@
+//! The oracle: naive attention that evaluates the variant's own closures, one
+//! row of scores at a time, with its analytic backward.
+//!
+//! The algorithm is written once, generic over [`Real`]:
+//!
+//! - in **f64** it calls `score_f64`, `score_grad_f64` and `mask_f64`: this is
+//!   the reference every kernel is compared with;
+//! - in **f32** it calls `score`, `score_grad` and `mask`: this is the "naive
+//!   f32 implementation" whose own error against the f64 reference sets the
+//!   tolerance of the kernels (see [`check_variant`](super::check_variant)).
+//!
+//! Semantics (the contract of [`attention_fwd`](crate::attention_fwd)):
+//!
+//! - `s = scale · (q_i · k_j)`, `z = score(s, b, h, q_pos, kv_pos)` where query
+//!   row `i` has `q_pos = i + Sk − Sq` (bottom-right alignment) and key `j` has
+//!   `kv_pos = j`; query head `h` reads kv head `h / (Hq / Hkv)`;
+//! - pairs with `mask(b, h, q_pos, kv_pos) == false` are excluded, and so are
+//!   pairs whose modified score is `−inf` (they carry zero probability);
+//! - `P = softmax(z)` over the visible keys, `out_i = Σ_j P_ij v_j`,
+//!   `lse_i = ln Σ_j exp(z_ij)`;
+//! - a row with no visible key has `out = 0`, `lse = −inf`, and contributes
+//!   nothing to any gradient.
+//!
+//! Backward of `out` with output gradient `dO`:
+//! `D_i = Σ_d dO_i·O_i`, `dP_ij = dO_i·v_j`,
+//! `dS_ij = P_ij (dP_ij − D_i) · score_grad(s_ij)`,
+//! `dQ = scale · dS K`, `dK = scale · dSᵀ Q`, `dV = Pᵀ dO`; the query heads of
+//! one GQA group sum into their shared kv head.
+//!
+//! Query rows run in parallel over `(batch, query head)`; every sum runs in a
+//! fixed order, so results do not depend on the thread count.
+
+use crate::problem::Problem;
+use crate::variant::Variant;
+use rayon::prelude::*;
+use std::fmt::Debug;
+use std::ops::{Add, AddAssign, Div, Mul, Neg, Sub};
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for f64 {}
+}
+
+/// The float type the reference algorithm runs in: `f32` (the variant's f32
+/// closures) or `f64` (its f64 closures). Sealed.
+pub trait Real:
+    sealed::Sealed
+    + Copy
+    + Debug
+    + PartialOrd
+    + Send
+    + Sync
+    + 'static
+    + Add<Output = Self>
+    + Sub<Output = Self>
+    + Mul<Output = Self>
+    + Div<Output = Self>
+    + Neg<Output = Self>
+    + AddAssign
+{
+    /// `0`.
+    const ZERO: Self;
+    /// `−∞`.
+    const NEG_INFINITY: Self;
+    /// Exact widening (f64) or identity (f32).
+    fn from_f32(x: f32) -> Self;
+    /// Widen to f64 (exact).
+    fn to_f64(self) -> f64;
+    /// `eˣ`.
+    fn exp(self) -> Self;
+    /// Natural logarithm.
+    fn ln(self) -> Self;
+    /// The variant's `score` in this precision.
+    fn score<V: Variant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self;
+    /// The variant's `score_grad` in this precision.
+    fn score_grad<V: Variant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self;
+    /// The variant's mask in this precision.
+    fn mask<V: Variant>(variant: &V, b: i32, h: i32, q: i32, kv: i32) -> bool;
+}
+
+impl Real for f32 {
+    const ZERO: Self = 0.0;
+    const NEG_INFINITY: Self = f32::NEG_INFINITY;
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    fn to_f64(self) -> f64 {
+        f64::from(self)
+    }
+    fn exp(self) -> Self {
+        f32::exp(self)
+    }
+    fn ln(self) -> Self {
+        f32::ln(self)
+    }
+    fn score<V: Variant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self {
+        variant.score(s, b, h, q, kv)
+    }
+    fn score_grad<V: Variant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self {
+        variant.score_grad(s, b, h, q, kv)
+    }
+    fn mask<V: Variant>(variant: &V, b: i32, h: i32, q: i32, kv: i32) -> bool {
+        variant.mask(b, h, q, kv)
+    }
+}
+
+impl Real for f64 {
+    const ZERO: Self = 0.0;
+    const NEG_INFINITY: Self = f64::NEG_INFINITY;
+    fn from_f32(x: f32) -> Self {
+        f64::from(x)
+    }
+    fn to_f64(self) -> f64 {
+        self
+    }
+    fn exp(self) -> Self {
+        f64::exp(self)
+    }
+    fn ln(self) -> Self {
+        f64::ln(self)
+    }
+    fn score<V: Variant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self {
+        variant.score_f64(s, b, h, q, kv)
+    }
+    fn score_grad<V: Variant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self {
+        variant.score_grad_f64(s, b, h, q, kv)
+    }
+    fn mask<V: Variant>(variant: &V, b: i32, h: i32, q: i32, kv: i32) -> bool {
+        variant.mask_f64(b, h, q, kv)
+    }
+}
+
+/// Forward results: `out [B, Hq, Sq, D]` and `lse [B, Hq, Sq]`, row-major.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Forward<T> {
+    /// Attention output.
+    pub out: Vec<T>,
+    /// Natural log-sum-exp of each row's visible modified scores (`−inf` for
+    /// a row with no visible key).
+    pub lse: Vec<T>,
+}
+
+/// Backward results: `dq [B, Hq, Sq, D]`, `dk, dv [B, Hkv, Sk, D]`, row-major.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gradients<T> {
+    /// Gradient of the loss with respect to `q`.
+    pub dq: Vec<T>,
+    /// Gradient of the loss with respect to `k`.
+    pub dk: Vec<T>,
+    /// Gradient of the loss with respect to `v`.
+    pub dv: Vec<T>,
+}
+
+/// Position of query row `i` (bottom-right alignment).
+pub(crate) fn q_pos(p: &Problem, i: usize) -> i32 {
+    (i as i64 + p.q_offset()) as i32
+}
+
+fn check_len(name: &str, got: usize, want: usize, p: &Problem) {
+    assert_eq!(
+        got, want,
+        "reference attention: {name} has {got} elements, but {p:?} needs {want}"
+    );
+}
+
+fn dot<T: Real>(a: &[T], b: &[T]) -> T {
+    let mut acc = T::ZERO;
+    for (&x, &y) in a.iter().zip(b) {
+        acc += x * y;
+    }
+    acc
+}
+
+/// One query row's softmax, materialised over all keys.
+struct Row<T> {
+    /// Scaled logits `s` (unused where not visible).
+    s: Vec<T>,
+    /// Probabilities `P` (exactly zero where not visible).
+    p: Vec<T>,
+    /// Log-sum-exp (`−inf` when no key is visible).
+    lse: T,
+}
+
+impl<T: Real> Row<T> {
+    fn new(seq_k: usize) -> Self {
+        Self {
+            s: vec![T::ZERO; seq_k],
+            p: vec![T::ZERO; seq_k],
+            lse: T::NEG_INFINITY,
+        }
+    }
+
+    /// Compute row `i` of `(b, h)`; returns whether any key is visible.
+    #[allow(clippy::too_many_arguments)]
+    fn compute<V: Variant>(
+        &mut self,
+        variant: &V,
+        p: &Problem,
+        q: &[T],
+        k: &[T],
+        b: usize,
+        h: usize,
+        i: usize,
+    ) -> bool {
+        let d = p.head_dim;
+        let hk = h / p.group();
+        let scale = T::from_f32(p.scale);
+        let qr = &q[((b * p.heads_q + h) * p.seq_q + i) * d..][..d];
+        let (bi, hi, qi) = (b as i32, h as i32, q_pos(p, i));
+        // First pass: z (kept in `p`) and its max over the visible keys.
+        let mut max = T::NEG_INFINITY;
+        for j in 0..p.seq_k {
+            let ji = j as i32;
+            if !T::mask(variant, bi, hi, qi, ji) {
+                self.p[j] = T::NEG_INFINITY;
+                continue;
+            }
+            let kr = &k[((b * p.heads_kv + hk) * p.seq_k + j) * d..][..d];
+            let s = scale * dot(qr, kr);
+            let z = T::score(variant, s, bi, hi, qi, ji);
+            self.s[j] = s;
+            self.p[j] = z;
+            if z > max {
+                max = z;
+            }
+        }
+        if max == T::NEG_INFINITY {
+            self.p.fill(T::ZERO);
+            self.lse = T::NEG_INFINITY;
+            return false;
+        }
+        // Second pass: exp and normalisation. A NaN score propagates (on
+        // purpose: the checks report it).
+        let mut sum = T::ZERO;
+        for z in &mut self.p {
+            *z = if *z == T::NEG_INFINITY {
+                T::ZERO
+            } else {
+                (*z - max).exp()
+            };
+            sum += *z;
+        }
+        for x in &mut self.p {
+            *x = *x / sum;
+        }
+        self.lse = max + sum.ln();
+        true
+    }
+}
+
+/// Naive attention forward in precision `T` (f64: the oracle; f32: the naive
+/// f32 implementation). Slices are contiguous in the layout of [`Problem`].
+///
+/// # Panics
+///
+/// When a slice's length does not match `problem`.
+pub fn reference_forward<T: Real, V: Variant>(
+    variant: &V,
+    problem: &Problem,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+) -> Forward<T> {
+    let p = problem;
+    check_len("q", q.len(), p.q_len(), p);
+    check_len("k", k.len(), p.kv_len(), p);
+    check_len("v", v.len(), p.kv_len(), p);
+    let d = p.head_dim;
+    let mut out = vec![T::ZERO; p.q_len()];
+    let mut lse = vec![T::NEG_INFINITY; p.lse_len()];
+    out.par_chunks_mut(p.seq_q * d)
+        .zip(lse.par_chunks_mut(p.seq_q))
+        .enumerate()
+        .for_each(|(bh, (out_bh, lse_bh))| {
+            let (b, h) = (bh / p.heads_q, bh % p.heads_q);
+            let hk = h / p.group();
+            let mut row = Row::new(p.seq_k);
+            for i in 0..p.seq_q {
+                if !row.compute(variant, p, q, k, b, h, i) {
+                    continue;
+                }
+                let o = &mut out_bh[i * d..][..d];
+                for (j, &pj) in row.p.iter().enumerate() {
+                    if pj == T::ZERO {
+                        continue;
+                    }
+                    let vr = &v[((b * p.heads_kv + hk) * p.seq_k + j) * d..][..d];
+                    for (ox, &vx) in o.iter_mut().zip(vr) {
+                        *ox += pj * vx;
+                    }
+                }
+                lse_bh[i] = row.lse;
+            }
+        });
+    Forward { out, lse }
+}
+
+/// Analytic backward of [`reference_forward`] in precision `T`, for output
+/// gradient `dout` (the forward is recomputed). Keys that no query sees, and
+/// rows with no visible key, get exactly zero gradient.
+///
+/// # Panics
+///
+/// When a slice's length does not match `problem`.
+pub fn reference_backward<T: Real, V: Variant>(
+    variant: &V,
+    problem: &Problem,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    dout: &[T],
+) -> Gradients<T> {
+    let p = problem;
+    check_len("q", q.len(), p.q_len(), p);
+    check_len("k", k.len(), p.kv_len(), p);
+    check_len("v", v.len(), p.kv_len(), p);
+    check_len("dout", dout.len(), p.q_len(), p);
+    let d = p.head_dim;
+    let scale = T::from_f32(p.scale);
+    let mut dq = vec![T::ZERO; p.q_len()];
+    // Each (batch, query head) accumulates its own dk, dv over its rows; the
+    // heads of a GQA group are summed afterwards in head order.
+    let partials: Vec<(Vec<T>, Vec<T>)> = dq
+        .par_chunks_mut(p.seq_q * d)
+        .enumerate()
+        .map(|(bh, dq_bh)| {
+            let (b, h) = (bh / p.heads_q, bh % p.heads_q);
+            let hk = h / p.group();
+            let (bi, hi) = (b as i32, h as i32);
+            let mut dk_h = vec![T::ZERO; p.seq_k * d];
+            let mut dv_h = vec![T::ZERO; p.seq_k * d];
+            let mut row = Row::new(p.seq_k);
+            let mut o = vec![T::ZERO; d];
+            for i in 0..p.seq_q {
+                if !row.compute(variant, p, q, k, b, h, i) {
+                    continue;
+                }
+                let qi = q_pos(p, i);
+                let base = ((b * p.heads_q + h) * p.seq_q + i) * d;
+                let (qr, dor) = (&q[base..][..d], &dout[base..][..d]);
+                let kv_row = |j: usize| ((b * p.heads_kv + hk) * p.seq_k + j) * d;
+                o.fill(T::ZERO);
+                for (j, &pj) in row.p.iter().enumerate() {
+                    if pj != T::ZERO {
+                        for (ox, &vx) in o.iter_mut().zip(&v[kv_row(j)..][..d]) {
+                            *ox += pj * vx;
+                        }
+                    }
+                }
+                let d_i = dot(dor, &o);
+                let dq_r = &mut dq_bh[i * d..][..d];
+                for (j, (&pj, &s)) in row.p.iter().zip(&row.s).enumerate() {
+                    if pj == T::ZERO {
+                        continue;
+                    }
+                    let (kr, vr) = (&k[kv_row(j)..][..d], &v[kv_row(j)..][..d]);
+                    let dp = dot(dor, vr);
+                    let g = T::score_grad(variant, s, bi, hi, qi, j as i32);
+                    let ds = pj * (dp - d_i) * g;
+                    let sds = scale * ds;
+                    for x in 0..d {
+                        dq_r[x] += sds * kr[x];
+                        dk_h[j * d + x] += sds * qr[x];
+                        dv_h[j * d + x] += pj * dor[x];
+                    }
+                }
+            }
+            (dk_h, dv_h)
+        })
+        .collect();
+    let mut dk = vec![T::ZERO; p.kv_len()];
+    let mut dv = vec![T::ZERO; p.kv_len()];
+    for (bh, (dk_h, dv_h)) in partials.into_iter().enumerate() {
+        let (b, h) = (bh / p.heads_q, bh % p.heads_q);
+        let base = (b * p.heads_kv + h / p.group()) * p.seq_k * d;
+        for (acc, x) in dk[base..][..p.seq_k * d].iter_mut().zip(dk_h) {
+            *acc += x;
+        }
+        for (acc, x) in dv[base..][..p.seq_k * d].iter_mut().zip(dv_h) {
+            *acc += x;
+        }
+    }
+    Gradients { dq, dk, dv }
+}

@@ -1,0 +1,54 @@
+//! Stage 4, analysis: what the compiler derives from the checked IR before any
+//! target sees it — the symbolic derivative of the score and the mask's tile
+//! classifier — assembled into the [`Program`] every emitter reads.
+
+pub mod build;
+pub mod derivative;
+pub mod tiles;
+
+use crate::ast::TileOverride;
+use crate::check::Checked;
+use crate::ir::{Arg, Expr, ExprKind, Function, Program, Ty};
+
+/// Run every analysis and assemble the program.
+pub fn analyze(name: &str, checked: Checked, tile: Option<TileOverride>) -> Program {
+    let score = checked
+        .score
+        .map(|f| Function {
+            body: build::simplify(f.body),
+            ..f
+        })
+        .unwrap_or_else(|| Function {
+            name: "score",
+            args: vec![Arg::S, Arg::B, Arg::H, Arg::Q, Arg::Kv],
+            ret: Ty::F32,
+            body: Expr::arg(Arg::S),
+        });
+    let has_mask = checked.mask.is_some();
+    let mask = checked
+        .mask
+        .map(|f| Function {
+            body: build::simplify(f.body),
+            ..f
+        })
+        .unwrap_or_else(|| Function {
+            name: "mask",
+            args: vec![Arg::B, Arg::H, Arg::Q, Arg::Kv],
+            ret: Ty::Bool,
+            body: Expr::bool(true),
+        });
+    let score_grad = derivative::score_grad(&score);
+    let classify = tiles::classifier(has_mask.then_some(&mask), &checked.params);
+    let tile = tile.unwrap_or_default();
+    Program {
+        name: name.to_string(),
+        score_is_identity: score.body.kind == ExprKind::Arg(Arg::S),
+        has_mask,
+        params: checked.params,
+        score,
+        score_grad,
+        mask,
+        classify,
+        tile: (tile.q, tile.kv),
+    }
+}

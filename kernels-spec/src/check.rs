@@ -1,0 +1,509 @@
+//! Stage 2, check: the spec [AST](crate::ast) → typed [IR](crate::ir).
+//!
+//! Resolves names (closure arguments, `let` bindings, `self.field`), types
+//! every expression with Rust's rules (no implicit conversions; unsuffixed
+//! literals take the type their context expects) and records every error at
+//! its token with the rule it breaks. The result is IR that the analyses and
+//! emitters may trust.
+
+use crate::ast::{self, ExprKind as A};
+use crate::diag::Diagnostics;
+use crate::ir::{Arg, BinOp, Builtin, Const, Domain, Expr, ExprKind, Function, Local, ParamDecl, Ty, UnOp};
+use crate::parse::scalar_of;
+use proc_macro2::Span;
+use quote::ToTokens;
+
+/// The checked functions of a spec, before analysis.
+#[derive(Clone, Debug)]
+pub struct Checked {
+    /// Parameters in field order.
+    pub params: Vec<ParamDecl>,
+    /// The score function, if declared.
+    pub score: Option<Function>,
+    /// The mask function, if declared.
+    pub mask: Option<Function>,
+}
+
+/// Check a parsed spec. Errors go to `diags`; the result is only meaningful
+/// when none were recorded.
+pub fn check(spec: &ast::Spec, diags: &mut Diagnostics) -> Checked {
+    let mut params = Vec::with_capacity(spec.params.len());
+    let mut param_ok = Vec::with_capacity(spec.params.len());
+    for p in &spec.params {
+        let ty = scalar_of(&p.ty);
+        if ty.is_none() {
+            diags.error_spanned(
+                &p.ty,
+                format!(
+                    "field `{}` has unsupported type `{}`; variant parameters are f32, i32, u32 or bool",
+                    p.name,
+                    p.ty.to_token_stream()
+                ),
+            );
+        }
+        param_ok.push(ty.is_some());
+        params.push(ParamDecl {
+            name: p.name.to_string(),
+            ty: ty.unwrap_or(Ty::F32),
+        });
+    }
+    let score = spec.score.as_ref().and_then(|c| {
+        let args = [Arg::S, Arg::B, Arg::H, Arg::Q, Arg::Kv];
+        Checker::new(&params, &param_ok, c, &args, diags).function("score", Ty::F32)
+    });
+    let mask = spec.mask.as_ref().and_then(|c| {
+        let args = [Arg::B, Arg::H, Arg::Q, Arg::Kv];
+        Checker::new(&params, &param_ok, c, &args, diags).function("mask", Ty::Bool)
+    });
+    Checked {
+        params,
+        score,
+        mask,
+    }
+}
+
+struct Checker<'a> {
+    params: &'a [ParamDecl],
+    param_ok: &'a [bool],
+    closure: &'a ast::Closure,
+    args: Vec<(syn::Ident, Arg)>,
+    scopes: Vec<(syn::Ident, Local, Ty)>,
+    next_local: u32,
+    diags: &'a mut Diagnostics,
+}
+
+impl<'a> Checker<'a> {
+    fn new(
+        params: &'a [ParamDecl],
+        param_ok: &'a [bool],
+        closure: &'a ast::Closure,
+        roles: &[Arg],
+        diags: &'a mut Diagnostics,
+    ) -> Self {
+        let mut args: Vec<(syn::Ident, Arg)> = Vec::new();
+        for (name, &role) in closure.args.iter().zip(roles) {
+            let Some(name) = name else { continue };
+            if args.iter().any(|(n, _)| n == name) {
+                diags.error_spanned(name, format!("closure argument `{name}` is bound twice"));
+            }
+            args.push((name.clone(), role));
+        }
+        Checker {
+            params,
+            param_ok,
+            closure,
+            args,
+            scopes: Vec::new(),
+            next_local: 0,
+            diags,
+        }
+    }
+
+    fn function(mut self, name: &'static str, ret: Ty) -> Option<Function> {
+        let body = self.expr(&self.closure.body, Some(ret))?;
+        if body.ty != ret {
+            self.diags.error(
+                self.closure.body.span,
+                format!("{name} must return {ret}, found {}", body.ty),
+            );
+            return None;
+        }
+        let roles: &[Arg] = if name == "score" {
+            &[Arg::S, Arg::B, Arg::H, Arg::Q, Arg::Kv]
+        } else {
+            &[Arg::B, Arg::H, Arg::Q, Arg::Kv]
+        };
+        Some(Function {
+            name,
+            args: roles.to_vec(),
+            ret,
+            body,
+        })
+    }
+
+    fn mismatch(&mut self, span: Span, expected: Ty, found: Ty, hint: &str) {
+        self.diags.error(
+            span,
+            format!("type mismatch: expected {expected}, found {found}{hint}"),
+        );
+    }
+
+    /// Check `e`, which must have type `expected` when given.
+    fn expr(&mut self, e: &ast::Expr, expected: Option<Ty>) -> Option<Expr> {
+        let out = self.infer(e, expected)?;
+        if let Some(want) = expected
+            && out.ty != want
+        {
+            let hint = if want.is_numeric() && out.ty.is_numeric() {
+                format!("; convert with `as {want}`")
+            } else {
+                String::new()
+            };
+            self.mismatch(e.span, want, out.ty, &hint);
+            return None;
+        }
+        Some(out)
+    }
+
+    fn is_untyped_literal(e: &ast::Expr) -> bool {
+        match &e.kind {
+            A::Int(_, None) | A::Float(_) => true,
+            A::Unary(ast::UnaryOp::Neg, inner) => Self::is_untyped_literal(inner),
+            _ => false,
+        }
+    }
+
+    fn infer(&mut self, e: &ast::Expr, expected: Option<Ty>) -> Option<Expr> {
+        let span = e.span;
+        match &e.kind {
+            A::Int(v, suffix) => self.int_literal(*v, false, *suffix, expected, span),
+            A::Float(v) => {
+                if let Some(t) = expected.filter(|t| *t != Ty::F32) {
+                    self.mismatch(span, t, Ty::F32, "");
+                    return None;
+                }
+                Some(Expr::float(*v))
+            }
+            A::Bool(b) => Some(Expr::bool(*b)),
+            A::Name(name) => self.name(name),
+            A::Field(name) => self.field(name),
+            A::Unary(op, inner) => self.unary(*op, inner, expected, span),
+            A::Binary(op, lhs, rhs) => self.binary(*op, lhs, rhs, expected, span),
+            A::Call(name, args) => self.call(name, args, expected, span),
+            A::Cast(inner, to) => {
+                let value = self.expr(inner, None)?;
+                let ok = value.ty == *to
+                    || (value.ty.is_numeric() && to.is_numeric())
+                    || (value.ty == Ty::Bool && to.is_int());
+                if !ok {
+                    self.diags.error(
+                        span,
+                        format!("unsupported cast from {} to {to}", value.ty),
+                    );
+                    return None;
+                }
+                if value.ty == *to {
+                    return Some(value);
+                }
+                Some(Expr {
+                    kind: ExprKind::Cast(Box::new(value)),
+                    ty: *to,
+                })
+            }
+            A::If(cond, then, els) => {
+                let cond = self.expr(cond, Some(Ty::Bool));
+                let (then, els) = if expected.is_none() && Self::is_untyped_literal(then) {
+                    let els = self.expr(els, None);
+                    let then = self.expr(then, els.as_ref().map(|x| x.ty));
+                    (then, els)
+                } else {
+                    let then = self.expr(then, expected);
+                    let els = self.expr(els, then.as_ref().map(|x| x.ty).or(expected));
+                    (then, els)
+                };
+                let (cond, then, els) = (cond?, then?, els?);
+                let ty = then.ty;
+                Some(Expr {
+                    kind: ExprKind::Select(Box::new(cond), Box::new(then), Box::new(els)),
+                    ty,
+                })
+            }
+            A::Block(lets, tail) => {
+                let depth = self.scopes.len();
+                let mut bound = Vec::new();
+                let mut ok = true;
+                for l in lets {
+                    let value = self.expr(&l.value, l.ty.map(|(t, _)| t));
+                    let Some(value) = value else {
+                        ok = false;
+                        continue;
+                    };
+                    let local = Local(self.next_local);
+                    self.next_local += 1;
+                    self.scopes.push((l.name.clone(), local, value.ty));
+                    bound.push((local, value));
+                }
+                let body = self.expr(tail, expected);
+                self.scopes.truncate(depth);
+                let mut body = body?;
+                if !ok {
+                    return None;
+                }
+                for (local, value) in bound.into_iter().rev() {
+                    let ty = body.ty;
+                    body = Expr {
+                        kind: ExprKind::Let(local, Box::new(value), Box::new(body)),
+                        ty,
+                    };
+                }
+                Some(body)
+            }
+        }
+    }
+
+    fn int_literal(
+        &mut self,
+        v: u64,
+        negative: bool,
+        suffix: Option<Ty>,
+        expected: Option<Ty>,
+        span: Span,
+    ) -> Option<Expr> {
+        let ty = match (suffix, expected) {
+            (Some(t), _) => t,
+            (None, Some(t)) if t.is_int() => t,
+            (None, Some(Ty::F32)) => {
+                self.diags.error(
+                    span,
+                    "type mismatch: expected f32, found an integer literal; write it with a decimal point, e.g. `2.0`",
+                );
+                return None;
+            }
+            (None, Some(t)) => {
+                self.mismatch(span, t, Ty::I32, "");
+                return None;
+            }
+            (None, None) => Ty::I32,
+        };
+        let value = if negative { -(v as i128) } else { v as i128 };
+        let (lo, hi) = match ty {
+            Ty::I32 => (i32::MIN as i128, i32::MAX as i128),
+            _ => (0, u32::MAX as i128),
+        };
+        if value < lo || value > hi {
+            self.diags.error(span, format!("literal {value} does not fit in {ty}"));
+            return None;
+        }
+        Some(Expr {
+            kind: ExprKind::Const(Const::Int(value as i64)),
+            ty,
+        })
+    }
+
+    fn name(&mut self, name: &syn::Ident) -> Option<Expr> {
+        if let Some((_, local, ty)) = self.scopes.iter().rev().find(|(n, _, _)| n == name) {
+            return Some(Expr::local(*local, *ty));
+        }
+        if let Some((_, arg)) = self.args.iter().find(|(n, _)| n == name) {
+            return Some(Expr::arg(*arg));
+        }
+        let hint = if self.params.iter().any(|p| name == &p.name) {
+            format!("; parameters are read as `self.{name}`")
+        } else {
+            let names: Vec<String> = self.args.iter().map(|(n, _)| format!("`{n}`")).collect();
+            format!("; the closure's arguments are {}", names.join(", "))
+        };
+        self.diags
+            .error_spanned(name, format!("unknown name `{name}`{hint}"));
+        None
+    }
+
+    fn field(&mut self, name: &syn::Ident) -> Option<Expr> {
+        let Some(index) = self.params.iter().position(|p| name == &p.name) else {
+            let names: Vec<String> = self.params.iter().map(|p| format!("`{}`", p.name)).collect();
+            let known = if names.is_empty() {
+                "the struct has no fields".to_string()
+            } else {
+                format!("the parameters are {}", names.join(", "))
+            };
+            self.diags
+                .error_spanned(name, format!("no parameter `{name}`; {known}"));
+            return None;
+        };
+        // A field of unsupported type was reported at its declaration.
+        if !self.param_ok[index] {
+            return None;
+        }
+        Some(Expr {
+            kind: ExprKind::Param(index),
+            ty: self.params[index].ty,
+        })
+    }
+
+    fn unary(
+        &mut self,
+        op: UnOp,
+        inner: &ast::Expr,
+        expected: Option<Ty>,
+        span: Span,
+    ) -> Option<Expr> {
+        match op {
+            UnOp::Not => {
+                let v = self.expr(inner, Some(Ty::Bool))?;
+                Some(Expr {
+                    kind: ExprKind::Unary(UnOp::Not, Box::new(v)),
+                    ty: Ty::Bool,
+                })
+            }
+            UnOp::Neg => {
+                if let A::Int(v, suffix) = inner.kind {
+                    return self.int_literal(v, true, suffix, expected, span);
+                }
+                let v = self.expr(inner, expected)?;
+                if !matches!(v.ty, Ty::F32 | Ty::I32) {
+                    self.diags.error(
+                        span,
+                        format!("cannot negate a value of type {}; negation is defined on f32 and i32", v.ty),
+                    );
+                    return None;
+                }
+                if let ExprKind::Const(Const::Float(x)) = v.kind {
+                    return Some(Expr::float(-x));
+                }
+                let ty = v.ty;
+                Some(Expr {
+                    kind: ExprKind::Unary(UnOp::Neg, Box::new(v)),
+                    ty,
+                })
+            }
+        }
+    }
+
+    /// Check two operands that must share a type; an untyped literal side
+    /// takes the other side's type.
+    fn operands(
+        &mut self,
+        lhs: &ast::Expr,
+        rhs: &ast::Expr,
+        expected: Option<Ty>,
+    ) -> Option<(Expr, Expr)> {
+        if Self::is_untyped_literal(lhs) && !Self::is_untyped_literal(rhs) {
+            let r = self.expr(rhs, expected)?;
+            let l = self.expr(lhs, Some(r.ty))?;
+            Some((l, r))
+        } else {
+            let l = self.expr(lhs, expected)?;
+            let r = self.operand_like(rhs, &l)?;
+            Some((l, r))
+        }
+    }
+
+    fn operand_like(&mut self, rhs: &ast::Expr, lhs: &Expr) -> Option<Expr> {
+        let r = self.infer(rhs, Some(lhs.ty).filter(|_| Self::is_untyped_literal(rhs)))?;
+        if r.ty != lhs.ty {
+            self.diags.error(
+                rhs.span,
+                format!(
+                    "type mismatch: the operands are {} and {}; convert one side with `as`",
+                    lhs.ty, r.ty
+                ),
+            );
+            return None;
+        }
+        Some(r)
+    }
+
+    fn binary(
+        &mut self,
+        op: BinOp,
+        lhs: &ast::Expr,
+        rhs: &ast::Expr,
+        expected: Option<Ty>,
+        span: Span,
+    ) -> Option<Expr> {
+        if op.is_logical() {
+            let l = self.expr(lhs, Some(Ty::Bool));
+            let r = self.expr(rhs, Some(Ty::Bool));
+            return Some(Expr {
+                kind: ExprKind::Binary(op, Box::new(l?), Box::new(r?)),
+                ty: Ty::Bool,
+            });
+        }
+        if op.is_comparison() {
+            let (l, r) = self.operands(lhs, rhs, None)?;
+            if l.ty == Ty::Bool && !matches!(op, BinOp::Eq | BinOp::Ne) {
+                self.diags.error(
+                    span,
+                    format!("`{}` is not defined on bool", op.symbol()),
+                );
+                return None;
+            }
+            return Some(Expr {
+                kind: ExprKind::Binary(op, Box::new(l), Box::new(r)),
+                ty: Ty::Bool,
+            });
+        }
+        let numeric_expected = expected.filter(|t| t.is_numeric());
+        let (l, r) = self.operands(lhs, rhs, numeric_expected)?;
+        if !l.ty.is_numeric() {
+            self.diags.error(
+                span,
+                format!("`{}` is not defined on bool", op.symbol()),
+            );
+            return None;
+        }
+        let ty = l.ty;
+        Some(Expr {
+            kind: ExprKind::Binary(op, Box::new(l), Box::new(r)),
+            ty,
+        })
+    }
+
+    fn call(
+        &mut self,
+        name: &syn::Ident,
+        args: &[ast::Expr],
+        expected: Option<Ty>,
+        span: Span,
+    ) -> Option<Expr> {
+        let Some(f) = Builtin::from_name(&name.to_string()) else {
+            let known: Vec<&str> = Builtin::USER.iter().map(|b| b.name()).collect();
+            self.diags.error_spanned(
+                name,
+                format!(
+                    "unknown function `{name}`; the variant language has {}",
+                    known.join(" ")
+                ),
+            );
+            return None;
+        };
+        if args.len() != f.arity() {
+            self.diags.error(
+                span,
+                format!(
+                    "`{}` takes {} argument{}, found {}",
+                    f.name(),
+                    f.arity(),
+                    if f.arity() == 1 { "" } else { "s" },
+                    args.len()
+                ),
+            );
+            return None;
+        }
+        let checked: Option<Vec<Expr>> = match f.domain() {
+            Domain::Float => args.iter().map(|a| self.expr(a, Some(Ty::F32))).collect(),
+            Domain::I32 => args.iter().map(|a| self.expr(a, Some(Ty::I32))).collect(),
+            Domain::Numeric => {
+                // The first argument that is not an untyped literal fixes the type.
+                let lead = args
+                    .iter()
+                    .position(|a| !Self::is_untyped_literal(a))
+                    .unwrap_or(0);
+                let first = self.expr(&args[lead], expected.filter(|t| t.is_numeric()))?;
+                if !first.ty.is_numeric() {
+                    self.diags.error(
+                        args[lead].span,
+                        format!("`{}` takes numbers, found {}", f.name(), first.ty),
+                    );
+                    return None;
+                }
+                let ty = first.ty;
+                let mut out = Vec::with_capacity(args.len());
+                for (i, a) in args.iter().enumerate() {
+                    if i == lead {
+                        out.push(first.clone());
+                    } else {
+                        out.push(self.expr(a, Some(ty))?);
+                    }
+                }
+                Some(out)
+            }
+        };
+        let checked = checked?;
+        let ty = checked[0].ty;
+        Some(Expr {
+            kind: ExprKind::Call(f, checked),
+            ty,
+        })
+    }
+}

@@ -1,0 +1,246 @@
+//! The CPU target: IR → Rust tokens.
+//!
+//! Each IR function becomes the body of a `Variant` method that the generic
+//! CPU kernels inline at the tile. The same emitter, with [`Float::F64`],
+//! produces the f64 copy that the reference implementation evaluates.
+//!
+//! Semantics are the IR's (see [`crate::ir`]): integer `+ - *` wrap, `/` and
+//! `%` by zero give 0, `clamp` never panics.
+
+use crate::ir::{Arg, BinOp, Builtin, Const, Expr, ExprKind, Function, Local, Program, Ty, UnOp};
+use proc_macro2::{Ident, Literal, Span, TokenStream};
+use quote::{format_ident, quote};
+
+/// The Rust type that IR `f32` values get.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Float {
+    /// `f32`: the kernels.
+    F32,
+    /// `f64`: the reference implementation.
+    F64,
+}
+
+/// Emits Rust for the functions of one program.
+#[derive(Clone, Copy, Debug)]
+pub struct RustEmitter<'a> {
+    program: &'a Program,
+    float: Float,
+}
+
+impl<'a> RustEmitter<'a> {
+    /// An emitter for `program` with float type `float`.
+    pub fn new(program: &'a Program, float: Float) -> Self {
+        Self { program, float }
+    }
+
+    /// The Rust type of an IR type.
+    pub fn ty(&self, ty: Ty) -> TokenStream {
+        match ty {
+            Ty::F32 => match self.float {
+                Float::F32 => quote!(f32),
+                Float::F64 => quote!(f64),
+            },
+            Ty::I32 => quote!(i32),
+            Ty::U32 => quote!(u32),
+            Ty::Bool => quote!(bool),
+        }
+    }
+
+    /// `name: type` for each argument of `f`.
+    pub fn params(&self, f: &Function) -> Vec<TokenStream> {
+        f.args
+            .iter()
+            .map(|a| {
+                let name = arg_ident(*a);
+                let ty = self.ty(a.ty());
+                quote!(#name: #ty)
+            })
+            .collect()
+    }
+
+    /// The body of `f` as a block; arguments it does not read are consumed so
+    /// the generated method has no unused-variable warnings.
+    pub fn body(&self, f: &Function) -> TokenStream {
+        let unused: Vec<Ident> = f
+            .args
+            .iter()
+            .filter(|a| !f.body.uses_arg(**a))
+            .map(|a| arg_ident(*a))
+            .collect();
+        let expr = self.expr(&f.body);
+        quote!({
+            #( let _ = #unused; )*
+            #expr
+        })
+    }
+
+    fn float_lit(&self, v: f64) -> TokenStream {
+        let (ty, lit) = match self.float {
+            Float::F32 => (quote!(f32), Literal::f32_suffixed(v as f32)),
+            Float::F64 => (quote!(f64), Literal::f64_suffixed(v)),
+        };
+        if v.is_nan() {
+            quote!(#ty::NAN)
+        } else if v.is_infinite() && v > 0.0 {
+            quote!(#ty::INFINITY)
+        } else if v.is_infinite() {
+            quote!(#ty::NEG_INFINITY)
+        } else if v < 0.0 || (v == 0.0 && v.is_sign_negative()) {
+            let pos = match self.float {
+                Float::F32 => Literal::f32_suffixed(-v as f32),
+                Float::F64 => Literal::f64_suffixed(-v),
+            };
+            quote!((-#pos))
+        } else {
+            quote!(#lit)
+        }
+    }
+
+    /// One expression.
+    pub fn expr(&self, e: &Expr) -> TokenStream {
+        match &e.kind {
+            ExprKind::Const(Const::Float(v)) => self.float_lit(*v),
+            ExprKind::Const(Const::Int(v)) => match e.ty {
+                Ty::U32 => {
+                    let lit = Literal::u32_suffixed(*v as u32);
+                    quote!(#lit)
+                }
+                _ => {
+                    let v = *v as i32;
+                    if v < 0 {
+                        quote!(#v)
+                    } else {
+                        let lit = Literal::i32_suffixed(v);
+                        quote!(#lit)
+                    }
+                }
+            },
+            ExprKind::Const(Const::Bool(b)) => quote!(#b),
+            ExprKind::Arg(a) => {
+                let id = arg_ident(*a);
+                quote!(#id)
+            }
+            ExprKind::Param(i) => {
+                let p = &self.program.params[*i];
+                let name = Ident::new(&p.name, Span::call_site());
+                if p.ty == Ty::F32 && self.float == Float::F64 {
+                    quote!((self.#name as f64))
+                } else {
+                    quote!(self.#name)
+                }
+            }
+            ExprKind::Local(l) => {
+                let id = local_ident(*l);
+                quote!(#id)
+            }
+            ExprKind::Unary(UnOp::Neg, a) => {
+                let a = self.expr(a);
+                if e.ty == Ty::F32 {
+                    quote!((-#a))
+                } else {
+                    quote!((#a).wrapping_neg())
+                }
+            }
+            ExprKind::Unary(UnOp::Not, a) => {
+                let a = self.expr(a);
+                quote!((!#a))
+            }
+            ExprKind::Binary(op, a, b) => self.binary(*op, a, b),
+            ExprKind::Call(f, args) => self.call(*f, args),
+            ExprKind::Cast(a) => {
+                let ty = self.ty(e.ty);
+                let inner = self.expr(a);
+                quote!((#inner as #ty))
+            }
+            ExprKind::Select(c, t, f) => {
+                let (c, t, f) = (self.expr(c), self.expr(t), self.expr(f));
+                quote!((if #c { #t } else { #f }))
+            }
+            ExprKind::Let(l, v, body) => {
+                let id = local_ident(*l);
+                let ty = self.ty(v.ty);
+                let (v, body) = (self.expr(v), self.expr(body));
+                quote!({ let #id: #ty = #v; #body })
+            }
+        }
+    }
+
+    fn binary(&self, op: BinOp, a: &Expr, b: &Expr) -> TokenStream {
+        let int = a.ty.is_int();
+        let (x, y) = (self.expr(a), self.expr(b));
+        let zero = if a.ty == Ty::U32 { quote!(0u32) } else { quote!(0i32) };
+        match op {
+            BinOp::Add if int => quote!((#x).wrapping_add(#y)),
+            BinOp::Sub if int => quote!((#x).wrapping_sub(#y)),
+            BinOp::Mul if int => quote!((#x).wrapping_mul(#y)),
+            BinOp::Div if int => {
+                quote!({ let (n, d) = (#x, #y); if d == #zero { #zero } else { n.wrapping_div(d) } })
+            }
+            BinOp::Rem if int => {
+                quote!({ let (n, d) = (#x, #y); if d == #zero { #zero } else { n.wrapping_rem(d) } })
+            }
+            _ => {
+                let sym: TokenStream = op.symbol().parse().expect("operator tokens");
+                quote!((#x #sym #y))
+            }
+        }
+    }
+
+    fn call(&self, f: Builtin, args: &[Expr]) -> TokenStream {
+        let ty = args[0].ty;
+        let a: Vec<TokenStream> = args.iter().map(|x| self.expr(x)).collect();
+        let x = &a[0];
+        let float = ty == Ty::F32;
+        match f {
+            Builtin::Exp => quote!((#x).exp()),
+            Builtin::Exp2 => quote!((#x).exp2()),
+            Builtin::Log => quote!((#x).ln()),
+            Builtin::Log2 => quote!((#x).log2()),
+            Builtin::Sqrt => quote!((#x).sqrt()),
+            Builtin::Tanh => quote!((#x).tanh()),
+            Builtin::Floor => quote!((#x).floor()),
+            Builtin::Ceil => quote!((#x).ceil()),
+            Builtin::Sigmoid => {
+                let one = self.float_lit(1.0);
+                quote!((#one / (#one + (-(#x)).exp())))
+            }
+            Builtin::Abs if float => quote!((#x).abs()),
+            Builtin::Abs if ty == Ty::I32 => quote!((#x).wrapping_abs()),
+            Builtin::Abs => quote!((#x)),
+            Builtin::Min | Builtin::Max => {
+                let y = &a[1];
+                let m = format_ident!("{}", f.name());
+                if float {
+                    quote!((#x).#m(#y))
+                } else {
+                    quote!(::core::cmp::Ord::#m(#x, #y))
+                }
+            }
+            Builtin::Clamp => {
+                let (lo, hi) = (&a[1], &a[2]);
+                if float {
+                    quote!((#x).max(#lo).min(#hi))
+                } else {
+                    quote!(::core::cmp::Ord::min(::core::cmp::Ord::max(#x, #lo), #hi))
+                }
+            }
+            Builtin::SatAdd | Builtin::SatSub | Builtin::SatMul => {
+                let y = &a[1];
+                let m = match f {
+                    Builtin::SatAdd => quote!(saturating_add),
+                    Builtin::SatSub => quote!(saturating_sub),
+                    _ => quote!(saturating_mul),
+                };
+                quote!((#x).#m(#y))
+            }
+        }
+    }
+}
+
+fn arg_ident(a: Arg) -> Ident {
+    Ident::new(a.name(), Span::call_site())
+}
+
+fn local_ident(l: Local) -> Ident {
+    format_ident!("l{}", l.0)
+}

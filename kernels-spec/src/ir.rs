@@ -1,0 +1,477 @@
+//! Stage 3, the IR: typed, name-resolved, target-neutral.
+//!
+//! Every emitter (CPU, WGSL, CUDA) and every analysis reads this IR and only
+//! this IR. Invariants (established by `check`, kept by every pass):
+//! - every [`Expr`] carries its type, and operands have the types their
+//!   operator requires (no implicit conversions);
+//! - [`ExprKind::Local`] refers to a binding of an enclosing [`ExprKind::Let`];
+//! - [`Builtin::SatAdd`], [`Builtin::SatSub`] and [`Builtin::SatMul`] appear
+//!   only in tile classifiers built by the analysis, never in user functions.
+//!
+//! Semantics shared by all targets: `i32`/`u32` `+ - *` wrap; `/` and `%` by
+//! zero give 0 (and `i32::MIN / -1` wraps); float → int casts saturate with
+//! NaN → 0; int ↔ int casts keep the bits; `&&`/`||` have no side effects to
+//! short-circuit, so either evaluation order gives the same value.
+
+use std::fmt;
+
+/// A scalar type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Ty {
+    /// 32-bit float.
+    F32,
+    /// 32-bit signed integer (the type of positions and indices).
+    I32,
+    /// 32-bit unsigned integer.
+    U32,
+    /// Boolean.
+    Bool,
+}
+
+impl Ty {
+    /// Whether arithmetic is defined on this type.
+    pub fn is_numeric(self) -> bool {
+        !matches!(self, Ty::Bool)
+    }
+
+    /// Whether this is an integer type.
+    pub fn is_int(self) -> bool {
+        matches!(self, Ty::I32 | Ty::U32)
+    }
+
+    /// The name in the language (and in Rust).
+    pub fn name(self) -> &'static str {
+        match self {
+            Ty::F32 => "f32",
+            Ty::I32 => "i32",
+            Ty::U32 => "u32",
+            Ty::Bool => "bool",
+        }
+    }
+}
+
+impl fmt::Display for Ty {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A function argument, by role. Score and mask functions take the first
+/// five; tile classifiers take the tile bounds instead of `q`/`kv`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Arg {
+    /// The scaled logit `q·k * scale` (f32).
+    S,
+    /// Batch index (i32).
+    B,
+    /// Query head index (i32).
+    H,
+    /// Query position, bottom-right aligned (i32).
+    Q,
+    /// Key position (i32).
+    Kv,
+    /// Lowest query position of a tile (i32).
+    QLo,
+    /// Highest query position of a tile (i32).
+    QHi,
+    /// Lowest key position of a tile (i32).
+    KvLo,
+    /// Highest key position of a tile (i32).
+    KvHi,
+}
+
+impl Arg {
+    /// The argument's type.
+    pub fn ty(self) -> Ty {
+        match self {
+            Arg::S => Ty::F32,
+            _ => Ty::I32,
+        }
+    }
+
+    /// The argument's name in emitted code.
+    pub fn name(self) -> &'static str {
+        match self {
+            Arg::S => "s",
+            Arg::B => "b",
+            Arg::H => "h",
+            Arg::Q => "q",
+            Arg::Kv => "kv",
+            Arg::QLo => "q_lo",
+            Arg::QHi => "q_hi",
+            Arg::KvLo => "kv_lo",
+            Arg::KvHi => "kv_hi",
+        }
+    }
+}
+
+/// A `let`-bound value, numbered uniquely within a function.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Local(pub u32);
+
+/// A constant.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Const {
+    /// A float, kept in f64 so an f64 reference sees the literal as written.
+    Float(f64),
+    /// An integer of the expression's type (`i32` or `u32`).
+    Int(i64),
+    /// A boolean.
+    Bool(bool),
+}
+
+/// Unary operators.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UnOp {
+    /// Arithmetic negation (f32, i32; wraps).
+    Neg,
+    /// Logical not (bool).
+    Not,
+}
+
+/// Binary operators.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BinOp {
+    /// `+`
+    Add,
+    /// `-`
+    Sub,
+    /// `*`
+    Mul,
+    /// `/`
+    Div,
+    /// `%` (truncated remainder, like Rust, C and WGSL)
+    Rem,
+    /// `==`
+    Eq,
+    /// `!=`
+    Ne,
+    /// `<`
+    Lt,
+    /// `<=`
+    Le,
+    /// `>`
+    Gt,
+    /// `>=`
+    Ge,
+    /// `&&`
+    And,
+    /// `||`
+    Or,
+}
+
+impl BinOp {
+    /// The operator as written.
+    pub fn symbol(self) -> &'static str {
+        match self {
+            BinOp::Add => "+",
+            BinOp::Sub => "-",
+            BinOp::Mul => "*",
+            BinOp::Div => "/",
+            BinOp::Rem => "%",
+            BinOp::Eq => "==",
+            BinOp::Ne => "!=",
+            BinOp::Lt => "<",
+            BinOp::Le => "<=",
+            BinOp::Gt => ">",
+            BinOp::Ge => ">=",
+            BinOp::And => "&&",
+            BinOp::Or => "||",
+        }
+    }
+
+    /// Comparison operators: numeric operands, bool result.
+    pub fn is_comparison(self) -> bool {
+        matches!(
+            self,
+            BinOp::Eq | BinOp::Ne | BinOp::Lt | BinOp::Le | BinOp::Gt | BinOp::Ge
+        )
+    }
+
+    /// Logical operators: bool operands and result.
+    pub fn is_logical(self) -> bool {
+        matches!(self, BinOp::And | BinOp::Or)
+    }
+}
+
+/// The language's functions, and the analysis's internal ones.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Builtin {
+    /// `exp(x)` (f32)
+    Exp,
+    /// `exp2(x)` (f32)
+    Exp2,
+    /// `log(x)`, natural (f32)
+    Log,
+    /// `log2(x)` (f32)
+    Log2,
+    /// `sqrt(x)` (f32)
+    Sqrt,
+    /// `tanh(x)` (f32)
+    Tanh,
+    /// `sigmoid(x) = 1 / (1 + exp(-x))` (f32)
+    Sigmoid,
+    /// `abs(x)` (f32, i32 wrapping, u32 identity)
+    Abs,
+    /// `min(a, b)` (numeric)
+    Min,
+    /// `max(a, b)` (numeric)
+    Max,
+    /// `clamp(x, lo, hi) = min(max(x, lo), hi)` (numeric; never panics)
+    Clamp,
+    /// `floor(x)` (f32)
+    Floor,
+    /// `ceil(x)` (f32)
+    Ceil,
+    /// Saturating `i32` addition (tile classifiers only).
+    SatAdd,
+    /// Saturating `i32` subtraction (tile classifiers only).
+    SatSub,
+    /// Saturating `i32` multiplication (tile classifiers only).
+    SatMul,
+}
+
+/// Which types a builtin accepts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Domain {
+    /// f32 only.
+    Float,
+    /// Any numeric type; all arguments share it.
+    Numeric,
+    /// i32 only.
+    I32,
+}
+
+impl Builtin {
+    /// The user-visible functions, by name.
+    pub const USER: [Builtin; 13] = [
+        Builtin::Exp,
+        Builtin::Exp2,
+        Builtin::Log,
+        Builtin::Log2,
+        Builtin::Sqrt,
+        Builtin::Tanh,
+        Builtin::Sigmoid,
+        Builtin::Abs,
+        Builtin::Min,
+        Builtin::Max,
+        Builtin::Clamp,
+        Builtin::Floor,
+        Builtin::Ceil,
+    ];
+
+    /// Look up a user-visible function by name.
+    pub fn from_name(name: &str) -> Option<Builtin> {
+        Self::USER.into_iter().find(|b| b.name() == name)
+    }
+
+    /// The function's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Builtin::Exp => "exp",
+            Builtin::Exp2 => "exp2",
+            Builtin::Log => "log",
+            Builtin::Log2 => "log2",
+            Builtin::Sqrt => "sqrt",
+            Builtin::Tanh => "tanh",
+            Builtin::Sigmoid => "sigmoid",
+            Builtin::Abs => "abs",
+            Builtin::Min => "min",
+            Builtin::Max => "max",
+            Builtin::Clamp => "clamp",
+            Builtin::Floor => "floor",
+            Builtin::Ceil => "ceil",
+            Builtin::SatAdd => "sat_add",
+            Builtin::SatSub => "sat_sub",
+            Builtin::SatMul => "sat_mul",
+        }
+    }
+
+    /// Number of arguments.
+    pub fn arity(self) -> usize {
+        match self {
+            Builtin::Min | Builtin::Max | Builtin::SatAdd | Builtin::SatSub | Builtin::SatMul => 2,
+            Builtin::Clamp => 3,
+            _ => 1,
+        }
+    }
+
+    /// Accepted argument types (the result has the arguments' type).
+    pub fn domain(self) -> Domain {
+        match self {
+            Builtin::Abs | Builtin::Min | Builtin::Max | Builtin::Clamp => Domain::Numeric,
+            Builtin::SatAdd | Builtin::SatSub | Builtin::SatMul => Domain::I32,
+            _ => Domain::Float,
+        }
+    }
+}
+
+/// A typed expression.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Expr {
+    /// What it computes.
+    pub kind: ExprKind,
+    /// Its type.
+    pub ty: Ty,
+}
+
+/// Expression forms.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ExprKind {
+    /// A constant.
+    Const(Const),
+    /// A function argument.
+    Arg(Arg),
+    /// A variant parameter (`self.field`), by index into [`Program::params`].
+    Param(usize),
+    /// A `let`-bound value.
+    Local(Local),
+    /// A unary operation.
+    Unary(UnOp, Box<Expr>),
+    /// A binary operation.
+    Binary(BinOp, Box<Expr>, Box<Expr>),
+    /// A function call.
+    Call(Builtin, Vec<Expr>),
+    /// A conversion of the operand to this expression's type.
+    Cast(Box<Expr>),
+    /// `if cond { then } else { otherwise }` (both sides are pure).
+    Select(Box<Expr>, Box<Expr>, Box<Expr>),
+    /// `let local = value; body`.
+    Let(Local, Box<Expr>, Box<Expr>),
+}
+
+impl Expr {
+    /// A float constant.
+    pub fn float(v: f64) -> Expr {
+        Expr {
+            kind: ExprKind::Const(Const::Float(v)),
+            ty: Ty::F32,
+        }
+    }
+
+    /// An i32 constant.
+    pub fn i32(v: i32) -> Expr {
+        Expr {
+            kind: ExprKind::Const(Const::Int(v.into())),
+            ty: Ty::I32,
+        }
+    }
+
+    /// A bool constant.
+    pub fn bool(v: bool) -> Expr {
+        Expr {
+            kind: ExprKind::Const(Const::Bool(v)),
+            ty: Ty::Bool,
+        }
+    }
+
+    /// An argument.
+    pub fn arg(a: Arg) -> Expr {
+        Expr {
+            kind: ExprKind::Arg(a),
+            ty: a.ty(),
+        }
+    }
+
+    /// A local of type `ty`.
+    pub fn local(l: Local, ty: Ty) -> Expr {
+        Expr {
+            kind: ExprKind::Local(l),
+            ty,
+        }
+    }
+
+    /// The constant value, if this is a constant.
+    pub fn as_const(&self) -> Option<Const> {
+        match self.kind {
+            ExprKind::Const(c) => Some(c),
+            _ => None,
+        }
+    }
+
+    /// Whether this is the float constant `v`.
+    pub fn is_float(&self, v: f64) -> bool {
+        matches!(self.kind, ExprKind::Const(Const::Float(x)) if x == v)
+    }
+
+    /// Visit every sub-expression, this one first.
+    pub fn walk(&self, f: &mut impl FnMut(&Expr)) {
+        f(self);
+        match &self.kind {
+            ExprKind::Const(_) | ExprKind::Arg(_) | ExprKind::Param(_) | ExprKind::Local(_) => {}
+            ExprKind::Unary(_, a) | ExprKind::Cast(a) => a.walk(f),
+            ExprKind::Binary(_, a, b) | ExprKind::Let(_, a, b) => {
+                a.walk(f);
+                b.walk(f);
+            }
+            ExprKind::Call(_, args) => args.iter().for_each(|a| a.walk(f)),
+            ExprKind::Select(c, t, e) => {
+                c.walk(f);
+                t.walk(f);
+                e.walk(f);
+            }
+        }
+    }
+
+    /// Whether the expression reads argument `arg`.
+    pub fn uses_arg(&self, arg: Arg) -> bool {
+        let mut found = false;
+        self.walk(&mut |e| found |= e.kind == ExprKind::Arg(arg));
+        found
+    }
+}
+
+/// A function of the program: a score, a mask, a derivative or a classifier.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Function {
+    /// Its name in emitted code.
+    pub name: &'static str,
+    /// Its arguments, in order.
+    pub args: Vec<Arg>,
+    /// Its result type.
+    pub ret: Ty,
+    /// Its body.
+    pub body: Expr,
+}
+
+/// A variant parameter (a field of the struct).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamDecl {
+    /// Field name.
+    pub name: String,
+    /// Field type.
+    pub ty: Ty,
+}
+
+/// Tile classes returned by [`Program::classify`], as `i32` codes.
+pub mod tile_class {
+    /// No pair in the tile is visible.
+    pub const EMPTY: i32 = 0;
+    /// Some pairs may be visible: evaluate the mask per element.
+    pub const PARTIAL: i32 = 1;
+    /// Every pair is visible.
+    pub const FULL: i32 = 2;
+}
+
+/// A compiled variant: everything the emitters need.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Program {
+    /// The variant's name.
+    pub name: String,
+    /// Its parameters, in field order.
+    pub params: Vec<ParamDecl>,
+    /// `score(s, b, h, q, kv) -> f32`.
+    pub score: Function,
+    /// `score_grad(s, b, h, q, kv) -> f32`: d score / d s.
+    pub score_grad: Function,
+    /// `mask(b, h, q, kv) -> bool`.
+    pub mask: Function,
+    /// `classify(b, h, q_lo, q_hi, kv_lo, kv_hi) -> i32`, see [`tile_class`].
+    pub classify: Function,
+    /// `score` is the identity (it was not given, or is `|s, ..| s`).
+    pub score_is_identity: bool,
+    /// A mask was given.
+    pub has_mask: bool,
+    /// Per-variant tile size overrides `(q, kv)`.
+    pub tile: (Option<u32>, Option<u32>),
+}

@@ -1,0 +1,100 @@
+//! The boostr attention compiler.
+//!
+//! A variant declaration — `#[attention(score = .., mask = ..)]` on a struct
+//! whose fields are its parameters — goes through named, ordered stages, each
+//! in its own module and each printable:
+//!
+//! 1. [`parse`]: syn → the spec [`ast`], with spans;
+//! 2. [`check`]: names and types → the typed, target-neutral [`ir`], every
+//!    error collected and pointing at its token;
+//! 3. [`analysis`]: the symbolic derivative d score / d s and the mask's tile
+//!    classifier (interval arithmetic), assembled into an [`ir::Program`];
+//! 4. [`emit`]: one module per target turns the program into that target's
+//!    code.
+//!
+//! The `#[attention]` macro is a thin shell over [`compile`]; this crate is an
+//! ordinary library so each stage can be tested directly.
+
+pub mod analysis;
+pub mod ast;
+pub mod check;
+pub mod diag;
+pub mod emit;
+pub mod eval;
+pub mod ir;
+pub mod parse;
+pub mod print;
+pub mod symbol;
+
+pub use diag::Diagnostics;
+use proc_macro2::TokenStream;
+
+/// A variant that went through every stage.
+#[derive(Clone, Debug)]
+pub struct Compiled {
+    /// The parsed declaration (for the macro: test instances, names).
+    pub spec: ast::Spec,
+    /// The analysed program every emitter reads.
+    pub program: ir::Program,
+}
+
+/// Compile `#[attention(<attr>)]` on `item`. Every error of every stage that
+/// could run is returned, each at its span.
+pub fn compile(attr: TokenStream, item: &syn::ItemStruct) -> Result<Compiled, Diagnostics> {
+    let mut diags = Diagnostics::new();
+    let spec = parse::parse_spec(attr, item, &mut diags);
+    let checked = check::check(&spec, &mut diags);
+    let checked = diags.finish(checked)?;
+    let program = analysis::analyze(&spec.name.to_string(), checked, spec.tile);
+    Ok(Compiled { spec, program })
+}
+
+/// Compile a declaration given as source text (struct with its attribute);
+/// for tests and tools.
+pub fn compile_str(source: &str) -> Result<Compiled, Diagnostics> {
+    let mut diags = Diagnostics::new();
+    let mut item: syn::ItemStruct = match syn::parse_str(source) {
+        Ok(item) => item,
+        Err(e) => {
+            diags.push(e);
+            return Err(diags);
+        }
+    };
+    let position = item
+        .attrs
+        .iter()
+        .position(|a| a.path().is_ident("attention"));
+    let Some(position) = position else {
+        diags.error_spanned(&item.ident, "no #[attention(...)] attribute");
+        return Err(diags);
+    };
+    let attr = item.attrs.remove(position);
+    let tokens = match attr.meta {
+        syn::Meta::List(list) => list.tokens,
+        _ => TokenStream::new(),
+    };
+    compile(tokens, &item)
+}
+
+/// Everything the compiler made of a program, stage by stage, as text.
+pub fn explain(program: &ir::Program) -> String {
+    let mut out = String::new();
+    out.push_str("== stage: ir (after analysis) ==\n");
+    out.push_str(&print::program(program));
+    out.push_str("== target: cpu (Rust, f32) ==\n");
+    let rust = emit::cpu::RustEmitter::new(program, emit::cpu::Float::F32);
+    for f in [
+        &program.score,
+        &program.score_grad,
+        &program.mask,
+        &program.classify,
+    ] {
+        let params = rust.params(f);
+        let ret = rust.ty(f.ret);
+        let body = rust.body(f);
+        let name = quote::format_ident!("{}", f.name);
+        out.push_str(&quote::quote!(fn #name(&self, #(#params),*) -> #ret #body).to_string());
+        out.push_str("\n\n");
+    }
+    out
+}

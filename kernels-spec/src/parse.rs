@@ -1,0 +1,504 @@
+//! Stage 1, parse: syn's view of the attribute and the struct → the spec
+//! [AST](crate::ast). Only syntax is checked here; names and types are the
+//! checker's. Unsupported syntax is reported at its token, and parsing goes on
+//! so that one run reports every error.
+
+use crate::ast::{BinaryOp, Closure, Expr, ExprKind, Let, Param, Scalar, Spec, TileOverride, UnaryOp};
+use crate::diag::Diagnostics;
+use crate::symbol::{self, Symbol};
+use proc_macro2::{Span, TokenStream};
+use syn::parse::Parser;
+use syn::punctuated::Punctuated;
+use syn::spanned::Spanned;
+use syn::{Meta, Token};
+
+/// Parse `#[attention(<attr>)]` applied to `item` into a [`Spec`].
+///
+/// Returns the spec even when errors were recorded, with the erroneous parts
+/// left out, so later stages can still report their own errors.
+pub fn parse_spec(attr: TokenStream, item: &syn::ItemStruct, diags: &mut Diagnostics) -> Spec {
+    let mut spec = Spec {
+        name: item.ident.clone(),
+        params: Vec::new(),
+        score: None,
+        mask: None,
+        tile: None,
+        tests: Vec::new(),
+    };
+    parse_fields(item, &mut spec, diags);
+    let metas = match Punctuated::<Meta, Token![,]>::parse_terminated.parse2(attr) {
+        Ok(metas) => metas,
+        Err(e) => {
+            diags.push(e);
+            return spec;
+        }
+    };
+    for meta in &metas {
+        parse_meta(meta, &mut spec, diags);
+    }
+    spec
+}
+
+fn parse_fields(item: &syn::ItemStruct, spec: &mut Spec, diags: &mut Diagnostics) {
+    if !item.generics.params.is_empty() {
+        diags.error_spanned(
+            &item.generics,
+            "an attention variant cannot be generic: kernels are specialised per variant",
+        );
+    }
+    match &item.fields {
+        syn::Fields::Named(fields) => {
+            for field in &fields.named {
+                let Some(name) = field.ident.clone() else {
+                    continue;
+                };
+                spec.params.push(Param {
+                    name,
+                    ty: field.ty.clone(),
+                });
+            }
+        }
+        syn::Fields::Unit => {}
+        syn::Fields::Unnamed(fields) => diags.error_spanned(
+            fields,
+            "variant parameters must be named fields, read as `self.name` in the closures",
+        ),
+    }
+}
+
+fn duplicate(diags: &mut Diagnostics, path: &syn::Path, key: Symbol) {
+    diags.error_spanned(path, format!("duplicate `{key}` argument"));
+}
+
+fn parse_meta(meta: &Meta, spec: &mut Spec, diags: &mut Diagnostics) {
+    let path = meta.path();
+    let Some(key) = path.get_ident() else {
+        diags.error_spanned(
+            path,
+            format!("unknown attention argument; expected one of {}", symbol::ATTRIBUTE_KEYS),
+        );
+        return;
+    };
+    if key == symbol::SCORE || key == symbol::MASK {
+        let Meta::NameValue(nv) = meta else {
+            diags.error_spanned(meta, format!("expected `{key} = |...| expression`"));
+            return;
+        };
+        let (arity, slot, signature) = if key == symbol::SCORE {
+            (5, &mut spec.score, "|s, b, h, q, kv|")
+        } else {
+            (4, &mut spec.mask, "|b, h, q, kv|")
+        };
+        if slot.is_some() {
+            duplicate(diags, path, if key == symbol::SCORE { symbol::SCORE } else { symbol::MASK });
+            return;
+        }
+        *slot = parse_closure(&nv.value, arity, signature, diags);
+    } else if key == symbol::TILE {
+        if spec.tile.is_some() {
+            duplicate(diags, path, symbol::TILE);
+            return;
+        }
+        spec.tile = Some(parse_tile(meta, diags));
+    } else if key == symbol::TESTS {
+        let Meta::NameValue(nv) = meta else {
+            diags.error_spanned(meta, "expected `tests = [Variant { .. }, ...]`");
+            return;
+        };
+        match &nv.value {
+            syn::Expr::Array(array) => spec.tests.extend(array.elems.iter().cloned()),
+            other => diags.error_spanned(
+                other,
+                "`tests` takes an array of instances: `tests = [Variant { .. }, ...]`",
+            ),
+        }
+    } else {
+        diags.error_spanned(
+            key,
+            format!(
+                "unknown attention argument `{key}`; expected one of {}",
+                symbol::ATTRIBUTE_KEYS
+            ),
+        );
+    }
+}
+
+fn parse_tile(meta: &Meta, diags: &mut Diagnostics) -> TileOverride {
+    let mut tile = TileOverride::default();
+    let Meta::List(list) = meta else {
+        diags.error_spanned(meta, "expected `tile(q = <rows>, kv = <keys>)`");
+        return tile;
+    };
+    let args = match Punctuated::<syn::MetaNameValue, Token![,]>::parse_terminated
+        .parse2(list.tokens.clone())
+    {
+        Ok(args) => args,
+        Err(e) => {
+            diags.push(e);
+            return tile;
+        }
+    };
+    for arg in &args {
+        let slot = match arg.path.get_ident() {
+            Some(id) if id == symbol::TILE_Q => &mut tile.q,
+            Some(id) if id == symbol::TILE_KV => &mut tile.kv,
+            _ => {
+                diags.error_spanned(&arg.path, "unknown tile size; expected `q` or `kv`");
+                continue;
+            }
+        };
+        let value = match &arg.value {
+            syn::Expr::Lit(syn::ExprLit {
+                lit: syn::Lit::Int(lit),
+                ..
+            }) => lit.base10_parse::<u32>().ok(),
+            _ => None,
+        };
+        match value {
+            Some(v) if (1..=1024).contains(&v) => *slot = Some(v),
+            _ => diags.error_spanned(
+                &arg.value,
+                "tile sizes are integer literals between 1 and 1024",
+            ),
+        }
+    }
+    tile
+}
+
+fn parse_closure(
+    expr: &syn::Expr,
+    arity: usize,
+    signature: &str,
+    diags: &mut Diagnostics,
+) -> Option<Closure> {
+    let syn::Expr::Closure(closure) = expr else {
+        diags.error_spanned(expr, format!("expected a closure `{signature} expression`"));
+        return None;
+    };
+    if closure.inputs.len() != arity {
+        diags.error(
+            closure.inputs_begin.span(),
+            format!(
+                "this closure takes {arity} arguments `{signature}`, found {}",
+                closure.inputs.len()
+            ),
+        );
+        return None;
+    }
+    if let syn::ReturnType::Type(_, ty) = &closure.output {
+        diags.error_spanned(ty, "closures declare no return type: it is implied by the role");
+    }
+    if let Some(capture) = &closure.capture {
+        diags.error_spanned(capture, "`move` has no meaning here; parameters are read as `self.field`");
+    }
+    let mut args = Vec::with_capacity(arity);
+    for pat in &closure.inputs {
+        match pat {
+            syn::Pat::Ident(p) if p.by_ref.is_none() && p.subpat.is_none() => {
+                args.push(Some(p.ident.clone()))
+            }
+            syn::Pat::Wild(_) => args.push(None),
+            other => {
+                diags.error_spanned(other, "closure arguments must be plain names or `_`");
+                args.push(None);
+            }
+        }
+    }
+    let body = parse_expr(&closure.body, diags)?;
+    Some(Closure {
+        args,
+        span: closure.span(),
+        body,
+    })
+}
+
+fn unsupported(diags: &mut Diagnostics, tokens: impl quote::ToTokens, what: &str) -> Option<Expr> {
+    diags.error_spanned(
+        tokens,
+        format!(
+            "unsupported expression: {what}; the variant language has literals, names, `self.field`, \
+             arithmetic, comparisons, `&& || !`, `as` casts, `if`/`else`, `let` blocks and its functions"
+        ),
+    );
+    None
+}
+
+/// Parse one expression; `None` after recording an error.
+fn parse_expr(expr: &syn::Expr, diags: &mut Diagnostics) -> Option<Expr> {
+    let span = expr.span();
+    let kind = match expr {
+        syn::Expr::Lit(lit) => parse_lit(&lit.lit, diags)?,
+        syn::Expr::Paren(p) => return parse_expr(&p.expr, diags),
+        syn::Expr::Group(g) => return parse_expr(&g.expr, diags),
+        syn::Expr::Path(p) => {
+            let Some(ident) = p.path.get_ident().filter(|_| p.qself.is_none()) else {
+                return unsupported(diags, p, "a path");
+            };
+            ExprKind::Name(ident.clone())
+        }
+        syn::Expr::Field(f) => {
+            let is_self = matches!(&*f.base, syn::Expr::Path(p) if p.path.is_ident("self"));
+            match (&f.member, is_self) {
+                (syn::Member::Named(name), true) => ExprKind::Field(name.clone()),
+                _ => return unsupported(diags, f, "a field access other than `self.field`"),
+            }
+        }
+        syn::Expr::Unary(u) => {
+            let op = match u.op {
+                syn::UnOp::Neg(_) => UnaryOp::Neg,
+                syn::UnOp::Not(_) => UnaryOp::Not,
+                _ => return unsupported(diags, u.op, "this unary operator"),
+            };
+            let inner = parse_expr(&u.expr, diags)?;
+            ExprKind::Unary(op, Box::new(inner))
+        }
+        syn::Expr::Binary(b) => {
+            let op = binary_op(&b.op);
+            let lhs = parse_expr(&b.left, diags);
+            let rhs = parse_expr(&b.right, diags);
+            let Some(op) = op else {
+                return unsupported(diags, b.op, "this operator");
+            };
+            ExprKind::Binary(op, Box::new(lhs?), Box::new(rhs?))
+        }
+        syn::Expr::Call(c) => {
+            let syn::Expr::Path(p) = &*c.func else {
+                return unsupported(diags, &c.func, "a call of a computed function");
+            };
+            let Some(name) = p.path.get_ident() else {
+                return unsupported(diags, p, "a call of a path");
+            };
+            let args: Vec<Option<Expr>> = c.args.iter().map(|a| parse_expr(a, diags)).collect();
+            ExprKind::Call(name.clone(), args.into_iter().collect::<Option<_>>()?)
+        }
+        syn::Expr::Cast(c) => {
+            let inner = parse_expr(&c.expr, diags);
+            let ty = parse_scalar(&c.ty, diags);
+            ExprKind::Cast(Box::new(inner?), ty?)
+        }
+        syn::Expr::If(i) => {
+            let cond = parse_expr(&i.cond, diags);
+            let then = parse_block(&i.then_branch, i.then_branch.brace_token.span.join(), diags);
+            let Some((_, else_expr)) = &i.else_branch else {
+                diags.error(
+                    i.if_token.span,
+                    "`if` without `else`: every expression must have a value",
+                );
+                return None;
+            };
+            let els = parse_expr(else_expr, diags);
+            ExprKind::If(Box::new(cond?), Box::new(then?), Box::new(els?))
+        }
+        syn::Expr::Block(b) => {
+            if b.label.is_some() {
+                return unsupported(diags, b, "a labelled block");
+            }
+            return parse_block(&b.block, span, diags);
+        }
+        syn::Expr::MethodCall(m) => {
+            diags.error_spanned(
+                &m.method,
+                format!(
+                    "unsupported expression: method call `.{}()`; call the function instead, e.g. `{}(x)`",
+                    m.method, m.method
+                ),
+            );
+            return None;
+        }
+        syn::Expr::Macro(m) => return unsupported(diags, m, "a macro invocation"),
+        syn::Expr::Index(i) => return unsupported(diags, i, "indexing"),
+        syn::Expr::Match(m) => return unsupported(diags, m.match_token, "`match` (use `if`/`else`)"),
+        syn::Expr::Closure(c) => return unsupported(diags, c, "a nested closure"),
+        syn::Expr::Assign(a) => return unsupported(diags, a, "assignment"),
+        syn::Expr::Return(r) => return unsupported(diags, r, "`return`"),
+        syn::Expr::Loop(l) => return unsupported(diags, l.loop_token, "a loop"),
+        syn::Expr::ForLoop(l) => return unsupported(diags, l.for_token, "a loop"),
+        syn::Expr::While(l) => return unsupported(diags, l.while_token, "a loop"),
+        syn::Expr::Reference(r) => return unsupported(diags, r, "a reference"),
+        syn::Expr::Tuple(t) => return unsupported(diags, t, "a tuple"),
+        syn::Expr::Array(a) => return unsupported(diags, a, "an array"),
+        other => return unsupported(diags, other, "this expression"),
+    };
+    Some(Expr { kind, span })
+}
+
+fn parse_block(block: &syn::Block, span: Span, diags: &mut Diagnostics) -> Option<Expr> {
+    let mut lets = Vec::new();
+    let mut tail = None;
+    let mut ok = true;
+    let count = block.stmts.len();
+    for (i, stmt) in block.stmts.iter().enumerate() {
+        match stmt {
+            syn::Stmt::Local(local) => {
+                if i + 1 == count {
+                    diags.error_spanned(
+                        local,
+                        "a block must end with an expression (its value), not a `let`",
+                    );
+                    ok = false;
+                }
+                match parse_let(local, diags) {
+                    Some(l) => lets.push(l),
+                    None => ok = false,
+                }
+            }
+            syn::Stmt::Expr(e, None) if i + 1 == count => tail = parse_expr(e, diags),
+            syn::Stmt::Expr(e, _) => {
+                diags.error_spanned(
+                    e,
+                    "only `let` statements may come before a block's final expression",
+                );
+                ok = false;
+            }
+            other => {
+                diags.error_spanned(other, "unsupported statement; only `let` is allowed");
+                ok = false;
+            }
+        }
+    }
+    if count == 0 {
+        diags.error(span, "an empty block has no value");
+        return None;
+    }
+    let tail = tail?;
+    if !ok {
+        return None;
+    }
+    if lets.is_empty() {
+        return Some(tail);
+    }
+    Some(Expr {
+        kind: ExprKind::Block(lets, Box::new(tail)),
+        span,
+    })
+}
+
+fn parse_let(local: &syn::Local, diags: &mut Diagnostics) -> Option<Let> {
+    let (pat, ty) = match &local.pat {
+        syn::Pat::Type(pt) => {
+            let ty = parse_scalar(&pt.ty, diags).map(|s| (s, pt.ty.span()));
+            (&*pt.pat, Some(ty?))
+        }
+        other => (other, None),
+    };
+    let name = match pat {
+        syn::Pat::Ident(p) if p.by_ref.is_none() && p.subpat.is_none() => {
+            if let Some(m) = &p.mutability {
+                diags.error_spanned(m, "bindings are immutable in the variant language");
+                return None;
+            }
+            p.ident.clone()
+        }
+        other => {
+            diags.error_spanned(other, "`let` binds a single name");
+            return None;
+        }
+    };
+    let Some(init) = &local.init else {
+        diags.error_spanned(local, "`let` needs a value: `let x = ...;`");
+        return None;
+    };
+    if let Some((else_token, _)) = &init.diverge {
+        diags.error_spanned(else_token, "`let ... else` is not supported");
+        return None;
+    }
+    let value = parse_expr(&init.expr, diags)?;
+    Some(Let { name, ty, value })
+}
+
+fn parse_lit(lit: &syn::Lit, diags: &mut Diagnostics) -> Option<ExprKind> {
+    match lit {
+        syn::Lit::Int(i) => {
+            let suffix = match i.suffix() {
+                "" => None,
+                "i32" => Some(Scalar::I32),
+                "u32" => Some(Scalar::U32),
+                "f32" => return i.base10_parse::<f64>().ok().map(ExprKind::Float),
+                other => {
+                    diags.error_spanned(
+                        i,
+                        format!("unsupported literal suffix `{other}`; use i32, u32 or f32"),
+                    );
+                    return None;
+                }
+            };
+            match i.base10_parse::<u64>() {
+                Ok(v) => Some(ExprKind::Int(v, suffix)),
+                Err(e) => {
+                    diags.push(e);
+                    None
+                }
+            }
+        }
+        syn::Lit::Float(f) => {
+            if !matches!(f.suffix(), "" | "f32") {
+                diags.error_spanned(
+                    f,
+                    format!("unsupported float suffix `{}`; the language's float is f32", f.suffix()),
+                );
+                return None;
+            }
+            match f.base10_parse::<f64>() {
+                Ok(v) => Some(ExprKind::Float(v)),
+                Err(e) => {
+                    diags.push(e);
+                    None
+                }
+            }
+        }
+        syn::Lit::Bool(b) => Some(ExprKind::Bool(b.value)),
+        other => {
+            diags.error_spanned(
+                other,
+                "unsupported literal; the language has integer, float and bool literals",
+            );
+            None
+        }
+    }
+}
+
+/// Parse a type that must be one of the language's scalars.
+pub fn parse_scalar(ty: &syn::Type, diags: &mut Diagnostics) -> Option<Scalar> {
+    let scalar = scalar_of(ty);
+    if scalar.is_none() {
+        diags.error_spanned(ty, "unsupported type; the language's types are f32, i32, u32 and bool");
+    }
+    scalar
+}
+
+/// The scalar a type names, if it names one.
+pub fn scalar_of(ty: &syn::Type) -> Option<Scalar> {
+    let syn::Type::Path(p) = ty else {
+        return None;
+    };
+    if p.qself.is_some() {
+        return None;
+    }
+    let ident = p.path.get_ident()?;
+    Some(match ident.to_string().as_str() {
+        "f32" => Scalar::F32,
+        "i32" => Scalar::I32,
+        "u32" => Scalar::U32,
+        "bool" => Scalar::Bool,
+        _ => return None,
+    })
+}
+
+fn binary_op(op: &syn::BinOp) -> Option<BinaryOp> {
+    Some(match op {
+        syn::BinOp::Add(_) => BinaryOp::Add,
+        syn::BinOp::Sub(_) => BinaryOp::Sub,
+        syn::BinOp::Mul(_) => BinaryOp::Mul,
+        syn::BinOp::Div(_) => BinaryOp::Div,
+        syn::BinOp::Rem(_) => BinaryOp::Rem,
+        syn::BinOp::Eq(_) => BinaryOp::Eq,
+        syn::BinOp::Ne(_) => BinaryOp::Ne,
+        syn::BinOp::Lt(_) => BinaryOp::Lt,
+        syn::BinOp::Le(_) => BinaryOp::Le,
+        syn::BinOp::Gt(_) => BinaryOp::Gt,
+        syn::BinOp::Ge(_) => BinaryOp::Ge,
+        syn::BinOp::And(_) => BinaryOp::And,
+        syn::BinOp::Or(_) => BinaryOp::Or,
+        _ => return None,
+    })
+}

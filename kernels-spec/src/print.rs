@@ -1,0 +1,142 @@
+//! Human-readable printing of the IR, for `explain` output and snapshots.
+
+use crate::ir::{Const, Expr, ExprKind, Function, Program, Ty, UnOp};
+use std::fmt::{self, Write};
+
+/// Print a function as `name(args) -> ty = body` with one `let` per line.
+pub fn function(program: &Program, f: &Function) -> String {
+    let args: Vec<String> = f
+        .args
+        .iter()
+        .map(|a| format!("{}: {}", a.name(), a.ty()))
+        .collect();
+    let mut out = format!("fn {}({}) -> {} {{\n", f.name, args.join(", "), f.ret);
+    let mut p = Printer {
+        program,
+        out: &mut out,
+    };
+    p.block(&f.body, 1).expect("writing to a String");
+    out.push_str("}\n");
+    out
+}
+
+/// Print every function of a program.
+pub fn program(program: &Program) -> String {
+    let params: Vec<String> = program
+        .params
+        .iter()
+        .map(|p| format!("{}: {}", p.name, p.ty))
+        .collect();
+    let mut out = format!(
+        "variant {} {{ {} }}\n  score is identity: {}\n  has mask: {}\n\n",
+        program.name,
+        params.join(", "),
+        program.score_is_identity,
+        program.has_mask
+    );
+    for f in [
+        &program.score,
+        &program.score_grad,
+        &program.mask,
+        &program.classify,
+    ] {
+        out.push_str(&function(program, f));
+        out.push('\n');
+    }
+    out
+}
+
+struct Printer<'a> {
+    program: &'a Program,
+    out: &'a mut String,
+}
+
+impl Printer<'_> {
+    fn block(&mut self, e: &Expr, depth: usize) -> fmt::Result {
+        let pad = "    ".repeat(depth);
+        let mut e = e;
+        while let ExprKind::Let(l, v, body) = &e.kind {
+            write!(self.out, "{pad}let %{}: {} = ", l.0, v.ty)?;
+            self.expr(v)?;
+            self.out.push_str(";\n");
+            e = body;
+        }
+        self.out.push_str(&pad);
+        self.expr(e)?;
+        self.out.push('\n');
+        Ok(())
+    }
+
+    fn expr(&mut self, e: &Expr) -> fmt::Result {
+        match &e.kind {
+            ExprKind::Const(Const::Float(v)) => write!(self.out, "{v:?}"),
+            ExprKind::Const(Const::Int(v)) if e.ty == Ty::U32 => write!(self.out, "{v}u32"),
+            ExprKind::Const(Const::Int(v)) => write!(self.out, "{v}"),
+            ExprKind::Const(Const::Bool(b)) => write!(self.out, "{b}"),
+            ExprKind::Arg(a) => write!(self.out, "{}", a.name()),
+            ExprKind::Param(i) => write!(self.out, "self.{}", self.program.params[*i].name),
+            ExprKind::Local(l) => write!(self.out, "%{}", l.0),
+            ExprKind::Unary(op, a) => {
+                self.out.push_str(if *op == UnOp::Neg { "-" } else { "!" });
+                self.atom(a)
+            }
+            ExprKind::Binary(op, a, b) => {
+                self.atom(a)?;
+                write!(self.out, " {} ", op.symbol())?;
+                self.atom(b)
+            }
+            ExprKind::Call(f, args) => {
+                write!(self.out, "{}(", f.name())?;
+                for (i, a) in args.iter().enumerate() {
+                    if i > 0 {
+                        self.out.push_str(", ");
+                    }
+                    self.expr(a)?;
+                }
+                self.out.push(')');
+                Ok(())
+            }
+            ExprKind::Cast(a) => {
+                self.atom(a)?;
+                write!(self.out, " as {}", e.ty)
+            }
+            ExprKind::Select(c, t, f) => {
+                self.out.push_str("if ");
+                self.expr(c)?;
+                self.out.push_str(" { ");
+                self.expr(t)?;
+                self.out.push_str(" } else { ");
+                self.expr(f)?;
+                self.out.push_str(" }");
+                Ok(())
+            }
+            ExprKind::Let(l, v, body) => {
+                write!(self.out, "{{ let %{} = ", l.0)?;
+                self.expr(v)?;
+                self.out.push_str("; ");
+                self.expr(body)?;
+                self.out.push_str(" }");
+                Ok(())
+            }
+        }
+    }
+
+    fn atom(&mut self, e: &Expr) -> fmt::Result {
+        let simple = matches!(
+            e.kind,
+            ExprKind::Const(_)
+                | ExprKind::Arg(_)
+                | ExprKind::Param(_)
+                | ExprKind::Local(_)
+                | ExprKind::Call(..)
+        );
+        if simple {
+            self.expr(e)
+        } else {
+            self.out.push('(');
+            self.expr(e)?;
+            self.out.push(')');
+            Ok(())
+        }
+    }
+}

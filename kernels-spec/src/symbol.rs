@@ -1,0 +1,42 @@
+//! The keywords of the `#[attention(...)]` attribute and the language's
+//! function names, as typed constants.
+
+use std::fmt;
+
+/// A keyword, compared against identifiers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Symbol(pub &'static str);
+
+/// `score = |s, b, h, q, kv| ...`
+pub const SCORE: Symbol = Symbol("score");
+/// `mask = |b, h, q, kv| ...`
+pub const MASK: Symbol = Symbol("mask");
+/// `tile(q = .., kv = ..)`
+pub const TILE: Symbol = Symbol("tile");
+/// `tests = [...]`
+pub const TESTS: Symbol = Symbol("tests");
+/// `tile(q = ..)`
+pub const TILE_Q: Symbol = Symbol("q");
+/// `tile(kv = ..)`
+pub const TILE_KV: Symbol = Symbol("kv");
+
+/// Every attribute keyword, for "expected one of" messages.
+pub const ATTRIBUTE_KEYS: &str = "`score`, `mask`, `tile`, `tests`";
+
+impl PartialEq<Symbol> for syn::Ident {
+    fn eq(&self, word: &Symbol) -> bool {
+        self == word.0
+    }
+}
+
+impl PartialEq<Symbol> for &syn::Ident {
+    fn eq(&self, word: &Symbol) -> bool {
+        *self == word.0
+    }
+}
+
+impl fmt::Display for Symbol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.0)
+    }
+}
