@@ -6,7 +6,6 @@ extern crate self as boostr_runtime;
 
 pub mod backend;
 pub mod cpu;
-pub mod dsl;
 mod error;
 mod flash;
 mod op;
@@ -23,3 +22,22 @@ pub use flash::var_flash_attention;
 pub use op::{AttentionOptions, attention_bwd, attention_fwd, var_attention};
 pub use problem::Problem;
 pub use variant::{CompiledStages, TileClass, Variant};
+
+/// Generated per-variant tests on every backend compiled in; used by the code
+/// that `#[attention(tests = [..])]` expands to.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __backend_tests {
+    ($($name:ident => $instance:expr,)*) => {
+        mod cpu {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                #[test]
+                fn $name() {
+                    $crate::testing::check_variant::<$crate::testing::Cpu, _>(&$instance);
+                }
+            )*
+        }
+    };
+}

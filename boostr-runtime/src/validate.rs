@@ -7,8 +7,10 @@ use numr::dtype::DType;
 use numr::runtime::Runtime;
 use numr::tensor::Tensor;
 
-/// Positions are `i32` in every kernel (CUDA and WGSL index with 32 bits).
-const MAX_SEQ: usize = i32::MAX as usize / 2;
+/// Positions, batch and head indices are `i32` in every kernel (CUDA and WGSL
+/// index with 32 bits), and the tile classifiers rely on them staying below
+/// 2^30 in magnitude so that sums and differences of two never overflow.
+const MAX_INDEX: usize = (1 << 30) - 1;
 
 fn dims4<R: Runtime<DType = DType>>(name: &'static str, t: &Tensor<R>) -> Result<[usize; 4]> {
     let shape = t.shape();
@@ -79,12 +81,12 @@ pub fn problem<R: Runtime<DType = DType>>(
             heads_kv: hk,
         });
     }
-    for (name, value) in [("Sq", sq), ("Sk", sk)] {
-        if value > MAX_SEQ {
+    for (name, value) in [("batch", bq), ("Hq", hq), ("Sq", sq), ("Sk", sk)] {
+        if value > MAX_INDEX {
             return Err(Error::TooLarge {
                 name,
                 value,
-                max: MAX_SEQ,
+                max: MAX_INDEX,
             });
         }
     }

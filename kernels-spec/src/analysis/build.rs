@@ -124,6 +124,8 @@ pub fn binary(op: BinOp, a: Expr, b: Expr) -> Expr {
         BinOp::Add | BinOp::Sub if is_zero(&b) => return a,
         BinOp::Sub if is_zero(&a) => return neg(b),
         BinOp::Mul if is_zero(&a) || is_zero(&b) => return zero(a.ty),
+        // Symbolic zero: d/ds of a constant numerator (x / 0 is not folded).
+        BinOp::Div if is_zero(&a) && a.ty == Ty::F32 => return zero(a.ty),
         BinOp::Mul if is_one(&a) => return b,
         BinOp::Mul | BinOp::Div if is_one(&b) => return a,
         BinOp::Sub if a == b && a.ty.is_int() => return zero(a.ty),

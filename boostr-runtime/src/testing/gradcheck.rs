@@ -1,0 +1,182 @@
+//! Finite-difference check of the reference's analytic backward.
+
+use super::reference::{reference_backward, reference_forward};
+use super::rng::{Rng, SEED_ENV, choose_seed};
+use super::unravel;
+use crate::problem::Problem;
+use crate::variant::Variant;
+
+/// Tiny shapes: a GQA group with `Sq < Sk`, then `Sq > Sk` (under a causal
+/// mask its first two rows see no key), then batch 2 with one kv head per
+/// query head (variants that depend on `b` or `h`).
+const FD_SHAPES: &[(&str, Problem)] = &[
+    (
+        "gqa_sq<sk",
+        Problem {
+            batch: 1,
+            heads_q: 2,
+            heads_kv: 1,
+            seq_q: 3,
+            seq_k: 5,
+            head_dim: 4,
+            scale: 0.5,
+        },
+    ),
+    (
+        "sq>sk",
+        Problem {
+            batch: 1,
+            heads_q: 2,
+            heads_kv: 1,
+            seq_q: 5,
+            seq_k: 3,
+            head_dim: 4,
+            scale: 0.5,
+        },
+    ),
+    (
+        "batch2",
+        Problem {
+            batch: 2,
+            heads_q: 2,
+            heads_kv: 2,
+            seq_q: 4,
+            seq_k: 4,
+            head_dim: 3,
+            scale: 0.577_350_26,
+        },
+    ),
+];
+
+/// Standard deviation of `q` and `k`: logits of std ~2, so saturating scores
+/// (softcap, clamps) leave their linear region.
+const QK_STD: f64 = 1.5;
+/// Finite-difference step.
+const STEP: f64 = 1e-6;
+/// Relative tolerance of an element's gradient.
+const RTOL: f64 = 1e-6;
+/// Absolute tolerance, in units of `1 + max |gradient|` of the tensor: the
+/// rounding error of a central difference is about `ε·|L| / h ≈ 1e-9`.
+const ATOL: f64 = 1e-7;
+/// One-sided slopes that differ by more than this (relative to `1 + |grad|`)
+/// reveal a kink of the score within one step of the point.
+const KINK: f64 = 1e-4;
+/// At most one element in this many may be skipped as lying on a kink.
+const KINK_BUDGET: usize = 50;
+
+/// Check the f64 reference's analytic backward against central finite
+/// differences, on tiny shapes, for `variant`'s f64 closures.
+///
+/// The loss is `L = Σ out ∘ G` with a random `G`; every element of `q`, `k`
+/// and `v` is perturbed by `±h`, `h = 1e-6`, and
+/// `|ΔL/2h − ∂L/∂x| ≤ 1e-6·|∂L/∂x| + 1e-7·(1 + max |∂L/∂·|)` must hold.
+/// This validates `score_grad_f64` against `score_f64` (and the reference's
+/// backward itself), which every kernel check then relies on.
+///
+/// Scores with kinks (`clamp`, `abs`, `max`): where a kink lies within `h` of
+/// the point, the two one-sided slopes disagree; such an element is skipped
+/// (at most one in 50 per tensor, else the check fails). Points exactly on a
+/// kink are not generated on purpose, and `h` is small enough that hitting
+/// one is rare; a step function (zero derivative almost everywhere) passes
+/// only if `score_grad_f64` is zero.
+///
+/// The seed is fresh per run unless `BOOSTR_TEST_SEED` is set; it is printed
+/// in every failure.
+///
+/// # Panics
+///
+/// On any disagreement, with the worst elements, the seed and the shape.
+pub fn check_reference_gradients<V: Variant>(variant: &V) {
+    let seed = choose_seed();
+    let mut failures = Vec::new();
+    for (n, (name, p)) in FD_SHAPES.iter().enumerate() {
+        check_shape(variant, name, p, seed, n as u64, &mut failures);
+    }
+    if !failures.is_empty() {
+        panic!(
+            "boostr: finite-difference check of the reference backward failed for variant `{}` \
+             (seed {seed}; rerun with {SEED_ENV}={seed}):\n{}",
+            V::NAME,
+            failures.join("\n")
+        );
+    }
+}
+
+fn check_shape<V: Variant>(
+    variant: &V,
+    name: &str,
+    p: &Problem,
+    seed: u64,
+    stream: u64,
+    failures: &mut Vec<String>,
+) {
+    let mut rng = Rng::new(seed, stream);
+    let mut inputs = [
+        rng.normal_f64(p.q_len(), QK_STD),
+        rng.normal_f64(p.kv_len(), QK_STD),
+        rng.normal_f64(p.kv_len(), 1.0),
+    ];
+    let g = rng.normal_f64(p.q_len(), 1.0);
+    let loss = |x: &[Vec<f64>; 3]| -> f64 {
+        let f = reference_forward(variant, p, &x[0], &x[1], &x[2]);
+        f.out.iter().zip(&g).map(|(o, g)| o * g).sum()
+    };
+    let grads = reference_backward(variant, p, &inputs[0], &inputs[1], &inputs[2], &g);
+    let l0 = loss(&inputs);
+    let shape_of = |t: usize| {
+        if t == 0 {
+            [p.batch, p.heads_q, p.seq_q, p.head_dim]
+        } else {
+            [p.batch, p.heads_kv, p.seq_k, p.head_dim]
+        }
+    };
+    for (t, (tname, analytic)) in [("dq", &grads.dq), ("dk", &grads.dk), ("dv", &grads.dv)]
+        .into_iter()
+        .enumerate()
+    {
+        let gmax = analytic.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+        let mut kinks = 0;
+        let mut worst: Option<(f64, String)> = None;
+        for e in 0..analytic.len() {
+            let x0 = inputs[t][e];
+            inputs[t][e] = x0 + STEP;
+            let (hp, lp) = (inputs[t][e] - x0, loss(&inputs));
+            inputs[t][e] = x0 - STEP;
+            let (hm, lm) = (x0 - inputs[t][e], loss(&inputs));
+            inputs[t][e] = x0;
+            let fd = (lp - lm) / (hp + hm);
+            let an = analytic[e];
+            let err = (fd - an).abs();
+            let tol = RTOL * an.abs() + ATOL * (1.0 + gmax);
+            // `!(err <= tol)`: a NaN is a failure too.
+            if !(err <= tol) {
+                let (right, left) = ((lp - l0) / hp, (l0 - lm) / hm);
+                if an.is_finite() && (right - left).abs() > KINK * (1.0 + an.abs()) {
+                    kinks += 1;
+                    continue;
+                }
+                let ratio = if err.is_nan() { f64::INFINITY } else { err / tol };
+                if worst.as_ref().is_none_or(|(r, _)| ratio > *r) {
+                    worst = Some((
+                        ratio,
+                        format!(
+                            "  shape `{name}` ({p:?}): {tname}{:?}: analytic {an:e}, \
+                             finite difference {fd:e}, |diff| {err:.3e} > tol {tol:.3e}",
+                            unravel(&shape_of(t), e)
+                        ),
+                    ));
+                }
+            }
+        }
+        if let Some((_, line)) = worst {
+            failures.push(line);
+        }
+        if kinks * KINK_BUDGET > analytic.len().max(KINK_BUDGET) {
+            failures.push(format!(
+                "  shape `{name}` ({p:?}): {tname}: {kinks} of {} elements lie on a kink of \
+                 the score (one-sided differences disagree); at most 1 in {KINK_BUDGET} may",
+                analytic.len()
+            ));
+        }
+    }
+}

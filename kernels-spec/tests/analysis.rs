@@ -1,0 +1,270 @@
+//! The analyses against brute force: the tile classifier against the mask it
+//! was derived from, the symbolic derivative against finite differences.
+
+use kernels_spec::eval::{Value, call};
+use kernels_spec::ir::{ExprKind, Program, tile_class};
+use kernels_spec::{compile_str, print};
+
+fn program(source: &str) -> Program {
+    match compile_str(source) {
+        Ok(c) => c.program,
+        Err(d) => panic!("{source} failed to compile: {:?}", d.messages()),
+    }
+}
+
+/// The class of a tile by evaluating the mask on every pair.
+fn brute_class(p: &Program, params: &[Value], b: i32, h: i32, q: (i32, i32), kv: (i32, i32)) -> i32 {
+    let (mut any, mut all) = (false, true);
+    for qi in q.0..=q.1 {
+        for ki in kv.0..=kv.1 {
+            let args = [Value::I32(b), Value::I32(h), Value::I32(qi), Value::I32(ki)];
+            let visible = call(&p.mask, &args, params).bool();
+            any |= visible;
+            all &= visible;
+        }
+    }
+    match (any, all) {
+        (false, _) => tile_class::EMPTY,
+        (true, true) => tile_class::FULL,
+        _ => tile_class::PARTIAL,
+    }
+}
+
+fn classify(p: &Program, params: &[Value], b: i32, h: i32, q: (i32, i32), kv: (i32, i32)) -> i32 {
+    let args = [b, h, q.0, q.1, kv.0, kv.1].map(Value::I32);
+    call(&p.classify, &args, params).i32()
+}
+
+/// Every tile of a grid with tile sizes `tq × tk`, query positions offset by
+/// `q_offset` (bottom-right alignment with Sq != Sk).
+fn tiles(tq: i32, tk: i32, q_offset: i32) -> Vec<((i32, i32), (i32, i32))> {
+    let mut out = Vec::new();
+    for qt in 0..8 {
+        for kt in 0..8 {
+            let q0 = qt * tq + q_offset;
+            let k0 = kt * tk;
+            out.push(((q0, q0 + tq - 1), (k0, k0 + tk - 1)));
+        }
+    }
+    out
+}
+
+/// The classifier never lies; with `exact`, it also never says `PARTIAL`
+/// for a tile that is empty or full.
+fn check_classifier(source: &str, params: &[Value], exact: bool) -> usize {
+    let p = program(source);
+    let mut partial = 0;
+    for (tq, tk) in [(1, 1), (4, 4), (8, 16), (16, 8), (5, 7)] {
+        for q_offset in [0, 13, -9] {
+            for (q, kv) in tiles(tq, tk, q_offset) {
+                for (b, h) in [(0, 0), (1, 3)] {
+                    let want = brute_class(&p, params, b, h, q, kv);
+                    let got = classify(&p, params, b, h, q, kv);
+                    let sound = got == want || got == tile_class::PARTIAL;
+                    assert!(
+                        sound,
+                        "{source} {params:?}: tile q {q:?} kv {kv:?} is {want}, classifier says {got}\n{}",
+                        print::function(&p, &p.classify)
+                    );
+                    if exact {
+                        assert_eq!(
+                            got,
+                            want,
+                            "{source} {params:?}: tile q {q:?} kv {kv:?} not exact\n{}",
+                            print::function(&p, &p.classify)
+                        );
+                    }
+                    partial += usize::from(want == tile_class::PARTIAL);
+                }
+            }
+        }
+    }
+    partial
+}
+
+/// An exact classifier on a mask whose boundary the grid crosses.
+fn check_exact(source: &str, params: &[Value]) {
+    let partial = check_classifier(source, params, true);
+    assert!(partial > 0, "{source} {params:?}: the grid never crosses the mask's boundary");
+}
+
+#[test]
+fn causal_is_exact() {
+    check_exact(
+        "#[attention(mask = |b, h, q, kv| kv <= q)] struct C;",
+        &[],
+    );
+}
+
+#[test]
+fn sliding_windows_are_exact() {
+    for w in [1, 3, 8, 100] {
+        check_exact(
+            "#[attention(mask = |b, h, q, kv| kv <= q && q - kv < self.w)] struct W { w: i32 }",
+            &[Value::I32(w)],
+        );
+        check_exact(
+            "#[attention(mask = |b, h, q, kv| q - kv < self.w && kv - q < self.w)] struct W { w: i32 }",
+            &[Value::I32(w)],
+        );
+    }
+}
+
+#[test]
+fn prefix_lm_is_exact() {
+    for prefix in [0, 5, 16, 40] {
+        check_exact(
+            "#[attention(mask = |b, h, q, kv| kv < self.p || kv <= q)] struct P { p: i32 }",
+            &[Value::I32(prefix)],
+        );
+    }
+}
+
+#[test]
+fn block_diagonal_is_exact() {
+    for c in [1, 4, 6, 32] {
+        check_exact(
+            "#[attention(mask = |b, h, q, kv| q / self.c == kv / self.c)] struct D { c: i32 }",
+            &[Value::I32(c)],
+        );
+    }
+}
+
+#[test]
+fn flash_mask_is_exact() {
+    let source = "#[attention(mask = |b, h, q, kv| (!self.causal || kv <= q) && (self.window <= 0 || q - kv < self.window))] \
+                  struct F { causal: bool, window: i32 }";
+    for causal in [false, true] {
+        for window in [0, 1, 9] {
+            // causal = false, window = 0 hides nothing: no boundary to cross.
+            if causal || window > 0 {
+                check_exact(source, &[Value::Bool(causal), Value::I32(window)]);
+            } else {
+                check_classifier(source, &[Value::Bool(causal), Value::I32(window)], true);
+            }
+        }
+    }
+}
+
+#[test]
+fn masks_the_analysis_cannot_bound_stay_sound() {
+    // Float arithmetic is not tracked: every tile that is not provably empty
+    // or full is partial, and nothing is ever misclassified.
+    let float_mask = "#[attention(mask = |b, h, q, kv| (q as f32) * 0.5 >= kv as f32)] struct F;";
+    check_classifier(float_mask, &[], false);
+    let p = program(float_mask);
+    // This tile is entirely visible, but the analysis cannot prove it.
+    assert_eq!(brute_class(&p, &[], 0, 0, (100, 103), (0, 3)), tile_class::FULL);
+    assert_eq!(classify(&p, &[], 0, 0, (100, 103), (0, 3)), tile_class::PARTIAL);
+
+    // A checkerboard is partial on every tile larger than one pair.
+    check_classifier(
+        "#[attention(mask = |b, h, q, kv| (q + kv) % 2 == 0)] struct X;",
+        &[],
+        false,
+    );
+    // Head- and batch-dependent masks, products, min/max/abs/clamp, u32
+    // parameters and `if` all stay sound.
+    check_classifier(
+        "#[attention(mask = |b, h, q, kv| if h % 2 == 0 { kv <= q } else { abs(q - kv) * 2 < self.w + b })] struct H { w: i32 }",
+        &[Value::I32(9)],
+        false,
+    );
+    check_classifier(
+        "#[attention(mask = |b, h, q, kv| { let d = clamp(q - kv, -3, self.w); max(d, 0) * min(kv, 4) <= 12 })] struct M { w: i32 }",
+        &[Value::I32(5)],
+        false,
+    );
+    check_classifier(
+        "#[attention(mask = |b, h, q, kv| (kv as u32) < self.n && (kv + 1) * self.k > q)] struct U { n: u32, k: i32 }",
+        &[Value::U32(20), Value::I32(3)],
+        false,
+    );
+}
+
+#[test]
+fn overflowing_parameters_stay_sound() {
+    // q * k overflows i32 for these values: the concrete mask wraps, and the
+    // classifier must not claim anything it cannot prove.
+    let source = "#[attention(mask = |b, h, q, kv| q * self.k + kv > self.t)] struct O { k: i32, t: i32 }";
+    for (k, t) in [(i32::MAX / 3, 0), (1 << 28, -5), (-(1 << 29), 100), (7, i32::MAX - 3)] {
+        check_classifier(source, &[Value::I32(k), Value::I32(t)], false);
+    }
+}
+
+#[test]
+fn no_mask_means_every_tile_is_full() {
+    let p = program("#[attention(score = |s, b, h, q, kv| s * 2.0)] struct S;");
+    assert!(!p.has_mask);
+    assert_eq!(p.classify.body.as_const(), Some(kernels_spec::ir::Const::Int(tile_class::FULL.into())));
+}
+
+/// d score / d s by central differences in f32 against the symbolic derivative.
+fn check_derivative(source: &str, params: &[Value]) {
+    let p = program(source);
+    for (i, s) in [-7.5f32, -2.3, -0.3, 0.1, 0.7, 1.9, 4.2, 11.0].into_iter().enumerate() {
+        let (b, h, q, kv) = (1, i as i32 % 3, 9 + i as i32, 4);
+        let at = |s: f32| {
+            let args = [Value::F32(s), Value::I32(b), Value::I32(h), Value::I32(q), Value::I32(kv)];
+            call(&p.score, &args, params).f32() as f64
+        };
+        let eps = 1e-2f32;
+        let fd = (at(s + eps) - at(s - eps)) / (2.0 * eps as f64);
+        let args = [Value::F32(s), Value::I32(b), Value::I32(h), Value::I32(q), Value::I32(kv)];
+        let got = call(&p.score_grad, &args, params).f32() as f64;
+        let tol = 2e-3 * (1.0 + fd.abs());
+        assert!(
+            (got - fd).abs() <= tol,
+            "{source}: at s = {s}, d/ds = {got}, finite differences {fd}\n{}",
+            print::function(&p, &p.score_grad)
+        );
+    }
+}
+
+#[test]
+fn derivatives_match_finite_differences() {
+    let cases: &[(&str, &[Value])] = &[
+        ("#[attention(score = |s, b, h, q, kv| self.cap * tanh(s / self.cap))] struct A { cap: f32 }", &[Value::F32(3.0)]),
+        ("#[attention(score = |s, b, h, q, kv| s * s * 0.5 - exp(s * 0.25))] struct A;", &[]),
+        ("#[attention(score = |s, b, h, q, kv| log(1.0 + s * s) + sqrt(s * s + 1.0))] struct A;", &[]),
+        ("#[attention(score = |s, b, h, q, kv| sigmoid(s) * exp2(s / 4.0) + log2(2.0 + abs(s)))] struct A;", &[]),
+        ("#[attention(score = |s, b, h, q, kv| { let t = s * 0.5 + (h as f32); let u = t * t; u / (1.0 + u) })] struct A;", &[]),
+        ("#[attention(score = |s, b, h, q, kv| if s > 1.0 { s * 3.0 } else { -s })] struct A;", &[]),
+        ("#[attention(score = |s, b, h, q, kv| min(s, 2.5) + max(s * 0.5, -1.0) + clamp(s, -1.0, self.hi))] struct A { hi: f32 }", &[Value::F32(3.0)]),
+        ("#[attention(score = |s, b, h, q, kv| s / (1.0 + floor(s * 0.1) * 0.0) + ceil(0.5) - (q - kv) as f32)] struct A;", &[]),
+        ("#[attention(score = |s, b, h, q, kv| (s * s) % 5.0)] struct A;", &[]),
+        ("#[attention(score = |s, b, h, q, kv| 2.0 / (1.0 + exp(-s)))] struct A;", &[]),
+    ];
+    for (source, params) in cases {
+        check_derivative(source, params);
+    }
+}
+
+#[test]
+fn derivatives_simplify() {
+    let identity = program("#[attention(mask = |b, h, q, kv| kv <= q)] struct A;");
+    assert!(identity.score_is_identity);
+    assert!(identity.score_grad.body.is_float(1.0));
+
+    let written_identity = program("#[attention(score = |s, b, h, q, kv| s)] struct A;");
+    assert!(written_identity.score_is_identity);
+
+    // Constants fold: d(2s + bias)/ds = 2.
+    let linear = program("#[attention(score = |s, b, h, q, kv| s * 2.0 + (kv - q) as f32 * 0.5)] struct A;");
+    assert!(!linear.score_is_identity);
+    assert!(linear.score_grad.body.is_float(2.0), "{:?}", linear.score_grad.body);
+
+    // ALiBi: a bias that does not depend on s has derivative 1.
+    let alibi = program(
+        "#[attention(score = |s, b, h, q, kv| s - exp2(-8.0 * ((h + 1) as f32) / (self.n as f32)) * ((q - kv) as f32))] struct A { n: i32 }",
+    );
+    assert!(alibi.score_grad.body.is_float(1.0));
+
+    // Softcap: tanh is computed once and reused.
+    let softcap = program("#[attention(score = |s, b, h, q, kv| self.cap * tanh(s / self.cap))] struct A { cap: f32 }");
+    let mut tanh_calls = 0;
+    softcap.score_grad.body.walk(&mut |e| {
+        tanh_calls += usize::from(matches!(e.kind, ExprKind::Call(kernels_spec::ir::Builtin::Tanh, _)))
+    });
+    assert_eq!(tanh_calls, 1, "{}", print::function(&softcap, &softcap.score_grad));
+}
