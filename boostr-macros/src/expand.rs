@@ -9,13 +9,23 @@ use quote::{format_ident, quote};
 pub fn expand(attr: TokenStream, item: syn::ItemStruct) -> TokenStream {
     match compile(attr, &item) {
         Ok(compiled) => {
+            // A debug switch: print every stage while compiling.
+            if std::env::var_os("BOOSTR_DUMP").is_some() {
+                eprintln!("{}", explain(&compiled.program));
+            }
             let imp = variant_impl(&item, &compiled.program);
             let tests = tests(&item.ident, &compiled);
             quote!(#item #imp #tests)
         }
         Err(diags) => {
             let errors = diags.to_compile_errors();
-            let stub = stub_impl(&item);
+            // A generic struct is itself an error; a stub impl for it would
+            // only add unrelated trait-bound errors.
+            let stub = if item.generics.params.is_empty() {
+                stub_impl(&item)
+            } else {
+                TokenStream::new()
+            };
             quote!(#errors #item #stub)
         }
     }

@@ -1,6 +1,35 @@
 //! Fused attention kernels compiled from `#[attention]` variant declarations,
 //! exposed as tensor ops and as one autograd op on numr's [`Var`](numr::autograd::Var).
-#![doc = include_str!("../../README.md")]
+//!
+//! ```
+//! use boostr_runtime::{attention, attention_fwd, AttentionOptions};
+//! use numr::prelude::*;
+//!
+//! /// Causal attention with tanh soft-capping of the logits.
+//! #[attention(
+//!     score = |s, _b, _h, _q, _kv| self.cap * tanh(s / self.cap),
+//!     mask = |_b, _h, q, kv| kv <= q,
+//! )]
+//! #[derive(Clone, Debug)]
+//! struct CausalSoftcap {
+//!     cap: f32,
+//! }
+//!
+//! let device = CpuDevice::new();
+//! let q = Tensor::<CpuRuntime>::from_slice(&[0.5f32; 2 * 3 * 8], &[1, 2, 3, 8], &device)?;
+//! let (out, lse) = attention_fwd(&CausalSoftcap { cap: 30.0 }, &q, &q, &q, &AttentionOptions::default())?;
+//! assert_eq!(out.shape(), &[1, 2, 3, 8]);
+//! assert_eq!(lse.shape(), &[1, 2, 3]);
+//! # Ok::<(), boostr_runtime::Error>(())
+//! ```
+//!
+//! - `score` (default: identity) maps the scaled logit `s = q·k * scale` of
+//!   query position `q` and key position `kv` in batch `b`, query head `h`.
+//! - `mask` (default: all visible) says whether key `kv` is visible to `q`.
+//! - Positions are bottom-right aligned: query row `i` has `q = i + Sk - Sq`.
+//! - The compiler derives d`score`/d`s` for the backward and a tile
+//!   classifier that lets kernels skip empty tiles and unmasked full tiles.
+//!   [`Variant::compiled`] prints what it made.
 
 extern crate self as boostr_runtime;
 

@@ -67,7 +67,9 @@ struct Checker<'a> {
     param_ok: &'a [bool],
     closure: &'a ast::Closure,
     args: Vec<(syn::Ident, Arg)>,
-    scopes: Vec<(syn::Ident, Local, Ty)>,
+    /// `let` bindings in scope; the type is `None` when the value failed to
+    /// check (already reported), so uses of the name fail silently.
+    scopes: Vec<(syn::Ident, Local, Option<Ty>)>,
     next_local: u32,
     diags: &'a mut Diagnostics,
 }
@@ -100,11 +102,17 @@ impl<'a> Checker<'a> {
     }
 
     fn function(mut self, name: &'static str, ret: Ty) -> Option<Function> {
-        let body = self.expr(&self.closure.body, Some(ret))?;
+        // `infer`, not `expr`: a body of the wrong type is reported here, by role.
+        let body = self.infer(&self.closure.body, Some(ret))?;
         if body.ty != ret {
+            let hint = if ret.is_numeric() && body.ty.is_numeric() {
+                format!("; convert with `as {ret}`")
+            } else {
+                String::new()
+            };
             self.diags.error(
                 self.closure.body.span,
-                format!("{name} must return {ret}, found {}", body.ty),
+                format!("{name} must return {ret}, found {}{hint}", body.ty),
             );
             return None;
         }
@@ -213,15 +221,19 @@ impl<'a> Checker<'a> {
                 let mut bound = Vec::new();
                 let mut ok = true;
                 for l in lets {
-                    let value = self.expr(&l.value, l.ty.map(|(t, _)| t));
-                    let Some(value) = value else {
-                        ok = false;
-                        continue;
-                    };
+                    let annotated = l.ty.map(|(t, _)| t);
+                    let value = self.expr(&l.value, annotated);
                     let local = Local(self.next_local);
                     self.next_local += 1;
-                    self.scopes.push((l.name.clone(), local, value.ty));
-                    bound.push((local, value));
+                    // A binding whose value failed still binds its name (with
+                    // its annotated type, if any): its uses must not cascade
+                    // into "unknown name" errors.
+                    let ty = value.as_ref().map(|v| v.ty).or(annotated);
+                    self.scopes.push((l.name.clone(), local, ty));
+                    match value {
+                        Some(value) => bound.push((local, value)),
+                        None => ok = false,
+                    }
                 }
                 let body = self.expr(tail, expected);
                 self.scopes.truncate(depth);
@@ -282,7 +294,7 @@ impl<'a> Checker<'a> {
 
     fn name(&mut self, name: &syn::Ident) -> Option<Expr> {
         if let Some((_, local, ty)) = self.scopes.iter().rev().find(|(n, _, _)| n == name) {
-            return Some(Expr::local(*local, *ty));
+            return ty.map(|ty| Expr::local(*local, ty));
         }
         if let Some((_, arg)) = self.args.iter().find(|(n, _)| n == name) {
             return Some(Expr::arg(*arg));

@@ -176,8 +176,9 @@ fn parse_closure(
         return None;
     };
     if closure.inputs.len() != arity {
-        diags.error(
-            closure.inputs_begin.span(),
+        let (begin, inputs, end) = (&closure.inputs_begin, &closure.inputs, &closure.inputs_end);
+        diags.error_spanned(
+            quote::quote!(#begin #inputs #end),
             format!(
                 "this closure takes {arity} arguments `{signature}`, found {}",
                 closure.inputs.len()
@@ -225,10 +226,15 @@ fn unsupported(diags: &mut Diagnostics, tokens: impl quote::ToTokens, what: &str
 
 /// Parse one expression; `None` after recording an error.
 fn parse_expr(expr: &syn::Expr, diags: &mut Diagnostics) -> Option<Expr> {
-    let span = expr.span();
+    let span = expr_span(expr);
     let kind = match expr {
         syn::Expr::Lit(lit) => parse_lit(&lit.lit, diags)?,
-        syn::Expr::Paren(p) => return parse_expr(&p.expr, diags),
+        syn::Expr::Paren(p) => {
+            // The parentheses' span covers the whole expression.
+            let mut inner = parse_expr(&p.expr, diags)?;
+            inner.span = p.paren_token.span.join();
+            return Some(inner);
+        }
         syn::Expr::Group(g) => return parse_expr(&g.expr, diags),
         syn::Expr::Path(p) => {
             let Some(ident) = p.path.get_ident().filter(|_| p.qself.is_none()) else {
@@ -320,6 +326,26 @@ fn parse_expr(expr: &syn::Expr, diags: &mut Diagnostics) -> Option<Expr> {
         other => return unsupported(diags, other, "this expression"),
     };
     Some(Expr { kind, span })
+}
+
+/// Where the checker's errors about `expr` point. A proc macro on a stable
+/// compiler cannot join spans, so the `span()` of a multi-token expression is
+/// its first token's: `a` for `a + b`, as if `a` were at fault. Where the
+/// whole range cannot be had, point at the token that makes the expression
+/// what it is: the operator of `a + b`, the `as` of a cast, the name in
+/// `self.name`.
+fn expr_span(expr: &syn::Expr) -> Span {
+    use quote::ToTokens;
+    let key = match expr {
+        syn::Expr::Binary(b) => b.op.span(),
+        syn::Expr::Cast(c) => c.as_token.span,
+        syn::Expr::Field(f) => f.member.span(),
+        _ => return expr.span(),
+    };
+    let mut tokens = expr.to_token_stream().into_iter();
+    let first = tokens.next().map(|t| t.span());
+    let last = tokens.last().map(|t| t.span());
+    first.zip(last).and_then(|(a, b)| a.join(b)).unwrap_or(key)
 }
 
 fn parse_block(block: &syn::Block, span: Span, diags: &mut Diagnostics) -> Option<Expr> {

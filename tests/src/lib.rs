@@ -1,1 +1,1 @@
-
+//! Integration tests for boostr; the tests live in `tests/`.

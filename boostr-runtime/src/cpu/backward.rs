@@ -24,13 +24,15 @@
 //! Never anything of size `Sq × Sk`.
 
 use super::forward::score_and_mask;
-use super::gemm::{MatMut, MatRef, Write, matmul};
+use super::gemm::{self, MatMut, MatRef, Write, matmul};
 use super::math;
+use super::simd::{self, Elementwise};
 use super::tile::CpuTiles;
 use super::{BackwardInputs, Positions, tile_class};
 use crate::problem::Problem;
 use crate::variant::{TileClass, Variant};
 use rayon::prelude::*;
+use std::marker::PhantomData;
 
 /// Below this many flops per chunk, splitting the keys further costs more in
 /// task overhead and dQ partials (zeroing + reduction) than it gains.
@@ -66,8 +68,19 @@ struct KeyChunk<'a> {
     dq: &'a mut [f32],
 }
 
-/// Per-task scratch, three `Bq × Bk` tiles.
+/// Per-task scratch: the resident K/V tile transposed, and three
+/// `Bq × Bk` work tiles.
 struct Scratch {
+    /// Kᵀ and Vᵀ of the current key tile, `D × Bk`: transposed once per key
+    /// tile so that `gemm` gets them column-major in `S = Q Kᵀ` and
+    /// `dP = dO Vᵀ` instead of re-packing them for every query tile.
+    kt: Vec<f32>,
+    vt: Vec<f32>,
+    work: Work,
+}
+
+/// The `Bq × Bk` tiles of one (query tile × key tile) step.
+struct Work {
     /// Scaled logits, then probabilities P.
     s: Vec<f32>,
     /// dP, then dS.
@@ -77,10 +90,23 @@ struct Scratch {
 }
 
 impl Scratch {
-    fn new<V: Variant>(t: CpuTiles) -> Self {
+    fn new<V: Variant>(t: CpuTiles, d: usize) -> Self {
         let g = if V::SCORE_IS_IDENTITY { 0 } else { t.q * t.kv };
-        Self { s: vec![0.0; t.q * t.kv], dp: vec![0.0; t.q * t.kv], g: vec![0.0; g] }
+        let work = Work { s: vec![0.0; t.q * t.kv], dp: vec![0.0; t.q * t.kv], g: vec![0.0; g] };
+        Self { kt: vec![0.0; d * t.kv], vt: vec![0.0; d * t.kv], work }
     }
+}
+
+/// A task's resident key tile: its K rows (`cols × D`), Kᵀ and Vᵀ
+/// (`D × cols`), and its rows of dK and dV (`cols × D`).
+struct KvTile<'a> {
+    kv0: usize,
+    cols: usize,
+    k: &'a [f32],
+    kt: &'a [f32],
+    vt: &'a [f32],
+    dk: &'a mut [f32],
+    dv: &'a mut [f32],
 }
 
 /// Everything a task reads.
@@ -143,7 +169,7 @@ pub(super) fn backward<V: Variant>(
     let shared = Shared { variant, p, tiles, pos: Positions::new(p), x, delta: &delta };
     tasks
         .into_par_iter()
-        .for_each_init(|| Scratch::new::<V>(tiles), |sc, task| key_chunk(&shared, task, sc));
+        .for_each_init(|| Scratch::new::<V>(tiles, d), |sc, task| key_chunk(&shared, task, sc));
 
     if chunks > 1 {
         // dq += partial_1 + partial_2 + ... in that order, element by element.
@@ -176,127 +202,167 @@ fn key_chunk<V: Variant>(sh: &Shared<'_, V>, task: KeyChunk<'_>, sc: &mut Scratc
         let cols = sh.tiles.kv.min(keys - t0);
         let kv0 = key0 + t0;
         let at = kv_bh + kv0 * d..kv_bh + (kv0 + cols) * d;
-        let (k_t, v_t) = (&sh.x.k[at.clone()], &sh.x.v[at]);
-        let dk_t = &mut dk[t0 * d..(t0 + cols) * d];
-        let dv_t = &mut dv[t0 * d..(t0 + cols) * d];
+        let (k, v) = (&sh.x.k[at.clone()], &sh.x.v[at]);
+        let (kt, vt) = (&mut sc.kt[..d * cols], &mut sc.vt[..d * cols]);
+        gemm::transpose(k, cols, d, kt, cols);
+        gemm::transpose(v, cols, d, vt, cols);
+        let mut kv = KvTile {
+            kv0,
+            cols,
+            k,
+            kt,
+            vt,
+            dk: &mut dk[t0 * d..(t0 + cols) * d],
+            dv: &mut dv[t0 * d..(t0 + cols) * d],
+        };
         for hl in 0..group {
             let h = kvh * group + hl;
             let bh = b * p.heads_q + h;
             let dq_h = &mut dq[hl * sq * d..(hl + 1) * sq * d];
             for r0 in (0..sq).step_by(sh.tiles.q) {
                 let rows = sh.tiles.q.min(sq - r0);
-                let tile = Tile { b, h, bh, r0, rows, kv0, cols };
-                query_tile(sh, &tile, k_t, v_t, dk_t, dv_t, &mut dq_h[r0 * d..(r0 + rows) * d], sc);
+                let dq_t = &mut dq_h[r0 * d..(r0 + rows) * d];
+                query_tile(sh, Rows { b, h, bh, r0, rows }, &mut kv, dq_t, &mut sc.work);
             }
         }
     }
 }
 
-/// Coordinates of one (query tile × key tile).
-struct Tile {
+/// The query rows of one tile: batch, query head, and rows `r0 .. r0 + rows`.
+#[derive(Clone, Copy)]
+struct Rows {
     b: usize,
     h: usize,
     /// Flat (batch, query head) index into q/out/dout/lse.
     bh: usize,
-    /// First query row and number of rows.
     r0: usize,
     rows: usize,
-    /// First key and number of keys.
-    kv0: usize,
-    cols: usize,
 }
 
 /// The contribution of one (query tile × key tile) to dK, dV and dQ.
-#[allow(clippy::too_many_arguments)]
 fn query_tile<V: Variant>(
     sh: &Shared<'_, V>,
-    t: &Tile,
-    k_t: &[f32],
-    v_t: &[f32],
-    dk_t: &mut [f32],
-    dv_t: &mut [f32],
+    t: Rows,
+    kv: &mut KvTile<'_>,
     dq_t: &mut [f32],
-    sc: &mut Scratch,
+    w: &mut Work,
 ) {
     let p = sh.p;
     let (d, sq, scale) = (p.head_dim, p.seq_q, p.scale);
     let (b, h) = (Positions::to_i32(t.b), Positions::to_i32(t.h));
-    let (rows, cols) = (t.rows, t.cols);
+    let (rows, cols) = (t.rows, kv.cols);
     let (q_lo, q_hi) = sh.pos.query_range(t.r0, rows);
-    let class = tile_class(sh.variant, b, h, (q_lo, q_hi), t.kv0, cols);
+    let class = tile_class(sh.variant, b, h, (q_lo, q_hi), kv.kv0, cols);
     if class == TileClass::Empty {
         return;
     }
-    let kv_lo = Positions::to_i32(t.kv0);
+    let kv_lo = Positions::to_i32(kv.kv0);
     let rows_at = (t.bh * sq + t.r0) * d..(t.bh * sq + t.r0 + rows) * d;
-    let q_t = &sh.x.q[rows_at.clone()];
-    let do_t = &sh.x.dout[rows_at];
+    let q_t = MatRef::row_major(&sh.x.q[rows_at.clone()], rows, d);
+    let do_t = MatRef::row_major(&sh.x.dout[rows_at], rows, d);
     let lse = &sh.x.lse[t.bh * sq + t.r0..][..rows];
     let delta = &sh.delta[t.bh * sq + t.r0..][..rows];
 
     // Recompute P from the saved log-sum-exp.
-    let s = &mut sc.s[..rows * cols];
-    matmul(
-        MatMut::row_major(s, rows, cols),
-        Write::Overwrite,
-        MatRef::row_major(q_t, rows, d),
-        MatRef::row_major(k_t, cols, d).t(),
-        scale,
-    );
-    for (i, row) in s.chunks_exact_mut(cols).enumerate() {
-        let qi = q_lo + i as i32;
-        if !V::SCORE_IS_IDENTITY {
-            // d score/d s at the raw logit, before `score` overwrites it.
-            let g = &mut sc.g[i * cols..(i + 1) * cols];
-            for (j, (g, &s)) in g.iter_mut().zip(row.iter()).enumerate() {
-                *g = sh.variant.score_grad(s, b, h, qi, kv_lo + j as i32);
-            }
-        }
-        score_and_mask(sh.variant, b, h, qi, kv_lo, class, row);
-        if lse[i] == f32::NEG_INFINITY {
-            // No visible key in this row: P = 0 (and `x − lse` would be NaN).
-            row.fill(0.0);
-        } else {
-            math::exp_sub(row, lse[i]);
-        }
-    }
+    let s = &mut w.s[..rows * cols];
+    let kt = MatRef::row_major(kv.kt, d, cols);
+    matmul(MatMut::row_major(s, rows, cols), Write::Overwrite, q_t, kt, scale);
+    let g = &mut w.g[..if V::SCORE_IS_IDENTITY { 0 } else { rows * cols }];
+    let variant = sh.variant;
+    simd::dispatch(Probabilities { variant, b, h, q_lo, kv_lo, class, lse, s: &mut *s, g: &mut *g });
+    let (s, g) = (&*s, &*g);
     let p_t = MatRef::row_major(s, rows, cols);
-    let do_m = MatRef::row_major(do_t, rows, d);
 
     // dV += Pᵀ dO.
-    matmul(MatMut::row_major(dv_t, cols, d), Write::Accumulate, p_t.t(), do_m, 1.0);
+    matmul(MatMut::row_major(kv.dv, cols, d), Write::Accumulate, p_t.t(), do_t, 1.0);
 
     // dP = dO Vᵀ, then dS = P ∘ (dP − D) ∘ score_grad, in place.
-    let dp = &mut sc.dp[..rows * cols];
-    matmul(
-        MatMut::row_major(dp, rows, cols),
-        Write::Overwrite,
-        do_m,
-        MatRef::row_major(v_t, cols, d).t(),
-        1.0,
-    );
-    let s = &sc.s[..rows * cols];
-    for (i, (ds, p)) in dp.chunks_exact_mut(cols).zip(s.chunks_exact(cols)).enumerate() {
-        let di = delta[i];
-        if V::SCORE_IS_IDENTITY {
-            for (ds, &p) in ds.iter_mut().zip(p) {
-                *ds = p * (*ds - di);
-            }
-        } else {
-            // Hidden pairs (P = 0) stay exactly 0 whatever score_grad says
-            // about a logit that was never used.
-            let g = &sc.g[i * cols..(i + 1) * cols];
-            for ((ds, &p), &g) in ds.iter_mut().zip(p).zip(g) {
-                let v = p * (*ds - di) * g;
-                *ds = if p == 0.0 { 0.0 } else { v };
-            }
-        }
-    }
+    let dp = &mut w.dp[..rows * cols];
+    let vt = MatRef::row_major(kv.vt, d, cols);
+    matmul(MatMut::row_major(dp, rows, cols), Write::Overwrite, do_t, vt, 1.0);
+    simd::dispatch(ScoreGrads::<V> { p: s, g, delta, dp: &mut *dp, variant: PhantomData });
     let ds_t = MatRef::row_major(dp, rows, cols);
 
     // dK += scale · dSᵀ Q;  dQ += scale · dS K.
-    let q_m = MatRef::row_major(q_t, rows, d);
-    matmul(MatMut::row_major(dk_t, cols, d), Write::Accumulate, ds_t.t(), q_m, scale);
-    let k_m = MatRef::row_major(k_t, cols, d);
-    matmul(MatMut::row_major(dq_t, rows, d), Write::Accumulate, ds_t, k_m, scale);
+    matmul(MatMut::row_major(kv.dk, cols, d), Write::Accumulate, ds_t.t(), q_t, scale);
+    let k = MatRef::row_major(kv.k, cols, d);
+    matmul(MatMut::row_major(dq_t, rows, d), Write::Accumulate, ds_t, k, scale);
+}
+
+/// Recompute the probabilities of one tile from the saved log-sum-exp:
+/// `s` (scaled logits) becomes `P = e^(x − lse)`, 0 where hidden; `g`
+/// receives `score_grad` at the raw logits (untouched for identity scores).
+struct Probabilities<'a, V> {
+    variant: &'a V,
+    b: i32,
+    h: i32,
+    /// Position of the tile's first query row and first key.
+    q_lo: i32,
+    kv_lo: i32,
+    class: TileClass,
+    /// The tile rows' log-sum-exp.
+    lse: &'a [f32],
+    s: &'a mut [f32],
+    g: &'a mut [f32],
+}
+
+impl<V: Variant> Elementwise for Probabilities<'_, V> {
+    #[inline(always)]
+    fn run(self) {
+        let Self { variant, b, h, q_lo, kv_lo, class, lse, s, g } = self;
+        let cols = s.len() / lse.len();
+        for (i, row) in s.chunks_exact_mut(cols).enumerate() {
+            let qi = q_lo + i as i32;
+            if !V::SCORE_IS_IDENTITY {
+                // d score/d s at the raw logit, before `score` overwrites it.
+                let g = &mut g[i * cols..(i + 1) * cols];
+                for (j, (g, &s)) in g.iter_mut().zip(row.iter()).enumerate() {
+                    *g = variant.score_grad(s, b, h, qi, kv_lo + j as i32);
+                }
+            }
+            score_and_mask(variant, b, h, qi, kv_lo, class, row);
+            if lse[i] == f32::NEG_INFINITY {
+                // No visible key in this row: P = 0 (and `x − lse` would be NaN).
+                row.fill(0.0);
+            } else {
+                math::exp_sub(row, lse[i]);
+            }
+        }
+    }
+}
+
+/// `dS = P ∘ (dP − D) ∘ score_grad`, in place over `dp`, for one tile.
+struct ScoreGrads<'a, V> {
+    p: &'a [f32],
+    /// `score_grad` values (empty when the score is the identity).
+    g: &'a [f32],
+    /// The tile rows' `D_i`.
+    delta: &'a [f32],
+    dp: &'a mut [f32],
+    variant: PhantomData<V>,
+}
+
+impl<V: Variant> Elementwise for ScoreGrads<'_, V> {
+    #[inline(always)]
+    fn run(self) {
+        let Self { p, g, delta, dp, .. } = self;
+        let cols = p.len() / delta.len();
+        let rows = dp.chunks_exact_mut(cols).zip(p.chunks_exact(cols));
+        for (i, (ds, p)) in rows.enumerate() {
+            let di = delta[i];
+            if V::SCORE_IS_IDENTITY {
+                for (ds, &p) in ds.iter_mut().zip(p) {
+                    *ds = p * (*ds - di);
+                }
+            } else {
+                // Hidden pairs (P = 0) stay exactly 0 whatever score_grad says
+                // about a logit that was never used.
+                let g = &g[i * cols..(i + 1) * cols];
+                for ((ds, &p), &g) in ds.iter_mut().zip(p).zip(g) {
+                    let v = p * (*ds - di) * g;
+                    *ds = if p == 0.0 { 0.0 } else { v };
+                }
+            }
+        }
+    }
 }

@@ -8,12 +8,14 @@
 //! `O += P V` (GEMM). The accumulator is the task's own slice of `out`.
 //!
 //! Guarantees: every element of `out` and `lse` is written; memory beyond
-//! the outputs is `O(Bq·Bk)` per task (nothing of size `Sq × Sk`); a row with
+//! the outputs is one transposed copy of K plus `O(Bq·Bk)` per task (nothing
+//! of size `Sq × Sk`); a row with
 //! no visible key gets `out = 0`, `lse = -inf` and never NaN; logits of any
 //! finite magnitude are safe because every `exp` argument is `≤ 0`.
 
-use super::gemm::{MatMut, MatRef, Write, matmul};
+use super::gemm::{self, MatMut, MatRef, Write, matmul};
 use super::math;
+use super::simd::{self, Elementwise};
 use super::tile::CpuTiles;
 use super::{Positions, tile_class};
 use crate::problem::Problem;
@@ -28,11 +30,14 @@ struct Scratch {
     m: Vec<f32>,
     /// Running row sum of `e^(x − m)`.
     l: Vec<f32>,
+    /// Per-row rescale factor of the current key tile.
+    alpha: Vec<f32>,
 }
 
 impl Scratch {
     fn new(t: CpuTiles) -> Self {
-        Self { s: vec![0.0; t.q * t.kv], m: vec![0.0; t.q], l: vec![0.0; t.q] }
+        let row = || vec![0.0; t.q];
+        Self { s: vec![0.0; t.q * t.kv], m: row(), l: row(), alpha: row() }
     }
 }
 
@@ -44,8 +49,8 @@ struct Head<'a, V> {
     /// Batch and query head, as passed to the variant.
     b: i32,
     h: i32,
-    /// This head's K and V, `Sk × D` each.
-    k: &'a [f32],
+    /// This head's K transposed (`D × Sk`) and V (`Sk × D`).
+    kt: &'a [f32],
     v: &'a [f32],
 }
 
@@ -65,6 +70,15 @@ pub(super) fn forward<V: Variant>(
     debug_assert_eq!((out.len(), lse.len()), (p.q_len(), p.lse_len()));
     let pos = Positions::new(p);
 
+    // K transposed once per kv head ([B, Hkv, D, Sk]), so that the K tile of
+    // `S = Q Kᵀ` is column-major for `gemm`, which would otherwise re-pack
+    // it with strided loads for every (query tile, key tile). Costs one copy
+    // of K, shared by all query tiles of all query heads of the group.
+    let mut kt = vec![0.0f32; k.len()];
+    kt.par_chunks_mut(sk * d)
+        .zip(k.par_chunks(sk * d))
+        .for_each(|(kt, k)| gemm::transpose(k, sk, d, kt, sk));
+
     // Outer: one (batch, query head) per item; inner: its query tiles. Rayon
     // flattens the nesting by work stealing, so B = H = 1 still uses every
     // thread when there are enough query tiles.
@@ -80,7 +94,7 @@ pub(super) fn forward<V: Variant>(
                 pos,
                 b: Positions::to_i32(b),
                 h: Positions::to_i32(h),
-                k: &k[kv_bh..kv_bh + sk * d],
+                kt: &kt[kv_bh..kv_bh + sk * d],
                 v: &v[kv_bh..kv_bh + sk * d],
             };
             let q_bh = &q[bh * sq * d..(bh + 1) * sq * d];
@@ -113,7 +127,7 @@ fn query_tile<V: Variant>(
     let (d, sk, scale) = (head.p.head_dim, head.p.seq_k, head.p.scale);
     let rows = lse.len();
     let (q_lo, q_hi) = head.pos.query_range(row0, rows);
-    let (m, l) = (&mut sc.m[..rows], &mut sc.l[..rows]);
+    let (m, l, alpha) = (&mut sc.m[..rows], &mut sc.l[..rows], &mut sc.alpha[..rows]);
     out.fill(0.0);
     m.fill(f32::NEG_INFINITY);
     l.fill(0.0);
@@ -125,38 +139,25 @@ fn query_tile<V: Variant>(
             continue;
         }
         let s = &mut sc.s[..rows * cols];
-        let k_t = &head.k[kv0 * d..(kv0 + cols) * d];
         matmul(
             MatMut::row_major(s, rows, cols),
             Write::Overwrite,
             MatRef::row_major(q_t, rows, d),
-            MatRef::row_major(k_t, cols, d).t(),
+            MatRef::strided(&head.kt[kv0..], d, cols, sk),
             scale,
         );
 
-        for (i, row) in s.chunks_exact_mut(cols).enumerate() {
-            let qi = q_lo + i as i32;
-            let kv_lo = Positions::to_i32(kv0);
-            score_and_mask(head.variant, head.b, head.h, qi, kv_lo, class, row);
-
-            let m_new = m[i].max(math::max(row));
-            if m_new == f32::NEG_INFINITY {
-                // Nothing visible in this row yet: `e^(x − m)` would be
-                // `e^(-inf + inf)` = NaN. The row contributes nothing.
-                row.fill(0.0);
-                continue;
-            }
-            let row_sum = math::exp_sub_sum(row, m_new);
-            if m_new > m[i] {
-                // The max grew: rescale what was accumulated under the old
-                // one. `m[i] = -inf` gives alpha = 0 on a still-zero row.
-                let alpha = math::exp(m[i] - m_new);
-                l[i] *= alpha;
-                math::scale(&mut out[i * d..(i + 1) * d], alpha);
-                m[i] = m_new;
-            }
-            l[i] += row_sum;
-        }
+        simd::dispatch(OnlineSoftmax {
+            head,
+            class,
+            q_lo,
+            kv_lo: Positions::to_i32(kv0),
+            s: &mut *s,
+            m: &mut *m,
+            l: &mut *l,
+            alpha: &mut *alpha,
+            out: &mut *out,
+        });
 
         let v_t = &head.v[kv0 * d..(kv0 + cols) * d];
         matmul(
@@ -176,6 +177,64 @@ fn query_tile<V: Variant>(
         } else {
             out[i * d..(i + 1) * d].fill(0.0);
             lse[i] = f32::NEG_INFINITY;
+        }
+    }
+}
+
+/// The elementwise step of the online softmax for one key tile: turns the
+/// tile's scaled logits `s` into unnormalised probabilities
+/// `P = e^(x − m_new)` in place, and updates the running `m`, `l` and the
+/// output accumulator rows (rescaled by `e^(m_old − m_new)` where the max grew).
+struct OnlineSoftmax<'a, 'h, V> {
+    head: &'a Head<'h, V>,
+    class: TileClass,
+    /// Position of the tile's first query row and first key.
+    q_lo: i32,
+    kv_lo: i32,
+    /// `rows × cols` logits, row-major.
+    s: &'a mut [f32],
+    m: &'a mut [f32],
+    l: &'a mut [f32],
+    alpha: &'a mut [f32],
+    /// `rows × D` accumulator.
+    out: &'a mut [f32],
+}
+
+impl<V: Variant> Elementwise for OnlineSoftmax<'_, '_, V> {
+    #[inline(always)]
+    fn run(self) {
+        let Self { head, class, q_lo, kv_lo, s, m, l, alpha, out } = self;
+        let (rows, d) = (m.len(), head.p.head_dim);
+        let cols = s.len() / rows;
+
+        // Logits of every row, and each row's new running max (in `alpha`
+        // for now).
+        for (i, row) in s.chunks_exact_mut(cols).enumerate() {
+            let qi = q_lo + i as i32;
+            score_and_mask(head.variant, head.b, head.h, qi, kv_lo, class, row);
+            alpha[i] = m[i].max(math::max(row));
+        }
+        // Rescale factors `e^(m_old − m_new)`, across rows at once: one
+        // scalar `exp` per row would be a long dependency chain per row.
+        // `m_old = -inf < m_new` gives 0 (nothing accumulated yet); a row
+        // still at `m_new = -inf` keeps factor 1 instead of `e^NaN`.
+        for (a, m) in alpha.iter_mut().zip(m.iter_mut()) {
+            let m_new = *a;
+            *a = if m_new == f32::NEG_INFINITY { 1.0 } else { math::exp(*m - m_new) };
+            *m = m_new;
+        }
+        for (i, row) in s.chunks_exact_mut(cols).enumerate() {
+            if m[i] == f32::NEG_INFINITY {
+                // Nothing visible in this row yet: `e^(x − m)` would be
+                // `e^(-inf + inf)` = NaN. The row contributes nothing.
+                row.fill(0.0);
+                continue;
+            }
+            let row_sum = math::exp_sub_sum(row, m[i]);
+            l[i] = l[i] * alpha[i] + row_sum;
+            if alpha[i] != 1.0 {
+                math::scale(&mut out[i * d..(i + 1) * d], alpha[i]);
+            }
         }
     }
 }

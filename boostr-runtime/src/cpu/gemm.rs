@@ -32,6 +32,15 @@ impl<'a> MatRef<'a> {
         Self { data, rows, cols, rs: cols, cs: 1 }
     }
 
+    /// The `rows × cols` matrix at the start of `data` whose rows lie `rs`
+    /// elements apart (a column block of a wider row-major matrix).
+    #[inline]
+    pub fn strided(data: &'a [f32], rows: usize, cols: usize, rs: usize) -> Self {
+        assert!(cols <= rs || rows <= 1, "rows overlap");
+        assert!(rows == 0 || data.len() >= (rows - 1) * rs + cols, "matrix view out of bounds");
+        Self { data, rows, cols, rs, cs: 1 }
+    }
+
     /// The transpose, as a view over the same elements.
     #[inline]
     pub fn t(self) -> Self {
@@ -80,9 +89,9 @@ pub fn matmul(dst: MatMut<'_>, write: Write, lhs: MatRef<'_>, rhs: MatRef<'_>, b
     // Views over slices shorter than their extent cannot be built, and a
     // zero-sized inner dimension makes `gemm` touch only `dst`.
     let s = |x: usize| x as isize;
-    // SAFETY: `MatRef::row_major`/`MatMut::row_major` checked that every
-    // `(i, j)` with `i < rows`, `j < cols` lies inside the viewed slice for the
-    // row-major strides, and `t()` only permutes (rows, rs) with (cols, cs), so
+    // SAFETY: the constructors of `MatRef`/`MatMut` checked that every
+    // `(i, j)` with `i < rows`, `j < cols` lies inside the viewed slice for
+    // their strides, and `t()` only permutes (rows, rs) with (cols, cs), so
     // the extent `(rows-1)*rs + (cols-1)*cs` is unchanged. The shapes were
     // checked above, so `gemm` accesses `dst` at `m × n`, `lhs` at `m × k`,
     // `rhs` at `k × n`, all in bounds. `dst` is borrowed mutably, so it does
@@ -110,6 +119,31 @@ pub fn matmul(dst: MatMut<'_>, write: Write, lhs: MatRef<'_>, rhs: MatRef<'_>, b
             false,
             gemm::Parallelism::None,
         );
+    }
+}
+
+/// Write the transpose of the row-major `rows × cols` matrix `src` into
+/// `dst` (`cols × rows`, row stride `dst_rs`).
+///
+/// Used to give `gemm` K and V tiles column-major, which it would otherwise
+/// re-pack with strided loads on every call. Works on bands of 16 source
+/// rows, so the 16 source lines being read stay in L1 while each
+/// destination row gets a contiguous run of 16.
+pub fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32], dst_rs: usize) {
+    const BAND: usize = 16;
+    assert!(src.len() >= rows * cols, "transpose source out of bounds");
+    assert!(cols == 0 || dst.len() >= (cols - 1) * dst_rs + rows, "transpose destination out of bounds");
+    if cols == 0 {
+        return;
+    }
+    for (band, src) in src[..rows * cols].chunks(BAND * cols).enumerate() {
+        let r0 = band * BAND;
+        for c in 0..cols {
+            let out = &mut dst[c * dst_rs + r0..][..src.len() / cols];
+            for (o, row) in out.iter_mut().zip(src.chunks_exact(cols)) {
+                *o = row[c];
+            }
+        }
     }
 }
 
@@ -149,6 +183,27 @@ mod tests {
         for (x, y) in c.iter().zip(&want) {
             assert!((x - 1.5 * y).abs() < 1e-5, "{x} vs {}", 1.5 * y);
         }
+    }
+
+    #[test]
+    fn strided_views_and_transpose() {
+        let (rows, cols) = (19, 37);
+        let src: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
+        let mut t = vec![f32::NAN; cols * (rows + 3)];
+        transpose(&src, rows, cols, &mut t, rows + 3);
+        for (r, c) in (0..rows).flat_map(|r| (0..cols).map(move |c| (r, c))) {
+            assert_eq!(t[c * (rows + 3) + r], src[r * cols + c]);
+        }
+        // A column block of the transpose, through a strided view, equals the
+        // transposed view of the matching row block of `src`.
+        let block = MatRef::strided(&t[5..], cols, 4, rows + 3);
+        let direct = MatRef::row_major(&src[5 * cols..], 4, cols).t();
+        let eye: Vec<f32> = (0..16).map(|i| if i % 5 == 0 { 1.0 } else { 0.0 }).collect();
+        let eye = MatRef::row_major(&eye, 4, 4);
+        let (mut a, mut b) = (vec![0.0; cols * 4], vec![0.0; cols * 4]);
+        matmul(MatMut::row_major(&mut a, cols, 4), Write::Overwrite, block, eye, 1.0);
+        matmul(MatMut::row_major(&mut b, cols, 4), Write::Overwrite, direct, eye, 1.0);
+        assert_eq!(a, b);
     }
 
     #[test]

@@ -13,7 +13,11 @@
 //!   `x < -104`), `+inf` above `ln(f32::MAX)`, gradual underflow in between,
 //!   and never NaN for a non-NaN input.
 //! - The reductions are deterministic: same input, same bits, whatever the
-//!   thread, because the lane split depends only on the slice length.
+//!   thread or instruction set, because the lane split depends only on the
+//!   slice length.
+//!
+//! Everything here is `#[inline(always)]` so that it is compiled inside the
+//! target-feature wrappers of [`super::simd`] at their vector width.
 
 /// Independent accumulators per reduction: 16 f32 fill two AVX or four SSE
 /// registers, enough to hide the latency of a dependent `add`/`max` chain.
@@ -80,28 +84,39 @@ pub fn exp(x: f32) -> f32 {
 
 /// The largest element, or `-inf` for an empty slice (NaN elements are ignored
 /// unless they are all that is there).
-#[inline]
+#[inline(always)]
 pub fn max(xs: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; LANES];
     let chunks = xs.chunks_exact(LANES);
     let tail = chunks.remainder();
     for c in chunks {
         for (a, &x) in acc.iter_mut().zip(c) {
-            *a = if x > *a { x } else { *a };
+            *a = max2(*a, x);
         }
     }
-    let mut m = f32::NEG_INFINITY;
-    for &x in acc.iter().chain(tail) {
-        m = if x > m { x } else { m };
+    // Tree reduction: a chain of 16 scalar `max`es costs more latency than
+    // the whole vector loop over a 128-wide row.
+    let mut width = LANES / 2;
+    while width > 0 {
+        for i in 0..width {
+            acc[i] = max2(acc[i], acc[i + width]);
+        }
+        width /= 2;
     }
-    m
+    tail.iter().fold(acc[0], |m, &x| max2(m, x))
+}
+
+/// `max(a, b)` as one `maxps` (returns `a` when `b` is NaN).
+#[inline(always)]
+fn max2(a: f32, b: f32) -> f32 {
+    if b > a { b } else { a }
 }
 
 /// `xs[i] = e^(xs[i] - shift)` in place; returns the sum of the new values.
 ///
 /// `shift` must be finite (the caller handles rows whose maximum is `-inf`);
 /// then `-inf` elements (masked pairs) become exactly `0`.
-#[inline]
+#[inline(always)]
 pub fn exp_sub_sum(xs: &mut [f32], shift: f32) -> f32 {
     let mut acc = [0.0f32; LANES];
     let mut chunks = xs.chunks_exact_mut(LANES);
@@ -122,7 +137,7 @@ pub fn exp_sub_sum(xs: &mut [f32], shift: f32) -> f32 {
 }
 
 /// `xs[i] = e^(xs[i] - shift)` in place, `shift` finite (see [`exp_sub_sum`]).
-#[inline]
+#[inline(always)]
 pub fn exp_sub(xs: &mut [f32], shift: f32) {
     for x in xs {
         *x = exp(*x - shift);
@@ -130,7 +145,7 @@ pub fn exp_sub(xs: &mut [f32], shift: f32) {
 }
 
 /// `xs[i] *= a`.
-#[inline]
+#[inline(always)]
 pub fn scale(xs: &mut [f32], a: f32) {
     for x in xs {
         *x *= a;
@@ -138,7 +153,7 @@ pub fn scale(xs: &mut [f32], a: f32) {
 }
 
 /// `dst[i] += src[i]`.
-#[inline]
+#[inline(always)]
 pub fn add_assign(dst: &mut [f32], src: &[f32]) {
     debug_assert_eq!(dst.len(), src.len());
     for (d, &s) in dst.iter_mut().zip(src) {
@@ -147,7 +162,7 @@ pub fn add_assign(dst: &mut [f32], src: &[f32]) {
 }
 
 /// `Σ a[i]·b[i]`, over `LANES` partial sums (deterministic order).
-#[inline]
+#[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut acc = [0.0f32; LANES];

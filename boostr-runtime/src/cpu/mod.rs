@@ -33,6 +33,7 @@ mod backward;
 mod forward;
 mod gemm;
 mod math;
+mod simd;
 mod tile;
 
 #[cfg(test)]

@@ -1,1 +1,52 @@
-//! testing
+//! Numerical checks of attention variants and backends, used by the tests that
+//! `#[attention(tests = [...])]` generates, and usable by hand:
+//!
+//! ```ignore
+//! use boostr_runtime::testing::{Cpu, check_reference_gradients, check_variant};
+//!
+//! #[test]
+//! fn causal_softcap() {
+//!     let variant = CausalSoftcap { cap: 30.0 };
+//!     // The oracle's backward is right for this variant (finite differences)...
+//!     check_reference_gradients(&variant);
+//!     // ...and the CPU kernels agree with the oracle, through the tensor ops
+//!     // and through autograd.
+//!     check_variant::<Cpu, _>(&variant);
+//! }
+//! ```
+//!
+//! - [`reference_forward`] / [`reference_backward`]: the oracle, naive attention
+//!   in f64 over the variant's f64 closures (and the same algorithm in f32).
+//! - [`check_reference_gradients`]: finite differences against the oracle's
+//!   analytic backward.
+//! - [`check_variant`]: a [`TestBackend`]'s kernels against the oracle on the
+//!   standard [`CASES`], under FlashAttention's tolerance rule:
+//!   `max|kernel − ref| ≤ 2·max|naive_f32 − ref| + 1e-6·(1 + max|ref|)`.
+//!
+//! Every check draws fresh random inputs per run; set `BOOSTR_TEST_SEED` to
+//! replay the seed a failure printed.
+
+mod cases;
+mod check;
+mod gradcheck;
+mod reference;
+mod rng;
+
+pub use cases::{CASES, Case, Logits};
+pub use check::{Cpu, REQUIRE_DEVICE_ENV, TestBackend, check_variant};
+pub use gradcheck::check_reference_gradients;
+pub use reference::{Forward, Gradients, Real, reference_backward, reference_forward};
+pub use rng::SEED_ENV;
+
+/// Row-major coordinates of flat `index` in `shape`.
+fn unravel(shape: &[usize], mut index: usize) -> Vec<usize> {
+    let mut coords = vec![0; shape.len()];
+    for (c, &n) in coords.iter_mut().zip(shape).rev() {
+        *c = index % n;
+        index /= n;
+    }
+    coords
+}
+
+#[cfg(test)]
+mod tests;

@@ -21,7 +21,9 @@
 //! - a row with no visible key has `out = 0`, `lse = −inf`, and contributes
 //!   nothing to any gradient.
 //!
-//! Backward of `out` with output gradient `dO`:
+//! Backward of `out` with output gradient `dO` (`P` recomputed as
+//! `exp(z − lse)` from the row's lse, and `O` as in the forward, just as a
+//! kernel's backward uses its forward's `out` and `lse`):
 //! `D_i = Σ_d dO_i·O_i`, `dP_ij = dO_i·v_j`,
 //! `dS_ij = P_ij (dP_ij − D_i) · score_grad(s_ij)`,
 //! `dQ = scale · dS K`, `dK = scale · dSᵀ Q`, `dV = Pᵀ dO`; the query heads of
@@ -172,11 +174,22 @@ fn dot<T: Real>(a: &[T], b: &[T]) -> T {
     acc
 }
 
+fn dot_rev<T: Real>(a: &[T], b: &[T]) -> T {
+    let mut acc = T::ZERO;
+    for (&x, &y) in a.iter().zip(b).rev() {
+        acc += x * y;
+    }
+    acc
+}
+
 /// One query row's softmax, materialised over all keys.
 struct Row<T> {
     /// Scaled logits `s` (unused where not visible).
     s: Vec<T>,
-    /// Probabilities `P` (exactly zero where not visible).
+    /// Modified scores `z` (`−inf` where not visible).
+    z: Vec<T>,
+    /// Probabilities `exp(z − max) / Σ exp(z − max)` (exactly zero where not
+    /// visible).
     p: Vec<T>,
     /// Log-sum-exp (`−inf` when no key is visible).
     lse: T,
@@ -186,6 +199,7 @@ impl<T: Real> Row<T> {
     fn new(seq_k: usize) -> Self {
         Self {
             s: vec![T::ZERO; seq_k],
+            z: vec![T::NEG_INFINITY; seq_k],
             p: vec![T::ZERO; seq_k],
             lse: T::NEG_INFINITY,
         }
@@ -208,19 +222,19 @@ impl<T: Real> Row<T> {
         let scale = T::from_f32(p.scale);
         let qr = &q[((b * p.heads_q + h) * p.seq_q + i) * d..][..d];
         let (bi, hi, qi) = (b as i32, h as i32, q_pos(p, i));
-        // First pass: z (kept in `p`) and its max over the visible keys.
+        // First pass: z and its max over the visible keys.
         let mut max = T::NEG_INFINITY;
         for j in 0..p.seq_k {
             let ji = j as i32;
             if !T::mask(variant, bi, hi, qi, ji) {
-                self.p[j] = T::NEG_INFINITY;
+                self.z[j] = T::NEG_INFINITY;
                 continue;
             }
             let kr = &k[((b * p.heads_kv + hk) * p.seq_k + j) * d..][..d];
             let s = scale * dot(qr, kr);
             let z = T::score(variant, s, bi, hi, qi, ji);
             self.s[j] = s;
-            self.p[j] = z;
+            self.z[j] = z;
             if z > max {
                 max = z;
             }
@@ -233,19 +247,32 @@ impl<T: Real> Row<T> {
         // Second pass: exp and normalisation. A NaN score propagates (on
         // purpose: the checks report it).
         let mut sum = T::ZERO;
-        for z in &mut self.p {
-            *z = if *z == T::NEG_INFINITY {
+        for (pj, &z) in self.p.iter_mut().zip(&self.z) {
+            *pj = if z == T::NEG_INFINITY {
                 T::ZERO
             } else {
-                (*z - max).exp()
+                (z - max).exp()
             };
-            sum += *z;
+            sum += *pj;
         }
-        for x in &mut self.p {
-            *x = *x / sum;
+        for pj in &mut self.p {
+            *pj = *pj / sum;
         }
         self.lse = max + sum.ln();
         true
+    }
+
+    /// `P_j` recomputed from the row's log-sum-exp, `exp(z_j − lse)`, as a
+    /// backward kernel does from its saved lse. In f32 this carries the
+    /// rounding of `lse` itself (half an ulp: ~5e-4 at |lse| ~ 1e4), which
+    /// every kernel's backward carries too; in f64 it equals `p`.
+    fn p_from_lse(&self, j: usize) -> T {
+        let z = self.z[j];
+        if z == T::NEG_INFINITY {
+            T::ZERO
+        } else {
+            (z - self.lse).exp()
+        }
     }
 }
 
@@ -348,21 +375,27 @@ pub fn reference_backward<T: Real, V: Variant>(
                         }
                     }
                 }
-                let d_i = dot(dor, &o);
+                // Summed in the opposite order from `dP` below: in a one-hot
+                // row `O = v_j` exactly, and summing both alike would cancel
+                // `dP_ij − D_i` exactly, which no kernel does (its `D` comes
+                // from its forward's `out`); the naive f32 error must include
+                // that rounding.
+                let d_i = dot_rev(dor, &o);
                 let dq_r = &mut dq_bh[i * d..][..d];
-                for (j, (&pj, &s)) in row.p.iter().zip(&row.s).enumerate() {
+                for (j, &s) in row.s.iter().enumerate() {
+                    let pj = row.p_from_lse(j);
                     if pj == T::ZERO {
                         continue;
                     }
                     let (kr, vr) = (&k[kv_row(j)..][..d], &v[kv_row(j)..][..d]);
                     let dp = dot(dor, vr);
                     let g = T::score_grad(variant, s, bi, hi, qi, j as i32);
-                    let ds = pj * (dp - d_i) * g;
-                    let sds = scale * ds;
+                    let sds = scale * (pj * (dp - d_i) * g);
+                    let (dk_j, dv_j) = (&mut dk_h[j * d..][..d], &mut dv_h[j * d..][..d]);
                     for x in 0..d {
                         dq_r[x] += sds * kr[x];
-                        dk_h[j * d + x] += sds * qr[x];
-                        dv_h[j * d + x] += pj * dor[x];
+                        dk_j[x] += sds * qr[x];
+                        dv_j[x] += pj * dor[x];
                     }
                 }
             }

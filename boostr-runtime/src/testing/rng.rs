@@ -77,6 +77,11 @@ impl Rng {
         ((self.next_u64() >> 11) + 1) as f64 * (1.0 / (1u64 << 53) as f64)
     }
 
+    /// Uniform in `(0, 1]`, public to the kit.
+    pub(crate) fn uniform(&mut self) -> f64 {
+        self.uniform_open0()
+    }
+
     /// Standard normal (Box–Muller, one value per call).
     pub(crate) fn normal(&mut self) -> f64 {
         let u1 = self.uniform_open0();

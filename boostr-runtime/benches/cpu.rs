@@ -1,0 +1,625 @@
+//! CPU benchmark: boostr's fused attention against the same attention composed
+//! from numr ops (matmul, scale, bias mask, softmax, matmul; autograd for the
+//! backward), forward and forward+backward, in one table.
+//!
+//! ```text
+//! cargo bench -p boostr-runtime --bench cpu                  # S = 1024, 2048, 4096
+//! cargo bench -p boostr-runtime --bench cpu -- --quick       # S = 1024 only (CI smoke)
+//! cargo bench -p boostr-runtime --bench cpu -- --seq 2048 --dim 128 --variant causal
+//! BOOSTR_BENCH_REPS=9 cargo bench -p boostr-runtime --bench cpu
+//! ```
+//!
+//! Shapes: B = 1, Hq = Hkv = 8, f32. Each time is the median of
+//! `BOOSTR_BENCH_REPS` (default 5) runs after one warm-up run.
+//!
+//! FLOPs count only useful work, identically for both implementations:
+//! forward `4·B·H·S²·D`, halved (×(S+1)/(2S)) for causal; backward 2.5× the
+//! forward, so forward+backward is 3.5× the forward.
+//!
+//! Forward+backward of both implementations is the autograd path a user takes:
+//! build the op on `Var`s, then `backward` of `L = sum(out ∘ dout)`.
+//!
+//! The composed version materialises `[B, H, S, S]` scores (and, in its
+//! backward, several more such tensors); when its forward+backward at one
+//! length projects (from the previous length, ×4 per doubling) to more than
+//! `BOOSTR_BENCH_COMPOSED_MAX_S` seconds per run (default 60), it is skipped.
+
+use boostr_runtime::stock::{Causal, Full};
+use boostr_runtime::{AttentionOptions, Variant, attention_fwd, var_attention};
+use numr::autograd::{
+    Var, backward, var_add, var_matmul, var_mul, var_mul_scalar, var_softmax, var_sum,
+    var_transpose,
+};
+use numr::prelude::{
+    ActivationOps, BinaryOps, CpuDevice, CpuRuntime, MatmulOps, Runtime, ScalarOps, Tensor,
+};
+use numr::runtime::cpu::CpuClient;
+use std::error::Error;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+type BoxResult<T> = Result<T, Box<dyn Error>>;
+
+const BATCH: usize = 1;
+const HEADS: usize = 8;
+
+const USAGE: &str = "\
+usage: cargo bench -p boostr-runtime --bench cpu -- [options]
+  --quick            only S = 1024 (smoke test)
+  --seq N[,N..]      sequence lengths (default 1024,2048,4096)
+  --dim D[,D..]      head dims (default 64,128)
+  --variant V[,V..]  full, causal (default both)
+  --no-composed      skip the composed numr implementation
+env: BOOSTR_BENCH_REPS (timed runs, default 5),
+     BOOSTR_BENCH_COMPOSED_MAX_S (per-run limit for composed fwd+bwd, default 60)";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Full,
+    Causal,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Full => "Full",
+            Kind::Causal => "Causal",
+        }
+    }
+
+    /// Fraction of (query, key) pairs that are visible.
+    fn visible(self, s: usize) -> f64 {
+        match self {
+            Kind::Full => 1.0,
+            Kind::Causal => (s + 1) as f64 / (2 * s) as f64,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Config {
+    seqs: Vec<usize>,
+    dims: Vec<usize>,
+    kinds: Vec<Kind>,
+    composed: bool,
+    reps: Reps,
+    composed_max: Duration,
+}
+
+fn parse_list(flag: &str, value: Option<String>) -> Result<Vec<usize>, String> {
+    let value = value.ok_or_else(|| format!("{flag} needs a value"))?;
+    value
+        .split(',')
+        .map(|x| {
+            x.trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| format!("{flag}: bad value {x:?}"))
+        })
+        .collect()
+}
+
+fn env_number(name: &str, default: f64) -> Result<f64, String> {
+    match std::env::var(name) {
+        Ok(s) => s
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|&x| x > 0.0)
+            .ok_or_else(|| format!("{name}={s:?} is not a positive number")),
+        Err(_) => Ok(default),
+    }
+}
+
+fn parse_args() -> Result<Config, String> {
+    let mut config = Config {
+        seqs: vec![1024, 2048, 4096],
+        dims: vec![64, 128],
+        kinds: vec![Kind::Full, Kind::Causal],
+        composed: true,
+        reps: Reps {
+            n: (env_number("BOOSTR_BENCH_REPS", 5.0)? as usize).max(1),
+            exact: std::env::var_os("BOOSTR_BENCH_REPS").is_some(),
+        },
+        composed_max: Duration::from_secs_f64(env_number("BOOSTR_BENCH_COMPOSED_MAX_S", 60.0)?),
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        // `--flag=value` is accepted too.
+        let (flag, mut value) = match arg.split_once('=') {
+            Some((f, v)) => (f.to_string(), Some(v.to_string())),
+            None => (arg.clone(), None),
+        };
+        let mut value = || value.take().or_else(|| args.next());
+        match flag.as_str() {
+            // `cargo bench` passes `--bench` to every bench binary.
+            "--bench" => {}
+            "--quick" => config.seqs = vec![1024],
+            "--seq" => config.seqs = parse_list("--seq", value())?,
+            "--dim" => config.dims = parse_list("--dim", value())?,
+            "--variant" => {
+                let v = value().ok_or("--variant needs a value")?;
+                config.kinds = v
+                    .split(',')
+                    .map(|x| match x.trim().to_ascii_lowercase().as_str() {
+                        "full" => Ok(Kind::Full),
+                        "causal" => Ok(Kind::Causal),
+                        other => Err(format!("--variant: unknown {other:?} (full, causal)")),
+                    })
+                    .collect::<Result<_, _>>()?;
+            }
+            "--no-composed" => config.composed = false,
+            "-h" | "--help" => return Err(String::new()),
+            other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    Ok(config)
+}
+
+fn main() -> ExitCode {
+    let config = match parse_args() {
+        Ok(c) => c,
+        Err(e) => {
+            if !e.is_empty() {
+                eprintln!("error: {e}");
+            }
+            eprintln!("{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(&config) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// One row of the table.
+struct Row {
+    kind: Kind,
+    seq: usize,
+    dim: usize,
+    fused_fwd: Duration,
+    fused_fb: Duration,
+    composed_fwd: Option<Duration>,
+    /// `None`: not run (`--no-composed`), or skipped as too slow.
+    composed_fb: Option<Duration>,
+    composed_fb_skipped: bool,
+    /// Max |fused − composed| over out, dq, dk, dv (when both ran).
+    max_diff: Option<f64>,
+}
+
+fn run(config: &Config) -> BoxResult<()> {
+    let device = CpuDevice::new();
+    let client = CpuRuntime::default_client(&device);
+    println!(
+        "boostr CPU attention benchmark: {} rayon threads, B={BATCH}, Hq=Hkv={HEADS}, f32, \
+         median of {} runs after 1 warm-up{}",
+        rayon::current_num_threads(),
+        config.reps.n,
+        if config.reps.exact {
+            String::new()
+        } else {
+            format!(
+                " (at least {MIN_REPS} when they would take over {} s)",
+                MEASURE_BUDGET.as_secs()
+            )
+        }
+    );
+    println!(
+        "GFLOP/s counts useful work: fwd 4·B·H·S²·D (×(S+1)/2S causal), fwd+bwd 3.5× that; \
+         speedup = composed time / fused time"
+    );
+    println!();
+    print_header();
+
+    let mut rng = Rng(0xb005_7a11);
+    let started = Instant::now();
+    let mut rows = Vec::new();
+    for &dim in &config.dims {
+        for &kind in &config.kinds {
+            // Composed fwd+bwd time at the previous length, to project the next.
+            let mut last_composed: Option<(usize, Duration)> = None;
+            for &seq in &config.seqs {
+                let row = bench_one(
+                    config,
+                    &client,
+                    &device,
+                    &mut rng,
+                    kind,
+                    seq,
+                    dim,
+                    &mut last_composed,
+                )?;
+                print_row(&row);
+                rows.push(row);
+            }
+        }
+    }
+    println!();
+    println!("total wall time {:.1} s", started.elapsed().as_secs_f64());
+    let bad: Vec<&Row> = rows
+        .iter()
+        .filter(|r| r.max_diff.is_some_and(|d| d.is_nan() || d > 1e-3))
+        .collect();
+    if !bad.is_empty() {
+        for r in &bad {
+            eprintln!(
+                "warning: {} S={} D={}: fused and composed differ by {:.2e}",
+                r.kind.name(),
+                r.seq,
+                r.dim,
+                r.max_diff.unwrap_or(f64::NAN)
+            );
+        }
+        return Err("fused and composed results disagree".into());
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn bench_one(
+    config: &Config,
+    client: &CpuClient,
+    device: &CpuDevice,
+    rng: &mut Rng,
+    kind: Kind,
+    seq: usize,
+    dim: usize,
+    last_composed: &mut Option<(usize, Duration)>,
+) -> BoxResult<Row> {
+    let shape = [BATCH, HEADS, seq, dim];
+    let n = shape.iter().product();
+    let tensor = |data: &[f32]| Tensor::<CpuRuntime>::from_slice(data, &shape, device);
+    let q = tensor(&rng.normal(n))?;
+    let k = tensor(&rng.normal(n))?;
+    let v = tensor(&rng.normal(n))?;
+    let dout = tensor(&rng.normal(n))?;
+    let inputs = Inputs { q, k, v, dout };
+
+    let (fused_fwd, fused_fb, fused_res) = match kind {
+        Kind::Full => fused(config.reps, client, &Full, &inputs)?,
+        Kind::Causal => fused(config.reps, client, &Causal, &inputs)?,
+    };
+
+    let mut row = Row {
+        kind,
+        seq,
+        dim,
+        fused_fwd,
+        fused_fb,
+        composed_fwd: None,
+        composed_fb: None,
+        composed_fb_skipped: false,
+        max_diff: None,
+    };
+    if !config.composed {
+        return Ok(row);
+    }
+    let composed = Composed::new(client, device, kind, seq, dim)?;
+    row.composed_fwd = Some(median_time(config.reps, || {
+        composed.forward(&inputs).map(drop)
+    })?);
+    // Skip the composed backward when the previous length projects it too slow.
+    if let Some((prev_seq, prev_t)) = *last_composed {
+        let growth = (seq as f64 / prev_seq as f64).powi(2);
+        let projected = prev_t.mul_f64(growth);
+        if projected > config.composed_max {
+            *last_composed = None;
+            row.composed_fb_skipped = true;
+            return Ok(row);
+        }
+    }
+    let mut comp_res = None;
+    let t = median_time(config.reps, || {
+        comp_res = Some(composed.forward_backward(&inputs)?);
+        Ok(())
+    })?;
+    row.composed_fb = Some(t);
+    *last_composed = Some((seq, t));
+    if let Some(c) = comp_res {
+        let mut diff = 0.0f64;
+        for (a, b) in fused_res.iter().zip(&c) {
+            let d = max_abs_diff(&host(a)?, &host(b)?);
+            diff = if d.is_nan() { d } else { diff.max(d) };
+        }
+        row.max_diff = Some(diff);
+    }
+    Ok(row)
+}
+
+struct Inputs {
+    q: Tensor<CpuRuntime>,
+    k: Tensor<CpuRuntime>,
+    v: Tensor<CpuRuntime>,
+    dout: Tensor<CpuRuntime>,
+}
+
+/// `[out, dq, dk, dv]` of one forward+backward, still as tensors (copied to
+/// the host only after timing).
+type Results = [Tensor<CpuRuntime>; 4];
+
+/// `L = sum(out ∘ dout)`, whose gradient with respect to `out` is `dout`.
+fn loss(
+    out: &Var<CpuRuntime>,
+    dout: &Var<CpuRuntime>,
+    client: &CpuClient,
+) -> BoxResult<Var<CpuRuntime>> {
+    Ok(var_sum(
+        &var_mul(out, dout, client)?,
+        &[0, 1, 2, 3],
+        false,
+        client,
+    )?)
+}
+
+/// Backward of `l`; `out` and the gradients of `[q, k, v]`. Only these tensors
+/// are kept: the graph and its saved intermediates are dropped on return.
+fn collect(
+    out: &Var<CpuRuntime>,
+    l: &Var<CpuRuntime>,
+    vars: [&Var<CpuRuntime>; 3],
+    client: &CpuClient,
+) -> BoxResult<Results> {
+    let grads = backward(l, client)?;
+    let grad = |v: &Var<CpuRuntime>| -> BoxResult<Tensor<CpuRuntime>> {
+        Ok(grads.get(v.id()).ok_or("no gradient")?.clone())
+    };
+    Ok([
+        out.tensor().clone(),
+        grad(vars[0])?,
+        grad(vars[1])?,
+        grad(vars[2])?,
+    ])
+}
+
+/// Fused forward (tensor op) and forward+backward (autograd) times, and the
+/// results of the last forward+backward.
+fn fused<V: Variant>(
+    reps: Reps,
+    client: &CpuClient,
+    variant: &V,
+    x: &Inputs,
+) -> BoxResult<(Duration, Duration, Results)> {
+    let opts = AttentionOptions::default();
+    let fwd = median_time(reps, || {
+        attention_fwd(variant, &x.q, &x.k, &x.v, &opts)?;
+        Ok(())
+    })?;
+    let mut res = None;
+    let fb = median_time(reps, || {
+        let (q, k, v) = (
+            Var::new(x.q.clone(), true),
+            Var::new(x.k.clone(), true),
+            Var::new(x.v.clone(), true),
+        );
+        let dout = Var::new(x.dout.clone(), false);
+        let out = var_attention(variant, &q, &k, &v, &opts)?;
+        let l = loss(&out, &dout, client)?;
+        res = Some(collect(&out, &l, [&q, &k, &v], client)?);
+        Ok(())
+    })?;
+    Ok((fwd, fb, res.expect("at least one run")))
+}
+
+/// Attention composed from numr ops: `softmax(scale · q kᵀ + bias) v`, with
+/// `bias` a precomputed `[S, S]` tensor of `0` / `-inf` for causal.
+struct Composed<'a> {
+    client: &'a CpuClient,
+    scale: f64,
+    bias: Option<Tensor<CpuRuntime>>,
+}
+
+impl<'a> Composed<'a> {
+    fn new(
+        client: &'a CpuClient,
+        device: &CpuDevice,
+        kind: Kind,
+        seq: usize,
+        dim: usize,
+    ) -> BoxResult<Self> {
+        let bias = match kind {
+            Kind::Full => None,
+            Kind::Causal => {
+                let data: Vec<f32> = (0..seq * seq)
+                    .map(|ij| {
+                        if ij % seq <= ij / seq {
+                            0.0
+                        } else {
+                            f32::NEG_INFINITY
+                        }
+                    })
+                    .collect();
+                Some(Tensor::<CpuRuntime>::from_slice(
+                    &data,
+                    &[seq, seq],
+                    device,
+                )?)
+            }
+        };
+        Ok(Composed {
+            client,
+            scale: 1.0 / (dim as f64).sqrt(),
+            bias,
+        })
+    }
+
+    fn forward(&self, x: &Inputs) -> BoxResult<Tensor<CpuRuntime>> {
+        let c = self.client;
+        let kt = x.k.t()?;
+        let scores = c.mul_scalar(&c.matmul(&x.q, &kt)?, self.scale)?;
+        let scores = match &self.bias {
+            Some(bias) => c.add(&scores, bias)?,
+            None => scores,
+        };
+        let p = c.softmax(&scores, -1)?;
+        Ok(c.matmul(&p, &x.v)?)
+    }
+
+    fn forward_backward(&self, x: &Inputs) -> BoxResult<Results> {
+        let c = self.client;
+        let (q, k, v) = (
+            Var::new(x.q.clone(), true),
+            Var::new(x.k.clone(), true),
+            Var::new(x.v.clone(), true),
+        );
+        let dout = Var::new(x.dout.clone(), false);
+        let scores = var_mul_scalar(&var_matmul(&q, &var_transpose(&k)?, c)?, self.scale, c)?;
+        let scores = match &self.bias {
+            Some(bias) => var_add(&scores, &Var::new(bias.clone(), false), c)?,
+            None => scores,
+        };
+        let p = var_softmax(&scores, -1, c)?;
+        let out = var_matmul(&p, &v, c)?;
+        let l = loss(&out, &dout, c)?;
+        collect(&out, &l, [&q, &k, &v], c)
+    }
+}
+
+/// How many timed runs a measurement makes.
+#[derive(Clone, Copy, Debug)]
+struct Reps {
+    n: usize,
+    /// Set by `BOOSTR_BENCH_REPS`: exactly `n`, however slow.
+    exact: bool,
+}
+
+/// Timed runs of one measurement beyond which slow runs are cut...
+const MEASURE_BUDGET: Duration = Duration::from_secs(10);
+/// ...down to no fewer than this many.
+const MIN_REPS: usize = 3;
+
+/// Median of `reps` timed runs of `f`, after one warm-up run (which also
+/// decides whether slow runs are cut to fit [`MEASURE_BUDGET`]).
+fn median_time(reps: Reps, mut f: impl FnMut() -> BoxResult<()>) -> BoxResult<Duration> {
+    let warm = Instant::now();
+    f()?;
+    let warm = warm.elapsed().as_secs_f64().max(1e-9);
+    let n = if reps.exact {
+        reps.n
+    } else {
+        let fit = (MEASURE_BUDGET.as_secs_f64() / warm) as usize;
+        reps.n.min(fit.max(MIN_REPS))
+    };
+    let mut times = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        f()?;
+        times.push(t.elapsed());
+    }
+    times.sort();
+    Ok(times[times.len() / 2])
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f64 {
+    if a.len() != b.len() {
+        return f64::INFINITY;
+    }
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| f64::from((x - y).abs()))
+        .fold(0.0, |m, d| {
+            if d.is_nan() || m.is_nan() {
+                f64::NAN
+            } else {
+                m.max(d)
+            }
+        })
+}
+
+fn print_header() {
+    println!(
+        "{:<7} {:>5} {:>4} | {:>24} {:>24} {:>8} | {:>24} {:>24} {:>8} | {:>8}",
+        "variant",
+        "S",
+        "D",
+        "fused fwd",
+        "composed fwd",
+        "speedup",
+        "fused fwd+bwd",
+        "composed fwd+bwd",
+        "speedup",
+        "max|Δ|"
+    );
+    println!(
+        "{}",
+        "-".repeat(7 + 6 + 5 + 3 + 24 * 2 + 2 + 9 + 3 + 24 * 2 + 2 + 9 + 3 + 8)
+    );
+}
+
+fn cell(t: Option<Duration>, flops: f64, skipped: bool) -> String {
+    match t {
+        Some(t) => {
+            let s = t.as_secs_f64();
+            format!("{:>9.2} ms {:>6.1} GF/s", s * 1e3, flops / s / 1e9)
+        }
+        None if skipped => "skipped".to_string(),
+        None => "-".to_string(),
+    }
+}
+
+fn speedup(fused: Duration, composed: Option<Duration>) -> String {
+    match composed {
+        Some(c) => format!("{:.2}x", c.as_secs_f64() / fused.as_secs_f64()),
+        None => "-".to_string(),
+    }
+}
+
+fn print_row(r: &Row) {
+    let fwd_flops =
+        4.0 * (BATCH * HEADS) as f64 * (r.seq * r.seq * r.dim) as f64 * r.kind.visible(r.seq);
+    let fb_flops = 3.5 * fwd_flops;
+    let diff = match r.max_diff {
+        Some(d) => format!("{d:.1e}"),
+        None => "-".to_string(),
+    };
+    println!(
+        "{:<7} {:>5} {:>4} | {:>24} {:>24} {:>8} | {:>24} {:>24} {:>8} | {:>8}",
+        r.kind.name(),
+        r.seq,
+        r.dim,
+        cell(Some(r.fused_fwd), fwd_flops, false),
+        cell(r.composed_fwd, fwd_flops, false),
+        speedup(r.fused_fwd, r.composed_fwd),
+        cell(Some(r.fused_fb), fb_flops, false),
+        cell(r.composed_fb, fb_flops, r.composed_fb_skipped),
+        speedup(r.fused_fb, r.composed_fb),
+        diff
+    );
+}
+
+/// A tiny deterministic generator (SplitMix64 + Box–Muller).
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in (0, 1].
+    fn uniform(&mut self) -> f64 {
+        ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
+    }
+
+    /// `n` standard normal samples.
+    fn normal(&mut self, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                let (u1, u2) = (self.uniform(), self.uniform());
+                ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+            })
+            .collect()
+    }
+}
+
+/// A tensor's elements in row-major order (autograd may return strided views).
+fn host(t: &Tensor<CpuRuntime>) -> BoxResult<Vec<f32>> {
+    Ok(t.contiguous()?.to_vec::<f32>())
+}

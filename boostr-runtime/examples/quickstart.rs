@@ -1,0 +1,212 @@
+//! boostr in one file: declare an attention variant, look at what the compiler
+//! made of it, run it forward and backward through numr autograd, check it
+//! against the f64 reference, and time it.
+//!
+//! ```text
+//! cargo run --release -p boostr-runtime --example quickstart
+//! ```
+//!
+//! Exits with status 1 if any result is further from the reference than the
+//! tolerance.
+
+use boostr_runtime::testing::{reference_backward, reference_forward};
+use boostr_runtime::{AttentionOptions, Problem, Variant, attention, var_attention};
+use numr::autograd::{Var, backward, var_mul, var_sum};
+use numr::prelude::{CpuDevice, CpuRuntime, Runtime, Tensor};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+/// Gemma 2 attention: causal, with the logits soft-capped by `cap * tanh(s / cap)`.
+///
+/// `s` is the scaled logit `q·k / sqrt(D)`; `q` and `kv` are the query's and
+/// key's positions. The compiler derives d`score`/d`s` for the backward and a
+/// tile classifier from the mask, so the kernels skip tiles above the diagonal.
+#[attention(
+    score = |s, _b, _h, _q, _kv| self.cap * tanh(s / self.cap),
+    mask = |_b, _h, q, kv| kv <= q,
+)]
+#[derive(Clone, Debug)]
+struct Gemma2 {
+    cap: f32,
+}
+
+const B: usize = 1;
+const HQ: usize = 8;
+const HKV: usize = 2; // grouped-query attention: 4 query heads per kv head
+const S: usize = 512;
+const D: usize = 64;
+/// Timed repetitions (the median is reported), after one warm-up run.
+const REPS: usize = 5;
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => {
+            eprintln!("FAILED: results differ from the f64 reference beyond tolerance");
+            ExitCode::from(1)
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn run() -> Result<bool, Box<dyn std::error::Error>> {
+    let variant = Gemma2 { cap: 50.0 };
+
+    // 1. What the compiler made: IR, derivative, tile classifier, emitted code.
+    println!("{}", Gemma2::compiled().text);
+
+    // 2. Inputs: q [B, Hq, S, D], k and v [B, Hkv, S, D], and an output gradient.
+    let device = CpuDevice::new();
+    let client = CpuRuntime::default_client(&device);
+    let mut rng = Rng(0x5eed_b005);
+    let (q_shape, kv_shape) = ([B, HQ, S, D], [B, HKV, S, D]);
+    let q = rng.normal(B * HQ * S * D);
+    let k = rng.normal(B * HKV * S * D);
+    let v = rng.normal(B * HKV * S * D);
+    let dout = rng.normal(B * HQ * S * D);
+    let tensor =
+        |data: &[f32], shape: &[usize]| Tensor::<CpuRuntime>::from_slice(data, shape, &device);
+    let qv = Var::new(tensor(&q, &q_shape)?, true);
+    let kv = Var::new(tensor(&k, &kv_shape)?, true);
+    let vv = Var::new(tensor(&v, &kv_shape)?, true);
+    let doutv = Var::new(tensor(&dout, &q_shape)?, false);
+    let opts = AttentionOptions::default();
+
+    // 3. Forward as an autograd op, then backward of L = sum(out ∘ dout), so
+    //    that dL/dout = dout. One warm-up run, then REPS timed runs.
+    let mut fwd_times = Vec::new();
+    let mut bwd_times = Vec::new();
+    let mut result = None;
+    for rep in 0..=REPS {
+        let t0 = Instant::now();
+        let out = var_attention(&variant, &qv, &kv, &vv, &opts)?;
+        let t1 = Instant::now();
+        let loss = var_sum(
+            &var_mul(&out, &doutv, &client)?,
+            &[0, 1, 2, 3],
+            false,
+            &client,
+        )?;
+        let t2 = Instant::now();
+        let grads = backward(&loss, &client)?;
+        let t3 = Instant::now();
+        if rep > 0 {
+            fwd_times.push(t1 - t0);
+            bwd_times.push(t3 - t2);
+        }
+        result = Some((out, grads));
+    }
+    let (out, grads) = result.expect("REPS >= 0");
+    let grad = |var: &Var<CpuRuntime>| {
+        grads
+            .get(var.id())
+            .map(|t| t.to_vec::<f32>())
+            .ok_or("autograd produced no gradient")
+    };
+    let got = [
+        ("out", out.tensor().to_vec::<f32>()),
+        ("dq", grad(&qv)?),
+        ("dk", grad(&kv)?),
+        ("dv", grad(&vv)?),
+    ];
+
+    // 4. The f64 reference: naive attention over the variant's f64 closures.
+    let problem = Problem {
+        batch: B,
+        heads_q: HQ,
+        heads_kv: HKV,
+        seq_q: S,
+        seq_k: S,
+        head_dim: D,
+        scale: 1.0 / (D as f32).sqrt(),
+    };
+    let wide = |x: &[f32]| x.iter().map(|&x| f64::from(x)).collect::<Vec<f64>>();
+    let (q64, k64, v64) = (wide(&q), wide(&k), wide(&v));
+    let want_f = reference_forward(&variant, &problem, &q64, &k64, &v64);
+    let want_g = reference_backward(&variant, &problem, &q64, &k64, &v64, &wide(&dout));
+    let want = [&want_f.out, &want_g.dq, &want_g.dk, &want_g.dv];
+
+    println!("accuracy against the f64 reference (B={B}, Hq={HQ}, Hkv={HKV}, S={S}, D={D}):");
+    let mut ok = true;
+    for ((name, got), want) in got.iter().zip(want) {
+        let max_ref = want.iter().fold(0.0f64, |m, &w| m.max(w.abs()));
+        let err = got
+            .iter()
+            .zip(want)
+            .fold(0.0f64, |m, (&g, &w)| m.max((f64::from(g) - w).abs()));
+        // f32 accumulation over S = 512 keys: a few ulps of the largest value.
+        let tol = 1e-5 * (1.0 + max_ref);
+        let verdict = if err <= tol { "ok" } else { "FAIL" };
+        ok &= err <= tol; // also false for NaN
+        println!(
+            "  {name:<3}  max |err| {err:.2e}  (tolerance {tol:.2e}, max |ref| {max_ref:.2e})  {verdict}"
+        );
+    }
+
+    // 5. Speed: flops of the visible (query, key) pairs only.
+    let visible = (0..HQ)
+        .map(|h| {
+            (0..S)
+                .map(|i| {
+                    (0..S)
+                        .filter(|&j| variant.mask(0, h as i32, i as i32, j as i32))
+                        .count()
+                })
+                .sum::<usize>()
+        })
+        .sum::<usize>() as f64
+        / (HQ * S * S) as f64;
+    let fwd_flops = 4.0 * (B * HQ * S * S * D) as f64 * visible;
+    let bwd_flops = 2.5 * fwd_flops;
+    let (tf, tb) = (median(&mut fwd_times), median(&mut bwd_times));
+    println!(
+        "speed ({} threads, {visible:.3} of pairs visible, median of {REPS}):",
+        rayon::current_num_threads()
+    );
+    for (name, t, flops) in [("forward", tf, fwd_flops), ("backward", tb, bwd_flops)] {
+        let secs = t.as_secs_f64();
+        println!(
+            "  {name:<8}  {:8.2} ms  {:7.1} GFLOP/s",
+            secs * 1e3,
+            flops / secs / 1e9
+        );
+    }
+    Ok(ok)
+}
+
+fn median(times: &mut [Duration]) -> Duration {
+    times.sort();
+    times[times.len() / 2]
+}
+
+/// A tiny deterministic generator (SplitMix64 + Box–Muller), to keep the
+/// example self-contained.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in (0, 1].
+    fn uniform(&mut self) -> f64 {
+        ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
+    }
+
+    /// `n` standard normal samples.
+    fn normal(&mut self, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                let (u1, u2) = (self.uniform(), self.uniform());
+                ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,80 @@
+//! Runtime instruction-set dispatch for the elementwise passes.
+//!
+//! The crate is compiled for baseline x86-64 (SSE2, 4 f32 lanes), while the
+//! machines it runs on usually have AVX2 (8 lanes) or AVX-512 (16 lanes). The
+//! GEMMs already dispatch at runtime inside `gemm`; this module does the same
+//! for the softmax between them, which is otherwise a third of the forward's
+//! time. A pass is written once as an [`Elementwise`] whose `run` is
+//! `#[inline(always)]`; [`dispatch`] calls it through a wrapper compiled with
+//! the best target features the CPU has, so the same source (including the
+//! variant's inlined `score`/`mask`) is vectorized at that width.
+//!
+//! Guarantees: results are the same on every path up to the width of the
+//! lanes used for sums, which is fixed by the source (see `math::LANES`), not
+//! by the instruction set — so the kernels give the same bits whichever path
+//! runs. (No FMA contraction happens: Rust never fuses `a * b + c`.)
+
+/// An elementwise pass over a tile, run by [`dispatch`].
+pub(super) trait Elementwise {
+    /// The pass. Implementations must be `#[inline(always)]`, and so must
+    /// the helpers they call, so that the body is compiled inside the
+    /// target-feature wrappers below rather than called from them.
+    fn run(self);
+}
+
+/// Run `pass` with the widest vector instructions this CPU supports.
+#[inline]
+pub(super) fn dispatch<E: Elementwise>(pass: E) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // `is_x86_feature_detected!` caches its answer: a load and a test.
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: `run_avx512` only requires the CPU to support AVX-512F,
+            // which was just checked.
+            return unsafe { run_avx512(pass) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: `run_avx2` only requires AVX2, which was just checked.
+            return unsafe { run_avx2(pass) };
+        }
+    }
+    pass.run();
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn run_avx512<E: Elementwise>(pass: E) {
+    pass.run();
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn run_avx2<E: Elementwise>(pass: E) {
+    pass.run();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::math;
+
+    struct ExpSum<'a>(&'a mut [f32], &'a mut f32);
+
+    impl Elementwise for ExpSum<'_> {
+        #[inline(always)]
+        fn run(self) {
+            *self.1 = math::exp_sub_sum(self.0, 1.0);
+        }
+    }
+
+    #[test]
+    fn every_path_gives_the_same_bits() {
+        let xs: Vec<f32> = (0..301).map(|i| (i as f32 * 0.37).sin() * 30.0).collect();
+        let (mut a, mut b) = (xs.clone(), xs.clone());
+        let (mut sa, mut sb) = (0.0, 0.0);
+        dispatch(ExpSum(&mut a, &mut sa));
+        ExpSum(&mut b, &mut sb).run();
+        assert_eq!(sa.to_bits(), sb.to_bits());
+        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+    }
+}

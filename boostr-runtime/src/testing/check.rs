@@ -1,0 +1,669 @@
+//! `check_variant`: a backend's kernels against the f64 reference, on the
+//! standard cases, through both the tensor ops and the autograd op.
+
+use super::cases::{CASES, Case, Logits};
+use super::reference::{Forward, Gradients, q_pos, reference_backward, reference_forward};
+use super::rng::{Rng, SEED_ENV, choose_seed};
+use super::unravel;
+use crate::backend::AttentionRuntime;
+use crate::op::{AttentionOptions, attention_bwd, attention_fwd, var_attention};
+use crate::problem::Problem;
+use crate::validate;
+use crate::variant::{TileClass, Variant};
+use numr::autograd::{Var, backward, var_mul, var_sum};
+use numr::ops::TensorOps;
+use numr::runtime::Runtime;
+use numr::runtime::cpu::{CpuDevice, CpuRuntime};
+use numr::tensor::Tensor;
+use std::fmt::Write as _;
+
+/// A backend under test: a numr runtime with attention kernels, and how to get
+/// one of its devices.
+///
+/// [`Cpu`] is always available. GPU backends (wgpu, CUDA) implement this
+/// behind their cargo features and return `None` from [`device`] when the
+/// machine has no such device; the check is then skipped with a message
+/// (or fails, when `BOOSTR_TEST_REQUIRE_DEVICE` is set).
+///
+/// [`device`]: TestBackend::device
+pub trait TestBackend {
+    /// The runtime whose kernels are checked.
+    type Runtime: AttentionRuntime<Client: TensorOps<Self::Runtime>>;
+    /// Short name, printed in every report.
+    const NAME: &'static str;
+    /// A device to run on, or `None` when this machine has none.
+    fn device() -> Option<<Self::Runtime as Runtime>::Device>;
+}
+
+/// numr's CPU runtime.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Cpu;
+
+impl TestBackend for Cpu {
+    type Runtime = CpuRuntime;
+    const NAME: &'static str = "cpu";
+    fn device() -> Option<CpuDevice> {
+        Some(CpuDevice::new())
+    }
+}
+
+/// Environment variable: when set, a backend without a device fails
+/// [`check_variant`] instead of skipping it (for CI machines that have one).
+pub const REQUIRE_DEVICE_ENV: &str = "BOOSTR_TEST_REQUIRE_DEVICE";
+
+/// Factor on the naive f32 implementation's max error (FlashAttention's rule).
+const NAIVE_FACTOR: f64 = 2.0;
+/// Absolute slack, in units of `1 + max |reference|`.
+const SLACK: f64 = 1e-6;
+/// The naive f32 implementation itself must be this close to the reference
+/// (in units of `1 + max |reference|`), else the variant's f32 and f64
+/// closures disagree and the tolerance would be meaningless.
+const NAIVE_SANITY: f64 = 1e-2;
+
+/// Check `R`'s attention kernels for `variant` on every [`CASES`] entry.
+///
+/// For each case, fresh random `q, k, v, dout` (seed from the clock, or from
+/// `BOOSTR_TEST_SEED`) go through
+///
+/// 1. [`attention_fwd`] and [`attention_bwd`], and
+/// 2. [`var_attention`] and [`numr::autograd::backward`] of
+///    `L = sum(out ∘ dout)` (the `GradFn` path),
+///
+/// and `out, lse, dq, dk, dv` of both are compared with the f64 reference
+/// ([`reference_forward`], [`reference_backward`] with the variant's f64
+/// closures) on the same (f32) inputs.
+///
+/// # Tolerance rule
+///
+/// Per tensor `T`, with `ref` the f64 reference and `naive` the same algorithm
+/// run in f32 with the variant's f32 closures:
+///
+/// ```text
+/// max |T − ref|  ≤  2 · max |naive − ref|  +  1e-6 · (1 + max |ref|)
+/// ```
+///
+/// (maxima over all elements; for `lse` over the finite reference entries.)
+/// The kernel may be at most twice as inaccurate as straightforward f32
+/// arithmetic; the slack only matters where naive f32 is exact.
+///
+/// Also required:
+/// - no NaN, and no infinity except `lse = −inf`, which must be exactly where
+///   the reference has it (rows with no visible key);
+/// - those rows have exactly `0` in `out` and `dq`, and keys visible to no
+///   query have exactly `0` in `dk` and `dv`;
+/// - the naive f32 is itself within `1e-2 · (1 + max |ref|)` of the reference
+///   (else the variant's f32 and f64 closures disagree);
+/// - the variant's own contract: `mask` and `mask_f64` agree; no mask means
+///   every pair is visible; an identity score is the identity with
+///   derivative 1; `classify_tile` never says `Empty` or `Full` wrongly
+///   (several tilings of every case).
+///
+/// # Panics
+///
+/// When anything above fails, after running every case, with the variant,
+/// backend, seed (rerun with `BOOSTR_TEST_SEED=<seed>`), the case, and the
+/// worst element of each failing tensor: index, got, want, naive f32 value
+/// and error.
+pub fn check_variant<R: TestBackend, V: Variant>(variant: &V) {
+    let Some(device) = R::device() else {
+        assert!(
+            std::env::var_os(REQUIRE_DEVICE_ENV).is_none(),
+            "boostr: no {} device, and {REQUIRE_DEVICE_ENV} is set",
+            R::NAME
+        );
+        eprintln!(
+            "boostr: skipping the check of variant `{}`: no {} device",
+            V::NAME,
+            R::NAME
+        );
+        return;
+    };
+    let seed = choose_seed();
+    let mut failures = String::new();
+    for (n, case) in CASES.iter().enumerate() {
+        let report = run_case::<R, V>(variant, &device, case, seed, n as u64);
+        eprintln!(
+            "boostr: {} on {}, case {}: {}",
+            V::NAME,
+            R::NAME,
+            case.name,
+            report.summary
+        );
+        if !report.failures.is_empty() {
+            let _ = writeln!(failures, "case {case}:");
+            for f in &report.failures {
+                let _ = writeln!(failures, "  {f}");
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "boostr: variant `{}` failed on backend `{}` (seed {seed}; rerun with {SEED_ENV}={seed})\n\
+         tolerance: max|got − ref| ≤ {NAIVE_FACTOR}·max|naive_f32 − ref| + {SLACK:e}·(1 + max|ref|)\n\
+         {failures}",
+        V::NAME,
+        R::NAME
+    );
+}
+
+/// What one case produced: failure lines and a one-line summary.
+struct CaseReport {
+    failures: Vec<String>,
+    summary: String,
+}
+
+/// Results of the backend, host side.
+struct BackendResults {
+    fwd: Forward<f32>,
+    grads: Gradients<f32>,
+    var_out: Vec<f32>,
+    var_grads: Gradients<f32>,
+}
+
+/// `q` and `k` of `case`, as its [`Logits`] says.
+fn draw_qk(case: &Case, rng: &mut Rng) -> (Vec<f32>, Vec<f32>) {
+    let (q_len, kv_len) = (
+        case.q_shape().iter().product(),
+        case.kv_shape().iter().product(),
+    );
+    match case.logits {
+        Logits::Random => (
+            rng.normal_f32(q_len, case.logit_scale),
+            rng.normal_f32(kv_len, case.logit_scale),
+        ),
+        Logits::RowOffset => {
+            // The shift sits on coordinate 0, so the naive f32's sequential
+            // dot product carries its magnitude through every addition: no
+            // kernel's summation order rounds at that magnitude more often.
+            let (d, c) = (case.head_dim, case.logit_scale);
+            let mut q = rng.normal_f32(q_len, 1.0);
+            let mut k = rng.normal_f32(kv_len, 1.0);
+            for row in q.chunks_exact_mut(d) {
+                let u = 0.5 + 0.5 * rng.uniform();
+                let sign = if rng.uniform() < 0.5 { -1.0 } else { 1.0 };
+                row[0] = (sign * u * f64::from(c)) as f32;
+            }
+            for row in k.chunks_exact_mut(d) {
+                row[0] = c;
+            }
+            (q, k)
+        }
+    }
+}
+
+fn widen(x: &[f32]) -> Vec<f64> {
+    x.iter().map(|&v| f64::from(v)).collect()
+}
+
+fn run_case<R: TestBackend, V: Variant>(
+    variant: &V,
+    device: &<R::Runtime as Runtime>::Device,
+    case: &Case,
+    seed: u64,
+    stream: u64,
+) -> CaseReport {
+    let mut rng = Rng::new(seed, stream);
+    let (q, k) = draw_qk(case, &mut rng);
+    let v = rng.normal_f32(case.kv_shape().iter().product(), 1.0);
+    let dout = rng.normal_f32(case.q_shape().iter().product(), 1.0);
+    let opts = AttentionOptions::default();
+
+    let mut failures = Vec::new();
+    let (p, got) = match run_backend::<R, V>(variant, device, case, [&q, &k, &v, &dout], &opts) {
+        Ok(results) => results,
+        Err(e) => {
+            return CaseReport {
+                summary: format!("error: {e}"),
+                failures: vec![e],
+            };
+        }
+    };
+
+    contract(variant, &p, &mut failures);
+
+    let (q64, k64, v64, dout64) = (widen(&q), widen(&k), widen(&v), widen(&dout));
+    let want_f = reference_forward(variant, &p, &q64, &k64, &v64);
+    let want_g = reference_backward(variant, &p, &q64, &k64, &v64, &dout64);
+    let naive_f = reference_forward(variant, &p, &q, &k, &v);
+    let naive_g = reference_backward(variant, &p, &q, &k, &v, &dout);
+
+    let mut summary = String::new();
+    let checks: [(&str, Layout, &[f32], &[f64], &[f32]); 9] = [
+        ("attention_fwd out", Layout::Query, &got.fwd.out, &want_f.out, &naive_f.out),
+        ("attention_fwd lse", Layout::Lse, &got.fwd.lse, &want_f.lse, &naive_f.lse),
+        ("attention_bwd dq", Layout::Query, &got.grads.dq, &want_g.dq, &naive_g.dq),
+        ("attention_bwd dk", Layout::Key, &got.grads.dk, &want_g.dk, &naive_g.dk),
+        ("attention_bwd dv", Layout::Key, &got.grads.dv, &want_g.dv, &naive_g.dv),
+        ("var_attention out", Layout::Query, &got.var_out, &want_f.out, &naive_f.out),
+        ("GradFn dq", Layout::Query, &got.var_grads.dq, &want_g.dq, &naive_g.dq),
+        ("GradFn dk", Layout::Key, &got.var_grads.dk, &want_g.dk, &naive_g.dk),
+        ("GradFn dv", Layout::Key, &got.var_grads.dv, &want_g.dv, &naive_g.dv),
+    ];
+    for (label, layout, g, w, nv) in checks {
+        let c = compare(label, layout, &p, g, w, nv);
+        failures.extend(c.failures);
+        if !label.starts_with("var") && !label.starts_with("GradFn") {
+            let short = label.rsplit(' ').next().unwrap_or(label);
+            let _ = write!(
+                summary,
+                "{short} {:.1e}/{:.1e} ",
+                c.err, c.bound
+            );
+        }
+    }
+    summary.push_str("(max err / bound)");
+
+    exact_zeros(
+        variant,
+        &p,
+        &want_f.lse,
+        [
+            ("attention_fwd out", &got.fwd.out),
+            ("var_attention out", &got.var_out),
+            ("attention_bwd dq", &got.grads.dq),
+            ("GradFn dq", &got.var_grads.dq),
+        ],
+        [
+            ("attention_bwd dk", &got.grads.dk),
+            ("attention_bwd dv", &got.grads.dv),
+            ("GradFn dk", &got.var_grads.dk),
+            ("GradFn dv", &got.var_grads.dv),
+        ],
+        &mut failures,
+    );
+    if !failures.is_empty() {
+        summary = format!("FAILED ({} problems) {summary}", failures.len());
+    }
+    CaseReport { failures, summary }
+}
+
+/// Run the backend's ops and the autograd path; host copies of every result.
+fn run_backend<R: TestBackend, V: Variant>(
+    variant: &V,
+    device: &<R::Runtime as Runtime>::Device,
+    case: &Case,
+    [q, k, v, dout]: [&[f32]; 4],
+    opts: &AttentionOptions,
+) -> Result<(Problem, BackendResults), String> {
+    let host = |t: &Tensor<R::Runtime>| t.to_vec::<f32>();
+    let upload = |name: &str, data: &[f32], shape: &[usize]| {
+        Tensor::<R::Runtime>::from_slice(data, shape, device)
+            .map_err(|e| format!("uploading {name}: {e}"))
+    };
+    let qt = upload("q", q, &case.q_shape())?;
+    let kt = upload("k", k, &case.kv_shape())?;
+    let vt = upload("v", v, &case.kv_shape())?;
+    let dt = upload("dout", dout, &case.q_shape())?;
+    let p = validate::problem(&qt, &kt, &vt, opts.scale).map_err(|e| format!("validation: {e}"))?;
+
+    let (out, lse) =
+        attention_fwd(variant, &qt, &kt, &vt, opts).map_err(|e| format!("attention_fwd: {e}"))?;
+    let (dq, dk, dv) = attention_bwd(variant, &dt, &qt, &kt, &vt, &out, &lse, opts)
+        .map_err(|e| format!("attention_bwd: {e}"))?;
+
+    let client = <R::Runtime as Runtime>::default_client(device);
+    let (qv, kv, vv) = (
+        Var::new(qt.clone(), true),
+        Var::new(kt.clone(), true),
+        Var::new(vt.clone(), true),
+    );
+    let out_v =
+        var_attention(variant, &qv, &kv, &vv, opts).map_err(|e| format!("var_attention: {e}"))?;
+    let dout_v = Var::new(dt.clone(), false);
+    let loss = var_mul(&out_v, &dout_v, &client)
+        .and_then(|prod| var_sum(&prod, &[0, 1, 2, 3], false, &client))
+        .map_err(|e| format!("building L = sum(out * dout): {e}"))?;
+    let grads = backward(&loss, &client).map_err(|e| format!("autograd backward: {e}"))?;
+    let grad = |name: &str, var: &Var<R::Runtime>| {
+        grads
+            .get(var.id())
+            .map(host)
+            .ok_or_else(|| format!("autograd backward produced no gradient for {name}"))
+    };
+    let var_grads = Gradients {
+        dq: grad("q", &qv)?,
+        dk: grad("k", &kv)?,
+        dv: grad("v", &vv)?,
+    };
+    Ok((
+        p,
+        BackendResults {
+            fwd: Forward {
+                out: host(&out),
+                lse: host(&lse),
+            },
+            grads: Gradients {
+                dq: host(&dq),
+                dk: host(&dk),
+                dv: host(&dv),
+            },
+            var_out: host(out_v.tensor()),
+            var_grads,
+        },
+    ))
+}
+
+/// Which index space a tensor lives in, for messages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Layout {
+    /// `[B, Hq, Sq, D]`: q, out, dq.
+    Query,
+    /// `[B, Hkv, Sk, D]`: k, v, dk, dv.
+    Key,
+    /// `[B, Hq, Sq]`.
+    Lse,
+}
+
+/// The position of element `index` of a `layout` tensor, in words.
+pub(crate) fn locate(layout: Layout, p: &Problem, index: usize) -> String {
+    match layout {
+        Layout::Query => {
+            let [b, h, i, d] = unravel(&[p.batch, p.heads_q, p.seq_q, p.head_dim], index)[..]
+            else {
+                unreachable!()
+            };
+            format!("[b={b}, h={h}, i={i} (q_pos {}), d={d}]", q_pos(p, i))
+        }
+        Layout::Key => {
+            let [b, h, j, d] = unravel(&[p.batch, p.heads_kv, p.seq_k, p.head_dim], index)[..]
+            else {
+                unreachable!()
+            };
+            format!("[b={b}, h_kv={h}, j={j} (kv_pos {j}), d={d}]")
+        }
+        Layout::Lse => {
+            let [b, h, i] = unravel(&[p.batch, p.heads_q, p.seq_q], index)[..] else {
+                unreachable!()
+            };
+            format!("[b={b}, h={h}, i={i} (q_pos {})]", q_pos(p, i))
+        }
+    }
+}
+
+/// Outcome of comparing one tensor.
+#[derive(Debug)]
+pub(crate) struct Comparison {
+    /// Max `|got − want|` over the finite reference entries.
+    pub(crate) err: f64,
+    /// The bound it was held to.
+    pub(crate) bound: f64,
+    /// Failure lines (empty when it passed).
+    pub(crate) failures: Vec<String>,
+}
+
+/// Compare `got` with the f64 reference `want` under the tolerance rule, with
+/// `naive` the naive f32 implementation's result.
+pub(crate) fn compare(
+    label: &str,
+    layout: Layout,
+    p: &Problem,
+    got: &[f32],
+    want: &[f64],
+    naive: &[f32],
+) -> Comparison {
+    let mut failures = Vec::new();
+    let at = |i: usize| locate(layout, p, i);
+    if got.len() != want.len() || naive.len() != want.len() {
+        failures.push(format!(
+            "{label}: {} elements, the reference has {} (naive {})",
+            got.len(),
+            want.len(),
+            naive.len()
+        ));
+        return Comparison {
+            err: f64::INFINITY,
+            bound: 0.0,
+            failures,
+        };
+    }
+    // Worst of: |got − want|, |naive − want|, and max |want|, over finite refs.
+    let (mut err, mut err_at) = (0.0f64, None);
+    let (mut naive_err, mut naive_at) = (0.0f64, None);
+    let mut ref_max = 0.0f64;
+    let (mut bad_got, mut bad_want, mut bad_naive) = (None, None, None);
+    let mut bad_got_count = 0usize;
+    for (i, ((&g, &w), &nv)) in got.iter().zip(want).zip(naive).enumerate() {
+        let (g, nv) = (f64::from(g), f64::from(nv));
+        if w.is_nan() {
+            bad_want.get_or_insert(i);
+            continue;
+        }
+        if w.is_infinite() {
+            // Only lse = −inf is expected; it must be matched exactly.
+            if g != w {
+                bad_got_count += 1;
+                bad_got.get_or_insert(i);
+            }
+            continue;
+        }
+        if !g.is_finite() {
+            bad_got_count += 1;
+            bad_got.get_or_insert(i);
+            continue;
+        }
+        if !nv.is_finite() {
+            bad_naive.get_or_insert(i);
+            continue;
+        }
+        ref_max = ref_max.max(w.abs());
+        if (g - w).abs() > err {
+            (err, err_at) = ((g - w).abs(), Some(i));
+        }
+        if (nv - w).abs() > naive_err {
+            (naive_err, naive_at) = ((nv - w).abs(), Some(i));
+        }
+    }
+    if let Some(i) = bad_want {
+        failures.push(format!(
+            "{label}: the f64 reference is NaN at {} (the variant's f64 closures produce NaN)",
+            at(i)
+        ));
+    }
+    if let Some(i) = bad_got {
+        failures.push(format!(
+            "{label}: {bad_got_count} non-finite or mismatched-infinite values, first at {}: \
+             got {}, want {:e}",
+            at(i),
+            got[i],
+            want[i]
+        ));
+    }
+    let sanity = NAIVE_SANITY * (1.0 + ref_max);
+    if let Some(i) = bad_naive {
+        failures.push(format!(
+            "{label}: the naive f32 implementation is not finite at {} (got {}, want {:e}): \
+             the variant's f32 closures overflow or produce NaN where its f64 closures do not",
+            at(i),
+            naive[i],
+            want[i]
+        ));
+    }
+    if naive_err > sanity {
+        let i = naive_at.unwrap_or(0);
+        failures.push(format!(
+            "{label}: the naive f32 implementation differs from the f64 reference by \
+             {naive_err:.3e} > {sanity:.3e} at {} (naive {}, want {:e}): the variant's f32 \
+             closures (score, score_grad, mask) disagree with its f64 closures",
+            at(i),
+            naive[i],
+            want[i]
+        ));
+    }
+    let bound = NAIVE_FACTOR * naive_err.min(sanity) + SLACK * (1.0 + ref_max);
+    if err > bound {
+        let i = err_at.unwrap_or(0);
+        let n = naive_at.unwrap_or(0);
+        failures.push(format!(
+            "{label}: max |got − want| = {err:.3e} > bound {bound:.3e} \
+             (= {NAIVE_FACTOR}·naive err {naive_err:.3e} + {SLACK:e}·(1 + max|want| {ref_max:.3e})); \
+             worst at {}: got {:e}, want {:e}, naive f32 {:e} (naive err there {:.3e}); \
+             naive's worst at {}",
+            at(i),
+            got[i],
+            want[i],
+            naive[i],
+            (f64::from(naive[i]) - want[i]).abs(),
+            at(n)
+        ));
+    }
+    Comparison {
+        err,
+        bound,
+        failures,
+    }
+}
+
+/// Rows with no visible key must give exactly 0 in `out` and `dq`; keys that
+/// no query sees (under `mask_f64`) exactly 0 in `dk` and `dv`.
+fn exact_zeros<V: Variant>(
+    variant: &V,
+    p: &Problem,
+    want_lse: &[f64],
+    rows: [(&str, &Vec<f32>); 4],
+    keys: [(&str, &Vec<f32>); 4],
+    failures: &mut Vec<String>,
+) {
+    let d = p.head_dim;
+    for (label, t) in rows {
+        let bad = want_lse
+            .iter()
+            .enumerate()
+            .filter(|&(_, &l)| l == f64::NEG_INFINITY)
+            .flat_map(|(r, _)| r * d..(r + 1) * d)
+            .find(|&e| t.get(e).is_none_or(|&x| x != 0.0));
+        if let Some(e) = bad {
+            failures.push(format!(
+                "{label}: a row with no visible key must be exactly 0, got {:?} at {}",
+                t.get(e),
+                locate(Layout::Query, p, e)
+            ));
+        }
+    }
+    // seen[(b·Hkv + hk)·Sk + j]: some query of the group sees key j.
+    let mut seen = vec![false; p.batch * p.heads_kv * p.seq_k];
+    for b in 0..p.batch {
+        for h in 0..p.heads_q {
+            let hk = h / p.group();
+            for i in 0..p.seq_q {
+                for j in 0..p.seq_k {
+                    let s = &mut seen[(b * p.heads_kv + hk) * p.seq_k + j];
+                    if !*s && variant.mask_f64(b as i32, h as i32, q_pos(p, i), j as i32) {
+                        *s = true;
+                    }
+                }
+            }
+        }
+    }
+    for (label, t) in keys {
+        let bad = seen
+            .iter()
+            .enumerate()
+            .filter(|&(_, &s)| !s)
+            .flat_map(|(r, _)| r * d..(r + 1) * d)
+            .find(|&e| t.get(e).is_none_or(|&x| x != 0.0));
+        if let Some(e) = bad {
+            failures.push(format!(
+                "{label}: a key no query sees must have exactly 0 gradient, got {:?} at {}",
+                t.get(e),
+                locate(Layout::Key, p, e)
+            ));
+        }
+    }
+}
+
+/// Tilings on which `classify_tile` is checked: (query rows, keys) per tile.
+const TILINGS: &[(usize, usize)] = &[(16, 16), (7, 13), (64, 32), (usize::MAX, usize::MAX)];
+
+/// The variant's own contract, on the positions of problem `p`.
+pub(crate) fn contract<V: Variant>(variant: &V, p: &Problem, failures: &mut Vec<String>) {
+    let name = V::NAME;
+    let (sq, sk) = (p.seq_q, p.seq_k);
+    // Each kind of breach is reported once (its first instance).
+    let (mut mask_reported, mut unmasked_reported, mut tile_reported) = (false, false, false);
+    for b in 0..p.batch {
+        for h in 0..p.heads_q {
+            let (bi, hi) = (b as i32, h as i32);
+            // vis[i·Sk + j] under the f32 mask, the one kernels evaluate.
+            let mut vis = vec![false; sq * sk];
+            let mut mismatch: Option<(i32, i32, bool, bool)> = None;
+            let mut unmasked_hidden = None;
+            for i in 0..sq {
+                let qi = q_pos(p, i);
+                for j in 0..sk {
+                    let ji = j as i32;
+                    let (m32, m64) = (variant.mask(bi, hi, qi, ji), variant.mask_f64(bi, hi, qi, ji));
+                    vis[i * sk + j] = m32;
+                    if m32 != m64 && mismatch.is_none() {
+                        mismatch = Some((qi, ji, m32, m64));
+                    }
+                    if !V::HAS_MASK && !(m32 && m64) && unmasked_hidden.is_none() {
+                        unmasked_hidden = Some((qi, ji));
+                    }
+                }
+            }
+            if let Some((qi, ji, m32, m64)) = mismatch.filter(|_| !mask_reported) {
+                mask_reported = true;
+                failures.push(format!(
+                    "variant `{name}`: mask({b}, {h}, q={qi}, kv={ji}) = {m32} but mask_f64 = {m64}"
+                ));
+            }
+            if let Some((qi, ji)) = unmasked_hidden.filter(|_| !unmasked_reported) {
+                unmasked_reported = true;
+                failures.push(format!(
+                    "variant `{name}`: HAS_MASK is false but the mask hides (b={b}, h={h}, \
+                     q={qi}, kv={ji})"
+                ));
+            }
+            if tile_reported {
+                continue;
+            }
+            'tilings: for &(ti, tj) in TILINGS {
+                for i0 in (0..sq).step_by(ti.min(sq)) {
+                    let i1 = i0.saturating_add(ti).min(sq);
+                    for j0 in (0..sk).step_by(tj.min(sk)) {
+                        let j1 = j0.saturating_add(tj).min(sk);
+                        let (q_lo, q_hi) = (q_pos(p, i0), q_pos(p, i1 - 1));
+                        let (kv_lo, kv_hi) = (j0 as i32, (j1 - 1) as i32);
+                        let class = variant.classify_tile(bi, hi, q_lo, q_hi, kv_lo, kv_hi);
+                        let want_vis = match class {
+                            TileClass::Partial => continue,
+                            TileClass::Empty => false,
+                            TileClass::Full => true,
+                        };
+                        let wrong = (i0..i1).find_map(|i| {
+                            (j0..j1).find(|&j| vis[i * sk + j] != want_vis).map(|j| (i, j))
+                        });
+                        if let Some((i, j)) = wrong {
+                            failures.push(format!(
+                                "variant `{name}`: classify_tile(b={b}, h={h}, q {q_lo}..={q_hi}, \
+                                 kv {kv_lo}..={kv_hi}) = {class:?}, but mask(q={}, kv={j}) = {}",
+                                q_pos(p, i),
+                                !want_vis
+                            ));
+                            tile_reported = true;
+                            break 'tilings;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if V::SCORE_IS_IDENTITY {
+        for s in [-1.0e4f32, -3.5, -1.0, -0.0, 0.0, 0.25, 1.0, 7.5, 1.0e4] {
+            let (qi, kv) = (q_pos(p, p.seq_q - 1), (p.seq_k - 1) as i32);
+            let got = (
+                variant.score(s, 0, 0, qi, kv),
+                variant.score_grad(s, 0, 0, qi, kv),
+                variant.score_f64(f64::from(s), 0, 0, qi, kv),
+                variant.score_grad_f64(f64::from(s), 0, 0, qi, kv),
+            );
+            if got != (s, 1.0, f64::from(s), 1.0) {
+                failures.push(format!(
+                    "variant `{name}`: SCORE_IS_IDENTITY is true but at s = {s} \
+                     (score, score_grad, score_f64, score_grad_f64) = {got:?}"
+                ));
+                break;
+            }
+        }
+    }
+}

@@ -1,0 +1,153 @@
+//! Bad input is an `Err` naming the rule and the values, never a panic.
+
+use boostr_runtime::stock::{Causal, Full};
+use boostr_runtime::{
+    AttentionOptions, Error, attention_bwd, attention_fwd, var_attention, var_flash_attention,
+};
+use numr::autograd::Var;
+use numr::prelude::*;
+
+fn tensor(shape: &[usize]) -> Tensor<CpuRuntime> {
+    let n: usize = shape.iter().product();
+    let data: Vec<f32> = (0..n).map(|i| ((i * 7919) % 97) as f32 / 97.0 - 0.5).collect();
+    Tensor::<CpuRuntime>::from_slice(&data, shape, &CpuDevice::new()).expect("tensor")
+}
+
+fn fwd_err(q: &[usize], k: &[usize], v: &[usize]) -> Error {
+    attention_fwd(
+        &Full,
+        &tensor(q),
+        &tensor(k),
+        &tensor(v),
+        &AttentionOptions::default(),
+    )
+    .expect_err("invalid shapes must be rejected")
+}
+
+#[test]
+fn rank_must_be_four() {
+    let e = fwd_err(&[2, 3, 8], &[1, 2, 3, 8], &[1, 2, 3, 8]);
+    assert!(matches!(e, Error::Rank { name: "q", .. }), "{e}");
+    assert!(e.to_string().contains("[2, 3, 8]"), "{e}");
+}
+
+#[test]
+fn batch_heads_lengths_and_dims_must_agree() {
+    let cases: [(&[usize], &[usize], &[usize], &str); 4] = [
+        (&[2, 2, 3, 8], &[1, 2, 3, 8], &[1, 2, 3, 8], "batch"),
+        (&[1, 2, 3, 8], &[1, 2, 3, 8], &[1, 1, 3, 8], "heads"),
+        (&[1, 2, 3, 8], &[1, 2, 5, 8], &[1, 2, 4, 8], "sequence length"),
+        (&[1, 2, 3, 8], &[1, 2, 3, 4], &[1, 2, 3, 8], "head dim"),
+    ];
+    for (q, k, v, rule) in cases {
+        let e = fwd_err(q, k, v);
+        assert!(matches!(e, Error::Shapes { .. }), "{e}");
+        assert!(e.to_string().contains(rule), "{rule}: {e}");
+    }
+}
+
+#[test]
+fn query_heads_must_be_a_multiple_of_kv_heads() {
+    let e = fwd_err(&[1, 3, 4, 8], &[1, 2, 4, 8], &[1, 2, 4, 8]);
+    assert!(
+        matches!(
+            e,
+            Error::Heads {
+                heads_q: 3,
+                heads_kv: 2
+            }
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn zero_size_dimensions_are_rejected() {
+    let e = fwd_err(&[1, 2, 0, 8], &[1, 2, 3, 8], &[1, 2, 3, 8]);
+    assert!(matches!(e, Error::ZeroSize { name: "q", .. }), "{e}");
+    let e = fwd_err(&[1, 2, 3, 8], &[1, 2, 0, 8], &[1, 2, 0, 8]);
+    assert!(matches!(e, Error::ZeroSize { name: "k", .. }), "{e}");
+}
+
+#[test]
+fn only_f32_is_supported_on_the_cpu() {
+    let device = CpuDevice::new();
+    let q = Tensor::<CpuRuntime>::from_slice(&[0.5f64; 16], &[1, 1, 2, 8], &device).unwrap();
+    let k = tensor(&[1, 1, 2, 8]);
+    let e = attention_fwd(&Full, &q, &k, &k, &AttentionOptions::default()).unwrap_err();
+    assert!(matches!(e, Error::DType { name: "q", .. }), "{e}");
+    assert!(e.to_string().contains("F64"), "{e}");
+}
+
+#[test]
+fn scale_must_be_finite() {
+    let q = tensor(&[1, 1, 2, 8]);
+    let opts = AttentionOptions {
+        scale: Some(f32::NAN),
+    };
+    let e = attention_fwd(&Full, &q, &q, &q, &opts).unwrap_err();
+    assert!(matches!(e, Error::Scale(_)), "{e}");
+}
+
+#[test]
+fn backward_checks_out_lse_and_dout() {
+    let q = tensor(&[1, 2, 3, 8]);
+    let opts = AttentionOptions::default();
+    let (out, lse) = attention_fwd(&Causal, &q, &q, &q, &opts).unwrap();
+    let bad = tensor(&[1, 2, 3, 4]);
+    let e = attention_bwd(&Causal, &bad, &q, &q, &q, &out, &lse, &opts).unwrap_err();
+    assert!(matches!(e, Error::ShapeOf { name: "dout", .. }), "{e}");
+    let e = attention_bwd(&Causal, &out, &q, &q, &q, &out, &bad, &opts).unwrap_err();
+    assert!(matches!(e, Error::ShapeOf { name: "lse", .. }), "{e}");
+}
+
+#[test]
+fn flash_attention_arguments_must_match_the_shapes() {
+    let q = Var::new(tensor(&[1, 4, 3, 8]), true);
+    let k = Var::new(tensor(&[1, 2, 3, 8]), true);
+    for (heads, kv_heads, dim, name) in [
+        (2, 2, 8, "num_heads"),
+        (4, 1, 8, "num_kv_heads"),
+        (4, 2, 16, "head_dim"),
+    ] {
+        let e = var_flash_attention(&q, &k, &k, heads, kv_heads, dim, true, 0).unwrap_err();
+        assert!(
+            matches!(e, Error::Argument { name: n, .. } if n == name),
+            "{name}: {e}"
+        );
+    }
+}
+
+#[test]
+fn inputs_without_grad_make_no_graph_node() {
+    let q = Var::new(tensor(&[1, 2, 5, 8]), false);
+    let out = var_attention(&Causal, &q, &q, &q, &AttentionOptions::default()).unwrap();
+    assert!(!out.requires_grad());
+    assert!(out.grad_fn().is_none());
+
+    let k = Var::new(tensor(&[1, 2, 5, 8]), true);
+    let out = var_attention(&Causal, &q, &k, &q, &AttentionOptions::default()).unwrap();
+    assert!(out.requires_grad());
+    assert!(out.grad_fn().is_some());
+}
+
+#[test]
+fn flash_attention_is_the_flash_mask_variant() {
+    let q = tensor(&[2, 4, 9, 16]);
+    let k = tensor(&[2, 2, 13, 16]);
+    let v = tensor(&[2, 2, 13, 16]);
+    let (qv, kv, vv) = (
+        Var::new(q.clone(), false),
+        Var::new(k.clone(), false),
+        Var::new(v.clone(), false),
+    );
+    let flash = var_flash_attention(&qv, &kv, &vv, 4, 2, 16, true, 0).unwrap();
+    let (causal, _) = attention_fwd(&Causal, &q, &k, &v, &AttentionOptions::default()).unwrap();
+    let (a, b) = (flash.tensor().to_vec::<f32>(), causal.to_vec::<f32>());
+    let worst = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst <= 1e-6, "flash causal vs stock causal differ by {worst}");
+}
