@@ -10,7 +10,9 @@
 //! ```
 //!
 //! Shapes: B = 1, Hq = Hkv = 8, f32. Each time is the median of
-//! `BOOSTR_BENCH_REPS` (default 5) runs after one warm-up run.
+//! `BOOSTR_BENCH_REPS` (default 5) runs after one warm-up run. Without that
+//! variable, runs that would take over 10 s together are cut to 3, and a
+//! warm-up over 1 s counts as the first run, to keep the default sweep short.
 //!
 //! FLOPs count only useful work, identically for both implementations:
 //! forward `4·B·H·S²·D`, halved (×(S+1)/(2S)) for causal; backward 2.5× the
@@ -204,8 +206,10 @@ fn run(config: &Config) -> BoxResult<()> {
             String::new()
         } else {
             format!(
-                " (at least {MIN_REPS} when they would take over {} s)",
-                MEASURE_BUDGET.as_secs()
+                " (at least {MIN_REPS} when they would take over {} s; \
+                 a warm-up over {} s counts as a run)",
+                MEASURE_BUDGET.as_secs(),
+                WARM_UP_COUNTS.as_secs()
             )
         }
     );
@@ -491,21 +495,28 @@ struct Reps {
 const MEASURE_BUDGET: Duration = Duration::from_secs(10);
 /// ...down to no fewer than this many.
 const MIN_REPS: usize = 3;
+/// A warm-up run longer than this counts as a timed run.
+const WARM_UP_COUNTS: Duration = Duration::from_secs(1);
 
-/// Median of `reps` timed runs of `f`, after one warm-up run (which also
-/// decides whether slow runs are cut to fit [`MEASURE_BUDGET`]).
+/// Median of `reps` timed runs of `f`, after one warm-up run. The warm-up
+/// decides whether slow runs are cut to fit [`MEASURE_BUDGET`], and a warm-up
+/// of over [`WARM_UP_COUNTS`] is itself the first timed run (warming up matters
+/// at the millisecond scale, not the second).
 fn median_time(reps: Reps, mut f: impl FnMut() -> BoxResult<()>) -> BoxResult<Duration> {
     let warm = Instant::now();
     f()?;
-    let warm = warm.elapsed().as_secs_f64().max(1e-9);
+    let warm = warm.elapsed();
     let n = if reps.exact {
         reps.n
     } else {
-        let fit = (MEASURE_BUDGET.as_secs_f64() / warm) as usize;
+        let fit = (MEASURE_BUDGET.as_secs_f64() / warm.as_secs_f64().max(1e-9)) as usize;
         reps.n.min(fit.max(MIN_REPS))
     };
     let mut times = Vec::with_capacity(n);
-    for _ in 0..n {
+    if warm > WARM_UP_COUNTS {
+        times.push(warm);
+    }
+    while times.len() < n {
         let t = Instant::now();
         f()?;
         times.push(t.elapsed());

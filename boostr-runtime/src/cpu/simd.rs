@@ -22,23 +22,55 @@ pub(super) trait Elementwise {
     fn run(self);
 }
 
+/// The instruction sets [`dispatch`] chooses from, narrowest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(super) enum Level {
+    /// Whatever the crate was compiled for (SSE2 on baseline x86-64).
+    /// Named only by tests, which cap the level to run every path.
+    #[cfg_attr(not(test), allow(dead_code))]
+    Baseline,
+    Avx2,
+    Avx512,
+}
+
 /// Run `pass` with the widest vector instructions this CPU supports.
 #[inline]
 pub(super) fn dispatch<E: Elementwise>(pass: E) {
     #[cfg(target_arch = "x86_64")]
     {
+        let cap = level_cap();
         // `is_x86_feature_detected!` caches its answer: a load and a test.
-        if std::arch::is_x86_feature_detected!("avx512f") {
+        if cap >= Level::Avx512 && std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: `run_avx512` only requires the CPU to support AVX-512F,
             // which was just checked.
             return unsafe { run_avx512(pass) };
         }
-        if std::arch::is_x86_feature_detected!("avx2") {
+        if cap >= Level::Avx2 && std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: `run_avx2` only requires AVX2, which was just checked.
             return unsafe { run_avx2(pass) };
         }
     }
     pass.run();
+}
+
+#[cfg(not(test))]
+#[inline(always)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn level_cap() -> Level {
+    Level::Avx512
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Tests lower this on a pool's threads to run every path.
+    pub(super) static LEVEL_CAP: std::cell::Cell<Level> = const { std::cell::Cell::new(Level::Avx512) };
+}
+
+#[cfg(test)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn level_cap() -> Level {
+    LEVEL_CAP.with(std::cell::Cell::get)
 }
 
 #[cfg(target_arch = "x86_64")]

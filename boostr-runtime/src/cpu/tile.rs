@@ -8,23 +8,28 @@
 
 /// Rows per query tile (`q`) and keys per key/value tile (`kv`).
 ///
-/// Working set per rayon task, f32, head dim `D` (64 below):
-/// - forward: Q tile `q·D`, K and V tiles `kv·D` each, scores `q·kv`, the
-///   output accumulator `q·D` — with the defaults 16 + 32 + 32 + 32 + 16 KiB
-///   = 128 KiB. That sits in L2 (1–2 MiB per core on current x86) with room
-///   for `gemm`'s packed panels, while one score row (512 B) and the running
-///   max/sum stay in L1 during the softmax pass.
-/// - backward: the same K/V tiles plus dK/dV accumulators (`kv·D` each) and
-///   three `q·kv` score-sized buffers (S/P, dP/dS, score_grad) — 224 KiB.
+/// Working set per rayon task, f32, with the defaults and head dim `D = 64`
+/// (each `64 × 64` tile is 16 KiB):
+/// - forward: Q tile, Kᵀ and V tiles, the score tile and the output
+///   accumulator — 80 KiB. That sits in L2 (1–2 MiB per core on current
+///   x86) with room for `gemm`'s packed panels, and one score row (256 B)
+///   plus the running max/sum stay in L1 during the softmax pass.
+/// - backward: K, Kᵀ, Vᵀ, dK and dV tiles resident, three score-sized tiles
+///   (S/P, dP/dS, score_grad), Q and dO tiles streaming — about 160 KiB.
 ///
-/// Why not smaller: each tile product is a `gemm` call whose fixed cost
-/// (dispatch, packing) has to be amortised over `2·q·kv·D` flops, and the
-/// online-softmax rescale of the accumulator costs `q·D` per key tile. Why not
-/// larger: a bigger query tile means fewer parallel tasks for short
-/// sequences, and coarser tiles skip less of a causal or sliding-window mask
-/// (only whole tiles are skipped). `kv = 128` measured ~10% faster than 64
-/// in the forward on a 2-core AVX-512 Xeon (B=1, H=8, S=1024, D=64, causal);
-/// 256 was no better.
+/// Why not smaller: every tile product is a `gemm` call whose fixed cost
+/// (dispatch, packing, a small allocation) has to be amortised over
+/// `2·q·kv·D` flops, and the online-softmax rescale costs `q·D` per key
+/// tile. Why not larger: fewer parallel tasks for short sequences, and
+/// coarser tiles skip less of a causal or sliding-window mask (only whole
+/// tiles are skipped) while evaluating the mask on bigger diagonal tiles.
+///
+/// Measured on a 2-core AVX-512 Xeon (B=1, H=8, S=1024, D=64, and
+/// S=2048, D=128), sweeping q ∈ {32, 64, 128} × kv ∈ {64, 128, 256}: every
+/// choice from 32×64 to 128×128 is within ~10% (run-to-run noise on that
+/// machine); 64×64 was at or near the best for causal forward and backward,
+/// which is the common case, and has the smallest working set for larger
+/// head dims. kv = 256 was slower for causal masks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CpuTiles {
     /// Query rows per tile (`Bq`).
@@ -34,9 +39,9 @@ pub struct CpuTiles {
 }
 
 impl CpuTiles {
-    /// The defaults used by [`forward`](super::forward) and
-    /// [`backward`](super::backward); see the type's docs for why.
-    pub const DEFAULT: Self = Self { q: 64, kv: 128 };
+    /// The defaults used by [`forward`](super::forward()) and
+    /// [`backward`](super::backward()); see the type's docs for why.
+    pub const DEFAULT: Self = Self { q: 64, kv: 64 };
 
     /// Tiles of `q` query rows and `kv` keys. Panics if either is zero.
     pub fn new(q: usize, kv: usize) -> Self {

@@ -73,6 +73,8 @@ pub trait Real:
     fn exp(self) -> Self;
     /// Natural logarithm.
     fn ln(self) -> Self;
+    /// `|x|`.
+    fn abs(self) -> Self;
     /// The variant's `score` in this precision.
     fn score<V: Variant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self;
     /// The variant's `score_grad` in this precision.
@@ -95,6 +97,9 @@ impl Real for f32 {
     }
     fn ln(self) -> Self {
         f32::ln(self)
+    }
+    fn abs(self) -> Self {
+        f32::abs(self)
     }
     fn score<V: Variant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self {
         variant.score(s, b, h, q, kv)
@@ -121,6 +126,9 @@ impl Real for f64 {
     }
     fn ln(self) -> Self {
         f64::ln(self)
+    }
+    fn abs(self) -> Self {
+        f64::abs(self)
     }
     fn score<V: Variant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self {
         variant.score_f64(s, b, h, q, kv)
@@ -338,6 +346,39 @@ pub fn reference_backward<T: Real, V: Variant>(
     v: &[T],
     dout: &[T],
 ) -> Gradients<T> {
+    backward(variant, problem, [q, k, v, dout], false)
+}
+
+/// Magnitudes of the terms that make up each result, for the absolute slack
+/// of the tolerance: the sums of [`reference_forward`] and
+/// [`reference_backward`] with every factor but `P` replaced by its absolute
+/// value, and `dP_ij − D_i` by `Σ|dO_i||v_j| + Σ|dO_i||O_i|`:
+///
+/// - `out`: `Σ_j P_ij |v_j|`
+/// - `dq`: `scale · Σ_j P_ij (Σ|dO_i||v_j| + Σ|dO_i||O_i|) |score_grad| |k_j|`
+/// - `dk`: the same summed over `i` with `|q_i|`
+/// - `dv`: `Σ_i P_ij |dO_i|`
+///
+/// Rounding anywhere in these sums is a fraction of their magnitude, also
+/// where the result itself cancels to ~0 (a row with one visible key has
+/// `dP − D = 0`, so its `dq` is pure rounding noise, of size ε·magnitude).
+pub(crate) fn reference_magnitudes<V: Variant>(
+    variant: &V,
+    problem: &Problem,
+    [q, k, v, dout]: [&[f64]; 4],
+) -> (Vec<f64>, Gradients<f64>) {
+    let v_abs: Vec<f64> = v.iter().map(|x| x.abs()).collect();
+    let out = reference_forward(variant, problem, q, k, &v_abs).out;
+    (out, backward(variant, problem, [q, k, v, dout], true))
+}
+
+/// The backward; with `magnitudes`, the sums of [`reference_magnitudes`].
+fn backward<T: Real, V: Variant>(
+    variant: &V,
+    problem: &Problem,
+    [q, k, v, dout]: [&[T]; 4],
+    magnitudes: bool,
+) -> Gradients<T> {
     let p = problem;
     check_len("q", q.len(), p.q_len(), p);
     check_len("k", k.len(), p.kv_len(), p);
@@ -345,6 +386,13 @@ pub fn reference_backward<T: Real, V: Variant>(
     check_len("dout", dout.len(), p.q_len(), p);
     let d = p.head_dim;
     let scale = T::from_f32(p.scale);
+    // The factors multiplied into the sums: signed, or their magnitudes.
+    let abs_of = |x: &[T]| -> Vec<T> { x.iter().map(|a| a.abs()).collect() };
+    let abs = magnitudes.then(|| [abs_of(q), abs_of(k), abs_of(v), abs_of(dout)]);
+    let [qf, kf, vf, df]: [&[T]; 4] = match &abs {
+        Some([qa, ka, va, da]) => [qa, ka, va, da],
+        None => [q, k, v, dout],
+    };
     let mut dq = vec![T::ZERO; p.q_len()];
     // Each (batch, query head) accumulates its own dk, dv over its rows; the
     // heads of a GQA group are summed afterwards in head order.
@@ -365,7 +413,7 @@ pub fn reference_backward<T: Real, V: Variant>(
                 }
                 let qi = q_pos(p, i);
                 let base = ((b * p.heads_q + h) * p.seq_q + i) * d;
-                let (qr, dor) = (&q[base..][..d], &dout[base..][..d]);
+                let (qr, dor) = (&qf[base..][..d], &df[base..][..d]);
                 let kv_row = |j: usize| ((b * p.heads_kv + hk) * p.seq_k + j) * d;
                 o.fill(T::ZERO);
                 for (j, &pj) in row.p.iter().enumerate() {
@@ -374,6 +422,9 @@ pub fn reference_backward<T: Real, V: Variant>(
                             *ox += pj * vx;
                         }
                     }
+                }
+                if magnitudes {
+                    o.iter_mut().for_each(|x| *x = x.abs());
                 }
                 // Summed in the opposite order from `dP` below: in a one-hot
                 // row `O = v_j` exactly, and summing both alike would cancel
@@ -387,10 +438,15 @@ pub fn reference_backward<T: Real, V: Variant>(
                     if pj == T::ZERO {
                         continue;
                     }
-                    let (kr, vr) = (&k[kv_row(j)..][..d], &v[kv_row(j)..][..d]);
+                    let (kr, vr) = (&kf[kv_row(j)..][..d], &vf[kv_row(j)..][..d]);
                     let dp = dot(dor, vr);
                     let g = T::score_grad(variant, s, bi, hi, qi, j as i32);
-                    let sds = scale * (pj * (dp - d_i) * g);
+                    let ds = if magnitudes {
+                        pj * (dp + d_i) * g.abs()
+                    } else {
+                        pj * (dp - d_i) * g
+                    };
+                    let sds = scale * ds;
                     let (dk_j, dv_j) = (&mut dk_h[j * d..][..d], &mut dv_h[j * d..][..d]);
                     for x in 0..d {
                         dq_r[x] += sds * kr[x];

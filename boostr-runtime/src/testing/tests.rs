@@ -297,29 +297,68 @@ fn contract_catches_a_lying_tile_classifier() {
 fn compare_applies_the_tolerance_rule() {
     let p = problem(1, 1, 1, 2, 2, 2, 1.0);
     let want = [1.0f64, -2.0, 0.5, 3.0];
-    let naive = [1.000_001f32, -2.0, 0.5, 3.0]; // naive err 1e-6 at [0]
-    // Within 2·1e-6 + 1e-6·(1 + 3): passes.
-    let ok = compare("t", Layout::Query, &p, &[1.0, -2.0, 0.5, 3.000_004], &want, &naive);
+    let naive = [1.000_001f32, -2.0, 0.5, 3.0]; // naive err ~1e-6 at [0]
+    let slack = |m: f64| 2.0 * f64::from(f32::EPSILON) * (1.0 + m);
+    // 4e-6 off at [3]: within 2·1e-6 + 2ε·(1 + 10) ≈ 4.6e-6 for terms of
+    // magnitude 10...
+    let got = [1.0, -2.0, 0.5, 3.000_004];
+    let ok = compare("t", Layout::Query, &p, &got, &want, &naive, 10.0);
     assert!(ok.failures.is_empty(), "{:?}", ok.failures);
+    assert!((ok.bound - (2.0 * 9.537e-7 + slack(10.0))).abs() < 1e-8, "{}", ok.bound);
+    // ...but not when the terms are no larger than the result (M = max|ref|).
+    let tight = compare("t", Layout::Query, &p, &got, &want, &naive, 0.0);
+    assert_eq!(tight.failures.len(), 1, "{:?}", tight.failures);
     // 2e-5 off: fails, naming the element.
-    let bad = compare("t", Layout::Query, &p, &[1.0, -2.0, 0.5, 3.000_02], &want, &naive);
+    let got = [1.0, -2.0, 0.5, 3.000_02];
+    let bad = compare("t", Layout::Query, &p, &got, &want, &naive, 10.0);
     assert_eq!(bad.failures.len(), 1);
     assert!(bad.failures[0].contains("i=1 (q_pos 1), d=1"), "{:?}", bad.failures);
     // NaN anywhere fails.
-    let nan = compare("t", Layout::Query, &p, &[f32::NAN, -2.0, 0.5, 3.0], &want, &naive);
+    let got = [f32::NAN, -2.0, 0.5, 3.0];
+    let nan = compare("t", Layout::Query, &p, &got, &want, &naive, 10.0);
     assert!(!nan.failures.is_empty());
     // lse: −inf must be matched exactly, and only where the reference has it.
     let p_lse = problem(1, 1, 1, 2, 2, 1, 1.0);
     let want_lse = [f64::NEG_INFINITY, 0.25];
     let naive_lse = [f32::NEG_INFINITY, 0.25];
-    let ok = compare("lse", Layout::Lse, &p_lse, &naive_lse, &want_lse, &naive_lse);
+    let ok = compare("lse", Layout::Lse, &p_lse, &naive_lse, &want_lse, &naive_lse, 0.0);
     assert!(ok.failures.is_empty(), "{:?}", ok.failures);
-    let bad = compare("lse", Layout::Lse, &p_lse, &[-1e30, 0.25], &want_lse, &naive_lse);
+    let got = [-1e30, 0.25];
+    let bad = compare("lse", Layout::Lse, &p_lse, &got, &want_lse, &naive_lse, 0.0);
     assert_eq!(bad.failures.len(), 1, "{:?}", bad.failures);
     // A naive f32 far from the reference means the f32 and f64 closures
     // disagree.
-    let off = compare("t", Layout::Query, &p, &[1.0, -2.0, 0.5, 3.0], &want, &[1.5, -2.0, 0.5, 3.0]);
+    let (got, off) = ([1.0, -2.0, 0.5, 3.0], [1.5, -2.0, 0.5, 3.0]);
+    let off = compare("t", Layout::Query, &p, &got, &want, &off, 3.0);
     assert!(off.failures.iter().any(|f| f.contains("f32 closures")), "{:?}", off.failures);
+}
+
+#[test]
+fn magnitudes_bound_the_results_and_see_through_cancellation() {
+    let mut rng = rng::Rng::new(17, 0);
+    let p = problem(1, 2, 1, 6, 5, 4, 0.5);
+    let x = [
+        rng.normal_f64(p.q_len(), 1.0),
+        rng.normal_f64(p.kv_len(), 1.0),
+        rng.normal_f64(p.kv_len(), 1.0),
+        rng.normal_f64(p.q_len(), 1.0),
+    ];
+    let variant = CausalSoftcap::new(2.0);
+    let f = reference_forward(&variant, &p, &x[0], &x[1], &x[2]);
+    let g = reference_backward(&variant, &p, &x[0], &x[1], &x[2], &x[3]);
+    let (m_out, m) = reference::reference_magnitudes(&variant, &p, [&x[0], &x[1], &x[2], &x[3]]);
+    for (r, m) in [(&f.out, &m_out), (&g.dq, &m.dq), (&g.dk, &m.dk), (&g.dv, &m.dv)] {
+        for (r, m) in r.iter().zip(m) {
+            assert!(r.abs() <= m * (1.0 + 1e-12), "{r} > {m}");
+        }
+    }
+    // Sq > Sk: row 1 (q_pos 0) sees key 0 only, so dP − D = 0 and its dq
+    // vanishes, but the terms it was summed from do not.
+    let d = p.head_dim;
+    assert!(g.dq[d..2 * d].iter().all(|x| x.abs() < 1e-12));
+    assert!(m.dq[d..2 * d].iter().all(|&x| x > 0.0));
+    // Row 0 sees nothing: no terms at all.
+    assert!(m.dq[..d].iter().all(|&x| x == 0.0));
 }
 
 #[test]
