@@ -222,6 +222,7 @@ fn run(config: &Config) -> BoxResult<()> {
 
     let mut rng = Rng(0xb005_7a11);
     let started = Instant::now();
+    let cpu_start = cpu_seconds();
     let mut rows = Vec::new();
     for &dim in &config.dims {
         for &kind in &config.kinds {
@@ -243,8 +244,18 @@ fn run(config: &Config) -> BoxResult<()> {
             }
         }
     }
+    let wall = started.elapsed().as_secs_f64();
     println!();
-    println!("total wall time {:.1} s", started.elapsed().as_secs_f64());
+    println!("total wall time {wall:.1} s");
+    if let (Some(c0), Some(c1)) = (cpu_start, cpu_seconds()) {
+        let threads = rayon::current_num_threads();
+        println!(
+            "CPU time of this process {:.1} s = {:.0}% of {threads} threads × wall \
+             (well below 100% means other processes shared the cores and times are inflated)",
+            c1 - c0,
+            100.0 * (c1 - c0) / (wall * threads as f64)
+        );
+    }
     let bad: Vec<&Row> = rows
         .iter()
         .filter(|r| r.max_diff.is_some_and(|d| d.is_nan() || d > 1e-3))
@@ -633,4 +644,16 @@ impl Rng {
 /// A tensor's elements in row-major order (autograd may return strided views).
 fn host(t: &Tensor<CpuRuntime>) -> BoxResult<Vec<f32>> {
     Ok(t.contiguous()?.to_vec::<f32>())
+}
+
+/// User + system CPU time of this process so far (Linux: `/proc/self/stat`,
+/// assuming the usual 100 ticks per second); `None` elsewhere.
+fn cpu_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which is in parentheses and may hold spaces).
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split(' ').collect();
+    // utime and stime are fields 14 and 15 of the whole line, 12 and 13 here.
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(ticks as f64 / 100.0)
 }

@@ -26,13 +26,19 @@ fn main() {
     let mut shown = 0;
     for stages in all {
         if wanted.is_empty() || wanted.iter().any(|w| *w == stages.name.to_lowercase()) {
-            println!("################ {} ################\n{}", stages.name, stages.text);
+            println!(
+                "################ {} ################\n{}",
+                stages.name, stages.text
+            );
             shown += 1;
         }
     }
     if shown == 0 {
         let names: Vec<&str> = all.iter().map(|s| s.name).collect();
-        eprintln!("no stock variant named {wanted:?}; known: {}", names.join(", "));
+        eprintln!(
+            "no stock variant named {wanted:?}; known: {}",
+            names.join(", ")
+        );
         std::process::exit(2);
     }
 }

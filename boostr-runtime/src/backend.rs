@@ -74,7 +74,11 @@ impl AttentionRuntime for CpuRuntime {
         k: &Tensor<Self>,
         v: &Tensor<Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
-        let (q, k, v) = (HostF32::new("q", q)?, HostF32::new("k", k)?, HostF32::new("v", v)?);
+        let (q, k, v) = (
+            HostF32::new("q", q)?,
+            HostF32::new("k", k)?,
+            HostF32::new("v", v)?,
+        );
         let device = q.0.device();
         let mut out = alloc(q.0.shape(), device)?;
         let mut lse = alloc(&[p.batch, p.heads_q, p.seq_q], device)?;
@@ -100,7 +104,11 @@ impl AttentionRuntime for CpuRuntime {
         lse: &Tensor<Self>,
         dout: &Tensor<Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
-        let (q, k, v) = (HostF32::new("q", q)?, HostF32::new("k", k)?, HostF32::new("v", v)?);
+        let (q, k, v) = (
+            HostF32::new("q", q)?,
+            HostF32::new("k", k)?,
+            HostF32::new("v", v)?,
+        );
         let (out, lse) = (HostF32::new("out", out)?, HostF32::new("lse", lse)?);
         let dout = HostF32::new("dout", dout)?;
         let device = q.0.device();

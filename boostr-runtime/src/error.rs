@@ -18,7 +18,9 @@ pub enum Error {
         shape: Vec<usize>,
     },
     /// A dimension is zero.
-    #[error("{name} has a zero-size dimension: shape {shape:?}; every dimension must be at least 1")]
+    #[error(
+        "{name} has a zero-size dimension: shape {shape:?}; every dimension must be at least 1"
+    )]
     ZeroSize {
         /// Which tensor.
         name: &'static str,

@@ -48,11 +48,7 @@ pub fn attention_bwd<V: Variant, R: AttentionRuntime>(
     let problem = validate::problem(q, k, v, opts.scale)?;
     validate::shape_of("out", out, q.shape())?;
     validate::shape_of("dout", dout, q.shape())?;
-    validate::shape_of(
-        "lse",
-        lse,
-        &[problem.batch, problem.heads_q, problem.seq_q],
-    )?;
+    validate::shape_of("lse", lse, &[problem.batch, problem.heads_q, problem.seq_q])?;
     R::attention_backward(variant, &problem, q, k, v, out, lse, dout)
 }
 

@@ -56,8 +56,15 @@ pub trait Variant: Clone + Debug + Send + Sync + 'static {
     /// Classify the tile `q ∈ [q_lo, q_hi] × kv ∈ [kv_lo, kv_hi]` (inclusive)
     /// for batch `b` and query head `h`. Never wrong: `Empty` and `Full` are
     /// only returned when they hold for every pair.
-    fn classify_tile(&self, b: i32, h: i32, q_lo: i32, q_hi: i32, kv_lo: i32, kv_hi: i32)
-    -> TileClass;
+    fn classify_tile(
+        &self,
+        b: i32,
+        h: i32,
+        q_lo: i32,
+        q_hi: i32,
+        kv_lo: i32,
+        kv_hi: i32,
+    ) -> TileClass;
 
     /// `score` evaluated in f64, for the reference implementation.
     fn score_f64(&self, s: f64, b: i32, h: i32, q: i32, kv: i32) -> f64;

@@ -8,7 +8,9 @@
 
 use crate::ast::{self, ExprKind as A};
 use crate::diag::Diagnostics;
-use crate::ir::{Arg, BinOp, Builtin, Const, Domain, Expr, ExprKind, Function, Local, ParamDecl, Ty, UnOp};
+use crate::ir::{
+    Arg, BinOp, Builtin, Const, Domain, Expr, ExprKind, Function, Local, ParamDecl, Ty, UnOp,
+};
 use crate::parse::scalar_of;
 use proc_macro2::Span;
 use quote::ToTokens;
@@ -184,10 +186,8 @@ impl<'a> Checker<'a> {
                     || (value.ty.is_numeric() && to.is_numeric())
                     || (value.ty == Ty::Bool && to.is_int());
                 if !ok {
-                    self.diags.error(
-                        span,
-                        format!("unsupported cast from {} to {to}", value.ty),
-                    );
+                    self.diags
+                        .error(span, format!("unsupported cast from {} to {to}", value.ty));
                     return None;
                 }
                 if value.ty == *to {
@@ -283,7 +283,8 @@ impl<'a> Checker<'a> {
             _ => (0, u32::MAX as i128),
         };
         if value < lo || value > hi {
-            self.diags.error(span, format!("literal {value} does not fit in {ty}"));
+            self.diags
+                .error(span, format!("literal {value} does not fit in {ty}"));
             return None;
         }
         Some(Expr {
@@ -312,7 +313,11 @@ impl<'a> Checker<'a> {
 
     fn field(&mut self, name: &syn::Ident) -> Option<Expr> {
         let Some(index) = self.params.iter().position(|p| name == &p.name) else {
-            let names: Vec<String> = self.params.iter().map(|p| format!("`{}`", p.name)).collect();
+            let names: Vec<String> = self
+                .params
+                .iter()
+                .map(|p| format!("`{}`", p.name))
+                .collect();
             let known = if names.is_empty() {
                 "the struct has no fields".to_string()
             } else {
@@ -355,7 +360,10 @@ impl<'a> Checker<'a> {
                 if !matches!(v.ty, Ty::F32 | Ty::I32) {
                     self.diags.error(
                         span,
-                        format!("cannot negate a value of type {}; negation is defined on f32 and i32", v.ty),
+                        format!(
+                            "cannot negate a value of type {}; negation is defined on f32 and i32",
+                            v.ty
+                        ),
                     );
                     return None;
                 }
@@ -424,10 +432,8 @@ impl<'a> Checker<'a> {
         if op.is_comparison() {
             let (l, r) = self.operands(lhs, rhs, None)?;
             if l.ty == Ty::Bool && !matches!(op, BinOp::Eq | BinOp::Ne) {
-                self.diags.error(
-                    span,
-                    format!("`{}` is not defined on bool", op.symbol()),
-                );
+                self.diags
+                    .error(span, format!("`{}` is not defined on bool", op.symbol()));
                 return None;
             }
             return Some(Expr {
@@ -438,10 +444,8 @@ impl<'a> Checker<'a> {
         let numeric_expected = expected.filter(|t| t.is_numeric());
         let (l, r) = self.operands(lhs, rhs, numeric_expected)?;
         if !l.ty.is_numeric() {
-            self.diags.error(
-                span,
-                format!("`{}` is not defined on bool", op.symbol()),
-            );
+            self.diags
+                .error(span, format!("`{}` is not defined on bool", op.symbol()));
             return None;
         }
         let ty = l.ty;

@@ -52,6 +52,9 @@ impl Diagnostics {
 
     /// Every error as a `compile_error!` invocation at its span.
     pub fn to_compile_errors(&self) -> TokenStream {
-        self.errors.iter().map(syn::Error::to_compile_error).collect()
+        self.errors
+            .iter()
+            .map(syn::Error::to_compile_error)
+            .collect()
     }
 }

@@ -3,7 +3,9 @@
 //! checker's. Unsupported syntax is reported at its token, and parsing goes on
 //! so that one run reports every error.
 
-use crate::ast::{BinaryOp, Closure, Expr, ExprKind, Let, Param, Scalar, Spec, TileOverride, UnaryOp};
+use crate::ast::{
+    BinaryOp, Closure, Expr, ExprKind, Let, Param, Scalar, Spec, TileOverride, UnaryOp,
+};
 use crate::diag::Diagnostics;
 use crate::symbol::{self, Symbol};
 use proc_macro2::{Span, TokenStream};
@@ -75,7 +77,10 @@ fn parse_meta(meta: &Meta, spec: &mut Spec, diags: &mut Diagnostics) {
     let Some(key) = path.get_ident() else {
         diags.error_spanned(
             path,
-            format!("unknown attention argument; expected one of {}", symbol::ATTRIBUTE_KEYS),
+            format!(
+                "unknown attention argument; expected one of {}",
+                symbol::ATTRIBUTE_KEYS
+            ),
         );
         return;
     };
@@ -90,7 +95,15 @@ fn parse_meta(meta: &Meta, spec: &mut Spec, diags: &mut Diagnostics) {
             (4, &mut spec.mask, "|b, h, q, kv|")
         };
         if slot.is_some() {
-            duplicate(diags, path, if key == symbol::SCORE { symbol::SCORE } else { symbol::MASK });
+            duplicate(
+                diags,
+                path,
+                if key == symbol::SCORE {
+                    symbol::SCORE
+                } else {
+                    symbol::MASK
+                },
+            );
             return;
         }
         *slot = parse_closure(&nv.value, arity, signature, diags);
@@ -187,10 +200,16 @@ fn parse_closure(
         return None;
     }
     if let syn::ReturnType::Type(_, ty) = &closure.output {
-        diags.error_spanned(ty, "closures declare no return type: it is implied by the role");
+        diags.error_spanned(
+            ty,
+            "closures declare no return type: it is implied by the role",
+        );
     }
     if let Some(capture) = &closure.capture {
-        diags.error_spanned(capture, "`move` has no meaning here; parameters are read as `self.field`");
+        diags.error_spanned(
+            capture,
+            "`move` has no meaning here; parameters are read as `self.field`",
+        );
     }
     let mut args = Vec::with_capacity(arity);
     for pat in &closure.inputs {
@@ -313,7 +332,9 @@ fn parse_expr(expr: &syn::Expr, diags: &mut Diagnostics) -> Option<Expr> {
         }
         syn::Expr::Macro(m) => return unsupported(diags, m, "a macro invocation"),
         syn::Expr::Index(i) => return unsupported(diags, i, "indexing"),
-        syn::Expr::Match(m) => return unsupported(diags, m.match_token, "`match` (use `if`/`else`)"),
+        syn::Expr::Match(m) => {
+            return unsupported(diags, m.match_token, "`match` (use `if`/`else`)");
+        }
         syn::Expr::Closure(c) => return unsupported(diags, c, "a nested closure"),
         syn::Expr::Assign(a) => return unsupported(diags, a, "assignment"),
         syn::Expr::Return(r) => return unsupported(diags, r, "`return`"),
@@ -460,7 +481,10 @@ fn parse_lit(lit: &syn::Lit, diags: &mut Diagnostics) -> Option<ExprKind> {
             if !matches!(f.suffix(), "" | "f32") {
                 diags.error_spanned(
                     f,
-                    format!("unsupported float suffix `{}`; the language's float is f32", f.suffix()),
+                    format!(
+                        "unsupported float suffix `{}`; the language's float is f32",
+                        f.suffix()
+                    ),
                 );
                 return None;
             }
@@ -487,7 +511,10 @@ fn parse_lit(lit: &syn::Lit, diags: &mut Diagnostics) -> Option<ExprKind> {
 pub fn parse_scalar(ty: &syn::Type, diags: &mut Diagnostics) -> Option<Scalar> {
     let scalar = scalar_of(ty);
     if scalar.is_none() {
-        diags.error_spanned(ty, "unsupported type; the language's types are f32, i32, u32 and bool");
+        diags.error_spanned(
+            ty,
+            "unsupported type; the language's types are f32, i32, u32 and bool",
+        );
     }
     scalar
 }

@@ -13,7 +13,14 @@ fn program(source: &str) -> Program {
 }
 
 /// The class of a tile by evaluating the mask on every pair.
-fn brute_class(p: &Program, params: &[Value], b: i32, h: i32, q: (i32, i32), kv: (i32, i32)) -> i32 {
+fn brute_class(
+    p: &Program,
+    params: &[Value],
+    b: i32,
+    h: i32,
+    q: (i32, i32),
+    kv: (i32, i32),
+) -> i32 {
     let (mut any, mut all) = (false, true);
     for qi in q.0..=q.1 {
         for ki in kv.0..=kv.1 {
@@ -85,15 +92,15 @@ fn check_classifier(source: &str, params: &[Value], exact: bool) -> usize {
 /// An exact classifier on a mask whose boundary the grid crosses.
 fn check_exact(source: &str, params: &[Value]) {
     let partial = check_classifier(source, params, true);
-    assert!(partial > 0, "{source} {params:?}: the grid never crosses the mask's boundary");
+    assert!(
+        partial > 0,
+        "{source} {params:?}: the grid never crosses the mask's boundary"
+    );
 }
 
 #[test]
 fn causal_is_exact() {
-    check_exact(
-        "#[attention(mask = |b, h, q, kv| kv <= q)] struct C;",
-        &[],
-    );
+    check_exact("#[attention(mask = |b, h, q, kv| kv <= q)] struct C;", &[]);
 }
 
 #[test]
@@ -154,8 +161,14 @@ fn masks_the_analysis_cannot_bound_stay_sound() {
     check_classifier(float_mask, &[], false);
     let p = program(float_mask);
     // This tile is entirely visible, but the analysis cannot prove it.
-    assert_eq!(brute_class(&p, &[], 0, 0, (100, 103), (0, 3)), tile_class::FULL);
-    assert_eq!(classify(&p, &[], 0, 0, (100, 103), (0, 3)), tile_class::PARTIAL);
+    assert_eq!(
+        brute_class(&p, &[], 0, 0, (100, 103), (0, 3)),
+        tile_class::FULL
+    );
+    assert_eq!(
+        classify(&p, &[], 0, 0, (100, 103), (0, 3)),
+        tile_class::PARTIAL
+    );
 
     // A checkerboard is partial on every tile larger than one pair.
     check_classifier(
@@ -186,8 +199,14 @@ fn masks_the_analysis_cannot_bound_stay_sound() {
 fn overflowing_parameters_stay_sound() {
     // q * k overflows i32 for these values: the concrete mask wraps, and the
     // classifier must not claim anything it cannot prove.
-    let source = "#[attention(mask = |b, h, q, kv| q * self.k + kv > self.t)] struct O { k: i32, t: i32 }";
-    for (k, t) in [(i32::MAX / 3, 0), (1 << 28, -5), (-(1 << 29), 100), (7, i32::MAX - 3)] {
+    let source =
+        "#[attention(mask = |b, h, q, kv| q * self.k + kv > self.t)] struct O { k: i32, t: i32 }";
+    for (k, t) in [
+        (i32::MAX / 3, 0),
+        (1 << 28, -5),
+        (-(1 << 29), 100),
+        (7, i32::MAX - 3),
+    ] {
         check_classifier(source, &[Value::I32(k), Value::I32(t)], false);
     }
 }
@@ -196,21 +215,39 @@ fn overflowing_parameters_stay_sound() {
 fn no_mask_means_every_tile_is_full() {
     let p = program("#[attention(score = |s, b, h, q, kv| s * 2.0)] struct S;");
     assert!(!p.has_mask);
-    assert_eq!(p.classify.body.as_const(), Some(kernels_spec::ir::Const::Int(tile_class::FULL.into())));
+    assert_eq!(
+        p.classify.body.as_const(),
+        Some(kernels_spec::ir::Const::Int(tile_class::FULL.into()))
+    );
 }
 
 /// d score / d s by central differences in f32 against the symbolic derivative.
 fn check_derivative(source: &str, params: &[Value]) {
     let p = program(source);
-    for (i, s) in [-7.5f32, -2.3, -0.3, 0.1, 0.7, 1.9, 4.2, 11.0].into_iter().enumerate() {
+    for (i, s) in [-7.5f32, -2.3, -0.3, 0.1, 0.7, 1.9, 4.2, 11.0]
+        .into_iter()
+        .enumerate()
+    {
         let (b, h, q, kv) = (1, i as i32 % 3, 9 + i as i32, 4);
         let at = |s: f32| {
-            let args = [Value::F32(s), Value::I32(b), Value::I32(h), Value::I32(q), Value::I32(kv)];
+            let args = [
+                Value::F32(s),
+                Value::I32(b),
+                Value::I32(h),
+                Value::I32(q),
+                Value::I32(kv),
+            ];
             call(&p.score, &args, params).f32() as f64
         };
         let eps = 1e-2f32;
         let fd = (at(s + eps) - at(s - eps)) / (2.0 * eps as f64);
-        let args = [Value::F32(s), Value::I32(b), Value::I32(h), Value::I32(q), Value::I32(kv)];
+        let args = [
+            Value::F32(s),
+            Value::I32(b),
+            Value::I32(h),
+            Value::I32(q),
+            Value::I32(kv),
+        ];
         let got = call(&p.score_grad, &args, params).f32() as f64;
         let tol = 2e-3 * (1.0 + fd.abs());
         assert!(
@@ -224,16 +261,46 @@ fn check_derivative(source: &str, params: &[Value]) {
 #[test]
 fn derivatives_match_finite_differences() {
     let cases: &[(&str, &[Value])] = &[
-        ("#[attention(score = |s, b, h, q, kv| self.cap * tanh(s / self.cap))] struct A { cap: f32 }", &[Value::F32(3.0)]),
-        ("#[attention(score = |s, b, h, q, kv| s * s * 0.5 - exp(s * 0.25))] struct A;", &[]),
-        ("#[attention(score = |s, b, h, q, kv| log(1.0 + s * s) + sqrt(s * s + 1.0))] struct A;", &[]),
-        ("#[attention(score = |s, b, h, q, kv| sigmoid(s) * exp2(s / 4.0) + log2(2.0 + abs(s)))] struct A;", &[]),
-        ("#[attention(score = |s, b, h, q, kv| { let t = s * 0.5 + (h as f32); let u = t * t; u / (1.0 + u) })] struct A;", &[]),
-        ("#[attention(score = |s, b, h, q, kv| if s > 1.0 { s * 3.0 } else { -s })] struct A;", &[]),
-        ("#[attention(score = |s, b, h, q, kv| min(s, 2.5) + max(s * 0.5, -1.0) + clamp(s, -1.0, self.hi))] struct A { hi: f32 }", &[Value::F32(3.0)]),
-        ("#[attention(score = |s, b, h, q, kv| s / (1.0 + floor(s * 0.1) * 0.0) + ceil(0.5) - (q - kv) as f32)] struct A;", &[]),
-        ("#[attention(score = |s, b, h, q, kv| (s * s) % 5.0)] struct A;", &[]),
-        ("#[attention(score = |s, b, h, q, kv| 2.0 / (1.0 + exp(-s)))] struct A;", &[]),
+        (
+            "#[attention(score = |s, b, h, q, kv| self.cap * tanh(s / self.cap))] struct A { cap: f32 }",
+            &[Value::F32(3.0)],
+        ),
+        (
+            "#[attention(score = |s, b, h, q, kv| s * s * 0.5 - exp(s * 0.25))] struct A;",
+            &[],
+        ),
+        (
+            "#[attention(score = |s, b, h, q, kv| log(1.0 + s * s) + sqrt(s * s + 1.0))] struct A;",
+            &[],
+        ),
+        (
+            "#[attention(score = |s, b, h, q, kv| sigmoid(s) * exp2(s / 4.0) + log2(2.0 + abs(s)))] struct A;",
+            &[],
+        ),
+        (
+            "#[attention(score = |s, b, h, q, kv| { let t = s * 0.5 + (h as f32); let u = t * t; u / (1.0 + u) })] struct A;",
+            &[],
+        ),
+        (
+            "#[attention(score = |s, b, h, q, kv| if s > 1.0 { s * 3.0 } else { -s })] struct A;",
+            &[],
+        ),
+        (
+            "#[attention(score = |s, b, h, q, kv| min(s, 2.5) + max(s * 0.5, -1.0) + clamp(s, -1.0, self.hi))] struct A { hi: f32 }",
+            &[Value::F32(3.0)],
+        ),
+        (
+            "#[attention(score = |s, b, h, q, kv| s / (1.0 + floor(s * 0.1) * 0.0) + ceil(0.5) - (q - kv) as f32)] struct A;",
+            &[],
+        ),
+        (
+            "#[attention(score = |s, b, h, q, kv| (s * s) % 5.0)] struct A;",
+            &[],
+        ),
+        (
+            "#[attention(score = |s, b, h, q, kv| 2.0 / (1.0 + exp(-s)))] struct A;",
+            &[],
+        ),
     ];
     for (source, params) in cases {
         check_derivative(source, params);
@@ -250,9 +317,14 @@ fn derivatives_simplify() {
     assert!(written_identity.score_is_identity);
 
     // Constants fold: d(2s + bias)/ds = 2.
-    let linear = program("#[attention(score = |s, b, h, q, kv| s * 2.0 + (kv - q) as f32 * 0.5)] struct A;");
+    let linear =
+        program("#[attention(score = |s, b, h, q, kv| s * 2.0 + (kv - q) as f32 * 0.5)] struct A;");
     assert!(!linear.score_is_identity);
-    assert!(linear.score_grad.body.is_float(2.0), "{:?}", linear.score_grad.body);
+    assert!(
+        linear.score_grad.body.is_float(2.0),
+        "{:?}",
+        linear.score_grad.body
+    );
 
     // ALiBi: a bias that does not depend on s has derivative 1.
     let alibi = program(
@@ -261,10 +333,20 @@ fn derivatives_simplify() {
     assert!(alibi.score_grad.body.is_float(1.0));
 
     // Softcap: tanh is computed once and reused.
-    let softcap = program("#[attention(score = |s, b, h, q, kv| self.cap * tanh(s / self.cap))] struct A { cap: f32 }");
+    let softcap = program(
+        "#[attention(score = |s, b, h, q, kv| self.cap * tanh(s / self.cap))] struct A { cap: f32 }",
+    );
     let mut tanh_calls = 0;
     softcap.score_grad.body.walk(&mut |e| {
-        tanh_calls += usize::from(matches!(e.kind, ExprKind::Call(kernels_spec::ir::Builtin::Tanh, _)))
+        tanh_calls += usize::from(matches!(
+            e.kind,
+            ExprKind::Call(kernels_spec::ir::Builtin::Tanh, _)
+        ))
     });
-    assert_eq!(tanh_calls, 1, "{}", print::function(&softcap, &softcap.score_grad));
+    assert_eq!(
+        tanh_calls,
+        1,
+        "{}",
+        print::function(&softcap, &softcap.score_grad)
+    );
 }

@@ -9,7 +9,9 @@ use numr::prelude::*;
 
 fn tensor(shape: &[usize]) -> Tensor<CpuRuntime> {
     let n: usize = shape.iter().product();
-    let data: Vec<f32> = (0..n).map(|i| ((i * 7919) % 97) as f32 / 97.0 - 0.5).collect();
+    let data: Vec<f32> = (0..n)
+        .map(|i| ((i * 7919) % 97) as f32 / 97.0 - 0.5)
+        .collect();
     Tensor::<CpuRuntime>::from_slice(&data, shape, &CpuDevice::new()).expect("tensor")
 }
 
@@ -36,7 +38,12 @@ fn batch_heads_lengths_and_dims_must_agree() {
     let cases: [(&[usize], &[usize], &[usize], &str); 4] = [
         (&[2, 2, 3, 8], &[1, 2, 3, 8], &[1, 2, 3, 8], "batch"),
         (&[1, 2, 3, 8], &[1, 2, 3, 8], &[1, 1, 3, 8], "heads"),
-        (&[1, 2, 3, 8], &[1, 2, 5, 8], &[1, 2, 4, 8], "sequence length"),
+        (
+            &[1, 2, 3, 8],
+            &[1, 2, 5, 8],
+            &[1, 2, 4, 8],
+            "sequence length",
+        ),
         (&[1, 2, 3, 8], &[1, 2, 3, 4], &[1, 2, 3, 8], "head dim"),
     ];
     for (q, k, v, rule) in cases {
@@ -149,5 +156,8 @@ fn flash_attention_is_the_flash_mask_variant() {
         .zip(&b)
         .map(|(x, y)| (x - y).abs())
         .fold(0.0f32, f32::max);
-    assert!(worst <= 1e-6, "flash causal vs stock causal differ by {worst}");
+    assert!(
+        worst <= 1e-6,
+        "flash causal vs stock causal differ by {worst}"
+    );
 }

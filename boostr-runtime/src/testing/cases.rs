@@ -48,6 +48,9 @@ pub struct Case {
     pub logit_scale: f32,
     /// How `q` and `k` are drawn.
     pub logits: Logits,
+    /// [`AttentionOptions::scale`](crate::AttentionOptions::scale) of the
+    /// call: `None` is the default `1/sqrt(D)`.
+    pub scale: Option<f32>,
     /// Short name, printed in failures.
     pub name: &'static str,
 }
@@ -68,7 +71,7 @@ impl fmt::Display for Case {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "`{}` (B={} Hq={} Hkv={} Sq={} Sk={} D={} logit_scale={} {:?})",
+            "`{}` (B={} Hq={} Hkv={} Sq={} Sk={} D={} logit_scale={} {:?} scale={:?})",
             self.name,
             self.batch,
             self.heads_q,
@@ -77,7 +80,8 @@ impl fmt::Display for Case {
             self.seq_k,
             self.head_dim,
             self.logit_scale,
-            self.logits
+            self.logits,
+            self.scale
         )
     }
 }
@@ -99,11 +103,12 @@ pub const CASES: &[Case] = &[
         head_dim: 64,
         logit_scale: 1.0,
         logits: Logits::Random,
+        scale: None,
         name: "single",
     },
     // Batch 2 with odd sizes below any tile: remainder handling in both
-    // dimensions, a head dim (40) that is not a power of two, and batch
-    // strides.
+    // dimensions, a head dim (40) that is not a power of two, batch strides,
+    // and an explicit scale (0.3 rather than 1/sqrt(40)).
     Case {
         batch: 2,
         heads_q: 2,
@@ -113,6 +118,7 @@ pub const CASES: &[Case] = &[
         head_dim: 40,
         logit_scale: 1.0,
         logits: Logits::Random,
+        scale: Some(0.3),
         name: "batch2_odd",
     },
     // Decoding with MQA (Hkv = 1): one query row against a long cache, batch
@@ -127,6 +133,7 @@ pub const CASES: &[Case] = &[
         head_dim: 80,
         logit_scale: 1.0,
         logits: Logits::Random,
+        scale: None,
         name: "decode_mqa",
     },
     // Chunked prefill with GQA 4:1 (Hq = 8, Hkv = 2): Sq < Sk, so query
@@ -140,6 +147,7 @@ pub const CASES: &[Case] = &[
         head_dim: 64,
         logit_scale: 1.0,
         logits: Logits::Random,
+        scale: None,
         name: "gqa_prefix",
     },
     // Sq > Sk: query positions start at Sk − Sq = −80, so under a causal
@@ -153,6 +161,7 @@ pub const CASES: &[Case] = &[
         head_dim: 80,
         logit_scale: 1.0,
         logits: Logits::Random,
+        scale: None,
         name: "more_queries",
     },
     // Square, mid-sized, D = 128 with larger logits (std ~4): peaked
@@ -166,6 +175,7 @@ pub const CASES: &[Case] = &[
         head_dim: 128,
         logit_scale: 2.0,
         logits: Logits::Random,
+        scale: None,
         name: "square_peaked",
     },
     // Logits shifted by up to ±283²/8 ≈ ±1e4 per row: the online softmax
@@ -180,6 +190,7 @@ pub const CASES: &[Case] = &[
         head_dim: 64,
         logit_scale: 283.0,
         logits: Logits::RowOffset,
+        scale: None,
         name: "large_logits",
     },
     // The largest: S = 257 (one past a power of two) in both dimensions with
@@ -193,6 +204,7 @@ pub const CASES: &[Case] = &[
         head_dim: 128,
         logit_scale: 1.0,
         logits: Logits::Random,
+        scale: None,
         name: "long",
     },
 ];

@@ -148,14 +148,18 @@ fn check_shape<V: Variant>(
             let an = analytic[e];
             let err = (fd - an).abs();
             let tol = RTOL * an.abs() + ATOL * (1.0 + gmax);
-            // `!(err <= tol)`: a NaN is a failure too.
-            if !(err <= tol) {
+            // A NaN is a failure too.
+            if err.is_nan() || tol.is_nan() || err > tol {
                 let (right, left) = ((lp - l0) / hp, (l0 - lm) / hm);
                 if an.is_finite() && (right - left).abs() > KINK * (1.0 + an.abs()) {
                     kinks += 1;
                     continue;
                 }
-                let ratio = if err.is_nan() { f64::INFINITY } else { err / tol };
+                let ratio = if err.is_nan() {
+                    f64::INFINITY
+                } else {
+                    err / tol
+                };
                 if worst.as_ref().is_none_or(|(r, _)| ratio > *r) {
                     worst = Some((
                         ratio,

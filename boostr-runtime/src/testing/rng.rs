@@ -91,7 +91,9 @@ impl Rng {
 
     /// `len` normals with standard deviation `std`, rounded to f32.
     pub(crate) fn normal_f32(&mut self, len: usize, std: f32) -> Vec<f32> {
-        (0..len).map(|_| (self.normal() * f64::from(std)) as f32).collect()
+        (0..len)
+            .map(|_| (self.normal() * f64::from(std)) as f32)
+            .collect()
     }
 
     /// `len` normals with standard deviation `std`, in f64.
@@ -122,6 +124,9 @@ mod tests {
         let xs: Vec<f64> = (0..20_000).map(|_| r.normal()).collect();
         let mean = xs.iter().sum::<f64>() / xs.len() as f64;
         let var = xs.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / xs.len() as f64;
-        assert!(mean.abs() < 0.05 && (var - 1.0).abs() < 0.05, "mean {mean} var {var}");
+        assert!(
+            mean.abs() < 0.05 && (var - 1.0).abs() < 0.05,
+            "mean {mean} var {var}"
+        );
     }
 }

@@ -80,7 +80,15 @@ impl Variant for CausalSoftcap {
     fn mask(&self, _: i32, _: i32, q: i32, kv: i32) -> bool {
         kv <= q
     }
-    fn classify_tile(&self, _: i32, _: i32, q_lo: i32, q_hi: i32, kv_lo: i32, kv_hi: i32) -> TileClass {
+    fn classify_tile(
+        &self,
+        _: i32,
+        _: i32,
+        q_lo: i32,
+        q_hi: i32,
+        kv_lo: i32,
+        kv_hi: i32,
+    ) -> TileClass {
         if self.lying_tiles {
             TileClass::Full
         } else if kv_lo > q_hi {
@@ -186,7 +194,7 @@ fn reference_matches_a_hand_computed_two_key_softmax() {
 
     // d out / d s_j = p_j (v_j − out); s_j = scale·q·k_j.
     let ds = [p0 * (3.0 - out), p1 * (5.0 - out)];
-    let dq = 0.7 * 0.5 * (ds[0] * 2.0 + ds[1] * -1.0);
+    let dq = 0.7 * 0.5 * (ds[0] * 2.0 - ds[1]);
     let dk = [0.7 * 0.5 * ds[0] * 1.0, 0.7 * 0.5 * ds[1] * 1.0];
     let dv = [0.7 * p0, 0.7 * p1];
     assert!(close(g_out.dq[0], dq), "{} vs {dq}", g_out.dq[0]);
@@ -297,22 +305,29 @@ fn contract_catches_a_lying_tile_classifier() {
 fn compare_applies_the_tolerance_rule() {
     let p = problem(1, 1, 1, 2, 2, 2, 1.0);
     let want = [1.0f64, -2.0, 0.5, 3.0];
-    let naive = [1.000_001f32, -2.0, 0.5, 3.0]; // naive err ~1e-6 at [0]
-    let slack = |m: f64| 2.0 * f64::from(f32::EPSILON) * (1.0 + m);
-    // 4e-6 off at [3]: within 2·1e-6 + 2ε·(1 + 10) ≈ 4.6e-6 for terms of
-    // magnitude 10...
-    let got = [1.0, -2.0, 0.5, 3.000_004];
-    let ok = compare("t", Layout::Query, &p, &got, &want, &naive, 10.0);
-    assert!(ok.failures.is_empty(), "{:?}", ok.failures);
-    assert!((ok.bound - (2.0 * 9.537e-7 + slack(10.0))).abs() < 1e-8, "{}", ok.bound);
-    // ...but not when the terms are no larger than the result (M = max|ref|).
+    let naive = [1.000_001f32, -2.0, 0.5, 3.0]; // naive err 9.537e-7 at [0]
+    let eps = f64::from(f32::EPSILON);
+    // bound = 2·naive err + 1e-6·(1 + max|want|) + ε·M.
+    let bound = |m: f64| 2.0 * 9.536_743e-7 + 1e-6 * 4.0 + eps * m;
+    // 7e-6 off at [3]: beyond 2·naive + 1e-6·(1 + 3) + ε·3 ≈ 6.3e-6 when the
+    // terms are no larger than the result (M = max|want|)...
+    let got = [1.0, -2.0, 0.5, 3.000_007];
     let tight = compare("t", Layout::Query, &p, &got, &want, &naive, 0.0);
     assert_eq!(tight.failures.len(), 1, "{:?}", tight.failures);
+    assert!((tight.bound - bound(3.0)).abs() < 1e-12, "{}", tight.bound);
+    // ...within it when the result came from terms of magnitude 100.
+    let ok = compare("t", Layout::Query, &p, &got, &want, &naive, 100.0);
+    assert!(ok.failures.is_empty(), "{:?}", ok.failures);
+    assert!((ok.bound - bound(100.0)).abs() < 1e-12, "{}", ok.bound);
     // 2e-5 off: fails, naming the element.
     let got = [1.0, -2.0, 0.5, 3.000_02];
     let bad = compare("t", Layout::Query, &p, &got, &want, &naive, 10.0);
     assert_eq!(bad.failures.len(), 1);
-    assert!(bad.failures[0].contains("i=1 (q_pos 1), d=1"), "{:?}", bad.failures);
+    assert!(
+        bad.failures[0].contains("i=1 (q_pos 1), d=1"),
+        "{:?}",
+        bad.failures
+    );
     // NaN anywhere fails.
     let got = [f32::NAN, -2.0, 0.5, 3.0];
     let nan = compare("t", Layout::Query, &p, &got, &want, &naive, 10.0);
@@ -321,7 +336,15 @@ fn compare_applies_the_tolerance_rule() {
     let p_lse = problem(1, 1, 1, 2, 2, 1, 1.0);
     let want_lse = [f64::NEG_INFINITY, 0.25];
     let naive_lse = [f32::NEG_INFINITY, 0.25];
-    let ok = compare("lse", Layout::Lse, &p_lse, &naive_lse, &want_lse, &naive_lse, 0.0);
+    let ok = compare(
+        "lse",
+        Layout::Lse,
+        &p_lse,
+        &naive_lse,
+        &want_lse,
+        &naive_lse,
+        0.0,
+    );
     assert!(ok.failures.is_empty(), "{:?}", ok.failures);
     let got = [-1e30, 0.25];
     let bad = compare("lse", Layout::Lse, &p_lse, &got, &want_lse, &naive_lse, 0.0);
@@ -330,7 +353,11 @@ fn compare_applies_the_tolerance_rule() {
     // disagree.
     let (got, off) = ([1.0, -2.0, 0.5, 3.0], [1.5, -2.0, 0.5, 3.0]);
     let off = compare("t", Layout::Query, &p, &got, &want, &off, 3.0);
-    assert!(off.failures.iter().any(|f| f.contains("f32 closures")), "{:?}", off.failures);
+    assert!(
+        off.failures.iter().any(|f| f.contains("f32 closures")),
+        "{:?}",
+        off.failures
+    );
 }
 
 #[test]
@@ -347,7 +374,12 @@ fn magnitudes_bound_the_results_and_see_through_cancellation() {
     let f = reference_forward(&variant, &p, &x[0], &x[1], &x[2]);
     let g = reference_backward(&variant, &p, &x[0], &x[1], &x[2], &x[3]);
     let (m_out, m) = reference::reference_magnitudes(&variant, &p, [&x[0], &x[1], &x[2], &x[3]]);
-    for (r, m) in [(&f.out, &m_out), (&g.dq, &m.dq), (&g.dk, &m.dk), (&g.dv, &m.dv)] {
+    for (r, m) in [
+        (&f.out, &m_out),
+        (&g.dq, &m.dq),
+        (&g.dk, &m.dk),
+        (&g.dv, &m.dv),
+    ] {
         for (r, m) in r.iter().zip(m) {
             assert!(r.abs() <= m * (1.0 + 1e-12), "{r} > {m}");
         }
@@ -378,9 +410,14 @@ fn cases_fit_the_budget_and_cover_the_shapes() {
         assert!(dims.contains(&d), "D = {d}");
     }
     assert!(CASES.iter().any(|c| c.seq_q < c.seq_k) && CASES.iter().any(|c| c.seq_q > c.seq_k));
-    assert!(CASES.iter().any(|c| c.heads_q == 4 * c.heads_kv && c.heads_kv > 1));
+    assert!(
+        CASES
+            .iter()
+            .any(|c| c.heads_q == 4 * c.heads_kv && c.heads_kv > 1)
+    );
     assert!(CASES.iter().any(|c| c.heads_kv == 1 && c.heads_q > 1));
     assert!(CASES.iter().any(|c| c.batch == 2));
+    assert!(CASES.iter().any(|c| c.scale.is_some()));
     assert!(CASES.iter().any(|c| c.logit_scale * c.logit_scale >= 1e3));
 }
 

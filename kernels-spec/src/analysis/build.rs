@@ -92,7 +92,11 @@ fn is_one(e: &Expr) -> bool {
 }
 
 fn zero(ty: Ty) -> Expr {
-    if ty == Ty::F32 { Expr::float(0.0) } else { int(0, ty) }
+    if ty == Ty::F32 {
+        Expr::float(0.0)
+    } else {
+        int(0, ty)
+    }
 }
 
 /// `a op b`, folded.
@@ -246,7 +250,11 @@ pub fn call(f: Builtin, args: Vec<Expr>) -> Expr {
             return args.into_iter().next().expect("two arguments");
         }
         if let (Some(x), Some(y)) = (int_value(&args[0]), int_value(&args[1])) {
-            let v = if f == Builtin::Min { x.min(y) } else { x.max(y) };
+            let v = if f == Builtin::Min {
+                x.min(y)
+            } else {
+                x.max(y)
+            };
             return int(v, ty);
         }
     }
@@ -343,7 +351,9 @@ pub fn rebuild(e: Expr, leaf: &mut impl FnMut(&Expr) -> Option<Expr>) -> Expr {
         ExprKind::Binary(op, a, b) => binary(op, rebuild(*a, leaf), rebuild(*b, leaf)),
         ExprKind::Call(f, args) => call(f, args.into_iter().map(|a| rebuild(a, leaf)).collect()),
         ExprKind::Cast(a) => cast(rebuild(*a, leaf), ty),
-        ExprKind::Select(c, t, f) => select(rebuild(*c, leaf), rebuild(*t, leaf), rebuild(*f, leaf)),
+        ExprKind::Select(c, t, f) => {
+            select(rebuild(*c, leaf), rebuild(*t, leaf), rebuild(*f, leaf))
+        }
         ExprKind::Let(l, v, b) => {
             let v = rebuild(*v, leaf);
             let b = rebuild(*b, leaf);

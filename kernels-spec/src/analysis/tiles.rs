@@ -26,7 +26,9 @@
 //! is `PARTIAL` only if it really holds both visible and hidden pairs.
 
 use super::build::{self, and, call, eq, le, let_, lt, not, or, select, sub};
-use crate::ir::{Arg, BinOp, Builtin, Const, Expr, ExprKind, Function, Local, ParamDecl, Ty, UnOp, tile_class};
+use crate::ir::{
+    Arg, BinOp, Builtin, Const, Expr, ExprKind, Function, Local, ParamDecl, Ty, UnOp, tile_class,
+};
 use std::collections::HashMap;
 
 /// Positions, batch and head indices are below this bound in magnitude
@@ -56,7 +58,11 @@ pub fn classifier(mask: Option<&Function>, params: &[ParamDecl]) -> Function {
             let class = select(
                 not(t),
                 Expr::i32(tile_class::EMPTY),
-                select(not(f), Expr::i32(tile_class::FULL), Expr::i32(tile_class::PARTIAL)),
+                select(
+                    not(f),
+                    Expr::i32(tile_class::FULL),
+                    Expr::i32(tile_class::PARTIAL),
+                ),
             );
             cx.bindings
                 .into_iter()
@@ -76,7 +82,11 @@ pub fn classifier(mask: Option<&Function>, params: &[ParamDecl]) -> Function {
 #[derive(Clone, Debug)]
 enum Abs {
     /// An `i32` in `[lo, hi]`; `range` is a static bound on both.
-    Int { lo: Expr, hi: Expr, range: (i64, i64) },
+    Int {
+        lo: Expr,
+        hi: Expr,
+        range: (i64, i64),
+    },
     /// A bool: `t` = it can be true, `f` = it can be false.
     Bool { t: Expr, f: Expr },
     /// An untracked value (f32, u32).
@@ -194,9 +204,11 @@ impl Interval<'_> {
                 _ => unknown_bool(),
             },
             ExprKind::Unary(UnOp::Neg, a) => match self.eval(a) {
-                Abs::Int { lo, hi, range } => {
-                    self.arith(BinOp::Sub, exact_int(Expr::i32(0), (0, 0)), Abs::Int { lo, hi, range })
-                }
+                Abs::Int { lo, hi, range } => self.arith(
+                    BinOp::Sub,
+                    exact_int(Expr::i32(0), (0, 0)),
+                    Abs::Int { lo, hi, range },
+                ),
                 _ => Abs::Unknown,
             },
             ExprKind::Binary(op, a, b) => {
@@ -245,12 +257,24 @@ impl Interval<'_> {
                 self.boolean(t, f)
             }
             (
-                Abs::Int { lo: xl, hi: xh, range: xr },
-                Abs::Int { lo: yl, hi: yh, range: yr },
+                Abs::Int {
+                    lo: xl,
+                    hi: xh,
+                    range: xr,
+                },
+                Abs::Int {
+                    lo: yl,
+                    hi: yh,
+                    range: yr,
+                },
             ) => {
                 // Only x possible / only y possible / both: the hull.
                 let pick = |only_x: Expr, only_y: Expr, both: Expr| {
-                    select(not(cf.clone()), only_x, select(not(ct.clone()), only_y, both))
+                    select(
+                        not(cf.clone()),
+                        only_x,
+                        select(not(ct.clone()), only_y, both),
+                    )
                 };
                 let lo = pick(xl.clone(), yl.clone(), min(xl, yl));
                 let hi = pick(xh.clone(), yh.clone(), max(xh, yh));
@@ -308,8 +332,16 @@ impl Interval<'_> {
 
     fn arith(&mut self, op: BinOp, x: Abs, y: Abs) -> Abs {
         let (
-            Abs::Int { lo: xl, hi: xh, range: xr },
-            Abs::Int { lo: yl, hi: yh, range: yr },
+            Abs::Int {
+                lo: xl,
+                hi: xh,
+                range: xr,
+            },
+            Abs::Int {
+                lo: yl,
+                hi: yh,
+                range: yr,
+            },
         ) = (x, y)
         else {
             return full_int();
@@ -326,15 +358,23 @@ impl Interval<'_> {
                     let hi = build::binary(op, hi_a, hi_b);
                     self.int(lo, hi, range)
                 } else {
-                    let sat = if op == BinOp::Add { Builtin::SatAdd } else { Builtin::SatSub };
+                    let sat = if op == BinOp::Add {
+                        Builtin::SatAdd
+                    } else {
+                        Builtin::SatSub
+                    };
                     let lo = call(sat, vec![lo_a, lo_b]);
                     let hi = call(sat, vec![hi_a, hi_b]);
                     self.widen(lo, hi)
                 }
             }
             BinOp::Mul => {
-                let corners = [(xr.0, yr.0), (xr.0, yr.1), (xr.1, yr.0), (xr.1, yr.1)].map(|(a, b)| a * b);
-                let range = (*corners.iter().min().expect("4"), *corners.iter().max().expect("4"));
+                let corners =
+                    [(xr.0, yr.0), (xr.0, yr.1), (xr.1, yr.0), (xr.1, yr.1)].map(|(a, b)| a * b);
+                let range = (
+                    *corners.iter().min().expect("4"),
+                    *corners.iter().max().expect("4"),
+                );
                 let fits = fits(range);
                 let product = |a: &Expr, b: &Expr| {
                     if fits {
@@ -343,11 +383,26 @@ impl Interval<'_> {
                         call(Builtin::SatMul, vec![a.clone(), b.clone()])
                     }
                 };
-                let p = [product(&xl, &yl), product(&xl, &yh), product(&xh, &yl), product(&xh, &yh)];
+                let p = [
+                    product(&xl, &yl),
+                    product(&xl, &yh),
+                    product(&xh, &yl),
+                    product(&xh, &yh),
+                ];
                 let p: Vec<Expr> = p.into_iter().map(|e| self.share(e)).collect();
-                let lo = min(min(p[0].clone(), p[1].clone()), min(p[2].clone(), p[3].clone()));
-                let hi = max(max(p[0].clone(), p[1].clone()), max(p[2].clone(), p[3].clone()));
-                if fits { self.int(lo, hi, range) } else { self.widen(lo, hi) }
+                let lo = min(
+                    min(p[0].clone(), p[1].clone()),
+                    min(p[2].clone(), p[3].clone()),
+                );
+                let hi = max(
+                    max(p[0].clone(), p[1].clone()),
+                    max(p[2].clone(), p[3].clone()),
+                );
+                if fits {
+                    self.int(lo, hi, range)
+                } else {
+                    self.widen(lo, hi)
+                }
             }
             BinOp::Div => {
                 // |x / y| <= |x| always (x / 0 = 0), except i32::MIN / -1.
@@ -364,8 +419,14 @@ impl Interval<'_> {
                 let q = [(&xl, &yl), (&xl, &yh), (&xh, &yl), (&xh, &yh)]
                     .map(|(a, b)| build::binary(BinOp::Div, a.clone(), b.clone()));
                 let q: Vec<Expr> = q.into_iter().map(|e| self.share(e)).collect();
-                let lo = min(min(q[0].clone(), q[1].clone()), min(q[2].clone(), q[3].clone()));
-                let hi = max(max(q[0].clone(), q[1].clone()), max(q[2].clone(), q[3].clone()));
+                let lo = min(
+                    min(q[0].clone(), q[1].clone()),
+                    min(q[2].clone(), q[3].clone()),
+                );
+                let hi = max(
+                    max(q[0].clone(), q[1].clone()),
+                    max(q[2].clone(), q[3].clone()),
+                );
                 let lo = select(zero_in.clone(), Expr::i32(-(m.min(I32_MAX)) as i32), lo);
                 let hi = select(zero_in, Expr::i32(m.min(I32_MAX) as i32), hi);
                 self.int(lo, hi, range)
@@ -397,7 +458,10 @@ impl Interval<'_> {
     fn widen(&mut self, lo: Expr, hi: Expr) -> Abs {
         let lo = self.share(lo);
         let hi = self.share(hi);
-        let saturated = or(eq(lo.clone(), Expr::i32(i32::MIN)), eq(hi.clone(), Expr::i32(i32::MAX)));
+        let saturated = or(
+            eq(lo.clone(), Expr::i32(i32::MIN)),
+            eq(hi.clone(), Expr::i32(i32::MAX)),
+        );
         let saturated = self.share(saturated);
         let lo = select(saturated.clone(), Expr::i32(i32::MIN), lo);
         let hi = select(saturated, Expr::i32(i32::MAX), hi);
@@ -447,7 +511,13 @@ impl Interval<'_> {
                     select(nonpos, build::neg(lo.clone()), max(build::neg(lo), hi)),
                 );
                 let m = range.0.abs().max(range.1.abs());
-                let low = if range.0 >= 0 { range.0 } else if range.1 <= 0 { -range.1 } else { 0 };
+                let low = if range.0 >= 0 {
+                    range.0
+                } else if range.1 <= 0 {
+                    -range.1
+                } else {
+                    0
+                };
                 self.int(new_lo, new_hi, (low, m))
             }
             _ => full_int(),
@@ -458,4 +528,3 @@ impl Interval<'_> {
 fn int_abs((lo, hi, range): (Expr, Expr, (i64, i64))) -> Abs {
     Abs::Int { lo, hi, range }
 }
-

@@ -168,7 +168,11 @@ impl<'a> RustEmitter<'a> {
     fn binary(&self, op: BinOp, a: &Expr, b: &Expr) -> TokenStream {
         let int = a.ty.is_int();
         let (x, y) = (self.expr(a), self.expr(b));
-        let zero = if a.ty == Ty::U32 { quote!(0u32) } else { quote!(0i32) };
+        let zero = if a.ty == Ty::U32 {
+            quote!(0u32)
+        } else {
+            quote!(0i32)
+        };
         match op {
             BinOp::Add if int => quote!((#x).wrapping_add(#y)),
             BinOp::Sub if int => quote!((#x).wrapping_sub(#y)),
