@@ -60,11 +60,18 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
     let identity = program.score_is_identity;
     let has_mask = program.has_mask;
     let text = explain(program);
+    let some = |size: Option<u32>| match size {
+        Some(v) => quote!(::core::option::Option::Some(#v)),
+        None => quote!(::core::option::Option::None),
+    };
+    let (tile_q, tile_kv) = (some(program.tile.0), some(program.tile.1));
     quote! {
         impl #impl_generics ::boostr_runtime::Variant for #ident #ty_generics #where_clause {
             const NAME: &'static str = #name;
             const SCORE_IS_IDENTITY: bool = #identity;
             const HAS_MASK: bool = #has_mask;
+            const TILE_Q: ::core::option::Option<u32> = #tile_q;
+            const TILE_KV: ::core::option::Option<u32> = #tile_kv;
             #score
             #score_grad
             #mask

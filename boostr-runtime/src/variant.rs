@@ -46,6 +46,10 @@ pub trait Variant: Clone + Debug + Send + Sync + 'static {
     const SCORE_IS_IDENTITY: bool;
     /// The variant declares a mask; without one every pair is visible.
     const HAS_MASK: bool;
+    /// `tile(q = ..)`: query rows per tile, overriding each target's default.
+    const TILE_Q: Option<u32> = None;
+    /// `tile(kv = ..)`: keys per tile, overriding each target's default.
+    const TILE_KV: Option<u32> = None;
 
     /// The modified score of one (query, key) pair.
     fn score(&self, s: f32, b: i32, h: i32, q: i32, kv: i32) -> f32;

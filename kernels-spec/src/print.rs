@@ -28,11 +28,19 @@ pub fn program(program: &Program) -> String {
         .map(|p| format!("{}: {}", p.name, p.ty))
         .collect();
     let mut out = format!(
-        "variant {} {{ {} }}\n  score is identity: {}\n  has mask: {}\n\n",
+        "variant {} {{ {} }}\n  score is identity: {}\n  has mask: {}\n  tile: q = {}, kv = {}\n\n",
         program.name,
         params.join(", "),
         program.score_is_identity,
-        program.has_mask
+        program.has_mask,
+        program
+            .tile
+            .0
+            .map_or("default".to_string(), |v| v.to_string()),
+        program
+            .tile
+            .1
+            .map_or("default".to_string(), |v| v.to_string()),
     );
     for f in [
         &program.score,

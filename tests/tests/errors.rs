@@ -35,7 +35,8 @@ fn rank_must_be_four() {
 
 #[test]
 fn batch_heads_lengths_and_dims_must_agree() {
-    let cases: [(&[usize], &[usize], &[usize], &str); 4] = [
+    type Shape = &'static [usize];
+    let cases: [(Shape, Shape, Shape, &str); 4] = [
         (&[2, 2, 3, 8], &[1, 2, 3, 8], &[1, 2, 3, 8], "batch"),
         (&[1, 2, 3, 8], &[1, 2, 3, 8], &[1, 1, 3, 8], "heads"),
         (

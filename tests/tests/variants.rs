@@ -48,3 +48,22 @@ pub struct Kitchen {
     pub gain: f32,
     pub stride: u32,
 }
+
+/// Odd tile sizes from the attribute: every tiling must give the same answers.
+#[attention(
+    mask = |_b, _h, q, kv| kv <= q && q - kv < self.window,
+    tile(q = 7, kv = 13),
+    tests = [OddTiles { window: 20 }],
+)]
+#[derive(Clone, Debug)]
+pub struct OddTiles {
+    pub window: i32,
+}
+
+#[test]
+fn tile_overrides_reach_the_variant() {
+    use boostr_runtime::Variant;
+    assert_eq!(OddTiles::TILE_Q, Some(7));
+    assert_eq!(OddTiles::TILE_KV, Some(13));
+    assert_eq!(Documents::TILE_Q, None);
+}

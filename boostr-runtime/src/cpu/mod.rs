@@ -66,7 +66,7 @@ pub struct BackwardInputs<'a> {
     pub dout: &'a [f32],
 }
 
-/// Attention forward with the default [`CpuTiles`]: writes `out` and `lse`.
+/// Attention forward with the variant's [`CpuTiles`]: writes `out` and `lse`.
 pub fn forward<V: Variant>(
     variant: &V,
     p: &Problem,
@@ -76,7 +76,7 @@ pub fn forward<V: Variant>(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    forward_tiled(variant, p, CpuTiles::DEFAULT, q, k, v, out, lse);
+    forward_tiled(variant, p, CpuTiles::for_variant::<V>(), q, k, v, out, lse);
 }
 
 /// Attention forward with explicit tile sizes (for tuning and tests).
@@ -108,7 +108,7 @@ pub fn forward_tiled<V: Variant>(
     );
 }
 
-/// Attention backward with the default [`CpuTiles`]: writes `dq`, `dk`, `dv`.
+/// Attention backward with the variant's [`CpuTiles`]: writes `dq`, `dk`, `dv`.
 pub fn backward<V: Variant>(
     variant: &V,
     p: &Problem,
@@ -117,7 +117,7 @@ pub fn backward<V: Variant>(
     dk: &mut [f32],
     dv: &mut [f32],
 ) {
-    backward_tiled(variant, p, CpuTiles::DEFAULT, inputs, dq, dk, dv);
+    backward_tiled(variant, p, CpuTiles::for_variant::<V>(), inputs, dq, dk, dv);
 }
 
 /// Attention backward with explicit tile sizes (for tuning and tests).

@@ -50,6 +50,18 @@ impl CpuTiles {
     }
 }
 
+impl CpuTiles {
+    /// The tiles for variant `V`: its `tile(q = .., kv = ..)` overrides, else
+    /// the defaults.
+    pub fn for_variant<V: crate::Variant>() -> Self {
+        let pick = |size: Option<u32>, default: usize| size.map_or(default, |s| s as usize);
+        Self::new(
+            pick(V::TILE_Q, Self::DEFAULT.q),
+            pick(V::TILE_KV, Self::DEFAULT.kv),
+        )
+    }
+}
+
 impl Default for CpuTiles {
     fn default() -> Self {
         Self::DEFAULT
