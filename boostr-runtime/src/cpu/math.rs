@@ -83,6 +83,154 @@ pub fn exp(x: f32) -> f32 {
     if x < EXP_LO { 0.0 } else { e }
 }
 
+/// `2^x` in f32, branch-free: `x = n + r` with `n = round(x)`, `|r| ≤ 1/2`,
+/// `2^r = e^(r·ln2)` by the [`exp`] polynomial, `2^n` from exponent bits in
+/// two halves (as in [`exp`]). Within 2 ulp for normal results; `0` below
+/// `-151` (and for `-inf`), `+inf` from `128` up, NaN only for NaN.
+#[inline(always)]
+pub fn exp2(x: f32) -> f32 {
+    const ROUND: f32 = 12_582_912.0;
+    const LO: f32 = -151.0;
+    const HI: f32 = 129.0;
+    let xc = if x < LO { LO } else { x };
+    let xc = if xc > HI { HI } else { xc };
+    let t = xc + ROUND;
+    let n = t - ROUND;
+    let r = (xc - n) * std::f32::consts::LN_2;
+    let y = exp_poly(r);
+    let ni = (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
+    let n1 = ni >> 1;
+    let n2 = ni - n1;
+    let p1 = f32::from_bits(((n1 + 127) as u32) << 23);
+    let p2 = f32::from_bits(((n2 + 127) as u32) << 23);
+    let e = y * p1 * p2;
+    if x < LO { 0.0 } else { e }
+}
+
+/// `e^r` for `|r| ≤ ln2/2` (the Cephes `expf` polynomial shared with [`exp`]).
+#[inline(always)]
+#[allow(clippy::excessive_precision)]
+fn exp_poly(r: f32) -> f32 {
+    let mut y = 1.987_569_150_0e-4f32;
+    y = y * r + 1.398_199_950_7e-3;
+    y = y * r + 8.333_451_907_3e-3;
+    y = y * r + 4.166_579_589_4e-2;
+    y = y * r + 1.666_666_545_9e-1;
+    y = y * r + 5.000_000_120_1e-1;
+    y * (r * r) + r + 1.0
+}
+
+/// `tanh(x)` in f32, branch-free: an odd polynomial below `|x| = 0.625`
+/// (Cephes `tanhf`), `(1 − t)/(1 + t)` with `t = e^(−2|x|)` above, the sign
+/// copied from `x`. Within a few ulp; `tanh(±0) = ±0`, exactly `±1` from
+/// `|x| ≈ 9` on (and for `±inf`); NaN only for NaN.
+#[inline(always)]
+#[allow(clippy::excessive_precision)]
+pub fn tanh(x: f32) -> f32 {
+    let a = f32::from_bits(x.to_bits() & 0x7fff_ffff);
+    // Small |x|: x + x·z·P(z), z = x².
+    let z = x * x;
+    let mut p = -5.704_988_727_45e-3f32;
+    p = p * z + 2.063_908_879_54e-2;
+    p = p * z - 5.373_971_555_31e-2;
+    p = p * z + 1.333_144_220_36e-1;
+    p = p * z - 3.333_328_194_22e-1;
+    let small = x + x * z * p;
+    // Large |x|: no overflow, t → 0 gives exactly 1.
+    let t = exp(-2.0 * a);
+    let big = (1.0 - t) / (1.0 + t);
+    let r = if a < 0.625 { small } else { big };
+    // `small` already has the sign of `x` except at `-0` (`-0 + +0 = +0`).
+    f32::from_bits(r.to_bits() | (x.to_bits() & 0x8000_0000))
+}
+
+/// The logistic function `1/(1 + e^−x)` in f32, branch-free, via
+/// `t = e^(−|x|)`: `1/(1 + t)` for `x ≥ 0`, `t/(1 + t)` below (so very
+/// negative `x` gives the small, possibly subnormal, result rather than an
+/// overflow). Within a few ulp; `0` at `-inf`, `1` at `+inf`, NaN only for NaN.
+#[inline(always)]
+pub fn sigmoid(x: f32) -> f32 {
+    let a = f32::from_bits(x.to_bits() & 0x7fff_ffff);
+    let t = exp(-a);
+    let num = if x < 0.0 { t } else { 1.0 };
+    num / (1.0 + t)
+}
+
+/// `(m − 1, e)` with `x = m·2^e`, `m ∈ [√½, √2)`, for positive finite `x`
+/// (subnormals are scaled up first; other inputs give garbage that
+/// [`log_special`] replaces).
+#[inline(always)]
+fn log_reduce(x: f32) -> (f32, f32) {
+    const TWO23: f32 = 8_388_608.0;
+    let sub = x < f32::MIN_POSITIVE;
+    let xs = if sub { x * TWO23 } else { x };
+    let bits = xs.to_bits() as i32;
+    let mut e = ((bits >> 23) & 0xff) - 126;
+    if sub {
+        e -= 23;
+    }
+    // Mantissa in [0.5, 1).
+    let m = f32::from_bits(((bits & 0x007f_ffff) | 0x3f00_0000) as u32);
+    let low = m < std::f32::consts::FRAC_1_SQRT_2;
+    let e = if low { e - 1 } else { e };
+    let f = if low { m + m - 1.0 } else { m - 1.0 };
+    (f, e as f32)
+}
+
+/// The Cephes `logf` polynomial: `ln(1 + f) − f + f²/2` for `f ∈ [√½−1, √2−1)`.
+#[inline(always)]
+#[allow(clippy::excessive_precision)]
+fn log_poly(f: f32) -> f32 {
+    let z = f * f;
+    let mut y = 7.037_683_629_2e-2f32;
+    y = y * f - 1.151_461_031_0e-1;
+    y = y * f + 1.167_699_874_0e-1;
+    y = y * f - 1.242_014_084_6e-1;
+    y = y * f + 1.424_932_278_7e-1;
+    y = y * f - 1.666_805_766_5e-1;
+    y = y * f + 2.000_071_476_5e-1;
+    y = y * f - 2.499_999_399_3e-1;
+    y = y * f + 3.333_333_117_4e-1;
+    y * f * z - 0.5 * z
+}
+
+/// The IEEE results of `log`/`log2` outside the positive finite numbers.
+#[inline(always)]
+fn log_special(x: f32, r: f32) -> f32 {
+    let r = if x == f32::INFINITY { f32::INFINITY } else { r };
+    let r = if x == 0.0 { f32::NEG_INFINITY } else { r };
+    // Negative and NaN inputs: NaN.
+    if x >= 0.0 { r } else { f32::NAN }
+}
+
+/// Natural logarithm in f32, branch-free (Cephes `logf`: frexp-style range
+/// reduction and a degree-9 polynomial). Within 2 ulp; subnormals exact in
+/// the reduction; `±0 → -inf`, negative `→ NaN`, `+inf → +inf`, NaN → NaN.
+#[inline(always)]
+#[allow(clippy::excessive_precision)] // exact split of ln 2, as in `exp`
+pub fn log(x: f32) -> f32 {
+    const LN2_HI: f32 = 0.693_359_375;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let (f, e) = log_reduce(x);
+    let y = log_poly(f) + e * LN2_LO;
+    let r = f + y + e * LN2_HI;
+    log_special(x, r)
+}
+
+/// Base-2 logarithm in f32, branch-free (as [`log`], with the `log2 e`
+/// multiply split so the exponent is added exactly). Within 2 ulp; special
+/// values as [`log`].
+#[inline(always)]
+#[allow(clippy::excessive_precision)]
+pub fn log2(x: f32) -> f32 {
+    // log2(e) − 1.
+    const LOG2EA: f32 = 0.442_695_040_888_963_407_36;
+    let (f, e) = log_reduce(x);
+    let y = log_poly(f);
+    let r = y * LOG2EA + f * LOG2EA + y + f + e;
+    log_special(x, r)
+}
+
 /// The largest element, or `-inf` for an empty slice (NaN elements are ignored
 /// unless they are all that is there).
 #[inline(always)]
@@ -263,6 +411,146 @@ mod tests {
         for x in [-1e4f32, -500.0, -200.0, -103.9] {
             let e = exp(x);
             assert!((0.0..1e-44).contains(&e), "exp({x}) = {e}");
+        }
+    }
+
+    /// Worst ulp error of `f` against the f64 reference `g` over `xs`;
+    /// panics (naming the input) past `bound`.
+    fn worst_ulps(
+        name: &str,
+        xs: impl Iterator<Item = f32>,
+        f: impl Fn(f32) -> f32,
+        g: impl Fn(f64) -> f64,
+        bound: f64,
+    ) -> f64 {
+        let mut worst = (0.0f64, 0.0f32);
+        for x in xs {
+            let (got, want) = (f(x), g(x as f64));
+            let e = ulps(got, want);
+            assert!(
+                e <= bound,
+                "{name}({x:e}) = {got:e}, want {want:e}: {e:.2} ulp (bound {bound})"
+            );
+            if e > worst.0 {
+                worst = (e, x);
+            }
+        }
+        eprintln!("{name}: max {:.3} ulp at {:e}", worst.0, worst.1);
+        worst.0
+    }
+
+    /// `n + 1` points evenly spaced over `[lo, hi]`.
+    fn sweep(lo: f64, hi: f64, n: usize) -> impl Iterator<Item = f32> {
+        (0..=n).map(move |i| (lo + (hi - lo) * i as f64 / n as f64) as f32)
+    }
+
+    /// Every `step`-th positive finite f32 (subnormals included), both signs.
+    fn all_floats(step: u32) -> impl Iterator<Item = f32> {
+        (1..0x7f80_0000u32)
+            .step_by(step as usize)
+            .flat_map(|b| [f32::from_bits(b), -f32::from_bits(b)])
+    }
+
+    fn sigmoid64(x: f64) -> f64 {
+        1.0 / (1.0 + (-x).exp())
+    }
+
+    #[test]
+    fn exp2_is_within_two_ulp() {
+        let w = worst_ulps(
+            "exp2",
+            sweep(-126.0, 127.99, 2_000_000),
+            exp2,
+            f64::exp2,
+            2.0,
+        );
+        assert!(w <= 2.0);
+        // Subnormal results: one extra unit.
+        worst_ulps(
+            "exp2 (subnormal)",
+            sweep(-149.5, -126.0, 100_000),
+            exp2,
+            f64::exp2,
+            3.0,
+        );
+        for n in -149..=127 {
+            assert_eq!(exp2(n as f32), (n as f64).exp2() as f32, "exp2({n})");
+        }
+        assert_eq!(exp2(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp2(-151.5), 0.0);
+        assert_eq!(exp2(-1e30), 0.0);
+        assert_eq!(exp2(128.0), f32::INFINITY);
+        assert_eq!(exp2(1e30), f32::INFINITY);
+        assert_eq!(exp2(f32::INFINITY), f32::INFINITY);
+        assert_eq!(exp2(0.0), 1.0);
+        assert_eq!(exp2(-0.0), 1.0);
+        assert!(exp2(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn tanh_is_within_a_few_ulp() {
+        worst_ulps("tanh", sweep(-12.0, 12.0, 2_000_000), tanh, f64::tanh, 3.0);
+        // Every 1009th float of both signs: tiny, subnormal, huge.
+        worst_ulps("tanh (all)", all_floats(1009), tanh, f64::tanh, 3.0);
+        assert_eq!(tanh(0.0).to_bits(), 0.0f32.to_bits());
+        assert_eq!(tanh(-0.0).to_bits(), (-0.0f32).to_bits());
+        for x in [9.1f32, 20.0, 1e10, f32::MAX, f32::INFINITY] {
+            assert_eq!(tanh(x), 1.0, "tanh({x})");
+            assert_eq!(tanh(-x), -1.0, "tanh(-{x})");
+        }
+        assert!(tanh(f32::NAN).is_nan());
+        let tiny = f32::from_bits(1);
+        assert_eq!(tanh(tiny), tiny);
+    }
+
+    #[test]
+    fn sigmoid_is_within_a_few_ulp() {
+        worst_ulps(
+            "sigmoid",
+            sweep(-87.0, 30.0, 2_000_000),
+            sigmoid,
+            sigmoid64,
+            3.0,
+        );
+        worst_ulps("sigmoid (all)", all_floats(1009), sigmoid, sigmoid64, 4.0);
+        assert_eq!(sigmoid(0.0), 0.5);
+        assert_eq!(sigmoid(-0.0), 0.5);
+        assert_eq!(sigmoid(f32::INFINITY), 1.0);
+        assert_eq!(sigmoid(f32::NEG_INFINITY), 0.0);
+        assert_eq!(sigmoid(1e30), 1.0);
+        assert_eq!(sigmoid(-1e30), 0.0);
+        assert_eq!(sigmoid(-200.0), 0.0);
+        assert!(sigmoid(-95.0) > 0.0); // subnormal, not flushed
+        assert!(sigmoid(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn log_and_log2_are_within_two_ulp() {
+        let pos = || (1..0x7f80_0000u32).step_by(211).map(f32::from_bits);
+        worst_ulps("log", pos(), log, f64::ln, 2.0);
+        worst_ulps("log2", pos(), log2, f64::log2, 2.0);
+        // Dense around 1, where the result is small.
+        worst_ulps("log near 1", sweep(0.5, 2.0, 2_000_000), log, f64::ln, 2.0);
+        worst_ulps(
+            "log2 near 1",
+            sweep(0.5, 2.0, 2_000_000),
+            log2,
+            f64::log2,
+            2.0,
+        );
+        for n in -149..=127 {
+            assert_eq!(log2((n as f64).exp2() as f32), n as f32, "log2(2^{n})");
+        }
+        for f in [log, log2] {
+            assert_eq!(f(1.0).to_bits(), 0.0f32.to_bits());
+            assert_eq!(f(0.0), f32::NEG_INFINITY);
+            assert_eq!(f(-0.0), f32::NEG_INFINITY);
+            assert_eq!(f(f32::INFINITY), f32::INFINITY);
+            assert!(f(-1.0).is_nan());
+            assert!(f(-1e-40).is_nan());
+            assert!(f(f32::NEG_INFINITY).is_nan());
+            assert!(f(f32::NAN).is_nan());
+            assert!(f(f32::MAX).is_finite());
         }
     }
 

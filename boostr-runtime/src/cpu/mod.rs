@@ -36,7 +36,8 @@
 mod backward;
 mod forward;
 mod gemm;
-mod math;
+#[doc(hidden)] // public for the code `#[attention]` generates (`score` in f32)
+pub mod math;
 mod simd;
 mod tile;
 

@@ -195,6 +195,24 @@ impl<'a> RustEmitter<'a> {
         let a: Vec<TokenStream> = args.iter().map(|x| self.expr(x)).collect();
         let x = &a[0];
         let float = ty == Ty::F32;
+        // In f32, the transcendental functions call the runtime's branch-free
+        // versions (libm calls would stop the per-element score loops from
+        // vectorizing); the f64 reference keeps std, independent of them.
+        if self.float == Float::F32 {
+            let name = match f {
+                Builtin::Exp => Some("exp"),
+                Builtin::Exp2 => Some("exp2"),
+                Builtin::Log => Some("log"),
+                Builtin::Log2 => Some("log2"),
+                Builtin::Tanh => Some("tanh"),
+                Builtin::Sigmoid => Some("sigmoid"),
+                _ => None,
+            };
+            if let Some(name) = name {
+                let m = format_ident!("{}", name);
+                return quote!(::boostr_runtime::cpu::math::#m(#x));
+            }
+        }
         match f {
             Builtin::Exp => quote!((#x).exp()),
             Builtin::Exp2 => quote!((#x).exp2()),
