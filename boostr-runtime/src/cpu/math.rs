@@ -17,7 +17,7 @@
 //!   slice length.
 //!
 //! Everything here is `#[inline(always)]` so that it is compiled inside the
-//! target-feature wrappers of [`super::simd`] at their vector width.
+//! target-feature wrappers of the crate's `cpu::simd` module at their vector width.
 
 /// Independent accumulators per reduction: 16 f32 fill one AVX-512, two AVX
 /// or four SSE registers, enough to hide most of the latency of a dependent
