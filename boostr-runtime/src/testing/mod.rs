@@ -1,18 +1,16 @@
 //! Numerical checks of attention variants and backends, used by the tests that
 //! `#[attention(tests = [...])]` generates, and usable by hand:
 //!
-//! ```ignore
+//! ```
+//! use boostr_runtime::stock::CausalSoftcap;
 //! use boostr_runtime::testing::{Cpu, check_reference_gradients, check_variant};
 //!
-//! #[test]
-//! fn causal_softcap() {
-//!     let variant = CausalSoftcap { cap: 30.0 };
-//!     // The oracle's backward is right for this variant (finite differences)...
-//!     check_reference_gradients(&variant);
-//!     // ...and the CPU kernels agree with the oracle, through the tensor ops
-//!     // and through autograd.
-//!     check_variant::<Cpu, _>(&variant);
-//! }
+//! let variant = CausalSoftcap { cap: 30.0 };
+//! // The oracle's backward is right for this variant (finite differences)...
+//! check_reference_gradients(&variant);
+//! // ...and the CPU kernels agree with the oracle, through the tensor ops
+//! // and through autograd.
+//! check_variant::<Cpu, _>(&variant);
 //! ```
 //!
 //! - [`reference_forward`] / [`reference_backward`]: the oracle, naive attention
