@@ -27,6 +27,7 @@
 //! `BOOSTR_BENCH_COMPOSED_MAX_S` seconds per run (default 60), it is skipped.
 
 use boostr_runtime::stock::{Causal, Full};
+use boostr_runtime::testing::Rng;
 use boostr_runtime::{AttentionOptions, Variant, attention_fwd, var_attention};
 use numr::autograd::{
     Var, backward, var_add, var_matmul, var_mul, var_mul_scalar, var_softmax, var_sum,
@@ -220,7 +221,7 @@ fn run(config: &Config) -> BoxResult<()> {
     println!();
     print_header();
 
-    let mut rng = Rng(0xb005_7a11);
+    let mut rng = Rng::new(0xb005_7a11, 0);
     let started = Instant::now();
     let cpu_start = cpu_seconds();
     let mut rows = Vec::new();
@@ -289,10 +290,10 @@ fn bench_one(
     let shape = [BATCH, HEADS, seq, dim];
     let n = shape.iter().product();
     let tensor = |data: &[f32]| Tensor::<CpuRuntime>::from_slice(data, &shape, device);
-    let q = tensor(&rng.normal(n))?;
-    let k = tensor(&rng.normal(n))?;
-    let v = tensor(&rng.normal(n))?;
-    let dout = tensor(&rng.normal(n))?;
+    let q = tensor(&rng.normal_f32(n, 1.0))?;
+    let k = tensor(&rng.normal_f32(n, 1.0))?;
+    let v = tensor(&rng.normal_f32(n, 1.0))?;
+    let dout = tensor(&rng.normal_f32(n, 1.0))?;
     let inputs = Inputs { q, k, v, dout };
 
     let (fused_fwd, fused_fb, fused_res) = match kind {
@@ -611,34 +612,6 @@ fn print_row(r: &Row) {
         speedup(r.fused_fb, r.composed_fb),
         diff
     );
-}
-
-/// A tiny deterministic generator (SplitMix64 + Box–Muller).
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in (0, 1].
-    fn uniform(&mut self) -> f64 {
-        ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
-    }
-
-    /// `n` standard normal samples.
-    fn normal(&mut self, n: usize) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                let (u1, u2) = (self.uniform(), self.uniform());
-                ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
-            })
-            .collect()
-    }
 }
 
 /// A tensor's elements in row-major order (autograd may return strided views).

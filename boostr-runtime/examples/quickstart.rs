@@ -9,7 +9,7 @@
 //! Exits with status 1 if any result is further from the reference than the
 //! tolerance.
 
-use boostr_runtime::testing::{reference_backward, reference_forward};
+use boostr_runtime::testing::{Rng, reference_backward, reference_forward};
 use boostr_runtime::{AttentionOptions, Problem, Variant, attention, var_attention};
 use numr::autograd::{Var, backward, var_mul, var_sum};
 use numr::prelude::{CpuDevice, CpuRuntime, Runtime, Tensor};
@@ -61,12 +61,12 @@ fn run() -> Result<bool, Box<dyn std::error::Error>> {
     // 2. Inputs: q [B, Hq, S, D], k and v [B, Hkv, S, D], and an output gradient.
     let device = CpuDevice::new();
     let client = CpuRuntime::default_client(&device);
-    let mut rng = Rng(0x5eed_b005);
+    let mut rng = Rng::new(0x5eed_b005, 0);
     let (q_shape, kv_shape) = ([B, HQ, S, D], [B, HKV, S, D]);
-    let q = rng.normal(B * HQ * S * D);
-    let k = rng.normal(B * HKV * S * D);
-    let v = rng.normal(B * HKV * S * D);
-    let dout = rng.normal(B * HQ * S * D);
+    let q = rng.normal_f32(B * HQ * S * D, 1.0);
+    let k = rng.normal_f32(B * HKV * S * D, 1.0);
+    let v = rng.normal_f32(B * HKV * S * D, 1.0);
+    let dout = rng.normal_f32(B * HQ * S * D, 1.0);
     let tensor =
         |data: &[f32], shape: &[usize]| Tensor::<CpuRuntime>::from_slice(data, shape, &device);
     let qv = Var::new(tensor(&q, &q_shape)?, true);
@@ -180,33 +180,4 @@ fn run() -> Result<bool, Box<dyn std::error::Error>> {
 fn median(times: &mut [Duration]) -> Duration {
     times.sort();
     times[times.len() / 2]
-}
-
-/// A tiny deterministic generator (SplitMix64 + Box–Muller), to keep the
-/// example self-contained.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in (0, 1].
-    fn uniform(&mut self) -> f64 {
-        ((self.next_u64() >> 11) + 1) as f64 / (1u64 << 53) as f64
-    }
-
-    /// `n` standard normal samples.
-    fn normal(&mut self, n: usize) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                let (u1, u2) = (self.uniform(), self.uniform());
-                ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
-            })
-            .collect()
-    }
 }

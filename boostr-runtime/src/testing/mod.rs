@@ -37,7 +37,7 @@ pub use cases::{CASES, Case, Logits};
 pub use check::{Cpu, REQUIRE_DEVICE_ENV, TestBackend, check_variant};
 pub use gradcheck::check_reference_gradients;
 pub use reference::{Forward, Gradients, Real, reference_backward, reference_forward};
-pub use rng::SEED_ENV;
+pub use rng::{Rng, SEED_ENV};
 
 /// Row-major coordinates of flat `index` in `shape`.
 fn unravel(shape: &[usize], mut index: usize) -> Vec<usize> {

@@ -55,13 +55,13 @@ fn splitmix64(state: &mut u64) -> u64 {
 
 /// SplitMix64 with Box–Muller normals.
 #[derive(Clone, Debug)]
-pub(crate) struct Rng {
+pub struct Rng {
     state: u64,
 }
 
 impl Rng {
     /// The generator of stream `stream` (e.g. a case's index) under `seed`.
-    pub(crate) fn new(seed: u64, stream: u64) -> Self {
+    pub fn new(seed: u64, stream: u64) -> Self {
         let mut state = seed ^ stream.wrapping_mul(0xD1B5_4A32_D192_ED03);
         // Decorrelate nearby (seed, stream) pairs.
         splitmix64(&mut state);
@@ -90,7 +90,7 @@ impl Rng {
     }
 
     /// `len` normals with standard deviation `std`, rounded to f32.
-    pub(crate) fn normal_f32(&mut self, len: usize, std: f32) -> Vec<f32> {
+    pub fn normal_f32(&mut self, len: usize, std: f32) -> Vec<f32> {
         (0..len)
             .map(|_| (self.normal() * f64::from(std)) as f32)
             .collect()
