@@ -96,5 +96,7 @@ pub fn explain(program: &ir::Program) -> String {
         out.push_str(&quote::quote!(fn #name(&self, #(#params),*) -> #ret #body).to_string());
         out.push_str("\n\n");
     }
+    out.push_str("== target: wgsl (variant functions) ==\n");
+    out.push_str(&emit::wgsl::variant_functions(program));
     out
 }

@@ -3,3 +3,4 @@
 //! never see syn, and target-specific choices live in their own module.
 
 pub mod cpu;
+pub mod wgsl;

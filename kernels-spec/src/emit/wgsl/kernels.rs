@@ -1,0 +1,457 @@
+//! The attention kernels: WGSL text templates around the lowered variant
+//! functions. Each template uses only the WGSL constants `D`, `BQ`, `BKV` and
+//! `WG` that [`header`] writes from a [`WgslTiles`]; sizes derived from them
+//! are WGSL `const` expressions inside the templates.
+//!
+//! Layout (all contiguous, f32): `q`, `attn_out` (the output), `dout`, `dq`: `[B, Hq, Sq, D]`;
+//! `k`, `v`, `dk`, `dv`: `[B, Hkv, Sk, D]`; `lse`, `delta`: `[B, Hq, Sq]`.
+//! Query row `i` sits at position `i + Sk - Sq` (bottom-right alignment);
+//! query head `h` reads key/value head `h / (Hq / Hkv)`.
+//!
+//! Per-invocation loops are either over tiles (`Sk / BKV`, `Sq / BQ` and the
+//! GQA group) or bounded by the tile constants, never over `S × D`: Mesa
+//! lavapipe ends loops past 65,535 iterations.
+
+use super::WgslTiles;
+
+/// The constants a template is written against.
+pub fn header(cfg: &WgslTiles) -> String {
+    let mut s = String::from("// ---- tile configuration ----\n");
+    for (name, value, why) in [
+        ("D", cfg.head_dim, "head dim"),
+        ("BQ", cfg.block_q, "query rows per tile"),
+        ("BKV", cfg.block_kv, "key rows per tile"),
+        ("WG", cfg.workgroup_size, "invocations per workgroup"),
+    ] {
+        s.push_str(&format!("const {name}: u32 = {value}u; // {why}\n"));
+    }
+    s
+}
+
+/// Shapes and the workgroup-size-derived trip counts, shared by all kernels.
+pub const COMMON: &str = r#"
+// ---- shapes ----
+struct Shape {
+    batch: u32,
+    heads_q: u32,
+    heads_kv: u32,
+    seq_q: u32,
+    seq_k: u32,
+    scale: f32,
+    pad_0: u32,
+    pad_1: u32,
+}
+@group(0) @binding(1) var<uniform> shape: Shape;
+
+// Per-invocation trip counts of the strided tile loops.
+const N_Q: u32 = (BQ * D + WG - 1u) / WG;
+const N_KV: u32 = (BKV * D + WG - 1u) / WG;
+const N_PAIRS: u32 = (BQ * BKV + WG - 1u) / WG;
+
+fn gqa_group() -> u32 {
+    return max(shape.heads_q / max(shape.heads_kv, 1u), 1u);
+}
+"#;
+
+/// Forward: one workgroup per (query tile, b·Hq + h); dispatch
+/// `(ceil(Sq / BQ), B·Hq, 1)`. Writes `attn_out` and `lse`.
+pub const FORWARD: &str = r#"
+// ---- forward (FlashAttention-2 schedule) ----
+@group(0) @binding(2) var<storage, read> q: array<f32>;
+@group(0) @binding(3) var<storage, read> k: array<f32>;
+@group(0) @binding(4) var<storage, read> v: array<f32>;
+@group(0) @binding(5) var<storage, read_write> attn_out: array<f32>;
+@group(0) @binding(6) var<storage, read_write> lse: array<f32>;
+
+var<workgroup> q_tile: array<f32, BQ * D>;
+// K, then V of the same key tile (the scores are done before V is loaded).
+var<workgroup> kv_tile: array<f32, BKV * D>;
+// Scores (-inf where masked), then probabilities.
+var<workgroup> p_tile: array<f32, BQ * BKV>;
+var<workgroup> row_m: array<f32, BQ>;
+var<workgroup> row_l: array<f32, BQ>;
+var<workgroup> row_alpha: array<f32, BQ>;
+
+@compute @workgroup_size(WG)
+fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let sq = shape.seq_q;
+    let sk = shape.seq_k;
+    let b = wid.y / shape.heads_q;
+    let h = wid.y % shape.heads_q;
+    let h_kv = h / gqa_group();
+    let q0 = wid.x * BQ;
+    let q_base = (b * shape.heads_q + h) * sq;
+    let kv_base = (b * shape.heads_kv + h_kv) * sk;
+    let offset = i32(sk) - i32(sq);
+    let ib = i32(b);
+    let ih = i32(h);
+
+    for (var t = 0u; t < N_Q; t++) {
+        let e = lid + t * WG;
+        if e < BQ * D {
+            let r = q0 + e / D;
+            var x = 0.0f;
+            if r < sq { x = q[(q_base + r) * D + e % D]; }
+            q_tile[e] = x;
+        }
+    }
+    if lid < BQ {
+        row_m[lid] = -bx_inf();
+        row_l[lid] = 0.0f;
+    }
+    var acc: array<f32, N_Q>;
+    for (var t = 0u; t < N_Q; t++) { acc[t] = 0.0f; }
+
+    let q_lo = i32(q0) + offset;
+    let q_hi = i32(min(q0 + BQ, sq)) - 1i + offset;
+    let n_tiles = (sk + BKV - 1u) / BKV;
+    for (var kt = 0u; kt < n_tiles; kt++) {
+        let k0 = kt * BKV;
+        let kv_hi = i32(min(k0 + BKV, sk)) - 1i;
+        let cls = variant_classify(ib, ih, q_lo, q_hi, i32(k0), kv_hi);
+        if cls == 0i { continue; } // EMPTY: nothing visible
+        workgroupBarrier(); // the previous tile's readers are done
+        for (var t = 0u; t < N_KV; t++) {
+            let e = lid + t * WG;
+            if e < BKV * D {
+                let r = k0 + e / D;
+                var x = 0.0f;
+                if r < sk { x = k[(kv_base + r) * D + e % D]; }
+                kv_tile[e] = x;
+            }
+        }
+        workgroupBarrier();
+        for (var t = 0u; t < N_PAIRS; t++) {
+            let e = lid + t * WG;
+            if e < BQ * BKV {
+                let i = e / BKV;
+                let j = e % BKV;
+                var s = -bx_inf();
+                if q0 + i < sq && k0 + j < sk {
+                    let qp = i32(q0 + i) + offset;
+                    let kp = i32(k0 + j);
+                    // FULL tiles skip the mask.
+                    if cls == 2i || variant_mask(ib, ih, qp, kp) {
+                        var qk = 0.0f;
+                        for (var d = 0u; d < D; d++) { qk += q_tile[i * D + d] * kv_tile[j * D + d]; }
+                        s = variant_score(qk * shape.scale, ib, ih, qp, kp);
+                    }
+                }
+                p_tile[e] = s;
+            }
+        }
+        workgroupBarrier();
+        // Online softmax, one invocation per row.
+        if lid < BQ {
+            let m_old = row_m[lid];
+            var m_new = m_old;
+            for (var j = 0u; j < BKV; j++) {
+                let s = p_tile[lid * BKV + j];
+                if s > m_new { m_new = s; }
+            }
+            var alpha = 1.0f;
+            var l = row_l[lid];
+            if bx_is_neg_inf(m_new) {
+                for (var j = 0u; j < BKV; j++) { p_tile[lid * BKV + j] = 0.0f; }
+            } else {
+                alpha = exp(m_old - m_new);
+                var sum = 0.0f;
+                for (var j = 0u; j < BKV; j++) {
+                    let p = exp(p_tile[lid * BKV + j] - m_new);
+                    p_tile[lid * BKV + j] = p;
+                    sum += p;
+                }
+                l = l * alpha + sum;
+            }
+            row_m[lid] = m_new;
+            row_l[lid] = l;
+            row_alpha[lid] = alpha;
+        }
+        workgroupBarrier();
+        for (var t = 0u; t < N_KV; t++) {
+            let e = lid + t * WG;
+            if e < BKV * D {
+                let r = k0 + e / D;
+                var x = 0.0f;
+                if r < sk { x = v[(kv_base + r) * D + e % D]; }
+                kv_tile[e] = x;
+            }
+        }
+        workgroupBarrier();
+        for (var t = 0u; t < N_Q; t++) {
+            let e = lid + t * WG;
+            if e < BQ * D {
+                let i = e / D;
+                let d = e % D;
+                var a = acc[t] * row_alpha[i];
+                for (var j = 0u; j < BKV; j++) { a += p_tile[i * BKV + j] * kv_tile[j * D + d]; }
+                acc[t] = a;
+            }
+        }
+    }
+    workgroupBarrier();
+    // Rows with no visible key: attn_out 0, lse -inf.
+    for (var t = 0u; t < N_Q; t++) {
+        let e = lid + t * WG;
+        if e < BQ * D {
+            let i = e / D;
+            let r = q0 + i;
+            let l = row_l[i];
+            var o = 0.0f;
+            if l > 0.0f { o = acc[t] / l; }
+            if r < sq { attn_out[(q_base + r) * D + e % D] = o; }
+        }
+    }
+    if lid < BQ && q0 + lid < sq {
+        let l = row_l[lid];
+        var x = -bx_inf();
+        if l > 0.0f { x = row_m[lid] + log(l); }
+        lse[q_base + q0 + lid] = x;
+    }
+}
+"#;
+
+/// Shared by both backward kernels: the per-pair recomputation of
+/// `P = exp(score(s) - lse)` and `dS = P ∘ (dP - D_i) ∘ score'(s)`, with
+/// `q_tile`/`do_tile` rows `i` and `k_tile`/`v_tile` rows `j`.
+pub const BACKWARD_PAIR: &str = r#"
+// Rows/columns past the sequence and masked pairs give P = dS = 0; so do
+// rows whose lse is -inf (no visible key).
+fn pair_grad(i: u32, j: u32, q0: u32, k0: u32, cls: i32, ib: i32, ih: i32) -> vec2<f32> {
+    let sq = shape.seq_q;
+    let sk = shape.seq_k;
+    if q0 + i >= sq || k0 + j >= sk { return vec2<f32>(0.0f, 0.0f); }
+    let lse_i = row_lse[i];
+    if bx_is_neg_inf(lse_i) { return vec2<f32>(0.0f, 0.0f); }
+    let qp = i32(q0 + i) + i32(sk) - i32(sq);
+    let kp = i32(k0 + j);
+    if cls != 2i && !variant_mask(ib, ih, qp, kp) { return vec2<f32>(0.0f, 0.0f); }
+    var qk = 0.0f;
+    var dp = 0.0f;
+    for (var d = 0u; d < D; d++) {
+        qk += q_tile[i * D + d] * k_tile[j * D + d];
+        dp += do_tile[i * D + d] * v_tile[j * D + d];
+    }
+    let s = qk * shape.scale;
+    let p = exp(variant_score(s, ib, ih, qp, kp) - lse_i);
+    var ds = 0.0f;
+    if p != 0.0f { ds = p * (dp - row_delta[i]) * variant_score_grad(s, ib, ih, qp, kp); }
+    return vec2<f32>(p, ds);
+}
+
+fn load_rows(lid: u32, q_base: u32, q0: u32) {
+    let sq = shape.seq_q;
+    for (var t = 0u; t < N_Q; t++) {
+        let e = lid + t * WG;
+        if e < BQ * D {
+            let r = q0 + e / D;
+            var x = 0.0f;
+            var y = 0.0f;
+            if r < sq {
+                x = q[(q_base + r) * D + e % D];
+                y = dout[(q_base + r) * D + e % D];
+            }
+            q_tile[e] = x;
+            do_tile[e] = y;
+        }
+    }
+    if lid < BQ {
+        var l = -bx_inf();
+        var dl = 0.0f;
+        if q0 + lid < sq {
+            l = lse[q_base + q0 + lid];
+            dl = delta[q_base + q0 + lid];
+        }
+        row_lse[lid] = l;
+        row_delta[lid] = dl;
+    }
+}
+
+fn load_cols(lid: u32, kv_base: u32, k0: u32) {
+    let sk = shape.seq_k;
+    for (var t = 0u; t < N_KV; t++) {
+        let e = lid + t * WG;
+        if e < BKV * D {
+            let r = k0 + e / D;
+            var x = 0.0f;
+            var y = 0.0f;
+            if r < sk {
+                x = k[(kv_base + r) * D + e % D];
+                y = v[(kv_base + r) * D + e % D];
+            }
+            k_tile[e] = x;
+            v_tile[e] = y;
+        }
+    }
+}
+
+var<workgroup> q_tile: array<f32, BQ * D>;
+var<workgroup> do_tile: array<f32, BQ * D>;
+var<workgroup> k_tile: array<f32, BKV * D>;
+var<workgroup> v_tile: array<f32, BKV * D>;
+var<workgroup> p_tile: array<f32, BQ * BKV>;
+var<workgroup> ds_tile: array<f32, BQ * BKV>;
+var<workgroup> row_lse: array<f32, BQ>;
+var<workgroup> row_delta: array<f32, BQ>;
+"#;
+
+/// The dQ module: `attn_bwd_delta` (`D_i = rowsum(dO ∘ O)`, one invocation
+/// per row; dispatch `(x, y, 1)` with `x·y·WG ≥ B·Hq·Sq`, `x ≤ 65535`), then
+/// `attn_bwd_dq`: one workgroup per (query tile, b·Hq + h), dispatch
+/// `(ceil(Sq / BQ), B·Hq, 1)`.
+pub const BACKWARD_DQ: &str = r#"
+// ---- backward: D_i and dQ ----
+@group(0) @binding(2) var<storage, read> q: array<f32>;
+@group(0) @binding(3) var<storage, read> k: array<f32>;
+@group(0) @binding(4) var<storage, read> v: array<f32>;
+@group(0) @binding(5) var<storage, read> o: array<f32>;
+@group(0) @binding(6) var<storage, read> dout: array<f32>;
+@group(0) @binding(7) var<storage, read> lse: array<f32>;
+@group(0) @binding(8) var<storage, read_write> delta: array<f32>;
+@group(0) @binding(9) var<storage, read_write> dq: array<f32>;
+
+@compute @workgroup_size(WG)
+fn attn_bwd_delta(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let row = gid.x + gid.y * nwg.x * WG;
+    if row >= shape.batch * shape.heads_q * shape.seq_q { return; }
+    var acc = 0.0f;
+    for (var d = 0u; d < D; d++) { acc += dout[row * D + d] * o[row * D + d]; }
+    delta[row] = acc;
+}
+
+@compute @workgroup_size(WG)
+fn attn_bwd_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let sq = shape.seq_q;
+    let sk = shape.seq_k;
+    let b = wid.y / shape.heads_q;
+    let h = wid.y % shape.heads_q;
+    let h_kv = h / gqa_group();
+    let q0 = wid.x * BQ;
+    let q_base = (b * shape.heads_q + h) * sq;
+    let kv_base = (b * shape.heads_kv + h_kv) * sk;
+    let offset = i32(sk) - i32(sq);
+    let ib = i32(b);
+    let ih = i32(h);
+
+    load_rows(lid, q_base, q0);
+    var acc: array<f32, N_Q>;
+    for (var t = 0u; t < N_Q; t++) { acc[t] = 0.0f; }
+    let q_lo = i32(q0) + offset;
+    let q_hi = i32(min(q0 + BQ, sq)) - 1i + offset;
+    let n_tiles = (sk + BKV - 1u) / BKV;
+    for (var kt = 0u; kt < n_tiles; kt++) {
+        let k0 = kt * BKV;
+        let kv_hi = i32(min(k0 + BKV, sk)) - 1i;
+        let cls = variant_classify(ib, ih, q_lo, q_hi, i32(k0), kv_hi);
+        if cls == 0i { continue; }
+        workgroupBarrier();
+        load_cols(lid, kv_base, k0);
+        workgroupBarrier();
+        for (var t = 0u; t < N_PAIRS; t++) {
+            let e = lid + t * WG;
+            if e < BQ * BKV { ds_tile[e] = pair_grad(e / BKV, e % BKV, q0, k0, cls, ib, ih).y; }
+        }
+        workgroupBarrier();
+        for (var t = 0u; t < N_Q; t++) {
+            let e = lid + t * WG;
+            if e < BQ * D {
+                let i = e / D;
+                let d = e % D;
+                var a = acc[t];
+                for (var j = 0u; j < BKV; j++) { a += ds_tile[i * BKV + j] * k_tile[j * D + d]; }
+                acc[t] = a;
+            }
+        }
+    }
+    for (var t = 0u; t < N_Q; t++) {
+        let e = lid + t * WG;
+        let r = q0 + e / D;
+        if e < BQ * D && r < sq { dq[(q_base + r) * D + e % D] = acc[t] * shape.scale; }
+    }
+}
+"#;
+
+/// The dK/dV module: one workgroup per (key tile, b·Hkv + h_kv), summing
+/// over every query head of its GQA group (no float atomics in WGSL);
+/// dispatch `(ceil(Sk / BKV), B·Hkv, 1)`. Needs `delta` from `attn_bwd_delta`.
+pub const BACKWARD_DKDV: &str = r#"
+// ---- backward: dK and dV ----
+@group(0) @binding(2) var<storage, read> q: array<f32>;
+@group(0) @binding(3) var<storage, read> k: array<f32>;
+@group(0) @binding(4) var<storage, read> v: array<f32>;
+@group(0) @binding(5) var<storage, read> dout: array<f32>;
+@group(0) @binding(6) var<storage, read> lse: array<f32>;
+@group(0) @binding(7) var<storage, read> delta: array<f32>;
+@group(0) @binding(8) var<storage, read_write> dk: array<f32>;
+@group(0) @binding(9) var<storage, read_write> dv: array<f32>;
+
+@compute @workgroup_size(WG)
+fn attn_bwd_dkdv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let sq = shape.seq_q;
+    let sk = shape.seq_k;
+    let b = wid.y / shape.heads_kv;
+    let h_kv = wid.y % shape.heads_kv;
+    let n_group = gqa_group();
+    let k0 = wid.x * BKV;
+    let kv_base = (b * shape.heads_kv + h_kv) * sk;
+    let offset = i32(sk) - i32(sq);
+    let ib = i32(b);
+
+    load_cols(lid, kv_base, k0);
+    var dk_acc: array<f32, N_KV>;
+    var dv_acc: array<f32, N_KV>;
+    for (var t = 0u; t < N_KV; t++) {
+        dk_acc[t] = 0.0f;
+        dv_acc[t] = 0.0f;
+    }
+    let kv_hi = i32(min(k0 + BKV, sk)) - 1i;
+    let n_tiles = (sq + BQ - 1u) / BQ;
+    for (var g = 0u; g < n_group; g++) {
+        let h = h_kv * n_group + g;
+        let ih = i32(h);
+        let q_base = (b * shape.heads_q + h) * sq;
+        for (var qt = 0u; qt < n_tiles; qt++) {
+            let q0 = qt * BQ;
+            let q_lo = i32(q0) + offset;
+            let q_hi = i32(min(q0 + BQ, sq)) - 1i + offset;
+            let cls = variant_classify(ib, ih, q_lo, q_hi, i32(k0), kv_hi);
+            if cls == 0i { continue; }
+            workgroupBarrier();
+            load_rows(lid, q_base, q0);
+            workgroupBarrier();
+            for (var t = 0u; t < N_PAIRS; t++) {
+                let e = lid + t * WG;
+                if e < BQ * BKV {
+                    let pd = pair_grad(e / BKV, e % BKV, q0, k0, cls, ib, ih);
+                    p_tile[e] = pd.x;
+                    ds_tile[e] = pd.y;
+                }
+            }
+            workgroupBarrier();
+            for (var t = 0u; t < N_KV; t++) {
+                let e = lid + t * WG;
+                if e < BKV * D {
+                    let j = e / D;
+                    let d = e % D;
+                    var a = dk_acc[t];
+                    var c = dv_acc[t];
+                    for (var i = 0u; i < BQ; i++) {
+                        a += ds_tile[i * BKV + j] * q_tile[i * D + d];
+                        c += p_tile[i * BKV + j] * do_tile[i * D + d];
+                    }
+                    dk_acc[t] = a;
+                    dv_acc[t] = c;
+                }
+            }
+        }
+    }
+    for (var t = 0u; t < N_KV; t++) {
+        let e = lid + t * WG;
+        let r = k0 + e / D;
+        if e < BKV * D && r < sk {
+            dk[(kv_base + r) * D + e % D] = dk_acc[t] * shape.scale;
+            dv[(kv_base + r) * D + e % D] = dv_acc[t];
+        }
+    }
+}
+"#;

@@ -1,0 +1,188 @@
+//! The WGSL target: IR → WGSL compute shaders.
+//!
+//! - [`ast`]: a small typed WGSL representation with `Display`;
+//! - [`lower`]: the four variant functions (`score`, `score_grad`, `mask`,
+//!   `classify`) and the helpers that give WGSL the IR's semantics;
+//! - [`kernels`]: the attention kernels, text templates around them.
+//!
+//! One module per (program, head dim): [`forward_module`] and
+//! [`backward_modules`]. Bindings (group 0): 0 `params: Params` (uniform, the
+//! variant's fields, bool as u32), 1 `shape: Shape` (uniform: batch, heads_q,
+//! heads_kv, seq_q, seq_k, scale), then the storage buffers listed in
+//! [`kernels`].
+
+pub mod ast;
+pub mod kernels;
+pub mod lower;
+
+use crate::ir::Program;
+
+/// The workgroup memory WebGPU guarantees
+/// (`maxComputeWorkgroupStorageSize`).
+pub const MAX_WORKGROUP_BYTES: u32 = 16384;
+/// The invocations per workgroup WebGPU guarantees
+/// (`maxComputeInvocationsPerWorkgroup`, and `maxComputeWorkgroupSizeX`).
+pub const MAX_INVOCATIONS: u32 = 256;
+
+/// Tile sizes of the WGSL kernels for one head dim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WgslTiles {
+    /// Head dim `D` (elements per q/k/v row).
+    pub head_dim: u32,
+    /// Query rows per tile (`BQ`).
+    pub block_q: u32,
+    /// Key rows per tile (`BKV`).
+    pub block_kv: u32,
+    /// Invocations per workgroup (`WG`, one-dimensional).
+    pub workgroup_size: u32,
+}
+
+impl WgslTiles {
+    /// The largest tiles, among a fixed list, whose kernels fit the limits,
+    /// with 64 invocations: D ≤ 40 → 16×16, D ≤ 64 → 16×8, D ≤ 96 → 8×8,
+    /// D ≤ 128 → 8×4. The backward layout (four row tiles) is what binds.
+    pub fn for_head_dim(head_dim: u32) -> WgslTiles {
+        const CANDIDATES: [(u32, u32); 7] =
+            [(16, 16), (16, 8), (8, 8), (8, 4), (4, 4), (2, 2), (1, 1)];
+        let make = |(block_q, block_kv)| WgslTiles {
+            head_dim,
+            block_q,
+            block_kv,
+            workgroup_size: 64,
+        };
+        CANDIDATES
+            .into_iter()
+            .map(make)
+            .find(|t| t.validate().is_ok())
+            .unwrap_or_else(|| make((1, 1)))
+    }
+
+    /// `var<workgroup>` bytes of the forward kernel: Q tile (BQ·D), one K-then-V
+    /// tile (BKV·D: V is loaded once the scores are done), scores/probabilities
+    /// (BQ·BKV), and per-row max, sum and rescale factor (3·BQ), all f32.
+    pub fn forward_workgroup_bytes(&self) -> u64 {
+        let (d, q, kv) = self.dims();
+        4 * (q * d + kv * d + q * kv + 3 * q)
+    }
+
+    /// `var<workgroup>` bytes of either backward kernel (the same layout): Q
+    /// and dO tiles (2·BQ·D), K and V tiles (2·BKV·D: dQ needs K after dP,
+    /// dK/dV needs all four at once), P and dS (2·BQ·BKV), lse and D_i (2·BQ).
+    pub fn backward_workgroup_bytes(&self) -> u64 {
+        let (d, q, kv) = self.dims();
+        4 * (2 * q * d + 2 * kv * d + 2 * q * kv + 2 * q)
+    }
+
+    /// The larger of the two layouts.
+    pub fn workgroup_bytes(&self) -> u64 {
+        self.forward_workgroup_bytes()
+            .max(self.backward_workgroup_bytes())
+    }
+
+    fn dims(&self) -> (u64, u64, u64) {
+        (
+            self.head_dim.into(),
+            self.block_q.into(),
+            self.block_kv.into(),
+        )
+    }
+
+    /// Checks every derived size against the WebGPU default limits; both the
+    /// forward and the backward layout must fit, since one configuration is
+    /// chosen per (program, head dim).
+    pub fn validate(&self) -> Result<(), String> {
+        if self.head_dim == 0 || self.block_q == 0 || self.block_kv == 0 {
+            return Err(format!(
+                "{self:?}: head dim and block sizes must be positive"
+            ));
+        }
+        if self.workgroup_size == 0 || self.workgroup_size > MAX_INVOCATIONS {
+            return Err(format!(
+                "{self:?}: workgroup size {} is outside 1..={MAX_INVOCATIONS} \
+                 (maxComputeInvocationsPerWorkgroup)",
+                self.workgroup_size
+            ));
+        }
+        // The online softmax and the row loads give one invocation per row.
+        if self.workgroup_size < self.block_q {
+            return Err(format!(
+                "{self:?}: workgroup size {} is below block_q {} (one invocation per query row)",
+                self.workgroup_size, self.block_q
+            ));
+        }
+        let bytes = self.workgroup_bytes();
+        if bytes > MAX_WORKGROUP_BYTES.into() {
+            return Err(format!(
+                "{self:?}: {bytes} bytes of var<workgroup> (forward {}, backward {}) exceed \
+                 the {MAX_WORKGROUP_BYTES}-byte limit (maxComputeWorkgroupStorageSize)",
+                self.forward_workgroup_bytes(),
+                self.backward_workgroup_bytes()
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The variant section every module shares: the semantic helpers, the
+/// `Params` uniform at binding 0, and the four lowered variant functions.
+pub fn variant_functions(program: &Program) -> String {
+    let mut s = String::from(lower::HELPERS);
+    s.push_str("\n// ---- variant ");
+    s.push_str(&program.name);
+    s.push_str(" ----\n");
+    s.push_str(&lower::params_struct(program).to_string());
+    s.push_str("@group(0) @binding(0) var<uniform> params: Params;\n\n");
+    for f in [
+        &program.score,
+        &program.score_grad,
+        &program.mask,
+        &program.classify,
+    ] {
+        s.push_str(&lower::function(program, f).to_string());
+        s.push('\n');
+    }
+    s
+}
+
+fn module(program: &Program, cfg: &WgslTiles, parts: &[&str]) -> String {
+    if let Err(e) = cfg.validate() {
+        panic!("invalid WGSL tile configuration: {e}");
+    }
+    let mut s = kernels::header(cfg);
+    s.push_str(kernels::COMMON);
+    s.push('\n');
+    s.push_str(&variant_functions(program));
+    for p in parts {
+        s.push_str(p);
+    }
+    s
+}
+
+/// The forward module (entry point `attn_fwd`).
+///
+/// # Panics
+/// If `cfg` does not [validate](WgslTiles::validate).
+pub fn forward_module(program: &Program, cfg: &WgslTiles) -> String {
+    module(program, cfg, &[kernels::FORWARD])
+}
+
+/// The backward modules: `(dq, dkdv)`. The first has entry points
+/// `attn_bwd_delta` (`D_i = rowsum(dO ∘ O)`, run first) and `attn_bwd_dq`; the
+/// second has `attn_bwd_dkdv`.
+///
+/// # Panics
+/// If `cfg` does not [validate](WgslTiles::validate).
+pub fn backward_modules(program: &Program, cfg: &WgslTiles) -> (String, String) {
+    (
+        module(
+            program,
+            cfg,
+            &[kernels::BACKWARD_DQ, kernels::BACKWARD_PAIR],
+        ),
+        module(
+            program,
+            cfg,
+            &[kernels::BACKWARD_DKDV, kernels::BACKWARD_PAIR],
+        ),
+    )
+}
