@@ -1,7 +1,7 @@
 //! Quote a compiled variant: the struct, its `Variant` impl and its tests.
 
 use kernels_spec::emit::cpu::{Float, RustEmitter};
-use kernels_spec::ir::{Function, Program};
+use kernels_spec::ir::{Function, Program, Ty};
 use kernels_spec::{Compiled, compile, explain};
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
@@ -65,6 +65,17 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
         None => quote!(::core::option::Option::None),
     };
     let (tile_q, tile_kv) = (some(program.tile.0), some(program.tile.1));
+    let wgsl = kernels_spec::emit::wgsl::variant_functions(program);
+    let words = program.params.iter().map(|p| {
+        let name = format_ident!("{}", p.name);
+        match p.ty {
+            Ty::F32 => quote!(f32::to_bits(self.#name)),
+            Ty::I32 => quote!(self.#name as u32),
+            Ty::U32 => quote!(self.#name),
+            Ty::Bool => quote!(u32::from(self.#name)),
+        }
+    });
+    let n_words = program.params.len().max(1).next_multiple_of(4);
     quote! {
         impl #impl_generics ::boostr_runtime::Variant for #ident #ty_generics #where_clause {
             const NAME: &'static str = #name;
@@ -89,6 +100,15 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
             #mask_f64
             fn compiled() -> ::boostr_runtime::CompiledStages {
                 ::boostr_runtime::CompiledStages { name: #name, text: #text }
+            }
+            fn wgsl_variant_functions() -> ::core::option::Option<&'static str> {
+                ::core::option::Option::Some(#wgsl)
+            }
+            #[allow(clippy::all)]
+            fn wgsl_params(&self) -> ::std::vec::Vec<u32> {
+                let mut words = ::std::vec![#(#words),*];
+                words.resize(#n_words, 0u32);
+                words
             }
         }
     }

@@ -30,6 +30,9 @@
 //! - The compiler derives d`score`/d`s` for the backward and a tile
 //!   classifier that lets kernels skip empty tiles and unmasked full tiles.
 //!   [`Variant::compiled`] prints what it made.
+//!
+//! Backends: numr's `CpuRuntime` always; with the `wgpu` cargo feature, numr's
+//! `WgpuRuntime` too (the WGSL kernels, f32 only).
 
 extern crate self as boostr_runtime;
 
@@ -43,6 +46,8 @@ pub mod stock;
 pub mod testing;
 mod validate;
 mod variant;
+#[cfg(feature = "wgpu")]
+mod wgpu;
 
 pub use backend::AttentionRuntime;
 pub use boostr_macros::attention;
@@ -54,6 +59,7 @@ pub use variant::{CompiledStages, TileClass, Variant};
 
 /// Generated per-variant tests on every backend compiled in; used by the code
 /// that `#[attention(tests = [..])]` expands to.
+#[cfg(not(feature = "wgpu"))]
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __backend_tests {
@@ -65,6 +71,36 @@ macro_rules! __backend_tests {
                 #[test]
                 fn $name() {
                     $crate::testing::check_variant::<$crate::testing::Cpu, _>(&$instance);
+                }
+            )*
+        }
+    };
+}
+
+/// Generated per-variant tests on every backend compiled in; used by the code
+/// that `#[attention(tests = [..])]` expands to.
+#[cfg(feature = "wgpu")]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __backend_tests {
+    ($($name:ident => $instance:expr,)*) => {
+        mod cpu {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                #[test]
+                fn $name() {
+                    $crate::testing::check_variant::<$crate::testing::Cpu, _>(&$instance);
+                }
+            )*
+        }
+        mod wgpu {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                #[test]
+                fn $name() {
+                    $crate::testing::check_variant::<$crate::testing::Wgpu, _>(&$instance);
                 }
             )*
         }

@@ -79,4 +79,19 @@ pub trait Variant: Clone + Debug + Send + Sync + 'static {
 
     /// What the compiler made of this variant, stage by stage.
     fn compiled() -> CompiledStages;
+
+    /// The WGSL variant section (helpers, the `Params` uniform and the four
+    /// lowered variant functions) that the WGSL kernels are assembled around,
+    /// or `None` when the variant has no WGSL lowering (a hand-written impl):
+    /// the wgpu backend then returns an error.
+    fn wgsl_variant_functions() -> Option<&'static str> {
+        None
+    }
+
+    /// The contents of the WGSL `Params` uniform: one 32-bit word per field
+    /// in declaration order (f32 as its bits, i32/u32 as their bits, bool as
+    /// 0/1), zero-padded to a non-empty multiple of four words.
+    fn wgsl_params(&self) -> Vec<u32> {
+        vec![0; 4]
+    }
 }

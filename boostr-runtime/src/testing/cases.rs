@@ -208,3 +208,37 @@ pub const CASES: &[Case] = &[
         name: "long",
     },
 ];
+
+/// A smaller set for slow backends (software GPU adapters): the same kinds of
+/// shapes as [`CASES`] — odd lengths below and across tiles, `D ∈ {40, 64,
+/// 80, 128}`, batch 2, MQA, GQA 4:1, `Sq < Sk`, `Sq > Sk` (rows with no
+/// visible key under a causal mask), peaked and ~1e4 logits — at a few
+/// percent of the work. The largest is `B·Hq·Sq·Sk·D = 1·8·7·23·64`.
+pub const SMALL_CASES: &[Case] = &[
+    CASES[0],
+    CASES[1],
+    Case {
+        seq_k: 33,
+        ..CASES[2]
+    },
+    Case {
+        seq_q: 7,
+        seq_k: 23,
+        ..CASES[3]
+    },
+    Case {
+        seq_q: 23,
+        seq_k: 7,
+        ..CASES[4]
+    },
+    Case {
+        seq_q: 19,
+        seq_k: 19,
+        ..CASES[5]
+    },
+    Case {
+        seq_q: 19,
+        seq_k: 19,
+        ..CASES[6]
+    },
+];

@@ -35,6 +35,11 @@ pub trait TestBackend {
     const NAME: &'static str;
     /// A device to run on, or `None` when this machine has none.
     fn device() -> Option<<Self::Runtime as Runtime>::Device>;
+    /// The cases [`check_variant`] runs: [`CASES`] unless the backend is too
+    /// slow for them on the machines it is tested on.
+    fn cases() -> &'static [Case] {
+        CASES
+    }
 }
 
 /// numr's CPU runtime.
@@ -46,6 +51,25 @@ impl TestBackend for Cpu {
     const NAME: &'static str = "cpu";
     fn device() -> Option<CpuDevice> {
         Some(CpuDevice::new())
+    }
+}
+
+/// numr's WebGPU runtime, on its default adapter. Checked on
+/// [`SMALL_CASES`](super::SMALL_CASES): software adapters (Mesa lavapipe)
+/// run the standard cases' largest shapes for minutes.
+#[cfg(feature = "wgpu")]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Wgpu;
+
+#[cfg(feature = "wgpu")]
+impl TestBackend for Wgpu {
+    type Runtime = numr::runtime::wgpu::WgpuRuntime;
+    const NAME: &'static str = "wgpu";
+    fn device() -> Option<numr::runtime::wgpu::WgpuDevice> {
+        numr::runtime::wgpu::is_wgpu_available().then(numr::runtime::wgpu::wgpu_device)
+    }
+    fn cases() -> &'static [Case] {
+        super::cases::SMALL_CASES
     }
 }
 
@@ -70,7 +94,8 @@ const CANCEL: f64 = f32::EPSILON as f64;
 /// closures disagree and the tolerance would be meaningless.
 const NAIVE_SANITY: f64 = 1e-2;
 
-/// Check `R`'s attention kernels for `variant` on every [`CASES`] entry.
+/// Check `R`'s attention kernels for `variant` on every case of
+/// [`TestBackend::cases`] ([`CASES`] unless the backend says otherwise).
 ///
 /// For each case, fresh random `q, k, v, dout` (seed from the clock, or from
 /// `BOOSTR_TEST_SEED`) go through
@@ -139,7 +164,7 @@ pub fn check_variant<R: TestBackend, V: Variant>(variant: &V) {
     };
     let seed = choose_seed();
     let mut failures = String::new();
-    for (n, case) in CASES.iter().enumerate() {
+    for (n, case) in R::cases().iter().enumerate() {
         let report = run_case::<R, V>(variant, &device, case, seed, n as u64);
         eprintln!(
             "boostr: {} on {}, case {}: {}",

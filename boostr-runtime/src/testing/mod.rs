@@ -33,7 +33,10 @@ mod gradcheck;
 mod reference;
 mod rng;
 
+pub use cases::SMALL_CASES;
 pub use cases::{CASES, Case, Logits};
+#[cfg(feature = "wgpu")]
+pub use check::Wgpu;
 pub use check::{Cpu, REQUIRE_DEVICE_ENV, TestBackend, check_variant};
 pub use gradcheck::check_reference_gradients;
 pub use reference::{Forward, Gradients, Real, reference_backward, reference_forward};

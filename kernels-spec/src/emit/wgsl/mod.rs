@@ -144,14 +144,14 @@ pub fn variant_functions(program: &Program) -> String {
     s
 }
 
-fn module(program: &Program, cfg: &WgslTiles, parts: &[&str]) -> String {
+fn module(variant_fns: &str, cfg: &WgslTiles, parts: &[&str]) -> String {
     if let Err(e) = cfg.validate() {
         panic!("invalid WGSL tile configuration: {e}");
     }
     let mut s = kernels::header(cfg);
     s.push_str(kernels::COMMON);
     s.push('\n');
-    s.push_str(&variant_functions(program));
+    s.push_str(variant_fns);
     for p in parts {
         s.push_str(p);
     }
@@ -163,7 +163,16 @@ fn module(program: &Program, cfg: &WgslTiles, parts: &[&str]) -> String {
 /// # Panics
 /// If `cfg` does not [validate](WgslTiles::validate).
 pub fn forward_module(program: &Program, cfg: &WgslTiles) -> String {
-    module(program, cfg, &[kernels::FORWARD])
+    forward_module_from(&variant_functions(program), cfg)
+}
+
+/// [`forward_module`] from the text of [`variant_functions`], for runtimes
+/// that assemble modules per head dim without the [`Program`].
+///
+/// # Panics
+/// If `cfg` does not [validate](WgslTiles::validate).
+pub fn forward_module_from(variant_fns: &str, cfg: &WgslTiles) -> String {
+    module(variant_fns, cfg, &[kernels::FORWARD])
 }
 
 /// The backward modules: `(dq, dkdv)`. The first has entry points
@@ -173,14 +182,22 @@ pub fn forward_module(program: &Program, cfg: &WgslTiles) -> String {
 /// # Panics
 /// If `cfg` does not [validate](WgslTiles::validate).
 pub fn backward_modules(program: &Program, cfg: &WgslTiles) -> (String, String) {
+    backward_modules_from(&variant_functions(program), cfg)
+}
+
+/// [`backward_modules`] from the text of [`variant_functions`].
+///
+/// # Panics
+/// If `cfg` does not [validate](WgslTiles::validate).
+pub fn backward_modules_from(variant_fns: &str, cfg: &WgslTiles) -> (String, String) {
     (
         module(
-            program,
+            variant_fns,
             cfg,
             &[kernels::BACKWARD_DQ, kernels::BACKWARD_PAIR],
         ),
         module(
-            program,
+            variant_fns,
             cfg,
             &[kernels::BACKWARD_DKDV, kernels::BACKWARD_PAIR],
         ),
