@@ -57,20 +57,18 @@ pub use op::{AttentionOptions, attention_bwd, attention_fwd, var_attention};
 pub use problem::Problem;
 pub use variant::{CompiledStages, TileClass, Variant};
 
-/// Generated per-variant tests on every backend compiled in; used by the code
-/// that `#[attention(tests = [..])]` expands to.
-#[cfg(not(feature = "wgpu"))]
+/// One module of generated tests: every instance checked on one backend.
 #[doc(hidden)]
 #[macro_export]
-macro_rules! __backend_tests {
-    ($($name:ident => $instance:expr,)*) => {
-        mod cpu {
+macro_rules! __backend_test_module {
+    ($module:ident, $backend:ident; $($name:ident => $instance:expr,)*) => {
+        mod $module {
             #[allow(unused_imports)]
             use super::*;
             $(
                 #[test]
                 fn $name() {
-                    $crate::testing::check_variant::<$crate::testing::Cpu, _>(&$instance);
+                    $crate::testing::check_variant::<$crate::testing::$backend, _>(&$instance);
                 }
             )*
         }
@@ -78,31 +76,24 @@ macro_rules! __backend_tests {
 }
 
 /// Generated per-variant tests on every backend compiled in; used by the code
-/// that `#[attention(tests = [..])]` expands to.
+/// that `#[attention(tests = [..])]` expands to. Defined once per feature set
+/// because `cfg` inside a macro's expansion is evaluated in the caller's crate.
+#[cfg(not(feature = "wgpu"))]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __backend_tests {
+    ($($name:ident => $instance:expr,)*) => {
+        $crate::__backend_test_module! { cpu, Cpu; $($name => $instance,)* }
+    };
+}
+
+/// Generated per-variant tests on every backend compiled in (CPU and wgpu).
 #[cfg(feature = "wgpu")]
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __backend_tests {
     ($($name:ident => $instance:expr,)*) => {
-        mod cpu {
-            #[allow(unused_imports)]
-            use super::*;
-            $(
-                #[test]
-                fn $name() {
-                    $crate::testing::check_variant::<$crate::testing::Cpu, _>(&$instance);
-                }
-            )*
-        }
-        mod wgpu {
-            #[allow(unused_imports)]
-            use super::*;
-            $(
-                #[test]
-                fn $name() {
-                    $crate::testing::check_variant::<$crate::testing::Wgpu, _>(&$instance);
-                }
-            )*
-        }
+        $crate::__backend_test_module! { cpu, Cpu; $($name => $instance,)* }
+        $crate::__backend_test_module! { wgpu, Wgpu; $($name => $instance,)* }
     };
 }
