@@ -53,7 +53,7 @@ impl Module {
     fn entries(self) -> (&'static [&'static str], u32, u32) {
         match self {
             Module::Forward => (&["attn_fwd"], 3, 2),
-            Module::BackwardDq => (&["attn_bwd_delta", "attn_bwd_dq"], 6, 2),
+            Module::BackwardDq => (&["attn_bwd_delta", "attn_bwd_dq"], 5, 2),
             Module::BackwardDkDv => (&["attn_bwd_dkdv"], 6, 2),
         }
     }
@@ -350,7 +350,10 @@ impl AttentionRuntime for WgpuRuntime {
         dout: &Tensor<Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
         let (q, k, v) = (input("q", q)?, input("k", k)?, input("v", v)?);
-        let (out, lse) = (input("out", out)?, input("lse", lse)?);
+        // `out` is not read: D_i comes from the recomputed P (see
+        // `kernels::BACKWARD_DQ`).
+        let _ = out;
+        let lse = input("lse", lse)?;
         let dout = input("dout", dout)?;
         let client = WgpuRuntime::default_client(q.device());
         let dq_pass = pass::<V>(&client, p.head_dim, Module::BackwardDq)?;
@@ -360,11 +363,6 @@ impl AttentionRuntime for WgpuRuntime {
         let dq = alloc(q.shape(), &q)?;
         let dk = alloc(k.shape(), &k)?;
         let dv = alloc(v.shape(), &v)?;
-        // D_i: one invocation per row, rows spread over (x, y).
-        let rows = p.batch * p.heads_q * p.seq_q;
-        let wgs = rows.div_ceil(cfg.workgroup_size as usize);
-        let x = wgs.min(MAX_WORKGROUPS);
-        let delta_grid = (workgroups(x, "rows")?, workgroups(wgs.div_ceil(x), "rows")?);
         let bh = workgroups(p.batch * p.heads_q, "B·Hq")?;
         let dq_grid = (
             workgroups(p.seq_q.div_ceil(cfg.block_q as usize), "Sq")?,
@@ -379,7 +377,7 @@ impl AttentionRuntime for WgpuRuntime {
             &variant.wgsl_params(),
             p,
             &[
-                (&dq_pass, &[&q, &k, &v, &out, &dout, &lse, &delta, &dq]),
+                (&dq_pass, &[&q, &k, &v, &dout, &lse, &delta, &dq]),
                 (&dkdv_pass, &[&q, &k, &v, &dout, &lse, &delta, &dk, &dv]),
             ],
             &[
@@ -387,7 +385,7 @@ impl AttentionRuntime for WgpuRuntime {
                     pass: &dq_pass,
                     entry: 0,
                     group: 0,
-                    grid: delta_grid,
+                    grid: dq_grid,
                 },
                 Launch {
                     pass: &dq_pass,

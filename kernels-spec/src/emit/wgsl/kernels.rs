@@ -211,21 +211,23 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
 }
 "#;
 
-/// Shared by both backward kernels: the per-pair recomputation of
-/// `P = exp(score(s) - lse)` and `dS = P ∘ (dP - D_i) ∘ score'(s)`, with
-/// `q_tile`/`do_tile` rows `i` and `k_tile`/`v_tile` rows `j`.
+/// Shared by the backward kernels: the per-pair recomputation of
+/// `P = exp(score(s) - lse)`, `dP = dO_i · v_j` and
+/// `dS = P ∘ (dP - D_i) ∘ score'(s)`, with `q_tile`/`do_tile` rows `i` and
+/// `k_tile`/`v_tile` rows `j`.
 pub const BACKWARD_PAIR: &str = r#"
-// Rows/columns past the sequence and masked pairs give P = dS = 0; so do
-// rows whose lse is -inf (no visible key).
-fn pair_grad(i: u32, j: u32, q0: u32, k0: u32, cls: i32, ib: i32, ih: i32) -> vec2<f32> {
+// (s, P, dP) of one pair. Rows/columns past the sequence and masked pairs
+// give P = 0; so do rows whose lse is -inf (no visible key).
+fn pair_terms(i: u32, j: u32, q0: u32, k0: u32, cls: i32, ib: i32, ih: i32) -> vec3<f32> {
     let sq = shape.seq_q;
     let sk = shape.seq_k;
-    if q0 + i >= sq || k0 + j >= sk { return vec2<f32>(0.0f, 0.0f); }
+    let none = vec3<f32>(0.0f, 0.0f, 0.0f);
+    if q0 + i >= sq || k0 + j >= sk { return none; }
     let lse_i = row_lse[i];
-    if bx_is_neg_inf(lse_i) { return vec2<f32>(0.0f, 0.0f); }
+    if bx_is_neg_inf(lse_i) { return none; }
     let qp = i32(q0 + i) + i32(sk) - i32(sq);
     let kp = i32(k0 + j);
-    if cls != 2i && !variant_mask(ib, ih, qp, kp) { return vec2<f32>(0.0f, 0.0f); }
+    if cls != 2i && !variant_mask(ib, ih, qp, kp) { return none; }
     var qk = 0.0f;
     var dp = 0.0f;
     for (var d = 0u; d < D; d++) {
@@ -233,10 +235,17 @@ fn pair_grad(i: u32, j: u32, q0: u32, k0: u32, cls: i32, ib: i32, ih: i32) -> ve
         dp += do_tile[i * D + d] * v_tile[j * D + d];
     }
     let s = qk * shape.scale;
-    let p = exp(variant_score(s, ib, ih, qp, kp) - lse_i);
-    var ds = 0.0f;
-    if p != 0.0f { ds = p * (dp - row_delta[i]) * variant_score_grad(s, ib, ih, qp, kp); }
-    return vec2<f32>(p, ds);
+    return vec3<f32>(s, exp(variant_score(s, ib, ih, qp, kp) - lse_i), dp);
+}
+
+// (P, dS) of one pair.
+fn pair_grad(i: u32, j: u32, q0: u32, k0: u32, cls: i32, ib: i32, ih: i32) -> vec2<f32> {
+    let t = pair_terms(i, j, q0, k0, cls, ib, ih);
+    if t.y == 0.0f { return vec2<f32>(0.0f, 0.0f); }
+    let qp = i32(q0 + i) + i32(shape.seq_k) - i32(shape.seq_q);
+    let kp = i32(k0 + j);
+    let ds = t.y * (t.z - row_delta[i]) * variant_score_grad(t.x, ib, ih, qp, kp);
+    return vec2<f32>(t.y, ds);
 }
 
 fn load_rows(lid: u32, q_base: u32, q0: u32) {
@@ -257,12 +266,15 @@ fn load_rows(lid: u32, q_base: u32, q0: u32) {
     }
     if lid < BQ {
         var l = -bx_inf();
-        var dl = 0.0f;
-        if q0 + lid < sq {
-            l = lse[q_base + q0 + lid];
-            dl = delta[q_base + q0 + lid];
-        }
+        if q0 + lid < sq { l = lse[q_base + q0 + lid]; }
         row_lse[lid] = l;
+    }
+}
+
+fn load_delta(lid: u32, q_base: u32, q0: u32) {
+    if lid < BQ {
+        var dl = 0.0f;
+        if q0 + lid < shape.seq_q { dl = delta[q_base + q0 + lid]; }
         row_delta[lid] = dl;
     }
 }
@@ -295,28 +307,84 @@ var<workgroup> row_lse: array<f32, BQ>;
 var<workgroup> row_delta: array<f32, BQ>;
 "#;
 
-/// The dQ module: `attn_bwd_delta` (`D_i = rowsum(dO ∘ O)`, one invocation
-/// per row; dispatch `(x, y, 1)` with `x·y·WG ≥ B·Hq·Sq`, `x ≤ 65535`), then
-/// `attn_bwd_dq`: one workgroup per (query tile, b·Hq + h), dispatch
-/// `(ceil(Sq / BQ), B·Hq, 1)`.
+/// The dQ module. `attn_bwd_delta` computes `D_i = Σ_j P_ij dP_ij / Σ_j P_ij`
+/// from the recomputed `P`, and `attn_bwd_dq` then the dQ rows; both one
+/// workgroup per (query tile, b·Hq + h), dispatch `(ceil(Sq / BQ), B·Hq, 1)`.
+///
+/// `D_i` is `rowsum(dO ∘ O)` in exact arithmetic, but taking it from the
+/// same recomputed `P` that forms `dS` makes every row of `dS` sum to zero
+/// in f32 as well. `O` comes from another kernel, whose logits a GPU
+/// compiler may round differently (FMA contraction); at logits ~1e4 one
+/// ulp is 1e-3, and `Σ_j dS_ij ≠ 0` then leaks into dQ along the mean of
+/// the keys. The cost is one more pass of the `QKᵀ` and `dO·Vᵀ` products.
 pub const BACKWARD_DQ: &str = r#"
 // ---- backward: D_i and dQ ----
 @group(0) @binding(2) var<storage, read> q: array<f32>;
 @group(0) @binding(3) var<storage, read> k: array<f32>;
 @group(0) @binding(4) var<storage, read> v: array<f32>;
-@group(0) @binding(5) var<storage, read> o: array<f32>;
-@group(0) @binding(6) var<storage, read> dout: array<f32>;
-@group(0) @binding(7) var<storage, read> lse: array<f32>;
-@group(0) @binding(8) var<storage, read_write> delta: array<f32>;
-@group(0) @binding(9) var<storage, read_write> dq: array<f32>;
+@group(0) @binding(5) var<storage, read> dout: array<f32>;
+@group(0) @binding(6) var<storage, read> lse: array<f32>;
+@group(0) @binding(7) var<storage, read_write> delta: array<f32>;
+@group(0) @binding(8) var<storage, read_write> dq: array<f32>;
+
+var<workgroup> row_p: array<f32, BQ>;
 
 @compute @workgroup_size(WG)
-fn attn_bwd_delta(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
-    let row = gid.x + gid.y * nwg.x * WG;
-    if row >= shape.batch * shape.heads_q * shape.seq_q { return; }
-    var acc = 0.0f;
-    for (var d = 0u; d < D; d++) { acc += dout[row * D + d] * o[row * D + d]; }
-    delta[row] = acc;
+fn attn_bwd_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let sq = shape.seq_q;
+    let sk = shape.seq_k;
+    let b = wid.y / shape.heads_q;
+    let h = wid.y % shape.heads_q;
+    let h_kv = h / gqa_group();
+    let q0 = wid.x * BQ;
+    let q_base = (b * shape.heads_q + h) * sq;
+    let kv_base = (b * shape.heads_kv + h_kv) * sk;
+    let offset = i32(sk) - i32(sq);
+    let ib = i32(b);
+    let ih = i32(h);
+
+    load_rows(lid, q_base, q0);
+    if lid < BQ {
+        row_p[lid] = 0.0f;
+        row_delta[lid] = 0.0f;
+    }
+    let q_lo = i32(q0) + offset;
+    let q_hi = i32(min(q0 + BQ, sq)) - 1i + offset;
+    let n_tiles = (sk + BKV - 1u) / BKV;
+    for (var kt = 0u; kt < n_tiles; kt++) {
+        let k0 = kt * BKV;
+        let kv_hi = i32(min(k0 + BKV, sk)) - 1i;
+        let cls = variant_classify(ib, ih, q_lo, q_hi, i32(k0), kv_hi);
+        if cls == 0i { continue; }
+        workgroupBarrier();
+        load_cols(lid, kv_base, k0);
+        workgroupBarrier();
+        for (var t = 0u; t < N_PAIRS; t++) {
+            let e = lid + t * WG;
+            if e < BQ * BKV {
+                let pt = pair_terms(e / BKV, e % BKV, q0, k0, cls, ib, ih);
+                p_tile[e] = pt.y;
+                ds_tile[e] = pt.y * pt.z;
+            }
+        }
+        workgroupBarrier();
+        if lid < BQ {
+            var sp = row_p[lid];
+            var spd = row_delta[lid];
+            for (var j = 0u; j < BKV; j++) {
+                sp += p_tile[lid * BKV + j];
+                spd += ds_tile[lid * BKV + j];
+            }
+            row_p[lid] = sp;
+            row_delta[lid] = spd;
+        }
+    }
+    if lid < BQ && q0 + lid < sq {
+        let sp = row_p[lid];
+        var dl = 0.0f;
+        if sp > 0.0f { dl = row_delta[lid] / sp; }
+        delta[q_base + q0 + lid] = dl;
+    }
 }
 
 @compute @workgroup_size(WG)
@@ -334,6 +402,7 @@ fn attn_bwd_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
     let ih = i32(h);
 
     load_rows(lid, q_base, q0);
+    load_delta(lid, q_base, q0);
     var acc: array<f32, N_Q>;
     for (var t = 0u; t < N_Q; t++) { acc[t] = 0.0f; }
     let q_lo = i32(q0) + offset;
@@ -373,7 +442,7 @@ fn attn_bwd_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
 
 /// The dK/dV module: one workgroup per (key tile, b·Hkv + h_kv), summing
 /// over every query head of its GQA group (no float atomics in WGSL);
-/// dispatch `(ceil(Sk / BKV), B·Hkv, 1)`. Needs `delta` from `attn_bwd_delta`.
+/// dispatch `(ceil(Sk / BKV), B·Hkv, 1)`. Reads `delta` from `attn_bwd_delta`.
 pub const BACKWARD_DKDV: &str = r#"
 // ---- backward: dK and dV ----
 @group(0) @binding(2) var<storage, read> q: array<f32>;
@@ -418,6 +487,7 @@ fn attn_bwd_dkdv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
             if cls == 0i { continue; }
             workgroupBarrier();
             load_rows(lid, q_base, q0);
+            load_delta(lid, q_base, q0);
             workgroupBarrier();
             for (var t = 0u; t < N_PAIRS; t++) {
                 let e = lid + t * WG;

@@ -8,7 +8,8 @@
 //!   implementations may assume no NaN in float comparisons);
 //! - float `min`/`max` with a NaN operand is implementation-defined (Rust
 //!   returns the other operand): `bx_min_f32`/`bx_max_f32`;
-//! - `tanh` overflows to NaN for large |x| on some backends: `bx_tanh`;
+//! - `tanh` is imprecise near 0 and overflows to NaN for large |x| on some
+//!   backends: `bx_tanh`;
 //! - no i64 for the saturating classifier ops: overflow checks in u32;
 //! - no literal for ±inf/NaN, and a constant expression that overflows or
 //!   gives a non-finite float is a shader-creation error. So every closed
@@ -80,9 +81,21 @@ fn bx_max_f32(a: f32, b: f32) -> f32 {
     return max(a, b);
 }
 fn bx_tanh(x: f32) -> f32 {
-    // tanh(±15) rounds to ±1 in f32; the clamp keeps exp-based tanh finite.
+    // Not the builtin: implementations may form it as (e^2x - 1)/(e^2x + 1),
+    // which loses all relative precision near 0 and overflows to NaN for
+    // large |x|. Below |x| = 0.625 an odd polynomial (Cephes tanhf), above
+    // (1 - t)/(1 + t) with t = e^(-2|x|) <= 0.29 (exactly 1 once t underflows).
     if bx_is_nan(x) { return x; }
-    return tanh(clamp(x, -15.0f, 15.0f));
+    let a = abs(x);
+    let z = x * x;
+    var p = -5.70498872745e-3f;
+    p = p * z + 2.06390887954e-2f;
+    p = p * z - 5.37397155531e-2f;
+    p = p * z + 1.33314422036e-1f;
+    p = p * z - 3.33332819422e-1f;
+    if a < 0.625f { return x + x * z * p; }
+    let t = exp(-2.0f * a);
+    return sign(x) * ((1.0f - t) / (1.0f + t));
 }
 fn bx_sat_add(a: i32, b: i32) -> i32 {
     let r = bitcast<i32>(bitcast<u32>(a) + bitcast<u32>(b));

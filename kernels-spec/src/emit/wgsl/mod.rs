@@ -65,12 +65,13 @@ impl WgslTiles {
         4 * (q * d + kv * d + q * kv + 3 * q)
     }
 
-    /// `var<workgroup>` bytes of either backward kernel (the same layout): Q
-    /// and dO tiles (2·BQ·D), K and V tiles (2·BKV·D: dQ needs K after dP,
-    /// dK/dV needs all four at once), P and dS (2·BQ·BKV), lse and D_i (2·BQ).
+    /// `var<workgroup>` bytes of the largest backward kernel: Q and dO tiles
+    /// (2·BQ·D), K and V tiles (2·BKV·D: dQ needs K after dP, dK/dV needs all
+    /// four at once), P and dS (2·BQ·BKV), and lse, D_i and `Σ_j P_ij` (3·BQ,
+    /// the last only in the D_i kernel).
     pub fn backward_workgroup_bytes(&self) -> u64 {
         let (d, q, kv) = self.dims();
-        4 * (2 * q * d + 2 * kv * d + 2 * q * kv + 2 * q)
+        4 * (2 * q * d + 2 * kv * d + 2 * q * kv + 3 * q)
     }
 
     /// The larger of the two layouts.
