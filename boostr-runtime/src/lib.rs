@@ -75,6 +75,29 @@ macro_rules! __backend_test_module {
     };
 }
 
+/// One module of generated tests: every instance on backend `$b` against
+/// backend `$a`.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __parity_test_module {
+    ($module:ident, $a:ident, $b:ident; $($name:ident => $instance:expr,)*) => {
+        mod $module {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                #[test]
+                fn $name() {
+                    $crate::testing::check_parity::<
+                        $crate::testing::$a,
+                        $crate::testing::$b,
+                        _,
+                    >(&$instance);
+                }
+            )*
+        }
+    };
+}
+
 /// Generated per-variant tests on every backend compiled in; used by the code
 /// that `#[attention(tests = [..])]` expands to. Defined once per feature set
 /// because `cfg` inside a macro's expansion is evaluated in the caller's crate.
@@ -95,5 +118,6 @@ macro_rules! __backend_tests {
     ($($name:ident => $instance:expr,)*) => {
         $crate::__backend_test_module! { cpu, Cpu; $($name => $instance,)* }
         $crate::__backend_test_module! { wgpu, Wgpu; $($name => $instance,)* }
+        $crate::__parity_test_module! { wgpu_vs_cpu, Cpu, Wgpu; $($name => $instance,)* }
     };
 }

@@ -149,6 +149,15 @@ const NAIVE_SANITY: f64 = 1e-2;
 /// worst element of each failing tensor: index, got, want, naive f32 value
 /// and error.
 pub fn check_variant<R: TestBackend, V: Variant>(variant: &V) {
+    check_variant_on::<R, V>(variant, R::cases());
+}
+
+/// [`check_variant`] on the given cases instead of the backend's own list.
+///
+/// # Panics
+///
+/// As [`check_variant`].
+pub fn check_variant_on<R: TestBackend, V: Variant>(variant: &V, cases: &[Case]) {
     let Some(device) = R::device() else {
         assert!(
             std::env::var_os(REQUIRE_DEVICE_ENV).is_none(),
@@ -164,7 +173,7 @@ pub fn check_variant<R: TestBackend, V: Variant>(variant: &V) {
     };
     let seed = choose_seed();
     let mut failures = String::new();
-    for (n, case) in R::cases().iter().enumerate() {
+    for (n, case) in cases.iter().enumerate() {
         let report = run_case::<R, V>(variant, &device, case, seed, n as u64);
         eprintln!(
             "boostr: {} on {}, case {}: {}",
@@ -195,6 +204,24 @@ pub fn check_variant<R: TestBackend, V: Variant>(variant: &V) {
 struct CaseReport {
     failures: Vec<String>,
     summary: String,
+}
+
+impl CaseReport {
+    fn new(failures: Vec<String>, summary: String) -> CaseReport {
+        let summary = if failures.is_empty() {
+            summary
+        } else {
+            format!("FAILED ({} problems) {summary}", failures.len())
+        };
+        CaseReport { failures, summary }
+    }
+
+    fn error(e: String) -> CaseReport {
+        CaseReport {
+            summary: format!("error: {e}"),
+            failures: vec![e],
+        }
+    }
 }
 
 /// Results of the backend, host side.
@@ -240,6 +267,72 @@ fn widen(x: &[f32]) -> Vec<f64> {
     x.iter().map(|&v| f64::from(v)).collect()
 }
 
+/// The random inputs of case number `stream` of a run with `seed`.
+struct Inputs {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    dout: Vec<f32>,
+    opts: AttentionOptions,
+}
+
+impl Inputs {
+    fn draw(case: &Case, seed: u64, stream: u64) -> Inputs {
+        let mut rng = Rng::new(seed, stream);
+        let (q, k) = draw_qk(case, &mut rng);
+        let v = rng.normal_f32(case.kv_shape().iter().product(), 1.0);
+        let dout = rng.normal_f32(case.q_shape().iter().product(), 1.0);
+        let opts = AttentionOptions { scale: case.scale };
+        Inputs {
+            q,
+            k,
+            v,
+            dout,
+            opts,
+        }
+    }
+
+    fn slices(&self) -> [&[f32]; 4] {
+        [&self.q, &self.k, &self.v, &self.dout]
+    }
+}
+
+/// What a case is compared against: the f64 reference (or another backend's
+/// results, widened), the naive f32 implementation, and the magnitudes of
+/// the summed terms (see [`reference_magnitudes`]).
+struct Expected {
+    fwd: Forward<f64>,
+    grads: Gradients<f64>,
+    naive_fwd: Forward<f32>,
+    naive_grads: Gradients<f32>,
+    /// `M` of out, dq, dk, dv.
+    magnitudes: [f64; 4],
+}
+
+impl Expected {
+    fn reference<V: Variant>(variant: &V, p: &Problem, inputs: &Inputs) -> Expected {
+        let [q, k, v, dout] = inputs.slices();
+        let (q64, k64, v64, dout64) = (widen(q), widen(k), widen(v), widen(dout));
+        let fwd = reference_forward(variant, p, &q64, &k64, &v64);
+        let grads = reference_backward(variant, p, &q64, &k64, &v64, &dout64);
+        let (naive_fwd, naive_grads) = naive_f32(variant, p, inputs.slices(), &fwd, &grads);
+        let (mag_out, mag_g) = reference_magnitudes(variant, p, [&q64, &k64, &v64, &dout64]);
+        let max_abs = |x: &[f64]| x.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        Expected {
+            fwd,
+            grads,
+            naive_fwd,
+            naive_grads,
+            magnitudes: [
+                max_abs(&mag_out),
+                max_abs(&mag_g.dq),
+                max_abs(&mag_g.dk),
+                max_abs(&mag_g.dv),
+            ],
+        }
+    }
+}
+
 fn run_case<R: TestBackend, V: Variant>(
     variant: &V,
     device: &<R::Runtime as Runtime>::Device,
@@ -247,66 +340,19 @@ fn run_case<R: TestBackend, V: Variant>(
     seed: u64,
     stream: u64,
 ) -> CaseReport {
-    let mut rng = Rng::new(seed, stream);
-    let (q, k) = draw_qk(case, &mut rng);
-    let v = rng.normal_f32(case.kv_shape().iter().product(), 1.0);
-    let dout = rng.normal_f32(case.q_shape().iter().product(), 1.0);
-    let opts = AttentionOptions { scale: case.scale };
-
-    let mut failures = Vec::new();
-    let (p, got) = match run_backend::<R, V>(variant, device, case, [&q, &k, &v, &dout], &opts) {
+    let inputs = Inputs::draw(case, seed, stream);
+    let (p, got) = match run_backend::<R, V>(variant, device, case, inputs.slices(), &inputs.opts) {
         Ok(results) => results,
-        Err(e) => {
-            return CaseReport {
-                summary: format!("error: {e}"),
-                failures: vec![e],
-            };
-        }
+        Err(e) => return CaseReport::error(e),
     };
-
+    let mut failures = Vec::new();
     contract(variant, &p, &mut failures);
-
-    let (q64, k64, v64, dout64) = (widen(&q), widen(&k), widen(&v), widen(&dout));
-    let want_f = reference_forward(variant, &p, &q64, &k64, &v64);
-    let want_g = reference_backward(variant, &p, &q64, &k64, &v64, &dout64);
-    let (naive_f, naive_g) = naive_f32(variant, &p, [&q, &k, &v, &dout], &want_f, &want_g);
-
-    let (mag_out, mag_g) = reference_magnitudes(variant, &p, [&q64, &k64, &v64, &dout64]);
-    let max_abs = |x: &[f64]| x.iter().fold(0.0f64, |m, v| m.max(v.abs()));
-    let (m_out, m_dq, m_dk, m_dv) = (
-        max_abs(&mag_out),
-        max_abs(&mag_g.dq),
-        max_abs(&mag_g.dk),
-        max_abs(&mag_g.dv),
-    );
-
-    let mut summary = String::new();
-    let mut check = |label: &str, layout, got: &[f32], want: &[f64], naive: &[f32], m| {
-        let c = compare(label, layout, &p, got, want, naive, m);
-        failures.extend(c.failures);
-        if let Some(short) = label.strip_prefix("attention_") {
-            let _ = write!(summary, "{} {:.1e}/{:.1e} ", &short[4..], c.err, c.bound);
-        }
-    };
-    let (wf, wg, nf, ng) = (&want_f, &want_g, &naive_f, &naive_g);
-    let (q_, k_) = (Layout::Query, Layout::Key);
-    let (fo, fl, vo) = (&got.fwd.out, &got.fwd.lse, &got.var_out);
-    check("attention_fwd out", q_, fo, &wf.out, &nf.out, m_out);
-    // lse's magnitude is |lse| itself (taken inside `compare`).
-    check("attention_fwd lse", Layout::Lse, fl, &wf.lse, &nf.lse, 0.0);
-    check("attention_bwd dq", q_, &got.grads.dq, &wg.dq, &ng.dq, m_dq);
-    check("attention_bwd dk", k_, &got.grads.dk, &wg.dk, &ng.dk, m_dk);
-    check("attention_bwd dv", k_, &got.grads.dv, &wg.dv, &ng.dv, m_dv);
-    check("var_attention out", q_, vo, &wf.out, &nf.out, m_out);
-    check("GradFn dq", q_, &got.var_grads.dq, &wg.dq, &ng.dq, m_dq);
-    check("GradFn dk", k_, &got.var_grads.dk, &wg.dk, &ng.dk, m_dk);
-    check("GradFn dv", k_, &got.var_grads.dv, &wg.dv, &ng.dv, m_dv);
-    summary.push_str("(max err / bound)");
-
+    let want = Expected::reference(variant, &p, &inputs);
+    let summary = compare_results(&p, &got, &want, &mut failures);
     exact_zeros(
         variant,
         &p,
-        &want_f.lse,
+        &want.fwd.lse,
         [
             ("attention_fwd out", &got.fwd.out),
             ("var_attention out", &got.var_out),
@@ -321,10 +367,132 @@ fn run_case<R: TestBackend, V: Variant>(
         ],
         &mut failures,
     );
-    if !failures.is_empty() {
-        summary = format!("FAILED ({} problems) {summary}", failures.len());
+    CaseReport::new(failures, summary)
+}
+
+/// Every result of `got` under [`compare`] against `want`; returns the
+/// one-line summary of the tensor-op results.
+fn compare_results(
+    p: &Problem,
+    got: &BackendResults,
+    want: &Expected,
+    failures: &mut Vec<String>,
+) -> String {
+    let [m_out, m_dq, m_dk, m_dv] = want.magnitudes;
+    let mut summary = String::new();
+    let mut check = |label: &str, layout, got: &[f32], want: &[f64], naive: &[f32], m| {
+        let c = compare(label, layout, p, got, want, naive, m);
+        failures.extend(c.failures);
+        if let Some(short) = label.strip_prefix("attention_") {
+            let _ = write!(summary, "{} {:.1e}/{:.1e} ", &short[4..], c.err, c.bound);
+        }
+    };
+    let (wf, wg, nf, ng) = (&want.fwd, &want.grads, &want.naive_fwd, &want.naive_grads);
+    let (q_, k_) = (Layout::Query, Layout::Key);
+    let (fo, fl, vo) = (&got.fwd.out, &got.fwd.lse, &got.var_out);
+    check("attention_fwd out", q_, fo, &wf.out, &nf.out, m_out);
+    // lse's magnitude is |lse| itself (taken inside `compare`).
+    check("attention_fwd lse", Layout::Lse, fl, &wf.lse, &nf.lse, 0.0);
+    check("attention_bwd dq", q_, &got.grads.dq, &wg.dq, &ng.dq, m_dq);
+    check("attention_bwd dk", k_, &got.grads.dk, &wg.dk, &ng.dk, m_dk);
+    check("attention_bwd dv", k_, &got.grads.dv, &wg.dv, &ng.dv, m_dv);
+    check("var_attention out", q_, vo, &wf.out, &nf.out, m_out);
+    check("GradFn dq", q_, &got.var_grads.dq, &wg.dq, &ng.dq, m_dq);
+    check("GradFn dk", k_, &got.var_grads.dk, &wg.dk, &ng.dk, m_dk);
+    check("GradFn dv", k_, &got.var_grads.dv, &wg.dv, &ng.dv, m_dv);
+    summary.push_str("(max err / bound)");
+    summary
+}
+
+/// Check that backend `B` agrees with backend `A` for `variant`, on `B`'s
+/// [`TestBackend::cases`], inputs drawn as in [`check_variant`].
+///
+/// `B`'s `out, lse, dq, dk, dv` (tensor ops and autograd) are compared with
+/// `A`'s tensor-op results under [`check_variant`]'s rule with `A` in the
+/// place of the f64 reference: `B` may differ from `A` by at most twice what
+/// the naive f32 implementation differs from `A`, plus the same slack. `lse
+/// = −inf` must match exactly. Skipped (or failed, with
+/// `BOOSTR_TEST_REQUIRE_DEVICE`) like [`check_variant`] when either backend
+/// has no device.
+///
+/// # Panics
+///
+/// When `B` and `A` disagree, after running every case, with the seed and
+/// the worst element of each failing tensor.
+pub fn check_parity<A: TestBackend, B: TestBackend, V: Variant>(variant: &V) {
+    let (Some(dev_a), Some(dev_b)) = (A::device(), B::device()) else {
+        assert!(
+            std::env::var_os(REQUIRE_DEVICE_ENV).is_none(),
+            "boostr: no {} or no {} device, and {REQUIRE_DEVICE_ENV} is set",
+            A::NAME,
+            B::NAME
+        );
+        eprintln!(
+            "boostr: skipping {} vs {} for variant `{}`: no device",
+            A::NAME,
+            B::NAME,
+            V::NAME
+        );
+        return;
+    };
+    let seed = choose_seed();
+    let mut failures = String::new();
+    for (n, case) in B::cases().iter().enumerate() {
+        let inputs = Inputs::draw(case, seed, n as u64);
+        let (a, b) = (
+            run_backend::<A, V>(variant, &dev_a, case, inputs.slices(), &inputs.opts),
+            run_backend::<B, V>(variant, &dev_b, case, inputs.slices(), &inputs.opts),
+        );
+        let report = match (a, b) {
+            (Err(e), _) => CaseReport::error(format!("{}: {e}", A::NAME)),
+            (_, Err(e)) => CaseReport::error(format!("{}: {e}", B::NAME)),
+            (Ok((p, a)), Ok((_, b))) => {
+                let reference = Expected::reference(variant, &p, &inputs);
+                let want = Expected {
+                    fwd: Forward {
+                        out: widen(&a.fwd.out),
+                        lse: widen(&a.fwd.lse),
+                    },
+                    grads: Gradients {
+                        dq: widen(&a.grads.dq),
+                        dk: widen(&a.grads.dk),
+                        dv: widen(&a.grads.dv),
+                    },
+                    ..reference
+                };
+                let mut f = Vec::new();
+                let summary = compare_results(&p, &b, &want, &mut f);
+                CaseReport::new(f, summary)
+            }
+        };
+        eprintln!(
+            "boostr: {} on {} vs {}, case {}: {}",
+            V::NAME,
+            B::NAME,
+            A::NAME,
+            case.name,
+            report.summary
+        );
+        if !report.failures.is_empty() {
+            let _ = writeln!(failures, "case {case}:");
+            for f in &report.failures {
+                let _ = writeln!(failures, "  {f}");
+            }
+        }
     }
-    CaseReport { failures, summary }
+    assert!(
+        failures.is_empty(),
+        "boostr: variant `{}`: {} disagrees with {} (seed {seed}; rerun with {SEED_ENV}={seed})\n\
+         tolerance: max|{} − {}| ≤ {NAIVE_FACTOR}·max|naive_f32 − {}| + {SLACK:e}·(1 + max|{}|) + ε·M\n\
+         {failures}",
+        V::NAME,
+        B::NAME,
+        A::NAME,
+        B::NAME,
+        A::NAME,
+        A::NAME,
+        A::NAME,
+    );
 }
 
 /// The naive f32 implementation ([`reference_forward`] / [`reference_backward`]

@@ -17,6 +17,8 @@
 //!   in f64 over the variant's f64 closures (and the same algorithm in f32).
 //! - [`check_reference_gradients`]: finite differences against the oracle's
 //!   analytic backward.
+//! - [`check_parity`]: one backend against another (e.g. wgpu against the CPU)
+//!   on the same inputs, under the same rule.
 //! - [`check_variant`]: a [`TestBackend`]'s kernels against the oracle on the
 //!   standard [`CASES`], under FlashAttention's tolerance rule, per tensor:
 //!   `max|kernel − ref| ≤ 2·max|naive_f32 − ref| + 1e-6·(1 + max|ref|) + ε·M`
@@ -37,7 +39,9 @@ pub use cases::SMALL_CASES;
 pub use cases::{CASES, Case, Logits};
 #[cfg(feature = "wgpu")]
 pub use check::Wgpu;
-pub use check::{Cpu, REQUIRE_DEVICE_ENV, TestBackend, check_variant};
+pub use check::{
+    Cpu, REQUIRE_DEVICE_ENV, TestBackend, check_parity, check_variant, check_variant_on,
+};
 pub use gradcheck::check_reference_gradients;
 pub use reference::{Forward, Gradients, Real, reference_backward, reference_forward};
 pub use rng::{Rng, SEED_ENV};

@@ -52,8 +52,8 @@ impl Module {
     /// two uniforms.
     fn entries(self) -> (&'static [&'static str], u32, u32) {
         match self {
-            Module::Forward => (&["attn_fwd"], 3, 2),
-            Module::BackwardDq => (&["attn_bwd_delta", "attn_bwd_dq"], 5, 2),
+            Module::Forward => (&["attn_fwd"], 3, 3),
+            Module::BackwardDq => (&["attn_bwd_delta", "attn_bwd_dq"], 5, 3),
             Module::BackwardDkDv => (&["attn_bwd_dkdv"], 6, 2),
         }
     }
@@ -218,43 +218,90 @@ fn workgroups(n: usize, what: &str) -> Result<u32> {
     Ok(n as u32)
 }
 
-/// One launch: the kernels' bind group and grid.
+/// Loop iterations one invocation may run in one dispatch on Mesa's
+/// llvmpipe, which silently leaves a loop once all loops of an invocation
+/// together pass 65,535 iterations. A quarter of that: a tile skipped by
+/// `continue` counts about three, and the prologue and epilogue loops add
+/// a few more.
+const LLVMPIPE_LOOP_BUDGET: u64 = 16384;
+
+/// Tiles per dispatch of the tile loops on `client`'s device: bounded on
+/// software adapters such as llvmpipe (see [`LLVMPIPE_LOOP_BUDGET`]),
+/// unbounded on GPUs.
+fn tiles_per_dispatch(client: &WgpuClient, cfg: &WgslTiles) -> u32 {
+    if client.wgpu_device().adapter_info().device_type == wgpu::DeviceType::Cpu {
+        cfg.tiles_within(LLVMPIPE_LOOP_BUDGET)
+    } else {
+        u32::MAX
+    }
+}
+
+/// The ranges `[begin, end)` covering `0..n` tiles, `per` at a time, with
+/// the kernels' FIRST (1) and LAST (2) flags.
+fn ranges(n: usize, per: u32) -> Vec<(u32, u32, u32)> {
+    let n = u32::try_from(n).unwrap_or(u32::MAX);
+    let per = per.max(1);
+    let mut out = Vec::new();
+    let mut begin = 0u32;
+    loop {
+        let end = begin.saturating_add(per).min(n);
+        let flags = u32::from(begin == 0) | (u32::from(end >= n) << 1);
+        out.push((begin, end, flags));
+        if end >= n {
+            return out;
+        }
+        begin = end;
+    }
+}
+
+/// One kernel over the whole problem: dispatches over consecutive tile
+/// ranges, each with the same grid.
 struct Launch<'a> {
     pass: &'a Pass,
     entry: usize,
+    /// Index into the tensor lists of [`run`].
     group: usize,
     grid: (u32, u32),
+    /// Tiles the kernel's tile loop covers, and how many per dispatch.
+    tiles: usize,
+    per_dispatch: u32,
 }
 
-/// Binds `params`, `shape` and `tensors` (in binding order) into one bind
-/// group per pass, records `launches` in order, and submits them.
+/// Binds `params`, `shape` (with each dispatch's tile range) and `tensors`
+/// (in binding order), records `launches` in order, and submits them.
 fn run(
     client: &WgpuClient,
     params: &[u32],
     p: &Problem,
-    groups: &[(&Pass, &[&Tensor<WgpuRuntime>])],
+    groups: &[&[&Tensor<WgpuRuntime>]],
     launches: &[Launch<'_>],
 ) -> Result<()> {
     let device = client.wgpu_device();
-    let shape = [
-        p.batch as u32,
-        p.heads_q as u32,
-        p.heads_kv as u32,
-        p.seq_q as u32,
-        p.seq_k as u32,
-        p.scale.to_bits(),
-        0,
-        0,
-    ];
-    let mut buffers = Vec::new();
-    for (_, tensors) in groups {
-        buffers.push(
+    let shape = |(begin, end, flags): (u32, u32, u32)| {
+        [
+            p.batch as u32,
+            p.heads_q as u32,
+            p.heads_kv as u32,
+            p.seq_q as u32,
+            p.seq_k as u32,
+            p.scale.to_bits(),
+            begin,
+            end,
+            flags,
+            0,
+            0,
+            0,
+        ]
+    };
+    let buffers = groups
+        .iter()
+        .map(|tensors| {
             tensors
                 .iter()
                 .map(|t| buffer(t))
-                .collect::<Result<Vec<_>>>()?,
-        );
-    }
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect::<Result<Vec<_>>>()?;
     scoped(device, "launching attention kernels", || {
         let uniform = |label, words: &[u32]| {
             let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
@@ -264,41 +311,35 @@ fn run(
                 usage: wgpu::BufferUsages::UNIFORM,
             })
         };
-        let (params, shape) = (
-            uniform("boostr params", params),
-            uniform("boostr shape", &shape),
-        );
-        let bind_groups: Vec<wgpu::BindGroup> = groups
-            .iter()
-            .zip(&buffers)
-            .map(|((pass, _), bufs)| {
+        let params = uniform("boostr params", params);
+        let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+            label: Some("boostr attention"),
+        });
+        for l in launches {
+            for range in ranges(l.tiles, l.per_dispatch) {
+                let shape = uniform("boostr shape", &shape(range));
                 let entries: Vec<_> = [&params, &shape]
                     .into_iter()
-                    .chain(bufs.iter().map(|b| &**b))
+                    .chain(buffers[l.group].iter().map(|b| &**b))
                     .enumerate()
                     .map(|(i, b)| wgpu::BindGroupEntry {
                         binding: i as u32,
                         resource: b.as_entire_binding(),
                     })
                     .collect();
-                device.create_bind_group(&wgpu::BindGroupDescriptor {
+                let bind_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
                     label: Some("boostr attention"),
-                    layout: &pass.layout,
+                    layout: &l.pass.layout,
                     entries: &entries,
-                })
-            })
-            .collect();
-        let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
-            label: Some("boostr attention"),
-        });
-        for l in launches {
-            let mut cpass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: Some("boostr attention"),
-                timestamp_writes: None,
-            });
-            cpass.set_pipeline(&l.pass.pipelines[l.entry]);
-            cpass.set_bind_group(0, &bind_groups[l.group], &[]);
-            cpass.dispatch_workgroups(l.grid.0, l.grid.1, 1);
+                });
+                let mut cpass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some("boostr attention"),
+                    timestamp_writes: None,
+                });
+                cpass.set_pipeline(&l.pass.pipelines[l.entry]);
+                cpass.set_bind_group(0, &bind_group, &[]);
+                cpass.dispatch_workgroups(l.grid.0, l.grid.1, 1);
+            }
         }
         client
             .wgpu_queue()
@@ -320,6 +361,8 @@ impl AttentionRuntime for WgpuRuntime {
         let cfg = tiles::<V>(p.head_dim)?;
         let out = alloc(q.shape(), &q)?;
         let lse = alloc(&[p.batch, p.heads_q, p.seq_q], &q)?;
+        // Running (max, sum) per row between dispatches.
+        let stats = alloc(&[p.batch, p.heads_q, p.seq_q, 2], &q)?;
         let grid = (
             workgroups(p.seq_q.div_ceil(cfg.block_q as usize), "Sq")?,
             workgroups(p.batch * p.heads_q, "B·Hq")?,
@@ -328,12 +371,14 @@ impl AttentionRuntime for WgpuRuntime {
             &client,
             &variant.wgsl_params(),
             p,
-            &[(&fwd, &[&q, &k, &v, &out, &lse])],
+            &[&[&q, &k, &v, &out, &lse, &stats]],
             &[Launch {
                 pass: &fwd,
                 entry: 0,
                 group: 0,
                 grid,
+                tiles: p.seq_k.div_ceil(cfg.block_kv as usize),
+                per_dispatch: tiles_per_dispatch(&client, &cfg),
             }],
         )?;
         Ok((out, lse))
@@ -360,44 +405,48 @@ impl AttentionRuntime for WgpuRuntime {
         let dkdv_pass = pass::<V>(&client, p.head_dim, Module::BackwardDkDv)?;
         let cfg = tiles::<V>(p.head_dim)?;
         let delta = alloc(&[p.batch, p.heads_q, p.seq_q], &q)?;
+        let stats = alloc(&[p.batch, p.heads_q, p.seq_q, 2], &q)?;
         let dq = alloc(q.shape(), &q)?;
         let dk = alloc(k.shape(), &k)?;
         let dv = alloc(v.shape(), &v)?;
-        let bh = workgroups(p.batch * p.heads_q, "B·Hq")?;
+        let per_dispatch = tiles_per_dispatch(&client, &cfg);
+        let key_tiles = p.seq_k.div_ceil(cfg.block_kv as usize);
+        let query_tiles = p.seq_q.div_ceil(cfg.block_q as usize);
         let dq_grid = (
-            workgroups(p.seq_q.div_ceil(cfg.block_q as usize), "Sq")?,
-            bh,
+            workgroups(query_tiles, "Sq")?,
+            workgroups(p.batch * p.heads_q, "B·Hq")?,
         );
         let dkdv_grid = (
-            workgroups(p.seq_k.div_ceil(cfg.block_kv as usize), "Sk")?,
+            workgroups(key_tiles, "Sk")?,
             workgroups(p.batch * p.heads_kv, "B·Hkv")?,
         );
+        let over_keys = |entry| Launch {
+            pass: &dq_pass,
+            entry,
+            group: 0,
+            grid: dq_grid,
+            tiles: key_tiles,
+            per_dispatch,
+        };
         run(
             &client,
             &variant.wgsl_params(),
             p,
             &[
-                (&dq_pass, &[&q, &k, &v, &dout, &lse, &delta, &dq]),
-                (&dkdv_pass, &[&q, &k, &v, &dout, &lse, &delta, &dk, &dv]),
+                &[&q, &k, &v, &dout, &lse, &delta, &dq, &stats],
+                &[&q, &k, &v, &dout, &lse, &delta, &dk, &dv],
             ],
             &[
-                Launch {
-                    pass: &dq_pass,
-                    entry: 0,
-                    group: 0,
-                    grid: dq_grid,
-                },
-                Launch {
-                    pass: &dq_pass,
-                    entry: 1,
-                    group: 0,
-                    grid: dq_grid,
-                },
+                over_keys(0),
+                over_keys(1),
                 Launch {
                     pass: &dkdv_pass,
                     entry: 0,
                     group: 1,
                     grid: dkdv_grid,
+                    // (query head of the GQA group, query tile) pairs.
+                    tiles: p.group() * query_tiles,
+                    per_dispatch,
                 },
             ],
         )?;
@@ -406,40 +455,4 @@ impl AttentionRuntime for WgpuRuntime {
 }
 
 #[cfg(test)]
-mod tests {
-    use crate::stock::Causal;
-    use crate::{AttentionOptions, Error, attention_fwd};
-    use numr::dtype::DType;
-    use numr::runtime::wgpu::{WgpuRuntime, is_wgpu_available, wgpu_device};
-    use numr::tensor::Tensor;
-
-    /// Views at a non-zero offset (here: along the batch) give the same
-    /// result as their contiguous copies; non-f32 inputs are refused.
-    #[test]
-    fn offset_views_and_dtypes() {
-        if !is_wgpu_available() {
-            assert!(
-                std::env::var_os(crate::testing::REQUIRE_DEVICE_ENV).is_none(),
-                "no wgpu device"
-            );
-            eprintln!("boostr: skipping: no wgpu device");
-            return;
-        }
-        let device = wgpu_device();
-        let data: Vec<f32> = (0..2 * 2 * 5 * 8)
-            .map(|i| ((i * 7 % 13) as f32) * 0.1)
-            .collect();
-        let t = Tensor::<WgpuRuntime>::from_slice(&data, &[2, 2, 5, 8], &device).unwrap();
-        let view = t.narrow(0, 1, 1).unwrap();
-        let copy = Tensor::<WgpuRuntime>::from_slice(&data[80..], &[1, 2, 5, 8], &device).unwrap();
-        let opts = AttentionOptions::default();
-        let (o1, l1) = attention_fwd(&Causal, &view, &view, &view, &opts).unwrap();
-        let (o2, l2) = attention_fwd(&Causal, &copy, &copy, &copy, &opts).unwrap();
-        assert_eq!(o1.to_vec::<f32>(), o2.to_vec::<f32>());
-        assert_eq!(l1.to_vec::<f32>(), l2.to_vec::<f32>());
-
-        let ints = Tensor::<WgpuRuntime>::zeros(&[1, 2, 5, 8], DType::I32, &device).unwrap();
-        let err = attention_fwd(&Causal, &ints, &ints, &ints, &opts).unwrap_err();
-        assert!(matches!(err, Error::DType { .. }), "{err}");
-    }
-}
+mod tests;

@@ -8,9 +8,15 @@
 //! Query row `i` sits at position `i + Sk - Sq` (bottom-right alignment);
 //! query head `h` reads key/value head `h / (Hq / Hkv)`.
 //!
-//! Per-invocation loops are either over tiles (`Sk / BKV`, `Sq / BQ` and the
-//! GQA group) or bounded by the tile constants, never over `S × D`: Mesa
-//! lavapipe ends loops past 65,535 iterations.
+//! Per-invocation loops are over tiles, or bounded by the tile constants. Mesa
+//! llvmpipe (lavapipe) counts every iteration of every loop of an invocation
+//! against one limit of 65,535 and then silently leaves the loop. So the
+//! loops over tiles run over a range `[tile_begin, tile_end)` from the
+//! `shape` uniform, and the runtime may split a kernel into several
+//! dispatches over consecutive ranges (bounded by
+//! [`WgslTiles::loop_iterations_per_tile`]). Between them the partial state
+//! lives in the output buffers and `stats`; `flags` says whether a dispatch
+//! is the first (start from zero) and the last (finish: normalise, scale).
 
 use super::WgslTiles;
 
@@ -38,10 +44,24 @@ struct Shape {
     seq_q: u32,
     seq_k: u32,
     scale: f32,
+    // This dispatch's range of the tile loop, and FIRST | LAST.
+    tile_begin: u32,
+    tile_end: u32,
+    flags: u32,
     pad_0: u32,
     pad_1: u32,
+    pad_2: u32,
 }
 @group(0) @binding(1) var<uniform> shape: Shape;
+const FIRST: u32 = 1u;
+const LAST: u32 = 2u;
+
+fn is_first() -> bool {
+    return (shape.flags & FIRST) != 0u;
+}
+fn is_last() -> bool {
+    return (shape.flags & LAST) != 0u;
+}
 
 // Per-invocation trip counts of the strided tile loops.
 const N_Q: u32 = (BQ * D + WG - 1u) / WG;
@@ -54,7 +74,9 @@ fn gqa_group() -> u32 {
 "#;
 
 /// Forward: one workgroup per (query tile, b·Hq + h); dispatch
-/// `(ceil(Sq / BQ), B·Hq, 1)`. Writes `attn_out` and `lse`.
+/// `(ceil(Sq / BQ), B·Hq, 1)` per range of key tiles. Writes `attn_out` and
+/// `lse`; between dispatches `attn_out` holds the unnormalised accumulator
+/// and `stats` the running (max, sum) of each row.
 pub const FORWARD: &str = r#"
 // ---- forward (FlashAttention-2 schedule) ----
 @group(0) @binding(2) var<storage, read> q: array<f32>;
@@ -62,6 +84,7 @@ pub const FORWARD: &str = r#"
 @group(0) @binding(4) var<storage, read> v: array<f32>;
 @group(0) @binding(5) var<storage, read_write> attn_out: array<f32>;
 @group(0) @binding(6) var<storage, read_write> lse: array<f32>;
+@group(0) @binding(7) var<storage, read_write> stats: array<vec2<f32>>;
 
 var<workgroup> q_tile: array<f32, BQ * D>;
 // K, then V of the same key tile (the scores are done before V is loaded).
@@ -96,16 +119,24 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
         }
     }
     if lid < BQ {
-        row_m[lid] = -bx_inf();
-        row_l[lid] = 0.0f;
+        var ml = vec2<f32>(-bx_inf(), 0.0f);
+        if !is_first() && q0 + lid < sq { ml = stats[q_base + q0 + lid]; }
+        row_m[lid] = ml.x;
+        row_l[lid] = ml.y;
     }
     var acc: array<f32, N_Q>;
-    for (var t = 0u; t < N_Q; t++) { acc[t] = 0.0f; }
+    for (var t = 0u; t < N_Q; t++) {
+        let e = lid + t * WG;
+        let r = q0 + e / D;
+        var a = 0.0f;
+        if !is_first() && e < BQ * D && r < sq { a = attn_out[(q_base + r) * D + e % D]; }
+        acc[t] = a;
+    }
 
     let q_lo = i32(q0) + offset;
     let q_hi = i32(min(q0 + BQ, sq)) - 1i + offset;
     let n_tiles = (sk + BKV - 1u) / BKV;
-    for (var kt = 0u; kt < n_tiles; kt++) {
+    for (var kt = shape.tile_begin; kt < min(shape.tile_end, n_tiles); kt++) {
         let k0 = kt * BKV;
         let kv_hi = i32(min(k0 + BKV, sk)) - 1i;
         let cls = variant_classify(ib, ih, q_lo, q_hi, i32(k0), kv_hi);
@@ -190,6 +221,15 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
         }
     }
     workgroupBarrier();
+    if !is_last() {
+        for (var t = 0u; t < N_Q; t++) {
+            let e = lid + t * WG;
+            let r = q0 + e / D;
+            if e < BQ * D && r < sq { attn_out[(q_base + r) * D + e % D] = acc[t]; }
+        }
+        if lid < BQ && q0 + lid < sq { stats[q_base + q0 + lid] = vec2<f32>(row_m[lid], row_l[lid]); }
+        return;
+    }
     // Rows with no visible key: attn_out 0, lse -inf.
     for (var t = 0u; t < N_Q; t++) {
         let e = lid + t * WG;
@@ -309,7 +349,9 @@ var<workgroup> row_delta: array<f32, BQ>;
 
 /// The dQ module. `attn_bwd_delta` computes `D_i = Σ_j P_ij dP_ij / Σ_j P_ij`
 /// from the recomputed `P`, and `attn_bwd_dq` then the dQ rows; both one
-/// workgroup per (query tile, b·Hq + h), dispatch `(ceil(Sq / BQ), B·Hq, 1)`.
+/// workgroup per (query tile, b·Hq + h), dispatch `(ceil(Sq / BQ), B·Hq, 1)`
+/// per range of key tiles. Between dispatches `stats` holds the two sums of
+/// each row, and `dq` the unscaled accumulator.
 ///
 /// `D_i` is `rowsum(dO ∘ O)` in exact arithmetic, but taking it from the
 /// same recomputed `P` that forms `dS` makes every row of `dS` sum to zero
@@ -326,6 +368,7 @@ pub const BACKWARD_DQ: &str = r#"
 @group(0) @binding(6) var<storage, read> lse: array<f32>;
 @group(0) @binding(7) var<storage, read_write> delta: array<f32>;
 @group(0) @binding(8) var<storage, read_write> dq: array<f32>;
+@group(0) @binding(9) var<storage, read_write> stats: array<vec2<f32>>;
 
 var<workgroup> row_p: array<f32, BQ>;
 
@@ -345,13 +388,15 @@ fn attn_bwd_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocati
 
     load_rows(lid, q_base, q0);
     if lid < BQ {
-        row_p[lid] = 0.0f;
-        row_delta[lid] = 0.0f;
+        var sums = vec2<f32>(0.0f, 0.0f);
+        if !is_first() && q0 + lid < sq { sums = stats[q_base + q0 + lid]; }
+        row_p[lid] = sums.x;
+        row_delta[lid] = sums.y;
     }
     let q_lo = i32(q0) + offset;
     let q_hi = i32(min(q0 + BQ, sq)) - 1i + offset;
     let n_tiles = (sk + BKV - 1u) / BKV;
-    for (var kt = 0u; kt < n_tiles; kt++) {
+    for (var kt = shape.tile_begin; kt < min(shape.tile_end, n_tiles); kt++) {
         let k0 = kt * BKV;
         let kv_hi = i32(min(k0 + BKV, sk)) - 1i;
         let cls = variant_classify(ib, ih, q_lo, q_hi, i32(k0), kv_hi);
@@ -381,9 +426,13 @@ fn attn_bwd_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocati
     }
     if lid < BQ && q0 + lid < sq {
         let sp = row_p[lid];
-        var dl = 0.0f;
-        if sp > 0.0f { dl = row_delta[lid] / sp; }
-        delta[q_base + q0 + lid] = dl;
+        if !is_last() {
+            stats[q_base + q0 + lid] = vec2<f32>(sp, row_delta[lid]);
+        } else {
+            var dl = 0.0f;
+            if sp > 0.0f { dl = row_delta[lid] / sp; }
+            delta[q_base + q0 + lid] = dl;
+        }
     }
 }
 
@@ -404,11 +453,17 @@ fn attn_bwd_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
     load_rows(lid, q_base, q0);
     load_delta(lid, q_base, q0);
     var acc: array<f32, N_Q>;
-    for (var t = 0u; t < N_Q; t++) { acc[t] = 0.0f; }
+    for (var t = 0u; t < N_Q; t++) {
+        let e = lid + t * WG;
+        let r = q0 + e / D;
+        var a = 0.0f;
+        if !is_first() && e < BQ * D && r < sq { a = dq[(q_base + r) * D + e % D]; }
+        acc[t] = a;
+    }
     let q_lo = i32(q0) + offset;
     let q_hi = i32(min(q0 + BQ, sq)) - 1i + offset;
     let n_tiles = (sk + BKV - 1u) / BKV;
-    for (var kt = 0u; kt < n_tiles; kt++) {
+    for (var kt = shape.tile_begin; kt < min(shape.tile_end, n_tiles); kt++) {
         let k0 = kt * BKV;
         let kv_hi = i32(min(k0 + BKV, sk)) - 1i;
         let cls = variant_classify(ib, ih, q_lo, q_hi, i32(k0), kv_hi);
@@ -435,14 +490,16 @@ fn attn_bwd_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
     for (var t = 0u; t < N_Q; t++) {
         let e = lid + t * WG;
         let r = q0 + e / D;
-        if e < BQ * D && r < sq { dq[(q_base + r) * D + e % D] = acc[t] * shape.scale; }
+        if e < BQ * D && r < sq { dq[(q_base + r) * D + e % D] = select(acc[t], acc[t] * shape.scale, is_last()); }
     }
 }
 "#;
 
 /// The dK/dV module: one workgroup per (key tile, b·Hkv + h_kv), summing
 /// over every query head of its GQA group (no float atomics in WGSL);
-/// dispatch `(ceil(Sk / BKV), B·Hkv, 1)`. Reads `delta` from `attn_bwd_delta`.
+/// dispatch `(ceil(Sk / BKV), B·Hkv, 1)` per range of the (GQA head, query
+/// tile) pairs, flattened. Reads `delta` from `attn_bwd_delta`; between
+/// dispatches `dk` holds the unscaled accumulator.
 pub const BACKWARD_DKDV: &str = r#"
 // ---- backward: dK and dV ----
 @group(0) @binding(2) var<storage, read> q: array<f32>;
@@ -470,17 +527,25 @@ fn attn_bwd_dkdv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
     var dk_acc: array<f32, N_KV>;
     var dv_acc: array<f32, N_KV>;
     for (var t = 0u; t < N_KV; t++) {
-        dk_acc[t] = 0.0f;
-        dv_acc[t] = 0.0f;
+        let e = lid + t * WG;
+        let r = k0 + e / D;
+        var a = 0.0f;
+        var c = 0.0f;
+        if !is_first() && e < BKV * D && r < sk {
+            a = dk[(kv_base + r) * D + e % D];
+            c = dv[(kv_base + r) * D + e % D];
+        }
+        dk_acc[t] = a;
+        dv_acc[t] = c;
     }
     let kv_hi = i32(min(k0 + BKV, sk)) - 1i;
     let n_tiles = (sq + BQ - 1u) / BQ;
-    for (var g = 0u; g < n_group; g++) {
-        let h = h_kv * n_group + g;
+    for (var it = shape.tile_begin; it < min(shape.tile_end, n_group * n_tiles); it++) {
+        let h = h_kv * n_group + it / n_tiles;
         let ih = i32(h);
         let q_base = (b * shape.heads_q + h) * sq;
-        for (var qt = 0u; qt < n_tiles; qt++) {
-            let q0 = qt * BQ;
+        {
+            let q0 = (it % n_tiles) * BQ;
             let q_lo = i32(q0) + offset;
             let q_hi = i32(min(q0 + BQ, sq)) - 1i + offset;
             let cls = variant_classify(ib, ih, q_lo, q_hi, i32(k0), kv_hi);
@@ -519,7 +584,7 @@ fn attn_bwd_dkdv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
         let e = lid + t * WG;
         let r = k0 + e / D;
         if e < BKV * D && r < sk {
-            dk[(kv_base + r) * D + e % D] = dk_acc[t] * shape.scale;
+            dk[(kv_base + r) * D + e % D] = select(dk_acc[t], dk_acc[t] * shape.scale, is_last());
             dv[(kv_base + r) * D + e % D] = dv_acc[t];
         }
     }

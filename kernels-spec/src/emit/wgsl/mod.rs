@@ -74,6 +74,45 @@ impl WgslTiles {
         4 * (2 * q * d + 2 * kv * d + 2 * q * kv + 3 * q)
     }
 
+    /// An upper bound on the loop iterations one invocation runs per tile of
+    /// its tile loop, in the kernel that runs the most: every loop counted,
+    /// none assumed unrolled (`N_Q`, `N_KV`, `N_PAIRS` as in
+    /// [`kernels::COMMON`]):
+    ///
+    /// - forward, per key tile: K and V loads (2·N_KV), scores
+    ///   (N_PAIRS·(1 + D)), online softmax (2·BKV), `P·V` (N_Q·(1 + BKV));
+    /// - `D_i`, per key tile: K/V load (N_KV), `P` and `dP` (N_PAIRS·(1 + D)),
+    ///   row sums (BKV);
+    /// - dQ, per key tile: K/V load, `dS` (N_PAIRS·(1 + D)), `dS·K`
+    ///   (N_Q·(1 + BKV));
+    /// - dK/dV, per query tile: Q/dO load (N_Q), `P` and `dS`, `dSᵀ·Q` and
+    ///   `Pᵀ·dO` (N_KV·(1 + BQ));
+    ///
+    /// plus one for the tile loop itself.
+    pub fn loop_iterations_per_tile(&self) -> u64 {
+        let (d, q, kv) = self.dims();
+        let wg = u64::from(self.workgroup_size);
+        let (n_q, n_kv, n_pairs) = (
+            (q * d).div_ceil(wg),
+            (kv * d).div_ceil(wg),
+            (q * kv).div_ceil(wg),
+        );
+        let scores = n_pairs * (1 + d);
+        let forward = 2 * n_kv + scores + 2 * kv + n_q * (1 + kv);
+        let delta = n_kv + scores + kv;
+        let dq = n_kv + scores + n_q * (1 + kv);
+        let dkdv = n_q + scores + n_kv * (1 + q);
+        1 + forward.max(delta).max(dq).max(dkdv)
+    }
+
+    /// Tiles one dispatch may loop over so that an invocation stays within
+    /// `budget` loop iterations (at least one).
+    pub fn tiles_within(&self, budget: u64) -> u32 {
+        u32::try_from(budget / self.loop_iterations_per_tile())
+            .unwrap_or(u32::MAX)
+            .max(1)
+    }
+
     /// The larger of the two layouts.
     pub fn workgroup_bytes(&self) -> u64 {
         self.forward_workgroup_bytes()

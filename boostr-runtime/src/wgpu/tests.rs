@@ -1,0 +1,143 @@
+//! wgpu-specific tests: views, dtypes, shapes past llvmpipe's loop limit,
+//! and concurrent first use of the pipeline cache. (Every variant's numerics
+//! are checked by the generated tests.)
+
+use crate::stock::{Causal, CausalSlidingWindow, Full};
+use crate::testing::{Case, Logits, REQUIRE_DEVICE_ENV, Wgpu, check_variant_on};
+use crate::{AttentionOptions, Error, attention, attention_fwd};
+use numr::dtype::DType;
+use numr::runtime::wgpu::{WgpuDevice, WgpuRuntime, is_wgpu_available, wgpu_device};
+use numr::tensor::Tensor;
+use std::sync::{Arc, Barrier};
+
+/// The device, or `None` with a skip message (a failure when
+/// `BOOSTR_TEST_REQUIRE_DEVICE` is set).
+fn device() -> Option<WgpuDevice> {
+    if is_wgpu_available() {
+        return Some(wgpu_device());
+    }
+    assert!(
+        std::env::var_os(REQUIRE_DEVICE_ENV).is_none(),
+        "no wgpu device, and {REQUIRE_DEVICE_ENV} is set"
+    );
+    eprintln!("boostr: skipping: no wgpu device");
+    None
+}
+
+/// Views at a non-zero offset (here: along the batch) give the same
+/// result as their contiguous copies; non-f32 inputs are refused.
+#[test]
+fn offset_views_and_dtypes() {
+    let Some(device) = device() else { return };
+    let data: Vec<f32> = (0..2 * 2 * 5 * 8)
+        .map(|i| ((i * 7 % 13) as f32) * 0.1)
+        .collect();
+    let t = Tensor::<WgpuRuntime>::from_slice(&data, &[2, 2, 5, 8], &device).unwrap();
+    let view = t.narrow(0, 1, 1).unwrap();
+    let copy = Tensor::<WgpuRuntime>::from_slice(&data[80..], &[1, 2, 5, 8], &device).unwrap();
+    let opts = AttentionOptions::default();
+    let (o1, l1) = attention_fwd(&Causal, &view, &view, &view, &opts).unwrap();
+    let (o2, l2) = attention_fwd(&Causal, &copy, &copy, &copy, &opts).unwrap();
+    assert_eq!(o1.to_vec::<f32>(), o2.to_vec::<f32>());
+    assert_eq!(l1.to_vec::<f32>(), l2.to_vec::<f32>());
+
+    let ints = Tensor::<WgpuRuntime>::zeros(&[1, 2, 5, 8], DType::I32, &device).unwrap();
+    let err = attention_fwd(&Causal, &ints, &ints, &ints, &opts).unwrap_err();
+    assert!(matches!(err, Error::DType { .. }), "{err}");
+}
+
+const fn long_case(seq_q: usize, seq_k: usize, heads_q: usize, name: &'static str) -> Case {
+    Case {
+        batch: 1,
+        heads_q,
+        heads_kv: 1,
+        seq_q,
+        seq_k,
+        head_dim: 128,
+        logit_scale: 1.0,
+        logits: Logits::Random,
+        scale: None,
+        name,
+    }
+}
+
+/// Mesa's llvmpipe leaves a loop once an invocation's loops have run 65,535
+/// iterations in total. At D = 128 one key tile (4 keys) costs the forward
+/// ~230 of them, so an invocation looping over 2053 keys in one dispatch
+/// would stop after ~1100 keys; the dQ and D_i kernels loop over the same
+/// tiles, and the dK/dV kernel over 2 heads × 257 query tiles. All must be
+/// right, against the f64 reference.
+#[test]
+fn long_rows_and_columns_cross_the_loop_limit() {
+    check_variant_on::<Wgpu, _>(
+        &Full,
+        &[
+            long_case(5, 2053, 2, "long_keys"),
+            long_case(2053, 5, 2, "long_queries"),
+        ],
+    );
+}
+
+/// Tiles skipped as empty count too (about three iterations each): the one
+/// query row of a 3-wide sliding window at the end of 95,003 keys skips
+/// 23,750 tiles before it reaches its keys.
+#[test]
+fn skipped_tiles_cross_the_loop_limit() {
+    check_variant_on::<Wgpu, _>(
+        &CausalSlidingWindow { window: 3 },
+        &[long_case(1, 95_003, 1, "skip_23750_tiles")],
+    );
+}
+
+/// Each thread's variant type is new to the pipeline cache; all threads
+/// compile and launch at once, and every result matches a later, cached run.
+#[test]
+fn concurrent_first_use_of_the_pipeline_cache() {
+    #[attention(score = |s, _b, h, _q, _kv| s * (1.0 + 0.25 * h as f32), mask = |_b, _h, q, kv| kv <= q)]
+    #[derive(Clone, Copy, Debug)]
+    struct HeadScaledA;
+    #[attention(score = |s, _b, _h, q, kv| s - 0.01 * (q - kv) as f32)]
+    #[derive(Clone, Copy, Debug)]
+    struct DistanceB;
+
+    let Some(device) = device() else { return };
+    let (b, h, s, d) = (1, 2, 37, 40);
+    let data: Vec<f32> = (0..b * h * s * d)
+        .map(|i| ((i * 37 % 101) as f32) * 0.02 - 1.0)
+        .collect();
+    let x = Tensor::<WgpuRuntime>::from_slice(&data, &[b, h, s, d], &device).unwrap();
+    let opts = AttentionOptions::default();
+    let run = move |which: usize| -> Result<Vec<f32>, Error> {
+        let (out, lse) = match which % 2 {
+            0 => attention_fwd(&HeadScaledA, &x, &x, &x, &opts)?,
+            _ => attention_fwd(&DistanceB, &x, &x, &x, &opts)?,
+        };
+        let mut all = out.to_vec::<f32>();
+        all.extend(lse.to_vec::<f32>());
+        Ok(all)
+    };
+    let threads = 6;
+    let barrier = Arc::new(Barrier::new(threads));
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let (barrier, run) = (barrier.clone(), run.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                run(t)
+            })
+        })
+        .collect();
+    let first: Vec<Vec<f32>> = handles
+        .into_iter()
+        .map(|h| h.join().expect("no panic").expect("no error"))
+        .collect();
+    for (t, got) in first.iter().enumerate() {
+        let again = run(t).unwrap();
+        assert!(got.iter().all(|x| x.is_finite()), "thread {t}: non-finite");
+        assert_eq!(
+            got, &again,
+            "thread {t}: first use differs from a cached run"
+        );
+    }
+    assert_ne!(first[0], first[1], "the two variants must differ");
+}
