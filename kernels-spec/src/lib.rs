@@ -98,5 +98,11 @@ pub fn explain(program: &ir::Program) -> String {
     }
     out.push_str("== target: wgsl (variant functions) ==\n");
     out.push_str(&emit::wgsl::variant_functions(program));
+    out.push_str("== target: cuda (variant functions) ==\n");
+    if let Err(e) = emit::cuda::lower::check_params(program) {
+        out.push_str(&format!("// {e}\n"));
+    } else {
+        out.push_str(&emit::cuda::variant_functions(program));
+    }
     out
 }

@@ -3,4 +3,5 @@
 //! never see syn, and target-specific choices live in their own module.
 
 pub mod cpu;
+pub mod cuda;
 pub mod wgsl;
