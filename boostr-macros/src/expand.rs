@@ -9,6 +9,12 @@ use quote::{format_ident, quote};
 pub fn expand(attr: TokenStream, item: syn::ItemStruct) -> TokenStream {
     match compile(attr, &item) {
         Ok(compiled) => {
+            // The CUDA kernels take the parameters as a fixed-size struct.
+            if let Err(message) = kernels_spec::emit::cuda::lower::check_params(&compiled.program) {
+                let error = syn::Error::new_spanned(&item.ident, message).to_compile_error();
+                let stub = stub_impl(&item);
+                return quote!(#error #item #stub);
+            }
             // A debug switch: print every stage while compiling.
             if std::env::var_os("BOOSTR_DUMP").is_some() {
                 eprintln!("{}", explain(&compiled.program));
@@ -66,6 +72,7 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
     };
     let (tile_q, tile_kv) = (some(program.tile.0), some(program.tile.1));
     let wgsl = kernels_spec::emit::wgsl::variant_functions(program);
+    let cuda = kernels_spec::emit::cuda::variant_functions(program);
     let words = program.params.iter().map(|p| {
         let name = format_ident!("{}", p.name);
         match p.ty {
@@ -103,6 +110,9 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
             }
             fn wgsl_variant_functions() -> ::core::option::Option<&'static str> {
                 ::core::option::Option::Some(#wgsl)
+            }
+            fn cuda_variant_functions() -> ::core::option::Option<&'static str> {
+                ::core::option::Option::Some(#cuda)
             }
             #[allow(clippy::all)]
             fn wgsl_params(&self) -> ::std::vec::Vec<u32> {

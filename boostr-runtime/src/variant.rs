@@ -88,6 +88,17 @@ pub trait Variant: Clone + Debug + Send + Sync + 'static {
         None
     }
 
+    /// The CUDA variant section (helpers, the `Params` struct and the four
+    /// lowered `__device__` variant functions) that the CUDA kernel sources
+    /// are assembled around (`kernels_spec::emit::cuda::forward_source` and
+    /// `backward_source`), or `None` when the variant has no CUDA lowering (a
+    /// hand-written impl): the CUDA backend then returns an error. The
+    /// kernels take the `Params` struct by value: the words of
+    /// [`wgsl_params`](Variant::wgsl_params) zero-padded to 32.
+    fn cuda_variant_functions() -> Option<&'static str> {
+        None
+    }
+
     /// The contents of the WGSL `Params` uniform: one 32-bit word per field
     /// in declaration order (f32 as its bits, i32/u32 as their bits, bool as
     /// 0/1), zero-padded to a non-empty multiple of four words.

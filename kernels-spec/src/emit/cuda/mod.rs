@@ -230,6 +230,21 @@ impl CudaTiles {
         }
     }
 
+    /// These tiles with a variant's `tile(q = .., kv = ..)` override applied
+    /// to the forward and backward tiles alike (`Variant::TILE_Q`,
+    /// `TILE_KV`). The result may not [validate](CudaTiles::validate) (a size
+    /// that is no multiple of 16 on tensor cores, or too much shared memory):
+    /// callers then keep the defaults.
+    pub fn with_tile_override(self, q: Option<u32>, kv: Option<u32>) -> CudaTiles {
+        CudaTiles {
+            block_q: q.unwrap_or(self.block_q),
+            bwd_block_q: q.unwrap_or(self.bwd_block_q),
+            block_kv: kv.unwrap_or(self.block_kv),
+            bwd_block_kv: kv.unwrap_or(self.bwd_block_kv),
+            ..self
+        }
+    }
+
     /// Threads per block of the forward kernel.
     pub fn threads(&self) -> u32 {
         32 * self.warps
