@@ -150,6 +150,8 @@ impl fmt::Display for Expr {
 /// A statement.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Stmt {
+    /// `(void)name;`: an argument the function does not read.
+    Discard(String),
     /// `const ty name = value;`
     Const(String, Type, Expr),
     /// `return value;`
@@ -159,6 +161,7 @@ pub enum Stmt {
 impl fmt::Display for Stmt {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            Stmt::Discard(n) => writeln!(f, "    (void){n};"),
             Stmt::Const(n, t, v) => writeln!(f, "    const {t} {n} = {v};"),
             Stmt::Return(v) => writeln!(f, "    return {v};"),
         }
@@ -190,12 +193,6 @@ impl fmt::Display for Function {
             write!(f, ", {t} {n}")?;
         }
         writeln!(f, ") {{")?;
-        // Arguments and `params` a function does not read are still taken,
-        // so every variant function has the same signature.
-        writeln!(f, "    (void)params;")?;
-        for (n, _) in &self.params {
-            writeln!(f, "    (void){n};")?;
-        }
         for s in &self.body {
             write!(f, "{s}")?;
         }

@@ -167,6 +167,19 @@ pub fn function(program: &Program, f: &ir::Function) -> Function {
         stmts: Vec::new(),
         closed_locals: Vec::new(),
     };
+    // Arguments (and `params`) a function does not read are still taken, so
+    // every variant function of a kind has the same signature.
+    let mut reads_params = false;
+    f.body
+        .walk(&mut |e| reads_params |= matches!(e.kind, ExprKind::Param(_)));
+    if !reads_params {
+        cx.stmts.push(Stmt::Discard("params".into()));
+    }
+    for a in &f.args {
+        if !f.body.uses_arg(*a) {
+            cx.stmts.push(Stmt::Discard(a.name().into()));
+        }
+    }
     let value = cx.expr(&f.body);
     cx.stmts.push(Stmt::Return(value));
     Function {
@@ -372,5 +385,120 @@ impl Lowering<'_> {
                 self.expr(body)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::compile_str;
+
+    fn program(source: &str) -> Program {
+        match compile_str(source) {
+            Ok(c) => c.program,
+            Err(d) => panic!("{source}: {:?}", d.messages()),
+        }
+    }
+
+    #[test]
+    fn params_are_one_word_per_field_padded_to_32() {
+        let p = program(
+            "#[attention(mask = |b, h, q, kv| self.on && kv as u32 <= self.n)] \
+             struct V { cap: f32, on: bool, n: u32, w: i32 }",
+        );
+        let s = params_struct(&p);
+        let types: Vec<(&str, Type, Option<usize>)> = s
+            .members
+            .iter()
+            .map(|(n, t, l)| (n.as_str(), *t, *l))
+            .collect();
+        assert_eq!(
+            types,
+            [
+                ("p_cap", Type::Float, None),
+                ("p_on", Type::Unsigned, None),
+                ("p_n", Type::Unsigned, None),
+                ("p_w", Type::Int, None),
+                ("_pad", Type::Unsigned, Some(28)),
+            ]
+        );
+        let words: usize = s.members.iter().map(|(_, _, l)| l.unwrap_or(1)).sum();
+        assert_eq!(words, PARAM_WORDS);
+        // A bool parameter reads as `!= 0u`.
+        let mask = function(&p, &p.mask).to_string();
+        assert!(mask.contains("(params.p_on != 0u)"), "{mask}");
+    }
+
+    #[test]
+    fn params_with_no_fields_and_with_32_fields() {
+        let none = params_struct(&program("#[attention()] struct V;"));
+        assert_eq!(
+            none.to_string(),
+            "struct Params {\n    unsigned _pad[32];\n};\n"
+        );
+        let fields: Vec<String> = (0..32).map(|i| format!("f{i}: i32")).collect();
+        let full = program(&format!(
+            "#[attention()] struct V {{ {} }}",
+            fields.join(", ")
+        ));
+        assert!(check_params(&full).is_ok());
+        assert_eq!(params_struct(&full).members.len(), 32);
+        let fields: Vec<String> = (0..33).map(|i| format!("f{i}: i32")).collect();
+        let over = program(&format!(
+            "#[attention()] struct V {{ {} }}",
+            fields.join(", ")
+        ));
+        let e = check_params(&over).unwrap_err();
+        assert!(
+            e.contains("33 parameter words") && e.contains("at most 32"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn literals_and_operators_keep_the_ir_semantics() {
+        assert_eq!(Literal::Int(i32::MIN).to_string(), "(-2147483647 - 1)");
+        assert_eq!(Literal::Int(-3).to_string(), "(-3)");
+        assert_eq!(Literal::Float(-0.5).to_string(), "(-0.5f)");
+        assert_eq!(Literal::Float(1e-7).to_string(), "1e-7f");
+        assert_eq!(
+            lit_f32(f32::NEG_INFINITY).to_string(),
+            "__int_as_float((-8388608))"
+        );
+        assert_eq!(
+            lit_f32(f32::INFINITY).to_string(),
+            "__int_as_float(2139095040)"
+        );
+        let p = program(
+            "#[attention(score = |s, b, h, q, kv| s * self.a + (q / kv) as f32 - (-(q % self.k)) as f32, \
+             mask = |b, h, q, kv| (kv as u32) / self.u < 3u32 && min(q, kv) >= clamp(h, 0, 4))] \
+             struct V { a: f32, k: i32, u: u32 }",
+        );
+        let score = function(&p, &p.score).to_string();
+        for needle in [
+            "__fmul_rn(s, params.p_a)",
+            "bx_div_i32(q, kv)",
+            "bx_rem_i32(q, params.p_k)",
+            "bx_neg_i32(",
+        ] {
+            assert!(score.contains(needle), "{needle} not in {score}");
+        }
+        let mask = function(&p, &p.mask).to_string();
+        for needle in [
+            "bx_div_u32(((unsigned)(kv)), params.p_u)",
+            "bx_min_i32(q, kv)",
+            "bx_min_i32(bx_max_i32(h, 0), 4)",
+        ] {
+            assert!(mask.contains(needle), "{needle} not in {mask}");
+        }
+        // Closed sub-expressions are folded, with the IR's wrapping.
+        let folded = program(
+            "#[attention(score = |s, b, h, q, kv| s + ((2147483647 + 1) as f32) + 1.0 / 0.0)] struct V;",
+        );
+        let text = function(&folded, &folded.score).to_string();
+        assert!(
+            text.contains("(-2147483600.0f)") && text.contains("__int_as_float(2139095040)"),
+            "{text}"
+        );
     }
 }

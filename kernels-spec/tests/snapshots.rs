@@ -1,0 +1,91 @@
+//! Golden snapshots of emitted kernels: the CUDA forward source (f16,
+//! D = 64) and the WGSL forward module (D = 64) of a Gemma-2 style variant
+//! (causal, soft-capped logits). A change to an emitter shows up here as a
+//! reviewable diff; after checking it, rewrite the files with
+//! `BOOSTR_BLESS=1 cargo test -p kernels-spec --test snapshots`.
+
+use kernels_spec::compile_str;
+use kernels_spec::emit::cuda::{self, CudaDType, CudaTiles};
+use kernels_spec::emit::wgsl::{self, WgslTiles};
+use kernels_spec::ir::Program;
+use std::path::PathBuf;
+
+const CAUSAL_SOFTCAP: &str = "#[attention(\
+    score = |s, b, h, q, kv| self.cap * tanh(s / self.cap), \
+    mask = |b, h, q, kv| kv <= q)] \
+    struct CausalSoftcap { cap: f32 }";
+
+fn program(source: &str) -> Program {
+    match compile_str(source) {
+        Ok(c) => c.program,
+        Err(d) => panic!("{source} failed to compile: {:?}", d.messages()),
+    }
+}
+
+fn snapshot_path(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests")
+        .join("snapshots")
+        .join(name)
+}
+
+/// Compares `actual` with the stored snapshot `name`, or rewrites it when
+/// `BOOSTR_BLESS` is set.
+fn check_snapshot(name: &str, actual: &str) {
+    let path = snapshot_path(name);
+    if std::env::var_os("BOOSTR_BLESS").is_some() {
+        std::fs::write(&path, actual).unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+        return;
+    }
+    let expected = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "reading {}: {e}\nto create it, run BOOSTR_BLESS=1 cargo test -p kernels-spec --test snapshots",
+            path.display()
+        )
+    });
+    if expected == actual {
+        return;
+    }
+    let (exp, act): (Vec<&str>, Vec<&str>) = (expected.lines().collect(), actual.lines().collect());
+    let first = exp
+        .iter()
+        .zip(&act)
+        .position(|(a, b)| a != b)
+        .unwrap_or(exp.len().min(act.len()));
+    let show = |lines: &[&str]| -> String {
+        lines
+            .iter()
+            .enumerate()
+            .skip(first.saturating_sub(2))
+            .take(6)
+            .map(|(i, l)| format!("{:5} {l}\n", i + 1))
+            .collect()
+    };
+    panic!(
+        "{name} differs from the emitted source at line {} ({} lines stored, {} emitted)\n\
+         ---- stored ----\n{}---- emitted ----\n{}\
+         If the change is intended, run BOOSTR_BLESS=1 cargo test -p kernels-spec --test snapshots \
+         and review the diff of {}.",
+        first + 1,
+        exp.len(),
+        act.len(),
+        show(&exp),
+        show(&act),
+        path.display()
+    );
+}
+
+#[test]
+fn cuda_forward_f16_d64() {
+    let p = program(CAUSAL_SOFTCAP);
+    let cfg = CudaTiles::for_problem(64, CudaDType::F16);
+    let source = cuda::forward_source(&cuda::variant_functions(&p), &cfg, CudaDType::F16);
+    check_snapshot("causal_softcap.fwd.f16.d64.cu", &source);
+}
+
+#[test]
+fn wgsl_forward_d64() {
+    let p = program(CAUSAL_SOFTCAP);
+    let source = wgsl::forward_module(&p, &WgslTiles::for_head_dim(64));
+    check_snapshot("causal_softcap.fwd.d64.wgsl", &source);
+}
