@@ -19,10 +19,12 @@ use boostr_runtime::stock::{
     Alibi, Causal, CausalSlidingWindow, CausalSoftcap, FlashMask, Full, PrefixLm, SlidingWindow,
     Softcap,
 };
-use boostr_runtime::{Variant, attention};
+use boostr_runtime::testing::{Rng, reference_backward, reference_forward};
+use boostr_runtime::{Problem, Variant, attention};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 use kernels_spec::emit::cuda::{
     self, CudaDType, CudaTiles, DELTA_KERNEL, DKDV_KERNEL, DQ_KERNEL, FORWARD_KERNEL, PARAM_WORDS,
+    kernels,
 };
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -512,4 +514,430 @@ fn params_are_the_wgsl_words_padded_to_32() {
         words.contains("    int p_w31;\n};"),
         "no padding after 32 words"
     );
+}
+
+/// Host emulation of the kernels (compiled as C++ with a host compiler, see
+/// `BX_HOST_EMULATION` in the kernel templates): one std::thread per CUDA
+/// thread, barriers for `__syncthreads` and the warp shuffles, `mma.sync`
+/// computed from the fragments of the 32 lanes. It checks the kernels' logic
+/// (tiling, indexing, masking, online softmax, the backward's algebra, the
+/// MMA fragment layouts) against the f64 reference without a GPU.
+const HOST_HARNESS: &str = r#"// Host emulation of the CUDA kernels: one std::thread per CUDA thread,
+// blocks run one after another, __syncthreads and warp shuffles on
+// barriers, mma.sync computed from the fragments of all 32 lanes.
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+#include <algorithm>
+
+struct bx_dim3 { unsigned x = 0, y = 0, z = 0; };
+thread_local bx_dim3 threadIdx, blockIdx;
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__
+#define __align__(n)
+#define __restrict__
+#define BX_HOST_EMULATION 1
+alignas(16) unsigned char bx_smem[1 << 20];
+static std::barrier<>* bx_block_barrier;
+static std::barrier<>* bx_warp_barrier[32];
+static float bx_xchg[1024];
+inline void __syncthreads() { bx_block_barrier->arrive_and_wait(); }
+inline void bx_warp_sync() { bx_warp_barrier[threadIdx.x / 32]->arrive_and_wait(); }
+inline float __shfl_xor_sync(unsigned, float x, int o) {
+    bx_xchg[threadIdx.x] = x;
+    bx_warp_sync();
+    const float r = bx_xchg[threadIdx.x ^ o];
+    bx_warp_sync();
+    return r;
+}
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline float __uint_as_float(unsigned i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline unsigned bx_bits(float f) { unsigned i; std::memcpy(&i, &f, 4); return i; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+using std::min;
+using std::max;
+
+#if BX_HOST_DTYPE == 1 // f16
+inline float bx_to_f32(unsigned short x) { _Float16 h; std::memcpy(&h, &x, 2); return (float)h; }
+inline unsigned short bx_from_f32(float x) { _Float16 h = (_Float16)x; unsigned short r; std::memcpy(&r, &h, 2); return r; }
+#elif BX_HOST_DTYPE == 2 // bf16
+inline float bx_to_f32(unsigned short x) { return __uint_as_float(((unsigned)x) << 16); }
+inline unsigned short bx_from_f32(float x) {
+    unsigned u = bx_bits(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+#endif
+
+#if BX_HOST_DTYPE != 0
+static float bx_mA[32][16][16];
+static float bx_mB[32][16][8];
+inline void bx_mma_sync(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+    const int w = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t2 = (lane & 3) * 2;
+    auto lo = [](unsigned x) { return bx_to_f32((unsigned short)(x & 0xffffu)); };
+    auto hi = [](unsigned x) { return bx_to_f32((unsigned short)(x >> 16)); };
+    float (&A)[16][16] = bx_mA[w];
+    float (&B)[16][8] = bx_mB[w];
+    A[g][t2] = lo(a0); A[g][t2 + 1] = hi(a0);
+    A[g + 8][t2] = lo(a1); A[g + 8][t2 + 1] = hi(a1);
+    A[g][t2 + 8] = lo(a2); A[g][t2 + 9] = hi(a2);
+    A[g + 8][t2 + 8] = lo(a3); A[g + 8][t2 + 9] = hi(a3);
+    B[t2][g] = lo(b0); B[t2 + 1][g] = hi(b0);
+    B[t2 + 8][g] = lo(b1); B[t2 + 9][g] = hi(b1);
+    bx_warp_sync();
+    for (int q = 0; q < 4; ++q) {
+        const int r = g + 8 * (q >> 1), n = t2 + (q & 1);
+        float s = 0.0f;
+        for (int k = 0; k < 16; ++k) s += A[r][k] * B[k][n];
+        c[q] += s;
+    }
+    bx_warp_sync();
+}
+#endif
+
+#include "kernel.cu"
+
+static void launch(bx_dim3 grid, unsigned threads, const std::function<void()>& body) {
+    for (unsigned z = 0; z < grid.z; ++z)
+        for (unsigned y = 0; y < grid.y; ++y)
+            for (unsigned x = 0; x < grid.x; ++x) {
+                std::barrier<> block(threads);
+                bx_block_barrier = &block;
+                std::vector<std::unique_ptr<std::barrier<>>> warps;
+                for (unsigned w = 0; w < threads / 32; ++w) {
+                    warps.push_back(std::make_unique<std::barrier<>>(32));
+                    bx_warp_barrier[w] = warps.back().get();
+                }
+                std::memset(bx_smem, 0xff, sizeof bx_smem); // garbage: nothing may read unwritten shared memory
+                std::vector<std::thread> ts;
+                for (unsigned t = 0; t < threads; ++t)
+                    ts.emplace_back([&, t] {
+                        threadIdx = {t, 0, 0};
+                        blockIdx = {x, y, z};
+                        body();
+                    });
+                for (auto& t : ts) t.join();
+            }
+}
+
+static std::vector<float> read_f32(const char* path, size_t n) {
+    std::vector<float> v(n);
+    FILE* f = std::fopen(path, "rb");
+    if (!f || std::fread(v.data(), 4, n, f) != n) { std::fprintf(stderr, "reading %s\n", path); std::exit(2); }
+    std::fclose(f);
+    return v;
+}
+static void write_f32(const char* path, const std::vector<float>& v) {
+    FILE* f = std::fopen(path, "wb");
+    std::fwrite(v.data(), 4, v.size(), f);
+    std::fclose(f);
+}
+static std::vector<elem_t> to_elem(const std::vector<float>& v) {
+    std::vector<elem_t> r(v.size());
+    for (size_t i = 0; i < v.size(); ++i) r[i] = bx_from_f32(v[i]);
+    return r;
+}
+static std::vector<float> to_f32(const std::vector<elem_t>& v) {
+    std::vector<float> r(v.size());
+    for (size_t i = 0; i < v.size(); ++i) r[i] = bx_to_f32(v[i]);
+    return r;
+}
+
+// Usage: harness DIR batch heads_q heads_kv seq_q seq_k scale. Reads q, k, v,
+// dout, params from DIR; writes the rounded inputs and every result as f32.
+int main(int argc, char** argv) {
+    if (argc != 8) return 2;
+    const std::string dir = argv[1];
+    const int B = std::atoi(argv[2]), Hq = std::atoi(argv[3]), Hkv = std::atoi(argv[4]);
+    const int Sq = std::atoi(argv[5]), Sk = std::atoi(argv[6]);
+    const float scale = std::strtof(argv[7], nullptr);
+    auto path = [&](const char* n) { return dir + "/" + n; };
+    const size_t nq = (size_t)B * Hq * Sq * D, nk = (size_t)B * Hkv * Sk * D, nr = (size_t)B * Hq * Sq;
+    auto q = to_elem(read_f32(path("q").c_str(), nq));
+    auto k = to_elem(read_f32(path("k").c_str(), nk));
+    auto v = to_elem(read_f32(path("v").c_str(), nk));
+    auto dout = to_elem(read_f32(path("dout").c_str(), nq));
+    Params params;
+    {
+        auto words = read_f32(path("params").c_str(), 32);
+        std::memcpy(&params, words.data(), sizeof params);
+    }
+    std::vector<elem_t> out(nq), dq(nq), dk(nk), dv(nk);
+    std::vector<float> lse(nr), delta(nr);
+    launch({(unsigned)((Sq + BQ - 1) / BQ), (unsigned)Hq, (unsigned)B}, FWD_THREADS, [&] {
+        boostr_attn_fwd(q.data(), k.data(), v.data(), out.data(), lse.data(), B, Hq, Hkv, Sq, Sk, scale, params);
+    });
+    launch({(unsigned)((nr + DELTA_THREADS / 32 - 1) / (DELTA_THREADS / 32)), 1, 1}, DELTA_THREADS, [&] {
+        boostr_attn_bwd_delta(out.data(), dout.data(), delta.data(), B, Hq, Sq);
+    });
+    launch({(unsigned)((Sq + BBQ - 1) / BBQ), (unsigned)Hq, (unsigned)B}, BWD_THREADS, [&] {
+        boostr_attn_bwd_dq(q.data(), k.data(), v.data(), dout.data(), lse.data(), delta.data(), dq.data(), B, Hq,
+                           Hkv, Sq, Sk, scale, params);
+    });
+    launch({(unsigned)((Sk + BBKV - 1) / BBKV), (unsigned)Hkv, (unsigned)B}, BWD_THREADS, [&] {
+        boostr_attn_bwd_dkdv(q.data(), k.data(), v.data(), dout.data(), lse.data(), delta.data(), dk.data(),
+                             dv.data(), B, Hq, Hkv, Sq, Sk, scale, params);
+    });
+    write_f32(path("q.rounded").c_str(), to_f32(q));
+    write_f32(path("k.rounded").c_str(), to_f32(k));
+    write_f32(path("v.rounded").c_str(), to_f32(v));
+    write_f32(path("dout.rounded").c_str(), to_f32(dout));
+    write_f32(path("out").c_str(), to_f32(out));
+    write_f32(path("lse").c_str(), lse);
+    write_f32(path("dq").c_str(), to_f32(dq));
+    write_f32(path("dk").c_str(), to_f32(dk));
+    write_f32(path("dv").c_str(), to_f32(dv));
+    return 0;
+}
+"#;
+
+fn find_cxx() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("BOOSTR_CXX") {
+        return Some(PathBuf::from(p)).filter(|p| p.is_file());
+    }
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .flat_map(|d| [d.join("c++"), d.join("g++")])
+        .find(|p| p.is_file())
+}
+
+fn write_f32(path: &Path, v: &[f32]) {
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    std::fs::write(path, bytes).unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+}
+
+fn read_f32(path: &Path) -> Vec<f32> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect()
+}
+
+/// Largest `|got - want|` over the largest `|want|` (1 if all are 0); −inf
+/// must match −inf exactly.
+fn relative_error(name: &str, got: &[f32], want: &[f64]) -> Result<f64, String> {
+    assert_eq!(got.len(), want.len(), "{name}: length");
+    let mut err = 0.0f64;
+    let mut max = 0.0f64;
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        if w == f64::NEG_INFINITY || g == f32::NEG_INFINITY {
+            if f64::from(g) != w {
+                return Err(format!("{name}[{i}] = {g}, want {w}"));
+            }
+            continue;
+        }
+        if !g.is_finite() {
+            return Err(format!("{name}[{i}] = {g}, want {w}"));
+        }
+        err = err.max((f64::from(g) - w).abs());
+        max = max.max(w.abs());
+    }
+    Ok(err / if max > 0.0 { max } else { 1.0 })
+}
+
+/// The f64 reference of one case: `(problem, [q, k, v, dout])` →
+/// `[out, lse, dq, dk, dv]`.
+type Reference = Box<dyn Fn(&Problem, [&[f64]; 4]) -> [Vec<f64>; 5] + Send + Sync>;
+
+struct HostCase {
+    tag: String,
+    functions: &'static str,
+    tile: (Option<u32>, Option<u32>),
+    dtype: CudaDType,
+    problem: Problem,
+    params: Vec<u32>,
+    reference: Reference,
+}
+
+fn host_case<V: Variant>(variant: V, dtype: CudaDType, problem: Problem) -> HostCase {
+    let tag = format!(
+        "{} {} D={} B={} H={}/{} S={}/{}",
+        V::NAME,
+        dtype.name(),
+        problem.head_dim,
+        problem.batch,
+        problem.heads_q,
+        problem.heads_kv,
+        problem.seq_q,
+        problem.seq_k
+    );
+    let params = variant.wgsl_params();
+    HostCase {
+        tag,
+        functions: V::cuda_variant_functions().expect("macro-declared"),
+        tile: (V::TILE_Q, V::TILE_KV),
+        dtype,
+        problem,
+        params,
+        reference: Box::new(move |p, [q, k, v, dout]| {
+            let f = reference_forward::<f64, V>(&variant, p, q, k, v);
+            let g = reference_backward::<f64, V>(&variant, p, q, k, v, dout);
+            [f.out, f.lse, g.dq, g.dk, g.dv]
+        }),
+    }
+}
+
+fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, String> {
+    let tag = &case.tag;
+    let p = &case.problem;
+    let spec = Spec {
+        name: "",
+        functions: case.functions,
+        tile: case.tile,
+    };
+    let cfg = tiles(&spec, p.head_dim as u32, case.dtype);
+    let mut source = cuda::forward_source(case.functions, &cfg, case.dtype);
+    source.push_str(kernels::BACKWARD);
+    let dir =
+        std::env::temp_dir().join(format!("boostr-cuda-host-{}-{serial}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{tag}: {e}"))?;
+    std::fs::write(dir.join("harness.cpp"), HOST_HARNESS).map_err(|e| format!("{tag}: {e}"))?;
+    std::fs::write(dir.join("kernel.cu"), &source).map_err(|e| format!("{tag}: {e}"))?;
+    let mut rng = Rng::new(0x5eed, serial as u64);
+    let inputs = [
+        ("q", rng.normal_f32(p.q_len(), 1.0)),
+        ("k", rng.normal_f32(p.kv_len(), 1.0)),
+        ("v", rng.normal_f32(p.kv_len(), 1.0)),
+        ("dout", rng.normal_f32(p.q_len(), 1.0)),
+    ];
+    for (name, data) in &inputs {
+        write_f32(&dir.join(name), data);
+    }
+    let mut words = case.params.clone();
+    words.resize(PARAM_WORDS, 0);
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    std::fs::write(dir.join("params"), bytes).map_err(|e| format!("{tag}: {e}"))?;
+    let dtype_code = match case.dtype {
+        CudaDType::F32 => 0,
+        CudaDType::F16 => 1,
+        CudaDType::Bf16 => 2,
+    };
+    let exe = dir.join("harness");
+    let out = Command::new(cxx)
+        .args(["-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-w"])
+        .arg(format!("-DBX_HOST_DTYPE={dtype_code}"))
+        .arg(dir.join("harness.cpp"))
+        .arg("-o")
+        .arg(&exe)
+        .output()
+        .map_err(|e| format!("{tag}: running {}: {e}", cxx.display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{tag}: host compile failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let out = Command::new(&exe)
+        .arg(&dir)
+        .args([p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k].map(|x| x.to_string()))
+        .arg(p.scale.to_string())
+        .output()
+        .map_err(|e| format!("{tag}: running the harness: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{tag}: the harness failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let rounded: Vec<Vec<f64>> = ["q", "k", "v", "dout"]
+        .iter()
+        .map(|n| {
+            read_f32(&dir.join(format!("{n}.rounded")))
+                .into_iter()
+                .map(f64::from)
+                .collect()
+        })
+        .collect();
+    let want = (case.reference)(p, [&rounded[0], &rounded[1], &rounded[2], &rounded[3]]);
+    // Bounds well above each dtype's rounding (P and dS are rounded to the
+    // dtype for the tensor-core products) and far below what a wrong index,
+    // mask or tile gives.
+    let tolerance = match case.dtype {
+        CudaDType::F32 => 1e-5,
+        CudaDType::F16 => 3e-3,
+        CudaDType::Bf16 => 2e-2,
+    };
+    let mut line = format!("{tag}:");
+    for (name, want) in ["out", "lse", "dq", "dk", "dv"].iter().zip(&want) {
+        let got = read_f32(&dir.join(name));
+        let err = relative_error(name, &got, want).map_err(|e| format!("{tag}: {e}"))?;
+        line.push_str(&format!(" {name} {err:.1e}"));
+        if err > tolerance {
+            return Err(format!(
+                "{tag}: {name} relative error {err:.3e} > {tolerance:e}"
+            ));
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(line)
+}
+
+#[test]
+fn host_emulation_matches_the_reference() {
+    let Some(cxx) = find_cxx() else {
+        eprintln!("SKIPPED cuda host emulation: no C++ compiler (BOOSTR_CXX, c++ or g++ on PATH)");
+        return;
+    };
+    let problem = |seq_q, seq_k, head_dim| Problem {
+        batch: 2,
+        heads_q: 4,
+        heads_kv: 2,
+        seq_q,
+        seq_k,
+        head_dim,
+        scale: 1.0 / (head_dim as f32).sqrt(),
+    };
+    let everything = Everything {
+        cap: 20.0,
+        slope: 0.25,
+        window: 40,
+        causal: true,
+        alibi: true,
+    };
+    let cases = [
+        host_case(everything.clone(), CudaDType::F32, problem(70, 97, 40)),
+        host_case(everything.clone(), CudaDType::F16, problem(70, 97, 40)),
+        host_case(everything, CudaDType::Bf16, problem(70, 97, 40)),
+        // Sq > Sk: the first rows see no key (out 0, lse -inf, no gradient).
+        host_case(PrefixLm { prefix: 0 }, CudaDType::F16, problem(97, 70, 64)),
+        host_case(Causal, CudaDType::F32, problem(97, 70, 64)),
+    ];
+    let next = AtomicUsize::new(0);
+    let results = Mutex::new(Vec::new());
+    std::thread::scope(|scope| {
+        for _ in 0..std::thread::available_parallelism().map_or(2, |n| n.get()) {
+            scope.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(case) = cases.get(i) else { break };
+                    let r = run_host_case(case, &cxx, i);
+                    results.lock().unwrap().push(r);
+                }
+            });
+        }
+    });
+    let results = results.into_inner().unwrap();
+    let mut failures = Vec::new();
+    for r in results {
+        match r {
+            Ok(line) => eprintln!("{line}"),
+            Err(e) => failures.push(e),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

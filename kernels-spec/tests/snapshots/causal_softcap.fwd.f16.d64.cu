@@ -39,6 +39,7 @@ constexpr unsigned BWD_DELTA = 90368; // 256 bytes
 constexpr unsigned BWD_SMEM_BYTES = 90624; // dynamic shared memory
 // ---- element type: f16 (IEEE half bits, like __half) ----
 typedef unsigned short elem_t;
+#ifndef BX_HOST_EMULATION
 __device__ __forceinline__ float bx_to_f32(unsigned short x) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
@@ -50,6 +51,7 @@ __device__ __forceinline__ unsigned short bx_from_f32(float x) {
     return h;
 }
 #define BX_MMA_OP "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+#endif
 
 // ---- IR semantics helpers ----
 __device__ __forceinline__ float bx_inf() { return __int_as_float(0x7f800000); }
@@ -189,6 +191,16 @@ __device__ __forceinline__ float bx_warp_sum(float x) {
 }
 
 #if BX_MMA
+#ifndef BX_HOST_EMULATION
+// c += A·B for one m16n8k16 tile, operands in this lane's fragment registers.
+__device__ __forceinline__ void bx_mma_sync(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                            unsigned b0, unsigned b1) {
+    asm(BX_MMA_OP " {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+#endif
+
 // Two 16-bit elements p[0], p[STRIDE] packed as the f16x2/bf16x2 register an
 // MMA fragment wants (the lower index in the low half).
 template <int STRIDE>
@@ -216,9 +228,7 @@ __device__ __forceinline__ void bx_mma(float (&c)[4], const elem_t* a, const ele
     const unsigned a3 = bx_pair<ACS>(a + (g + 8) * ARS + (t2 + 8) * ACS);
     const unsigned b0 = bx_pair<BRS>(b + t2 * BRS + g * BCS);
     const unsigned b1 = bx_pair<BRS>(b + (t2 + 8) * BRS + g * BCS);
-    asm(BX_MMA_OP " {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    bx_mma_sync(c, a0, a1, a2, a3, b0, b1);
 }
 #endif
 

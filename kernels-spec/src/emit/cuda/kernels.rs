@@ -8,6 +8,11 @@
 //! [B, Hq, Sq]` f32. Query row `i` sits at position `i + Sk - Sq`
 //! (bottom-right alignment); query head `h` reads kv head `h / (Hq / Hkv)`.
 //!
+//! The only inline PTX (the f16/bf16 conversions and `bx_mma_sync`) sits
+//! under `#ifndef BX_HOST_EMULATION`, so a test can compile a source as
+//! host C++ with its own versions of those and CUDA's builtins, and run the
+//! kernels' logic on a CPU.
+//!
 //! Index arithmetic: tile-local indices and positions are `int` (a position
 //! is below `Sk + BQ`, and `Sq, Sk < 2^31`); every global offset is formed in
 //! `size_t` from the row index `(b·H + h)·S + row`, since `B·H·S·D` may
@@ -124,6 +129,7 @@ __device__ __forceinline__ float bx_from_f32(float x) { return x; }
 
 const ELEM_F16: &str = r#"// ---- element type: f16 (IEEE half bits, like __half) ----
 typedef unsigned short elem_t;
+#ifndef BX_HOST_EMULATION
 __device__ __forceinline__ float bx_to_f32(unsigned short x) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
@@ -135,10 +141,12 @@ __device__ __forceinline__ unsigned short bx_from_f32(float x) {
     return h;
 }
 #define BX_MMA_OP "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
+#endif
 "#;
 
 const ELEM_BF16: &str = r#"// ---- element type: bf16 (bfloat16 bits, like __nv_bfloat16) ----
 typedef unsigned short elem_t;
+#ifndef BX_HOST_EMULATION
 __device__ __forceinline__ float bx_to_f32(unsigned short x) {
     return __uint_as_float(((unsigned)x) << 16);
 }
@@ -148,6 +156,7 @@ __device__ __forceinline__ unsigned short bx_from_f32(float x) {
     return h;
 }
 #define BX_MMA_OP "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+#endif
 "#;
 
 /// Tile building blocks shared by every kernel, each with one job.
@@ -190,6 +199,16 @@ __device__ __forceinline__ float bx_warp_sum(float x) {
 }
 
 #if BX_MMA
+#ifndef BX_HOST_EMULATION
+// c += A·B for one m16n8k16 tile, operands in this lane's fragment registers.
+__device__ __forceinline__ void bx_mma_sync(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                            unsigned b0, unsigned b1) {
+    asm(BX_MMA_OP " {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+#endif
+
 // Two 16-bit elements p[0], p[STRIDE] packed as the f16x2/bf16x2 register an
 // MMA fragment wants (the lower index in the low half).
 template <int STRIDE>
@@ -217,9 +236,7 @@ __device__ __forceinline__ void bx_mma(float (&c)[4], const elem_t* a, const ele
     const unsigned a3 = bx_pair<ACS>(a + (g + 8) * ARS + (t2 + 8) * ACS);
     const unsigned b0 = bx_pair<BRS>(b + t2 * BRS + g * BCS);
     const unsigned b1 = bx_pair<BRS>(b + (t2 + 8) * BRS + g * BCS);
-    asm(BX_MMA_OP " {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    bx_mma_sync(c, a0, a1, a2, a3, b0, b1);
 }
 #endif
 
