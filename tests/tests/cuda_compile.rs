@@ -7,13 +7,17 @@
 //! needed.
 //!
 //! The default matrix keeps the test near a minute on two cores (one NVRTC
-//! compilation takes 0.3–1.3 s): every variant (the stock ones and three
-//! declared here) × every dtype, forward and backward, each at one of the
-//! head dims 40, 64, 128, rotated so that every variant meets every head dim
-//! across the dtypes and every dtype every head dim across the variants
-//! (compute_90 → sm_90); plus the full-language variant at D = 80, 96, 256 for
-//! every dtype, compute_80 PTX assembled for sm_80 and sm_90.
-//! `BOOSTR_CUDA_FULL=1` compiles every variant at every one of 40, 64, 128.
+//! compilation takes 0.3–1.3 s). The variant functions are the same code in
+//! every configuration, and the kernels differ per (dtype, head dim), so:
+//! every variant (the stock ones and three declared here), forward and
+//! backward, at one (dtype, head dim) each, cycling so that every dtype meets
+//! every head dim across the variants; and the variant that uses every
+//! language feature at every dtype × head dim 40, 64, 128 (compute_90 →
+//! sm_90) and 80, 96, 256 (compute_80 PTX assembled for sm_80 and sm_90).
+//! `BOOSTR_CUDA_FULL=1` compiles every variant at every dtype × 40, 64, 128.
+//!
+//! A second test runs the kernels on a host emulation against the f64
+//! reference (needs a C++20 compiler: `BOOSTR_CXX`, or `c++`/`g++` on PATH).
 
 use boostr_runtime::stock::{
     Alibi, Causal, CausalSlidingWindow, CausalSoftcap, FlashMask, Full, PrefixLm, SlidingWindow,
@@ -119,6 +123,8 @@ fn variants() -> Vec<Spec> {
 
 const DTYPES: [CudaDType; 3] = [CudaDType::F32, CudaDType::F16, CudaDType::Bf16];
 const HEAD_DIMS: [u32; 3] = [40, 64, 128];
+/// Index of `Everything` in [`variants`].
+const EVERYTHING: usize = 9;
 /// Head dims the full-language variant is also compiled for, on both archs
 /// (from one compute_80 PTX).
 const EXTRA_HEAD_DIMS: [u32; 3] = [80, 96, 256];
@@ -145,44 +151,46 @@ struct KernelReport {
 }
 
 fn jobs(n_variants: usize, full: bool) -> Vec<Job> {
-    let sm90 = vec![("compute_90", "sm_90")];
     let mut jobs = Vec::new();
-    let everything = 9; // index of `Everything` in `variants()`
+    let mut push = |variant, dtype, head_dim, archs: &[(&'static str, &'static str)]| {
+        for backward in [false, true] {
+            jobs.push(Job {
+                variant,
+                dtype,
+                head_dim,
+                backward,
+                archs: archs.to_vec(),
+            });
+        }
+    };
+    let sm90: &[_] = &[("compute_90", "sm_90")];
+    // compute_80 PTX runs on sm_90 too (JIT-assembled there).
+    let both: &[_] = &[("compute_80", "sm_80"), ("compute_80", "sm_90")];
     for variant in 0..n_variants {
-        for (di, dtype) in DTYPES.into_iter().enumerate() {
-            // By default each variant meets every head dim across the three
-            // dtypes, and each dtype every head dim across the variants.
-            let dims: Vec<u32> = if full {
-                HEAD_DIMS.to_vec()
-            } else {
-                vec![HEAD_DIMS[(variant + di) % HEAD_DIMS.len()]]
-            };
-            for head_dim in dims {
-                for backward in [false, true] {
-                    jobs.push(Job {
-                        variant,
-                        dtype,
-                        head_dim,
-                        backward,
-                        archs: sm90.clone(),
-                    });
+        if full {
+            for dtype in DTYPES {
+                for head_dim in HEAD_DIMS {
+                    push(variant, dtype, head_dim, sm90);
                 }
             }
+        } else if variant != EVERYTHING {
+            // The variant functions are the same code for every dtype and
+            // head dim: one configuration each, cycling so that every dtype
+            // meets every head dim across the variants.
+            let dtype = DTYPES[variant % DTYPES.len()];
+            let head_dim = HEAD_DIMS[(variant / DTYPES.len()) % HEAD_DIMS.len()];
+            push(variant, dtype, head_dim, sm90);
         }
     }
+    // Every kernel configuration, with the variant that uses every feature.
     for dtype in DTYPES {
-        for head_dim in EXTRA_HEAD_DIMS {
-            for backward in [false, true] {
-                for archs in [vec![("compute_80", "sm_80")], vec![("compute_90", "sm_90")]] {
-                    jobs.push(Job {
-                        variant: everything,
-                        dtype,
-                        head_dim,
-                        backward,
-                        archs,
-                    });
-                }
+        if !full {
+            for head_dim in HEAD_DIMS {
+                push(EVERYTHING, dtype, head_dim, sm90);
             }
+        }
+        for head_dim in EXTRA_HEAD_DIMS {
+            push(EVERYTHING, dtype, head_dim, both);
         }
     }
     jobs
@@ -517,15 +525,18 @@ fn params_are_the_wgsl_words_padded_to_32() {
 }
 
 /// Host emulation of the kernels (compiled as C++ with a host compiler, see
-/// `BX_HOST_EMULATION` in the kernel templates): one std::thread per CUDA
-/// thread, barriers for `__syncthreads` and the warp shuffles, `mma.sync`
-/// computed from the fragments of the 32 lanes. It checks the kernels' logic
-/// (tiling, indexing, masking, online softmax, the backward's algebra, the
-/// MMA fragment layouts) against the f64 reference without a GPU.
-const HOST_HARNESS: &str = r#"// Host emulation of the CUDA kernels: one std::thread per CUDA thread,
-// blocks run one after another, __syncthreads and warp shuffles on
-// barriers, mma.sync computed from the fragments of all 32 lanes.
-#include <barrier>
+/// `BX_HOST_EMULATION` in the kernel templates): every CUDA thread of a block
+/// is a fiber (ucontext) on one OS thread, `__syncthreads` and the warp
+/// shuffles are barriers that yield to a round-robin scheduler, and
+/// `mma.sync` is computed from the fragments of the 32 lanes. It checks the
+/// kernels' logic (tiling, indexing, masking, online softmax, the backward's
+/// algebra, the MMA fragment layouts) against the f64 reference without a
+/// GPU.
+const HOST_HARNESS: &str = r#"// Host emulation of the CUDA kernels: every CUDA thread of a block is a
+// fiber on one OS thread; blocks run one after another; __syncthreads and
+// warp shuffles are barriers that yield to a round-robin scheduler; mma.sync
+// is computed from the fragments of all 32 lanes.
+#include <ucontext.h>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -533,12 +544,12 @@ const HOST_HARNESS: &str = r#"// Host emulation of the CUDA kernels: one std::th
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <thread>
+#include <string>
 #include <vector>
 #include <algorithm>
 
 struct bx_dim3 { unsigned x = 0, y = 0, z = 0; };
-thread_local bx_dim3 threadIdx, blockIdx;
+static bx_dim3 threadIdx, blockIdx;
 #define __global__
 #define __device__
 #define __forceinline__ inline
@@ -547,16 +558,35 @@ thread_local bx_dim3 threadIdx, blockIdx;
 #define __align__(n)
 #define __restrict__
 #define BX_HOST_EMULATION 1
+struct uint4 { unsigned x, y, z, w; };
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 alignas(16) unsigned char bx_smem[1 << 20];
-static std::barrier<>* bx_block_barrier;
-static std::barrier<>* bx_warp_barrier[32];
-static float bx_xchg[1024];
-inline void __syncthreads() { bx_block_barrier->arrive_and_wait(); }
-inline void bx_warp_sync() { bx_warp_barrier[threadIdx.x / 32]->arrive_and_wait(); }
+
+constexpr unsigned BX_MAX_THREADS = 1024;
+constexpr size_t BX_STACK = 256 * 1024;
+struct bx_fiber { ucontext_t ctx; bool done; };
+static ucontext_t bx_main;
+static bx_fiber bx_fibers[BX_MAX_THREADS];
+static unsigned bx_current;
+static const std::function<void()>* bx_body;
+struct bx_barrier { unsigned n = 0, count = 0, generation = 0; };
+static bx_barrier bx_block_barrier, bx_warp_barrier[BX_MAX_THREADS / 32];
+static void bx_wait(bx_barrier& b) {
+    const unsigned g = b.generation;
+    if (++b.count == b.n) {
+        b.count = 0;
+        ++b.generation;
+        return;
+    }
+    while (b.generation == g) swapcontext(&bx_fibers[bx_current].ctx, &bx_main);
+}
+inline void __syncthreads() { bx_wait(bx_block_barrier); }
+inline void bx_warp_sync() { bx_wait(bx_warp_barrier[bx_current / 32]); }
+static float bx_xchg[BX_MAX_THREADS];
 inline float __shfl_xor_sync(unsigned, float x, int o) {
-    bx_xchg[threadIdx.x] = x;
+    bx_xchg[bx_current] = x;
     bx_warp_sync();
-    const float r = bx_xchg[threadIdx.x ^ o];
+    const float r = bx_xchg[bx_current ^ (unsigned)o];
     bx_warp_sync();
     return r;
 }
@@ -611,26 +641,40 @@ inline void bx_mma_sync(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, un
 
 #include "kernel.cu"
 
+static void bx_entry() {
+    (*bx_body)();
+    bx_fibers[bx_current].done = true; // returns to bx_main through uc_link
+}
+
 static void launch(bx_dim3 grid, unsigned threads, const std::function<void()>& body) {
+    static std::unique_ptr<char[]> stacks(new char[BX_STACK * BX_MAX_THREADS]);
+    bx_body = &body;
     for (unsigned z = 0; z < grid.z; ++z)
         for (unsigned y = 0; y < grid.y; ++y)
             for (unsigned x = 0; x < grid.x; ++x) {
-                std::barrier<> block(threads);
-                bx_block_barrier = &block;
-                std::vector<std::unique_ptr<std::barrier<>>> warps;
-                for (unsigned w = 0; w < threads / 32; ++w) {
-                    warps.push_back(std::make_unique<std::barrier<>>(32));
-                    bx_warp_barrier[w] = warps.back().get();
-                }
+                blockIdx = {x, y, z};
+                bx_block_barrier = {threads, 0, 0};
+                for (unsigned w = 0; w < threads / 32; ++w) bx_warp_barrier[w] = {32, 0, 0};
                 std::memset(bx_smem, 0xff, sizeof bx_smem); // garbage: nothing may read unwritten shared memory
-                std::vector<std::thread> ts;
-                for (unsigned t = 0; t < threads; ++t)
-                    ts.emplace_back([&, t] {
+                for (unsigned t = 0; t < threads; ++t) {
+                    bx_fiber& f = bx_fibers[t];
+                    f.done = false;
+                    getcontext(&f.ctx);
+                    f.ctx.uc_stack.ss_sp = stacks.get() + BX_STACK * t;
+                    f.ctx.uc_stack.ss_size = BX_STACK;
+                    f.ctx.uc_link = &bx_main;
+                    makecontext(&f.ctx, bx_entry, 0);
+                }
+                for (unsigned left = threads; left > 0;) {
+                    left = 0;
+                    for (unsigned t = 0; t < threads; ++t) {
+                        if (bx_fibers[t].done) continue;
+                        bx_current = t;
                         threadIdx = {t, 0, 0};
-                        blockIdx = {x, y, z};
-                        body();
-                    });
-                for (auto& t : ts) t.join();
+                        swapcontext(&bx_main, &bx_fibers[t].ctx);
+                        left += !bx_fibers[t].done;
+                    }
+                }
             }
 }
 

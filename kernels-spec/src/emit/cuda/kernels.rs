@@ -171,15 +171,38 @@ __device__ __forceinline__ int bx_group(int heads_q, int heads_kv) {
 }
 
 // Rows [0, ROWS) of a [rows_valid, D] block at src into a [ROWS][LDE] tile,
-// zero-filled past rows_valid and in the padding columns [D, DP).
+// zero-filled past rows_valid and in the padding columns [D, DP). In 16-byte
+// chunks when src is 16-byte aligned (D is a multiple of 8, so every row and
+// every chunk is, and a chunk is all data or all padding); element by
+// element otherwise.
 template <int ROWS, int NT>
 __device__ __forceinline__ void bx_load_rows(elem_t* dst, const elem_t* __restrict__ src, int rows_valid) {
-    for (int e = threadIdx.x; e < ROWS * DP; e += NT) {
-        const int r = e / DP;
-        const int c = e - r * DP;
-        elem_t x = (elem_t)0;
-        if (r < rows_valid && c < D) x = src[(size_t)r * D + c];
-        dst[r * LDE + c] = x;
+    constexpr int VEC = 16 / (int)sizeof(elem_t);
+    constexpr int CHUNKS = DP / VEC;
+    static_assert(D % VEC == 0 && DP % VEC == 0, "rows are whole 16-byte chunks");
+    if ((reinterpret_cast<size_t>(src) & 15) == 0) {
+        for (int e = threadIdx.x; e < ROWS * CHUNKS; e += NT) {
+            const int r = e / CHUNKS;
+            const int c = (e - r * CHUNKS) * VEC;
+            uint4 x = make_uint4(0u, 0u, 0u, 0u);
+            if (r < rows_valid && c < D) x = *reinterpret_cast<const uint4*>(src + (size_t)r * D + c);
+#if BX_MMA
+            *reinterpret_cast<uint4*>(dst + r * LDE + c) = x; // rows are 16-byte aligned (LDE % 8 == 0)
+#else
+            dst[r * LDE + c] = __uint_as_float(x.x); // LDE is odd: no vector store
+            dst[r * LDE + c + 1] = __uint_as_float(x.y);
+            dst[r * LDE + c + 2] = __uint_as_float(x.z);
+            dst[r * LDE + c + 3] = __uint_as_float(x.w);
+#endif
+        }
+    } else {
+        for (int e = threadIdx.x; e < ROWS * DP; e += NT) {
+            const int r = e / DP;
+            const int c = e - r * DP;
+            elem_t x = (elem_t)0;
+            if (r < rows_valid && c < D) x = src[(size_t)r * D + c];
+            dst[r * LDE + c] = x;
+        }
     }
 }
 
