@@ -701,10 +701,13 @@ static std::vector<float> to_f32(const std::vector<elem_t>& v) {
     return r;
 }
 
-// Usage: harness DIR batch heads_q heads_kv seq_q seq_k scale. Reads q, k, v,
+// Usage: harness DIR batch heads_q heads_kv seq_q seq_k scale misalign. With
+// misalign = 1 every element tensor starts one element past an aligned
+// address (the kernels' element-by-element load path). Reads q, k, v,
 // dout, params from DIR; writes the rounded inputs and every result as f32.
 int main(int argc, char** argv) {
-    if (argc != 8) return 2;
+    if (argc != 9) return 2;
+    const int off = argv[8][0] == '1';
     const std::string dir = argv[1];
     const int B = std::atoi(argv[2]), Hq = std::atoi(argv[3]), Hkv = std::atoi(argv[4]);
     const int Sq = std::atoi(argv[5]), Sk = std::atoi(argv[6]);
@@ -721,21 +724,25 @@ int main(int argc, char** argv) {
         std::memcpy(&params, words.data(), sizeof params);
     }
     std::vector<elem_t> out(nq), dq(nq), dk(nk), dv(nk);
+    for (auto* t : {&q, &k, &v, &dout, &out, &dq, &dk, &dv})
+        if (off) t->insert(t->begin(), (elem_t)0);
     std::vector<float> lse(nr), delta(nr);
     launch({(unsigned)((Sq + BQ - 1) / BQ), (unsigned)Hq, (unsigned)B}, FWD_THREADS, [&] {
-        boostr_attn_fwd(q.data(), k.data(), v.data(), out.data(), lse.data(), B, Hq, Hkv, Sq, Sk, scale, params);
+        boostr_attn_fwd(q.data() + off, k.data() + off, v.data() + off, out.data() + off, lse.data(), B, Hq, Hkv, Sq, Sk, scale, params);
     });
     launch({(unsigned)((nr + DELTA_THREADS / 32 - 1) / (DELTA_THREADS / 32)), 1, 1}, DELTA_THREADS, [&] {
-        boostr_attn_bwd_delta(out.data(), dout.data(), delta.data(), B, Hq, Sq);
+        boostr_attn_bwd_delta(out.data() + off, dout.data() + off, delta.data(), B, Hq, Sq);
     });
     launch({(unsigned)((Sq + BBQ - 1) / BBQ), (unsigned)Hq, (unsigned)B}, BWD_THREADS, [&] {
-        boostr_attn_bwd_dq(q.data(), k.data(), v.data(), dout.data(), lse.data(), delta.data(), dq.data(), B, Hq,
+        boostr_attn_bwd_dq(q.data() + off, k.data() + off, v.data() + off, dout.data() + off, lse.data(), delta.data(), dq.data() + off, B, Hq,
                            Hkv, Sq, Sk, scale, params);
     });
     launch({(unsigned)((Sk + BBKV - 1) / BBKV), (unsigned)Hkv, (unsigned)B}, BWD_THREADS, [&] {
-        boostr_attn_bwd_dkdv(q.data(), k.data(), v.data(), dout.data(), lse.data(), delta.data(), dk.data(),
-                             dv.data(), B, Hq, Hkv, Sq, Sk, scale, params);
+        boostr_attn_bwd_dkdv(q.data() + off, k.data() + off, v.data() + off, dout.data() + off, lse.data(), delta.data(), dk.data() + off,
+                             dv.data() + off, B, Hq, Hkv, Sq, Sk, scale, params);
     });
+    for (auto* t : {&q, &k, &v, &dout, &out, &dq, &dk, &dv})
+        if (off) t->erase(t->begin());
     write_f32(path("q.rounded").c_str(), to_f32(q));
     write_f32(path("k.rounded").c_str(), to_f32(k));
     write_f32(path("v.rounded").c_str(), to_f32(v));
@@ -800,6 +807,8 @@ type Reference = Box<dyn Fn(&Problem, [&[f64]; 4]) -> [Vec<f64>; 5] + Send + Syn
 
 struct HostCase {
     tag: String,
+    /// Element tensors start 1 element past an aligned address.
+    misalign: bool,
     functions: &'static str,
     tile: (Option<u32>, Option<u32>),
     dtype: CudaDType,
@@ -823,6 +832,7 @@ fn host_case<V: Variant>(variant: V, dtype: CudaDType, problem: Problem) -> Host
     let params = variant.wgsl_params();
     HostCase {
         tag,
+        misalign: false,
         functions: V::cuda_variant_functions().expect("macro-declared"),
         tile: (V::TILE_Q, V::TILE_KV),
         dtype,
@@ -834,6 +844,13 @@ fn host_case<V: Variant>(variant: V, dtype: CudaDType, problem: Problem) -> Host
             [f.out, f.lse, g.dq, g.dk, g.dv]
         }),
     }
+}
+
+/// `case` with every element tensor one element past an aligned address.
+fn misaligned(mut case: HostCase) -> HostCase {
+    case.misalign = true;
+    case.tag.push_str(" misaligned");
+    case
 }
 
 fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, String> {
@@ -890,6 +907,7 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
         .arg(&dir)
         .args([p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k].map(|x| x.to_string()))
         .arg(p.scale.to_string())
+        .arg(if case.misalign { "1" } else { "0" })
         .output()
         .map_err(|e| format!("{tag}: running the harness: {e}"))?;
     if !out.status.success() {
@@ -960,6 +978,11 @@ fn host_emulation_matches_the_reference() {
         // Sq > Sk: the first rows see no key (out 0, lse -inf, no gradient).
         host_case(PrefixLm { prefix: 0 }, CudaDType::F16, problem(97, 70, 64)),
         host_case(Causal, CudaDType::F32, problem(97, 70, 64)),
+        misaligned(host_case(
+            Softcap { cap: 5.0 },
+            CudaDType::Bf16,
+            problem(33, 33, 80),
+        )),
     ];
     let next = AtomicUsize::new(0);
     let results = Mutex::new(Vec::new());
