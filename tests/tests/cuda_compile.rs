@@ -978,6 +978,25 @@ fn host_emulation_matches_the_reference() {
         // Sq > Sk: the first rows see no key (out 0, lse -inf, no gradient).
         host_case(PrefixLm { prefix: 0 }, CudaDType::F16, problem(97, 70, 64)),
         host_case(Causal, CudaDType::F32, problem(97, 70, 64)),
+        // Decode with MQA: one query row, three query heads on one kv head.
+        host_case(
+            CausalSlidingWindow { window: 3 },
+            CudaDType::F16,
+            Problem {
+                batch: 1,
+                heads_q: 3,
+                heads_kv: 1,
+                ..problem(1, 129, 128)
+            },
+        ),
+        host_case(
+            SlidingWindow { window: 16 },
+            CudaDType::F32,
+            Problem {
+                heads_kv: 4,
+                ..problem(77, 77, 96)
+            },
+        ),
         misaligned(host_case(
             Softcap { cap: 5.0 },
             CudaDType::Bf16,
