@@ -80,9 +80,23 @@ fn default_tiles_fit() {
     for d in HEAD_DIMS {
         let t = WgslTiles::for_head_dim(d);
         assert!(t.workgroup_bytes() <= 16384, "{t:?}");
-        assert!(t.block_q >= 8, "{t:?} is needlessly small");
+        assert!(
+            t.block_q >= 8 && t.block_kv >= 8,
+            "{t:?} is needlessly small"
+        );
+        // One more staged row would not fit.
+        let more = WgslTiles {
+            block_q: t.block_q + 1,
+            block_kv: t.block_kv + 1,
+            ..t
+        };
+        assert!(
+            t.block_q == WgslTiles::MAX_STAGED || more.validate().is_err(),
+            "{t:?} leaves room"
+        );
     }
-    assert_eq!(WgslTiles::for_head_dim(64).block_q, 16);
+    let t = WgslTiles::for_head_dim(64);
+    assert_eq!((t.block_q, t.block_kv, t.workgroup_size), (31, 32, 64));
 }
 
 #[test]

@@ -24,85 +24,82 @@ pub const MAX_WORKGROUP_BYTES: u32 = 16384;
 /// (`maxComputeInvocationsPerWorkgroup`, and `maxComputeWorkgroupSizeX`).
 pub const MAX_INVOCATIONS: u32 = 256;
 
-/// Tile sizes of the WGSL kernels for one head dim.
+/// Tile sizes of the WGSL kernels for one head dim (see [`kernels`] for the
+/// schedule: one row per invocation, the other side staged in workgroup
+/// memory).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WgslTiles {
     /// Head dim `D` (elements per q/k/v row).
     pub head_dim: u32,
-    /// Query rows per tile (`BQ`).
+    /// Query rows staged per tile by the dK/dV kernel (`BQ`).
     pub block_q: u32,
-    /// Key rows per tile (`BKV`).
+    /// Key rows staged per tile by the forward, `D_i` and dQ kernels (`BKV`).
     pub block_kv: u32,
-    /// Invocations per workgroup (`WG`, one-dimensional).
+    /// Invocations per workgroup (`WG`), one row each: the query tile of the
+    /// forward, `D_i` and dQ kernels, the key tile of the dK/dV kernel.
     pub workgroup_size: u32,
 }
 
 impl WgslTiles {
-    /// The largest tiles, among a fixed list, whose kernels fit the limits,
-    /// with 64 invocations: D ≤ 40 → 16×16, D ≤ 64 → 16×8, D ≤ 96 → 8×8,
-    /// D ≤ 128 → 8×4. The backward layout (four row tiles) is what binds.
+    /// Invocations per workgroup: 64 rows.
+    pub const ROWS: u32 = 64;
+    /// Staged rows are capped here: past it, a tile only delays the skipping
+    /// of empty tiles.
+    pub const MAX_STAGED: u32 = 64;
+
+    /// 64 rows per workgroup and the most staged rows that fit the
+    /// workgroup memory: `BKV = ⌊16384 / (8·D)⌋` (K and V rows),
+    /// `BQ = ⌊16384 / (8·D + 8)⌋` (Q and dO rows, lse and `D_i`), both at
+    /// most [`Self::MAX_STAGED`]. D = 64 → BKV 32, BQ 31; D = 128 → 16, 15.
     pub fn for_head_dim(head_dim: u32) -> WgslTiles {
-        const CANDIDATES: [(u32, u32); 7] =
-            [(16, 16), (16, 8), (8, 8), (8, 4), (4, 4), (2, 2), (1, 1)];
-        let make = |(block_q, block_kv)| WgslTiles {
+        let d = head_dim.max(1);
+        let fit = |per_row: u32| (MAX_WORKGROUP_BYTES / per_row).clamp(1, Self::MAX_STAGED);
+        WgslTiles {
             head_dim,
-            block_q,
-            block_kv,
-            workgroup_size: 64,
-        };
-        CANDIDATES
-            .into_iter()
-            .map(make)
-            .find(|t| t.validate().is_ok())
-            .unwrap_or_else(|| make((1, 1)))
+            block_q: fit(8 * d + 8),
+            block_kv: fit(8 * d),
+            workgroup_size: Self::ROWS,
+        }
     }
 
-    /// `var<workgroup>` bytes of the forward kernel: Q tile (BQ·D), one K-then-V
-    /// tile (BKV·D: V is loaded once the scores are done), scores/probabilities
-    /// (BQ·BKV), and per-row max, sum and rescale factor (3·BQ), all f32.
+    /// `var<workgroup>` bytes of the forward, `D_i` and dQ kernels: the
+    /// staged K and V rows (2·BKV·D f32).
     pub fn forward_workgroup_bytes(&self) -> u64 {
-        let (d, q, kv) = self.dims();
-        4 * (q * d + kv * d + q * kv + 3 * q)
+        let (d, _, kv) = self.dims();
+        4 * 2 * kv * d
     }
 
-    /// `var<workgroup>` bytes of the largest backward kernel: Q and dO tiles
-    /// (2·BQ·D), K and V tiles (2·BKV·D: dQ needs K after dP, dK/dV needs all
-    /// four at once), P and dS (2·BQ·BKV), and lse, D_i and `Σ_j P_ij` (3·BQ,
-    /// the last only in the D_i kernel).
+    /// `var<workgroup>` bytes of the dK/dV kernel: the staged Q and dO rows
+    /// (2·BQ·D) and their lse and `D_i` (2·BQ), f32.
     pub fn backward_workgroup_bytes(&self) -> u64 {
-        let (d, q, kv) = self.dims();
-        4 * (2 * q * d + 2 * kv * d + 2 * q * kv + 3 * q)
+        let (d, q, _) = self.dims();
+        4 * (2 * q * d + 2 * q)
+    }
+
+    /// The larger of the two layouts.
+    pub fn workgroup_bytes(&self) -> u64 {
+        self.forward_workgroup_bytes()
+            .max(self.backward_workgroup_bytes())
     }
 
     /// An upper bound on the loop iterations one invocation runs per tile of
-    /// its tile loop, in the kernel that runs the most: every loop counted,
-    /// none assumed unrolled (`N_Q`, `N_KV`, `N_PAIRS` as in
-    /// [`kernels::COMMON`]):
+    /// its tile loop, in the kernel that runs the most (loops over the head
+    /// dim are unrolled, see [`unroll_head_dim`]; `N_KV = ⌈BKV·D/WG⌉`,
+    /// `N_Q = ⌈BQ·D/WG⌉`):
     ///
-    /// - forward, per key tile: K and V loads (2·N_KV), scores
-    ///   (N_PAIRS·(1 + D)), online softmax (2·BKV), `P·V` (N_Q·(1 + BKV));
-    /// - `D_i`, per key tile: K/V load (N_KV), `P` and `dP` (N_PAIRS·(1 + D)),
-    ///   row sums (BKV);
-    /// - dQ, per key tile: K/V load, `dS` (N_PAIRS·(1 + D)), `dS·K`
-    ///   (N_Q·(1 + BKV));
-    /// - dK/dV, per query tile: Q/dO load (N_Q), `P` and `dS`, `dSᵀ·Q` and
-    ///   `Pᵀ·dO` (N_KV·(1 + BQ));
+    /// - forward, per key tile: staging (N_KV), scores (BKV), `P·V` (BKV);
+    /// - `D_i` and dQ, per key tile: staging (N_KV), the staged keys (BKV);
+    /// - dK/dV, per query tile: staging (N_Q + ⌈BQ/WG⌉), the staged
+    ///   queries (BQ);
     ///
     /// plus one for the tile loop itself.
     pub fn loop_iterations_per_tile(&self) -> u64 {
         let (d, q, kv) = self.dims();
         let wg = u64::from(self.workgroup_size);
-        let (n_q, n_kv, n_pairs) = (
-            (q * d).div_ceil(wg),
-            (kv * d).div_ceil(wg),
-            (q * kv).div_ceil(wg),
-        );
-        let scores = n_pairs * (1 + d);
-        let forward = 2 * n_kv + scores + 2 * kv + n_q * (1 + kv);
-        let delta = n_kv + scores + kv;
-        let dq = n_kv + scores + n_q * (1 + kv);
-        let dkdv = n_q + scores + n_kv * (1 + q);
-        1 + forward.max(delta).max(dq).max(dkdv)
+        let (n_q, n_kv) = ((q * d).div_ceil(wg), (kv * d).div_ceil(wg));
+        let forward = n_kv + 2 * kv;
+        let dkdv = n_q + q.div_ceil(wg) + q;
+        1 + forward.max(dkdv)
     }
 
     /// Tiles one dispatch may loop over so that an invocation stays within
@@ -113,12 +110,6 @@ impl WgslTiles {
             .max(1)
     }
 
-    /// The larger of the two layouts.
-    pub fn workgroup_bytes(&self) -> u64 {
-        self.forward_workgroup_bytes()
-            .max(self.backward_workgroup_bytes())
-    }
-
     fn dims(&self) -> (u64, u64, u64) {
         (
             self.head_dim.into(),
@@ -127,9 +118,9 @@ impl WgslTiles {
         )
     }
 
-    /// Checks every derived size against the WebGPU default limits; both the
-    /// forward and the backward layout must fit, since one configuration is
-    /// chosen per (program, head dim).
+    /// Checks every derived size against the WebGPU default limits; both
+    /// layouts must fit, since one configuration is chosen per (program,
+    /// head dim).
     pub fn validate(&self) -> Result<(), String> {
         if self.head_dim == 0 || self.block_q == 0 || self.block_kv == 0 {
             return Err(format!(
@@ -143,17 +134,10 @@ impl WgslTiles {
                 self.workgroup_size
             ));
         }
-        // The online softmax and the row loads give one invocation per row.
-        if self.workgroup_size < self.block_q {
-            return Err(format!(
-                "{self:?}: workgroup size {} is below block_q {} (one invocation per query row)",
-                self.workgroup_size, self.block_q
-            ));
-        }
         let bytes = self.workgroup_bytes();
         if bytes > MAX_WORKGROUP_BYTES.into() {
             return Err(format!(
-                "{self:?}: {bytes} bytes of var<workgroup> (forward {}, backward {}) exceed \
+                "{self:?}: {bytes} bytes of var<workgroup> (forward {}, dK/dV {}) exceed \
                  the {MAX_WORKGROUP_BYTES}-byte limit (maxComputeWorkgroupStorageSize)",
                 self.forward_workgroup_bytes(),
                 self.backward_workgroup_bytes()
@@ -193,9 +177,78 @@ fn module(variant_fns: &str, cfg: &WgslTiles, parts: &[&str]) -> String {
     s.push('\n');
     s.push_str(variant_fns);
     for p in parts {
-        s.push_str(p);
+        s.push_str(&unroll_head_dim(p, cfg.head_dim));
     }
     s
+}
+
+/// The loop header the templates use for loops over the head dim.
+const HEAD_DIM_LOOP: &str = "for (var d = 0u; d < D; d++) {";
+
+/// Every loop over the head dim in `template`, fully unrolled: its body
+/// once per `d` in `0..head_dim`, each copy in its own block with `d`
+/// replaced by the literal. Private arrays indexed by `d` then have constant
+/// indices, so compilers keep them in registers (or address them directly)
+/// instead of gathering per invocation, and the loops no longer count
+/// against llvmpipe's iteration limit.
+pub fn unroll_head_dim(template: &str, head_dim: u32) -> String {
+    let mut out = String::with_capacity(template.len());
+    let mut rest = template;
+    while let Some(at) = rest.find(HEAD_DIM_LOOP) {
+        out.push_str(&rest[..at]);
+        let body_start = at + HEAD_DIM_LOOP.len();
+        let body_end = matching_brace(rest, body_start - 1)
+            .unwrap_or_else(|| panic!("unbalanced head-dim loop in a WGSL template"));
+        let body = &rest[body_start..body_end];
+        out.push('{');
+        for d in 0..head_dim {
+            out.push_str(" { ");
+            out.push_str(&replace_word(body.trim(), "d", &format!("{d}u")));
+            out.push_str(" }");
+        }
+        out.push_str(" }");
+        rest = &rest[body_end + 1..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// The index of the `}` closing the `{` at `open`.
+fn matching_brace(s: &str, open: usize) -> Option<usize> {
+    let mut depth = 0usize;
+    for (i, c) in s[open..].char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some(open + i);
+                }
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+/// `s` with every whole-word occurrence of the identifier `word` replaced.
+fn replace_word(s: &str, word: &str, with: &str) -> String {
+    let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(at) = rest.find(word) {
+        let before = rest[..at].chars().next_back();
+        let after = rest[at + word.len()..].chars().next();
+        out.push_str(&rest[..at]);
+        if before.is_some_and(is_ident) || after.is_some_and(is_ident) {
+            out.push_str(word);
+        } else {
+            out.push_str(with);
+        }
+        rest = &rest[at + word.len()..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// The forward module (entry point `attn_fwd`).
@@ -212,12 +265,12 @@ pub fn forward_module(program: &Program, cfg: &WgslTiles) -> String {
 /// # Panics
 /// If `cfg` does not [validate](WgslTiles::validate).
 pub fn forward_module_from(variant_fns: &str, cfg: &WgslTiles) -> String {
-    module(variant_fns, cfg, &[kernels::FORWARD])
+    module(variant_fns, cfg, &[kernels::FORWARD, kernels::STAGE_KV])
 }
 
 /// The backward modules: `(dq, dkdv)`. The first has entry points
-/// `attn_bwd_delta` (`D_i = rowsum(dO ∘ O)`, run first) and `attn_bwd_dq`; the
-/// second has `attn_bwd_dkdv`.
+/// `attn_bwd_delta` (`D_i`, run first) and `attn_bwd_dq`; the second has
+/// `attn_bwd_dkdv`.
 ///
 /// # Panics
 /// If `cfg` does not [validate](WgslTiles::validate).
@@ -231,15 +284,7 @@ pub fn backward_modules(program: &Program, cfg: &WgslTiles) -> (String, String) 
 /// If `cfg` does not [validate](WgslTiles::validate).
 pub fn backward_modules_from(variant_fns: &str, cfg: &WgslTiles) -> (String, String) {
     (
-        module(
-            variant_fns,
-            cfg,
-            &[kernels::BACKWARD_DQ, kernels::BACKWARD_PAIR],
-        ),
-        module(
-            variant_fns,
-            cfg,
-            &[kernels::BACKWARD_DKDV, kernels::BACKWARD_PAIR],
-        ),
+        module(variant_fns, cfg, &[kernels::BACKWARD_DQ, kernels::STAGE_KV]),
+        module(variant_fns, cfg, &[kernels::BACKWARD_DKDV]),
     )
 }
