@@ -38,6 +38,8 @@ extern crate self as boostr_runtime;
 
 pub mod backend;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod error;
 mod flash;
 mod op;
@@ -99,25 +101,54 @@ macro_rules! __parity_test_module {
 }
 
 /// Generated per-variant tests on every backend compiled in; used by the code
-/// that `#[attention(tests = [..])]` expands to. Defined once per feature set
-/// because `cfg` inside a macro's expansion is evaluated in the caller's crate.
-#[cfg(not(feature = "wgpu"))]
+/// that `#[attention(tests = [..])]` expands to.
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __backend_tests {
     ($($name:ident => $instance:expr,)*) => {
         $crate::__backend_test_module! { cpu, Cpu; $($name => $instance,)* }
+        $crate::__wgpu_tests! { $($name => $instance,)* }
+        $crate::__cuda_tests! { $($name => $instance,)* }
     };
 }
 
-/// Generated per-variant tests on every backend compiled in (CPU and wgpu).
+// The per-feature parts are defined once per feature state because `cfg`
+// inside a macro's expansion is evaluated in the caller's crate.
+
+/// The wgpu part of [`__backend_tests`]: against the reference and the CPU.
 #[cfg(feature = "wgpu")]
 #[doc(hidden)]
 #[macro_export]
-macro_rules! __backend_tests {
+macro_rules! __wgpu_tests {
     ($($name:ident => $instance:expr,)*) => {
-        $crate::__backend_test_module! { cpu, Cpu; $($name => $instance,)* }
         $crate::__backend_test_module! { wgpu, Wgpu; $($name => $instance,)* }
         $crate::__parity_test_module! { wgpu_vs_cpu, Cpu, Wgpu; $($name => $instance,)* }
     };
+}
+
+/// The wgpu part of [`__backend_tests`]: nothing without the feature.
+#[cfg(not(feature = "wgpu"))]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __wgpu_tests {
+    ($($tt:tt)*) => {};
+}
+
+/// The CUDA part of [`__backend_tests`]: against the reference and the CPU.
+#[cfg(feature = "cuda")]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __cuda_tests {
+    ($($name:ident => $instance:expr,)*) => {
+        $crate::__backend_test_module! { cuda, Cuda; $($name => $instance,)* }
+        $crate::__parity_test_module! { cuda_vs_cpu, Cpu, Cuda; $($name => $instance,)* }
+    };
+}
+
+/// The CUDA part of [`__backend_tests`]: nothing without the feature.
+#[cfg(not(feature = "cuda"))]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __cuda_tests {
+    ($($tt:tt)*) => {};
 }

@@ -73,6 +73,21 @@ impl TestBackend for Wgpu {
     }
 }
 
+/// numr's CUDA runtime on device 0, f32 inputs (the f16/bf16 kernels are
+/// timed and checked by `bench/gpu.sh`).
+#[cfg(feature = "cuda")]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Cuda;
+
+#[cfg(feature = "cuda")]
+impl TestBackend for Cuda {
+    type Runtime = numr::runtime::cuda::CudaRuntime;
+    const NAME: &'static str = "cuda";
+    fn device() -> Option<numr::runtime::cuda::CudaDevice> {
+        numr::runtime::cuda::is_cuda_available().then(numr::runtime::cuda::cuda_device)
+    }
+}
+
 /// Environment variable: when set, a backend without a device fails
 /// [`check_variant`] instead of skipping it (for CI machines that have one).
 pub const REQUIRE_DEVICE_ENV: &str = "BOOSTR_TEST_REQUIRE_DEVICE";

@@ -37,6 +37,8 @@ mod rng;
 
 pub use cases::SMALL_CASES;
 pub use cases::{CASES, Case, Logits};
+#[cfg(feature = "cuda")]
+pub use check::Cuda;
 #[cfg(feature = "wgpu")]
 pub use check::Wgpu;
 pub use check::{
