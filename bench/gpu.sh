@@ -27,7 +27,7 @@ reps=10
 warmup=3
 run_tests=1
 run_torch=1
-torch_budget=170
+torch_budget=160
 while [ $# -gt 0 ]; do
     case "$1" in
         --quick) seqs=4096; dims=128; reps=5 ;;

@@ -25,8 +25,9 @@ Variants (as boostr's stock ones): causal; sliding_window: visible iff
 FLOPs over visible pairs: forward 4 B H D pairs, backward 2.5x forward.
 
 Installs nothing; without flex_attention (torch < 2.5) the flex rows are
-skipped with a message. --budget-s bounds the total time: once spent, the
-remaining configurations are skipped (each torch.compile of flex for a new
+skipped with a message. SDPA runs first, then flex from the largest shape
+down; --budget-s bounds the total time: once spent, the remaining
+configurations are skipped and listed (each torch.compile of flex for a new
 variant/shape costs tens of seconds).
 """
 
@@ -41,6 +42,8 @@ VARIANTS = ["causal", "sliding_window", "alibi", "softcap"]
 WINDOW = 256
 CAP = 30.0
 ALIBI_HEADS = 16
+# Variants SDPA runs (causal: is_causal=True; sliding window: a boolean mask).
+SDPA_VARIANTS = ["causal", "sliding_window"]
 
 
 def visible_pairs(variant, s):
@@ -142,8 +145,26 @@ def main():
     B, H = args.batch, args.heads
     rows = []
     skipped = []
-    for s in seqs:
-        for d in dims:
+    # SDPA first (cheap), then flex with the largest shapes first: each flex
+    # (variant, shape) costs a torch.compile, and the budget may run out.
+    sdpa_variants = [v for v in variants if v in SDPA_VARIANTS]
+    jobs = [("sdpa", v, s, d) for s in seqs for d in dims for v in sdpa_variants if "sdpa" in impls]
+    jobs += sorted(
+        (("flex", v, s, d) for s in seqs for d in dims for v in variants if "flex" in impls),
+        key=lambda j: (-j[2], -j[3], variants.index(j[1])),
+    )
+    for impl in impls:
+        if impl not in ("sdpa", "flex"):
+            sys.exit(f"gpu_torch: unknown impl {impl!r} (sdpa, flex)")
+    current = None
+    for impl, variant, s, d in jobs:
+        if time.monotonic() - t_start > args.budget_s:
+            skipped.append(f"{impl} {variant} S={s} D={d}")
+            continue
+        if current != (s, d):
+            current = None
+            q = k = v = dout = qg = kg = vg = None
+            torch.cuda.empty_cache()
             gen = torch.Generator(device=dev).manual_seed(s * 131 + d)
 
             def rand():
@@ -151,83 +172,78 @@ def main():
 
             q, k, v, dout = rand(), rand(), rand(), rand()
             qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
-            for variant in variants:
-                for impl in impls:
-                    if time.monotonic() - t_start > args.budget_s:
-                        skipped.append(f"{impl} {variant} S={s} D={d}")
-                        continue
-                    note = ""
-                    if impl == "sdpa":
-                        if variant == "causal":
-                            kw = {"is_causal": True}
-                            note = "is_causal=True"
-                        elif variant == "sliding_window":
-                            qi = torch.arange(s, device=dev)[:, None]
-                            ki = torch.arange(s, device=dev)[None, :]
-                            kw = {"attn_mask": (qi - ki >= 0) & (qi - ki < WINDOW)}
-                            note = "boolean attn_mask"
-                        else:
-                            continue
+            current = (s, d)
 
-                        def fwd(kw=kw):
-                            return F.scaled_dot_product_attention(q, k, v, **kw)
+        note = ""
+        if impl == "sdpa":
+            if variant == "causal":
+                kw = {"is_causal": True}
+                note = "is_causal=True"
+            elif variant == "sliding_window":
+                qi = torch.arange(s, device=dev)[:, None]
+                ki = torch.arange(s, device=dev)[None, :]
+                kw = {"attn_mask": (qi - ki >= 0) & (qi - ki < WINDOW)}
+                note = "boolean attn_mask"
+            else:
+                continue
 
-                        def fwdbwd(kw=kw):
-                            out = F.scaled_dot_product_attention(qg, kg, vg, **kw)
-                            out.backward(dout)
-                            qg.grad = kg.grad = vg.grad = None
+            def fwd(kw=kw):
+                return F.scaled_dot_product_attention(q, k, v, **kw)
 
-                    elif impl == "flex":
-                        if flex is None:
-                            continue
-                        mask_fn, score_mod = flex_spec[variant]
-                        note = "block_mask" + (" + score_mod" if score_mod else "")
-                        t0 = time.monotonic()
-                        block_mask = create_block_mask(mask_fn, None, None, s, s, device=dev)
+            def fwdbwd(kw=kw):
+                out = F.scaled_dot_product_attention(qg, kg, vg, **kw)
+                out.backward(dout)
+                qg.grad = kg.grad = vg.grad = None
 
-                        def fwd(bm=block_mask, sm=score_mod):
-                            return flex(q, k, v, score_mod=sm, block_mask=bm)
+        elif impl == "flex":
+            if flex is None:
+                continue
+            mask_fn, score_mod = flex_spec[variant]
+            note = "block_mask" + (" + score_mod" if score_mod else "")
+            t0 = time.monotonic()
+            block_mask = create_block_mask(mask_fn, None, None, s, s, device=dev)
 
-                        def fwdbwd(bm=block_mask, sm=score_mod):
-                            out = flex(qg, kg, vg, score_mod=sm, block_mask=bm)
-                            out.backward(dout)
-                            qg.grad = kg.grad = vg.grad = None
+            def fwd(bm=block_mask, sm=score_mod):
+                return flex(q, k, v, score_mod=sm, block_mask=bm)
 
-                        try:
-                            fwd()
-                            fwdbwd()
-                            torch.cuda.synchronize()
-                        except Exception as e:
-                            log(f"gpu_torch: flex {variant} S={s} D={d} failed to compile/run: {e}")
-                            continue
-                        log(f"gpu_torch: flex {variant} S={s} D={d} compiled in {time.monotonic() - t0:.1f} s")
-                    else:
-                        sys.exit(f"gpu_torch: unknown impl {impl!r} (sdpa, flex)")
+            def fwdbwd(bm=block_mask, sm=score_mod):
+                out = flex(qg, kg, vg, score_mod=sm, block_mask=bm)
+                out.backward(dout)
+                qg.grad = kg.grad = vg.grad = None
 
-                    try:
-                        fwd_ms = time_ms(fwd)
-                        fwdbwd_ms = time_ms(fwdbwd)
-                    except Exception as e:
-                        log(f"gpu_torch: {impl} {variant} S={s} D={d} failed: {e}")
-                        continue
-                    fwd_flops = 4.0 * B * H * d * visible_pairs(variant, s)
-                    row = {
-                        "impl": impl,
-                        "variant": variant,
-                        "S": s,
-                        "D": d,
-                        "dtype": "bf16",
-                        "fwd_ms": round(fwd_ms, 4),
-                        "fwdbwd_ms": round(fwdbwd_ms, 4),
-                        "fwd_tflops": round(fwd_flops / (fwd_ms * 1e-3) / 1e12, 3),
-                        "fwdbwd_tflops": round(3.5 * fwd_flops / (fwdbwd_ms * 1e-3) / 1e12, 3),
-                        "note": note,
-                    }
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-                    log(f"gpu_torch: {impl} {variant} S={s} D={d}: fwd {fwd_ms:.3f} ms, fwd+bwd {fwdbwd_ms:.3f} ms")
-            del q, k, v, dout, qg, kg, vg
-            torch.cuda.empty_cache()
+            try:
+                fwd()
+                fwdbwd()
+                torch.cuda.synchronize()
+            except Exception as e:
+                log(f"gpu_torch: flex {variant} S={s} D={d} failed to compile/run: {e}")
+                continue
+            log(f"gpu_torch: flex {variant} S={s} D={d} compiled in {time.monotonic() - t0:.1f} s")
+        else:
+            sys.exit(f"gpu_torch: unknown impl {impl!r} (sdpa, flex)")
+
+        try:
+            fwd_ms = time_ms(fwd)
+            fwdbwd_ms = time_ms(fwdbwd)
+        except Exception as e:
+            log(f"gpu_torch: {impl} {variant} S={s} D={d} failed: {e}")
+            continue
+        fwd_flops = 4.0 * B * H * d * visible_pairs(variant, s)
+        row = {
+            "impl": impl,
+            "variant": variant,
+            "S": s,
+            "D": d,
+            "dtype": "bf16",
+            "fwd_ms": round(fwd_ms, 4),
+            "fwdbwd_ms": round(fwdbwd_ms, 4),
+            "fwd_tflops": round(fwd_flops / (fwd_ms * 1e-3) / 1e12, 3),
+            "fwdbwd_tflops": round(3.5 * fwd_flops / (fwdbwd_ms * 1e-3) / 1e12, 3),
+            "note": note,
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        log(f"gpu_torch: {impl} {variant} S={s} D={d}: fwd {fwd_ms:.3f} ms, fwd+bwd {fwdbwd_ms:.3f} ms")
     if skipped:
         log(f"gpu_torch: time budget of {args.budget_s:.0f} s spent; skipped: {'; '.join(skipped)}")
     if not rows:
