@@ -16,7 +16,7 @@
 //! the visible (query, key) pairs only: forward `4·B·H·D·pairs`, backward 2.5×
 //! that, so forward+backward is `3.5 × 4·B·H·D·pairs`.
 //!
-//! Output: a table, then one JSON line per measurement:
+//! Output: one JSON line per measurement as it completes, then a table:
 //! `{"impl":"boostr","variant":..,"S":..,"D":..,"dtype":..,"fwd_ms":..,
 //! "fwdbwd_ms":..,"fwd_tflops":..,"fwdbwd_tflops":..}`. Check results are
 //! printed as `PASS`/`FAIL` lines; the exit status is non-zero on any failure
@@ -213,6 +213,22 @@ struct Row {
     fwdbwd_ms: f64,
     fwd_tflops: f64,
     fwdbwd_tflops: f64,
+}
+
+impl Row {
+    fn json(&self, dtype: &str) -> String {
+        format!(
+            "{{\"impl\":\"boostr\",\"variant\":\"{}\",\"S\":{},\"D\":{},\"dtype\":\"{dtype}\",\
+             \"fwd_ms\":{:.4},\"fwdbwd_ms\":{:.4},\"fwd_tflops\":{:.3},\"fwdbwd_tflops\":{:.3}}}",
+            self.variant,
+            self.s,
+            self.d,
+            self.fwd_ms,
+            self.fwdbwd_ms,
+            self.fwd_tflops,
+            self.fwdbwd_tflops
+        )
+    }
 }
 
 fn bench_variant<V: Variant>(
@@ -429,6 +445,8 @@ fn run(args: &Args) -> BoxResult<bool> {
                     "boostr {} S={} D={}: fwd {:.3} ms, fwd+bwd {:.3} ms",
                     row.variant, row.s, row.d, row.fwd_ms, row.fwdbwd_ms
                 );
+                // The JSON line now, so that a run cut short keeps it.
+                println!("{}", row.json(dtype_name(args.dtype)));
                 rows.push(row);
             }
         }
@@ -447,14 +465,6 @@ fn run(args: &Args) -> BoxResult<bool> {
         println!(
             "{:<16} {:>6} {:>5} {:>10.3} {:>10.1} {:>12.3} {:>12.1}",
             r.variant, r.s, r.d, r.fwd_ms, r.fwd_tflops, r.fwdbwd_ms, r.fwdbwd_tflops
-        );
-    }
-    println!();
-    for r in &rows {
-        println!(
-            "{{\"impl\":\"boostr\",\"variant\":\"{}\",\"S\":{},\"D\":{},\"dtype\":\"{dt}\",\
-             \"fwd_ms\":{:.4},\"fwdbwd_ms\":{:.4},\"fwd_tflops\":{:.3},\"fwdbwd_tflops\":{:.3}}}",
-            r.variant, r.s, r.d, r.fwd_ms, r.fwdbwd_ms, r.fwd_tflops, r.fwdbwd_tflops
         );
     }
     Ok(all_ok)
