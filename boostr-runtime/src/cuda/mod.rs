@@ -36,6 +36,14 @@ use std::sync::{Arc, Mutex, OnceLock};
 const CUDA: &str = "cuda";
 const CUDA_DTYPES: &str = "f32, f16, bf16";
 
+/// The text of a backend error without its prefix, for cached failures.
+fn message(e: Error) -> String {
+    match e {
+        Error::Numr(numr::error::Error::Backend(m)) => m,
+        other => other.to_string(),
+    }
+}
+
 fn backend(msg: String) -> Error {
     Error::Numr(numr::error::Error::Backend(format!("boostr cuda: {msg}")))
 }
@@ -159,9 +167,20 @@ fn kernels<V: Variant>(
         let mut map = cache().lock().unwrap_or_else(|e| e.into_inner());
         map.entry(key).or_default().clone()
     };
-    slot.get_or_init(|| build::<V>(client, head_dim, dtype, cc, module).map(Arc::new))
-        .clone()
-        .map_err(backend)
+    let prefixed = |m: String| {
+        if m.starts_with("boostr cuda:") {
+            m
+        } else {
+            format!("boostr cuda: {m}")
+        }
+    };
+    slot.get_or_init(|| {
+        build::<V>(client, head_dim, dtype, cc, module)
+            .map(Arc::new)
+            .map_err(prefixed)
+    })
+    .clone()
+    .map_err(|msg| Error::Numr(numr::error::Error::Backend(msg)))
 }
 
 fn build<V: Variant>(
@@ -177,7 +196,7 @@ fn build<V: Variant>(
             V::NAME
         )
     })?;
-    let cfg = tiles::<V>(head_dim, dtype).map_err(|e| e.to_string())?;
+    let cfg = tiles::<V>(head_dim, dtype).map_err(message)?;
     let (source, part) = match module {
         Module::Forward => (emit::forward_source(fns, &cfg, dtype), "fwd"),
         Module::Backward => (emit::backward_source(fns, &cfg, dtype), "bwd"),

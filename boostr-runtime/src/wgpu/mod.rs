@@ -27,6 +27,14 @@ const WGPU_DTYPES: &str = "f32";
 const MAX_WORKGROUPS: usize = 65535;
 
 /// A backend failure (shader compilation, validation, missing buffer).
+/// The text of a backend error without its prefix, for cached failures.
+fn message(e: Error) -> String {
+    match e {
+        Error::Numr(numr::error::Error::Backend(m)) => m,
+        other => other.to_string(),
+    }
+}
+
 fn backend(msg: String) -> Error {
     Error::Numr(numr::error::Error::Backend(format!("boostr wgpu: {msg}")))
 }
@@ -61,9 +69,12 @@ impl Module {
 
 /// (variant, device, head dim, module).
 type Key = (TypeId, usize, usize, Module);
+/// One cache entry: built once by the first caller, waited for by others; a
+/// failed build is kept as its error.
+type Slot = Arc<OnceLock<std::result::Result<Arc<Pass>, String>>>;
 
-fn cache() -> &'static Mutex<HashMap<Key, Arc<Pass>>> {
-    static CACHE: OnceLock<Mutex<HashMap<Key, Arc<Pass>>>> = OnceLock::new();
+fn cache() -> &'static Mutex<HashMap<Key, Slot>> {
+    static CACHE: OnceLock<Mutex<HashMap<Key, Slot>>> = OnceLock::new();
     CACHE.get_or_init(Default::default)
 }
 
@@ -167,27 +178,37 @@ fn pass<V: Variant>(client: &WgpuClient, head_dim: usize, module: Module) -> Res
         head_dim,
         module,
     );
-    // A poisoned lock only means another launch panicked; the map is intact.
-    let mut cache = cache().lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(p) = cache.get(&key) {
-        return Ok(p.clone());
-    }
+    // Only the slot lookup holds the map's lock (a poisoned lock only means
+    // another launch panicked; the map is intact), so different modules
+    // compile in parallel.
+    let slot = {
+        let mut map = cache().lock().unwrap_or_else(|e| e.into_inner());
+        map.entry(key).or_default().clone()
+    };
+    slot.get_or_init(|| build::<V>(device, head_dim, module).map(Arc::new))
+        .clone()
+        .map_err(|msg| Error::Numr(numr::error::Error::Backend(msg)))
+}
+
+fn build<V: Variant>(
+    device: &wgpu::Device,
+    head_dim: usize,
+    module: Module,
+) -> std::result::Result<Pass, String> {
     let variant_fns = V::wgsl_variant_functions().ok_or_else(|| {
-        backend(format!(
-            "variant `{}` has no WGSL lowering (implement Variant with #[attention])",
+        format!(
+            "boostr wgpu: variant `{}` has no WGSL lowering (implement Variant with #[attention])",
             V::NAME
-        ))
+        )
     })?;
-    let cfg = tiles::<V>(head_dim)?;
+    let cfg = tiles::<V>(head_dim).map_err(message)?;
     let source = match module {
         Module::Forward => forward_module_from(variant_fns, &cfg),
         Module::BackwardDq => backward_modules_from(variant_fns, &cfg).0,
         Module::BackwardDkDv => backward_modules_from(variant_fns, &cfg).1,
     };
     let name = format!("boostr {} {module:?} D={head_dim}", V::NAME);
-    let p = Arc::new(build_pass(device, &name, &source, module)?);
-    cache.insert(key, p.clone());
-    Ok(p)
+    build_pass(device, &name, &source, module).map_err(message)
 }
 
 /// A contiguous f32 tensor at offset 0, so its storage is exactly the view.

@@ -83,23 +83,32 @@ impl WgslTiles {
     }
 
     /// An upper bound on the loop iterations one invocation runs per tile of
-    /// its tile loop, in the kernel that runs the most (loops over the head
-    /// dim are unrolled, see [`unroll_head_dim`]; `N_KV = ⌈BKV·D/WG⌉`,
-    /// `N_Q = ⌈BQ·D/WG⌉`):
+    /// its tile loop, in the kernel that runs the most (`N_KV =
+    /// ⌈BKV·D/WG⌉`, `N_Q = ⌈BQ·D/WG⌉`; `R` = 0 where the head-dim loops are
+    /// unrolled, see [`UNROLL_MAX_HEAD_DIM`], else `D`):
     ///
-    /// - forward, per key tile: staging (N_KV), scores (BKV), `P·V` (BKV);
-    /// - `D_i` and dQ, per key tile: staging (N_KV), the staged keys (BKV);
-    /// - dK/dV, per query tile: staging (N_Q + ⌈BQ/WG⌉), the staged
-    ///   queries (BQ);
+    /// - forward, per key tile: staging (N_KV), scores (BKV·(1 + R)),
+    ///   rescale (R), `P·V` (BKV·(1 + R));
+    /// - `D_i`, per key tile: staging, `P` and `dP` (BKV·(1 + R));
+    /// - dQ, per key tile: staging, `P` and `dP`, `dS·K` (BKV·(1 + 2R));
+    /// - dK/dV, per query tile: staging (N_Q + ⌈BQ/WG⌉), `P` and `dP`,
+    ///   `dSᵀ·Q` and `Pᵀ·dO` (BQ·(1 + 2R));
     ///
     /// plus one for the tile loop itself.
     pub fn loop_iterations_per_tile(&self) -> u64 {
         let (d, q, kv) = self.dims();
         let wg = u64::from(self.workgroup_size);
+        let r = if self.head_dim <= UNROLL_MAX_HEAD_DIM {
+            0
+        } else {
+            d
+        };
         let (n_q, n_kv) = ((q * d).div_ceil(wg), (kv * d).div_ceil(wg));
-        let forward = n_kv + 2 * kv;
-        let dkdv = n_q + q.div_ceil(wg) + q;
-        1 + forward.max(dkdv)
+        let forward = n_kv + 2 * kv * (1 + r) + r;
+        let delta = n_kv + kv * (1 + r);
+        let dq = n_kv + kv * (1 + 2 * r);
+        let dkdv = n_q + q.div_ceil(wg) + q * (1 + 2 * r);
+        1 + forward.max(delta).max(dq).max(dkdv)
     }
 
     /// Tiles one dispatch may loop over so that an invocation stays within
@@ -177,10 +186,21 @@ fn module(variant_fns: &str, cfg: &WgslTiles, parts: &[&str]) -> String {
     s.push('\n');
     s.push_str(variant_fns);
     for p in parts {
-        s.push_str(&unroll_head_dim(p, cfg.head_dim));
+        if cfg.head_dim <= UNROLL_MAX_HEAD_DIM {
+            s.push_str(&unroll_head_dim(p, cfg.head_dim));
+        } else {
+            s.push_str(p);
+        }
     }
     s
 }
+
+/// Head dims up to which the head-dim loops are unrolled. Unrolled, the
+/// kernels run about twice as fast on llvmpipe (private arrays addressed
+/// with constants); but its compile time grows faster than the code: at
+/// D = 128 the backward modules take ~25 s to compile on a 2-core machine,
+/// against ~5 s rolled.
+pub const UNROLL_MAX_HEAD_DIM: u32 = 64;
 
 /// The loop header the templates use for loops over the head dim.
 const HEAD_DIM_LOOP: &str = "for (var d = 0u; d < D; d++) {";
