@@ -382,10 +382,12 @@ impl AttentionRuntime for WgpuRuntime {
         let cfg = tiles::<V>(p.head_dim)?;
         let out = alloc(q.shape(), &q)?;
         let lse = alloc(&[p.batch, p.heads_q, p.seq_q], &q)?;
+        let rows = cfg.workgroup_size as usize;
         // Running (max, sum) per row between dispatches.
         let stats = alloc(&[p.batch, p.heads_q, p.seq_q, 2], &q)?;
         let grid = (
-            workgroups(p.seq_q.div_ceil(cfg.block_q as usize), "Sq")?,
+            // One invocation per query row.
+            workgroups(p.seq_q.div_ceil(rows), "Sq")?,
             workgroups(p.batch * p.heads_q, "B·Hq")?,
         );
         run(
@@ -431,14 +433,18 @@ impl AttentionRuntime for WgpuRuntime {
         let dk = alloc(k.shape(), &k)?;
         let dv = alloc(v.shape(), &v)?;
         let per_dispatch = tiles_per_dispatch(&client, &cfg);
+        // The dQ-side kernels loop over staged key tiles, the dK/dV kernel
+        // over staged query tiles; both run one invocation per row of the
+        // other side.
         let key_tiles = p.seq_k.div_ceil(cfg.block_kv as usize);
         let query_tiles = p.seq_q.div_ceil(cfg.block_q as usize);
+        let rows = cfg.workgroup_size as usize;
         let dq_grid = (
-            workgroups(query_tiles, "Sq")?,
+            workgroups(p.seq_q.div_ceil(rows), "Sq")?,
             workgroups(p.batch * p.heads_q, "B·Hq")?,
         );
         let dkdv_grid = (
-            workgroups(key_tiles, "Sk")?,
+            workgroups(p.seq_k.div_ceil(rows), "Sk")?,
             workgroups(p.batch * p.heads_kv, "B·Hkv")?,
         );
         let over_keys = |entry| Launch {
