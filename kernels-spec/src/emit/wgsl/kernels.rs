@@ -244,6 +244,39 @@ pub const BACKWARD_DQ: &str = r#"
 @group(0) @binding(7) var<storage, read_write> delta: array<f32>;
 @group(0) @binding(8) var<storage, read_write> dq: array<f32>;
 @group(0) @binding(9) var<storage, read_write> stats: array<vec2<f32>>;
+// The workgroup's query tile: its (batch, head), kv rows and positions.
+struct QueryTile {
+    ib: i32,
+    ih: i32,
+    kv_base: u32,
+    q_lo: i32,
+    q_hi: i32,
+    n_tiles: u32,   // key tiles of BKV rows
+}
+
+fn query_tile(wid: vec3<u32>) -> QueryTile {
+    let sq = shape.seq_q;
+    let sk = shape.seq_k;
+    let b = wid.y / shape.heads_q;
+    let h = wid.y % shape.heads_q;
+    let q0 = wid.x * WG;
+    let offset = i32(sk) - i32(sq);
+    var t: QueryTile;
+    t.ib = i32(b);
+    t.ih = i32(h);
+    t.kv_base = (b * shape.heads_kv + h / gqa_group()) * sk;
+    t.q_lo = i32(q0) + offset;
+    t.q_hi = i32(min(q0 + WG, sq)) - 1i + offset;
+    t.n_tiles = (sk + BKV - 1u) / BKV;
+    return t;
+}
+
+// The class of the key tile at k0 for the query tile.
+fn key_tile_class(t: QueryTile, k0: u32) -> i32 {
+    let kv_hi = i32(min(k0 + BKV, shape.seq_k)) - 1i;
+    return variant_classify(t.ib, t.ih, t.q_lo, t.q_hi, i32(k0), kv_hi);
+}
+
 // One query row: its q and dO, lse, and where it sits.
 struct QueryRow {
     live: bool,
@@ -298,13 +331,7 @@ fn load_row(qr: ptr<function, array<f32, D>>, dor: ptr<function, array<f32, D>>,
 
 @compute @workgroup_size(WG)
 fn attn_bwd_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let sq = shape.seq_q;
-    let sk = shape.seq_k;
-    let b = wid.y / shape.heads_q;
-    let h = wid.y % shape.heads_q;
-    let kv_base = (b * shape.heads_kv + h / gqa_group()) * sk;
-    let ib = i32(b);
-    let ih = i32(h);
+    let t = query_tile(wid);
     let r = query_row(wid, lid);
     var qr: array<f32, D>;
     var dor: array<f32, D>;
@@ -312,22 +339,16 @@ fn attn_bwd_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocati
     var sums = vec2<f32>(0.0f);
     if r.live && !is_first() { sums = stats[r.row]; }
 
-    let q0 = wid.x * WG;
-    let offset = i32(sk) - i32(sq);
-    let q_lo = i32(q0) + offset;
-    let q_hi = i32(min(q0 + WG, sq)) - 1i + offset;
-    let n_tiles = (sk + BKV - 1u) / BKV;
-    for (var kt = shape.tile_begin; kt < min(shape.tile_end, n_tiles); kt++) {
+    for (var kt = shape.tile_begin; kt < min(shape.tile_end, t.n_tiles); kt++) {
         let k0 = kt * BKV;
-        let kv_hi = i32(min(k0 + BKV, sk)) - 1i;
-        let cls = variant_classify(ib, ih, q_lo, q_hi, i32(k0), kv_hi);
+        let cls = key_tile_class(t, k0);
         if cls == 0i { continue; }
         workgroupBarrier();
-        stage_kv(lid, kv_base, k0);
+        stage_kv(lid, t.kv_base, k0);
         workgroupBarrier();
         for (var j = 0u; j < BKV; j++) {
-            let t = pair_terms(&qr, &dor, r, j, k0, cls, ib, ih);
-            sums += vec2<f32>(t.y, t.y * t.z);
+            let pt = pair_terms(&qr, &dor, r, j, k0, cls, t.ib, t.ih);
+            sums += vec2<f32>(pt.y, pt.y * pt.z);
         }
     }
     if !r.live { return; }
@@ -342,13 +363,7 @@ fn attn_bwd_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocati
 
 @compute @workgroup_size(WG)
 fn attn_bwd_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let sq = shape.seq_q;
-    let sk = shape.seq_k;
-    let b = wid.y / shape.heads_q;
-    let h = wid.y % shape.heads_q;
-    let kv_base = (b * shape.heads_kv + h / gqa_group()) * sk;
-    let ib = i32(b);
-    let ih = i32(h);
+    let t = query_tile(wid);
     let r = query_row(wid, lid);
     var qr: array<f32, D>;
     var dor: array<f32, D>;
@@ -362,23 +377,17 @@ fn attn_bwd_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
         acc[d] = a;
     }
 
-    let q0 = wid.x * WG;
-    let offset = i32(sk) - i32(sq);
-    let q_lo = i32(q0) + offset;
-    let q_hi = i32(min(q0 + WG, sq)) - 1i + offset;
-    let n_tiles = (sk + BKV - 1u) / BKV;
-    for (var kt = shape.tile_begin; kt < min(shape.tile_end, n_tiles); kt++) {
+    for (var kt = shape.tile_begin; kt < min(shape.tile_end, t.n_tiles); kt++) {
         let k0 = kt * BKV;
-        let kv_hi = i32(min(k0 + BKV, sk)) - 1i;
-        let cls = variant_classify(ib, ih, q_lo, q_hi, i32(k0), kv_hi);
+        let cls = key_tile_class(t, k0);
         if cls == 0i { continue; }
         workgroupBarrier();
-        stage_kv(lid, kv_base, k0);
+        stage_kv(lid, t.kv_base, k0);
         workgroupBarrier();
         for (var j = 0u; j < BKV; j++) {
-            let t = pair_terms(&qr, &dor, r, j, k0, cls, ib, ih);
-            let g = variant_score_grad(t.x, ib, ih, r.qp, i32(k0 + j));
-            let ds = select(0.0f, t.y * (t.z - delta_i) * g, t.y != 0.0f);
+            let pt = pair_terms(&qr, &dor, r, j, k0, cls, t.ib, t.ih);
+            let g = variant_score_grad(pt.x, t.ib, t.ih, r.qp, i32(k0 + j));
+            let ds = select(0.0f, pt.y * (pt.z - delta_i) * g, pt.y != 0.0f);
             for (var d = 0u; d < D; d++) { acc[d] += ds * k_tile[j * D + d]; }
         }
     }
