@@ -28,8 +28,9 @@ struct Scratch {
     s: Vec<f32>,
     /// Running row max of the (masked, modified) logits.
     m: Vec<f32>,
-    /// Running row sum of `e^(x − m)`.
-    l: Vec<f32>,
+    /// Running row sum of `e^(x − m)`, per lane (reduced once per row at
+    /// the end, not once per key tile).
+    l: Vec<math::Lanes>,
     /// Per-row rescale factor of the current key tile.
     alpha: Vec<f32>,
 }
@@ -40,7 +41,7 @@ impl Scratch {
         Self {
             s: vec![0.0; t.q * t.kv],
             m: row(),
-            l: row(),
+            l: vec![[0.0; math::LANES]; t.q],
             alpha: row(),
         }
     }
@@ -54,7 +55,8 @@ struct Head<'a, V> {
     /// Batch and query head, as passed to the variant.
     b: i32,
     h: i32,
-    /// This head's K transposed (`D × Sk`) and V (`Sk × D`).
+    /// This head's K transposed tile by tile (the `D × cols` block of the
+    /// tile at key `kv0` starts at `kv0·D`), and V (`Sk × D`).
     kt: &'a [f32],
     v: &'a [f32],
 }
@@ -76,14 +78,24 @@ pub(super) fn forward<V: Variant>(
     debug_assert_eq!((out.len(), lse.len()), (p.q_len(), p.lse_len()));
     let pos = Positions::new(p);
 
-    // K transposed once per kv head ([B, Hkv, D, Sk]), so that the K tile of
-    // `S = Q Kᵀ` is column-major for `gemm`, which would otherwise re-pack
-    // it with strided loads for every (query tile, key tile). Costs one copy
-    // of K, shared by all query tiles of all query heads of the group.
+    // K transposed once, key tile by key tile: tile `t` of each kv head is
+    // `Kᵀ` of keys `t·Bk .. t·Bk + cols`, a contiguous `D × cols` block at
+    // offset `t·Bk·D` of the head's `Sk·D`. So the right-hand side of
+    // `S = Q Kᵀ` has contiguous rows `cols` apart — the layout the tile
+    // products stream — rather than `Sk` apart, which for long sequences
+    // would map every row of the tile to the same L1 set. Costs one copy of
+    // K, shared by all query tiles of all query heads of the group.
     let mut kt = vec![0.0f32; k.len()];
     kt.par_chunks_mut(sk * d)
         .zip(k.par_chunks(sk * d))
-        .for_each(|(kt, k)| gemm::transpose(k, sk, d, kt, sk));
+        .for_each(|(kt, k)| {
+            kt.par_chunks_mut(tiles.kv * d)
+                .zip(k.par_chunks(tiles.kv * d))
+                .for_each(|(kt, k)| {
+                    let cols = k.len() / d;
+                    gemm::transpose(k, cols, d, kt, cols);
+                });
+        });
 
     // Outer: one (batch, query head) per item; inner: its query tiles. Rayon
     // flattens the nesting by work stealing, so B = H = 1 still uses every
@@ -136,7 +148,7 @@ fn query_tile<V: Variant>(
     let (m, l, alpha) = (&mut sc.m[..rows], &mut sc.l[..rows], &mut sc.alpha[..rows]);
     out.fill(0.0);
     m.fill(f32::NEG_INFINITY);
-    l.fill(0.0);
+    l.fill([0.0; math::LANES]);
 
     for kv0 in (0..sk).step_by(tiles.kv) {
         let cols = tiles.kv.min(sk - kv0);
@@ -149,7 +161,7 @@ fn query_tile<V: Variant>(
             MatMut::row_major(s, rows, cols),
             Write::Overwrite,
             MatRef::row_major(q_t, rows, d),
-            MatRef::strided(&head.kt[kv0..], d, cols, sk),
+            MatRef::row_major(&head.kt[kv0 * d..], d, cols),
             scale,
         );
 
@@ -177,9 +189,10 @@ fn query_tile<V: Variant>(
 
     for i in 0..rows {
         // `l > 0` exactly when some key was visible (the max contributes 1).
-        if l[i] > 0.0 {
-            math::scale(&mut out[i * d..(i + 1) * d], 1.0 / l[i]);
-            lse[i] = m[i] + l[i].ln();
+        let l = math::sum_lanes(&l[i]);
+        if l > 0.0 {
+            math::scale(&mut out[i * d..(i + 1) * d], 1.0 / l);
+            lse[i] = m[i] + l.ln();
         } else {
             out[i * d..(i + 1) * d].fill(0.0);
             lse[i] = f32::NEG_INFINITY;
@@ -200,7 +213,7 @@ struct OnlineSoftmax<'a, 'h, V> {
     /// `rows × cols` logits, row-major.
     s: &'a mut [f32],
     m: &'a mut [f32],
-    l: &'a mut [f32],
+    l: &'a mut [math::Lanes],
     alpha: &'a mut [f32],
     /// `rows × D` accumulator.
     out: &'a mut [f32],
@@ -250,11 +263,11 @@ impl<V: Variant> Elementwise for OnlineSoftmax<'_, '_, V> {
                 row.fill(0.0);
                 continue;
             }
-            let row_sum = math::exp_sub_sum(row, m[i]);
-            l[i] = l[i] * alpha[i] + row_sum;
             if alpha[i] != 1.0 {
+                l[i].iter_mut().for_each(|x| *x *= alpha[i]);
                 math::scale(&mut out[i * d..(i + 1) * d], alpha[i]);
             }
+            math::exp_sub_acc(row, m[i], &mut l[i]);
         }
     }
 }

@@ -1,5 +1,7 @@
 //! Safe, bounds-checked matrix views over f32 slices, and the one GEMM entry
-//! point the kernels use (`gemm::gemm` from the `gemm` crate, single-threaded).
+//! point the kernels use: our AVX-512 tile kernel (`microkernel`) when the
+//! CPU has AVX-512 and the right-hand side has contiguous rows, otherwise
+//! `gemm::gemm` from the `gemm` crate, single-threaded.
 //!
 //! Every tile product of the attention kernels is `dst (=|+=) beta · lhs · rhs`
 //! on row-major tiles, some of them transposed. A transpose is a view (swap
@@ -41,6 +43,7 @@ impl<'a> MatRef<'a> {
     /// The `rows × cols` matrix at the start of `data` whose rows lie `rs`
     /// elements apart (a column block of a wider row-major matrix).
     #[inline]
+    #[cfg_attr(not(test), allow(dead_code))] // the kernels' operands are row-major
     pub fn strided(data: &'a [f32], rows: usize, cols: usize, rs: usize) -> Self {
         assert!(cols <= rs || rows <= 1, "rows overlap");
         assert!(
@@ -105,6 +108,31 @@ pub fn matmul(dst: MatMut<'_>, write: Write, lhs: MatRef<'_>, rhs: MatRef<'_>, b
     assert_eq!((dst.rows, dst.cols), (lhs.rows, rhs.cols), "output shape");
     let (m, n, k) = (dst.rows, dst.cols, lhs.cols);
     if m == 0 || n == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if rhs.cs == 1 && super::simd::avx512() {
+        let o = super::microkernel::Operands {
+            m,
+            n,
+            k,
+            c: dst.data.as_mut_ptr(),
+            ldc: dst.cols,
+            a: lhs.data.as_ptr(),
+            a_rs: lhs.rs,
+            a_cs: lhs.cs,
+            b: rhs.data.as_ptr(),
+            ldb: rhs.rs,
+            beta,
+            accumulate: write == Write::Accumulate,
+        };
+        // SAFETY: AVX-512F was just detected. The views' constructors
+        // checked that every `(i, j)` inside their shape lies in their
+        // slice for their strides (`t()` only swaps them), and the shapes
+        // agree (above), so every `C[i][j]`, `A[i][p]`, `B[p][j]` the kernel
+        // forms is in bounds; `dst` is a unique borrow, so it overlaps no
+        // operand.
+        unsafe { super::microkernel::matmul(o) };
         return;
     }
     // Views over slices shorter than their extent cannot be built, and a

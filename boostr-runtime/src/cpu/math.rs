@@ -22,7 +22,10 @@
 /// Independent accumulators per reduction: 16 f32 fill one AVX-512, two AVX
 /// or four SSE registers, enough to hide most of the latency of a dependent
 /// `add`/`max` chain without spilling on SSE.
-const LANES: usize = 16;
+pub const LANES: usize = 16;
+
+/// One partial sum per lane (see [`exp_sub_acc`]).
+pub type Lanes = [f32; LANES];
 
 /// Inputs below this give `0.0` (`e^-104 < 2^-150`, half the smallest
 /// subnormal); it is also the lower clamp, so `2^n` below stays representable.
@@ -48,29 +51,18 @@ pub fn exp(x: f32) -> f32 {
     // Adding 1.5·2^23 rounds to the nearest integer and leaves it in the low
     // mantissa bits.
     const ROUND: f32 = 12_582_912.0;
-    const P0: f32 = 1.987_569_150_0e-4;
-    const P1: f32 = 1.398_199_950_7e-3;
-    const P2: f32 = 8.333_451_907_3e-3;
-    const P3: f32 = 4.166_579_589_4e-2;
-    const P4: f32 = 1.666_666_545_9e-1;
-    const P5: f32 = 5.000_000_120_1e-1;
 
     // Comparisons rather than `f32::max/min`: these lower to one `maxps`/`minps`
     // each and let NaN through (NaN in, NaN out).
     let xc = if x < EXP_LO { EXP_LO } else { x };
     let xc = if xc > EXP_HI { EXP_HI } else { xc };
 
-    let t = xc * LOG2E + ROUND;
+    let t = xc.mul_add(LOG2E, ROUND);
     let n = t - ROUND;
-    let r = xc - n * LN2_HI - n * LN2_LO;
-
-    let mut y = P0;
-    y = y * r + P1;
-    y = y * r + P2;
-    y = y * r + P3;
-    y = y * r + P4;
-    y = y * r + P5;
-    y = y * (r * r) + r + 1.0;
+    // Fused: `x − n·ln2` with one rounding per step (Cody–Waite).
+    let r = (-n).mul_add(LN2_HI, xc);
+    let r = (-n).mul_add(LN2_LO, r);
+    let y = exp_poly(r);
 
     // n ∈ [-150, 128]: split into two halves in [-75, 64], each a normal
     // power of two, so the only rounding is the final multiply.
@@ -81,6 +73,34 @@ pub fn exp(x: f32) -> f32 {
     let p2 = f32::from_bits(((n2 + 127) as u32) << 23);
     let e = y * p1 * p2;
     if x < EXP_LO { 0.0 } else { e }
+}
+
+/// `e^x` for the softmax, where `x = logit − max ≤ 0` (or `-inf` for a
+/// hidden pair): [`exp`]'s reduction and polynomial, without its overflow
+/// and gradual-underflow handling. Within 2 ulp of `e^x` for
+/// `-87.3 ≤ x ≤ 88`; exactly `0.0` below `-87.3` (results under `2^-126`
+/// are flushed: next to the row's maximum, which contributes `1`, they are
+/// below any f32 rounding of the sum) and for `x = -inf`. About half of
+/// [`exp`]'s instructions: the softmax's one transcendental per score.
+#[inline(always)]
+#[allow(clippy::excessive_precision)] // the same constants as `exp`
+pub fn exp_softmax(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_375;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const ROUND: f32 = 12_582_912.0;
+    const LO: f32 = -87.3;
+    // Clamped from below so that `n ≥ -126` and `2^n` is one normal power of
+    // two; the result there is replaced by 0 at the end.
+    let xc = if x < LO { LO } else { x };
+    let t = xc.mul_add(LOG2E, ROUND);
+    let n = t - ROUND;
+    let r = (-n).mul_add(LN2_HI, xc);
+    let r = (-n).mul_add(LN2_LO, r);
+    let y = exp_poly(r);
+    let ni = (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
+    let e = y * f32::from_bits(((ni + 127) as u32) << 23);
+    if x < LO { 0.0 } else { e }
 }
 
 /// `2^x` in f32, branch-free: `x = n + r` with `n = round(x)`, `|r| ≤ 1/2`,
@@ -112,12 +132,12 @@ pub fn exp2(x: f32) -> f32 {
 #[allow(clippy::excessive_precision)]
 fn exp_poly(r: f32) -> f32 {
     let mut y = 1.987_569_150_0e-4f32;
-    y = y * r + 1.398_199_950_7e-3;
-    y = y * r + 8.333_451_907_3e-3;
-    y = y * r + 4.166_579_589_4e-2;
-    y = y * r + 1.666_666_545_9e-1;
-    y = y * r + 5.000_000_120_1e-1;
-    y * (r * r) + r + 1.0
+    y = y.mul_add(r, 1.398_199_950_7e-3);
+    y = y.mul_add(r, 8.333_451_907_3e-3);
+    y = y.mul_add(r, 4.166_579_589_4e-2);
+    y = y.mul_add(r, 1.666_666_545_9e-1);
+    y = y.mul_add(r, 5.000_000_120_1e-1);
+    y.mul_add(r * r, r) + 1.0
 }
 
 /// `tanh(x)` in f32, branch-free: an odd polynomial below `|x| = 0.625`
@@ -261,35 +281,47 @@ fn max2(a: f32, b: f32) -> f32 {
     if b > a { b } else { a }
 }
 
-/// `xs[i] = e^(xs[i] - shift)` in place; returns the sum of the new values.
+/// `xs[i] = e^(xs[i] - shift)` in place by [`exp_softmax`]; returns the sum
+/// of the new values.
 ///
-/// `shift` must be finite (the caller handles rows whose maximum is `-inf`);
-/// then `-inf` elements (masked pairs) become exactly `0`.
+/// `shift` must be finite (the caller handles rows whose maximum is `-inf`)
+/// and at least the largest element up to rounding (a row max or a
+/// log-sum-exp), so that every argument is `≤ 0`; `-inf` elements (masked
+/// pairs) become exactly `0`, as does anything below `e^-87.3`.
 #[inline(always)]
 pub fn exp_sub_sum(xs: &mut [f32], shift: f32) -> f32 {
-    let mut acc = [0.0f32; LANES];
+    let mut acc = [0.0; LANES];
+    exp_sub_acc(xs, shift, &mut acc);
+    sum_lanes(&acc)
+}
+
+/// [`exp_sub_sum`] without the final reduction: adds the new values into
+/// the lane sums `acc` (element `j` of `xs` into lane `j % LANES`), so that
+/// a running softmax denominator can stay in lanes across key tiles and be
+/// reduced once per row ([`sum_lanes`]) instead of once per tile. Same
+/// preconditions as [`exp_sub_sum`].
+#[inline(always)]
+pub fn exp_sub_acc(xs: &mut [f32], shift: f32, acc: &mut Lanes) {
     let mut chunks = xs.chunks_exact_mut(LANES);
     for c in &mut chunks {
         for (a, x) in acc.iter_mut().zip(c.iter_mut()) {
-            let e = exp(*x - shift);
+            let e = exp_softmax(*x - shift);
             *x = e;
             *a += e;
         }
     }
-    let mut tail_sum = 0.0f32;
-    for x in chunks.into_remainder() {
-        let e = exp(*x - shift);
+    for (a, x) in acc.iter_mut().zip(chunks.into_remainder()) {
+        let e = exp_softmax(*x - shift);
         *x = e;
-        tail_sum += e;
+        *a += e;
     }
-    sum_lanes(&acc) + tail_sum
 }
 
 /// `xs[i] = e^(xs[i] - shift)` in place, `shift` finite (see [`exp_sub_sum`]).
 #[inline(always)]
 pub fn exp_sub(xs: &mut [f32], shift: f32) {
     for x in xs {
-        *x = exp(*x - shift);
+        *x = exp_softmax(*x - shift);
     }
 }
 
@@ -332,7 +364,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 /// Pairwise sum of the lane accumulators (fixed order).
 #[inline(always)]
-fn sum_lanes(acc: &[f32; LANES]) -> f32 {
+pub fn sum_lanes(acc: &Lanes) -> f32 {
     let mut v = *acc;
     let mut width = LANES / 2;
     while width > 0 {

@@ -12,7 +12,9 @@
 //!   streamed through with an online softmax.
 //! - `backward`: one task per (batch, kv head, chunk of key tiles), query
 //!   tiles streamed through; dQ reduced in a fixed order for determinism.
-//! - `gemm`: the tile products, on `gemm::gemm`, single-threaded per task.
+//! - `gemm`: the tile products: bounds-checked views, and `microkernel` (an
+//!   AVX-512 register-blocked kernel that needs no packing) or `gemm::gemm`
+//!   where AVX-512 is missing; single-threaded per task.
 //! - `math`: vectorizable `exp` and row reductions for the softmax.
 //! - `simd`: runtime AVX2/AVX-512 dispatch of the softmax passes.
 //!
@@ -30,14 +32,18 @@
 //!   arithmetic; `Full` tiles never evaluate the mask.
 //! - Deterministic: the forward always, and the backward for a given rayon
 //!   thread count (its key chunking depends on it), give the same bits from
-//!   run to run; no summation order depends on scheduling, and the SSE,
-//!   AVX2 and AVX-512 paths agree bit for bit.
+//!   run to run; no summation order depends on scheduling. The elementwise
+//!   passes agree bit for bit on every instruction set; the tile products
+//!   use our AVX-512 kernel (`microkernel`) where the CPU has AVX-512 and
+//!   the `gemm` crate elsewhere, which round differently.
 
 mod backward;
 mod forward;
 mod gemm;
 #[doc(hidden)] // public for the code `#[attention]` generates (`score` in f32)
 pub mod math;
+#[cfg(target_arch = "x86_64")]
+mod microkernel;
 mod simd;
 mod tile;
 

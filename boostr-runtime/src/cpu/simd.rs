@@ -41,17 +41,29 @@ pub(super) fn dispatch<E: Elementwise>(pass: E) {
     {
         let cap = level_cap();
         // `is_x86_feature_detected!` caches its answer: a load and a test.
-        if cap >= Level::Avx512 && std::arch::is_x86_feature_detected!("avx512f") {
+        if avx512() {
             // SAFETY: `run_avx512` only requires the CPU to support AVX-512F,
             // which was just checked.
             return unsafe { run_avx512(pass) };
         }
-        if cap >= Level::Avx2 && std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: `run_avx2` only requires AVX2, which was just checked.
+        if cap >= Level::Avx2
+            && std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: `run_avx2` only requires AVX2 and FMA, just checked.
             return unsafe { run_avx2(pass) };
         }
     }
     pass.run();
+}
+
+/// Whether the AVX-512 code paths may run: the CPU has AVX-512F (and tests
+/// have not capped the level below it). The tile products use this too, so
+/// that capping the level also exercises the `gemm` crate fallback.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub(super) fn avx512() -> bool {
+    level_cap() >= Level::Avx512 && std::arch::is_x86_feature_detected!("avx512f")
 }
 
 #[cfg(not(test))]
@@ -74,13 +86,13 @@ fn level_cap() -> Level {
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,fma")]
 fn run_avx512<E: Elementwise>(pass: E) {
     pass.run();
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma")]
 fn run_avx2<E: Elementwise>(pass: E) {
     pass.run();
 }

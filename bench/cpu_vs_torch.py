@@ -1,0 +1,389 @@
+#!/usr/bin/env python3
+"""boostr's CPU kernels against PyTorch's CPU attention, on the same machine in one run.
+
+    pip install torch numpy            # once, in any environment; nothing is installed here
+    python3 bench/cpu_vs_torch.py                  # the whole sweep (about 10 minutes on 2 cores)
+    python3 bench/cpu_vs_torch.py --quick          # S = 1024 only
+    python3 bench/cpu_vs_torch.py --seq 4096 --dim 128 --hkv 8 --section plain
+    python3 bench/cpu_vs_torch.py --section mem    # peak RSS of forward+backward at S = 16384
+
+It builds and starts `cargo run --release -p boostr-runtime --example cpu_vs_torch`
+(a timing server) and times PyTorch in this process, alternating single runs of
+the two implementations on same-shaped inputs, so that machine drift hits both;
+each time is the median of --reps runs after one warm-up run of each.
+
+Sections:
+  gemm    f32 GEMM throughput, n = 4096: the `gemm` crate (the kernel boostr's tiles
+          use, on every thread) and torch.mm; bf16 torch.mm for reference.
+  plain   full and causal attention, forward and forward+backward: boostr against
+          torch.nn.functional.scaled_dot_product_attention.
+  custom  ALiBi (causal), softcap 30 (causal), causal sliding window 256, prefix-LM
+          (prefix S/4), forward: boostr against torch.compile(flex_attention) on the
+          CPU (which has no CPU backward); boostr's forward+backward too, and each
+          variant's throughput per attended pair relative to boostr's plain causal.
+  bf16    full and causal forward and forward+backward with bf16 inputs.
+  mem     peak resident set of one forward+backward (S = 16384, D = 128, Hq = 8),
+          in a fresh process, against the bytes of q, k, v, out and their gradients.
+
+FLOPs count useful work: 4 * B * Hq * D * (attended (query, key) pairs) for a
+forward; the backward counts 2.5 times that. Threads: both sides use --threads
+(default: every core; rayon and torch.set_num_threads).
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECTIONS = ["gemm", "plain", "custom", "bf16", "mem"]
+CUSTOM = ["alibi", "softcap", "window", "prefix"]
+WINDOW = 256
+CAP = 30.0
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ints = lambda s: [int(x) for x in s.split(",")]
+    p.add_argument("--seq", type=ints, default=[1024, 2048, 4096])
+    p.add_argument("--dim", type=ints, default=[64, 128])
+    p.add_argument("--hkv", type=ints, default=[8, 2])
+    p.add_argument("--hq", type=int, default=8)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--quick", action="store_true", help="S = 1024 only")
+    p.add_argument("--section", default=",".join(s for s in SECTIONS if s != "mem"),
+                   help="comma-separated subset of " + ",".join(SECTIONS) + " (default: all but mem)")
+    p.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
+    p.add_argument("--json", help="also write every measurement to this file")
+    p.add_argument("--server", help="path of a prebuilt cpu_vs_torch example binary")
+    a = p.parse_args()
+    if a.quick:
+        a.seq = a.seq[:1]
+    a.section = a.section.split(",")
+    bad = [s for s in a.section if s not in SECTIONS]
+    if bad:
+        p.error(f"unknown section(s) {bad}; choose from {SECTIONS}")
+    return a
+
+
+def import_torch():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        sys.exit("PyTorch is not installed in this Python: `pip install torch numpy` (see the README)")
+    import torch
+    return torch
+
+
+def server_binary(args):
+    if args.server:
+        return args.server
+    print("building the Rust timing server (cargo build --release) ...", file=sys.stderr, flush=True)
+    subprocess.run(["cargo", "build", "--release", "-q", "-p", "boostr-runtime", "--example", "cpu_vs_torch"],
+                   cwd=ROOT, check=True)
+    target = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
+    return os.path.join(target, "release", "examples", "cpu_vs_torch")
+
+
+class Server:
+    """The Rust timing server: one command per line, one answer per line."""
+
+    def __init__(self, path, threads):
+        env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
+        self.proc = subprocess.Popen([path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.banner = self.proc.stdout.readline().strip()
+
+    def ask(self, command):
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline().strip()
+        if not reply.startswith("ok "):
+            raise RuntimeError(f"{command!r}: {reply or 'server exited'}")
+        return reply[3:]
+
+    def time(self, command):
+        return float(self.ask(command))
+
+    def close(self):
+        self.proc.stdin.write("quit\n")
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def pairs(variant, s):
+    """Attended (query, key) pairs of one head, Sq = Sk = s."""
+    causal = s * (s + 1) // 2
+    if variant == "full":
+        return s * s
+    if variant in ("causal", "alibi", "softcap"):
+        return causal
+    if variant == "window":
+        w = min(WINDOW, s)
+        return w * (w + 1) // 2 + (s - w) * w
+    if variant == "prefix":
+        pre = s // 4
+        return pre * pre + (s * (s + 1) - pre * (pre + 1)) // 2
+    raise ValueError(variant)
+
+
+def flops(variant, pass_, hq, s, d):
+    fwd = 4 * hq * d * pairs(variant, s)
+    return fwd * (3.5 if pass_ == "fwdbwd" else 1.0)
+
+
+def interleaved(reps, a, b):
+    """Median seconds of `a` and `b` (callables returning seconds): one warm-up
+    each, then `reps` alternating runs. `b` may be None."""
+    a()
+    if b:
+        b()
+    ta, tb = [], []
+    for _ in range(reps):
+        ta.append(a())
+        if b:
+            tb.append(b())
+    return statistics.median(ta), (statistics.median(tb) if b else None)
+
+
+def timed(fn):
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+class Torch:
+    def __init__(self, torch, threads, flex):
+        self.torch = torch
+        torch.set_num_threads(threads)
+        self.F = torch.nn.functional
+        self.flex = None
+        self.flex_error = None
+        if flex:
+            try:
+                from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+                self.create_block_mask = create_block_mask
+                self.flex = torch.compile(flex_attention)
+            except Exception as e:  # older torch: report and go on without it
+                self.flex_error = f"{type(e).__name__}: {e}"
+
+    def inputs(self, hq, hkv, s, d, dtype):
+        t = self.torch
+        dt = {"f32": t.float32, "bf16": t.bfloat16}[dtype]
+        g = t.Generator().manual_seed(hq * 1_000_003 + hkv * 10_007 + s * 101 + d)
+        mk = lambda h: t.randn(1, h, s, d, generator=g).to(dt)
+        return mk(hq), mk(hkv), mk(hkv), mk(hq)
+
+    def sdpa(self, variant, pass_, x):
+        t, F = self.torch, self.F
+        q, k, v, dout = x
+        gqa = q.shape[1] != k.shape[1]
+        causal = variant == "causal"
+        if pass_ == "fwd":
+            def run():
+                with t.no_grad():
+                    F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        else:
+            qg, kg, vg = (y.detach().requires_grad_() for y in (q, k, v))
+
+            def run():
+                for y in (qg, kg, vg):
+                    y.grad = None
+                out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, enable_gqa=gqa)
+                out.backward(dout)
+        return lambda: timed(run)
+
+    def flex_fn(self, variant, x):
+        t = self.torch
+        q, k, v, _ = x
+        hq, s = q.shape[1], q.shape[2]
+        gqa = q.shape[1] != k.shape[1]
+        causal = lambda b, h, qi, kv: qi >= kv
+        masks = {
+            "full": None,
+            "causal": causal,
+            "alibi": causal,
+            "softcap": causal,
+            "window": lambda b, h, qi, kv: (qi >= kv) & (qi - kv < WINDOW),
+            "prefix": lambda b, h, qi, kv: (kv < s // 4) | (qi >= kv),
+        }
+        slopes = t.exp2(-8.0 * t.arange(1, hq + 1, dtype=t.float32) / hq)
+        scores = {
+            "alibi": lambda sc, b, h, qi, kv: sc - slopes[h] * (qi - kv),
+            "softcap": lambda sc, b, h, qi, kv: CAP * t.tanh(sc / CAP),
+        }
+        mask = masks[variant]
+        block = self.create_block_mask(mask, None, None, s, s, device="cpu") if mask else None
+        score = scores.get(variant)
+
+        def run():
+            with t.no_grad():
+                self.flex(q, k, v, score_mod=score, block_mask=block, enable_gqa=gqa)
+        return lambda: timed(run)
+
+
+def gflops(f, sec):
+    return f / sec / 1e9 if sec else float("nan")
+
+
+def table(title, header, rows):
+    print(f"\n{title}\n")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join(" --- " if i == 0 else " ---: " for i in range(len(header))) + "|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    sys.stdout.flush()
+
+
+def fmt_ms(sec):
+    return "—" if sec is None else f"{sec * 1e3:.1f}"
+
+
+def fmt_gf(x):
+    return "—" if x is None or math.isnan(x) else f"{x:.1f}"
+
+
+def fmt_ratio(x):
+    return "—" if x is None or math.isnan(x) else f"{x:.2f}×"
+
+
+def main():
+    args = parse_args()
+    torch = import_torch()
+    results = []
+    binary = server_binary(args)
+
+    if "mem" in args.section:
+        mem(binary, args)
+    run_sections = [s for s in args.section if s != "mem"]
+    if not run_sections:
+        return
+    server = Server(binary, args.threads)
+    th = Torch(torch, args.threads, not args.no_flex)
+    print(f"boostr CPU vs PyTorch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), "
+          f"{args.threads} threads (boostr: {server.banner}); B=1, Hq={args.hq}; "
+          f"median of {args.reps} alternating runs after a warm-up; ratio = torch time / boostr time")
+    cpu0 = os.times()
+
+    if "gemm" in args.section:
+        n = 4096
+        a = torch.randn(n, n)
+        b = torch.randn(n, n)
+        ab16, bb16 = a.bfloat16(), b.bfloat16()
+        f = 2 * n ** 3
+        crate, tmm = interleaved(args.reps, lambda: server.time(f"gemm {n} f32"), lambda: timed(lambda: torch.mm(a, b)))
+        _, tbf = interleaved(args.reps, lambda: 0.0, lambda: timed(lambda: torch.mm(ab16, bb16)))
+        rows = [["gemm crate (boostr's tile kernel), f32", fmt_ms(crate), fmt_gf(gflops(f, crate))],
+                ["torch.mm, f32", fmt_ms(tmm), fmt_gf(gflops(f, tmm))],
+                ["torch.mm, bf16", fmt_ms(tbf), fmt_gf(gflops(f, tbf))]]
+        table(f"GEMM {n}×{n}×{n}", ["kernel", "ms", "GFLOP/s"], rows)
+        results += [dict(section="gemm", kernel=k, seconds=t) for k, t in
+                    [("gemm-crate-f32", crate), ("torch-mm-f32", tmm), ("torch-mm-bf16", tbf)]]
+        gemm_gf = gflops(f, crate)
+    else:
+        gemm_gf = None
+
+    for dtype, section in (("f32", "plain"), ("bf16", "bf16")):
+        if section not in args.section:
+            continue
+        rows = []
+        for variant in ("full", "causal"):
+            for pass_ in ("fwd", "fwdbwd"):
+                for hkv in args.hkv:
+                    for d in args.dim:
+                        for s in args.seq:
+                            x = th.inputs(args.hq, hkv, s, d, dtype)
+                            cmd = f"attn {variant} {pass_} {args.hq} {hkv} {s} {d} {dtype}"
+                            try:
+                                tb, tt = interleaved(args.reps, lambda: server.time(cmd), th.sdpa(variant, pass_, x))
+                            except RuntimeError as e:
+                                print(f"boostr: {e}", file=sys.stderr)
+                                _, tt = interleaved(args.reps, lambda: 0.0, th.sdpa(variant, pass_, x))
+                                tb = None
+                            f = flops(variant, pass_, args.hq, s, d)
+                            gb, gt = (gflops(f, tb) if tb else None), gflops(f, tt)
+                            row = [variant, "fwd" if pass_ == "fwd" else "fwd+bwd", str(hkv), str(s), str(d),
+                                   fmt_ms(tb), fmt_gf(gb), fmt_ms(tt), fmt_gf(gt),
+                                   fmt_ratio(tt / tb if tb else None)]
+                            if gemm_gf and section == "plain":
+                                row.append(f"{100 * gb / gemm_gf:.0f}%" if (gb and variant == "full" and pass_ == "fwd") else "")
+                            rows.append(row)
+                            print("  " + " ".join(row), file=sys.stderr, flush=True)
+                            results.append(dict(section=section, variant=variant, pass_=pass_, hkv=hkv, s=s, d=d,
+                                                dtype=dtype, boostr=tb, torch=tt, flops=f))
+        header = ["variant", "pass", "Hkv", "S", "D", "boostr ms", "boostr GF/s", "SDPA ms", "SDPA GF/s", "ratio"]
+        if gemm_gf and section == "plain":
+            header.append("of gemm")
+        table(f"{dtype}: boostr vs scaled_dot_product_attention", header, rows)
+
+    if "custom" in args.section:
+        if th.flex_error:
+            print(f"FlexAttention unavailable: {th.flex_error}", file=sys.stderr)
+        rows = []
+        for hkv in args.hkv:
+            for d in args.dim:
+                for s in args.seq:
+                    x = th.inputs(args.hq, hkv, s, d, "f32")
+                    server.time(f"attn causal fwd {args.hq} {hkv} {s} {d} f32")  # warm-up
+                    causal_fwd = statistics.median(
+                        [server.time(f"attn causal fwd {args.hq} {hkv} {s} {d} f32") for _ in range(args.reps)])
+                    causal_gf = gflops(flops("causal", "fwd", args.hq, s, d), causal_fwd)
+                    for variant in CUSTOM:
+                        cmd = f"attn {variant} fwd {args.hq} {hkv} {s} {d} f32"
+                        flex = None
+                        if th.flex:
+                            try:
+                                flex = th.flex_fn(variant, x)
+                            except Exception as e:
+                                print(f"flex {variant}: {type(e).__name__}: {e}", file=sys.stderr)
+                        tb, tf = interleaved(args.reps, lambda: server.time(cmd), flex)
+                        tbb, _ = interleaved(args.reps,
+                                             lambda: server.time(f"attn {variant} fwdbwd {args.hq} {hkv} {s} {d} f32"),
+                                             None)
+                        f = flops(variant, "fwd", args.hq, s, d)
+                        gb = gflops(f, tb)
+                        row = [variant, str(hkv), str(s), str(d), fmt_ms(tb), fmt_gf(gb),
+                               f"{100 * gb / causal_gf:.0f}%", fmt_ms(tf), fmt_gf(gflops(f, tf) if tf else None),
+                               fmt_ratio(tf / tb if tf else None), fmt_ms(tbb), fmt_gf(gflops(3.5 * f, tbb))]
+                        rows.append(row)
+                        print("  " + " ".join(row), file=sys.stderr, flush=True)
+                        results.append(dict(section="custom", variant=variant, hkv=hkv, s=s, d=d, boostr=tb, flex=tf,
+                                            boostr_fwdbwd=tbb, causal_fwd=causal_fwd, flops=f))
+        table("f32 custom variants: boostr vs torch.compile(flex_attention) (forward; flex has no CPU backward)",
+              ["variant", "Hkv", "S", "D", "boostr ms", "boostr GF/s", "per pair vs causal", "flex ms", "flex GF/s",
+               "ratio", "boostr fwd+bwd ms", "fwd+bwd GF/s"], rows)
+
+    server.close()
+    cpu1 = os.times()
+    used = (cpu1.children_user + cpu1.children_system - cpu0.children_user - cpu0.children_system
+            + cpu1.user + cpu1.system - cpu0.user - cpu0.system)
+    wall = cpu1.elapsed - cpu0.elapsed
+    print(f"\nwall {wall:.0f} s; CPU time of both processes {100 * used / (wall * args.threads):.0f}% of "
+          f"{args.threads} threads × wall (well below 100% means something else shared the cores)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+
+
+def mem(binary, args):
+    s, d, hq = 16384, 128, args.hq
+    rows = []
+    for hkv in args.hkv:
+        server = Server(binary, args.threads)
+        reply = json.loads(server.ask(f"mem causal {hq} {hkv} {s} {d}"))
+        server.close()
+        extra = reply["peak_rss"] - reply["rss_before_inputs"]
+        rows.append([str(hkv), f"{reply['tensors'] / 2**20:.0f}", f"{reply['peak_rss'] / 2**20:.0f}",
+                     f"{extra / 2**20:.0f}", f"{reply['peak_rss'] / reply['tensors']:.2f}×",
+                     f"{reply['seconds']:.1f}"])
+    table(f"peak RSS of one causal forward+backward, S={s}, D={d}, Hq={hq}, f32 (fresh process each)",
+          ["Hkv", "q,k,v,out + grads MiB", "peak RSS MiB", "growth from start MiB", "peak / tensors", "seconds"],
+          rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+//! The Rust half of `bench/cpu_vs_torch.py`: a timing server for boostr's CPU
+//! kernels, so that the Python driver can interleave single runs of boostr
+//! and PyTorch on the same inputs' shapes and let drift hit both alike.
+//!
+//! It reads one command per line on stdin and answers one line on stdout:
+//!
+//! ```text
+//! attn <variant> <fwd|fwdbwd> <hq> <hkv> <seq> <dim> <f32|bf16>   -> ok <seconds>
+//! gemm <n> <f32>                                                   -> ok <seconds>
+//! mem <variant> <hq> <hkv> <seq> <dim>                             -> ok <json>
+//! quit
+//! ```
+//!
+//! Variants: `full`, `causal`, `alibi` (causal), `softcap` (causal, cap 30),
+//! `window` (causal sliding window of 256), `prefix` (prefix-LM, prefix S/4).
+//! `attn` times one run (B = 1) on inputs made when the shape last changed;
+//! `fwdbwd` is `attention_fwd` followed by `attention_bwd`. `gemm` times one
+//! `n × n × n` f32 product through the `gemm` crate on every rayon thread —
+//! the kernel the attention tiles use. `mem` runs forward+backward once and
+//! reports the peak resident set (`VmHWM`) against the size of q, k, v, out
+//! and their gradients; run it in a fresh process. Errors answer `err <message>`.
+//!
+//! ```text
+//! cargo run --release -p boostr-runtime --example cpu_vs_torch
+//! ```
+
+use boostr_runtime::stock::{Alibi, Causal, CausalSlidingWindow, CausalSoftcap, Full, PrefixLm};
+use boostr_runtime::testing::Rng;
+use boostr_runtime::{AttentionOptions, Variant, attention_bwd, attention_fwd};
+use numr::prelude::{CpuDevice, CpuRuntime, Tensor};
+use std::error::Error;
+use std::io::{BufRead, Write};
+use std::time::Instant;
+
+type BoxResult<T> = Result<T, Box<dyn Error>>;
+
+/// Inputs of the current attention shape.
+struct Inputs {
+    key: (usize, usize, usize, usize),
+    q: Tensor<CpuRuntime>,
+    k: Tensor<CpuRuntime>,
+    v: Tensor<CpuRuntime>,
+    dout: Tensor<CpuRuntime>,
+}
+
+struct Server {
+    device: CpuDevice,
+    rng: Rng,
+    inputs: Option<Inputs>,
+    gemm: Option<(usize, [Vec<f32>; 3])>,
+}
+
+impl Server {
+    fn inputs(&mut self, hq: usize, hkv: usize, seq: usize, dim: usize) -> BoxResult<&Inputs> {
+        let key = (hq, hkv, seq, dim);
+        if self.inputs.as_ref().is_none_or(|i| i.key != key) {
+            self.inputs = None; // free the old shape first
+            let qs = [1, hq, seq, dim];
+            let ks = [1, hkv, seq, dim];
+            let mut make = |shape: &[usize; 4]| {
+                let data = self.rng.normal_f32(shape.iter().product(), 1.0);
+                Tensor::<CpuRuntime>::from_slice(&data, shape, &self.device)
+            };
+            self.inputs = Some(Inputs {
+                key,
+                q: make(&qs)?,
+                k: make(&ks)?,
+                v: make(&ks)?,
+                dout: make(&qs)?,
+            });
+        }
+        Ok(self.inputs.as_ref().expect("just made"))
+    }
+
+    fn command(&mut self, line: &str) -> BoxResult<Option<String>> {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let num = |i: usize| -> BoxResult<usize> {
+            let w = words.get(i).ok_or("missing argument")?;
+            Ok(w.parse::<usize>()
+                .map_err(|_| format!("bad number {w:?}"))?)
+        };
+        match words.first().copied() {
+            Some("attn") => {
+                let (variant, pass, dtype) = (words[1..].first(), words.get(2), words.get(7));
+                let (hq, hkv, seq, dim) = (num(3)?, num(4)?, num(5)?, num(6)?);
+                if dtype.is_some_and(|d| *d != "f32") {
+                    return Err(format!("dtype {:?} is not supported on the CPU", dtype).into());
+                }
+                let fwdbwd = match pass.copied() {
+                    Some("fwd") => false,
+                    Some("fwdbwd") => true,
+                    other => return Err(format!("pass {other:?}: fwd or fwdbwd").into()),
+                };
+                let name = variant.copied().unwrap_or_default();
+                let x = self.inputs(hq, hkv, seq, dim)?;
+                let secs = time_named(name, x, fwdbwd)?;
+                Ok(Some(format!("ok {secs:.9}")))
+            }
+            Some("gemm") => {
+                let n = num(1)?;
+                Ok(Some(format!("ok {:.9}", self.time_gemm(n))))
+            }
+            Some("mem") => {
+                let name = words.get(1).copied().unwrap_or_default();
+                let (hq, hkv, seq, dim) = (num(2)?, num(3)?, num(4)?, num(5)?);
+                let before = peak_rss()?;
+                let x = self.inputs(hq, hkv, seq, dim)?;
+                let t = time_named(name, x, true)?;
+                let peak = peak_rss()?;
+                // q, k, v, out and their gradients (dout is out's gradient).
+                let tensors = 4 * (2 * hq + 2 * hkv) * seq * dim * 2;
+                Ok(Some(format!(
+                    "ok {{\"peak_rss\": {peak}, \"rss_before_inputs\": {before}, \
+                     \"tensors\": {tensors}, \"seconds\": {t:.3}}}"
+                )))
+            }
+            Some("quit") | None => Ok(None),
+            Some(other) => Err(format!("unknown command {other:?}").into()),
+        }
+    }
+
+    fn time_gemm(&mut self, n: usize) -> f64 {
+        if self.gemm.as_ref().is_none_or(|g| g.0 != n) {
+            let a = self.rng.normal_f32(n * n, 1.0);
+            let b = self.rng.normal_f32(n * n, 1.0);
+            self.gemm = Some((n, [a, b, vec![0.0; n * n]]));
+        }
+        let (_, [a, b, c]) = self.gemm.as_mut().expect("just made");
+        let s = n as isize;
+        let start = Instant::now();
+        // SAFETY: a, b, c are n × n row-major (row stride n, column stride
+        // 1), so every access is in bounds; c does not alias a or b.
+        unsafe {
+            gemm::gemm(
+                n,
+                n,
+                n,
+                c.as_mut_ptr(),
+                1,
+                s,
+                false,
+                a.as_ptr(),
+                1,
+                s,
+                b.as_ptr(),
+                1,
+                s,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::Rayon(rayon::current_num_threads()),
+            );
+        }
+        start.elapsed().as_secs_f64()
+    }
+}
+
+/// Time one run of the variant named `name` on `x`.
+fn time_named(name: &str, x: &Inputs, fwdbwd: bool) -> BoxResult<f64> {
+    let (hq, _, seq, _) = x.key;
+    let (heads, seq) = (i32::try_from(hq)?, i32::try_from(seq)?);
+    match name {
+        "full" => time_attention(&Full, x, fwdbwd),
+        "causal" => time_attention(&Causal, x, fwdbwd),
+        "alibi" => time_attention(&Alibi { heads }, x, fwdbwd),
+        "softcap" => time_attention(&CausalSoftcap { cap: 30.0 }, x, fwdbwd),
+        "window" => time_attention(&CausalSlidingWindow { window: 256 }, x, fwdbwd),
+        "prefix" => time_attention(&PrefixLm { prefix: seq / 4 }, x, fwdbwd),
+        other => Err(format!("unknown variant {other:?}").into()),
+    }
+}
+
+fn time_attention<V: Variant>(v: &V, x: &Inputs, fwdbwd: bool) -> BoxResult<f64> {
+    let opts = AttentionOptions::default();
+    let start = Instant::now();
+    let (out, lse) = attention_fwd(v, &x.q, &x.k, &x.v, &opts)?;
+    if fwdbwd {
+        let grads = attention_bwd(v, &x.dout, &x.q, &x.k, &x.v, &out, &lse, &opts)?;
+        drop(grads);
+    }
+    Ok(start.elapsed().as_secs_f64())
+}
+
+/// Peak resident set size of this process in bytes (`VmHWM`).
+fn peak_rss() -> BoxResult<u64> {
+    let status = std::fs::read_to_string("/proc/self/status")?;
+    let kb = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .ok_or("no VmHWM in /proc/self/status")?;
+    Ok(kb * 1024)
+}
+
+fn main() -> BoxResult<()> {
+    let mut server = Server {
+        device: CpuDevice::new(),
+        rng: Rng::new(0x5eed_70c4, 0),
+        inputs: None,
+        gemm: None,
+    };
+    let stdin = std::io::stdin();
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "ready {} threads", rayon::current_num_threads())?;
+    stdout.flush()?;
+    for line in stdin.lock().lines() {
+        let reply = match server.command(&line?) {
+            Ok(Some(reply)) => reply,
+            Ok(None) => break,
+            Err(e) => format!("err {e}"),
+        };
+        writeln!(stdout, "{reply}")?;
+        stdout.flush()?;
+    }
+    Ok(())
+}

@@ -1,0 +1,277 @@
+//! An AVX-512 register-blocked f32 GEMM for attention tiles, with no packing.
+//!
+//! Every tile product of the attention kernels has a right-hand side whose
+//! rows are contiguous (`Kᵀ` and `Vᵀ` tiles laid out `D × Bk`, and `V`, `K`,
+//! `Q`, `dO` tiles `rows × D`), and a left-hand side of at most a few hundred
+//! rows that is read one element at a time. So neither operand needs the
+//! packing a general GEMM does (the `gemm` crate spends about a sixth of the
+//! forward's time copying panels for these small products): the kernel
+//! broadcasts `A[i][p]` straight from memory, whatever `A`'s strides are (a
+//! transposed `P` or `dS` is just another stride), and streams row `p` of
+//! `B` in 16-wide vectors.
+//!
+//! Blocking: `MR = 8` rows × `NR = 32` columns of `C` live in 16 zmm
+//! accumulators; each step of the reduction loads two vectors of `B`, and
+//! does 16 FMAs with eight broadcasts of `A` folded into them as memory
+//! operands. Sixteen independent accumulators cover the FMA latency
+//! (4 cycles × 2 ports). Column tails use masked loads and stores, row tails
+//! a smaller `MR` (a const parameter). Columns are the outer loop, so one
+//! `k × 32` panel of `B` stays in L1 while every row block passes over it.
+//!
+//! Arithmetic: each element of `C` is `fma`-accumulated over `p = 0, 1, …`
+//! in order from zero, then `C = beta·acc` or `C = fma(beta, acc, C)`: the
+//! same bits on every run, whatever the threads.
+
+use std::arch::x86_64::*;
+
+/// Rows of `C` per microkernel call.
+const MR: usize = 8;
+/// 16-lane vectors of `C` per row per microkernel call.
+const NV: usize = 2;
+/// Columns of `C` per microkernel call.
+const NR: usize = 16 * NV;
+
+/// Operands of one product, as raw parts; see [`matmul`].
+#[derive(Clone, Copy)]
+pub(super) struct Operands {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    /// `C[i][j]` at `c + i·ldc + j`.
+    pub c: *mut f32,
+    pub ldc: usize,
+    /// `A[i][p]` at `a + i·a_rs + p·a_cs`.
+    pub a: *const f32,
+    pub a_rs: usize,
+    pub a_cs: usize,
+    /// `B[p][j]` at `b + p·ldb + j`.
+    pub b: *const f32,
+    pub ldb: usize,
+    pub beta: f32,
+    pub accumulate: bool,
+}
+
+/// `C (=|+=) beta · A · B`.
+///
+/// # Safety
+/// The CPU supports AVX-512F; every `C[i][j]`, `A[i][p]`,
+/// `B[p][j]` with `i < m`, `j < n`, `p < k` addressed as documented on
+/// [`Operands`] is in bounds of its allocation; `C` overlaps neither `A`
+/// nor `B`. With `accumulate == false`, `C` is only written.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn matmul(o: Operands) {
+    let mut j0 = 0;
+    while j0 < o.n {
+        let cols = NR.min(o.n - j0);
+        let masks = [tail_mask(cols, 0), tail_mask(cols, 16)];
+        let mut i0 = 0;
+        while i0 < o.m {
+            let rows = MR.min(o.m - i0);
+            // SAFETY: the block `rows × cols` at (i0, j0) lies inside
+            // `m × n`; masked lanes are neither loaded nor stored.
+            unsafe {
+                let block = Operands {
+                    c: o.c.add(i0 * o.ldc + j0),
+                    a: o.a.add(i0 * o.a_rs),
+                    b: o.b.add(j0),
+                    ..o
+                };
+                match rows {
+                    8 => block_kernel::<8>(block, masks),
+                    7 => block_kernel::<7>(block, masks),
+                    6 => block_kernel::<6>(block, masks),
+                    5 => block_kernel::<5>(block, masks),
+                    4 => block_kernel::<4>(block, masks),
+                    3 => block_kernel::<3>(block, masks),
+                    2 => block_kernel::<2>(block, masks),
+                    _ => block_kernel::<1>(block, masks),
+                }
+            }
+            i0 += MR;
+        }
+        j0 += NR;
+    }
+}
+
+/// The lanes of vector `v0 / 16` that hold one of the first `cols` columns.
+#[inline(always)]
+fn tail_mask(cols: usize, v0: usize) -> __mmask16 {
+    let live = cols.saturating_sub(v0).min(16);
+    ((1u32 << live) - 1) as __mmask16
+}
+
+/// One `R × NR` block of `C` (fewer columns where `masks` say so).
+///
+/// # Safety
+/// As [`matmul`], for the block: rows `0..R`, the columns enabled in `masks`.
+#[inline(always)]
+unsafe fn block_kernel<const R: usize>(o: Operands, masks: [__mmask16; NV]) {
+    // SAFETY (whole body): AVX-512F is enabled by the caller's
+    // `target_feature`; every pointer formed addresses an element of the
+    // block (see the function's contract), and masked lanes are not touched.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); NV]; R];
+        if masks[1] == 0xffff {
+            for p in 0..o.k {
+                let b = o.b.add(p * o.ldb);
+                let bv = [_mm512_loadu_ps(b), _mm512_loadu_ps(b.add(16))];
+                let a = o.a.add(p * o.a_cs);
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let ar = _mm512_set1_ps(*a.add(r * o.a_rs));
+                    for v in 0..NV {
+                        acc[v] = _mm512_fmadd_ps(ar, bv[v], acc[v]);
+                    }
+                }
+            }
+        } else {
+            for p in 0..o.k {
+                let b = o.b.add(p * o.ldb);
+                let bv = [
+                    _mm512_maskz_loadu_ps(masks[0], b),
+                    _mm512_maskz_loadu_ps(masks[1], b.add(16)),
+                ];
+                let a = o.a.add(p * o.a_cs);
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let ar = _mm512_set1_ps(*a.add(r * o.a_rs));
+                    for v in 0..NV {
+                        acc[v] = _mm512_fmadd_ps(ar, bv[v], acc[v]);
+                    }
+                }
+            }
+        }
+        let beta = _mm512_set1_ps(o.beta);
+        for (r, acc) in acc.iter().enumerate() {
+            let c = o.c.add(r * o.ldc);
+            for (v, &acc) in acc.iter().enumerate() {
+                let (cv, mask) = (c.add(16 * v), masks[v]);
+                let out = if o.accumulate {
+                    _mm512_fmadd_ps(acc, beta, _mm512_maskz_loadu_ps(mask, cv))
+                } else {
+                    _mm512_mul_ps(acc, beta)
+                };
+                _mm512_mask_storeu_ps(cv, mask, out);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::Rng;
+
+    /// `C (=|+=) beta·A·B` through the kernel against an f64 reference, with
+    /// `A` stored row-major or transposed, `B` with padded rows, `C` poisoned
+    /// (NaN) in overwrite mode so an unwritten element fails, and guard
+    /// elements after `C` that must stay untouched.
+    fn check(m: usize, n: usize, k: usize, a_transposed: bool, accumulate: bool, rng: &mut Rng) {
+        let ldb = n + 3;
+        let a = rng.normal_f32(m * k, 1.0);
+        let b = rng.normal_f32(k * ldb, 1.0);
+        let (a_rs, a_cs) = if a_transposed { (1, m) } else { (k, 1) };
+        let c0 = if accumulate {
+            rng.normal_f32(m * n, 1.0)
+        } else {
+            vec![f32::NAN; m * n]
+        };
+        let guard = 7;
+        let mut c = c0.clone();
+        c.extend(std::iter::repeat_n(-1234.5f32, guard));
+        let beta = 0.37f32;
+        // SAFETY: the test runs only where AVX-512F exists; every index the
+        // kernel forms is inside `a` (m·k), `b` (k·ldb) and `c` (m·n).
+        unsafe {
+            matmul(Operands {
+                m,
+                n,
+                k,
+                c: c.as_mut_ptr(),
+                ldc: n,
+                a: a.as_ptr(),
+                a_rs,
+                a_cs,
+                b: b.as_ptr(),
+                ldb,
+                beta,
+                accumulate,
+            })
+        };
+        for i in 0..m {
+            for j in 0..n {
+                let (mut want, mut mag) = (0.0f64, 0.0f64);
+                for p in 0..k {
+                    let x = a[i * a_rs + p * a_cs] as f64 * b[p * ldb + j] as f64;
+                    want += x;
+                    mag += x.abs();
+                }
+                want *= beta as f64;
+                let base = if accumulate {
+                    c0[i * n + j] as f64
+                } else {
+                    0.0
+                };
+                let got = c[i * n + j] as f64;
+                let tol = 1e-6 * (mag * beta as f64 + base.abs()) + 1e-30;
+                assert!(
+                    (got - want - base).abs() <= tol,
+                    "m={m} n={n} k={k} at ({i},{j}): {got} vs {}",
+                    want + base
+                );
+            }
+        }
+        assert!(c[m * n..].iter().all(|&x| x == -1234.5), "wrote past C");
+    }
+
+    #[test]
+    fn odd_shapes_strides_and_modes_match_f64() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            eprintln!("skipped: no AVX-512F on this CPU");
+            return;
+        }
+        let mut rng = Rng::new(0x6e44, 1);
+        let sizes = [1, 7, 8, 9, 16, 17, 31, 32, 33, 40, 64, 65];
+        for &m in &sizes {
+            for &n in &sizes {
+                for &k in &[0, 1, 5, 64, 129] {
+                    for (t, acc) in [(false, false), (true, true), (false, true), (true, false)] {
+                        check(m, n, k, t, acc, &mut rng);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn same_bits_every_run() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            return;
+        }
+        let mut rng = Rng::new(0x6e45, 1);
+        let (m, n, k) = (37, 45, 96);
+        let a = rng.normal_f32(m * k, 1.0);
+        let b = rng.normal_f32(k * n, 1.0);
+        let run = || {
+            let mut c = vec![0.0f32; m * n];
+            // SAFETY: AVX-512F checked above; shapes match the buffers.
+            unsafe {
+                matmul(Operands {
+                    m,
+                    n,
+                    k,
+                    c: c.as_mut_ptr(),
+                    ldc: n,
+                    a: a.as_ptr(),
+                    a_rs: k,
+                    a_cs: 1,
+                    b: b.as_ptr(),
+                    ldb: n,
+                    beta: 1.0,
+                    accumulate: false,
+                })
+            };
+            c
+        };
+        let first = run();
+        assert!((0..4).all(|_| run() == first));
+    }
+}
