@@ -38,8 +38,6 @@
 //!   the `gemm` crate elsewhere, which round differently.
 
 mod backward;
-#[allow(dead_code)] // not called by the kernels yet
-mod bf16;
 mod forward;
 mod gemm;
 #[doc(hidden)] // public for the code `#[attention]` generates (`score` in f32)
