@@ -5,7 +5,7 @@
 //! It reads one command per line on stdin and answers one line on stdout:
 //!
 //! ```text
-//! attn <variant> <fwd|fwdbwd> <hq> <hkv> <seq> <dim> <f32|bf16>   -> ok <seconds>
+//! attn <variant> <fwd|fwdbwd> <hq> <hkv> <seq> <dim> [f32|bf16]   -> ok <seconds>
 //! gemm <n> <f32>                                                   -> ok <seconds>
 //! mem <variant> <hq> <hkv> <seq> <dim>                             -> ok <json>
 //! quit
@@ -27,6 +27,7 @@
 use boostr_runtime::stock::{Alibi, Causal, CausalSlidingWindow, CausalSoftcap, Full, PrefixLm};
 use boostr_runtime::testing::Rng;
 use boostr_runtime::{AttentionOptions, Variant, attention_bwd, attention_fwd};
+use numr::dtype::DType;
 use numr::prelude::{CpuDevice, CpuRuntime, Tensor};
 use std::error::Error;
 use std::io::{BufRead, Write};
@@ -36,7 +37,7 @@ type BoxResult<T> = Result<T, Box<dyn Error>>;
 
 /// Inputs of the current attention shape.
 struct Inputs {
-    key: (usize, usize, usize, usize),
+    key: (usize, usize, usize, usize, DType),
     q: Tensor<CpuRuntime>,
     k: Tensor<CpuRuntime>,
     v: Tensor<CpuRuntime>,
@@ -51,15 +52,31 @@ struct Server {
 }
 
 impl Server {
-    fn inputs(&mut self, hq: usize, hkv: usize, seq: usize, dim: usize) -> BoxResult<&Inputs> {
-        let key = (hq, hkv, seq, dim);
+    fn inputs(
+        &mut self,
+        hq: usize,
+        hkv: usize,
+        seq: usize,
+        dim: usize,
+        dtype: DType,
+    ) -> BoxResult<&Inputs> {
+        let key = (hq, hkv, seq, dim, dtype);
         if self.inputs.as_ref().is_none_or(|i| i.key != key) {
             self.inputs = None; // free the old shape first
             let qs = [1, hq, seq, dim];
             let ks = [1, hkv, seq, dim];
             let mut make = |shape: &[usize; 4]| {
                 let data = self.rng.normal_f32(shape.iter().product(), 1.0);
-                Tensor::<CpuRuntime>::from_slice(&data, shape, &self.device)
+                match dtype {
+                    DType::BF16 => {
+                        let bytes: Vec<u8> = data
+                            .iter()
+                            .flat_map(|&x| half::bf16::from_f32(x).to_bits().to_le_bytes())
+                            .collect();
+                        Tensor::<CpuRuntime>::from_bytes(&bytes, shape, dtype, &self.device)
+                    }
+                    _ => Tensor::<CpuRuntime>::from_slice(&data, shape, &self.device),
+                }
             };
             self.inputs = Some(Inputs {
                 key,
@@ -81,18 +98,20 @@ impl Server {
         };
         match words.first().copied() {
             Some("attn") => {
-                let (variant, pass, dtype) = (words[1..].first(), words.get(2), words.get(7));
+                let (variant, pass) = (words.get(1), words.get(2));
                 let (hq, hkv, seq, dim) = (num(3)?, num(4)?, num(5)?, num(6)?);
-                if dtype.is_some_and(|d| *d != "f32") {
-                    return Err(format!("dtype {:?} is not supported on the CPU", dtype).into());
-                }
+                let dtype = match words.get(7).copied() {
+                    None | Some("f32") => DType::F32,
+                    Some("bf16") => DType::BF16,
+                    Some(other) => return Err(format!("dtype {other:?}: f32 or bf16").into()),
+                };
                 let fwdbwd = match pass.copied() {
                     Some("fwd") => false,
                     Some("fwdbwd") => true,
                     other => return Err(format!("pass {other:?}: fwd or fwdbwd").into()),
                 };
                 let name = variant.copied().unwrap_or_default();
-                let x = self.inputs(hq, hkv, seq, dim)?;
+                let x = self.inputs(hq, hkv, seq, dim, dtype)?;
                 let secs = time_named(name, x, fwdbwd)?;
                 Ok(Some(format!("ok {secs:.9}")))
             }
@@ -104,7 +123,7 @@ impl Server {
                 let name = words.get(1).copied().unwrap_or_default();
                 let (hq, hkv, seq, dim) = (num(2)?, num(3)?, num(4)?, num(5)?);
                 let before = peak_rss()?;
-                let x = self.inputs(hq, hkv, seq, dim)?;
+                let x = self.inputs(hq, hkv, seq, dim, DType::F32)?;
                 let t = time_named(name, x, true)?;
                 let peak = peak_rss()?;
                 // q, k, v, out and their gradients (dout is out's gradient).
@@ -159,7 +178,7 @@ impl Server {
 
 /// Time one run of the variant named `name` on `x`.
 fn time_named(name: &str, x: &Inputs, fwdbwd: bool) -> BoxResult<f64> {
-    let (hq, _, seq, _) = x.key;
+    let (hq, _, seq, _, _) = x.key;
     let (heads, seq) = (i32::try_from(hq)?, i32::try_from(seq)?);
     match name {
         "full" => time_attention(&Full, x, fwdbwd),

@@ -1,14 +1,16 @@
 //! The numr runtimes that attention runs on. Each backend owns its launch:
 //! there is no dispatch table over targets in shared code.
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::problem::Problem;
 use crate::validate;
 use crate::variant::Variant;
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use numr::dtype::DType;
 use numr::runtime::Runtime;
 use numr::runtime::cpu::CpuRuntime;
 use numr::tensor::Tensor;
+use rayon::prelude::*;
 
 /// A numr runtime with fused attention kernels.
 pub trait AttentionRuntime: Runtime<DType = DType> {
@@ -36,34 +38,127 @@ pub trait AttentionRuntime: Runtime<DType = DType> {
 }
 
 const CPU: &str = "cpu";
-const CPU_DTYPES: &str = "f32";
+const CPU_DTYPES: &str = "f32, f16 and bf16 (f16/bf16 computed in f32)";
 
-/// A contiguous f32 CPU tensor viewed as a slice.
-struct HostF32(Tensor<CpuRuntime>);
+/// Elements per parallel task of the dtype conversions (memory-bound).
+const CONVERT_BLOCK: usize = 1 << 16;
+
+/// An input of the CPU kernels: contiguous f32 on the host. An f32 tensor is
+/// used in place; f16 and bf16 are widened into a copy (exactly: every f16
+/// and bf16 value is an f32), because the kernels compute in f32 — see
+/// [`crate::cpu`] for why that is also the fastest choice for bf16 on CPUs
+/// without AMX.
+enum HostF32 {
+    Tensor(Tensor<CpuRuntime>),
+    Widened(Vec<f32>),
+}
 
 impl HostF32 {
-    fn new(name: &'static str, t: &Tensor<CpuRuntime>) -> Result<Self> {
-        validate::check_dtype(name, t, CPU, &[DType::F32], CPU_DTYPES)?;
-        Ok(Self(t.contiguous()?))
+    /// `t` as f32; its dtype must be f32, f16 or bf16 and equal `dtype`
+    /// (all tensors of one call share q's dtype).
+    fn new(name: &'static str, t: &Tensor<CpuRuntime>, dtype: DType) -> Result<Self> {
+        validate::check_dtype(
+            name,
+            t,
+            CPU,
+            &[DType::F32, DType::F16, DType::BF16],
+            CPU_DTYPES,
+        )?;
+        if t.dtype() != dtype {
+            return Err(Error::DType {
+                name,
+                dtype: t.dtype(),
+                backend: CPU,
+                supported: "the dtype of q (q, k, v, out and dout share one dtype)",
+            });
+        }
+        let t = t.contiguous()?;
+        if dtype == DType::F32 {
+            return Ok(Self::Tensor(t));
+        }
+        let mut wide = vec![0.0f32; t.numel()];
+        // SAFETY: `t` is contiguous with its offset folded into `ptr()` and
+        // holds `numel()` 2-byte values (f16 or bf16 bits, checked above);
+        // `t` outlives the borrow.
+        let bits = unsafe { std::slice::from_raw_parts(t.ptr() as *const u16, t.numel()) };
+        wide.par_chunks_mut(CONVERT_BLOCK)
+            .zip(bits.par_chunks(CONVERT_BLOCK))
+            .for_each(|(dst, src)| match dtype {
+                DType::F16 => src
+                    .reinterpret_cast::<half::f16>()
+                    .convert_to_f32_slice(dst),
+                _ => src
+                    .reinterpret_cast::<half::bf16>()
+                    .convert_to_f32_slice(dst),
+            });
+        Ok(Self::Widened(wide))
     }
 
     fn slice(&self) -> &[f32] {
-        // SAFETY: the tensor is contiguous with its offset folded into `ptr()`,
-        // holds `numel()` f32 values on the host, and `self` keeps its storage
-        // alive for the borrow.
-        unsafe { std::slice::from_raw_parts(self.0.ptr() as *const f32, self.0.numel()) }
+        match self {
+            // SAFETY: the tensor is contiguous f32 with its offset folded
+            // into `ptr()`, holds `numel()` values on the host, and `self`
+            // keeps its storage alive for the borrow.
+            Self::Tensor(t) => unsafe {
+                std::slice::from_raw_parts(t.ptr() as *const f32, t.numel())
+            },
+            Self::Widened(v) => v,
+        }
     }
 }
 
-/// A freshly allocated f32 CPU tensor, written through a slice.
-fn alloc(shape: &[usize], device: &<CpuRuntime as Runtime>::Device) -> Result<Tensor<CpuRuntime>> {
-    Ok(Tensor::<CpuRuntime>::empty(shape, DType::F32, device)?)
+/// An output of the CPU kernels: written as f32, delivered in `dtype`.
+struct Output {
+    tensor: Tensor<CpuRuntime>,
+    /// The f32 values when `dtype` is not f32 (narrowed in [`Output::finish`]).
+    wide: Option<Vec<f32>>,
 }
 
-fn slice_mut(t: &mut Tensor<CpuRuntime>) -> &mut [f32] {
-    // SAFETY: `t` was just allocated by `alloc` and is not shared yet, so this
-    // is the only reference to its `numel()` contiguous f32 values.
-    unsafe { std::slice::from_raw_parts_mut(t.ptr() as *mut f32, t.numel()) }
+impl Output {
+    fn new(
+        shape: &[usize],
+        dtype: DType,
+        device: &<CpuRuntime as Runtime>::Device,
+    ) -> Result<Self> {
+        let tensor = Tensor::<CpuRuntime>::empty(shape, dtype, device)?;
+        let wide = (dtype != DType::F32).then(|| vec![0.0f32; tensor.numel()]);
+        Ok(Self { tensor, wide })
+    }
+
+    /// Where the kernel writes.
+    fn slice_mut(&mut self) -> &mut [f32] {
+        match &mut self.wide {
+            Some(wide) => wide,
+            // SAFETY: the tensor was just allocated as f32 and is not shared
+            // yet, so this is the only reference to its `numel()` contiguous
+            // values.
+            None => unsafe {
+                std::slice::from_raw_parts_mut(self.tensor.ptr() as *mut f32, self.tensor.numel())
+            },
+        }
+    }
+
+    /// The tensor, rounded to its dtype (to nearest, ties to even).
+    fn finish(self) -> Tensor<CpuRuntime> {
+        if let Some(wide) = &self.wide {
+            let n = self.tensor.numel();
+            // SAFETY: the tensor was allocated with 2-byte elements (f16 or
+            // bf16), is contiguous and not shared yet.
+            let bits = unsafe { std::slice::from_raw_parts_mut(self.tensor.ptr() as *mut u16, n) };
+            let dtype = self.tensor.dtype();
+            bits.par_chunks_mut(CONVERT_BLOCK)
+                .zip(wide.par_chunks(CONVERT_BLOCK))
+                .for_each(|(dst, src)| match dtype {
+                    DType::F16 => dst
+                        .reinterpret_cast_mut::<half::f16>()
+                        .convert_from_f32_slice(src),
+                    _ => dst
+                        .reinterpret_cast_mut::<half::bf16>()
+                        .convert_from_f32_slice(src),
+                });
+        }
+        self.tensor
+    }
 }
 
 impl AttentionRuntime for CpuRuntime {
@@ -74,24 +169,24 @@ impl AttentionRuntime for CpuRuntime {
         k: &Tensor<Self>,
         v: &Tensor<Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+        let (dtype, device) = (q.dtype(), q.device());
         let (q, k, v) = (
-            HostF32::new("q", q)?,
-            HostF32::new("k", k)?,
-            HostF32::new("v", v)?,
+            HostF32::new("q", q, dtype)?,
+            HostF32::new("k", k, dtype)?,
+            HostF32::new("v", v, dtype)?,
         );
-        let device = q.0.device();
-        let mut out = alloc(q.0.shape(), device)?;
-        let mut lse = alloc(&[p.batch, p.heads_q, p.seq_q], device)?;
+        let mut out = Output::new(&[p.batch, p.heads_q, p.seq_q, p.head_dim], dtype, device)?;
+        let mut lse = Output::new(&[p.batch, p.heads_q, p.seq_q], DType::F32, device)?;
         crate::cpu::forward(
             variant,
             p,
             q.slice(),
             k.slice(),
             v.slice(),
-            slice_mut(&mut out),
-            slice_mut(&mut lse),
+            out.slice_mut(),
+            lse.slice_mut(),
         );
-        Ok((out, lse))
+        Ok((out.finish(), lse.finish()))
     }
 
     fn attention_backward<V: Variant>(
@@ -104,17 +199,24 @@ impl AttentionRuntime for CpuRuntime {
         lse: &Tensor<Self>,
         dout: &Tensor<Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
+        let dtype = q.dtype();
+        let device = q.device();
+        validate::check_dtype("lse", lse, CPU, &[DType::F32], "f32 for lse")?;
         let (q, k, v) = (
-            HostF32::new("q", q)?,
-            HostF32::new("k", k)?,
-            HostF32::new("v", v)?,
+            HostF32::new("q", q, dtype)?,
+            HostF32::new("k", k, dtype)?,
+            HostF32::new("v", v, dtype)?,
         );
-        let (out, lse) = (HostF32::new("out", out)?, HostF32::new("lse", lse)?);
-        let dout = HostF32::new("dout", dout)?;
-        let device = q.0.device();
-        let mut dq = alloc(q.0.shape(), device)?;
-        let mut dk = alloc(k.0.shape(), device)?;
-        let mut dv = alloc(v.0.shape(), device)?;
+        let (out, lse) = (
+            HostF32::new("out", out, dtype)?,
+            HostF32::new("lse", lse, DType::F32)?,
+        );
+        let dout = HostF32::new("dout", dout, dtype)?;
+        let q_shape = [p.batch, p.heads_q, p.seq_q, p.head_dim];
+        let kv_shape = [p.batch, p.heads_kv, p.seq_k, p.head_dim];
+        let mut dq = Output::new(&q_shape, dtype, device)?;
+        let mut dk = Output::new(&kv_shape, dtype, device)?;
+        let mut dv = Output::new(&kv_shape, dtype, device)?;
         crate::cpu::backward(
             variant,
             p,
@@ -126,10 +228,10 @@ impl AttentionRuntime for CpuRuntime {
                 lse: lse.slice(),
                 dout: dout.slice(),
             },
-            slice_mut(&mut dq),
-            slice_mut(&mut dk),
-            slice_mut(&mut dv),
+            dq.slice_mut(),
+            dk.slice_mut(),
+            dv.slice_mut(),
         );
-        Ok((dq, dk, dv))
+        Ok((dq.finish(), dk.finish(), dv.finish()))
     }
 }

@@ -78,13 +78,31 @@ fn zero_size_dimensions_are_rejected() {
 }
 
 #[test]
-fn only_f32_is_supported_on_the_cpu() {
+fn unsupported_and_mixed_dtypes_are_rejected_on_the_cpu() {
     let device = CpuDevice::new();
     let q = Tensor::<CpuRuntime>::from_slice(&[0.5f64; 16], &[1, 1, 2, 8], &device).unwrap();
     let k = tensor(&[1, 1, 2, 8]);
     let e = attention_fwd(&Full, &q, &k, &k, &AttentionOptions::default()).unwrap_err();
     assert!(matches!(e, Error::DType { name: "q", .. }), "{e}");
     assert!(e.to_string().contains("F64"), "{e}");
+
+    // bf16 q with f32 k: every tensor must share q's dtype.
+    let bits = [0x3f00u16; 16]; // 0.5 in bf16
+    let bytes: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+    let q = Tensor::<CpuRuntime>::from_bytes(&bytes, &[1, 1, 2, 8], DType::BF16, &device).unwrap();
+    let e = attention_fwd(&Full, &q, &k, &k, &AttentionOptions::default()).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::DType {
+                name: "k",
+                dtype: DType::F32,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("dtype of q"), "{e}");
 }
 
 #[test]

@@ -1,0 +1,185 @@
+//! f16 and bf16 inputs on the CPU: the kernels widen them to f32 exactly,
+//! compute in f32 and round the outputs once, so every output must be the
+//! f32 result on the widened inputs, rounded to nearest-even — bit for bit.
+
+use boostr_runtime::stock::{Alibi, Causal, CausalSoftcap};
+use boostr_runtime::testing::Rng;
+use boostr_runtime::{AttentionOptions, Variant, attention_bwd, attention_fwd};
+use numr::prelude::*;
+
+/// A 16-bit float format: rounding from f32 and widening back.
+#[derive(Clone, Copy, Debug)]
+enum Half {
+    F16,
+    Bf16,
+}
+
+impl Half {
+    fn dtype(self) -> DType {
+        match self {
+            Half::F16 => DType::F16,
+            Half::Bf16 => DType::BF16,
+        }
+    }
+
+    /// Round-to-nearest-even bits, computed independently of the library the
+    /// runtime uses: for bf16 the classic bit trick, for f16 a search.
+    fn round(self, x: f32) -> u16 {
+        match self {
+            Half::Bf16 => {
+                let b = x.to_bits();
+                if x.is_nan() {
+                    return ((b >> 16) | 0x40) as u16;
+                }
+                let lsb = (b >> 16) & 1;
+                ((b + 0x7fff + lsb) >> 16) as u16
+            }
+            Half::F16 => f16_nearest(x),
+        }
+    }
+
+    fn widen(self, bits: u16) -> f32 {
+        match self {
+            Half::Bf16 => f32::from_bits((bits as u32) << 16),
+            Half::F16 => {
+                let (sign, exp, man) = ((bits >> 15) & 1, (bits >> 10) & 0x1f, bits & 0x3ff);
+                let mag = match exp {
+                    0 => man as f32 * 2f32.powi(-24),
+                    31 if man == 0 => f32::INFINITY,
+                    31 => f32::NAN,
+                    _ => (1024 + man) as f32 * 2f32.powi(exp as i32 - 25),
+                };
+                if sign == 1 { -mag } else { mag }
+            }
+        }
+    }
+}
+
+/// f32 → f16 bits, to nearest with ties to even, by search: the largest
+/// f16 at or below `|x|` and its successor, compared in f64 (exact for both).
+fn f16_nearest(x: f32) -> u16 {
+    if x.is_nan() {
+        return 0x7e00;
+    }
+    let sign = if x.is_sign_negative() { 0x8000 } else { 0 };
+    let a = x.abs() as f64;
+    let widen = |bits: u16| Half::F16.widen(bits) as f64;
+    // Largest finite pattern with value ≤ a (patterns are ordered like values).
+    let (mut lo, mut hi) = (0u16, 0x7bffu16);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if widen(mid) <= a {
+            lo = mid
+        } else {
+            hi = mid - 1
+        }
+    }
+    if lo == 0x7bff {
+        // Past the largest finite f16 (65504): inf from 65520 (half an ulp) on.
+        return sign | if a >= 65520.0 { 0x7c00 } else { 0x7bff };
+    }
+    let (below, above) = (a - widen(lo), widen(lo + 1) - a);
+    let pick = if below < above || (below == above && lo % 2 == 0) {
+        lo
+    } else {
+        lo + 1
+    };
+    sign | pick
+}
+
+fn half_tensor(h: Half, bits: &[u16], shape: &[usize]) -> Tensor<CpuRuntime> {
+    let bytes: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+    Tensor::<CpuRuntime>::from_bytes(&bytes, shape, h.dtype(), &CpuDevice::new()).unwrap()
+}
+
+fn f32_tensor(data: &[f32], shape: &[usize]) -> Tensor<CpuRuntime> {
+    Tensor::<CpuRuntime>::from_slice(data, shape, &CpuDevice::new()).unwrap()
+}
+
+fn check<V: Variant>(
+    variant: &V,
+    h: Half,
+    (b, hq, hkv, sq, sk, d): (usize, usize, usize, usize, usize, usize),
+) {
+    let mut rng = Rng::new(0xd7e5, (sq * 131 + d) as u64);
+    let qs = [b, hq, sq, d];
+    let ks = [b, hkv, sk, d];
+    let rounded = |n: usize, rng: &mut Rng| -> Vec<u16> {
+        rng.normal_f32(n, 1.0).iter().map(|&x| h.round(x)).collect()
+    };
+    let (q, k, v, dout) = (
+        rounded(qs.iter().product(), &mut rng),
+        rounded(ks.iter().product(), &mut rng),
+        rounded(ks.iter().product(), &mut rng),
+        rounded(qs.iter().product(), &mut rng),
+    );
+    let wide = |x: &[u16]| x.iter().map(|&b| h.widen(b)).collect::<Vec<f32>>();
+    let opts = AttentionOptions::default();
+
+    let (qh, kh, vh, doh) = (
+        half_tensor(h, &q, &qs),
+        half_tensor(h, &k, &ks),
+        half_tensor(h, &v, &ks),
+        half_tensor(h, &dout, &qs),
+    );
+    let (qf, kf, vf, dof) = (
+        f32_tensor(&wide(&q), &qs),
+        f32_tensor(&wide(&k), &ks),
+        f32_tensor(&wide(&v), &ks),
+        f32_tensor(&wide(&dout), &qs),
+    );
+
+    let (out_h, lse_h) = attention_fwd(variant, &qh, &kh, &vh, &opts).unwrap();
+    let (out_f, lse_f) = attention_fwd(variant, &qf, &kf, &vf, &opts).unwrap();
+    assert_eq!((out_h.dtype(), lse_h.dtype()), (h.dtype(), DType::F32));
+    assert_eq!(lse_h.to_vec::<f32>(), lse_f.to_vec::<f32>(), "{h:?} lse");
+    let same = |name: &str, got: &Tensor<CpuRuntime>, want: &Tensor<CpuRuntime>| {
+        assert_eq!(got.dtype(), h.dtype(), "{name} dtype");
+        let got = got.to_vec::<u16>();
+        let want: Vec<u16> = want.to_vec::<f32>().iter().map(|&x| h.round(x)).collect();
+        let bad = got.iter().zip(&want).position(|(a, b)| a != b);
+        assert!(
+            bad.is_none(),
+            "{} {h:?} {name}: element {bad:?} differs",
+            V::NAME
+        );
+    };
+    same("out", &out_h, &out_f);
+
+    // The backward reads `out` in the inputs' dtype, as autograd hands it back.
+    let out_f_rounded = f32_tensor(&wide(&out_h.to_vec::<u16>()), &qs);
+    let (dq_h, dk_h, dv_h) =
+        attention_bwd(variant, &doh, &qh, &kh, &vh, &out_h, &lse_h, &opts).unwrap();
+    let (dq_f, dk_f, dv_f) =
+        attention_bwd(variant, &dof, &qf, &kf, &vf, &out_f_rounded, &lse_f, &opts).unwrap();
+    same("dq", &dq_h, &dq_f);
+    same("dk", &dk_h, &dk_f);
+    same("dv", &dv_h, &dv_f);
+}
+
+#[test]
+fn half_inputs_give_the_rounded_f32_results() {
+    for h in [Half::Bf16, Half::F16] {
+        check(&Causal, h, (1, 4, 2, 77, 77, 64));
+        check(&Alibi { heads: 4 }, h, (2, 4, 4, 33, 90, 40));
+        check(&CausalSoftcap { cap: 5.0 }, h, (1, 2, 1, 130, 65, 128));
+    }
+}
+
+#[test]
+fn the_reference_roundings_are_right() {
+    // Exact values, ties to even, subnormals, overflow.
+    let cases: [(f32, u16, u16); 6] = [
+        (1.0, 0x3c00, 0x3f80),
+        (1.0 + 2f32.powi(-11), 0x3c00, 0x3f80), // f16 tie → even (down)
+        (1.0 + 3.0 * 2f32.powi(-11), 0x3c02, 0x3f80), // f16 tie → even (up)
+        (1.0 + 2f32.powi(-8), 0x3c04, 0x3f80),  // bf16 tie → even (down)
+        (2f32.powi(-24), 0x0001, 0x3380),       // smallest f16 subnormal
+        (65520.0, 0x7c00, 0x4780),              // f16 overflow to inf
+    ];
+    for (x, f16, bf16) in cases {
+        assert_eq!(Half::F16.round(x), f16, "f16 of {x}");
+        assert_eq!(Half::Bf16.round(x), bf16, "bf16 of {x}");
+        assert_eq!(Half::F16.round(-x), f16 | 0x8000, "f16 of -{x}");
+    }
+}
