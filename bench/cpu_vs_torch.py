@@ -44,6 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ["gemm", "plain", "custom", "bf16", "mem"]
 CUSTOM = ["alibi", "softcap", "window", "prefix"]
 WINDOW = 256
+PAUSE = 0.1
 CAP = 30.0
 
 
@@ -54,7 +55,7 @@ def parse_args():
     p.add_argument("--dim", type=ints, default=[64, 128])
     p.add_argument("--hkv", type=ints, default=[8, 2])
     p.add_argument("--hq", type=int, default=8)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=6)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--quick", action="store_true", help="S = 1024 only")
     p.add_argument("--section", default=",".join(s for s in SECTIONS if s != "mem"),
@@ -139,17 +140,20 @@ def flops(variant, pass_, hq, s, d):
 
 def interleaved(reps, a, b):
     """Median seconds of `a` and `b` (callables returning seconds; `b` may be
-    None) over `reps` timed runs each, in alternating bursts: each burst starts
-    with an untimed run, then times up to two. The untimed run absorbs the
-    cost of switching implementations: right after one side's run, the other
-    side's first run is slowed by the first side's threads still spinning
-    (OpenMP) or waking (rayon) — measured at up to 1.7x on 2 cores."""
+    None) over `reps` timed runs each, in alternating bursts. Each burst
+    starts after a pause of PAUSE seconds with an untimed run, then times up
+    to three. The pause and the untimed run keep one side's threads out of
+    the other's measurement: right after one side's run, the other side's
+    first run is slowed by the first side's threads still spinning (OpenMP,
+    rayon) — by up to 1.7x, measured on 2 cores."""
     ta, tb = [], []
     while len(ta) < reps:
-        n = min(2, reps - len(ta))
+        n = min(3, reps - len(ta))
+        time.sleep(PAUSE)
         a()
         ta += [a() for _ in range(n)]
         if b:
+            time.sleep(PAUSE)
             b()
             tb += [b() for _ in range(n)]
     return statistics.median(ta), (statistics.median(tb) if b else None)
