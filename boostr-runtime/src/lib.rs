@@ -31,8 +31,9 @@
 //!   classifier that lets kernels skip empty tiles and unmasked full tiles.
 //!   [`Variant::compiled`] prints what it made.
 //!
-//! Backends: numr's `CpuRuntime` always; with the `wgpu` cargo feature, numr's
-//! `WgpuRuntime` too (the WGSL kernels, f32 only).
+//! Backends: numr's `CpuRuntime` always (f32, and f16/bf16 computed in f32);
+//! with the `wgpu` cargo feature, numr's `WgpuRuntime` too (the WGSL kernels,
+//! f32 only); with the `cuda` feature, numr's `CudaRuntime` (f32, f16, bf16).
 
 extern crate self as boostr_runtime;
 
