@@ -45,6 +45,7 @@ SECTIONS = ["gemm", "plain", "custom", "bf16", "mem"]
 CUSTOM = ["alibi", "softcap", "window", "prefix"]
 WINDOW = 256
 PAUSE = 0.1
+SHORT = 0.05
 CAP = 30.0
 
 
@@ -140,13 +141,17 @@ def flops(variant, pass_, hq, s, d):
 
 def interleaved(reps, a, b):
     """Median seconds of `a` and `b` (callables returning seconds; `b` may be
-    None) over `reps` timed runs each, in alternating bursts. Each burst
+    None) over `reps` timed runs each (three times as many when `a` takes
+    under SHORT seconds), in alternating bursts. Each burst
     starts after a pause of PAUSE seconds with an untimed run, then times up
     to three. The pause and the untimed run keep one side's threads out of
     the other's measurement: right after one side's run, the other side's
     first run is slowed by the first side's threads still spinning (OpenMP,
     rayon) — by up to 1.7x, measured on 2 cores."""
     ta, tb = [], []
+    # Short runs are the noisiest and the cheapest: three times the runs.
+    if a() < SHORT:
+        reps *= 3
     while len(ta) < reps:
         n = min(3, reps - len(ta))
         time.sleep(PAUSE)
@@ -275,7 +280,9 @@ def main():
     th = Torch(torch, args.threads, not args.no_flex)
     print(f"boostr CPU vs PyTorch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), "
           f"{args.threads} threads (boostr: {server.banner}); B=1, Hq={args.hq}; "
-          f"median of {args.reps} alternating runs after a warm-up; ratio = torch time / boostr time")
+          f"median of {args.reps} runs ({3 * args.reps} under {SHORT * 1e3:.0f} ms), alternating in bursts "
+          f"that each start after a {PAUSE * 1e3:.0f} ms pause with an untimed run; "
+          f"ratio = torch time / boostr time")
     cpu0 = os.times()
 
     if "gemm" in args.section:
