@@ -139,29 +139,36 @@ def flops(variant, pass_, hq, s, d):
     return fwd * (3.5 if pass_ == "fwdbwd" else 1.0)
 
 
-def interleaved(reps, a, b):
-    """Median seconds of `a` and `b` (callables returning seconds; `b` may be
-    None) over `reps` timed runs each (three times as many when `a` takes
-    under SHORT seconds), in alternating bursts. Each burst
-    starts after a pause of PAUSE seconds with an untimed run, then times up
-    to three. The pause and the untimed run keep one side's threads out of
-    the other's measurement: right after one side's run, the other side's
-    first run is slowed by the first side's threads still spinning (OpenMP,
-    rayon) — by up to 1.7x, measured on 2 cores."""
-    ta, tb = [], []
+def interleaved(reps, *sides):
+    """Median seconds of each side (callables returning seconds; None sides
+    are skipped and give None) over `reps` timed runs each (three times as
+    many when the first side takes under SHORT seconds), in alternating
+    bursts. Each burst starts after a pause of PAUSE seconds with an untimed
+    run, then times up to three. The pause and the untimed run keep one
+    side's threads out of the other's measurement: right after one side's
+    run, the other side's first run is slowed by the first side's threads
+    still spinning (OpenMP, rayon) — by up to 1.7x, measured on 2 cores."""
+    times = [[] for _ in sides]
     # Short runs are the noisiest and the cheapest: three times the runs.
-    if a() < SHORT:
+    if sides[0]() < SHORT:
         reps *= 3
-    while len(ta) < reps:
-        n = min(3, reps - len(ta))
-        time.sleep(PAUSE)
-        a()
-        ta += [a() for _ in range(n)]
-        if b:
-            time.sleep(PAUSE)
-            b()
-            tb += [b() for _ in range(n)]
-    return statistics.median(ta), (statistics.median(tb) if b else None)
+    while len(times[0]) < reps:
+        n = min(3, reps - len(times[0]))
+        for side, ts in zip(sides, times):
+            if side:
+                pause()
+                side()
+                ts += [side() for _ in range(n)]
+    return [statistics.median(ts) if ts else None for ts in times]
+
+
+PAUSED = [0.0]
+
+
+def pause():
+    """Sleep PAUSE seconds, and count them (they are left out of the CPU-time check)."""
+    time.sleep(PAUSE)
+    PAUSED[0] += PAUSE
 
 
 def timed(fn):
@@ -291,8 +298,9 @@ def main():
         b = torch.randn(n, n)
         ab16, bb16 = a.bfloat16(), b.bfloat16()
         f = 2 * n ** 3
-        crate, tmm = interleaved(args.reps, lambda: server.time(f"gemm {n} f32"), lambda: timed(lambda: torch.mm(a, b)))
-        _, tbf = interleaved(args.reps, lambda: 0.0, lambda: timed(lambda: torch.mm(ab16, bb16)))
+        crate, tmm, tbf = interleaved(args.reps, lambda: server.time(f"gemm {n} f32"),
+                                      lambda: timed(lambda: torch.mm(a, b)),
+                                      lambda: timed(lambda: torch.mm(ab16, bb16)))
         rows = [["gemm crate (boostr's tile kernel), f32", fmt_ms(crate), fmt_gf(gflops(f, crate))],
                 ["torch.mm, f32", fmt_ms(tmm), fmt_gf(gflops(f, tmm))],
                 ["torch.mm, bf16", fmt_ms(tbf), fmt_gf(gflops(f, tbf))]]
@@ -318,7 +326,7 @@ def main():
                                 tb, tt = interleaved(args.reps, lambda: server.time(cmd), th.sdpa(variant, pass_, x))
                             except RuntimeError as e:
                                 print(f"boostr: {e}", file=sys.stderr)
-                                _, tt = interleaved(args.reps, lambda: 0.0, th.sdpa(variant, pass_, x))
+                                [tt] = interleaved(args.reps, th.sdpa(variant, pass_, x))
                                 tb = None
                             f = flops(variant, pass_, args.hq, s, d)
                             gb, gt = (gflops(f, tb) if tb else None), gflops(f, tt)
@@ -344,10 +352,7 @@ def main():
             for d in args.dim:
                 for s in args.seq:
                     x = th.inputs(args.hq, hkv, s, d, "f32")
-                    server.time(f"attn causal fwd {args.hq} {hkv} {s} {d} f32")  # warm-up
-                    causal_fwd = statistics.median(
-                        [server.time(f"attn causal fwd {args.hq} {hkv} {s} {d} f32") for _ in range(args.reps)])
-                    causal_gf = gflops(flops("causal", "fwd", args.hq, s, d), causal_fwd)
+                    causal = f"attn causal fwd {args.hq} {hkv} {s} {d} f32"
                     for variant in CUSTOM:
                         cmd = f"attn {variant} fwd {args.hq} {hkv} {s} {d} f32"
                         flex = None
@@ -356,12 +361,15 @@ def main():
                                 flex = th.flex_fn(variant, x)
                             except Exception as e:
                                 print(f"flex {variant}: {type(e).__name__}: {e}", file=sys.stderr)
-                        tb, tf = interleaved(args.reps, lambda: server.time(cmd), flex)
-                        tbb, _ = interleaved(args.reps,
-                                             lambda: server.time(f"attn {variant} fwdbwd {args.hq} {hkv} {s} {d} f32"),
-                                             None)
+                        # The variant, plain causal on the same shape (for the
+                        # per-pair comparison) and flex, interleaved.
+                        tb, causal_fwd, tf = interleaved(
+                            args.reps, lambda: server.time(cmd), lambda: server.time(causal), flex)
+                        [tbb] = interleaved(
+                            args.reps, lambda: server.time(f"attn {variant} fwdbwd {args.hq} {hkv} {s} {d} f32"))
                         f = flops(variant, "fwd", args.hq, s, d)
                         gb = gflops(f, tb)
+                        causal_gf = gflops(flops("causal", "fwd", args.hq, s, d), causal_fwd)
                         row = [variant, str(hkv), str(s), str(d), fmt_ms(tb), fmt_gf(gb),
                                f"{100 * gb / causal_gf:.0f}%", fmt_ms(tf), fmt_gf(gflops(f, tf) if tf else None),
                                fmt_ratio(tf / tb if tf else None), fmt_ms(tbb), fmt_gf(gflops(3.5 * f, tbb))]
@@ -378,8 +386,10 @@ def main():
     used = (cpu1.children_user + cpu1.children_system - cpu0.children_user - cpu0.children_system
             + cpu1.user + cpu1.system - cpu0.user - cpu0.system)
     wall = cpu1.elapsed - cpu0.elapsed
-    print(f"\nwall {wall:.0f} s; CPU time of both processes {100 * used / (wall * args.threads):.0f}% of "
-          f"{args.threads} threads × wall (well below 100% means something else shared the cores)")
+    busy = wall - PAUSED[0]
+    print(f"\nwall {wall:.0f} s ({PAUSED[0]:.0f} s of it in pauses); CPU time of both processes "
+          f"{100 * used / (busy * args.threads):.0f}% of {args.threads} threads × the time outside pauses "
+          f"(well below 100% means something else shared the cores)")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)
