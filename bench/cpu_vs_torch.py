@@ -14,8 +14,9 @@ each time is the median of --reps runs, taken in alternating bursts that each
 begin with an untimed run (see `interleaved`).
 
 Sections:
-  gemm    f32 GEMM throughput, n = 4096: the `gemm` crate (the kernel boostr's tiles
-          use, on every thread) and torch.mm; bf16 torch.mm for reference.
+  gemm    f32 GEMM throughput, n = 4096: the `gemm` crate (on every thread) and
+          torch.mm; bf16 torch.mm for reference. Then attention-sized tile
+          products on one thread: boostr's AVX-512 tile kernel and the gemm crate.
   plain   full and causal attention, forward and forward+backward: boostr against
           torch.nn.functional.scaled_dot_product_attention.
   custom  ALiBi (causal), softcap 30 (causal), causal sliding window 256, prefix-LM
@@ -301,13 +302,29 @@ def main():
         crate, tmm, tbf = interleaved(args.reps, lambda: server.time(f"gemm {n} f32"),
                                       lambda: timed(lambda: torch.mm(a, b)),
                                       lambda: timed(lambda: torch.mm(ab16, bb16)))
-        rows = [["gemm crate (boostr's tile kernel), f32", fmt_ms(crate), fmt_gf(gflops(f, crate))],
+        rows = [["gemm crate, f32", fmt_ms(crate), fmt_gf(gflops(f, crate))],
                 ["torch.mm, f32", fmt_ms(tmm), fmt_gf(gflops(f, tmm))],
                 ["torch.mm, bf16", fmt_ms(tbf), fmt_gf(gflops(f, tbf))]]
         table(f"GEMM {n}×{n}×{n}", ["kernel", "ms", "GFLOP/s"], rows)
         results += [dict(section="gemm", kernel=k, seconds=t) for k, t in
                     [("gemm-crate-f32", crate), ("torch-mm-f32", tmm), ("torch-mm-bf16", tbf)]]
         gemm_gf = gflops(f, crate)
+
+        # Attention-sized tile products on one thread: boostr's AVX-512 tile
+        # kernel against the gemm crate (the best of --reps calls of 20 000).
+        rows = []
+        for m, n_, k, layout in ((64, 64, 64, "n"), (64, 64, 64, "t"), (64, 128, 64, "n"), (64, 64, 128, "n")):
+            ours, theirs = [], []
+            for _ in range(args.reps):
+                a_, b_ = server.ask(f"tile {m} {n_} {k} {layout} 20000").split()
+                ours.append(float("nan") if a_ == "none" else float(a_))
+                theirs.append(float(b_))
+            tf = 2 * m * n_ * k * 20000
+            rows.append([f"{m}×{n_}×{k}" + (", A transposed" if layout == "t" else ""),
+                         fmt_gf(gflops(tf, min(ours))), fmt_gf(gflops(tf, min(theirs)))])
+            results.append(dict(section="tile", shape=[m, n_, k, layout], ours=min(ours), gemm=min(theirs)))
+        table("Tile products C += A·B on one thread, best of --reps × 20 000 calls",
+              ["m×n×k", "boostr tile kernel GFLOP/s", "gemm crate GFLOP/s"], rows)
     else:
         gemm_gf = None
 

@@ -7,6 +7,7 @@
 //! ```text
 //! attn <variant> <fwd|fwdbwd> <hq> <hkv> <seq> <dim> [f32|bf16]   -> ok <seconds>
 //! gemm <n> <f32>                                                   -> ok <seconds>
+//! tile <m> <n> <k> <n|t> <iters>                  -> ok <tile kernel seconds|none> <gemm crate seconds>
 //! mem <variant> <hq> <hkv> <seq> <dim>                             -> ok <json>
 //! quit
 //! ```
@@ -15,8 +16,11 @@
 //! `window` (causal sliding window of 256), `prefix` (prefix-LM, prefix S/4).
 //! `attn` times one run (B = 1) on inputs made when the shape last changed;
 //! `fwdbwd` is `attention_fwd` followed by `attention_bwd`. `gemm` times one
-//! `n × n × n` f32 product through the `gemm` crate on every rayon thread —
-//! the kernel the attention tiles use. `mem` runs forward+backward once and
+//! `n × n × n` f32 product through the `gemm` crate on every rayon thread
+//! (boostr's tile products use it on CPUs without AVX-512). `tile` times
+//! `iters` single-threaded tile products `C += A·B` (`t`: `A` stored
+//! transposed) through boostr's AVX-512 tile kernel and through the `gemm`
+//! crate. `mem` runs forward+backward once and
 //! reports the peak resident set (`VmHWM`) against the size of q, k, v, out
 //! and their gradients; run it in a fresh process. Errors answer `err <message>`.
 //!
@@ -114,6 +118,18 @@ impl Server {
                 let x = self.inputs(hq, hkv, seq, dim, dtype)?;
                 let secs = time_named(name, x, fwdbwd)?;
                 Ok(Some(format!("ok {secs:.9}")))
+            }
+            Some("tile") => {
+                let (m, n, k, iters) = (num(1)?, num(2)?, num(3)?, num(5)?);
+                let transposed = match words.get(4).copied() {
+                    Some("t") => true,
+                    Some("n") => false,
+                    other => return Err(format!("A layout {other:?}: n or t").into()),
+                };
+                let (ours, theirs) =
+                    boostr_runtime::cpu::time_tile_products(m, n, k, transposed, iters);
+                let ours = ours.map_or("none".to_string(), |t| format!("{t:.9}"));
+                Ok(Some(format!("ok {ours} {theirs:.9}")))
             }
             Some("gemm") => {
                 let n = num(1)?;

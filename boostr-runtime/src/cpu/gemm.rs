@@ -99,50 +99,73 @@ pub enum Write {
     Accumulate,
 }
 
-/// `dst (=|+=) beta · lhs · rhs` with `gemm::gemm`, single-threaded.
+/// `dst (=|+=) beta · lhs · rhs`, single-threaded: the AVX-512 tile kernel
+/// where it applies, else `gemm::gemm`.
 ///
 /// Panics if the shapes disagree.
 #[inline]
-pub fn matmul(dst: MatMut<'_>, write: Write, lhs: MatRef<'_>, rhs: MatRef<'_>, beta: f32) {
+pub fn matmul(mut dst: MatMut<'_>, write: Write, lhs: MatRef<'_>, rhs: MatRef<'_>, beta: f32) {
     assert_eq!(lhs.cols, rhs.rows, "inner dimensions differ");
     assert_eq!((dst.rows, dst.cols), (lhs.rows, rhs.cols), "output shape");
-    let (m, n, k) = (dst.rows, dst.cols, lhs.cols);
-    if m == 0 || n == 0 {
+    if dst.rows == 0 || dst.cols == 0 {
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if rhs.cs == 1 && super::simd::avx512() {
-        let o = super::microkernel::Operands {
-            m,
-            n,
-            k,
-            c: dst.data.as_mut_ptr(),
-            ldc: dst.cols,
-            a: lhs.data.as_ptr(),
-            a_rs: lhs.rs,
-            a_cs: lhs.cs,
-            b: rhs.data.as_ptr(),
-            ldb: rhs.rs,
-            beta,
-            accumulate: write == Write::Accumulate,
-        };
-        // SAFETY: AVX-512F was just detected. The views' constructors
-        // checked that every `(i, j)` inside their shape lies in their
-        // slice for their strides (`t()` only swaps them), and the shapes
-        // agree (above), so every `C[i][j]`, `A[i][p]`, `B[p][j]` the kernel
-        // forms is in bounds; `dst` is a unique borrow, so it overlaps no
-        // operand.
-        unsafe { super::microkernel::matmul(o) };
+    if super::simd::avx512() && tile_kernel(&mut dst, write, lhs, rhs, beta) {
         return;
     }
+    crate_gemm(&mut dst, write, lhs, rhs, beta);
+}
+
+/// [`matmul`] on the AVX-512 tile kernel (`microkernel`); does nothing and
+/// returns `false` when the CPU lacks AVX-512F or `rhs` has non-contiguous
+/// rows. Shapes already checked by the caller.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn tile_kernel(
+    dst: &mut MatMut<'_>,
+    write: Write,
+    lhs: MatRef<'_>,
+    rhs: MatRef<'_>,
+    beta: f32,
+) -> bool {
+    if rhs.cs != 1 || !std::arch::is_x86_feature_detected!("avx512f") {
+        return false;
+    }
+    let o = super::microkernel::Operands {
+        m: dst.rows,
+        n: dst.cols,
+        k: lhs.cols,
+        c: dst.data.as_mut_ptr(),
+        ldc: dst.cols,
+        a: lhs.data.as_ptr(),
+        a_rs: lhs.rs,
+        a_cs: lhs.cs,
+        b: rhs.data.as_ptr(),
+        ldb: rhs.rs,
+        beta,
+        accumulate: write == Write::Accumulate,
+    };
+    // SAFETY: AVX-512F was just detected. The views' constructors checked
+    // that every `(i, j)` inside their shape lies in their slice for their
+    // strides (`t()` only swaps them), and the caller checked that the shapes
+    // agree, so every `C[i][j]`, `A[i][p]`, `B[p][j]` the kernel forms is in
+    // bounds; `dst` is a unique borrow, so it overlaps no operand.
+    unsafe { super::microkernel::matmul(o) };
+    true
+}
+
+/// [`matmul`] on `gemm::gemm`. Shapes already checked by the caller.
+fn crate_gemm(dst: &mut MatMut<'_>, write: Write, lhs: MatRef<'_>, rhs: MatRef<'_>, beta: f32) {
+    let (m, n, k) = (dst.rows, dst.cols, lhs.cols);
     // Views over slices shorter than their extent cannot be built, and a
     // zero-sized inner dimension makes `gemm` touch only `dst`.
     let s = |x: usize| x as isize;
     // SAFETY: the constructors of `MatRef`/`MatMut` checked that every
     // `(i, j)` with `i < rows`, `j < cols` lies inside the viewed slice for
     // their strides, and `t()` only permutes (rows, rs) with (cols, cs), so
-    // the extent `(rows-1)*rs + (cols-1)*cs` is unchanged. The shapes were
-    // checked above, so `gemm` accesses `dst` at `m × n`, `lhs` at `m × k`,
+    // the extent `(rows-1)*rs + (cols-1)*cs` is unchanged. The caller checked
+    // the shapes, so `gemm` accesses `dst` at `m × n`, `lhs` at `m × k`,
     // `rhs` at `k × n`, all in bounds. `dst` is borrowed mutably, so it does
     // not overlap `lhs` or `rhs` (shared borrows). With `read_dst = false`
     // `gemm` sets alpha to zero and never reads `dst`.
@@ -169,6 +192,65 @@ pub fn matmul(dst: MatMut<'_>, write: Write, lhs: MatRef<'_>, rhs: MatRef<'_>, b
             gemm::Parallelism::None,
         );
     }
+}
+
+/// Seconds for `iters` single-threaded tile products `C += A·B` of
+/// `m × n × k` (`A` stored transposed when `a_transposed`, as the backward's
+/// `Pᵀ dO` and `dSᵀ Q` are): through the AVX-512 tile kernel (`None` without
+/// AVX-512F) and through the `gemm` crate. For the `tile` command of the
+/// `cpu_vs_torch` example; not part of the API.
+#[doc(hidden)]
+pub fn time_tile_products(
+    m: usize,
+    n: usize,
+    k: usize,
+    a_transposed: bool,
+    iters: usize,
+) -> (Option<f64>, f64) {
+    let fill = |len: usize, seed: usize| -> Vec<f32> {
+        (0..len)
+            .map(|i| ((i * 7919 + seed) % 1021) as f32 / 1021.0 - 0.5)
+            .collect()
+    };
+    let (a, b) = (fill(m * k, 1), fill(k * n, 2));
+    let mut c = vec![0.0f32; m * n];
+    let lhs = if a_transposed {
+        MatRef::row_major(&a, k, m).t()
+    } else {
+        MatRef::row_major(&a, m, k)
+    };
+    let rhs = MatRef::row_major(&b, k, n);
+    let time = |run: &mut dyn FnMut()| {
+        let start = std::time::Instant::now();
+        for _ in 0..iters {
+            run();
+        }
+        start.elapsed().as_secs_f64()
+    };
+    #[cfg(target_arch = "x86_64")]
+    let ours = std::arch::is_x86_feature_detected!("avx512f").then(|| {
+        time(&mut || {
+            tile_kernel(
+                &mut MatMut::row_major(&mut c, m, n),
+                Write::Accumulate,
+                lhs,
+                rhs,
+                1.0,
+            );
+        })
+    });
+    #[cfg(not(target_arch = "x86_64"))]
+    let ours = None;
+    let theirs = time(&mut || {
+        crate_gemm(
+            &mut MatMut::row_major(&mut c, m, n),
+            Write::Accumulate,
+            lhs,
+            rhs,
+            1.0,
+        );
+    });
+    (ours, theirs)
 }
 
 /// Write the transpose of the row-major `rows × cols` matrix `src` into

@@ -4,8 +4,8 @@
 //! rows are contiguous (`Kᵀ` and `Vᵀ` tiles laid out `D × Bk`, and `V`, `K`,
 //! `Q`, `dO` tiles `rows × D`), and a left-hand side of at most a few hundred
 //! rows that is read one element at a time. So neither operand needs the
-//! packing a general GEMM does (the `gemm` crate spends about a sixth of the
-//! forward's time copying panels for these small products): the kernel
+//! packing a general GEMM does (with the `gemm` crate, `perf` put 8–11% of
+//! the forward's time in its panel copies for these small products): the kernel
 //! broadcasts `A[i][p]` straight from memory, whatever `A`'s strides are (a
 //! transposed `P` or `dS` is just another stride), and streams row `p` of
 //! `B` in 16-wide vectors.
@@ -19,11 +19,11 @@
 //! a smaller `MR` (a const parameter). Columns are the outer loop, so one
 //! `k × 64` panel of `B` stays in L1 while every row block passes over it.
 //!
-//! Measured single-threaded on a 2-core AVX-512 Xeon (best of 5 × 20 000
-//! calls; the machine's FMA peak is about 193 GFLOP/s per core): 64×64×64
-//! at 180–183 GFLOP/s (the `gemm` crate: 163–166), with `A` transposed
-//! 171–187 (156–162), 64×128×64 at 174 (151–159), 64×64×128 at 177–187
-//! (156–166). An 8 × 32 blocking (16 accumulators) reached 120–167.
+//! Measured single-threaded on a 2-core AVX-512 Xeon, best of 5 × 20 000
+//! calls, over three runs of `python3 bench/cpu_vs_torch.py --section gemm`
+//! (its `tile` rows), in GFLOP/s, the `gemm` crate in brackets: 64×64×64
+//! 152–196 (130–180), with `A` transposed 180–193 (152–171), 64×128×64
+//! 181–192 (153–155), 64×64×128 194–200 (165–171).
 //!
 //! Arithmetic: each element of `C` is `fma`-accumulated over `p = 0, 1, …`
 //! in order from zero, then `C = beta·acc` or `C = fma(beta, acc, C)`: the

@@ -50,6 +50,8 @@ mod tile;
 #[cfg(test)]
 mod tests;
 
+#[doc(hidden)] // for the benchmark example
+pub use gemm::time_tile_products;
 pub use tile::CpuTiles;
 
 use crate::problem::Problem;
