@@ -2,6 +2,13 @@
 //! over contiguous f32 slices, generic over the [`Variant`] so that `score`,
 //! `score_grad`, `mask` and `classify_tile` inline into the tile loops.
 //!
+//! Why f32 only: f16 and bf16 tensors are widened to f32 by the CPU backend
+//! (exactly) and the results rounded once. A bf16 tile product on
+//! AVX512-BF16 (`vdpbf16ps`) would halve the operands' bytes, but on the
+//! Xeons without AMX we measured, that instruction issues at half the rate of
+//! f32 FMAs, so it would be slower than these kernels; AMX tiles would be the
+//! path that pays, on CPUs that have them.
+//!
 //! Layout and semantics are those of [`Problem`]: `q, out [B, Hq, Sq, D]`,
 //! `k, v [B, Hkv, Sk, D]`, `lse [B, Hq, Sq]`, query head `h` reads kv head
 //! `h / (Hq / Hkv)`, query row `i` sits at position `i + Sk − Sq`.
