@@ -39,39 +39,15 @@ const EXP_HI: f32 = 89.0;
 /// `x = n·ln2 + r` with `n = round(x·log2 e)` and `|r| ≤ ln2/2`; `e^r` is a
 /// degree-7 polynomial; `2^n` is built from exponent bits in two halves so that
 /// subnormal results (`n < -126`) and `n = 128` are handled without branches.
-/// The rounding uses the `1.5·2^23` trick instead of `floor`, which on baseline
-/// x86-64 (no SSE4.1) would be another libm call.
 #[inline(always)]
-#[allow(clippy::excessive_precision)] // Cephes' published coefficients, verbatim
 pub fn exp(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    // ln2 split so that `n * LN2_HI` is exact (LN2_HI has 9 significant bits).
-    const LN2_HI: f32 = 0.693_359_375;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    // Adding 1.5·2^23 rounds to the nearest integer and leaves it in the low
-    // mantissa bits.
-    const ROUND: f32 = 12_582_912.0;
-
     // Comparisons rather than `f32::max/min`: these lower to one `maxps`/`minps`
     // each and let NaN through (NaN in, NaN out).
     let xc = if x < EXP_LO { EXP_LO } else { x };
     let xc = if xc > EXP_HI { EXP_HI } else { xc };
-
-    let t = xc.mul_add(LOG2E, ROUND);
-    let n = t - ROUND;
-    // Fused: `x − n·ln2` with one rounding per step (Cody–Waite).
-    let r = (-n).mul_add(LN2_HI, xc);
-    let r = (-n).mul_add(LN2_LO, r);
-    let y = exp_poly(r);
-
-    // n ∈ [-150, 128]: split into two halves in [-75, 64], each a normal
-    // power of two, so the only rounding is the final multiply.
-    let ni = (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
-    let n1 = ni >> 1;
-    let n2 = ni - n1;
-    let p1 = f32::from_bits(((n1 + 127) as u32) << 23);
-    let p2 = f32::from_bits(((n2 + 127) as u32) << 23);
-    let e = y * p1 * p2;
+    let (y, n) = exp_reduced(xc);
+    // n ∈ [-150, 128]: scaled in two halves.
+    let e = scale_pow2(y, n);
     if x < EXP_LO { 0.0 } else { e }
 }
 
@@ -83,24 +59,49 @@ pub fn exp(x: f32) -> f32 {
 /// below any f32 rounding of the sum) and for `x = -inf`. About half of
 /// [`exp`]'s instructions: the softmax's one transcendental per score.
 #[inline(always)]
-#[allow(clippy::excessive_precision)] // the same constants as `exp`
 pub fn exp_softmax(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_375;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    const ROUND: f32 = 12_582_912.0;
     const LO: f32 = -87.3;
     // Clamped from below so that `n ≥ -126` and `2^n` is one normal power of
     // two; the result there is replaced by 0 at the end.
     let xc = if x < LO { LO } else { x };
-    let t = xc.mul_add(LOG2E, ROUND);
-    let n = t - ROUND;
-    let r = (-n).mul_add(LN2_HI, xc);
-    let r = (-n).mul_add(LN2_LO, r);
-    let y = exp_poly(r);
-    let ni = (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
-    let e = y * f32::from_bits(((ni + 127) as u32) << 23);
+    let (y, n) = exp_reduced(xc);
+    let e = y * f32::from_bits(((n + 127) as u32) << 23);
     if x < LO { 0.0 } else { e }
+}
+
+/// `(e^r, n)` with `e^x = e^r · 2^n`, `n = round(x·log2 e)` and
+/// `|r| ≤ ln2/2`, for a finite, clamped `x` (Cody–Waite reduction with
+/// fused steps, one rounding each). The rounding uses the `1.5·2^23` trick
+/// instead of `floor`, which on baseline x86-64 (no SSE4.1) would be
+/// another libm call.
+#[inline(always)]
+#[allow(clippy::excessive_precision)]
+fn exp_reduced(x: f32) -> (f32, i32) {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // ln2 split so that `n * LN2_HI` is exact (LN2_HI has 9 significant bits).
+    const LN2_HI: f32 = 0.693_359_375;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // Adding 1.5·2^23 rounds to the nearest integer and leaves it in the low
+    // mantissa bits.
+    const ROUND: f32 = 12_582_912.0;
+    let t = x.mul_add(LOG2E, ROUND);
+    let n = t - ROUND;
+    let r = (-n).mul_add(LN2_HI, x);
+    let r = (-n).mul_add(LN2_LO, r);
+    let n = (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
+    (exp_poly(r), n)
+}
+
+/// `y · 2^n` for `n ∈ [-150, 128]`: `2^n` split into two halves in
+/// `[-75, 64]`, each a normal power of two, so the only rounding is the
+/// final multiply (subnormal results and `n = 128` without branches).
+#[inline(always)]
+fn scale_pow2(y: f32, n: i32) -> f32 {
+    let n1 = n >> 1;
+    let n2 = n - n1;
+    let p1 = f32::from_bits(((n1 + 127) as u32) << 23);
+    let p2 = f32::from_bits(((n2 + 127) as u32) << 23);
+    y * p1 * p2
 }
 
 /// `2^x` in f32, branch-free: `x = n + r` with `n = round(x)`, `|r| ≤ 1/2`,
@@ -117,13 +118,8 @@ pub fn exp2(x: f32) -> f32 {
     let t = xc + ROUND;
     let n = t - ROUND;
     let r = (xc - n) * std::f32::consts::LN_2;
-    let y = exp_poly(r);
     let ni = (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
-    let n1 = ni >> 1;
-    let n2 = ni - n1;
-    let p1 = f32::from_bits(((n1 + 127) as u32) << 23);
-    let p2 = f32::from_bits(((n2 + 127) as u32) << 23);
-    let e = y * p1 * p2;
+    let e = scale_pow2(exp_poly(r), ni);
     if x < LO { 0.0 } else { e }
 }
 
