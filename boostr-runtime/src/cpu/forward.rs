@@ -85,17 +85,23 @@ pub(super) fn forward<V: Variant>(
     // products stream — rather than `Sk` apart, which for long sequences
     // would map every row of the tile to the same L1 set. Costs one copy of
     // K, shared by all query tiles of all query heads of the group.
-    let mut kt = vec![0.0f32; k.len()];
-    kt.par_chunks_mut(sk * d)
+    // Not zeroed first: the transposes write every element.
+    let mut kt = Vec::<f32>::with_capacity(k.len());
+    kt.spare_capacity_mut()[..k.len()]
+        .par_chunks_mut(sk * d)
         .zip(k.par_chunks(sk * d))
         .for_each(|(kt, k)| {
             kt.par_chunks_mut(tiles.kv * d)
                 .zip(k.par_chunks(tiles.kv * d))
                 .for_each(|(kt, k)| {
                     let cols = k.len() / d;
-                    gemm::transpose(k, cols, d, kt, cols);
+                    gemm::transpose_uninit(k, cols, d, kt, cols);
                 });
         });
+    // SAFETY: the chunks partition `0 .. k.len()`, and the transpose of a
+    // `cols × D` block into `D` rows of stride `cols` writes all of its
+    // `D · cols` elements.
+    unsafe { kt.set_len(k.len()) };
 
     // Outer: one (batch, query head) per item; inner: its query tiles. Rayon
     // flattens the nesting by work stealing, so B = H = 1 still uses every
@@ -146,10 +152,13 @@ fn query_tile<V: Variant>(
     let rows = lse.len();
     let (q_lo, q_hi) = head.pos.query_range(row0, rows);
     let (m, l, alpha) = (&mut sc.m[..rows], &mut sc.l[..rows], &mut sc.alpha[..rows]);
-    out.fill(0.0);
     m.fill(f32::NEG_INFINITY);
     l.fill([0.0; math::LANES]);
 
+    // `out` is neither zeroed nor rescaled before the first visible key
+    // tile: that tile's `P V` overwrites it. (Rows no tile reaches are
+    // zeroed at the end.)
+    let mut first = true;
     for kv0 in (0..sk).step_by(tiles.kv) {
         let cols = tiles.kv.min(sk - kv0);
         let class = tile_class(head.variant, head.b, head.h, (q_lo, q_hi), kv0, cols);
@@ -174,17 +183,22 @@ fn query_tile<V: Variant>(
             m: &mut *m,
             l: &mut *l,
             alpha: &mut *alpha,
-            out: &mut *out,
+            out: (!first).then_some(&mut *out),
         });
 
         let v_t = &head.v[kv0 * d..(kv0 + cols) * d];
         matmul(
             MatMut::row_major(out, rows, d),
-            Write::Accumulate,
+            if first {
+                Write::Overwrite
+            } else {
+                Write::Accumulate
+            },
             MatRef::row_major(s, rows, cols),
             MatRef::row_major(v_t, cols, d),
             1.0,
         );
+        first = false;
     }
 
     for i in 0..rows {
@@ -215,8 +229,9 @@ struct OnlineSoftmax<'a, 'h, V> {
     m: &'a mut [f32],
     l: &'a mut [math::Lanes],
     alpha: &'a mut [f32],
-    /// `rows × D` accumulator.
-    out: &'a mut [f32],
+    /// The `rows × D` accumulator to rescale; `None` on the first visible
+    /// tile, before anything has been accumulated.
+    out: Option<&'a mut [f32]>,
 }
 
 impl<V: Variant> Elementwise for OnlineSoftmax<'_, '_, V> {
@@ -231,7 +246,7 @@ impl<V: Variant> Elementwise for OnlineSoftmax<'_, '_, V> {
             m,
             l,
             alpha,
-            out,
+            mut out,
         } = self;
         let (rows, d) = (m.len(), head.p.head_dim);
         let cols = s.len() / rows;
@@ -265,7 +280,9 @@ impl<V: Variant> Elementwise for OnlineSoftmax<'_, '_, V> {
             }
             if alpha[i] != 1.0 {
                 l[i].iter_mut().for_each(|x| *x *= alpha[i]);
-                math::scale(&mut out[i * d..(i + 1) * d], alpha[i]);
+                if let Some(out) = out.as_deref_mut() {
+                    math::scale(&mut out[i * d..(i + 1) * d], alpha[i]);
+                }
             }
             math::exp_sub_acc(row, m[i], &mut l[i]);
         }

@@ -16,6 +16,8 @@
 //! `gemm` runs with `Parallelism::None`, and is deterministic for fixed
 //! inputs and shapes.
 
+use std::mem::MaybeUninit;
+
 /// A read-only `rows × cols` view: element `(i, j)` is `data[i*rs + j*cs]`.
 #[derive(Clone, Copy, Debug)]
 pub struct MatRef<'a> {
@@ -256,26 +258,51 @@ pub fn time_tile_products(
 /// Write the transpose of the row-major `rows × cols` matrix `src` into
 /// `dst` (`cols × rows`, row stride `dst_rs`).
 ///
-/// Used to give `gemm` K and V tiles column-major, which it would otherwise
-/// re-pack with strided loads on every call. Works on bands of 16 source
-/// rows, so the 16 source lines being read stay in L1 while each
-/// destination row gets a contiguous run of 16.
+/// Used for the K and V tiles of the tile products, whose right-hand sides
+/// must have contiguous rows (see [`matmul`]). Panics if either slice is
+/// too short.
 pub fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32], dst_rs: usize) {
-    const BAND: usize = 16;
+    // SAFETY: `f32` and `MaybeUninit<f32>` have the same layout, and
+    // `transpose_uninit` only writes initialised floats.
+    let dst = unsafe { &mut *(dst as *mut [f32] as *mut [MaybeUninit<f32>]) };
+    transpose_uninit(src, rows, cols, dst, dst_rs);
+}
+
+/// [`transpose`] into memory that need not be initialised: afterwards
+/// every `dst[c·dst_rs + r]` (`r < rows`, `c < cols`) is, and nothing else
+/// is written. Lets a fresh buffer skip being zeroed first.
+pub fn transpose_uninit(
+    src: &[f32],
+    rows: usize,
+    cols: usize,
+    dst: &mut [MaybeUninit<f32>],
+    dst_rs: usize,
+) {
     assert!(src.len() >= rows * cols, "transpose source out of bounds");
     assert!(
-        cols == 0 || dst.len() >= (cols - 1) * dst_rs + rows,
+        rows == 0 || cols == 0 || dst.len() >= (cols - 1) * dst_rs + rows,
         "transpose destination out of bounds"
     );
-    if cols == 0 {
+    if rows == 0 || cols == 0 {
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::avx512() && std::arch::is_x86_feature_detected!("avx512f") {
+        let out = dst.as_mut_ptr().cast::<f32>();
+        // SAFETY: AVX-512F detected; the asserts above bound every element
+        // read and written; `dst` is a unique borrow, so it does not
+        // overlap `src`.
+        unsafe { super::microkernel::transpose(src.as_ptr(), rows, cols, out, dst_rs) };
+        return;
+    }
+    // In bands of 16 source rows, so that the 16 source lines being read
+    // stay in L1 while each destination row gets a contiguous run of 16.
+    const BAND: usize = 16;
     for (band, src) in src[..rows * cols].chunks(BAND * cols).enumerate() {
         let r0 = band * BAND;
         for c in 0..cols {
-            let out = &mut dst[c * dst_rs + r0..][..src.len() / cols];
-            for (o, row) in out.iter_mut().zip(src.chunks_exact(cols)) {
-                *o = row[c];
+            for (i, row) in src.chunks_exact(cols).enumerate() {
+                dst[c * dst_rs + r0 + i].write(row[c]);
             }
         }
     }
