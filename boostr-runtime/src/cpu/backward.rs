@@ -11,7 +11,10 @@
 //!    - `S = scale · Q Kᵀ`, `P = e^(score(S) − lse)` (0 where hidden),
 //!    - `dV += Pᵀ dO`, `dP = dO Vᵀ`,
 //!    - `dS = P ∘ (dP − D) ∘ score_grad(S)`,
-//!    - `dK += scale · dSᵀ Q`, `dQ += scale · dS K`.
+//!    - `dK += scale · dSᵀ Q`, `dQ += scale · dS K`;
+//!
+//!    on a `Partial` tile, `dV`, `dK` and `dQ` band by band over only the
+//!    keys with a nonzero probability (see `BAND_ROWS`).
 //! 3. dQ: the first chunk of each (batch, kv head) accumulates straight into
 //!    `dq`, each other chunk into a private partial buffer; the partials are
 //!    then added into `dq` in chunk order. The order of every floating-point
@@ -29,11 +32,12 @@ use super::gemm::{self, MatMut, MatRef, Write, matmul};
 use super::math;
 use super::simd::{self, Elementwise};
 use super::tile::CpuTiles;
-use super::{BackwardInputs, Positions, tile_class};
+use super::{BackwardInputs, Band, Positions, tile_bands, tile_class};
 use crate::problem::Problem;
 use crate::variant::{TileClass, Variant};
 use rayon::prelude::*;
 use std::marker::PhantomData;
+use std::ops::Range;
 
 /// Below this many flops per chunk, splitting the keys further costs more in
 /// task overhead and dQ partials (zeroing + reduction) than it gains.
@@ -88,6 +92,8 @@ struct Work {
     dp: Vec<f32>,
     /// `score_grad` of the logits (empty when the score is the identity).
     g: Vec<f32>,
+    /// The tile's bands (see `tile_bands`).
+    bands: Vec<Band>,
 }
 
 impl Scratch {
@@ -97,6 +103,7 @@ impl Scratch {
             s: vec![0.0; t.q * t.kv],
             dp: vec![0.0; t.q * t.kv],
             g: vec![0.0; g],
+            bands: Vec::with_capacity(t.q.div_ceil(super::BAND_ROWS)),
         };
         Self {
             kt: vec![0.0; d * t.kv],
@@ -301,7 +308,7 @@ fn query_tile<V: Variant>(
     let kv_lo = Positions::to_i32(kv.kv0);
     let rows_at = (t.bh * sq + t.r0) * d..(t.bh * sq + t.r0 + rows) * d;
     let q_t = MatRef::row_major(&sh.x.q[rows_at.clone()], rows, d);
-    let do_t = MatRef::row_major(&sh.x.dout[rows_at], rows, d);
+    let do_t = MatRef::row_major(&sh.x.dout[rows_at.clone()], rows, d);
     let lse = &sh.x.lse[t.bh * sq + t.r0..][..rows];
     let delta = &sh.delta[t.bh * sq + t.r0..][..rows];
 
@@ -329,16 +336,21 @@ fn query_tile<V: Variant>(
         g: &mut *g,
     });
     let (s, g) = (&*s, &*g);
-    let p_t = MatRef::row_major(s, rows, cols);
+    // On a partial tile the products that sum over query rows or keys run
+    // band by band, over the keys with a nonzero probability (dS is zero
+    // wherever P is).
+    tile_bands(class, s, (rows, cols), &mut w.bands);
 
     // dV += Pᵀ dO.
-    matmul(
-        MatMut::row_major(kv.dv, cols, d),
-        Write::Accumulate,
-        p_t.t(),
-        do_t,
-        1.0,
-    );
+    for Band { rows: r, cols: c } in w.bands.iter().filter(|b| !b.cols.is_empty()) {
+        matmul(
+            MatMut::row_major(&mut kv.dv[c.start * d..c.end * d], c.len(), d),
+            Write::Accumulate,
+            band_tile(s, cols, r, c).t(),
+            band_rows(&sh.x.dout[rows_at.clone()], d, r),
+            1.0,
+        );
+    }
 
     // dP = dO Vᵀ, then dS = P ∘ (dP − D) ∘ score_grad, in place.
     let dp = &mut w.dp[..rows * cols];
@@ -357,24 +369,35 @@ fn query_tile<V: Variant>(
         dp: &mut *dp,
         variant: PhantomData,
     });
-    let ds_t = MatRef::row_major(dp, rows, cols);
+    let ds = &*dp;
 
     // dK += scale · dSᵀ Q;  dQ += scale · dS K.
-    matmul(
-        MatMut::row_major(kv.dk, cols, d),
-        Write::Accumulate,
-        ds_t.t(),
-        q_t,
-        scale,
-    );
-    let k = MatRef::row_major(kv.k, cols, d);
-    matmul(
-        MatMut::row_major(dq_t, rows, d),
-        Write::Accumulate,
-        ds_t,
-        k,
-        scale,
-    );
+    for Band { rows: r, cols: c } in w.bands.iter().filter(|b| !b.cols.is_empty()) {
+        matmul(
+            MatMut::row_major(&mut kv.dk[c.start * d..c.end * d], c.len(), d),
+            Write::Accumulate,
+            band_tile(ds, cols, r, c).t(),
+            band_rows(&sh.x.q[rows_at.clone()], d, r),
+            scale,
+        );
+        matmul(
+            MatMut::row_major(&mut dq_t[r.start * d..r.end * d], r.len(), d),
+            Write::Accumulate,
+            band_tile(ds, cols, r, c),
+            band_rows(kv.k, d, c),
+            scale,
+        );
+    }
+}
+
+/// Rows `r` of the row-major matrix `m` with rows of `d`.
+fn band_rows<'a>(m: &'a [f32], d: usize, r: &Range<usize>) -> MatRef<'a> {
+    MatRef::row_major(&m[r.start * d..r.end * d], r.len(), d)
+}
+
+/// Rows `r`, columns `c` of the row-major tile `m` with rows of `cols`.
+fn band_tile<'a>(m: &'a [f32], cols: usize, r: &Range<usize>, c: &Range<usize>) -> MatRef<'a> {
+    MatRef::strided(&m[r.start * cols + c.start..], r.len(), c.len(), cols)
 }
 
 /// Recompute the probabilities of one tile from the saved log-sum-exp:
@@ -395,6 +418,8 @@ struct Probabilities<'a, V> {
 }
 
 impl<V: Variant> Elementwise for Probabilities<'_, V> {
+    type Output = ();
+
     #[inline(always)]
     fn run(self) {
         let Self {
@@ -441,6 +466,8 @@ struct ScoreGrads<'a, V> {
 }
 
 impl<V: Variant> Elementwise for ScoreGrads<'_, V> {
+    type Output = ();
+
     #[inline(always)]
     fn run(self) {
         let Self {

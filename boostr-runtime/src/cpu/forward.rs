@@ -5,7 +5,9 @@
 //! classify it (skip `Empty`), `S = scale · Q Kᵀ` (GEMM), score and mask in
 //! place, online softmax (running row max `m`, running sum `l`, rescale of
 //! the output accumulator by `e^(m_old − m_new)` when the max grows), then
-//! `O += P V` (GEMM). The accumulator is the task's own slice of `out`.
+//! `O += P V` (GEMM; on a `Partial` tile band by band, over only the keys
+//! with a nonzero probability). The accumulator is the task's own slice of
+//! `out`, overwritten by the first visible tile rather than zeroed first.
 //!
 //! Guarantees: every element of `out` and `lse` is written; memory beyond
 //! the outputs is one transposed copy of K plus `O(Bq·(Bk + D))` per task
@@ -17,7 +19,7 @@ use super::gemm::{self, MatMut, MatRef, Write, matmul};
 use super::math;
 use super::simd::{self, Elementwise};
 use super::tile::CpuTiles;
-use super::{Positions, tile_class};
+use super::{Band, Positions, tile_bands, tile_class};
 use crate::problem::Problem;
 use crate::variant::{TileClass, Variant};
 use rayon::prelude::*;
@@ -33,6 +35,8 @@ struct Scratch {
     l: Vec<math::Lanes>,
     /// Per-row rescale factor of the current key tile.
     alpha: Vec<f32>,
+    /// The current key tile's bands (see `tile_bands`).
+    bands: Vec<Band>,
 }
 
 impl Scratch {
@@ -43,6 +47,7 @@ impl Scratch {
             m: row(),
             l: vec![[0.0; math::LANES]; t.q],
             alpha: row(),
+            bands: Vec::with_capacity(t.q.div_ceil(super::BAND_ROWS)),
         }
     }
 }
@@ -165,6 +170,7 @@ fn query_tile<V: Variant>(
         if class == TileClass::Empty {
             continue;
         }
+        let kv_lo = Positions::to_i32(kv0);
         let s = &mut sc.s[..rows * cols];
         matmul(
             MatMut::row_major(s, rows, cols),
@@ -178,7 +184,7 @@ fn query_tile<V: Variant>(
             head,
             class,
             q_lo,
-            kv_lo: Positions::to_i32(kv0),
+            kv_lo,
             s: &mut *s,
             m: &mut *m,
             l: &mut *l,
@@ -186,18 +192,30 @@ fn query_tile<V: Variant>(
             out: (!first).then_some(&mut *out),
         });
 
+        // O += P V, on a partial tile band by band over the keys with a
+        // nonzero probability.
+        tile_bands(class, s, (rows, cols), &mut sc.bands);
         let v_t = &head.v[kv0 * d..(kv0 + cols) * d];
-        matmul(
-            MatMut::row_major(out, rows, d),
-            if first {
-                Write::Overwrite
-            } else {
-                Write::Accumulate
-            },
-            MatRef::row_major(s, rows, cols),
-            MatRef::row_major(v_t, cols, d),
-            1.0,
-        );
+        for Band { rows: r, cols: c } in sc.bands.iter().cloned() {
+            let out_b = &mut out[r.start * d..r.end * d];
+            if c.is_empty() {
+                if first {
+                    out_b.fill(0.0);
+                }
+                continue;
+            }
+            matmul(
+                MatMut::row_major(out_b, r.len(), d),
+                if first {
+                    Write::Overwrite
+                } else {
+                    Write::Accumulate
+                },
+                MatRef::strided(&s[r.start * cols + c.start..], r.len(), c.len(), cols),
+                MatRef::row_major(&v_t[c.start * d..c.end * d], c.len(), d),
+                1.0,
+            );
+        }
         first = false;
     }
 
@@ -235,6 +253,8 @@ struct OnlineSoftmax<'a, 'h, V> {
 }
 
 impl<V: Variant> Elementwise for OnlineSoftmax<'_, '_, V> {
+    type Output = ();
+
     #[inline(always)]
     fn run(self) {
         let Self {

@@ -215,3 +215,75 @@ fn tile_class<V: Variant>(
     let kv_lo = Positions::to_i32(kv0);
     variant.classify_tile(b, h, q_lo, q_hi, kv_lo, kv_lo + Positions::to_i32(cols) - 1)
 }
+
+/// Query rows per band when the products of a `Partial` tile are trimmed
+/// to the keys its rows can see.
+///
+/// A diagonal causal tile computed whole wastes half of its products, and so
+/// do both edge tiles of a sliding window. Cut into bands of 16 rows, the
+/// products whose inner dimension runs over keys (`P V`, `dS K`) cover only
+/// the columns between each band's first and last nonzero probability:
+/// about 60% of the tile on a causal diagonal. (The products whose output
+/// has a column per key, `Q Kᵀ` and `dO Vᵀ`, stay whole: blocks of 16 or
+/// 32 columns are too narrow to keep the tile kernel's FMA units busy.)
+const BAND_ROWS: usize = 16;
+
+/// Rows `rows` of a tile and the columns `cols` (relative to the tile)
+/// outside which their probabilities are all zero.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Band {
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+}
+
+/// Fill `bands` with the bands of a tile whose `rows × cols` probabilities
+/// are `p` (row-major): one band of the whole tile unless it is `Partial`,
+/// else one per [`BAND_ROWS`] rows, each with the narrowest column range
+/// outside which its rows' probabilities are zero (empty when all are).
+/// Trimming to them is exact: the terms skipped are `0 · x`.
+fn tile_bands(class: TileClass, p: &[f32], (rows, cols): (usize, usize), bands: &mut Vec<Band>) {
+    bands.clear();
+    if class != TileClass::Partial {
+        bands.push(Band {
+            rows: 0..rows,
+            cols: 0..cols,
+        });
+        return;
+    }
+    for r0 in (0..rows).step_by(BAND_ROWS) {
+        let r1 = rows.min(r0 + BAND_ROWS);
+        let (lo, hi) = simd::dispatch(NonzeroColumns {
+            p: &p[r0 * cols..r1 * cols],
+            cols,
+        });
+        bands.push(Band {
+            rows: r0..r1,
+            cols: lo..hi.max(lo),
+        });
+    }
+}
+
+/// The first and one past the last column of the row-major `p` (rows of
+/// `cols`) holding a nonzero; `(cols, 0)` when there is none.
+struct NonzeroColumns<'a> {
+    p: &'a [f32],
+    cols: usize,
+}
+
+impl simd::Elementwise for NonzeroColumns<'_> {
+    type Output = (usize, usize);
+
+    #[inline(always)]
+    fn run(self) -> (usize, usize) {
+        let cols = self.cols as u32;
+        let (mut lo, mut hi) = (cols, 0u32);
+        for row in self.p.chunks_exact(self.cols) {
+            for (j, &x) in (0..cols).zip(row) {
+                let nz = x != 0.0;
+                lo = if nz { lo.min(j) } else { lo };
+                hi = if nz { hi.max(j + 1) } else { hi };
+            }
+        }
+        (lo as usize, hi as usize)
+    }
+}

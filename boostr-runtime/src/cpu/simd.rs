@@ -16,10 +16,12 @@
 
 /// An elementwise pass over a tile, run by [`dispatch`].
 pub(super) trait Elementwise {
+    /// What the pass returns (most write their results in place: `()`).
+    type Output;
     /// The pass. Implementations must be `#[inline(always)]`, and so must
     /// the helpers they call, so that the body is compiled inside the
     /// target-feature wrappers below rather than called from them.
-    fn run(self);
+    fn run(self) -> Self::Output;
 }
 
 /// The instruction sets [`dispatch`] chooses from, narrowest first.
@@ -36,7 +38,7 @@ pub(super) enum Level {
 
 /// Run `pass` with the widest vector instructions this CPU supports.
 #[inline]
-pub(super) fn dispatch<E: Elementwise>(pass: E) {
+pub(super) fn dispatch<E: Elementwise>(pass: E) -> E::Output {
     #[cfg(target_arch = "x86_64")]
     {
         let cap = level_cap();
@@ -54,7 +56,7 @@ pub(super) fn dispatch<E: Elementwise>(pass: E) {
             return unsafe { run_avx2(pass) };
         }
     }
-    pass.run();
+    pass.run()
 }
 
 /// Whether the AVX-512 code paths may run: the CPU has AVX-512F (and tests
@@ -87,14 +89,14 @@ fn level_cap() -> Level {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
-fn run_avx512<E: Elementwise>(pass: E) {
-    pass.run();
+fn run_avx512<E: Elementwise>(pass: E) -> E::Output {
+    pass.run()
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn run_avx2<E: Elementwise>(pass: E) {
-    pass.run();
+fn run_avx2<E: Elementwise>(pass: E) -> E::Output {
+    pass.run()
 }
 
 #[cfg(test)]
@@ -105,6 +107,8 @@ mod tests {
     struct ExpSum<'a>(&'a mut [f32], &'a mut f32);
 
     impl Elementwise for ExpSum<'_> {
+        type Output = ();
+
         #[inline(always)]
         fn run(self) {
             *self.1 = math::exp_sub_sum(self.0, 1.0);

@@ -700,3 +700,48 @@ fn empty_tiles_are_skipped_and_full_tiles_unmasked() {
     let want = reference(&var, &p, &x);
     assert_close("out", &out, &want.out, 2e-5);
 }
+
+#[test]
+fn bands_hold_every_nonzero_probability_and_no_more() {
+    let mut rng = crate::testing::Rng::new(0xba4d, 1);
+    for (rows, cols) in [(1, 1), (16, 64), (17, 33), (64, 64), (70, 5), (5, 70)] {
+        for density in [0.0, 0.02, 0.3, 1.0] {
+            let p: Vec<f32> = (0..rows * cols)
+                .map(|_| {
+                    let keep = rng.uniform() <= density;
+                    if keep { rng.normal() as f32 } else { 0.0 }
+                })
+                .collect();
+            let mut bands = Vec::new();
+            tile_bands(TileClass::Full, &p, (rows, cols), &mut bands);
+            assert_eq!(
+                bands,
+                [Band {
+                    rows: 0..rows,
+                    cols: 0..cols
+                }]
+            );
+
+            tile_bands(TileClass::Partial, &p, (rows, cols), &mut bands);
+            // The bands partition the rows in order, BAND_ROWS at a time.
+            let starts: Vec<usize> = bands.iter().map(|b| b.rows.start).collect();
+            assert_eq!(starts, (0..rows).step_by(BAND_ROWS).collect::<Vec<_>>());
+            assert_eq!(bands.last().map(|b| b.rows.end), Some(rows));
+            for band in &bands {
+                assert!(band.rows.len() <= BAND_ROWS && band.cols.end <= cols);
+                let p = &p;
+                let nonzero: Vec<usize> = band
+                    .rows
+                    .clone()
+                    .flat_map(|i| (0..cols).filter(move |&j| p[i * cols + j] != 0.0))
+                    .collect();
+                // Tight: the first and last columns hold a nonzero, none lies
+                // outside; an all-zero band is empty.
+                match (nonzero.iter().min(), nonzero.iter().max()) {
+                    (Some(&lo), Some(&hi)) => assert_eq!(band.cols, lo..hi + 1),
+                    _ => assert!(band.cols.is_empty(), "{band:?}"),
+                }
+            }
+        }
+    }
+}
