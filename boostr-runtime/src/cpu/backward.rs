@@ -27,7 +27,7 @@
 //! all, and none when `B · Hkv ≥ 2 · threads`. Plus `D` per query row and
 //! per-task tile scratch; never anything of size `Sq × Sk`.
 
-use super::forward::score_and_mask;
+use super::forward::apply_mask;
 use super::gemm::{self, MatMut, MatRef, Write, matmul};
 use super::math;
 use super::simd::{self, Elementwise};
@@ -437,13 +437,17 @@ impl<V: Variant> Elementwise for Probabilities<'_, V> {
         for (i, row) in s.chunks_exact_mut(cols).enumerate() {
             let qi = q_lo + i as i32;
             if !V::SCORE_IS_IDENTITY {
-                // d score/d s at the raw logit, before `score` overwrites it.
+                // d score/d s at the raw logit, then the score over it, in
+                // one loop so that what they share (softcap's `tanh`, say)
+                // is computed once.
                 let g = &mut g[i * cols..(i + 1) * cols];
-                for (j, (g, &s)) in g.iter_mut().zip(row.iter()).enumerate() {
-                    *g = variant.score_grad(s, b, h, qi, kv_lo + j as i32);
+                for (j, (g, x)) in g.iter_mut().zip(row.iter_mut()).enumerate() {
+                    let kv = kv_lo + j as i32;
+                    *g = variant.score_grad(*x, b, h, qi, kv);
+                    *x = variant.score(*x, b, h, qi, kv);
                 }
             }
-            score_and_mask(variant, b, h, qi, kv_lo, class, row);
+            apply_mask(variant, b, h, qi, kv_lo, class, row);
             if lse[i] == f32::NEG_INFINITY {
                 // No visible key in this row: P = 0 (and `x − lse` would be NaN).
                 row.fill(0.0);

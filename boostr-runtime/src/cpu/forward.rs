@@ -311,9 +311,9 @@ impl<V: Variant> Elementwise for OnlineSoftmax<'_, '_, V> {
 
 /// Apply `score` (unless it is the identity) and, on a `Partial` tile, the
 /// mask (`-inf` where hidden) to one row of scaled logits `s`, in place.
-/// Shared with the backward so both see exactly the same logits.
+/// The backward applies the same two steps, so both see the same logits.
 #[inline(always)]
-pub(super) fn score_and_mask<V: Variant>(
+fn score_and_mask<V: Variant>(
     variant: &V,
     b: i32,
     h: i32,
@@ -327,6 +327,21 @@ pub(super) fn score_and_mask<V: Variant>(
             *x = variant.score(*x, b, h, qi, kv_lo + j as i32);
         }
     }
+    apply_mask(variant, b, h, qi, kv_lo, class, row);
+}
+
+/// On a `Partial` tile, set the hidden entries of one row of (modified)
+/// logits to `-inf`; on any other tile, nothing.
+#[inline(always)]
+pub(super) fn apply_mask<V: Variant>(
+    variant: &V,
+    b: i32,
+    h: i32,
+    qi: i32,
+    kv_lo: i32,
+    class: TileClass,
+    row: &mut [f32],
+) {
     if class == TileClass::Partial {
         for (j, x) in row.iter_mut().enumerate() {
             let visible = variant.mask(b, h, qi, kv_lo + j as i32);

@@ -5,7 +5,10 @@
 //! produces the f64 copy that the reference implementation evaluates.
 //!
 //! Semantics are the IR's (see [`crate::ir`]): integer `+ - *` wrap, `/` and
-//! `%` by zero give 0, `clamp` never panics.
+//! `%` by zero give 0, `clamp` never panics. One liberty in f32: a division
+//! by a value made of parameters and constants only is a multiplication by
+//! its reciprocal (one rounding apart from the quotient), so that the
+//! kernels' row loops carry no vector division.
 
 use crate::ir::{Arg, BinOp, Builtin, Const, Expr, ExprKind, Function, Local, Program, Ty, UnOp};
 use proc_macro2::{Ident, Literal, Span, TokenStream};
@@ -174,6 +177,16 @@ impl<'a> RustEmitter<'a> {
             quote!(0i32)
         };
         match op {
+            // A vector division costs as much as the rest of a typical score
+            // together, and the kernels evaluate scores a tile row at a time
+            // with the parameters fixed: so a division by a value that
+            // depends only on parameters and constants becomes a product
+            // with its reciprocal, which the compiler hoists out of the row
+            // loop. The quotient may differ from `x / y` by one rounding.
+            BinOp::Div if !int && self.float == Float::F32 && is_uniform(b) => {
+                let one = self.float_lit(1.0);
+                quote!((#x * (#one / #y)))
+            }
             BinOp::Add if int => quote!((#x).wrapping_add(#y)),
             BinOp::Sub if int => quote!((#x).wrapping_sub(#y)),
             BinOp::Mul if int => quote!((#x).wrapping_mul(#y)),
@@ -259,10 +272,61 @@ impl<'a> RustEmitter<'a> {
     }
 }
 
+/// Whether `e` depends only on parameters and constants (never on the
+/// function's arguments), so that it is the same for every score of a
+/// kernel launch. `let`-bound locals count as varying: a conservative answer.
+fn is_uniform(e: &Expr) -> bool {
+    match &e.kind {
+        ExprKind::Const(_) | ExprKind::Param(_) => true,
+        ExprKind::Arg(_) | ExprKind::Local(_) | ExprKind::Let(..) => false,
+        ExprKind::Unary(_, a) | ExprKind::Cast(a) => is_uniform(a),
+        ExprKind::Binary(_, a, b) => is_uniform(a) && is_uniform(b),
+        ExprKind::Call(_, args) => args.iter().all(is_uniform),
+        ExprKind::Select(c, t, f) => is_uniform(c) && is_uniform(t) && is_uniform(f),
+    }
+}
+
 fn arg_ident(a: Arg) -> Ident {
     Ident::new(a.name(), Span::call_site())
 }
 
 fn local_ident(l: Local) -> Ident {
     format_ident!("l{}", l.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The f32 score body of `score`, as token text.
+    fn score_body(score: &str, float: Float) -> String {
+        let src = format!(
+            "#[attention(score = |s, b, h, q, kv| {score})] struct V {{ cap: f32, n: i32 }}"
+        );
+        let program = match crate::compile_str(&src) {
+            Ok(c) => c.program,
+            Err(d) => panic!("{src}: {:?}", d.messages()),
+        };
+        RustEmitter::new(&program, float)
+            .body(&program.score)
+            .to_string()
+    }
+
+    #[test]
+    fn division_by_a_uniform_value_becomes_a_reciprocal_product() {
+        // Parameters and constants only: multiplied by the reciprocal.
+        let body = score_body("tanh(s / self.cap) * self.cap", Float::F32);
+        assert!(body.contains("* (1f32 / self . cap)"), "{body}");
+        assert!(!body.contains("s / "), "{body}");
+        let body = score_body("s / (self.cap * 2.0 + (self.n as f32))", Float::F32);
+        assert!(body.contains("* (1f32 /"), "{body}");
+        // Anything that varies per score keeps its division.
+        for varying in ["s / (s * s + 1.0)", "s / (kv as f32 + 1.0)"] {
+            let body = score_body(varying, Float::F32);
+            assert!(!body.contains("1f32 /"), "{varying}: {body}");
+        }
+        // The f64 reference divides.
+        let body = score_body("s / self.cap", Float::F64);
+        assert!(!body.contains("1f64 /") && body.contains(" / "), "{body}");
+    }
 }
