@@ -2,16 +2,17 @@
 """boostr's CPU kernels against PyTorch's CPU attention, on the same machine in one run.
 
     pip install torch numpy            # once, in any environment; nothing is installed here
-    python3 bench/cpu_vs_torch.py                  # the whole sweep (about 10 minutes on 2 cores)
+    python3 bench/cpu_vs_torch.py                  # the whole sweep (about 20 minutes on 2 cores)
     python3 bench/cpu_vs_torch.py --quick          # S = 1024 only
     python3 bench/cpu_vs_torch.py --seq 4096 --dim 128 --hkv 8 --section plain
     python3 bench/cpu_vs_torch.py --section mem    # peak RSS of forward+backward at S = 16384
 
 It builds and starts `cargo run --release -p boostr-runtime --example cpu_vs_torch`
-(a timing server) and times PyTorch in this process, alternating single runs of
-the two implementations on same-shaped inputs, so that machine drift hits both;
-each time is the median of --reps runs, taken in alternating bursts that each
-begin with an untimed run (see `interleaved`).
+(a timing server) and times PyTorch in this process, alternating short bursts
+of the two implementations on same-shaped inputs, so that machine drift hits
+both; each time is the median of --reps runs, taken in bursts that each begin
+with a pause and an untimed run, the runs of a burst back to back on both sides
+(see `interleaved`).
 
 Sections:
   gemm    f32 GEMM throughput, n = 4096: the `gemm` crate (on every thread) and
@@ -113,6 +114,11 @@ class Server:
     def time(self, command):
         return float(self.ask(command))
 
+    def burst(self, command):
+        """`interleaved`'s side for a server command: n + 1 runs back to back
+        in the server (no round trip between them), the last n returned."""
+        return lambda n: [float(t) for t in self.ask(f"repeat {n + 1} {command}").split()][1:]
+
     def close(self):
         self.proc.stdin.write("quit\n")
         self.proc.stdin.close()
@@ -141,26 +147,33 @@ def flops(variant, pass_, hq, s, d):
 
 
 def interleaved(reps, *sides):
-    """Median seconds of each side (callables returning seconds; None sides
-    are skipped and give None) over `reps` timed runs each (three times as
-    many when the first side takes under SHORT seconds), in alternating
-    bursts. Each burst starts after a pause of PAUSE seconds with an untimed
-    run, then times up to three. The pause and the untimed run keep one
-    side's threads out of the other's measurement: right after one side's
-    run, the other side's first run is slowed by the first side's threads
-    still spinning (OpenMP, rayon) — by up to 1.7x, measured on 2 cores."""
+    """Median seconds of each side over `reps` timed runs each (three times
+    as many when the first side takes under SHORT seconds), in alternating
+    bursts. A side is a callable `burst(n)` that runs n + 1 times back to
+    back and returns the seconds of the last n (the first is a warm-up);
+    None sides are skipped and give None. Each burst starts after a pause of
+    PAUSE seconds and times up to three runs. The pause and the untimed run
+    keep one side's threads out of the other's measurement: right after one
+    side's run, the other side's first run is slowed by the first side's
+    threads still spinning (OpenMP, rayon) — by up to 1.7x, measured on 2
+    cores. Within a burst the runs follow each other directly on both sides,
+    so that neither pays for waking its threads more often than the other."""
     times = [[] for _ in sides]
     # Short runs are the noisiest and the cheapest: three times the runs.
-    if sides[0]() < SHORT:
+    if sides[0](1)[0] < SHORT:
         reps *= 3
     while len(times[0]) < reps:
         n = min(3, reps - len(times[0]))
         for side, ts in zip(sides, times):
             if side:
                 pause()
-                side()
-                ts += [side() for _ in range(n)]
+                ts += side(n)
     return [statistics.median(ts) if ts else None for ts in times]
+
+
+def burst(fn):
+    """`interleaved`'s side for an in-process callable: n + 1 runs, the last n timed."""
+    return lambda n: [timed(fn) for _ in range(n + 1)][1:]
 
 
 PAUSED = [0.0]
@@ -217,7 +230,7 @@ class Torch:
                     y.grad = None
                 out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, enable_gqa=gqa)
                 out.backward(dout)
-        return lambda: timed(run)
+        return run
 
     def flex_fn(self, variant, x):
         t = self.torch
@@ -245,7 +258,7 @@ class Torch:
         def run():
             with t.no_grad():
                 self.flex(q, k, v, score_mod=score, block_mask=block, enable_gqa=gqa)
-        return lambda: timed(run)
+        return run
 
 
 def gflops(f, sec):
@@ -299,9 +312,9 @@ def main():
         b = torch.randn(n, n)
         ab16, bb16 = a.bfloat16(), b.bfloat16()
         f = 2 * n ** 3
-        crate, tmm, tbf = interleaved(args.reps, lambda: server.time(f"gemm {n} f32"),
-                                      lambda: timed(lambda: torch.mm(a, b)),
-                                      lambda: timed(lambda: torch.mm(ab16, bb16)))
+        crate, tmm, tbf = interleaved(args.reps, server.burst(f"gemm {n} f32"),
+                                      burst(lambda: torch.mm(a, b)),
+                                      burst(lambda: torch.mm(ab16, bb16)))
         rows = [["gemm crate, f32", fmt_ms(crate), fmt_gf(gflops(f, crate))],
                 ["torch.mm, f32", fmt_ms(tmm), fmt_gf(gflops(f, tmm))],
                 ["torch.mm, bf16", fmt_ms(tbf), fmt_gf(gflops(f, tbf))]]
@@ -340,10 +353,10 @@ def main():
                             x = th.inputs(args.hq, hkv, s, d, dtype)
                             cmd = f"attn {variant} {pass_} {args.hq} {hkv} {s} {d} {dtype}"
                             try:
-                                tb, tt = interleaved(args.reps, lambda: server.time(cmd), th.sdpa(variant, pass_, x))
+                                tb, tt = interleaved(args.reps, server.burst(cmd), burst(th.sdpa(variant, pass_, x)))
                             except RuntimeError as e:
                                 print(f"boostr: {e}", file=sys.stderr)
-                                [tt] = interleaved(args.reps, th.sdpa(variant, pass_, x))
+                                [tt] = interleaved(args.reps, burst(th.sdpa(variant, pass_, x)))
                                 tb = None
                             f = flops(variant, pass_, args.hq, s, d)
                             gb, gt = (gflops(f, tb) if tb else None), gflops(f, tt)
@@ -381,9 +394,9 @@ def main():
                         # The variant, plain causal on the same shape (for the
                         # per-pair comparison) and flex, interleaved.
                         tb, causal_fwd, tf = interleaved(
-                            args.reps, lambda: server.time(cmd), lambda: server.time(causal), flex)
+                            args.reps, server.burst(cmd), server.burst(causal), flex and burst(flex))
                         [tbb] = interleaved(
-                            args.reps, lambda: server.time(f"attn {variant} fwdbwd {args.hq} {hkv} {s} {d} f32"))
+                            args.reps, server.burst(f"attn {variant} fwdbwd {args.hq} {hkv} {s} {d} f32"))
                         f = flops(variant, "fwd", args.hq, s, d)
                         gb = gflops(f, tb)
                         causal_gf = gflops(flops("causal", "fwd", args.hq, s, d), causal_fwd)

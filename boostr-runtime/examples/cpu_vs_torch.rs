@@ -9,6 +9,7 @@
 //! gemm <n> <f32>                                                   -> ok <seconds>
 //! tile <m> <n> <k> <n|t> <iters>                  -> ok <tile kernel seconds|none> <gemm crate seconds>
 //! mem <variant> <hq> <hkv> <seq> <dim>                             -> ok <json>
+//! repeat <n> <attn or gemm command>                                -> ok <seconds> × n
 //! quit
 //! ```
 //!
@@ -22,7 +23,9 @@
 //! transposed) through boostr's AVX-512 tile kernel and through the `gemm`
 //! crate. `mem` runs forward+backward once and
 //! reports the peak resident set (`VmHWM`) against the size of q, k, v, out
-//! and their gradients; run it in a fresh process. Errors answer `err <message>`.
+//! and their gradients; run it in a fresh process. `repeat` runs an `attn` or
+//! `gemm` command `n` times back to back and answers each run's seconds.
+//! Errors answer `err <message>`.
 //!
 //! ```text
 //! cargo run --release -p boostr-runtime --example cpu_vs_torch
@@ -148,6 +151,24 @@ impl Server {
                     "ok {{\"peak_rss\": {peak}, \"rss_before_inputs\": {before}, \
                      \"tensors\": {tensors}, \"seconds\": {t:.3}}}"
                 )))
+            }
+            Some("repeat") => {
+                // `n` runs back to back, each timed on its own: the driver's
+                // PyTorch runs are consecutive calls in one process, and so
+                // must ours be (a round trip through the pipe between runs
+                // lets rayon's workers fall asleep, and waking them on a
+                // shared VM can cost milliseconds).
+                let n = num(1)?;
+                let inner = words.get(2..).unwrap_or_default().join(" ");
+                if !matches!(words.get(2).copied(), Some("attn" | "gemm")) {
+                    return Err(format!("repeat runs attn or gemm, not {inner:?}").into());
+                }
+                let mut times = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let reply = self.command(&inner)?.ok_or("no answer")?;
+                    times.push(reply.trim_start_matches("ok ").to_string());
+                }
+                Ok(Some(format!("ok {}", times.join(" "))))
             }
             Some("quit") | None => Ok(None),
             Some(other) => Err(format!("unknown command {other:?}").into()),
