@@ -73,14 +73,12 @@ impl<'a> MatRef<'a> {
     }
 }
 
-/// A writable `rows × cols` view at the start of a slice, rows `rs`
-/// elements apart.
+/// A writable row-major `rows × cols` view at the start of a slice.
 #[derive(Debug)]
 pub struct MatMut<'a> {
     data: &'a mut [f32],
     rows: usize,
     cols: usize,
-    rs: usize,
 }
 
 impl<'a> MatMut<'a> {
@@ -88,30 +86,7 @@ impl<'a> MatMut<'a> {
     #[inline]
     pub fn row_major(data: &'a mut [f32], rows: usize, cols: usize) -> Self {
         assert!(data.len() >= rows * cols, "matrix view out of bounds");
-        Self {
-            data,
-            rows,
-            cols,
-            rs: cols,
-        }
-    }
-
-    /// The `rows × cols` matrix at the start of `data` whose rows lie `rs`
-    /// elements apart (a column block of a wider row-major matrix).
-    #[inline]
-    #[allow(dead_code)] // kept beside `MatRef::strided`
-    pub fn strided(data: &'a mut [f32], rows: usize, cols: usize, rs: usize) -> Self {
-        assert!(cols <= rs || rows <= 1, "rows overlap");
-        assert!(
-            rows == 0 || data.len() >= (rows - 1) * rs + cols,
-            "matrix view out of bounds"
-        );
-        Self {
-            data,
-            rows,
-            cols,
-            rs,
-        }
+        Self { data, rows, cols }
     }
 }
 
@@ -163,7 +138,7 @@ fn tile_kernel(
         n: dst.cols,
         k: lhs.cols,
         c: dst.data.as_mut_ptr(),
-        ldc: dst.rs,
+        ldc: dst.cols,
         a: lhs.data.as_ptr(),
         a_rs: lhs.rs,
         a_cs: lhs.cs,
@@ -202,7 +177,7 @@ fn crate_gemm(dst: &mut MatMut<'_>, write: Write, lhs: MatRef<'_>, rhs: MatRef<'
             k,
             dst.data.as_mut_ptr(),
             1,
-            s(dst.rs),
+            s(dst.cols),
             write == Write::Accumulate,
             lhs.data.as_ptr(),
             s(lhs.cs),
