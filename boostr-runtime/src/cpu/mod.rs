@@ -221,11 +221,11 @@ fn tile_class<V: Variant>(
 ///
 /// A diagonal causal tile computed whole wastes half of its products, and so
 /// do both edge tiles of a sliding window. Cut into bands of 16 rows, the
-/// products whose inner dimension runs over keys (`P V`, `dS K`) cover only
-/// the columns between each band's first and last nonzero probability:
-/// about 60% of the tile on a causal diagonal. (The products whose output
-/// has a column per key, `Q Kᵀ` and `dO Vᵀ`, stay whole: blocks of 16 or
-/// 32 columns are too narrow to keep the tile kernel's FMA units busy.)
+/// products that read P or dS (`P V`; `Pᵀ dO`, `dSᵀ Q`, `dS K`) cover only
+/// the keys between each band's first and last nonzero probability: about
+/// 60% of the tile on a causal diagonal. (The products that make S and dP,
+/// `Q Kᵀ` and `dO Vᵀ`, stay whole: trimmed, they would leave the tile
+/// kernel blocks of 16 or 32 columns, too narrow to keep its FMA units busy.)
 const BAND_ROWS: usize = 16;
 
 /// Rows `rows` of a tile and the columns `cols` (relative to the tile)
