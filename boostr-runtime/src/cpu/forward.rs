@@ -281,13 +281,15 @@ impl<V: Variant> Elementwise for OnlineSoftmax<'_, '_, V> {
         // Rescale factors `e^(m_old − m_new)`, across rows at once: one
         // scalar `exp` per row would be a long dependency chain per row.
         // `m_old = -inf < m_new` gives 0 (nothing accumulated yet); a row
-        // still at `m_new = -inf` keeps factor 1 instead of `e^NaN`.
+        // still at `m_new = -inf` keeps factor 1 instead of `e^NaN`. Factors
+        // under 2^-64 are 0, as for the probabilities themselves (see
+        // `math::SOFTMAX_FLUSH`): what they would keep is below rounding.
         for (a, m) in alpha.iter_mut().zip(m.iter_mut()) {
             let m_new = *a;
             *a = if m_new == f32::NEG_INFINITY {
                 1.0
             } else {
-                math::exp(*m - m_new)
+                math::exp_softmax(*m - m_new)
             };
             *m = m_new;
         }

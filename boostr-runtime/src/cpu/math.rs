@@ -27,6 +27,21 @@ pub const LANES: usize = 16;
 /// One partial sum per lane (see [`exp_sub_acc`]).
 pub type Lanes = [f32; LANES];
 
+/// [`exp_softmax`] is exactly `0.0` below this, `−64·ln 2`: probabilities
+/// under `2^-64` of the row's maximum are flushed to zero.
+///
+/// Why: they change no result (next to the maximum's `1`, even `2^31` of
+/// them sum to under `2^-33`, a thousandth of an ulp of the denominator),
+/// but they cost a lot. The products that follow the softmax (`P V`, and
+/// `dS K`, `dSᵀ Q` in the backward) multiply them by values of order one,
+/// and a probability near the f32 limit `2^-126` gives a subnormal product;
+/// every vector FMA that produces one takes a microcode assist of some
+/// hundred cycles. With a flush at `2^-126`, a handful of such keys per row
+/// (an ALiBi head with a steep slope has them on every row) made the tile
+/// products measurably slower. From `2^-64` on, `|v| ≥ 2^-62` keeps every
+/// product normal.
+pub const SOFTMAX_FLUSH: f32 = -64.0 * std::f32::consts::LN_2;
+
 /// Inputs below this give `0.0` (`e^-104 < 2^-150`, half the smallest
 /// subnormal); it is also the lower clamp, so `2^n` below stays representable.
 const EXP_LO: f32 = -104.0;
@@ -54,15 +69,14 @@ pub fn exp(x: f32) -> f32 {
 /// `e^x` for the softmax, where `x = logit − max ≤ 0` (or `-inf` for a
 /// hidden pair): [`exp`]'s reduction, a degree-5 polynomial instead of
 /// degree 7, and none of its overflow and gradual-underflow handling.
-/// Within 2.5 ulp of `e^x` for `-87.3 ≤ x ≤ 0` (a test checks this), exactly
-/// `1.0` at `0` (the row's maximum), exactly `0.0` below `-87.3` (results
-/// under `2^-126` are flushed: next to the maximum's `1` they are below any
-/// f32 rounding of the sum) and for `x = -inf`. About half of [`exp`]'s
+/// Within 2.5 ulp of `e^x` for `SOFTMAX_FLUSH ≤ x ≤ 0` (a test checks
+/// this), exactly `1.0` at `0` (the row's maximum), exactly `0.0` below
+/// [`SOFTMAX_FLUSH`] and for `x = -inf`. About half of [`exp`]'s
 /// instructions: the softmax's one transcendental per score.
 #[inline(always)]
 pub fn exp_softmax(x: f32) -> f32 {
-    const LO: f32 = -87.3;
-    // Clamped from below so that `n ≥ -126` and `2^n` is one normal power of
+    const LO: f32 = SOFTMAX_FLUSH;
+    // Clamped from below so that `n ≥ -64` and `2^n` is one normal power of
     // two; the result there is replaced by 0 at the end.
     let xc = if x < LO { LO } else { x };
     let (r, n) = reduce(xc);
@@ -308,7 +322,7 @@ fn max2(a: f32, b: f32) -> f32 {
 /// `shift` must be finite (the caller handles rows whose maximum is `-inf`)
 /// and at least the largest element up to rounding (a row max or a
 /// log-sum-exp), so that every argument is `≤ 0`; `-inf` elements (masked
-/// pairs) become exactly `0`, as does anything below `e^-87.3`.
+/// pairs) become exactly `0`, as does anything below `e^SOFTMAX_FLUSH`.
 #[inline(always)]
 pub fn exp_sub_sum(xs: &mut [f32], shift: f32) -> f32 {
     let mut acc = [0.0; LANES];
@@ -455,7 +469,7 @@ mod tests {
     fn exp_softmax_is_within_two_and_a_half_ulp_below_zero() {
         worst_ulps(
             "exp_softmax",
-            sweep(-87.3, 0.0, 2_000_000),
+            sweep(SOFTMAX_FLUSH as f64, 0.0, 2_000_000),
             exp_softmax,
             f64::exp,
             2.5,
@@ -467,7 +481,9 @@ mod tests {
         worst_ulps("exp_softmax [-1, 0)", near, exp_softmax, f64::exp, 2.5);
         assert_eq!(exp_softmax(0.0), 1.0);
         assert_eq!(exp_softmax(-0.0), 1.0);
-        for x in [-87.4f32, -88.0, -1e4, f32::NEG_INFINITY] {
+        let below = f32::from_bits(SOFTMAX_FLUSH.to_bits() + 1);
+        assert!(exp_softmax(SOFTMAX_FLUSH) > f32::from_bits(0x1f00_0000)); // 2^-65
+        for x in [below, -44.5, -87.4, -88.0, -1e4, f32::NEG_INFINITY] {
             assert_eq!(exp_softmax(x).to_bits(), 0, "exp_softmax({x})");
         }
     }
