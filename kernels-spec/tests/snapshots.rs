@@ -23,7 +23,11 @@ fn program(source: &str) -> Program {
 }
 
 fn snapshot_path(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    // Cargo sets the variable when it runs the test, too; that value follows
+    // the checkout even where a shared target directory holds a binary
+    // built from another one.
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
         .join("tests")
         .join("snapshots")
         .join(name)

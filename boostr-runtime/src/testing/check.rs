@@ -94,6 +94,12 @@ pub const REQUIRE_DEVICE_ENV: &str = "BOOSTR_TEST_REQUIRE_DEVICE";
 
 /// Factor on the naive f32 implementation's max error (FlashAttention's rule).
 const NAIVE_FACTOR: f64 = 2.0;
+/// The factor of [`check_parity`]: two backends that each pass their own
+/// test may each be `NAIVE_FACTOR` naive errors away from the reference, on
+/// opposite sides, so twice that apart. With large logits, where every f32
+/// implementation's error is decided by the rounding of a few huge logits,
+/// two correct backends were measured 2.05 naive errors apart.
+const PARITY_FACTOR: f64 = 2.0 * NAIVE_FACTOR;
 /// Absolute slack, in units of `1 + max |ref|`: a few ulps of the result,
 /// for kernels whose `exp` or division is off by an ulp where the naive f32
 /// happens to be exact (e.g. `P = 1` in a row with one visible key).
@@ -363,7 +369,7 @@ fn run_case<R: TestBackend, V: Variant>(
     let mut failures = Vec::new();
     contract(variant, &p, &mut failures);
     let want = Expected::reference(variant, &p, &inputs);
-    let summary = compare_results(&p, &got, &want, &mut failures);
+    let summary = compare_results(&p, &got, &want, NAIVE_FACTOR, &mut failures);
     exact_zeros(
         variant,
         &p,
@@ -391,12 +397,13 @@ fn compare_results(
     p: &Problem,
     got: &BackendResults,
     want: &Expected,
+    factor: f64,
     failures: &mut Vec<String>,
 ) -> String {
     let [m_out, m_dq, m_dk, m_dv] = want.magnitudes;
     let mut summary = String::new();
     let mut check = |label: &str, layout, got: &[f32], want: &[f64], naive: &[f32], m| {
-        let c = compare(label, layout, p, got, want, naive, m);
+        let c = compare_with(factor, label, layout, p, got, want, naive, m);
         failures.extend(c.failures);
         if let Some(short) = label.strip_prefix("attention_") {
             let _ = write!(summary, "{} {:.1e}/{:.1e} ", &short[4..], c.err, c.bound);
@@ -424,8 +431,10 @@ fn compare_results(
 ///
 /// `B`'s `out, lse, dq, dk, dv` (tensor ops and autograd) are compared with
 /// `A`'s tensor-op results under [`check_variant`]'s rule with `A` in the
-/// place of the f64 reference: `B` may differ from `A` by at most twice what
-/// the naive f32 implementation differs from `A`, plus the same slack. `lse
+/// place of the f64 reference, and twice its factor: `B` may differ from `A`
+/// by at most four times what the naive f32 implementation differs from
+/// `A`, plus the same slack (each is held to twice the naive error by its
+/// own test, so two correct backends can be twice that apart). `lse
 /// = −inf` must match exactly. Skipped (or failed, with
 /// `BOOSTR_TEST_REQUIRE_DEVICE`) like [`check_variant`] when either backend
 /// has no device.
@@ -476,7 +485,7 @@ pub fn check_parity<A: TestBackend, B: TestBackend, V: Variant>(variant: &V) {
                     ..reference
                 };
                 let mut f = Vec::new();
-                let summary = compare_results(&p, &b, &want, &mut f);
+                let summary = compare_results(&p, &b, &want, PARITY_FACTOR, &mut f);
                 CaseReport::new(f, summary)
             }
         };
@@ -498,7 +507,7 @@ pub fn check_parity<A: TestBackend, B: TestBackend, V: Variant>(variant: &V) {
     assert!(
         failures.is_empty(),
         "boostr: variant `{}`: {} disagrees with {} (seed {seed}; rerun with {SEED_ENV}={seed})\n\
-         tolerance: max|{} − {}| ≤ {NAIVE_FACTOR}·max|naive_f32 − {}| + {SLACK:e}·(1 + max|{}|) + ε·M\n\
+         tolerance: max|{} − {}| ≤ {PARITY_FACTOR}·max|naive_f32 − {}| + {SLACK:e}·(1 + max|{}|) + ε·M\n\
          {failures}",
         V::NAME,
         B::NAME,
@@ -683,7 +692,23 @@ pub(crate) struct Comparison {
 
 /// Compare `got` with the f64 reference `want` under the tolerance rule, with
 /// `naive` the naive f32 implementation's result.
+#[cfg(test)]
 pub(crate) fn compare(
+    label: &str,
+    layout: Layout,
+    p: &Problem,
+    got: &[f32],
+    want: &[f64],
+    naive: &[f32],
+    magnitude: f64,
+) -> Comparison {
+    compare_with(NAIVE_FACTOR, label, layout, p, got, want, naive, magnitude)
+}
+
+/// [`compare`] with `factor` in place of `NAIVE_FACTOR`.
+#[allow(clippy::too_many_arguments)]
+fn compare_with(
+    factor: f64,
     label: &str,
     layout: Layout,
     p: &Problem,
@@ -781,13 +806,13 @@ pub(crate) fn compare(
             want[i]
         ));
     }
-    let bound = NAIVE_FACTOR * naive_err.min(sanity) + SLACK * (1.0 + ref_max) + CANCEL * m;
+    let bound = factor * naive_err.min(sanity) + SLACK * (1.0 + ref_max) + CANCEL * m;
     if err > bound {
         let i = err_at.unwrap_or(0);
         let n = naive_at.unwrap_or(0);
         failures.push(format!(
             "{label}: max |got − want| = {err:.3e} > bound {bound:.3e} \
-             (= {NAIVE_FACTOR}·naive err {naive_err:.3e} + {SLACK:e}·(1 + max|want| {ref_max:.3e}) \
+             (= {factor}·naive err {naive_err:.3e} + {SLACK:e}·(1 + max|want| {ref_max:.3e}) \
              + ε·M, M = {m:.3e}); \
              worst at {}: got {:e}, want {:e}, naive f32 {:e} (naive err there {:.3e}); \
              naive's worst at {}",
