@@ -175,14 +175,14 @@ fn exp_poly(r: f32) -> f32 {
 #[allow(clippy::excessive_precision)]
 pub fn tanh(x: f32) -> f32 {
     let a = f32::from_bits(x.to_bits() & 0x7fff_ffff);
-    // Small |x|: x + x·z·P(z), z = x².
+    // Small |x|: x + x·z·P(z), z = x², in FMAs.
     let z = x * x;
     let mut p = -5.704_988_727_45e-3f32;
-    p = p * z + 2.063_908_879_54e-2;
-    p = p * z - 5.373_971_555_31e-2;
-    p = p * z + 1.333_144_220_36e-1;
-    p = p * z - 3.333_328_194_22e-1;
-    let small = x + x * z * p;
+    p = p.mul_add(z, 2.063_908_879_54e-2);
+    p = p.mul_add(z, -5.373_971_555_31e-2);
+    p = p.mul_add(z, 1.333_144_220_36e-1);
+    p = p.mul_add(z, -3.333_328_194_22e-1);
+    let small = (x * z).mul_add(p, x);
     // Large |x|: no overflow, t → 0 gives exactly 1. `1/(1 + t)` by two
     // Newton steps from a linear guess instead of a division: on
     // `1 + t ∈ [1, 1 + e^-1.25]` the guess is within 0.8%, the steps
