@@ -112,16 +112,8 @@ pub fn forward_tiled<V: Variant>(
     assert_eq!(v.len(), p.kv_len(), "v length");
     assert_eq!(out.len(), p.q_len(), "out length");
     assert_eq!(lse.len(), p.lse_len(), "lse length");
-    forward::forward(
-        variant,
-        p,
-        CpuTiles::new(tiles.q, tiles.kv),
-        q,
-        k,
-        v,
-        out,
-        lse,
-    );
+    let tiles = CpuTiles::new(tiles.q, tiles.kv);
+    in_pool(|| forward::forward(variant, p, tiles, q, k, v, out, lse));
 }
 
 /// Attention backward with the variant's [`CpuTiles`]: writes `dq`, `dk`, `dv`.
@@ -167,7 +159,19 @@ pub fn backward_tiled<V: Variant>(
     );
     let tiles = CpuTiles::new(tiles.q, tiles.kv);
     let chunks = backward::key_chunks(p, tiles, rayon::current_num_threads());
-    backward::backward(variant, p, tiles, chunks, inputs, dq, dk, dv);
+    in_pool(|| backward::backward(variant, p, tiles, chunks, inputs, dq, dk, dv));
+}
+
+/// Run `f` on a thread of rayon's pool (inline when already on one).
+///
+/// Why: each kernel runs several parallel loops in a row (the forward's
+/// transpose of K, then its query tiles; the backward's three phases).
+/// Started from a thread outside the pool, each loop hands its work over to
+/// the pool and puts the caller to sleep until it is done, and on a virtual
+/// machine waking a sleeping thread can take tens of microseconds. Inside
+/// the pool the loops follow one another without a hand-over.
+fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    rayon::scope(|_| f())
 }
 
 /// Positions of rows and keys as the variant sees them (bottom-right aligned).
