@@ -17,7 +17,8 @@ with a pause and an untimed run, the runs of a burst back to back on both sides
 Sections:
   gemm    f32 GEMM throughput, n = 4096: the `gemm` crate (on every thread) and
           torch.mm; bf16 torch.mm for reference. Then attention-sized tile
-          products on one thread: boostr's AVX-512 tile kernel and the gemm crate.
+          products on one thread: boostr's AVX-512 tile kernel and the gemm crate,
+          and the core's FMA peak (register-only FMAs), their ceiling.
   plain   full and causal attention, forward and forward+backward: boostr against
           torch.nn.functional.scaled_dot_product_attention.
   custom  ALiBi (causal), softcap 30 (causal), causal sliding window 256, prefix-LM
@@ -336,6 +337,13 @@ def main():
             rows.append([f"{m}×{n_}×{k}" + (", A transposed" if layout == "t" else ""),
                          fmt_gf(gflops(tf, min(ours))), fmt_gf(gflops(tf, min(theirs)))])
             results.append(dict(section="tile", shape=[m, n_, k, layout], ours=min(ours), gemm=min(theirs)))
+        # The ceiling of both: one core's FMA throughput, from a loop of 24
+        # independent register FMAs with no loads (best of --reps).
+        peak = [server.ask("peak 20000000") for _ in range(args.reps)]
+        if "none" not in peak:
+            t = min(float(p) for p in peak)
+            rows.append(["FMA peak (registers only)", fmt_gf(gflops(20000000 * 24 * 32, t)), ""])
+            results.append(dict(section="peak", seconds=t, flops=20000000 * 24 * 32))
         table("Tile products C += A·B on one thread, best of --reps × 20 000 calls",
               ["m×n×k", "boostr tile kernel GFLOP/s", "gemm crate GFLOP/s"], rows)
     else:

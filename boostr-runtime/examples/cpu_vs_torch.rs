@@ -8,6 +8,7 @@
 //! attn <variant> <fwd|fwdbwd> <hq> <hkv> <seq> <dim> [f32|bf16]   -> ok <seconds>
 //! gemm <n> <f32>                                                   -> ok <seconds>
 //! tile <m> <n> <k> <n|t> <iters>                  -> ok <tile kernel seconds|none> <gemm crate seconds>
+//! peak <iters>                                                     -> ok <seconds|none>
 //! mem <variant> <hq> <hkv> <seq> <dim>                             -> ok <json>
 //! repeat <n> <attn or gemm command>                                -> ok <seconds> × n
 //! quit
@@ -21,7 +22,9 @@
 //! (boostr's tile products use it on CPUs without AVX-512). `tile` times
 //! `iters` single-threaded tile products `C += A·B` (`t`: `A` stored
 //! transposed) through boostr's AVX-512 tile kernel and through the `gemm`
-//! crate. `mem` runs forward+backward once and
+//! crate. `peak` times `iters` rounds of 24 AVX-512 FMAs on registers only,
+//! on one thread: the core's FMA peak (`iters · 768` flops). `mem` runs
+//! forward+backward once and
 //! reports the peak resident set (`VmHWM`) against the size of q, k, v, out
 //! and their gradients; run it in a fresh process. `repeat` runs an `attn` or
 //! `gemm` command `n` times back to back and answers each run's seconds.
@@ -133,6 +136,13 @@ impl Server {
                     boostr_runtime::cpu::time_tile_products(m, n, k, transposed, iters);
                 let ours = ours.map_or("none".to_string(), |t| format!("{t:.9}"));
                 Ok(Some(format!("ok {ours} {theirs:.9}")))
+            }
+            Some("peak") => {
+                let iters = num(1)?;
+                let t = boostr_runtime::cpu::time_fma_peak(iters);
+                Ok(Some(
+                    t.map_or("ok none".to_string(), |t| format!("ok {t:.9}")),
+                ))
             }
             Some("gemm") => {
                 let n = num(1)?;

@@ -195,6 +195,25 @@ fn crate_gemm(dst: &mut MatMut<'_>, write: Write, lhs: MatRef<'_>, rhs: MatRef<'
     }
 }
 
+/// Seconds for `iters` rounds of 24 16-lane FMAs on registers only, on the
+/// calling thread (`None` without AVX-512F): `iters · 24 · 32` flops at the
+/// core's FMA peak, against which the tile kernel's rate can be read. For
+/// the `peak` command of the `cpu_vs_torch` example; not part of the API.
+#[doc(hidden)]
+pub fn time_fma_peak(iters: usize) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        let start = std::time::Instant::now();
+        // SAFETY: AVX-512F was just detected.
+        let sum = unsafe { super::microkernel::fma_loop(iters) };
+        let seconds = start.elapsed().as_secs_f64();
+        std::hint::black_box(sum);
+        return Some(seconds);
+    }
+    let _ = iters;
+    None
+}
+
 /// Seconds for `iters` single-threaded tile products `C += A·B` of
 /// `m × n × k` (`A` stored transposed when `a_transposed`, as the backward's
 /// `Pᵀ dO` and `dSᵀ Q` are): through the AVX-512 tile kernel (`None` without

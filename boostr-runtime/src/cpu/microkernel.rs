@@ -158,6 +158,24 @@ unsafe fn block_kernel<const R: usize>(o: Operands, masks: [__mmask16; NV]) {
     }
 }
 
+/// `iters` rounds of 24 independent 16-lane FMAs on registers only, the
+/// blocking of [`matmul`] without its loads: the FMA throughput of one
+/// core, the ceiling of every tile product. Returns a value computed from
+/// every accumulator, so that none of the work can be optimised away.
+#[target_feature(enable = "avx512f")]
+pub(super) fn fma_loop(iters: usize) -> f32 {
+    // Opaque starting values: folded constants would let the compiler
+    // rearrange the loop.
+    let mut acc = std::hint::black_box([_mm512_set1_ps(1.0); MR * NV]);
+    let (b, c) = std::hint::black_box((_mm512_set1_ps(0.999_999_9), _mm512_set1_ps(1e-7)));
+    for _ in 0..iters {
+        for a in acc.iter_mut() {
+            *a = _mm512_fmadd_ps(*a, b, c);
+        }
+    }
+    acc.iter().map(|&a| _mm512_reduce_add_ps(a)).sum()
+}
+
 /// Write the transpose of the row-major `rows × cols` matrix at `src` into
 /// `dst` (`cols × rows`, row stride `dst_rs`): `dst[c·dst_rs + r] =
 /// src[r·cols + c]`. Only those elements of `dst` are written, none read.

@@ -58,7 +58,7 @@ mod tile;
 mod tests;
 
 #[doc(hidden)] // for the benchmark example
-pub use gemm::time_tile_products;
+pub use gemm::{time_fma_peak, time_tile_products};
 pub use tile::CpuTiles;
 
 use crate::problem::Problem;
