@@ -17,19 +17,23 @@
 /// - backward: K, Kᵀ, Vᵀ, dK and dV tiles resident, three score-sized tiles
 ///   (S/P, dP/dS, score_grad), Q and dO tiles streaming — about 160 KiB.
 ///
-/// Why not smaller: every tile product is a `gemm` call whose fixed cost
-/// (dispatch, packing, a small allocation) has to be amortised over
-/// `2·q·kv·D` flops, and the online-softmax rescale costs `q·D` per key
-/// tile. Why not larger: fewer parallel tasks for short sequences, and
-/// coarser tiles skip less of a causal or sliding-window mask (only whole
-/// tiles are skipped) while evaluating the mask on bigger diagonal tiles.
+/// Why not smaller: each key tile costs every query row a pass of the
+/// online softmax's bookkeeping (row max, rescale of `D` accumulators), and
+/// the tile kernel keeps `6 × 64` blocks of the product in registers, so
+/// fewer rows or keys per tile leave more of it in remainders. Why not
+/// larger: fewer parallel tasks for short sequences, and coarser tiles skip
+/// less of a causal or sliding-window mask (only whole tiles are skipped)
+/// while evaluating the mask on bigger diagonal tiles.
 ///
 /// Measured on a 2-core AVX-512 Xeon (B=1, H=8, S=1024, D=64, and
 /// S=2048, D=128), sweeping q ∈ {32, 64, 128} × kv ∈ {64, 128, 256}: every
 /// choice from 32×64 to 128×128 is within ~10% (run-to-run noise on that
 /// machine); 64×64 was at or near the best for causal forward and backward,
 /// which is the common case, and has the smallest working set for larger
-/// head dims. kv = 256 was slower for causal masks.
+/// head dims. kv = 256 was slower for causal masks. Measured again with the
+/// AVX-512 tile kernel (`bench/ab_cpu.py`, paired): q = 32 ran the full
+/// forward at 8 8 2048 128 0.87× as fast, and a causal sliding window of
+/// 256 (whose 64-wide tiles are at best 80% useful) no faster (0.97–0.99×).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CpuTiles {
     /// Query rows per tile (`Bq`).
