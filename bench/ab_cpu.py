@@ -16,18 +16,24 @@ quartiles are printed. A/B > 1 means B is faster.
         "attn causal fwd 8 8 1024 64" "attn window fwdbwd 8 2 2048 128"
 
 Commands are the server's (see `boostr-runtime/examples/cpu_vs_torch.rs`).
+With `--threads 1 2` and the same binary as A and B, it measures how the
+kernels scale from one thread to two.
 Needs nothing beyond the Python standard library.
 """
 
 import argparse
+import os
 import statistics
 import subprocess
 
 
 class Server:
-    def __init__(self, path):
+    def __init__(self, path, threads=None):
+        env = dict(os.environ)
+        if threads is not None:
+            env["RAYON_NUM_THREADS"] = str(threads)
         self.proc = subprocess.Popen([path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, bufsize=1)
+                                     text=True, bufsize=1, env=env)
         ready = self.proc.stdout.readline()
         if not ready.startswith("ready"):
             raise SystemExit(f"{path}: unexpected greeting {ready!r}")
@@ -52,9 +58,13 @@ def main():
     ap.add_argument("b", help="timing server binary B")
     ap.add_argument("commands", nargs="+", help="server commands, e.g. 'attn full fwd 8 8 1024 64'")
     ap.add_argument("--pairs", type=int, default=16, help="paired turns per command (default 16)")
+    ap.add_argument("--threads", type=int, nargs=2, metavar=("A", "B"),
+                    help="rayon threads of each server (default: the environment's); with the same "
+                         "binary twice, e.g. --threads 1 2, A/B is the speed-up from the threads")
     args = ap.parse_args()
 
-    a, b = Server(args.a), Server(args.b)
+    ta, tb = args.threads or (None, None)
+    a, b = Server(args.a, ta), Server(args.b, tb)
     try:
         for command in args.commands:
             once = max(a.run(command), b.run(command), 1e-4)
