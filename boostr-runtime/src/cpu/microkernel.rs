@@ -15,8 +15,10 @@
 //! does 24 FMAs, with the six broadcasts of `A` as their memory operands.
 //! Twenty-four independent accumulators cover the FMA latency (4 cycles × 2
 //! ports) with room to spare, and 24 FMAs per step amortise the loop's
-//! address arithmetic. Column tails use masked loads and stores, row tails
-//! a smaller `MR` (a const parameter). Columns are the outer loop, so one
+//! address arithmetic. Column tails use masked loads and stores and run only
+//! their live vectors (the last 16 columns of a head dim of 80 cost one
+//! vector's FMAs, not four), row tails a smaller `MR`; both are const
+//! parameters. Columns are the outer loop, so one
 //! `k × 64` panel of `B` stays in L1 while every row block passes over it.
 //!
 //! Measured single-threaded on a 2-core AVX-512 Xeon, best of 5 × 20 000
@@ -70,31 +72,55 @@ pub(super) unsafe fn matmul(o: Operands) {
     let mut j0 = 0;
     while j0 < o.n {
         let cols = NR.min(o.n - j0);
-        let masks: [__mmask16; NV] = std::array::from_fn(|v| tail_mask(cols, 16 * v));
-        let mut i0 = 0;
-        while i0 < o.m {
-            let rows = MR.min(o.m - i0);
-            // SAFETY: the block `rows × cols` at (i0, j0) lies inside
-            // `m × n`; masked lanes are neither loaded nor stored.
-            unsafe {
-                let block = Operands {
-                    c: o.c.add(i0 * o.ldc + j0),
-                    a: o.a.add(i0 * o.a_rs),
-                    b: o.b.add(j0),
-                    ..o
-                };
-                match rows {
-                    6 => block_kernel::<6>(block, masks),
-                    5 => block_kernel::<5>(block, masks),
-                    4 => block_kernel::<4>(block, masks),
-                    3 => block_kernel::<3>(block, masks),
-                    2 => block_kernel::<2>(block, masks),
-                    _ => block_kernel::<1>(block, masks),
-                }
+        // SAFETY: columns `j0 .. j0 + cols` lie inside `n`.
+        unsafe {
+            let o = Operands {
+                c: o.c.add(j0),
+                b: o.b.add(j0),
+                ..o
+            };
+            // A narrow last block (a head dim of 80 leaves 16 columns)
+            // runs only the vectors it has live, not all four.
+            match cols.div_ceil(16) {
+                4 => column_block::<4>(o, cols),
+                3 => column_block::<3>(o, cols),
+                2 => column_block::<2>(o, cols),
+                _ => column_block::<1>(o, cols),
             }
-            i0 += MR;
         }
         j0 += NR;
+    }
+}
+
+/// The first `cols ≤ 16·V` columns of `C`, every row, in blocks of `MR`
+/// rows and `V` vectors.
+///
+/// # Safety
+/// As [`matmul`], for those columns.
+#[inline(always)]
+unsafe fn column_block<const V: usize>(o: Operands, cols: usize) {
+    let masks: [__mmask16; V] = std::array::from_fn(|v| tail_mask(cols, 16 * v));
+    let mut i0 = 0;
+    while i0 < o.m {
+        let rows = MR.min(o.m - i0);
+        // SAFETY: the block `rows × cols` at row i0 lies inside the
+        // columns' `m × cols`; masked lanes are neither loaded nor stored.
+        unsafe {
+            let block = Operands {
+                c: o.c.add(i0 * o.ldc),
+                a: o.a.add(i0 * o.a_rs),
+                ..o
+            };
+            match rows {
+                6 => block_kernel::<6, V>(block, masks),
+                5 => block_kernel::<5, V>(block, masks),
+                4 => block_kernel::<4, V>(block, masks),
+                3 => block_kernel::<3, V>(block, masks),
+                2 => block_kernel::<2, V>(block, masks),
+                _ => block_kernel::<1, V>(block, masks),
+            }
+        }
+        i0 += MR;
     }
 }
 
@@ -105,25 +131,25 @@ fn tail_mask(cols: usize, v0: usize) -> __mmask16 {
     ((1u32 << live) - 1) as __mmask16
 }
 
-/// One `R × NR` block of `C` (fewer columns where `masks` say so).
+/// One `R × 16·V` block of `C` (fewer columns where `masks` say so).
 ///
 /// # Safety
 /// As [`matmul`], for the block: rows `0..R`, the columns enabled in `masks`.
 #[inline(always)]
-unsafe fn block_kernel<const R: usize>(o: Operands, masks: [__mmask16; NV]) {
+unsafe fn block_kernel<const R: usize, const V: usize>(o: Operands, masks: [__mmask16; V]) {
     // SAFETY (whole body): AVX-512F is enabled by the caller's
     // `target_feature`; every pointer formed addresses an element of the
     // block (see the function's contract), and masked lanes are not touched.
     unsafe {
-        let mut acc = [[_mm512_setzero_ps(); NV]; R];
-        if masks[NV - 1] == 0xffff {
+        let mut acc = [[_mm512_setzero_ps(); V]; R];
+        if masks[V - 1] == 0xffff {
             for p in 0..o.k {
                 let b = o.b.add(p * o.ldb);
-                let bv: [__m512; NV] = std::array::from_fn(|v| _mm512_loadu_ps(b.add(16 * v)));
+                let bv: [__m512; V] = std::array::from_fn(|v| _mm512_loadu_ps(b.add(16 * v)));
                 let a = o.a.add(p * o.a_cs);
                 for (r, acc) in acc.iter_mut().enumerate() {
                     let ar = _mm512_set1_ps(*a.add(r * o.a_rs));
-                    for v in 0..NV {
+                    for v in 0..V {
                         acc[v] = _mm512_fmadd_ps(ar, bv[v], acc[v]);
                     }
                 }
@@ -131,12 +157,12 @@ unsafe fn block_kernel<const R: usize>(o: Operands, masks: [__mmask16; NV]) {
         } else {
             for p in 0..o.k {
                 let b = o.b.add(p * o.ldb);
-                let bv: [__m512; NV] =
+                let bv: [__m512; V] =
                     std::array::from_fn(|v| _mm512_maskz_loadu_ps(masks[v], b.add(16 * v)));
                 let a = o.a.add(p * o.a_cs);
                 for (r, acc) in acc.iter_mut().enumerate() {
                     let ar = _mm512_set1_ps(*a.add(r * o.a_rs));
-                    for v in 0..NV {
+                    for v in 0..V {
                         acc[v] = _mm512_fmadd_ps(ar, bv[v], acc[v]);
                     }
                 }
@@ -347,8 +373,11 @@ mod tests {
         }
         let mut rng = Rng::new(0x6e44, 1);
         let sizes = [1, 7, 8, 9, 16, 17, 31, 32, 33, 40, 64, 65];
+        // Columns: every count of live vectors in the first block of 64 and
+        // in a second one (head dims 80, 96, 112).
+        let cols = [1, 7, 16, 17, 32, 33, 40, 49, 64, 65, 80, 96, 112, 128];
         for &m in &sizes {
-            for &n in &sizes {
+            for &n in &cols {
                 for &k in &[0, 1, 5, 64, 129] {
                     for (t, acc) in [(false, false), (true, true), (false, true), (true, false)] {
                         check(m, n, k, t, acc, &mut rng);
