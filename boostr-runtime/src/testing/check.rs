@@ -93,7 +93,7 @@ impl TestBackend for Cuda {
 pub const REQUIRE_DEVICE_ENV: &str = "BOOSTR_TEST_REQUIRE_DEVICE";
 
 /// Factor on the naive f32 implementation's max error (FlashAttention's rule).
-const NAIVE_FACTOR: f64 = 2.0;
+pub(crate) const NAIVE_FACTOR: f64 = 2.0;
 /// The factor of [`check_parity`]: two backends that each pass their own
 /// test may each be `NAIVE_FACTOR` naive errors away from the reference, on
 /// opposite sides, so twice that apart. With large logits, where every f32
@@ -403,7 +403,7 @@ fn compare_results(
     let [m_out, m_dq, m_dk, m_dv] = want.magnitudes;
     let mut summary = String::new();
     let mut check = |label: &str, layout, got: &[f32], want: &[f64], naive: &[f32], m| {
-        let c = compare_with(factor, label, layout, p, got, want, naive, m);
+        let c = compare(factor, label, layout, p, got, want, naive, m);
         failures.extend(c.failures);
         if let Some(short) = label.strip_prefix("attention_") {
             let _ = write!(summary, "{} {:.1e}/{:.1e} ", &short[4..], c.err, c.bound);
@@ -690,24 +690,12 @@ pub(crate) struct Comparison {
     pub(crate) failures: Vec<String>,
 }
 
-/// Compare `got` with the f64 reference `want` under the tolerance rule, with
-/// `naive` the naive f32 implementation's result.
-#[cfg(test)]
-pub(crate) fn compare(
-    label: &str,
-    layout: Layout,
-    p: &Problem,
-    got: &[f32],
-    want: &[f64],
-    naive: &[f32],
-    magnitude: f64,
-) -> Comparison {
-    compare_with(NAIVE_FACTOR, label, layout, p, got, want, naive, magnitude)
-}
-
-/// [`compare`] with `factor` in place of `NAIVE_FACTOR`.
+/// Compare `got` with the f64 reference `want` under the tolerance rule with
+/// `factor` on the naive error (`NAIVE_FACTOR` against the reference,
+/// `PARITY_FACTOR` between backends), `naive` being the naive f32
+/// implementation's result.
 #[allow(clippy::too_many_arguments)]
-fn compare_with(
+pub(crate) fn compare(
     factor: f64,
     label: &str,
     layout: Layout,
