@@ -307,48 +307,24 @@ fn compare_applies_the_tolerance_rule() {
     let want = [1.0f64, -2.0, 0.5, 3.0];
     let naive = [1.000_001f32, -2.0, 0.5, 3.0]; // naive err 9.537e-7 at [0]
     let eps = f64::from(f32::EPSILON);
+    let query = |got: &[f32], naive: &[f32], m| {
+        compare(NAIVE_FACTOR, "t", Layout::Query, &p, got, &want, naive, m)
+    };
     // bound = 2·naive err + 1e-6·(1 + max|want|) + ε·M.
     let bound = |m: f64| 2.0 * 9.536_743e-7 + 1e-6 * 4.0 + eps * m;
     // 7e-6 off at [3]: beyond 2·naive + 1e-6·(1 + 3) + ε·3 ≈ 6.3e-6 when the
     // terms are no larger than the result (M = max|want|)...
     let got = [1.0, -2.0, 0.5, 3.000_007];
-    let tight = compare(
-        NAIVE_FACTOR,
-        "t",
-        Layout::Query,
-        &p,
-        &got,
-        &want,
-        &naive,
-        0.0,
-    );
+    let tight = query(&got, &naive, 0.0);
     assert_eq!(tight.failures.len(), 1, "{:?}", tight.failures);
     assert!((tight.bound - bound(3.0)).abs() < 1e-12, "{}", tight.bound);
     // ...within it when the result came from terms of magnitude 100.
-    let ok = compare(
-        NAIVE_FACTOR,
-        "t",
-        Layout::Query,
-        &p,
-        &got,
-        &want,
-        &naive,
-        100.0,
-    );
+    let ok = query(&got, &naive, 100.0);
     assert!(ok.failures.is_empty(), "{:?}", ok.failures);
     assert!((ok.bound - bound(100.0)).abs() < 1e-12, "{}", ok.bound);
     // 2e-5 off: fails, naming the element.
     let got = [1.0, -2.0, 0.5, 3.000_02];
-    let bad = compare(
-        NAIVE_FACTOR,
-        "t",
-        Layout::Query,
-        &p,
-        &got,
-        &want,
-        &naive,
-        10.0,
-    );
+    let bad = query(&got, &naive, 10.0);
     assert_eq!(bad.failures.len(), 1);
     assert!(
         bad.failures[0].contains("i=1 (q_pos 1), d=1"),
@@ -357,48 +333,33 @@ fn compare_applies_the_tolerance_rule() {
     );
     // NaN anywhere fails.
     let got = [f32::NAN, -2.0, 0.5, 3.0];
-    let nan = compare(
-        NAIVE_FACTOR,
-        "t",
-        Layout::Query,
-        &p,
-        &got,
-        &want,
-        &naive,
-        10.0,
-    );
+    let nan = query(&got, &naive, 10.0);
     assert!(!nan.failures.is_empty());
     // lse: −inf must be matched exactly, and only where the reference has it.
     let p_lse = problem(1, 1, 1, 2, 2, 1, 1.0);
     let want_lse = [f64::NEG_INFINITY, 0.25];
     let naive_lse = [f32::NEG_INFINITY, 0.25];
-    let ok = compare(
-        NAIVE_FACTOR,
-        "lse",
-        Layout::Lse,
-        &p_lse,
-        &naive_lse,
-        &want_lse,
-        &naive_lse,
-        0.0,
-    );
+    let lse = |got: &[f32]| {
+        compare(
+            NAIVE_FACTOR,
+            "lse",
+            Layout::Lse,
+            &p_lse,
+            got,
+            &want_lse,
+            &naive_lse,
+            0.0,
+        )
+    };
+    let ok = lse(&naive_lse);
     assert!(ok.failures.is_empty(), "{:?}", ok.failures);
     let got = [-1e30, 0.25];
-    let bad = compare(
-        NAIVE_FACTOR,
-        "lse",
-        Layout::Lse,
-        &p_lse,
-        &got,
-        &want_lse,
-        &naive_lse,
-        0.0,
-    );
+    let bad = lse(&got);
     assert_eq!(bad.failures.len(), 1, "{:?}", bad.failures);
     // A naive f32 far from the reference means the f32 and f64 closures
     // disagree.
     let (got, off) = ([1.0, -2.0, 0.5, 3.0], [1.5, -2.0, 0.5, 3.0]);
-    let off = compare(NAIVE_FACTOR, "t", Layout::Query, &p, &got, &want, &off, 3.0);
+    let off = query(&got, &off, 3.0);
     assert!(
         off.failures.iter().any(|f| f.contains("f32 closures")),
         "{:?}",
