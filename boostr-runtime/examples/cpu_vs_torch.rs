@@ -8,7 +8,7 @@
 //! attn <variant> <fwd|fwdbwd> <hq> <hkv> <seq> <dim> [f32|bf16]   -> ok <seconds>
 //! gemm <n> <f32>                                                   -> ok <seconds>
 //! tile <m> <n> <k> <n|t> <iters>                  -> ok <tile kernel seconds|none> <gemm crate seconds>
-//! peak <iters>                                                     -> ok <seconds|none>
+//! peak <iters> [all]                                               -> ok <seconds|none>
 //! mem <variant> <hq> <hkv> <seq> <dim>                             -> ok <json>
 //! repeat <n> <attn or gemm command>                                -> ok <seconds> × n
 //! quit
@@ -23,7 +23,9 @@
 //! `iters` single-threaded tile products `C += A·B` (`t`: `A` stored
 //! transposed) through boostr's AVX-512 tile kernel and through the `gemm`
 //! crate. `peak` times `iters` rounds of 24 AVX-512 FMAs on registers only,
-//! on one thread: the core's FMA peak (`iters · 768` flops). `mem` runs
+//! on one thread: the core's FMA peak (`iters · 768` flops); with `all`, on
+//! every rayon thread at once, timed until the last one finishes
+//! (`threads · iters · 768` flops: the ceiling of a multi-threaded run). `mem` runs
 //! forward+backward once and
 //! reports the peak resident set (`VmHWM`) against the size of q, k, v, out
 //! and their gradients; run it in a fresh process. `repeat` runs an `attn` or
@@ -44,6 +46,18 @@ use std::io::{BufRead, Write};
 use std::time::Instant;
 
 type BoxResult<T> = Result<T, Box<dyn Error>>;
+
+/// Seconds for `iters` rounds of the FMA peak loop on every rayon thread at
+/// once, from a common start until the last thread is done; `None` without
+/// AVX-512F.
+fn time_fma_peak_all(iters: usize) -> Option<f64> {
+    let start = Instant::now();
+    let done = rayon::broadcast(|_| {
+        boostr_runtime::cpu::time_fma_peak(iters).map(|_| start.elapsed().as_secs_f64())
+    });
+    done.into_iter()
+        .try_fold(0.0, |latest, t| t.map(|t| f64::max(latest, t)))
+}
 
 /// Inputs of the current attention shape.
 struct Inputs {
@@ -139,7 +153,11 @@ impl Server {
             }
             Some("peak") => {
                 let iters = num(1)?;
-                let t = boostr_runtime::cpu::time_fma_peak(iters);
+                let t = match words.get(2).copied() {
+                    None => boostr_runtime::cpu::time_fma_peak(iters),
+                    Some("all") => time_fma_peak_all(iters),
+                    Some(other) => return Err(format!("peak {other:?}: all or nothing").into()),
+                };
                 Ok(Some(
                     t.map_or("ok none".to_string(), |t| format!("ok {t:.9}")),
                 ))

@@ -1,17 +1,19 @@
 //! The forward kernel: FlashAttention-2 on the CPU.
 //!
-//! Schedule: one rayon task per (batch, query head, query tile). The task's
-//! query tile stays resident; key/value tiles stream through it. Per key tile:
+//! Schedule: one rayon task per (batch, query head, group of up to four
+//! consecutive query tiles; see [`MAX_GROUP`]). The task's query tiles stay
+//! resident; key/value tiles stream through them, each visiting every query
+//! tile of the group before the next is loaded. Per (query tile, key tile):
 //! classify it (skip `Empty`), `S = scale · Q Kᵀ` (GEMM), score and mask in
 //! place, online softmax (running row max `m`, running sum `l`, rescale of
 //! the output accumulator by `e^(m_old − m_new)` when the max grows), then
 //! `O += P V` (GEMM; on a `Partial` tile band by band, over only the keys
-//! with a nonzero probability). The accumulator is the task's own slice of
-//! `out`, overwritten by the first visible tile rather than zeroed first.
+//! with a nonzero probability). The accumulator is the tile's own slice of
+//! `out`, overwritten by the first visible key tile rather than zeroed first.
 //!
 //! Guarantees: every element of `out` and `lse` is written; memory beyond
-//! the outputs is one transposed copy of K plus `O(Bq·(Bk + D))` per task
-//! (nothing of size `Sq × Sk`); a row with no visible key gets `out = 0`,
+//! the outputs is one transposed copy of K plus, per task, one `Bq × Bk`
+//! score tile and statistics for its `G·Bq` rows (nothing of size `Sq × Sk`); a row with no visible key gets `out = 0`,
 //! `lse = -inf` and never NaN; logits of any finite magnitude are safe
 //! because every `exp` argument is `≤ 0`.
 
@@ -24,7 +26,48 @@ use crate::problem::Problem;
 use crate::variant::{TileClass, Variant};
 use rayon::prelude::*;
 
-/// Per-task scratch: the score tile and the running softmax statistics.
+/// Query tiles per task, at most: they share one pass over the keys, each
+/// key/value tile visiting all of them in turn before the next is loaded.
+///
+/// Why: one query tile alone streams its head's whole K and V per tile of
+/// 64 rows. At S = 4096, D = 128 those are 4 MiB, twice a core's L2, so every
+/// query tile fetches them again from the L3 that the cores share (on a
+/// virtual machine, with other tenants). Four tiles per pass fetch them a
+/// quarter as often, and need `4 · (Q + O)` tiles resident: 256 KiB at
+/// D = 128. Each tile keeps its own classification, statistics and output
+/// rows, so masks skip at the same 64-row granularity as before.
+///
+/// Measured with `bench/ab_cpu.py` (2 threads, Hq = 8; above 1 is faster
+/// grouped): full 4096 × 128 1.05, causal 4096 × 128 1.12, full 4096 × 64
+/// at Hkv = 2 1.04; at S = 1024, where K and V stay in L2, 0.96 (fewer
+/// tasks for nothing), hence [`L2_BUDGET`].
+const MAX_GROUP: usize = 4;
+
+/// Bytes of one kv head's K and V (f32) up to which query tiles are not
+/// grouped: they stay in a core's L2 from one query tile to the next.
+/// Half of the 2 MiB L2 of recent Xeons, leaving room for everything else.
+const L2_BUDGET: usize = 1 << 20;
+
+/// Query tiles per task: 1 while one kv head's K and V fit [`L2_BUDGET`],
+/// else [`MAX_GROUP`], or fewer where that would leave under four tasks per
+/// thread (a causal mask makes tasks uneven, and work stealing needs spare
+/// ones to even them out).
+pub(super) fn group_size(p: &Problem, tiles: CpuTiles, threads: usize) -> usize {
+    let kv_bytes = 2 * p.seq_k * p.head_dim * std::mem::size_of::<f32>();
+    if kv_bytes <= L2_BUDGET {
+        return 1;
+    }
+    let q_tiles = p.seq_q.div_ceil(tiles.q);
+    let heads = p.batch * p.heads_q;
+    let mut g = MAX_GROUP;
+    while g > 1 && heads * q_tiles.div_ceil(g) < 4 * threads.max(1) {
+        g /= 2;
+    }
+    g
+}
+
+/// Per-task scratch: the score tile and the running softmax statistics of
+/// every row of the task's query tiles.
 struct Scratch {
     /// `Bq × Bk` scores, then probabilities, row-major with stride = tile width.
     s: Vec<f32>,
@@ -35,18 +78,21 @@ struct Scratch {
     l: Vec<math::Lanes>,
     /// Per-row rescale factor of the current key tile.
     alpha: Vec<f32>,
-    /// The current key tile's bands (see `tile_bands`).
+    /// Per query tile: no key tile has been accumulated into its output yet.
+    first: Vec<bool>,
+    /// The current tile pair's bands (see `tile_bands`).
     bands: Vec<Band>,
 }
 
 impl Scratch {
-    fn new(t: CpuTiles) -> Self {
-        let row = || vec![0.0; t.q];
+    fn new(t: CpuTiles, group: usize) -> Self {
+        let rows = group * t.q;
         Self {
             s: vec![0.0; t.q * t.kv],
-            m: row(),
-            l: vec![[0.0; math::LANES]; t.q],
-            alpha: row(),
+            m: vec![0.0; rows],
+            l: vec![[0.0; math::LANES]; rows],
+            alpha: vec![0.0; rows],
+            first: vec![true; group],
             bands: Vec::with_capacity(t.q.div_ceil(super::BAND_ROWS)),
         }
     }
@@ -71,6 +117,7 @@ pub(super) fn forward<V: Variant>(
     variant: &V,
     p: &Problem,
     tiles: CpuTiles,
+    group: usize,
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -81,6 +128,7 @@ pub(super) fn forward<V: Variant>(
     debug_assert_eq!(q.len(), p.q_len());
     debug_assert_eq!((k.len(), v.len()), (p.kv_len(), p.kv_len()));
     debug_assert_eq!((out.len(), lse.len()), (p.q_len(), p.lse_len()));
+    debug_assert!(group > 0);
     let pos = Positions::new(p);
 
     // K transposed once, key tile by key tile: tile `t` of each kv head is
@@ -108,9 +156,10 @@ pub(super) fn forward<V: Variant>(
     // `D · cols` elements.
     unsafe { kt.set_len(k.len()) };
 
-    // Outer: one (batch, query head) per item; inner: its query tiles. Rayon
-    // flattens the nesting by work stealing, so B = H = 1 still uses every
-    // thread when there are enough query tiles.
+    // Outer: one (batch, query head) per item; inner: its groups of query
+    // tiles. Rayon flattens the nesting by work stealing, so B = H = 1
+    // still uses every thread when there are enough query tiles.
+    let group_rows = group * tiles.q;
     out.par_chunks_mut(sq * d)
         .zip(lse.par_chunks_mut(sq))
         .enumerate()
@@ -128,103 +177,106 @@ pub(super) fn forward<V: Variant>(
             };
             let q_bh = &q[bh * sq * d..(bh + 1) * sq * d];
             out_bh
-                .par_chunks_mut(tiles.q * d)
-                .zip(lse_bh.par_chunks_mut(tiles.q))
+                .par_chunks_mut(group_rows * d)
+                .zip(lse_bh.par_chunks_mut(group_rows))
                 .enumerate()
                 .for_each_init(
-                    || Scratch::new(tiles),
-                    |scratch, (t, (out_t, lse_t))| {
-                        let row0 = t * tiles.q;
-                        let q_t = &q_bh[row0 * d..row0 * d + out_t.len()];
-                        query_tile(&head, tiles, row0, q_t, out_t, lse_t, scratch);
+                    || Scratch::new(tiles, group),
+                    |scratch, (t, (out_g, lse_g))| {
+                        let row0 = t * group_rows;
+                        let q_g = &q_bh[row0 * d..row0 * d + out_g.len()];
+                        query_tiles(&head, tiles, row0, q_g, out_g, lse_g, scratch);
                     },
                 );
         });
 }
 
-/// One query tile of `rows = lse.len()` rows starting at row `row0`:
-/// stream every key tile through it, then normalise.
-fn query_tile<V: Variant>(
+/// Consecutive query tiles, `rows = lse.len()` rows from row `row0` in
+/// all: stream every key tile through each of them in turn, then normalise.
+fn query_tiles<V: Variant>(
     head: &Head<'_, V>,
     tiles: CpuTiles,
     row0: usize,
-    q_t: &[f32],
+    q: &[f32],
     out: &mut [f32],
     lse: &mut [f32],
     sc: &mut Scratch,
 ) {
     let (d, sk, scale) = (head.p.head_dim, head.p.seq_k, head.p.scale);
     let rows = lse.len();
-    let (q_lo, q_hi) = head.pos.query_range(row0, rows);
-    let (m, l, alpha) = (&mut sc.m[..rows], &mut sc.l[..rows], &mut sc.alpha[..rows]);
+    let (m, l) = (&mut sc.m[..rows], &mut sc.l[..rows]);
     m.fill(f32::NEG_INFINITY);
     l.fill([0.0; math::LANES]);
+    // Each tile's output rows are neither zeroed nor rescaled before its
+    // first visible key tile: that tile's `P V` overwrites them. (Rows no
+    // tile reaches are zeroed at the end.)
+    sc.first.fill(true);
 
-    // `out` is neither zeroed nor rescaled before the first visible key
-    // tile: that tile's `P V` overwrites it. (Rows no tile reaches are
-    // zeroed at the end.)
-    let mut first = true;
     for kv0 in (0..sk).step_by(tiles.kv) {
         let cols = tiles.kv.min(sk - kv0);
-        let class = tile_class(head.variant, head.b, head.h, (q_lo, q_hi), kv0, cols);
-        if class == TileClass::Empty {
-            continue;
-        }
         let kv_lo = Positions::to_i32(kv0);
-        let s = &mut sc.s[..rows * cols];
-        matmul(
-            MatMut::row_major(s, rows, cols),
-            Write::Overwrite,
-            MatRef::row_major(q_t, rows, d),
-            MatRef::row_major(&head.kt[kv0 * d..], d, cols),
-            scale,
-        );
-
-        simd::dispatch(OnlineSoftmax {
-            head,
-            class,
-            q_lo,
-            kv_lo,
-            s: &mut *s,
-            m: &mut *m,
-            l: &mut *l,
-            alpha: &mut *alpha,
-            out: (!first).then_some(&mut *out),
-        });
-
-        // O += P V, on a partial tile band by band over the keys with a
-        // nonzero probability.
-        tile_bands(class, s, (rows, cols), &mut sc.bands);
-        let v_t = &head.v[kv0 * d..(kv0 + cols) * d];
-        for Band { rows: r, cols: c } in sc.bands.iter().cloned() {
-            let out_b = &mut out[r.start * d..r.end * d];
-            if c.is_empty() {
-                if first {
-                    out_b.fill(0.0);
-                }
+        for (t, r0) in (0..rows).step_by(tiles.q).enumerate() {
+            let r = r0..rows.min(r0 + tiles.q);
+            let (q_lo, q_hi) = head.pos.query_range(row0 + r.start, r.len());
+            let class = tile_class(head.variant, head.b, head.h, (q_lo, q_hi), kv0, cols);
+            if class == TileClass::Empty {
                 continue;
             }
+            let first = std::mem::replace(&mut sc.first[t], false);
+            let s = &mut sc.s[..r.len() * cols];
             matmul(
-                MatMut::row_major(out_b, r.len(), d),
-                if first {
-                    Write::Overwrite
-                } else {
-                    Write::Accumulate
-                },
-                MatRef::strided(&s[r.start * cols + c.start..], r.len(), c.len(), cols),
-                MatRef::row_major(&v_t[c.start * d..c.end * d], c.len(), d),
-                1.0,
+                MatMut::row_major(s, r.len(), cols),
+                Write::Overwrite,
+                MatRef::row_major(&q[r.start * d..r.end * d], r.len(), d),
+                MatRef::row_major(&head.kt[kv0 * d..], d, cols),
+                scale,
             );
+            let out_t = &mut out[r.start * d..r.end * d];
+            simd::dispatch(OnlineSoftmax {
+                head,
+                class,
+                q_lo,
+                kv_lo,
+                s: &mut *s,
+                m: &mut sc.m[r.clone()],
+                l: &mut sc.l[r.clone()],
+                alpha: &mut sc.alpha[r.clone()],
+                out: (!first).then_some(&mut *out_t),
+            });
+
+            // O += P V, on a partial tile band by band over the keys with a
+            // nonzero probability.
+            tile_bands(class, s, (r.len(), cols), &mut sc.bands);
+            let v_t = &head.v[kv0 * d..(kv0 + cols) * d];
+            for Band { rows: br, cols: c } in sc.bands.iter().cloned() {
+                let out_b = &mut out_t[br.start * d..br.end * d];
+                if c.is_empty() {
+                    if first {
+                        out_b.fill(0.0);
+                    }
+                    continue;
+                }
+                matmul(
+                    MatMut::row_major(out_b, br.len(), d),
+                    if first {
+                        Write::Overwrite
+                    } else {
+                        Write::Accumulate
+                    },
+                    MatRef::strided(&s[br.start * cols + c.start..], br.len(), c.len(), cols),
+                    MatRef::row_major(&v_t[c.start * d..c.end * d], c.len(), d),
+                    1.0,
+                );
+            }
         }
-        first = false;
     }
 
-    for i in 0..rows {
+    for (i, (m, l)) in sc.m[..rows].iter().zip(&sc.l[..rows]).enumerate() {
         // `l > 0` exactly when some key was visible (the max contributes 1).
-        let l = math::sum_lanes(&l[i]);
+        let l = math::sum_lanes(l);
         if l > 0.0 {
             math::scale(&mut out[i * d..(i + 1) * d], 1.0 / l);
-            lse[i] = m[i] + l.ln();
+            lse[i] = m + l.ln();
         } else {
             out[i * d..(i + 1) * d].fill(0.0);
             lse[i] = f32::NEG_INFINITY;

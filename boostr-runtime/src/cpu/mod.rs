@@ -15,8 +15,9 @@
 //!
 //! How the work is organised (see each module for details):
 //! - `tile`: [`CpuTiles`], the tile sizes and why.
-//! - `forward`: one task per (batch, query head, query tile), key/value tiles
-//!   streamed through with an online softmax.
+//! - `forward`: one task per (batch, query head, query tile, or group of
+//!   query tiles for long sequences), key/value tiles streamed through with
+//!   an online softmax.
 //! - `backward`: one task per (batch, kv head, chunk of key tiles), query
 //!   tiles streamed through; dQ reduced in a fixed order for determinism.
 //! - `gemm`: the tile products: bounds-checked views, and `microkernel` (an
@@ -113,7 +114,8 @@ pub fn forward_tiled<V: Variant>(
     assert_eq!(out.len(), p.q_len(), "out length");
     assert_eq!(lse.len(), p.lse_len(), "lse length");
     let tiles = CpuTiles::new(tiles.q, tiles.kv);
-    in_pool(|| forward::forward(variant, p, tiles, q, k, v, out, lse));
+    let group = forward::group_size(p, tiles, rayon::current_num_threads());
+    in_pool(|| forward::forward(variant, p, tiles, group, q, k, v, out, lse));
 }
 
 /// Attention backward with the variant's [`CpuTiles`]: writes `dq`, `dk`, `dv`.

@@ -500,6 +500,59 @@ fn every_key_chunking_matches_reference() {
     }
 }
 
+/// The forward alone with `group` query tiles per task, into NaN-poisoned
+/// buffers, against the f64 reference.
+#[track_caller]
+fn check_forward_grouped<V: Variant>(v: &V, p: &Problem, t: CpuTiles, group: usize, x: &Inputs) {
+    let want = reference(v, p, x);
+    let mut out = vec![f32::NAN; p.q_len()];
+    let mut lse = vec![f32::NAN; p.lse_len()];
+    forward::forward(v, p, t, group, &x.q, &x.k, &x.v, &mut out, &mut lse);
+    let ctx = format!("{} {p:?} {t:?} group {group}", V::NAME);
+    assert_close(&format!("out {ctx}"), &out, &want.out, 2e-5);
+    assert_close(&format!("lse {ctx}"), &lse, &want.lse, 2e-5);
+}
+
+#[test]
+fn every_query_grouping_matches_reference() {
+    // Groups of 1 to 4 query tiles per task, and more than there are tiles;
+    // 97 rows in tiles of 16 leave a last group short of tiles and a last
+    // tile short of rows. Sq > Sk puts fully masked rows in the first tile.
+    for (sq, sk) in [(97, 130), (130, 97)] {
+        let p = problem(2, 4, 2, sq, sk, 40);
+        let x = Inputs::new(&p, 11, 1.0);
+        let tiles = CpuTiles::new(16, 32);
+        for group in [1, 2, 3, 4, 100] {
+            check_forward_grouped(&SlidingWindow { window: 20 }, &p, tiles, group, &x);
+            check_forward_grouped(&Plain, &p, tiles, group, &x);
+        }
+    }
+}
+
+#[test]
+fn query_groups_only_when_keys_outgrow_l2() {
+    let tiles = CpuTiles::DEFAULT;
+    // One kv head's K and V: 1 MiB at S = 2048, D = 64; 2 MiB at D = 128.
+    assert_eq!(
+        forward::group_size(&problem(1, 8, 8, 2048, 2048, 64), tiles, 2),
+        1
+    );
+    assert_eq!(
+        forward::group_size(&problem(1, 8, 8, 2048, 2048, 128), tiles, 2),
+        4
+    );
+    // Too few tasks for four per thread: 1 head × 32 tiles → groups of 2
+    // leave 16 tasks for 4 threads, groups of 4 would leave 8.
+    assert_eq!(
+        forward::group_size(&problem(1, 1, 1, 2048, 2048, 128), tiles, 4),
+        2
+    );
+    assert_eq!(
+        forward::group_size(&problem(1, 1, 1, 2048, 2048, 128), tiles, 64),
+        1
+    );
+}
+
 #[test]
 fn fully_masked_rows_are_zero_with_lse_neg_inf() {
     // Causal with Sq > Sk: rows 0..12 sit at negative positions, see no key.
