@@ -39,25 +39,59 @@ use rayon::prelude::*;
 ///
 /// Measured with `bench/ab_cpu.py` (2 threads, Hq = 8; above 1 is faster
 /// grouped): full 4096 × 128 1.05, causal 4096 × 128 1.12, full 4096 × 64
-/// at Hkv = 2 1.04; at S = 1024, where K and V stay in L2, 0.96 (fewer
-/// tasks for nothing), hence [`L2_BUDGET`].
+/// at Hkv = 2 1.04. Where K and V stay in L2 anyway it only costs: 0.96
+/// at S = 1024 (fewer tasks), and 0.91 for a causal sliding window of 256
+/// at S = 4096 (each query tile's Q and O no longer stay in L1 across its
+/// key tiles); hence [`L2_BUDGET`].
 const MAX_GROUP: usize = 4;
 
-/// Bytes of one kv head's K and V (f32) up to which query tiles are not
-/// grouped: they stay in a core's L2 from one query tile to the next.
-/// Half of the 2 MiB L2 of recent Xeons, leaving room for everything else.
-const L2_BUDGET: usize = 1 << 20;
+/// Bytes of K and V (f32) that one query tile reads, on average, up to
+/// which query tiles are not grouped: those stay in a core's L2 from one
+/// query tile to the next. Three quarters of the 2 MiB L2 of recent Xeons:
+/// at about 1 MiB (a causal mask at S = 4096, D = 64) grouping measured
+/// 0.91, at 2 MiB 1.03 to 1.09.
+const L2_BUDGET: usize = 3 << 19;
 
-/// Query tiles per task: 1 while one kv head's K and V fit [`L2_BUDGET`],
-/// else [`MAX_GROUP`], or fewer where that would leave under four tasks per
-/// thread (a causal mask makes tasks uneven, and work stealing needs spare
-/// ones to even them out).
-pub(super) fn group_size(p: &Problem, tiles: CpuTiles, threads: usize) -> usize {
-    let kv_bytes = 2 * p.seq_k * p.head_dim * std::mem::size_of::<f32>();
-    if kv_bytes <= L2_BUDGET {
+/// Query tiles sampled to estimate how many key tiles a query tile visits.
+const SAMPLED_TILES: usize = 8;
+
+/// Query tiles per task: 1 while a query tile reads at most [`L2_BUDGET`]
+/// of K and V (short sequences; sliding windows, whose consecutive query
+/// tiles read nearly the same keys), else [`MAX_GROUP`], or fewer where that
+/// would leave under four tasks per thread (a causal mask makes tasks
+/// uneven, and work stealing needs spare ones to even them out).
+///
+/// The keys a query tile visits are counted with `classify_tile` on up to
+/// [`SAMPLED_TILES`] evenly spaced query tiles of the first head; any
+/// grouping gives the same results, so an estimate is enough.
+pub(super) fn group_size<V: Variant>(
+    variant: &V,
+    p: &Problem,
+    tiles: CpuTiles,
+    threads: usize,
+) -> usize {
+    let q_tiles = p.seq_q.div_ceil(tiles.q);
+    if q_tiles < 2 {
         return 1;
     }
-    let q_tiles = p.seq_q.div_ceil(tiles.q);
+    let pos = Positions::new(p);
+    let samples = q_tiles.min(SAMPLED_TILES);
+    let mut visited = 0;
+    for i in 0..samples {
+        let row0 = i * (q_tiles - 1) / (samples - 1).max(1) * tiles.q;
+        let range = pos.query_range(row0, tiles.q.min(p.seq_q - row0));
+        visited += (0..p.seq_k)
+            .step_by(tiles.kv)
+            .filter(|&kv0| {
+                let cols = tiles.kv.min(p.seq_k - kv0);
+                tile_class(variant, 0, 0, range, kv0, cols) != TileClass::Empty
+            })
+            .count();
+    }
+    let tile_bytes = 2 * tiles.kv * p.head_dim * std::mem::size_of::<f32>();
+    if visited * tile_bytes <= L2_BUDGET * samples {
+        return 1;
+    }
     let heads = p.batch * p.heads_q;
     let mut g = MAX_GROUP;
     while g > 1 && heads * q_tiles.div_ceil(g) < 4 * threads.max(1) {
@@ -78,8 +112,8 @@ struct Scratch {
     l: Vec<math::Lanes>,
     /// Per-row rescale factor of the current key tile.
     alpha: Vec<f32>,
-    /// Per query tile: no key tile has been accumulated into its output yet.
-    first: Vec<bool>,
+    /// The task's query tiles.
+    q_tiles: Vec<QueryTile>,
     /// The current tile pair's bands (see `tile_bands`).
     bands: Vec<Band>,
 }
@@ -92,10 +126,20 @@ impl Scratch {
             m: vec![0.0; rows],
             l: vec![[0.0; math::LANES]; rows],
             alpha: vec![0.0; rows],
-            first: vec![true; group],
+            q_tiles: Vec::with_capacity(group),
             bands: Vec::with_capacity(t.q.div_ceil(super::BAND_ROWS)),
         }
     }
+}
+
+/// One query tile of a task.
+struct QueryTile {
+    /// Its rows, relative to the task's first.
+    rows: std::ops::Range<usize>,
+    /// Their positions, first and last.
+    pos: (i32, i32),
+    /// No key tile has been accumulated into its output rows yet.
+    first: bool,
 }
 
 /// The inputs shared by every query tile of one (batch, query head).
@@ -210,19 +254,26 @@ fn query_tiles<V: Variant>(
     // Each tile's output rows are neither zeroed nor rescaled before its
     // first visible key tile: that tile's `P V` overwrites them. (Rows no
     // tile reaches are zeroed at the end.)
-    sc.first.fill(true);
+    sc.q_tiles.clear();
+    sc.q_tiles.extend((0..rows).step_by(tiles.q).map(|r0| {
+        let r = r0..rows.min(r0 + tiles.q);
+        QueryTile {
+            pos: head.pos.query_range(row0 + r.start, r.len()),
+            rows: r,
+            first: true,
+        }
+    }));
 
     for kv0 in (0..sk).step_by(tiles.kv) {
         let cols = tiles.kv.min(sk - kv0);
         let kv_lo = Positions::to_i32(kv0);
-        for (t, r0) in (0..rows).step_by(tiles.q).enumerate() {
-            let r = r0..rows.min(r0 + tiles.q);
-            let (q_lo, q_hi) = head.pos.query_range(row0 + r.start, r.len());
+        for qt in sc.q_tiles.iter_mut() {
+            let (r, (q_lo, q_hi)) = (qt.rows.clone(), qt.pos);
             let class = tile_class(head.variant, head.b, head.h, (q_lo, q_hi), kv0, cols);
             if class == TileClass::Empty {
                 continue;
             }
-            let first = std::mem::replace(&mut sc.first[t], false);
+            let first = std::mem::replace(&mut qt.first, false);
             let s = &mut sc.s[..r.len() * cols];
             matmul(
                 MatMut::row_major(s, r.len(), cols),

@@ -114,7 +114,7 @@ pub fn forward_tiled<V: Variant>(
     assert_eq!(out.len(), p.q_len(), "out length");
     assert_eq!(lse.len(), p.lse_len(), "lse length");
     let tiles = CpuTiles::new(tiles.q, tiles.kv);
-    let group = forward::group_size(p, tiles, rayon::current_num_threads());
+    let group = forward::group_size(variant, p, tiles, rayon::current_num_threads());
     in_pool(|| forward::forward(variant, p, tiles, group, q, k, v, out, lse));
 }
 

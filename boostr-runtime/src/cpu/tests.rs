@@ -531,26 +531,22 @@ fn every_query_grouping_matches_reference() {
 
 #[test]
 fn query_groups_only_when_keys_outgrow_l2() {
-    let tiles = CpuTiles::DEFAULT;
-    // One kv head's K and V: 1 MiB at S = 2048, D = 64; 2 MiB at D = 128.
-    assert_eq!(
-        forward::group_size(&problem(1, 8, 8, 2048, 2048, 64), tiles, 2),
-        1
-    );
-    assert_eq!(
-        forward::group_size(&problem(1, 8, 8, 2048, 2048, 128), tiles, 2),
-        4
-    );
+    let t = CpuTiles::DEFAULT;
+    let p = |hq, s, d| problem(1, hq, hq, s, s, d);
+    // A query tile reads 1 MiB of K and V at S = 2048, D = 64 (not grouped),
+    // 2 MiB at D = 128; under a causal mask about half that on average.
+    let causal = CausalSoftcap { cap: 2.0 };
+    assert_eq!(forward::group_size(&Plain, &p(8, 2048, 64), t, 2), 1);
+    assert_eq!(forward::group_size(&Plain, &p(8, 2048, 128), t, 2), 4);
+    assert_eq!(forward::group_size(&causal, &p(8, 1024, 128), t, 2), 1);
+    assert_eq!(forward::group_size(&causal, &p(8, 4096, 128), t, 2), 4);
+    // A sliding window reads a few key tiles per query tile, however long.
+    let window = SlidingWindow { window: 256 };
+    assert_eq!(forward::group_size(&window, &p(8, 16384, 128), t, 2), 1);
     // Too few tasks for four per thread: 1 head × 32 tiles → groups of 2
     // leave 16 tasks for 4 threads, groups of 4 would leave 8.
-    assert_eq!(
-        forward::group_size(&problem(1, 1, 1, 2048, 2048, 128), tiles, 4),
-        2
-    );
-    assert_eq!(
-        forward::group_size(&problem(1, 1, 1, 2048, 2048, 128), tiles, 64),
-        1
-    );
+    assert_eq!(forward::group_size(&Plain, &p(1, 2048, 128), t, 4), 2);
+    assert_eq!(forward::group_size(&Plain, &p(1, 2048, 128), t, 64), 1);
 }
 
 #[test]
