@@ -6,7 +6,9 @@
 //! 2. One rayon task per (batch, kv head, chunk of consecutive key tiles).
 //!    The task owns its rows of dK and dV outright (no races, no atomics) and
 //!    keeps each key/value tile resident while it streams the query tiles of
-//!    every query head of the GQA group past it. Per (key tile, query tile),
+//!    every query head of the GQA group past it; where those outgrow L2, up
+//!    to four key tiles share one such pass (see [`MAX_KV_GROUP`]). Per (key
+//!    tile, query tile),
 //!    `Empty` tiles are skipped and only `Partial` ones evaluate the mask:
 //!    - `S = scale · Q Kᵀ`, `P = e^(score(S) − lse)` (0 where hidden),
 //!    - `dV += Pᵀ dO`, `dP = dO Vᵀ`,
@@ -25,14 +27,17 @@
 //! (batch, kv head), where `chunks ≤ ⌈2 · threads / (B · Hkv)⌉` (see
 //! [`key_chunks`]): at most about `2 · threads · group · Sq · D` floats in
 //! all, and none when `B · Hkv ≥ 2 · threads`. Plus `D` per query row and
-//! per-task tile scratch; never anything of size `Sq × Sk`.
+//! per-task tile scratch (the transposes of up to four key tiles and three
+//! score-sized tiles); never anything of size `Sq × Sk`.
 
 use super::forward::apply_mask;
 use super::gemm::{self, MatMut, MatRef, Write, matmul};
 use super::math;
 use super::simd::{self, Elementwise};
 use super::tile::CpuTiles;
-use super::{BackwardInputs, Band, Positions, tile_bands, tile_class};
+use super::{
+    Axis, BackwardInputs, Band, L2_BUDGET, Positions, mean_visits, tile_bands, tile_class,
+};
 use crate::problem::Problem;
 use crate::variant::{TileClass, Variant};
 use rayon::prelude::*;
@@ -44,6 +49,36 @@ use std::ops::Range;
 const MIN_CHUNK_FLOPS: usize = 1 << 22;
 /// Elements per task of the D and dQ-reduction passes (memory-bound).
 const ELEMENTWISE_BLOCK: usize = 1 << 14;
+
+/// Key tiles, at most, that share one pass over the query tiles within a
+/// task: each query tile (with its dO and dQ rows) visits all of them in
+/// turn before the next is loaded.
+///
+/// Why: one key tile alone streams `group` heads' Q, dO and dQ past it. At
+/// S = 4096, D = 128 that is 6 MiB per query head, three times a core's
+/// L2, so every key tile fetches them again from the shared L3. Four key
+/// tiles per pass fetch them a quarter as often, and need four tiles' K,
+/// Kᵀ, Vᵀ, dK and dV resident (640 KiB at D = 128).
+///
+/// Measured with `bench/ab_cpu.py` (2 threads, Hq = 8, forward+backward;
+/// above 1 is faster grouped): full 2048 × 128 1.02 and 1.05 in two runs,
+/// full 2048 × 64 at Hkv = 2 1.04, full 4096 × 128 at Hkv = 2 1.11, window
+/// 2048 × 128 at Hkv = 2 1.06, causal 4096 × 128 1.01 and 1.06 (Hkv = 8, 2);
+/// full 4096 × 128 at Hkv = 8 0.98. Quartiles of most cross 1: a modest gain
+/// on this noisy machine, not a large one.
+const MAX_KV_GROUP: usize = 4;
+
+/// Key tiles per pass over the query tiles: 1 while a key tile's pass
+/// reads at most [`L2_BUDGET`] of Q, dO and dQ, else [`MAX_KV_GROUP`].
+pub(super) fn kv_group_size<V: Variant>(variant: &V, p: &Problem, tiles: CpuTiles) -> usize {
+    let q_tile_bytes = 3 * tiles.q * p.head_dim * std::mem::size_of::<f32>();
+    let bytes = mean_visits(variant, p, tiles, Axis::Key) * (p.group() * q_tile_bytes) as f64;
+    if bytes <= L2_BUDGET as f64 {
+        1
+    } else {
+        MAX_KV_GROUP
+    }
+}
 
 /// How many chunks to cut each (batch, kv head)'s key tiles into.
 ///
@@ -73,12 +108,12 @@ struct KeyChunk<'a> {
     dq: &'a mut [f32],
 }
 
-/// Per-task scratch: the resident K/V tile transposed, and three
+/// Per-task scratch: the resident K/V tiles transposed, and three
 /// `Bq × Bk` work tiles.
 struct Scratch {
-    /// Kᵀ and Vᵀ of the current key tile, `D × Bk`: transposed once per key
-    /// tile so that `gemm` gets them column-major in `S = Q Kᵀ` and
-    /// `dP = dO Vᵀ` instead of re-packing them for every query tile.
+    /// Kᵀ and Vᵀ of the current key tiles, `D × Bk` each: transposed once
+    /// per key tile so that the products `S = Q Kᵀ` and `dP = dO Vᵀ` stream
+    /// contiguous rows, instead of transposing them for every query tile.
     kt: Vec<f32>,
     vt: Vec<f32>,
     work: Work,
@@ -97,7 +132,7 @@ struct Work {
 }
 
 impl Scratch {
-    fn new<V: Variant>(t: CpuTiles, d: usize) -> Self {
+    fn new<V: Variant>(t: CpuTiles, d: usize, kv_group: usize) -> Self {
         let g = if V::SCORE_IS_IDENTITY { 0 } else { t.q * t.kv };
         let work = Work {
             s: vec![0.0; t.q * t.kv],
@@ -106,8 +141,8 @@ impl Scratch {
             bands: Vec::with_capacity(t.q.div_ceil(super::BAND_ROWS)),
         };
         Self {
-            kt: vec![0.0; d * t.kv],
-            vt: vec![0.0; d * t.kv],
+            kt: vec![0.0; kv_group * d * t.kv],
+            vt: vec![0.0; kv_group * d * t.kv],
             work,
         }
     }
@@ -130,6 +165,8 @@ struct Shared<'a, V> {
     variant: &'a V,
     p: &'a Problem,
     tiles: CpuTiles,
+    /// Key tiles per pass over the query tiles (see [`MAX_KV_GROUP`]).
+    kv_group: usize,
     pos: Positions,
     x: BackwardInputs<'a>,
     /// `D_i = rowsum(dO_i ∘ O_i)`, `[B, Hq, Sq]`.
@@ -142,6 +179,7 @@ pub(super) fn backward<V: Variant>(
     p: &Problem,
     tiles: CpuTiles,
     chunks: usize,
+    kv_group: usize,
     x: BackwardInputs<'_>,
     dq: &mut [f32],
     dk: &mut [f32],
@@ -201,12 +239,13 @@ pub(super) fn backward<V: Variant>(
         variant,
         p,
         tiles,
+        kv_group,
         pos: Positions::new(p),
         x,
         delta: &delta,
     };
     tasks.into_par_iter().for_each_init(
-        || Scratch::new::<V>(tiles, d),
+        || Scratch::new::<V>(tiles, d, kv_group),
         |sc, task| key_chunk(&shared, task, sc),
     );
 
@@ -228,8 +267,8 @@ pub(super) fn backward<V: Variant>(
     }
 }
 
-/// One task: all query tiles of all query heads of the group, against each
-/// key tile of the chunk in turn.
+/// One task: all query tiles of all query heads of the group, against the
+/// key tiles of the chunk, `kv_group` key tiles at a time.
 fn key_chunk<V: Variant>(sh: &Shared<'_, V>, task: KeyChunk<'_>, sc: &mut Scratch) {
     let p = sh.p;
     let (sq, sk, d, group) = (p.seq_q, p.seq_k, p.head_dim, p.group());
@@ -245,25 +284,34 @@ fn key_chunk<V: Variant>(sh: &Shared<'_, V>, task: KeyChunk<'_>, sc: &mut Scratc
     dv.fill(0.0);
     dq.fill(0.0);
     let kv_bh = (b * p.heads_kv + kvh) * sk * d;
-    let keys = dk.len() / d;
+    let tile = sh.tiles.kv * d;
+    let pass = sh.kv_group * tile;
 
-    for t0 in (0..keys).step_by(sh.tiles.kv) {
-        let cols = sh.tiles.kv.min(keys - t0);
-        let kv0 = key0 + t0;
-        let at = kv_bh + kv0 * d..kv_bh + (kv0 + cols) * d;
-        let (k, v) = (&sh.x.k[at.clone()], &sh.x.v[at]);
-        let (kt, vt) = (&mut sc.kt[..d * cols], &mut sc.vt[..d * cols]);
-        gemm::transpose(k, cols, d, kt, cols);
-        gemm::transpose(v, cols, d, vt, cols);
-        let mut kv = KvTile {
-            kv0,
-            cols,
-            k,
-            kt,
-            vt,
-            dk: &mut dk[t0 * d..(t0 + cols) * d],
-            dv: &mut dv[t0 * d..(t0 + cols) * d],
-        };
+    // Passes of up to `kv_group` key tiles: their rows of dK and dV, and
+    // scratch for their transposes.
+    let per_pass = dk.chunks_mut(pass).zip(dv.chunks_mut(pass));
+    for (n, (dk, dv)) in per_pass.enumerate() {
+        let mut kvs = Vec::with_capacity(sh.kv_group);
+        let scratch = sc.kt.chunks_mut(tile).zip(sc.vt.chunks_mut(tile));
+        let per_tile = dk.chunks_mut(tile).zip(dv.chunks_mut(tile));
+        for (i, ((dk, dv), (kt, vt))) in per_tile.zip(scratch).enumerate() {
+            let cols = dk.len() / d;
+            let kv0 = key0 + n * pass / d + i * sh.tiles.kv;
+            let at = kv_bh + kv0 * d..kv_bh + (kv0 + cols) * d;
+            let (k, v) = (&sh.x.k[at.clone()], &sh.x.v[at]);
+            let (kt, vt) = (&mut kt[..d * cols], &mut vt[..d * cols]);
+            gemm::transpose(k, cols, d, kt, cols);
+            gemm::transpose(v, cols, d, vt, cols);
+            kvs.push(KvTile {
+                kv0,
+                cols,
+                k,
+                kt,
+                vt,
+                dk,
+                dv,
+            });
+        }
         for hl in 0..group {
             let h = kvh * group + hl;
             let bh = b * p.heads_q + h;
@@ -271,7 +319,10 @@ fn key_chunk<V: Variant>(sh: &Shared<'_, V>, task: KeyChunk<'_>, sc: &mut Scratc
             for r0 in (0..sq).step_by(sh.tiles.q) {
                 let rows = sh.tiles.q.min(sq - r0);
                 let dq_t = &mut dq_h[r0 * d..(r0 + rows) * d];
-                query_tile(sh, Rows { b, h, bh, r0, rows }, &mut kv, dq_t, &mut sc.work);
+                for kv in kvs.iter_mut() {
+                    let t = Rows { b, h, bh, r0, rows };
+                    query_tile(sh, t, kv, dq_t, &mut sc.work);
+                }
             }
         }
     }

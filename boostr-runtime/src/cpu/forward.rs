@@ -21,7 +21,7 @@ use super::gemm::{self, MatMut, MatRef, Write, matmul};
 use super::math;
 use super::simd::{self, Elementwise};
 use super::tile::CpuTiles;
-use super::{Band, Positions, tile_bands, tile_class};
+use super::{Axis, Band, L2_BUDGET, Positions, mean_visits, tile_bands, tile_class};
 use crate::problem::Problem;
 use crate::variant::{TileClass, Variant};
 use rayon::prelude::*;
@@ -35,35 +35,24 @@ use rayon::prelude::*;
 /// virtual machine, with other tenants). Four tiles per pass fetch them a
 /// quarter as often, and need `4 · (Q + O)` tiles resident: 256 KiB at
 /// D = 128. Each tile keeps its own classification, statistics and output
-/// rows, so masks skip at the same 64-row granularity as before.
+/// rows, so masks skip at the same 64-row granularity as ungrouped.
 ///
-/// Measured with `bench/ab_cpu.py` (2 threads, Hq = 8; above 1 is faster
-/// grouped): full 4096 × 128 1.05, causal 4096 × 128 1.12, full 4096 × 64
-/// at Hkv = 2 1.04. Where K and V stay in L2 anyway it only costs: 0.96
-/// at S = 1024 (fewer tasks), and 0.91 for a causal sliding window of 256
-/// at S = 4096 (each query tile's Q and O no longer stay in L1 across its
-/// key tiles); hence [`L2_BUDGET`].
+/// Measured with `bench/ab_cpu.py` (2 threads, Hq = 8, forward; above 1 is
+/// faster grouped), two runs each: full 4096 × 128 1.05 and 1.09, causal
+/// 4096 × 128 1.12 and 1.08, full 2048 × 128 1.03 and 1.06; at Hkv = 2, full
+/// 4096 × 64 1.04, causal 4096 × 128 1.07, full 2048 × 128 1.05. Where K and
+/// V stay in L2 anyway grouping only costs (fewer tasks, and each query
+/// tile's Q and O leave L1 between its key tiles): 0.96 at S = 1024, 0.91
+/// for a causal mask at S = 4096, D = 64 (about 1 MiB per query tile);
+/// hence [`L2_BUDGET`].
 const MAX_GROUP: usize = 4;
 
-/// Bytes of K and V (f32) that one query tile reads, on average, up to
-/// which query tiles are not grouped: those stay in a core's L2 from one
-/// query tile to the next. Three quarters of the 2 MiB L2 of recent Xeons:
-/// at about 1 MiB (a causal mask at S = 4096, D = 64) grouping measured
-/// 0.91, at 2 MiB 1.03 to 1.09.
-const L2_BUDGET: usize = 3 << 19;
-
-/// Query tiles sampled to estimate how many key tiles a query tile visits.
-const SAMPLED_TILES: usize = 8;
-
-/// Query tiles per task: 1 while a query tile reads at most [`L2_BUDGET`]
-/// of K and V (short sequences; sliding windows, whose consecutive query
-/// tiles read nearly the same keys), else [`MAX_GROUP`], or fewer where that
-/// would leave under four tasks per thread (a causal mask makes tasks
-/// uneven, and work stealing needs spare ones to even them out).
-///
-/// The keys a query tile visits are counted with `classify_tile` on up to
-/// [`SAMPLED_TILES`] evenly spaced query tiles of the first head; any
-/// grouping gives the same results, so an estimate is enough.
+/// Query tiles per task: 1 while a query tile reads at most
+/// [`L2_BUDGET`] of K and V (short sequences; sliding windows, whose
+/// consecutive query tiles read nearly the same keys), else [`MAX_GROUP`],
+/// or fewer where that would leave under four tasks per thread (a causal
+/// mask makes tasks uneven, and work stealing needs spare ones to even them
+/// out).
 pub(super) fn group_size<V: Variant>(
     variant: &V,
     p: &Problem,
@@ -71,25 +60,8 @@ pub(super) fn group_size<V: Variant>(
     threads: usize,
 ) -> usize {
     let q_tiles = p.seq_q.div_ceil(tiles.q);
-    if q_tiles < 2 {
-        return 1;
-    }
-    let pos = Positions::new(p);
-    let samples = q_tiles.min(SAMPLED_TILES);
-    let mut visited = 0;
-    for i in 0..samples {
-        let row0 = i * (q_tiles - 1) / (samples - 1).max(1) * tiles.q;
-        let range = pos.query_range(row0, tiles.q.min(p.seq_q - row0));
-        visited += (0..p.seq_k)
-            .step_by(tiles.kv)
-            .filter(|&kv0| {
-                let cols = tiles.kv.min(p.seq_k - kv0);
-                tile_class(variant, 0, 0, range, kv0, cols) != TileClass::Empty
-            })
-            .count();
-    }
-    let tile_bytes = 2 * tiles.kv * p.head_dim * std::mem::size_of::<f32>();
-    if visited * tile_bytes <= L2_BUDGET * samples {
+    let kv_tile_bytes = 2 * tiles.kv * p.head_dim * std::mem::size_of::<f32>();
+    if mean_visits(variant, p, tiles, Axis::Query) * kv_tile_bytes as f64 <= L2_BUDGET as f64 {
         return 1;
     }
     let heads = p.batch * p.heads_q;

@@ -161,7 +161,8 @@ pub fn backward_tiled<V: Variant>(
     );
     let tiles = CpuTiles::new(tiles.q, tiles.kv);
     let chunks = backward::key_chunks(p, tiles, rayon::current_num_threads());
-    in_pool(|| backward::backward(variant, p, tiles, chunks, inputs, dq, dk, dv));
+    let kv_group = backward::kv_group_size(variant, p, tiles);
+    in_pool(|| backward::backward(variant, p, tiles, chunks, kv_group, inputs, dq, dk, dv));
 }
 
 /// Run `f` on a thread of rayon's pool (inline when already on one).
@@ -221,6 +222,59 @@ fn tile_class<V: Variant>(
     }
     let kv_lo = Positions::to_i32(kv0);
     variant.classify_tile(b, h, q_lo, q_hi, kv_lo, kv_lo + Positions::to_i32(cols) - 1)
+}
+
+/// Bytes of a tile's partners (K and V for a query tile in the forward;
+/// Q, dO and dQ for a key tile in the backward) that one tile's pass may
+/// read before tiles are grouped to share passes: up to this much stays in a
+/// core's L2 from one tile to the next. Three quarters of the 2 MiB L2 of
+/// recent Xeons, leaving room for everything else.
+const L2_BUDGET: usize = 3 << 19;
+
+/// Tiles sampled by [`mean_visits`].
+const SAMPLED_TILES: usize = 8;
+
+/// Which tiles [`mean_visits`] samples.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Axis {
+    /// Query tiles, counting the key tiles each visits.
+    Query,
+    /// Key tiles, counting the query tiles that visit each.
+    Key,
+}
+
+/// How many tiles of the other axis a tile of `axis` meets that are not
+/// `Empty`, averaged over up to [`SAMPLED_TILES`] evenly spaced tiles of
+/// batch 0, head 0. It only sizes groups of tiles (any grouping gives the
+/// same results), so an estimate is enough.
+fn mean_visits<V: Variant>(variant: &V, p: &Problem, tiles: CpuTiles, axis: Axis) -> f64 {
+    let pos = Positions::new(p);
+    let (q_tiles, kv_tiles) = (p.seq_q.div_ceil(tiles.q), p.seq_k.div_ceil(tiles.kv));
+    let visible = |qt: usize, kt: usize| {
+        let (row0, kv0) = (qt * tiles.q, kt * tiles.kv);
+        let range = pos.query_range(row0, tiles.q.min(p.seq_q - row0));
+        let cols = tiles.kv.min(p.seq_k - kv0);
+        tile_class(variant, 0, 0, range, kv0, cols) != TileClass::Empty
+    };
+    let (n, others) = match axis {
+        Axis::Query => (q_tiles, kv_tiles),
+        Axis::Key => (kv_tiles, q_tiles),
+    };
+    if n == 0 {
+        return 0.0;
+    }
+    let samples = n.min(SAMPLED_TILES);
+    let mut visits = 0;
+    for i in 0..samples {
+        let t = i * (n - 1) / (samples - 1).max(1);
+        visits += (0..others)
+            .filter(|&o| match axis {
+                Axis::Query => visible(t, o),
+                Axis::Key => visible(o, t),
+            })
+            .count();
+    }
+    visits as f64 / samples as f64
 }
 
 /// Query rows per band when the products of a `Partial` tile are trimmed

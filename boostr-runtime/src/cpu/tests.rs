@@ -386,12 +386,13 @@ struct Outputs {
 }
 
 /// Forward then backward (fed the kernel's own `out` and `lse`), into
-/// NaN-poisoned buffers.
+/// NaN-poisoned buffers; the backward with the given (key chunks, key tiles
+/// per pass), else its own choice.
 fn run<V: Variant>(
     var: &V,
     p: &Problem,
     tiles: CpuTiles,
-    chunks: Option<usize>,
+    schedule: Option<(usize, usize)>,
     x: &Inputs,
 ) -> Outputs {
     let mut o = Outputs {
@@ -410,19 +411,30 @@ fn run<V: Variant>(
         lse: &o.lse,
         dout: &x.dout,
     };
-    match chunks {
+    match schedule {
         None => backward_tiled(var, p, tiles, inputs, &mut o.dq, &mut o.dk, &mut o.dv),
-        Some(c) => backward::backward(var, p, tiles, c, inputs, &mut o.dq, &mut o.dk, &mut o.dv),
+        Some((c, g)) => {
+            backward::backward(var, p, tiles, c, g, inputs, &mut o.dq, &mut o.dk, &mut o.dv)
+        }
     }
     o
 }
 
 #[track_caller]
-fn check<V: Variant>(var: &V, p: &Problem, tiles: CpuTiles, chunks: Option<usize>, seed: u64) {
+fn check<V: Variant>(
+    var: &V,
+    p: &Problem,
+    tiles: CpuTiles,
+    schedule: Option<(usize, usize)>,
+    seed: u64,
+) {
     let x = Inputs::new(p, seed, 1.0);
     let want = reference(var, p, &x);
-    let got = run(var, p, tiles, chunks, &x);
-    let ctx = format!("{} {p:?} {tiles:?} chunks {chunks:?}", V::NAME);
+    let got = run(var, p, tiles, schedule, &x);
+    let ctx = format!(
+        "{} {p:?} {tiles:?} (chunks, kv group) {schedule:?}",
+        V::NAME
+    );
     assert_close(&format!("out {ctx}"), &got.out, &want.out, 2e-5);
     assert_close(&format!("lse {ctx}"), &got.lse, &want.lse, 2e-5);
     assert_close(&format!("dq {ctx}"), &got.dq, &want.dq, 1e-4);
@@ -485,19 +497,38 @@ fn alibi_sees_batch_query_head_and_positions() {
 }
 
 #[test]
-fn every_key_chunking_matches_reference() {
-    // Chunk counts beyond the number of key tiles are clamped.
+fn every_key_chunking_and_grouping_matches_reference() {
+    // Chunk counts beyond the number of key tiles are clamped; passes of 3
+    // key tiles leave a short last pass in chunks of 9 tiles, and groups
+    // larger than a chunk take the whole chunk in one pass.
     let p = problem(2, 4, 2, 97, 130, 64);
     for chunks in [1, 2, 3, 5, 100] {
-        check(
-            &CausalSoftcap { cap: 3.0 },
-            &p,
-            CpuTiles::new(16, 16),
-            Some(chunks),
-            7,
-        );
-        check(&Plain, &p, CpuTiles::new(32, 16), Some(chunks), 8);
+        for kv_group in [1, 3, 100] {
+            let schedule = Some((chunks, kv_group));
+            let tiles = CpuTiles::new(16, 16);
+            check(&CausalSoftcap { cap: 3.0 }, &p, tiles, schedule, 7);
+            check(&Plain, &p, CpuTiles::new(32, 16), schedule, 8);
+        }
     }
+}
+
+#[test]
+fn key_tiles_group_only_when_queries_outgrow_l2() {
+    let t = CpuTiles::DEFAULT;
+    // A key tile's pass reads Q, dO and dQ: 3 · 64 · D · 4 bytes per query
+    // tile and query head: 1.5 MiB at S = 1024, D = 128, Hkv = Hq (not
+    // grouped, just), 3 MiB at S = 2048; GQA 4:1 multiplies by four.
+    let p = |hq, hkv, s, d| problem(1, hq, hkv, s, s, d);
+    assert_eq!(backward::kv_group_size(&Plain, &p(8, 8, 1024, 128), t), 1);
+    assert_eq!(backward::kv_group_size(&Plain, &p(8, 8, 2048, 128), t), 4);
+    assert_eq!(backward::kv_group_size(&Plain, &p(8, 2, 1024, 64), t), 4);
+    // Under a causal mask about half as many query tiles meet a key tile.
+    let causal = CausalSoftcap { cap: 2.0 };
+    assert_eq!(backward::kv_group_size(&causal, &p(8, 8, 1024, 128), t), 1);
+    assert_eq!(backward::kv_group_size(&causal, &p(8, 8, 4096, 128), t), 4);
+    // A sliding window: a few query tiles per key tile, however long.
+    let window = SlidingWindow { window: 256 };
+    assert_eq!(backward::kv_group_size(&window, &p(8, 8, 16384, 128), t), 1);
 }
 
 /// The forward alone with `group` query tiles per task, into NaN-poisoned
@@ -582,7 +613,7 @@ fn fully_masked_rows_are_zero_with_lse_neg_inf() {
         &SlidingWindow { window: 0 },
         &p,
         CpuTiles::new(4, 8),
-        Some(3),
+        Some((3, 1)),
         &x,
     );
     assert!(got.lse.iter().all(|&l| l == f32::NEG_INFINITY));
@@ -652,7 +683,7 @@ fn backward_is_bitwise_deterministic() {
     for _ in 0..3 {
         assert!(first == bits(&pool.install(|| run(&var, &p, tiles, None, &x))));
     }
-    check(&var, &p, tiles, Some(chunks), 9);
+    check(&var, &p, tiles, Some((chunks, 1)), 9);
 }
 
 #[test]
