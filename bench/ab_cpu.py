@@ -37,13 +37,14 @@ class Server:
         ready = self.proc.stdout.readline()
         if not ready.startswith("ready"):
             raise SystemExit(f"{path}: unexpected greeting {ready!r}")
+        self.threads = int(ready.split()[1])
 
     def run(self, command):
         self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
         answer = self.proc.stdout.readline().split()
-        if not answer or answer[0] != "ok":
-            raise SystemExit(f"{command!r}: {' '.join(answer)}")
+        if len(answer) < 2 or answer[0] != "ok" or answer[1] == "none":
+            raise SystemExit(f"{command!r}: {' '.join(answer) or 'server exited'}")
         return float(answer[1])
 
     def close(self):

@@ -21,39 +21,13 @@ in `bench/cpu_vs_torch.py`. Needs nothing beyond the Python standard library.
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ab_cpu import Server  # noqa: E402  (the same timing-server client)
 from cpu_vs_torch import flops  # noqa: E402  (the same FLOP count as the comparison)
 
 FMA_FLOPS_PER_ITER = 24 * 16 * 2  # 24 FMAs of 16 lanes, 2 flops each
-
-
-class Server:
-    def __init__(self, path, threads):
-        env = dict(os.environ)
-        if threads is not None:
-            env["RAYON_NUM_THREADS"] = str(threads)
-        self.proc = subprocess.Popen([path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, bufsize=1, env=env)
-        ready = self.proc.stdout.readline().split()
-        if not ready or ready[0] != "ready":
-            raise SystemExit(f"{path}: unexpected greeting {' '.join(ready)!r}")
-        self.threads = int(ready[1])
-
-    def run(self, command):
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-        answer = self.proc.stdout.readline().split()
-        if not answer or answer[0] != "ok" or answer[1] == "none":
-            raise SystemExit(f"{command!r}: {' '.join(answer) or 'server exited'}")
-        return float(answer[1])
-
-    def close(self):
-        self.proc.stdin.write("quit\n")
-        self.proc.stdin.flush()
-        self.proc.wait()
 
 
 def main():
@@ -65,6 +39,8 @@ def main():
     ap.add_argument("--peak-iters", type=int, default=2_000_000,
                     help="rounds of the peak loop per measurement (default 2000000)")
     args = ap.parse_args()
+    if args.runs < 2:
+        ap.error(f"--runs {args.runs}: at least 2 (quartiles need two)")
 
     server = Server(args.server, args.threads)
     peak_cmd = f"peak {args.peak_iters} all"
@@ -77,9 +53,15 @@ def main():
             if len(words) != 6:
                 raise SystemExit(f"{command!r}: <variant> <fwd|fwdbwd> <hq> <hkv> <seq> <dim>")
             variant, pass_ = words[0], words[1]
-            hq, hkv, s, d = map(int, words[2:])
-            del hkv  # the FLOP count does not depend on it
-            work = flops(variant, pass_, hq, s, d)
+            if not all(w.isdigit() for w in words[2:]):
+                raise SystemExit(f"{command!r}: <hq> <hkv> <seq> <dim> are whole numbers")
+            hq, _hkv, s, d = map(int, words[2:])  # the FLOP count does not depend on hkv
+            if pass_ not in ("fwd", "fwdbwd"):
+                raise SystemExit(f"{command!r}: pass {pass_!r} is not fwd or fwdbwd")
+            try:
+                work = flops(variant, pass_, hq, s, d)
+            except ValueError:
+                raise SystemExit(f"{command!r}: unknown variant {variant!r}") from None
             attn = f"attn {command}"
             server.run(attn)  # inputs made, caches warm
             before = peak_flops / server.run(peak_cmd)
