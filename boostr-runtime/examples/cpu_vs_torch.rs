@@ -25,10 +25,10 @@
 //! crate. `peak` times `iters` rounds of 24 AVX-512 FMAs on registers only,
 //! on one thread: the core's FMA peak (`iters · 768` flops); with `all`, on
 //! every rayon thread at once, timed until the last one finishes
-//! (`threads · iters · 768` flops: the ceiling of a multi-threaded run). `mem` runs
-//! forward+backward once and
-//! reports the peak resident set (`VmHWM`) against the size of q, k, v, out
-//! and their gradients; run it in a fresh process. `repeat` runs an `attn` or
+//! (`threads · iters · 768` flops: the ceiling of a multi-threaded run).
+//! `mem` runs forward+backward once and reports the peak resident set
+//! (`VmHWM`) against the size of q, k, v, out and their gradients; run it in
+//! a fresh process. `repeat` runs an `attn` or
 //! `gemm` command `n` times back to back and answers each run's seconds.
 //! Errors answer `err <message>`.
 //!

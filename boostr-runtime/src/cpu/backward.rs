@@ -284,8 +284,8 @@ fn key_chunk<V: Variant>(sh: &Shared<'_, V>, task: KeyChunk<'_>, sc: &mut Scratc
     dv.fill(0.0);
     dq.fill(0.0);
     let kv_bh = (b * p.heads_kv + kvh) * sk * d;
-    let tile = sh.tiles.kv * d;
-    let pass = sh.kv_group * tile;
+    let pass_keys = sh.kv_group * sh.tiles.kv;
+    let (tile, pass) = (sh.tiles.kv * d, pass_keys * d);
 
     // Passes of up to `kv_group` key tiles: their rows of dK and dV, and
     // scratch for their transposes.
@@ -296,7 +296,7 @@ fn key_chunk<V: Variant>(sh: &Shared<'_, V>, task: KeyChunk<'_>, sc: &mut Scratc
         let per_tile = dk.chunks_mut(tile).zip(dv.chunks_mut(tile));
         for (i, ((dk, dv), (kt, vt))) in per_tile.zip(scratch).enumerate() {
             let cols = dk.len() / d;
-            let kv0 = key0 + n * pass / d + i * sh.tiles.kv;
+            let kv0 = key0 + n * pass_keys + i * sh.tiles.kv;
             let at = kv_bh + kv0 * d..kv_bh + (kv0 + cols) * d;
             let (k, v) = (&sh.x.k[at.clone()], &sh.x.v[at]);
             let (kt, vt) = (&mut kt[..d * cols], &mut vt[..d * cols]);
@@ -319,8 +319,8 @@ fn key_chunk<V: Variant>(sh: &Shared<'_, V>, task: KeyChunk<'_>, sc: &mut Scratc
             for r0 in (0..sq).step_by(sh.tiles.q) {
                 let rows = sh.tiles.q.min(sq - r0);
                 let dq_t = &mut dq_h[r0 * d..(r0 + rows) * d];
+                let t = Rows { b, h, bh, r0, rows };
                 for kv in kvs.iter_mut() {
-                    let t = Rows { b, h, bh, r0, rows };
                     query_tile(sh, t, kv, dq_t, &mut sc.work);
                 }
             }

@@ -13,9 +13,10 @@
 //!
 //! Guarantees: every element of `out` and `lse` is written; memory beyond
 //! the outputs is one transposed copy of K plus, per task, one `Bq × Bk`
-//! score tile and statistics for its `G·Bq` rows (nothing of size `Sq × Sk`); a row with no visible key gets `out = 0`,
-//! `lse = -inf` and never NaN; logits of any finite magnitude are safe
-//! because every `exp` argument is `≤ 0`.
+//! score tile and statistics for its `G·Bq` rows (nothing of size
+//! `Sq × Sk`); a row with no visible key gets `out = 0`, `lse = -inf` and
+//! never NaN; logits of any finite magnitude are safe because every `exp`
+//! argument is `≤ 0`.
 
 use super::gemm::{self, MatMut, MatRef, Write, matmul};
 use super::math;
