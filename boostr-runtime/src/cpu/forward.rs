@@ -155,56 +155,67 @@ pub(super) fn forward<V: Variant>(
     // products stream — rather than `Sk` apart, which for long sequences
     // would map every row of the tile to the same L1 set. Costs one copy of
     // K, shared by all query tiles of all query heads of the group.
-    // Not zeroed first: the transposes write every element.
+    //
+    // Each kv head's copy is made right before the query tiles that read
+    // it start, not all heads' up front: then it is still in the caches
+    // when they read it, instead of being written out to memory and read
+    // back. (Uninitialised until then: the transposes write every element.)
     let mut kt = Vec::<f32>::with_capacity(k.len());
-    kt.spare_capacity_mut()[..k.len()]
-        .par_chunks_mut(sk * d)
+    let g = p.group();
+
+    // Outer: one (batch, kv head) per item; then its query heads; then
+    // their groups of query tiles. Rayon flattens the nesting by work
+    // stealing, so B = H = 1 still uses every thread when there are enough
+    // query tiles.
+    let group_rows = group * tiles.q;
+    out.par_chunks_mut(g * sq * d)
+        .zip(lse.par_chunks_mut(g * sq))
+        .zip(kt.spare_capacity_mut()[..k.len()].par_chunks_mut(sk * d))
         .zip(k.par_chunks(sk * d))
-        .for_each(|(kt, k)| {
+        .zip(v.par_chunks(sk * d))
+        .enumerate()
+        .for_each(|(bkv, ((((out_g, lse_g), kt), k), v))| {
             kt.par_chunks_mut(tiles.kv * d)
                 .zip(k.par_chunks(tiles.kv * d))
                 .for_each(|(kt, k)| {
                     let cols = k.len() / d;
                     gemm::transpose_uninit(k, cols, d, kt, cols);
                 });
-        });
-    // SAFETY: the chunks partition `0 .. k.len()`, and the transpose of a
-    // `cols × D` block into `D` rows of stride `cols` writes all of its
-    // `D · cols` elements.
-    unsafe { kt.set_len(k.len()) };
-
-    // Outer: one (batch, query head) per item; inner: its groups of query
-    // tiles. Rayon flattens the nesting by work stealing, so B = H = 1
-    // still uses every thread when there are enough query tiles.
-    let group_rows = group * tiles.q;
-    out.par_chunks_mut(sq * d)
-        .zip(lse.par_chunks_mut(sq))
-        .enumerate()
-        .for_each(|(bh, (out_bh, lse_bh))| {
-            let (b, h) = (bh / p.heads_q, bh % p.heads_q);
-            let kv_bh = (b * p.heads_kv + h / p.group()) * sk * d;
-            let head = Head {
-                variant,
-                p,
-                pos,
-                b: Positions::to_i32(b),
-                h: Positions::to_i32(h),
-                kt: &kt[kv_bh..kv_bh + sk * d],
-                v: &v[kv_bh..kv_bh + sk * d],
-            };
-            let q_bh = &q[bh * sq * d..(bh + 1) * sq * d];
-            out_bh
-                .par_chunks_mut(group_rows * d)
-                .zip(lse_bh.par_chunks_mut(group_rows))
+            // SAFETY: the chunks partition `kt`, and the transpose of a
+            // `cols × D` block into `D` rows of stride `cols` writes all of
+            // its `D · cols` elements, so every element is initialised;
+            // `MaybeUninit<f32>` has the layout of `f32`.
+            let kt = unsafe { &*(kt as *const [std::mem::MaybeUninit<f32>] as *const [f32]) };
+            out_g
+                .par_chunks_mut(sq * d)
+                .zip(lse_g.par_chunks_mut(sq))
                 .enumerate()
-                .for_each_init(
-                    || Scratch::new(tiles, group),
-                    |scratch, (t, (out_g, lse_g))| {
-                        let row0 = t * group_rows;
-                        let q_g = &q_bh[row0 * d..row0 * d + out_g.len()];
-                        query_tiles(&head, tiles, row0, q_g, out_g, lse_g, scratch);
-                    },
-                );
+                .for_each(|(i, (out_bh, lse_bh))| {
+                    let bh = bkv * g + i;
+                    let (b, h) = (bh / p.heads_q, bh % p.heads_q);
+                    let head = Head {
+                        variant,
+                        p,
+                        pos,
+                        b: Positions::to_i32(b),
+                        h: Positions::to_i32(h),
+                        kt,
+                        v,
+                    };
+                    let q_bh = &q[bh * sq * d..(bh + 1) * sq * d];
+                    out_bh
+                        .par_chunks_mut(group_rows * d)
+                        .zip(lse_bh.par_chunks_mut(group_rows))
+                        .enumerate()
+                        .for_each_init(
+                            || Scratch::new(tiles, group),
+                            |scratch, (t, (out_g, lse_g))| {
+                                let row0 = t * group_rows;
+                                let q_g = &q_bh[row0 * d..row0 * d + out_g.len()];
+                                query_tiles(&head, tiles, row0, q_g, out_g, lse_g, scratch);
+                            },
+                        );
+                });
         });
 }
 
