@@ -375,7 +375,8 @@ def main():
                                 row.append(f"{100 * gb / gemm_gf:.0f}%" if (gb and variant == "full" and pass_ == "fwd") else "")
                             rows.append(row)
                             print("  " + " ".join(row), file=sys.stderr, flush=True)
-                            results.append(dict(section=section, variant=variant, pass_=pass_, hkv=hkv, s=s, d=d,
+                            results.append(dict(section=section, variant=variant, pass_=pass_, hq=args.hq, hkv=hkv,
+                                                s=s, d=d,
                                                 dtype=dtype, boostr=tb, torch=tt, flops=f))
         header = ["variant", "pass", "Hkv", "S", "D", "boostr ms", "boostr GF/s", "SDPA ms", "SDPA GF/s", "ratio"]
         if gemm_gf and section == "plain":
@@ -413,7 +414,8 @@ def main():
                                fmt_ratio(tf / tb if tf else None), fmt_ms(tbb), fmt_gf(gflops(3.5 * f, tbb))]
                         rows.append(row)
                         print("  " + " ".join(row), file=sys.stderr, flush=True)
-                        results.append(dict(section="custom", variant=variant, hkv=hkv, s=s, d=d, boostr=tb, flex=tf,
+                        results.append(dict(section="custom", variant=variant, hq=args.hq, hkv=hkv, s=s, d=d,
+                                            boostr=tb, flex=tf,
                                             boostr_fwdbwd=tbb, causal_fwd=causal_fwd, flops=f))
         table("f32 custom variants: boostr vs torch.compile(flex_attention) (forward; flex has no CPU backward)",
               ["variant", "Hkv", "S", "D", "boostr ms", "boostr GF/s", "per pair vs causal", "flex ms", "flex GF/s",
