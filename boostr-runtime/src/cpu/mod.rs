@@ -167,8 +167,9 @@ pub fn backward_tiled<V: Variant>(
 
 /// Run `f` on a thread of rayon's pool (inline when already on one).
 ///
-/// Why: each kernel runs several parallel loops in a row (the forward's
-/// transpose of K, then its query tiles; the backward's three phases).
+/// Why: each kernel runs several parallel loops in a row (in the forward,
+/// per kv head, the transpose of its K, then its query tiles; the
+/// backward's three phases).
 /// Started from a thread outside the pool, each loop hands its work over to
 /// the pool and puts the caller to sleep until it is done; inside the pool
 /// the loops follow one another without a hand-over. Measured on a 2-core
