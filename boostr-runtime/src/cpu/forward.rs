@@ -19,10 +19,10 @@
 //! argument is `≤ 0`.
 
 use super::gemm::{self, MatMut, MatRef, Write, matmul};
-use super::math;
+use super::math::{self, LANES};
 use super::simd::{self, Elementwise};
 use super::tile::CpuTiles;
-use super::{Axis, Band, L2_BUDGET, Positions, mean_visits, tile_bands, tile_class};
+use super::{Axis, BAND_ROWS, Band, L2_BUDGET, Positions, mean_visits, tile_class};
 use crate::problem::Problem;
 use crate::variant::{TileClass, Variant};
 use rayon::prelude::*;
@@ -258,14 +258,25 @@ fn query_tiles<V: Variant>(
                 continue;
             }
             let first = std::mem::replace(&mut qt.first, false);
+            // The bands of query rows and the keys each must compute: the
+            // whole tile, or on a partial tile per `BAND_ROWS` rows the
+            // chunks of keys that classification does not prove empty.
+            class_bands(head, class, (q_lo, kv0), (r.len(), cols), &mut sc.bands);
             let s = &mut sc.s[..r.len() * cols];
-            matmul(
-                MatMut::row_major(s, r.len(), cols),
-                Write::Overwrite,
-                MatRef::row_major(&q[r.start * d..r.end * d], r.len(), d),
-                MatRef::row_major(&head.kt[kv0 * d..], d, cols),
-                scale,
-            );
+            let kt_t = &head.kt[kv0 * d..(kv0 + cols) * d];
+            for Band { rows: br, cols: c } in sc.bands.iter().filter(|b| !b.cols.is_empty()) {
+                matmul(
+                    MatMut::strided(&mut s[br.start * cols + c.start..], br.len(), c.len(), cols),
+                    Write::Overwrite,
+                    MatRef::row_major(
+                        &q[(r.start + br.start) * d..(r.start + br.end) * d],
+                        br.len(),
+                        d,
+                    ),
+                    MatRef::strided(&kt_t[c.start..], d, c.len(), cols),
+                    scale,
+                );
+            }
             let out_t = &mut out[r.start * d..r.end * d];
             simd::dispatch(OnlineSoftmax {
                 head,
@@ -277,11 +288,11 @@ fn query_tiles<V: Variant>(
                 l: &mut sc.l[r.clone()],
                 alpha: &mut sc.alpha[r.clone()],
                 out: (!first).then_some(&mut *out_t),
+                bands: &sc.bands,
             });
 
-            // O += P V, on a partial tile band by band over the keys with a
-            // nonzero probability.
-            tile_bands(class, s, (r.len(), cols), &mut sc.bands);
+            // O += P V, band by band over the keys computed (the others'
+            // probabilities are 0).
             let v_t = &head.v[kv0 * d..(kv0 + cols) * d];
             for Band { rows: br, cols: c } in sc.bands.iter().cloned() {
                 let out_b = &mut out_t[br.start * d..br.end * d];
@@ -337,6 +348,9 @@ struct OnlineSoftmax<'a, 'h, V> {
     /// The `rows × D` accumulator to rescale; `None` on the first visible
     /// tile, before anything has been accumulated.
     out: Option<&'a mut [f32]>,
+    /// The tile's bands (see `class_bands`): each row's logits are those of
+    /// its band's keys; the rest of the row is neither read nor written.
+    bands: &'a [Band],
 }
 
 impl<V: Variant> Elementwise for OnlineSoftmax<'_, '_, V> {
@@ -354,16 +368,20 @@ impl<V: Variant> Elementwise for OnlineSoftmax<'_, '_, V> {
             l,
             alpha,
             mut out,
+            bands,
         } = self;
         let (rows, d) = (m.len(), head.p.head_dim);
         let cols = s.len() / rows;
 
         // Logits of every row, and each row's new running max (in `alpha`
         // for now).
-        for (i, row) in s.chunks_exact_mut(cols).enumerate() {
-            let qi = q_lo + i as i32;
-            score_and_mask(head.variant, head.b, head.h, qi, kv_lo, class, row);
-            alpha[i] = m[i].max(math::max(row));
+        for Band { rows: br, cols: c } in bands.iter().cloned() {
+            for i in br {
+                let row = &mut s[i * cols + c.start..i * cols + c.end];
+                let (qi, kj) = (q_lo + i as i32, kv_lo + c.start as i32);
+                score_and_mask(head.variant, head.b, head.h, qi, kj, class, row);
+                alpha[i] = m[i].max(math::max(row));
+            }
         }
         // Rescale factors `e^(m_old − m_new)`, across rows at once: one
         // scalar `exp` per row would be a long dependency chain per row.
@@ -380,21 +398,69 @@ impl<V: Variant> Elementwise for OnlineSoftmax<'_, '_, V> {
             };
             *m = m_new;
         }
-        for (i, row) in s.chunks_exact_mut(cols).enumerate() {
-            if m[i] == f32::NEG_INFINITY {
-                // Nothing visible in this row yet: `e^(x − m)` would be
-                // `e^(-inf + inf)` = NaN. The row contributes nothing.
-                row.fill(0.0);
-                continue;
-            }
-            if alpha[i] != 1.0 {
-                l[i].iter_mut().for_each(|x| *x *= alpha[i]);
-                if let Some(out) = out.as_deref_mut() {
-                    math::scale(&mut out[i * d..(i + 1) * d], alpha[i]);
+        for Band { rows: br, cols: c } in bands.iter().cloned() {
+            for i in br {
+                let row = &mut s[i * cols + c.start..i * cols + c.end];
+                if m[i] == f32::NEG_INFINITY {
+                    // Nothing visible in this row yet: `e^(x − m)` would be
+                    // `e^(-inf + inf)` = NaN. The row contributes nothing.
+                    row.fill(0.0);
+                    continue;
                 }
+                if alpha[i] != 1.0 {
+                    l[i].iter_mut().for_each(|x| *x *= alpha[i]);
+                    if let Some(out) = out.as_deref_mut() {
+                        math::scale(&mut out[i * d..(i + 1) * d], alpha[i]);
+                    }
+                }
+                l[i] = math::exp_sub_lanes(row, m[i], l[i]);
             }
-            math::exp_sub_acc(row, m[i], &mut l[i]);
         }
+    }
+}
+
+/// Fill `bands` with the bands of the tile of query rows at positions
+/// `q_lo ..` and `cols` keys from `kv0`: one band of the whole tile unless
+/// it is `Partial`, else one per [`BAND_ROWS`] rows, each with the keys from
+/// the first to the last `LANES`-wide chunk that `classify_tile` does not
+/// prove `Empty` for those rows (empty when it proves them all). Computing
+/// `S`, the softmax and `P V` only there is exact: every pair outside is
+/// hidden.
+///
+/// Why: a diagonal causal tile hides 3/8 of these chunks, and so does each
+/// edge tile of a sliding window, whose two partial tiles out of five per
+/// query tile would otherwise compute a whole tile each.
+fn class_bands<V: Variant>(
+    head: &Head<'_, V>,
+    class: TileClass,
+    (q_lo, kv0): (i32, usize),
+    (rows, cols): (usize, usize),
+    bands: &mut Vec<Band>,
+) {
+    bands.clear();
+    if class != TileClass::Partial {
+        bands.push(Band {
+            rows: 0..rows,
+            cols: 0..cols,
+        });
+        return;
+    }
+    for r0 in (0..rows).step_by(BAND_ROWS) {
+        let r1 = rows.min(r0 + BAND_ROWS);
+        let pos = (q_lo + r0 as i32, q_lo + r1 as i32 - 1);
+        let (mut lo, mut hi) = (cols, 0);
+        for c0 in (0..cols).step_by(LANES) {
+            let c1 = cols.min(c0 + LANES);
+            if tile_class(head.variant, head.b, head.h, pos, kv0 + c0, c1 - c0) != TileClass::Empty
+            {
+                lo = lo.min(c0);
+                hi = c1;
+            }
+        }
+        bands.push(Band {
+            rows: r0..r1,
+            cols: lo..hi.max(lo),
+        });
     }
 }
 

@@ -73,12 +73,14 @@ impl<'a> MatRef<'a> {
     }
 }
 
-/// A writable row-major `rows × cols` view at the start of a slice.
+/// A writable row-major `rows × cols` view at the start of a slice, rows
+/// `rs` elements apart.
 #[derive(Debug)]
 pub struct MatMut<'a> {
     data: &'a mut [f32],
     rows: usize,
     cols: usize,
+    rs: usize,
 }
 
 impl<'a> MatMut<'a> {
@@ -86,7 +88,29 @@ impl<'a> MatMut<'a> {
     #[inline]
     pub fn row_major(data: &'a mut [f32], rows: usize, cols: usize) -> Self {
         assert!(data.len() >= rows * cols, "matrix view out of bounds");
-        Self { data, rows, cols }
+        Self {
+            data,
+            rows,
+            cols,
+            rs: cols,
+        }
+    }
+
+    /// The `rows × cols` matrix at the start of `data` whose rows lie `rs`
+    /// elements apart (a column block of a wider row-major matrix).
+    #[inline]
+    pub fn strided(data: &'a mut [f32], rows: usize, cols: usize, rs: usize) -> Self {
+        assert!(cols <= rs || rows <= 1, "rows overlap");
+        assert!(
+            rows == 0 || data.len() >= (rows - 1) * rs + cols,
+            "matrix view out of bounds"
+        );
+        Self {
+            data,
+            rows,
+            cols,
+            rs,
+        }
     }
 }
 
@@ -138,7 +162,7 @@ fn tile_kernel(
         n: dst.cols,
         k: lhs.cols,
         c: dst.data.as_mut_ptr(),
-        ldc: dst.cols,
+        ldc: dst.rs,
         a: lhs.data.as_ptr(),
         a_rs: lhs.rs,
         a_cs: lhs.cs,
@@ -177,7 +201,7 @@ fn crate_gemm(dst: &mut MatMut<'_>, write: Write, lhs: MatRef<'_>, rhs: MatRef<'
             k,
             dst.data.as_mut_ptr(),
             1,
-            s(dst.cols),
+            s(dst.rs),
             write == Write::Accumulate,
             lhs.data.as_ptr(),
             s(lhs.cs),

@@ -337,22 +337,29 @@ pub fn exp_sub_sum(xs: &mut [f32], shift: f32) -> f32 {
 /// preconditions as [`exp_sub_sum`].
 #[inline(always)]
 pub fn exp_sub_acc(xs: &mut [f32], shift: f32, acc: &mut Lanes) {
-    // A local copy, so that the sums stay in registers across the row.
-    let mut sums = *acc;
-    let mut chunks = xs.chunks_exact_mut(LANES);
-    for c in &mut chunks {
-        for (a, x) in sums.iter_mut().zip(c.iter_mut()) {
-            let e = exp_softmax(*x - shift);
-            *x = e;
-            *a += e;
+    *acc = exp_sub_lanes(xs, shift, *acc);
+}
+
+/// [`exp_sub_acc`] by value: returns `sums` plus the new values. (The
+/// sums go in and out by value so that they stay in one register across
+/// the row: through a reference, LLVM kept them on the stack once the row
+/// started at an offset known only at run time.)
+#[inline(always)]
+pub fn exp_sub_lanes(xs: &mut [f32], shift: f32, mut sums: Lanes) -> Lanes {
+    let (chunks, tail) = xs.as_chunks_mut::<LANES>();
+    for c in chunks {
+        for k in 0..LANES {
+            let e = exp_softmax(c[k] - shift);
+            c[k] = e;
+            sums[k] += e;
         }
     }
-    for (a, x) in sums.iter_mut().zip(chunks.into_remainder()) {
+    for (a, x) in sums.iter_mut().zip(tail) {
         let e = exp_softmax(*x - shift);
         *x = e;
         *a += e;
     }
-    *acc = sums;
+    sums
 }
 
 /// `xs[i] = e^(xs[i] - shift)` in place, `shift` finite (see [`exp_sub_sum`]).

@@ -743,7 +743,7 @@ fn key_chunking_follows_threads_and_work() {
 }
 
 #[test]
-fn empty_tiles_are_skipped_and_full_tiles_unmasked() {
+fn empty_tiles_and_chunks_are_skipped_and_full_tiles_unmasked() {
     let (sq, sk) = (70, 100);
     let p = problem(1, 1, 1, sq, sk, 40);
     let tiles = CpuTiles::new(16, 32);
@@ -753,27 +753,51 @@ fn empty_tiles_are_skipped_and_full_tiles_unmasked() {
     let mut lse = vec![f32::NAN; p.lse_len()];
     forward_tiled(&var, &p, tiles, &x.q, &x.k, &x.v, &mut out, &mut lse);
 
-    // Expected: score on every element of each non-Empty tile, mask on every
-    // element of each Partial tile, nothing else.
-    let (mut scored, mut masked) = (0, 0);
+    // Expected: score on every element of each Full tile; score and mask,
+    // on a Partial tile, for each band of `BAND_ROWS` rows on the keys from
+    // its first to its last 16-key chunk that is not Empty; nothing else.
+    let class = |(ql, qh): (usize, usize), c0: usize, cols: usize| {
+        let off = sk - sq;
+        causal_class(
+            (ql + off) as i32,
+            (qh + off) as i32,
+            c0 as i32,
+            (c0 + cols - 1) as i32,
+        )
+    };
+    let (mut scored, mut masked, mut trimmed) = (0, 0, 0);
     for r0 in (0..sq).step_by(tiles.q) {
         let rows = tiles.q.min(sq - r0);
-        let (ql, qh) = ((r0 + sk - sq) as i32, (r0 + rows - 1 + sk - sq) as i32);
         for c0 in (0..sk).step_by(tiles.kv) {
             let cols = tiles.kv.min(sk - c0);
-            match causal_class(ql, qh, c0 as i32, (c0 + cols - 1) as i32) {
+            match class((r0, r0 + rows - 1), c0, cols) {
                 TileClass::Empty => {}
                 TileClass::Full => scored += rows * cols,
                 TileClass::Partial => {
-                    scored += rows * cols;
-                    masked += rows * cols;
+                    for b0 in (r0..r0 + rows).step_by(BAND_ROWS) {
+                        let band = (b0, (b0 + BAND_ROWS).min(r0 + rows) - 1);
+                        let live: Vec<usize> = (c0..c0 + cols)
+                            .step_by(math::LANES)
+                            .filter(|&k| {
+                                let n = math::LANES.min(c0 + cols - k);
+                                class(band, k, n) != TileClass::Empty
+                            })
+                            .collect();
+                        let keys = match (live.first(), live.last()) {
+                            (Some(&lo), Some(&hi)) => math::LANES.min(c0 + cols - hi) + hi - lo,
+                            _ => 0,
+                        };
+                        scored += (band.1 + 1 - band.0) * keys;
+                        masked += (band.1 + 1 - band.0) * keys;
+                        trimmed += (band.1 + 1 - band.0) * (cols - keys);
+                    }
                 }
             }
         }
     }
     assert!(
-        scored < sq * sk && masked < scored,
-        "shape must have all three classes"
+        scored < sq * sk && masked < scored && trimmed > 0,
+        "shape must have all three classes, and partial tiles with empty chunks"
     );
     assert_eq!(var.scores.load(Ordering::Relaxed), scored);
     assert_eq!(var.masks.load(Ordering::Relaxed), masked);
