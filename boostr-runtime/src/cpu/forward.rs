@@ -7,9 +7,10 @@
 //! classify it (skip `Empty`), `S = scale · Q Kᵀ` (GEMM), score and mask in
 //! place, online softmax (running row max `m`, running sum `l`, rescale of
 //! the output accumulator by `e^(m_old − m_new)` when the max grows), then
-//! `O += P V` (GEMM; on a `Partial` tile band by band, over only the keys
-//! with a nonzero probability). The accumulator is the tile's own slice of
-//! `out`, overwritten by the first visible key tile rather than zeroed first.
+//! `O += P V` (GEMM). On a `Partial` tile all of that runs band by band (16
+//! rows), over only the chunks of keys that classification does not prove
+//! empty for the band. The accumulator is the tile's own slice of `out`,
+//! overwritten by the first visible key tile rather than zeroed first.
 //!
 //! Guarantees: every element of `out` and `lse` is written; memory beyond
 //! the outputs is one transposed copy of K plus, per task, one `Bq × Bk`
