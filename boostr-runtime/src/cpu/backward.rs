@@ -36,7 +36,7 @@ use super::math;
 use super::simd::{self, Elementwise};
 use super::tile::CpuTiles;
 use super::{
-    Axis, BackwardInputs, Band, L2_BUDGET, Positions, mean_visits, tile_bands, tile_class,
+    Axis, BackwardInputs, Band, L2_BUDGET, Positions, class_bands, mean_visits, tile_class,
 };
 use crate::problem::Problem;
 use crate::variant::{TileClass, Variant};
@@ -127,7 +127,7 @@ struct Work {
     dp: Vec<f32>,
     /// `score_grad` of the logits (empty when the score is the identity).
     g: Vec<f32>,
-    /// The tile's bands (see `tile_bands`).
+    /// The tile's bands (see [`class_bands`]).
     bands: Vec<Band>,
 }
 
@@ -358,21 +358,26 @@ fn query_tile<V: Variant>(
     }
     let kv_lo = Positions::to_i32(kv.kv0);
     let rows_at = (t.bh * sq + t.r0) * d..(t.bh * sq + t.r0 + rows) * d;
-    let q_t = MatRef::row_major(&sh.x.q[rows_at.clone()], rows, d);
-    let do_t = MatRef::row_major(&sh.x.dout[rows_at.clone()], rows, d);
     let lse = &sh.x.lse[t.bh * sq + t.r0..][..rows];
     let delta = &sh.delta[t.bh * sq + t.r0..][..rows];
 
+    // The bands of query rows and the keys each must compute: the whole
+    // tile, or on a partial tile the chunks of keys that classification
+    // does not prove empty for each band. Outside them every pair is
+    // hidden, so P and dS are 0 there and no product reads them.
+    class_bands(
+        sh.variant,
+        (b, h),
+        class,
+        (q_lo, kv.kv0),
+        (rows, cols),
+        &mut w.bands,
+    );
+    let bands = &w.bands;
+
     // Recompute P from the saved log-sum-exp.
     let s = &mut w.s[..rows * cols];
-    let kt = MatRef::row_major(kv.kt, d, cols);
-    matmul(
-        MatMut::row_major(s, rows, cols),
-        Write::Overwrite,
-        q_t,
-        kt,
-        scale,
-    );
+    band_products(s, cols, bands, &sh.x.q[rows_at.clone()], kv.kt, d, scale);
     let g = &mut w.g[..if V::SCORE_IS_IDENTITY { 0 } else { rows * cols }];
     let variant = sh.variant;
     simd::dispatch(Probabilities {
@@ -385,15 +390,12 @@ fn query_tile<V: Variant>(
         lse,
         s: &mut *s,
         g: &mut *g,
+        bands,
     });
     let (s, g) = (&*s, &*g);
-    // On a partial tile the products that sum over query rows or keys run
-    // band by band, over the keys with a nonzero probability (dS is zero
-    // wherever P is).
-    tile_bands(class, s, (rows, cols), &mut w.bands);
 
     // dV += Pᵀ dO.
-    for Band { rows: r, cols: c } in w.bands.iter().filter(|b| !b.cols.is_empty()) {
+    for Band { rows: r, cols: c } in bands.iter().filter(|b| !b.cols.is_empty()) {
         matmul(
             MatMut::row_major(&mut kv.dv[c.start * d..c.end * d], c.len(), d),
             Write::Accumulate,
@@ -405,25 +407,19 @@ fn query_tile<V: Variant>(
 
     // dP = dO Vᵀ, then dS = P ∘ (dP − D) ∘ score_grad, in place.
     let dp = &mut w.dp[..rows * cols];
-    let vt = MatRef::row_major(kv.vt, d, cols);
-    matmul(
-        MatMut::row_major(dp, rows, cols),
-        Write::Overwrite,
-        do_t,
-        vt,
-        1.0,
-    );
+    band_products(dp, cols, bands, &sh.x.dout[rows_at.clone()], kv.vt, d, 1.0);
     simd::dispatch(ScoreGrads::<V> {
         p: s,
         g,
         delta,
         dp: &mut *dp,
+        bands,
         variant: PhantomData,
     });
     let ds = &*dp;
 
     // dK += scale · dSᵀ Q;  dQ += scale · dS K.
-    for Band { rows: r, cols: c } in w.bands.iter().filter(|b| !b.cols.is_empty()) {
+    for Band { rows: r, cols: c } in bands.iter().filter(|b| !b.cols.is_empty()) {
         matmul(
             MatMut::row_major(&mut kv.dk[c.start * d..c.end * d], c.len(), d),
             Write::Accumulate,
@@ -437,6 +433,29 @@ fn query_tile<V: Variant>(
             band_tile(ds, cols, r, c),
             band_rows(kv.k, d, c),
             scale,
+        );
+    }
+}
+
+/// `dst = beta · A Bᵀ` on each band of the `rows × cols` tile `dst`: the
+/// band's rows of `a` (rows of `d`) against its columns of `bt` (`Bᵀ`,
+/// `d × cols`). Elements outside the bands are not written.
+fn band_products(
+    dst: &mut [f32],
+    cols: usize,
+    bands: &[Band],
+    a: &[f32],
+    bt: &[f32],
+    d: usize,
+    beta: f32,
+) {
+    for Band { rows: r, cols: c } in bands.iter().filter(|b| !b.cols.is_empty()) {
+        matmul(
+            MatMut::strided(&mut dst[r.start * cols + c.start..], r.len(), c.len(), cols),
+            Write::Overwrite,
+            band_rows(a, d, r),
+            MatRef::strided(&bt[c.start..], d, c.len(), cols),
+            beta,
         );
     }
 }
@@ -466,6 +485,8 @@ struct Probabilities<'a, V> {
     lse: &'a [f32],
     s: &'a mut [f32],
     g: &'a mut [f32],
+    /// Only the bands' elements are read and written.
+    bands: &'a [Band],
 }
 
 impl<V: Variant> Elementwise for Probabilities<'_, V> {
@@ -483,27 +504,33 @@ impl<V: Variant> Elementwise for Probabilities<'_, V> {
             lse,
             s,
             g,
+            bands,
         } = self;
         let cols = s.len() / lse.len();
-        for (i, row) in s.chunks_exact_mut(cols).enumerate() {
-            let qi = q_lo + i as i32;
-            if !V::SCORE_IS_IDENTITY {
-                // d score/d s at the raw logit, then the score over it, in
-                // one loop so that what they share (softcap's `tanh`, say)
-                // is computed once.
-                let g = &mut g[i * cols..(i + 1) * cols];
-                for (j, (g, x)) in g.iter_mut().zip(row.iter_mut()).enumerate() {
-                    let kv = kv_lo + j as i32;
-                    *g = variant.score_grad(*x, b, h, qi, kv);
-                    *x = variant.score(*x, b, h, qi, kv);
+        for Band { rows: r, cols: c } in bands.iter().cloned() {
+            let kv_c = kv_lo + c.start as i32;
+            for i in r {
+                let qi = q_lo + i as i32;
+                let row = &mut s[i * cols + c.start..i * cols + c.end];
+                if !V::SCORE_IS_IDENTITY {
+                    // d score/d s at the raw logit, then the score over it,
+                    // in one loop so that what they share (softcap's `tanh`,
+                    // say) is computed once.
+                    let g = &mut g[i * cols + c.start..i * cols + c.end];
+                    for (j, (g, x)) in g.iter_mut().zip(row.iter_mut()).enumerate() {
+                        let kv = kv_c + j as i32;
+                        *g = variant.score_grad(*x, b, h, qi, kv);
+                        *x = variant.score(*x, b, h, qi, kv);
+                    }
                 }
-            }
-            apply_mask(variant, b, h, qi, kv_lo, class, row);
-            if lse[i] == f32::NEG_INFINITY {
-                // No visible key in this row: P = 0 (and `x − lse` would be NaN).
-                row.fill(0.0);
-            } else {
-                math::exp_sub(row, lse[i]);
+                apply_mask(variant, b, h, qi, kv_c, class, row);
+                if lse[i] == f32::NEG_INFINITY {
+                    // No visible key in this row: P = 0 (and `x − lse`
+                    // would be NaN).
+                    row.fill(0.0);
+                } else {
+                    math::exp_sub(row, lse[i]);
+                }
             }
         }
     }
@@ -517,6 +544,8 @@ struct ScoreGrads<'a, V> {
     /// The tile rows' `D_i`.
     delta: &'a [f32],
     dp: &'a mut [f32],
+    /// Only the bands' elements are read and written.
+    bands: &'a [Band],
     variant: PhantomData<V>,
 }
 
@@ -526,23 +555,29 @@ impl<V: Variant> Elementwise for ScoreGrads<'_, V> {
     #[inline(always)]
     fn run(self) {
         let Self {
-            p, g, delta, dp, ..
+            p,
+            g,
+            delta,
+            dp,
+            bands,
+            ..
         } = self;
         let cols = p.len() / delta.len();
-        let rows = dp.chunks_exact_mut(cols).zip(p.chunks_exact(cols));
-        for (i, (ds, p)) in rows.enumerate() {
-            let di = delta[i];
-            if V::SCORE_IS_IDENTITY {
-                for (ds, &p) in ds.iter_mut().zip(p) {
-                    *ds = p * (*ds - di);
-                }
-            } else {
-                // Hidden pairs (P = 0) stay exactly 0 whatever score_grad says
-                // about a logit that was never used.
-                let g = &g[i * cols..(i + 1) * cols];
-                for ((ds, &p), &g) in ds.iter_mut().zip(p).zip(g) {
-                    let v = p * (*ds - di) * g;
-                    *ds = if p == 0.0 { 0.0 } else { v };
+        for Band { rows: r, cols: c } in bands.iter().cloned() {
+            for i in r {
+                let at = i * cols + c.start..i * cols + c.end;
+                let (ds, p, di) = (&mut dp[at.clone()], &p[at.clone()], delta[i]);
+                if V::SCORE_IS_IDENTITY {
+                    for (ds, &p) in ds.iter_mut().zip(p) {
+                        *ds = p * (*ds - di);
+                    }
+                } else {
+                    // Hidden pairs (P = 0) stay exactly 0 whatever
+                    // score_grad says about a logit that was never used.
+                    for ((ds, &p), &g) in ds.iter_mut().zip(p).zip(&g[at.clone()]) {
+                        let v = p * (*ds - di) * g;
+                        *ds = if p == 0.0 { 0.0 } else { v };
+                    }
                 }
             }
         }

@@ -20,10 +20,10 @@
 //! argument is `≤ 0`.
 
 use super::gemm::{self, MatMut, MatRef, Write, matmul};
-use super::math::{self, LANES};
+use super::math;
 use super::simd::{self, Elementwise};
 use super::tile::CpuTiles;
-use super::{Axis, BAND_ROWS, Band, L2_BUDGET, Positions, mean_visits, tile_class};
+use super::{Axis, Band, L2_BUDGET, Positions, class_bands, mean_visits, tile_class};
 use crate::problem::Problem;
 use crate::variant::{TileClass, Variant};
 use rayon::prelude::*;
@@ -262,7 +262,15 @@ fn query_tiles<V: Variant>(
             // The bands of query rows and the keys each must compute: the
             // whole tile, or on a partial tile per `BAND_ROWS` rows the
             // chunks of keys that classification does not prove empty.
-            class_bands(head, class, (q_lo, kv0), (r.len(), cols), &mut sc.bands);
+            let (variant, b, h) = (head.variant, head.b, head.h);
+            class_bands(
+                variant,
+                (b, h),
+                class,
+                (q_lo, kv0),
+                (r.len(), cols),
+                &mut sc.bands,
+            );
             let s = &mut sc.s[..r.len() * cols];
             let kt_t = &head.kt[kv0 * d..(kv0 + cols) * d];
             for Band { rows: br, cols: c } in sc.bands.iter().filter(|b| !b.cols.is_empty()) {
@@ -349,7 +357,7 @@ struct OnlineSoftmax<'a, 'h, V> {
     /// The `rows × D` accumulator to rescale; `None` on the first visible
     /// tile, before anything has been accumulated.
     out: Option<&'a mut [f32]>,
-    /// The tile's bands (see `class_bands`): each row's logits are those of
+    /// The tile's bands (see [`class_bands`]): each row's logits are those of
     /// its band's keys; the rest of the row is neither read nor written.
     bands: &'a [Band],
 }
@@ -417,51 +425,6 @@ impl<V: Variant> Elementwise for OnlineSoftmax<'_, '_, V> {
                 l[i] = math::exp_sub_lanes(row, m[i], l[i]);
             }
         }
-    }
-}
-
-/// Fill `bands` with the bands of the tile of query rows at positions
-/// `q_lo ..` and `cols` keys from `kv0`: one band of the whole tile unless
-/// it is `Partial`, else one per [`BAND_ROWS`] rows, each with the keys from
-/// the first to the last `LANES`-wide chunk that `classify_tile` does not
-/// prove `Empty` for those rows (empty when it proves them all). Computing
-/// `S`, the softmax and `P V` only there is exact: every pair outside is
-/// hidden.
-///
-/// Why: a diagonal causal tile hides 3/8 of these chunks, and so does each
-/// edge tile of a sliding window, whose two partial tiles out of five per
-/// query tile would otherwise compute a whole tile each.
-fn class_bands<V: Variant>(
-    head: &Head<'_, V>,
-    class: TileClass,
-    (q_lo, kv0): (i32, usize),
-    (rows, cols): (usize, usize),
-    bands: &mut Vec<Band>,
-) {
-    bands.clear();
-    if class != TileClass::Partial {
-        bands.push(Band {
-            rows: 0..rows,
-            cols: 0..cols,
-        });
-        return;
-    }
-    for r0 in (0..rows).step_by(BAND_ROWS) {
-        let r1 = rows.min(r0 + BAND_ROWS);
-        let pos = (q_lo + r0 as i32, q_lo + r1 as i32 - 1);
-        let (mut lo, mut hi) = (cols, 0);
-        for c0 in (0..cols).step_by(LANES) {
-            let c1 = cols.min(c0 + LANES);
-            if tile_class(head.variant, head.b, head.h, pos, kv0 + c0, c1 - c0) != TileClass::Empty
-            {
-                lo = lo.min(c0);
-                hi = c1;
-            }
-        }
-        bands.push(Band {
-            rows: r0..r1,
-            cols: lo..hi.max(lo),
-        });
     }
 }
 

@@ -282,34 +282,39 @@ fn mean_visits<V: Variant>(variant: &V, p: &Problem, tiles: CpuTiles, axis: Axis
 /// to the keys its rows can see.
 ///
 /// A diagonal causal tile computed whole wastes half of its products, and so
-/// do both edge tiles of a sliding window. Cut into bands of 16 rows, the
-/// products cover only about 60% of the tile on a causal diagonal:
-/// - the forward computes `S`, its softmax and `P V` only on the 16-key
-///   chunks that classification does not prove empty for the band (see
-///   `forward::class_bands`);
-/// - the backward's products that read P or dS (`Pᵀ dO`, `dSᵀ Q`, `dS K`)
-///   cover the keys between each band's first and last nonzero
-///   probability ([`tile_bands`]), while those that make S and dP (`Q Kᵀ`,
-///   `dO Vᵀ`) stay whole, for fear of tile-kernel blocks of 16 or 32
-///   columns too narrow to keep its FMA units busy. The forward's trimmed
-///   `Q Kᵀ` measured 1.07–1.08× as fast on one thread (causal at S = 1024,
-///   sliding window at S = 4096), so the backward's may pay as well.
+/// do both edge tiles of a sliding window. Cut into bands of 16 rows, and
+/// each band's keys trimmed to the chunks classification does not prove
+/// empty ([`class_bands`]), the forward's and the backward's products and
+/// elementwise passes cover about 60% of a causal diagonal tile. Measured
+/// on the forward (`bench/ab_cpu.py`, one thread), against trimming only
+/// `P V` to each band's nonzero probabilities: 1.07× as fast for causal at
+/// S = 1024, 1.08× for a sliding window at S = 4096.
 const BAND_ROWS: usize = 16;
 
 /// Rows `rows` of a tile and the columns `cols` (relative to the tile)
-/// outside which their probabilities are all zero.
+/// outside which every pair of those rows is hidden.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Band {
     rows: std::ops::Range<usize>,
     cols: std::ops::Range<usize>,
 }
 
-/// Fill `bands` with the bands of a tile whose `rows × cols` probabilities
-/// are `p` (row-major): one band of the whole tile unless it is `Partial`,
-/// else one per [`BAND_ROWS`] rows, each with the narrowest column range
-/// outside which its rows' probabilities are zero (empty when all are).
-/// Trimming to them is exact: the terms skipped are `0 · x`.
-fn tile_bands(class: TileClass, p: &[f32], (rows, cols): (usize, usize), bands: &mut Vec<Band>) {
+/// Fill `bands` with the bands of the tile of query rows at positions
+/// `q_lo ..` and `cols` keys from `kv0`: one band of the whole tile unless
+/// it is `Partial`, else one per [`BAND_ROWS`] rows, each with the keys from
+/// the first to the last `LANES`-wide chunk that `classify_tile` does not
+/// prove `Empty` for those rows (empty when it proves them all). Computing
+/// a tile's products and elementwise passes only there is exact: every
+/// pair outside is hidden. (Chunks of `LANES` keys keep the softmax's lane
+/// sums aligned with the columns.)
+fn class_bands<V: Variant>(
+    variant: &V,
+    (b, h): (i32, i32),
+    class: TileClass,
+    (q_lo, kv0): (i32, usize),
+    (rows, cols): (usize, usize),
+    bands: &mut Vec<Band>,
+) {
     bands.clear();
     if class != TileClass::Partial {
         bands.push(Band {
@@ -320,38 +325,18 @@ fn tile_bands(class: TileClass, p: &[f32], (rows, cols): (usize, usize), bands: 
     }
     for r0 in (0..rows).step_by(BAND_ROWS) {
         let r1 = rows.min(r0 + BAND_ROWS);
-        let (lo, hi) = simd::dispatch(NonzeroColumns {
-            p: &p[r0 * cols..r1 * cols],
-            cols,
-        });
+        let pos = (q_lo + r0 as i32, q_lo + r1 as i32 - 1);
+        let (mut lo, mut hi) = (cols, 0);
+        for c0 in (0..cols).step_by(math::LANES) {
+            let c1 = cols.min(c0 + math::LANES);
+            if tile_class(variant, b, h, pos, kv0 + c0, c1 - c0) != TileClass::Empty {
+                lo = lo.min(c0);
+                hi = c1;
+            }
+        }
         bands.push(Band {
             rows: r0..r1,
             cols: lo..hi.max(lo),
         });
-    }
-}
-
-/// The first and one past the last column of the row-major `p` (rows of
-/// `cols`) holding a nonzero; `(cols, 0)` when there is none.
-struct NonzeroColumns<'a> {
-    p: &'a [f32],
-    cols: usize,
-}
-
-impl simd::Elementwise for NonzeroColumns<'_> {
-    type Output = (usize, usize);
-
-    #[inline(always)]
-    fn run(self) -> (usize, usize) {
-        let cols = self.cols as u32;
-        let (mut lo, mut hi) = (cols, 0u32);
-        for row in self.p.chunks_exact(self.cols) {
-            for (j, &x) in (0..cols).zip(row) {
-                let nz = x != 0.0;
-                lo = if nz { lo.min(j) } else { lo };
-                hi = if nz { hi.max(j + 1) } else { hi };
-            }
-        }
-        (lo as usize, hi as usize)
     }
 }

@@ -806,44 +806,50 @@ fn empty_tiles_and_chunks_are_skipped_and_full_tiles_unmasked() {
 }
 
 #[test]
-fn bands_hold_every_nonzero_probability_and_no_more() {
-    let mut rng = crate::testing::Rng::new(0xba4d, 1);
-    for (rows, cols) in [(1, 1), (16, 64), (17, 33), (64, 64), (70, 5), (5, 70)] {
-        for density in [0.0, 0.02, 0.3, 1.0] {
-            let p: Vec<f32> = (0..rows * cols)
-                .map(|_| {
-                    let keep = rng.uniform() <= density;
-                    if keep { rng.normal() as f32 } else { 0.0 }
-                })
-                .collect();
-            let mut bands = Vec::new();
-            tile_bands(TileClass::Full, &p, (rows, cols), &mut bands);
-            assert_eq!(
-                bands,
-                [Band {
-                    rows: 0..rows,
-                    cols: 0..cols
-                }]
-            );
-
-            tile_bands(TileClass::Partial, &p, (rows, cols), &mut bands);
-            // The bands partition the rows in order, BAND_ROWS at a time.
-            let starts: Vec<usize> = bands.iter().map(|b| b.rows.start).collect();
-            assert_eq!(starts, (0..rows).step_by(BAND_ROWS).collect::<Vec<_>>());
-            assert_eq!(bands.last().map(|b| b.rows.end), Some(rows));
-            for band in &bands {
-                assert!(band.rows.len() <= BAND_ROWS && band.cols.end <= cols);
-                let p = &p;
-                let nonzero: Vec<usize> = band
-                    .rows
-                    .clone()
-                    .flat_map(|i| (0..cols).filter(move |&j| p[i * cols + j] != 0.0))
-                    .collect();
-                // Tight: the first and last columns hold a nonzero, none lies
-                // outside; an all-zero band is empty.
-                match (nonzero.iter().min(), nonzero.iter().max()) {
-                    (Some(&lo), Some(&hi)) => assert_eq!(band.cols, lo..hi + 1),
-                    _ => assert!(band.cols.is_empty(), "{band:?}"),
+fn bands_hold_every_visible_pair_and_only_whole_chunks_beyond() {
+    // `SlidingWindow` classifies exactly, so each band's keys must be the
+    // hull of the LANES-wide chunks holding a visible pair.
+    for window in [1, 5, 37, 64, 300] {
+        let var = SlidingWindow { window };
+        for (rows, cols) in [(1, 1), (16, 64), (17, 33), (64, 64), (70, 5), (5, 70)] {
+            for q_lo in [-40, 0, 3, 29, 64, 100] {
+                for kv0 in [0usize, 7, 32, 64] {
+                    let pos = (q_lo, q_lo + rows as i32 - 1);
+                    let class = tile_class(&var, 0, 0, pos, kv0, cols);
+                    let mut bands = Vec::new();
+                    class_bands(&var, (0, 0), class, (q_lo, kv0), (rows, cols), &mut bands);
+                    if class != TileClass::Partial {
+                        let whole = Band {
+                            rows: 0..rows,
+                            cols: 0..cols,
+                        };
+                        assert_eq!(bands, [whole]);
+                        continue;
+                    }
+                    // The bands partition the rows in order, BAND_ROWS at a time.
+                    let starts: Vec<usize> = bands.iter().map(|b| b.rows.start).collect();
+                    assert_eq!(starts, (0..rows).step_by(BAND_ROWS).collect::<Vec<_>>());
+                    assert_eq!(bands.last().map(|b| b.rows.end), Some(rows));
+                    for band in &bands {
+                        let var = &var;
+                        let visible: Vec<usize> = band
+                            .rows
+                            .clone()
+                            .flat_map(|i| {
+                                let qi = q_lo + i as i32;
+                                (0..cols).filter(move |&j| var.mask(0, 0, qi, (kv0 + j) as i32))
+                            })
+                            .collect();
+                        let l = math::LANES;
+                        match (visible.iter().min(), visible.iter().max()) {
+                            (Some(&lo), Some(&hi)) => assert_eq!(
+                                band.cols,
+                                lo / l * l..((hi / l + 1) * l).min(cols),
+                                "window {window}, {rows}×{cols} at ({q_lo}, {kv0})"
+                            ),
+                            _ => assert!(band.cols.is_empty(), "{band:?}"),
+                        }
+                    }
                 }
             }
         }
