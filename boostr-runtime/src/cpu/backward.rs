@@ -15,8 +15,9 @@
 //!    - `dS = P ∘ (dP − D) ∘ score_grad(S)`,
 //!    - `dK += scale · dSᵀ Q`, `dQ += scale · dS K`;
 //!
-//!    on a `Partial` tile, `dV`, `dK` and `dQ` band by band over only the
-//!    keys with a nonzero probability (see `BAND_ROWS`).
+//!    on a `Partial` tile all of it band by band (16 rows), over only the
+//!    chunks of keys that classification does not prove empty for the band
+//!    (see `BAND_ROWS`).
 //! 3. dQ: the first chunk of each (batch, kv head) accumulates straight into
 //!    `dq`, each other chunk into a private partial buffer; the partials are
 //!    then added into `dq` in chunk order. The order of every floating-point

@@ -88,7 +88,7 @@ struct Scratch {
     alpha: Vec<f32>,
     /// The task's query tiles.
     q_tiles: Vec<QueryTile>,
-    /// The current tile pair's bands (see `tile_bands`).
+    /// The current tile pair's bands (see `class_bands`).
     bands: Vec<Band>,
 }
 
