@@ -46,11 +46,7 @@ impl<'a> MatRef<'a> {
     /// elements apart (a column block of a wider row-major matrix).
     #[inline]
     pub fn strided(data: &'a [f32], rows: usize, cols: usize, rs: usize) -> Self {
-        assert!(cols <= rs || rows <= 1, "rows overlap");
-        assert!(
-            rows == 0 || data.len() >= (rows - 1) * rs + cols,
-            "matrix view out of bounds"
-        );
+        check_strided(data.len(), rows, cols, rs);
         Self {
             data,
             rows,
@@ -71,6 +67,17 @@ impl<'a> MatRef<'a> {
             ..self
         }
     }
+}
+
+/// Panics unless `rows` rows of `cols` elements, `rs` apart, neither
+/// overlap nor reach past `len` elements.
+#[inline]
+fn check_strided(len: usize, rows: usize, cols: usize, rs: usize) {
+    assert!(cols <= rs || rows <= 1, "rows overlap");
+    assert!(
+        rows == 0 || len >= (rows - 1) * rs + cols,
+        "matrix view out of bounds"
+    );
 }
 
 /// A writable row-major `rows × cols` view at the start of a slice, rows
@@ -100,11 +107,7 @@ impl<'a> MatMut<'a> {
     /// elements apart (a column block of a wider row-major matrix).
     #[inline]
     pub fn strided(data: &'a mut [f32], rows: usize, cols: usize, rs: usize) -> Self {
-        assert!(cols <= rs || rows <= 1, "rows overlap");
-        assert!(
-            rows == 0 || data.len() >= (rows - 1) * rs + cols,
-            "matrix view out of bounds"
-        );
+        check_strided(data.len(), rows, cols, rs);
         Self {
             data,
             rows,
