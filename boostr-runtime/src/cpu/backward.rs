@@ -37,7 +37,8 @@ use super::math;
 use super::simd::{self, Elementwise};
 use super::tile::CpuTiles;
 use super::{
-    Axis, BackwardInputs, Band, L2_BUDGET, Positions, class_bands, mean_visits, tile_class,
+    Axis, BackwardInputs, Band, L2_BUDGET, Positions, band_products, class_bands, mean_visits,
+    tile_class,
 };
 use crate::problem::Problem;
 use crate::variant::{TileClass, Variant};
@@ -434,29 +435,6 @@ fn query_tile<V: Variant>(
             band_tile(ds, cols, r, c),
             band_rows(kv.k, d, c),
             scale,
-        );
-    }
-}
-
-/// `dst = beta · A Bᵀ` on each band of the `rows × cols` tile `dst`: the
-/// band's rows of `a` (rows of `d`) against its columns of `bt` (`Bᵀ`,
-/// `d × cols`). Elements outside the bands are not written.
-fn band_products(
-    dst: &mut [f32],
-    cols: usize,
-    bands: &[Band],
-    a: &[f32],
-    bt: &[f32],
-    d: usize,
-    beta: f32,
-) {
-    for Band { rows: r, cols: c } in bands.iter().filter(|b| !b.cols.is_empty()) {
-        matmul(
-            MatMut::strided(&mut dst[r.start * cols + c.start..], r.len(), c.len(), cols),
-            Write::Overwrite,
-            band_rows(a, d, r),
-            MatRef::strided(&bt[c.start..], d, c.len(), cols),
-            beta,
         );
     }
 }

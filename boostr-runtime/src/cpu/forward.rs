@@ -23,7 +23,9 @@ use super::gemm::{self, MatMut, MatRef, Write, matmul};
 use super::math;
 use super::simd::{self, Elementwise};
 use super::tile::CpuTiles;
-use super::{Axis, Band, L2_BUDGET, Positions, class_bands, mean_visits, tile_class};
+use super::{
+    Axis, Band, L2_BUDGET, Positions, band_products, class_bands, mean_visits, tile_class,
+};
 use crate::problem::Problem;
 use crate::variant::{TileClass, Variant};
 use rayon::prelude::*;
@@ -273,19 +275,15 @@ fn query_tiles<V: Variant>(
             );
             let s = &mut sc.s[..r.len() * cols];
             let kt_t = &head.kt[kv0 * d..(kv0 + cols) * d];
-            for Band { rows: br, cols: c } in sc.bands.iter().filter(|b| !b.cols.is_empty()) {
-                matmul(
-                    MatMut::strided(&mut s[br.start * cols + c.start..], br.len(), c.len(), cols),
-                    Write::Overwrite,
-                    MatRef::row_major(
-                        &q[(r.start + br.start) * d..(r.start + br.end) * d],
-                        br.len(),
-                        d,
-                    ),
-                    MatRef::strided(&kt_t[c.start..], d, c.len(), cols),
-                    scale,
-                );
-            }
+            band_products(
+                s,
+                cols,
+                &sc.bands,
+                &q[r.start * d..r.end * d],
+                kt_t,
+                d,
+                scale,
+            );
             let out_t = &mut out[r.start * d..r.end * d];
             simd::dispatch(OnlineSoftmax {
                 head,

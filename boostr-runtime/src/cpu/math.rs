@@ -24,7 +24,7 @@
 /// `add`/`max` chain without spilling on SSE.
 pub const LANES: usize = 16;
 
-/// One partial sum per lane (see [`exp_sub_acc`]).
+/// One partial sum per lane (see [`exp_sub_lanes`]).
 pub type Lanes = [f32; LANES];
 
 /// [`exp_softmax`] is exactly `0.0` below this, `−64·ln 2`: probabilities
@@ -325,25 +325,17 @@ fn max2(a: f32, b: f32) -> f32 {
 /// pairs) become exactly `0`, as does anything below `e^SOFTMAX_FLUSH`.
 #[inline(always)]
 pub fn exp_sub_sum(xs: &mut [f32], shift: f32) -> f32 {
-    let mut acc = [0.0; LANES];
-    exp_sub_acc(xs, shift, &mut acc);
-    sum_lanes(&acc)
+    sum_lanes(&exp_sub_lanes(xs, shift, [0.0; LANES]))
 }
 
-/// [`exp_sub_sum`] without the final reduction: adds the new values into
-/// the lane sums `acc` (element `j` of `xs` into lane `j % LANES`), so that
-/// a running softmax denominator can stay in lanes across key tiles and be
-/// reduced once per row ([`sum_lanes`]) instead of once per tile. Same
-/// preconditions as [`exp_sub_sum`].
-#[inline(always)]
-pub fn exp_sub_acc(xs: &mut [f32], shift: f32, acc: &mut Lanes) {
-    *acc = exp_sub_lanes(xs, shift, *acc);
-}
-
-/// [`exp_sub_acc`] by value: returns `sums` plus the new values. (The
-/// sums go in and out by value so that they stay in one register across
-/// the row: through a reference, LLVM kept them on the stack once the row
-/// started at an offset known only at run time.)
+/// [`exp_sub_sum`] without the final reduction: returns the lane sums
+/// `sums` plus the new values (element `j` of `xs` into lane `j % LANES`),
+/// so that a running softmax denominator can stay in lanes across key tiles
+/// and be reduced once per row ([`sum_lanes`]) instead of once per tile.
+/// Same preconditions as [`exp_sub_sum`]. (The sums go in and out by value
+/// so that they stay in one register across the row: through a reference,
+/// LLVM kept them on the stack once the row started at an offset known
+/// only at run time.)
 #[inline(always)]
 pub fn exp_sub_lanes(xs: &mut [f32], shift: f32, mut sums: Lanes) -> Lanes {
     let (chunks, tail) = xs.as_chunks_mut::<LANES>();

@@ -340,3 +340,26 @@ fn class_bands<V: Variant>(
         });
     }
 }
+
+/// `dst = beta · A Bᵀ` on each band of the `rows × cols` tile `dst`: the
+/// band's rows of `a` (rows of `d`) against its columns of `bt` (`Bᵀ`,
+/// `d × cols`). Elements outside the bands are not written.
+fn band_products(
+    dst: &mut [f32],
+    cols: usize,
+    bands: &[Band],
+    a: &[f32],
+    bt: &[f32],
+    d: usize,
+    beta: f32,
+) {
+    for Band { rows: r, cols: c } in bands.iter().filter(|b| !b.cols.is_empty()) {
+        gemm::matmul(
+            gemm::MatMut::strided(&mut dst[r.start * cols + c.start..], r.len(), c.len(), cols),
+            gemm::Write::Overwrite,
+            gemm::MatRef::row_major(&a[r.start * d..r.end * d], r.len(), d),
+            gemm::MatRef::strided(&bt[c.start..], d, c.len(), cols),
+            beta,
+        );
+    }
+}
