@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ["gemm", "plain", "custom", "bf16", "mem"]
@@ -201,9 +202,24 @@ class Torch:
         self.flex_error = None
         if flex:
             try:
+                import torch._dynamo
                 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
                 self.create_block_mask = create_block_mask
-                self.flex = torch.compile(flex_attention)
+                # Every cell brings new score and mask functions, so every
+                # cell compiles anew. Past dynamo's recompile limit (8 by
+                # default) flex_attention would silently run eagerly, an
+                # unfused implementation that materialises the scores; so
+                # raise the limit, and make that fallback an error (see
+                # `flex_fn`) rather than a slow number. `dynamic=False`:
+                # one kernel specialised to each shape, as for boostr.
+                config = torch._dynamo.config
+                for name in ("recompile_limit", "cache_size_limit"):
+                    if hasattr(config, name):
+                        setattr(config, name, 4096)
+                if hasattr(config, "accumulated_recompile_limit"):
+                    config.accumulated_recompile_limit = 1 << 16
+                warnings.filterwarnings("error", message=".*flex_attention called without torch.compile")
+                self.flex = torch.compile(flex_attention, dynamic=False)
             except Exception as e:  # older torch: report and go on without it
                 self.flex_error = f"{type(e).__name__}: {e}"
 
@@ -259,6 +275,9 @@ class Torch:
         def run():
             with t.no_grad():
                 self.flex(q, k, v, score_mod=score, block_mask=block, enable_gqa=gqa)
+        # Compile now, where a failure (or the eager fallback's warning,
+        # an error here) leaves the cell without flex instead of ending the run.
+        run()
         return run
 
 
