@@ -1,7 +1,9 @@
 //! Quote a compiled variant: the struct, its `Variant` impl and its tests.
 
 use kernels_spec::emit::cpu::{Float, RustEmitter};
-use kernels_spec::ir::{Function, Program, Ty};
+use kernels_spec::emit::gpu_lowerings;
+use kernels_spec::ir::{Function, Program};
+use kernels_spec::params::Encoding;
 use kernels_spec::{Compiled, compile, explain};
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
@@ -9,12 +11,6 @@ use quote::{format_ident, quote};
 pub fn expand(attr: TokenStream, item: syn::ItemStruct) -> TokenStream {
     match compile(attr, &item) {
         Ok(compiled) => {
-            // The CUDA kernels take the parameters as a fixed-size struct.
-            if let Err(message) = kernels_spec::emit::cuda::lower::check_params(&compiled.program) {
-                let error = syn::Error::new_spanned(&item.ident, message).to_compile_error();
-                let stub = stub_impl(&item);
-                return quote!(#error #item #stub);
-            }
             // A debug switch: print every stage while compiling.
             if std::env::var_os("BOOSTR_DUMP").is_some() {
                 eprintln!("{}", explain(&compiled.program));
@@ -71,18 +67,24 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
         None => quote!(::core::option::Option::None),
     };
     let (tile_q, tile_kv) = (some(program.tile.0), some(program.tile.1));
-    let wgsl = kernels_spec::emit::wgsl::variant_functions(program);
-    let cuda = kernels_spec::emit::cuda::variant_functions(program);
-    let words = program.params.iter().map(|p| {
-        let name = format_ident!("{}", p.name);
-        match p.ty {
-            Ty::F32 => quote!(f32::to_bits(self.#name)),
-            Ty::I32 => quote!(self.#name as u32),
-            Ty::U32 => quote!(self.#name),
-            Ty::Bool => quote!(u32::from(self.#name)),
-        }
+    let lowerings = gpu_lowerings(program).into_iter().map(|(target, section)| {
+        let target = format_ident!("{}", format!("{target:?}"));
+        quote!(::boostr_runtime::Lowering {
+            target: ::boostr_runtime::Target::#target,
+            section: #section,
+        })
     });
-    let n_words = program.params.len().max(1).next_multiple_of(4);
+    let words = program.layout.slots().iter().map(|slot| {
+        let name = format_ident!("{}", slot.name);
+        let word = slot.word;
+        let value = match slot.encoding() {
+            Encoding::F32Bits => quote!(f32::to_bits(self.#name)),
+            Encoding::I32Bits => quote!(self.#name as u32),
+            Encoding::U32 => quote!(self.#name),
+            Encoding::Bool => quote!(u32::from(self.#name)),
+        };
+        quote!(words.0[#word] = #value;)
+    });
     quote! {
         impl #impl_generics ::boostr_runtime::Variant for #ident #ty_generics #where_clause {
             const NAME: &'static str = #name;
@@ -96,28 +98,22 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
             #[inline]
             #[allow(unused_parens, unused_braces, clippy::all)]
             fn classify_tile(&self, #(#classify_params),*) -> ::boostr_runtime::TileClass {
-                match #classify_body {
-                    0i32 => ::boostr_runtime::TileClass::Empty,
-                    2i32 => ::boostr_runtime::TileClass::Full,
-                    _ => ::boostr_runtime::TileClass::Partial,
-                }
+                ::boostr_runtime::TileClass::from_code(#classify_body)
             }
             #score_f64
             #score_grad_f64
             #mask_f64
             fn compiled() -> ::boostr_runtime::CompiledStages {
-                ::boostr_runtime::CompiledStages { name: #name, text: #text }
+                ::boostr_runtime::CompiledStages {
+                    name: #name,
+                    text: #text,
+                    lowerings: &[#(#lowerings),*],
+                }
             }
-            fn wgsl_variant_functions() -> ::core::option::Option<&'static str> {
-                ::core::option::Option::Some(#wgsl)
-            }
-            fn cuda_variant_functions() -> ::core::option::Option<&'static str> {
-                ::core::option::Option::Some(#cuda)
-            }
-            #[allow(clippy::all)]
-            fn wgsl_params(&self) -> ::std::vec::Vec<u32> {
-                let mut words = ::std::vec![#(#words),*];
-                words.resize(#n_words, 0u32);
+            #[allow(unused_mut, clippy::all)]
+            fn param_words(&self) -> ::boostr_runtime::ParamWords {
+                let mut words = ::boostr_runtime::ParamWords::ZERO;
+                #(#words)*
                 words
             }
         }

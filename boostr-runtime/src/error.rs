@@ -1,6 +1,7 @@
 //! Errors of the attention ops. Every variant names the rule that was broken
 //! and the values that broke it.
 
+use kernels_spec::emit::{Target, TilingError};
 use numr::dtype::DType;
 
 /// Result of a boostr attention call.
@@ -92,9 +93,70 @@ pub enum Error {
     /// `scale` is not a finite number.
     #[error("scale must be finite, got {0}")]
     Scale(f32),
+    /// A GPU backend could not build or launch a kernel.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
     /// An error from numr (allocation, device).
     #[error(transparent)]
     Numr(#[from] numr::error::Error),
+}
+
+/// Why a GPU backend could not build or launch a kernel. `Clone`, so a
+/// kernel cache keeps a failed build as its error and every caller gets it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BackendError {
+    /// The variant has no lowering for the target: a hand-written
+    /// [`Variant`](crate::Variant) impl runs on the CPU only.
+    #[error(
+        "variant `{variant}` has no {target} lowering; only variants declared with \
+         #[attention] run on the GPU targets"
+    )]
+    NoLowering {
+        /// The variant.
+        variant: &'static str,
+        /// The target.
+        target: Target,
+    },
+    /// No tile configuration of the target fits this head dim and dtype.
+    #[error("{target}: head dim {head_dim} ({dtype:?}) has no tiling: {error}")]
+    Tiling {
+        /// The target.
+        target: Target,
+        /// The head dim.
+        head_dim: usize,
+        /// The element type.
+        dtype: DType,
+        /// The rule the defaults break.
+        error: TilingError,
+    },
+    /// The target's compiler refused a generated source.
+    #[error("{target}: {source_name} failed to compile:\n{log}")]
+    Compile {
+        /// The target.
+        target: Target,
+        /// The source's name (variant, kernels, head dim, dtype).
+        source_name: String,
+        /// What the compiler said.
+        log: String,
+    },
+    /// A kernel could not be launched.
+    #[error("{target}: launching {kernel}: {reason}")]
+    Launch {
+        /// The target.
+        target: Target,
+        /// The kernel's entry point.
+        kernel: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// The device cannot run the target's kernels.
+    #[error("{target}: {reason}")]
+    Device {
+        /// The target.
+        target: Target,
+        /// Why.
+        reason: String,
+    },
 }
 
 impl From<Error> for numr::error::Error {

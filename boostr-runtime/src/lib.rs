@@ -43,6 +43,8 @@ pub mod cpu;
 mod cuda;
 mod error;
 mod flash;
+#[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+mod gpu;
 mod op;
 mod problem;
 pub mod stock;
@@ -54,11 +56,13 @@ mod wgpu;
 
 pub use backend::AttentionRuntime;
 pub use boostr_macros::attention;
-pub use error::{Error, Result};
+pub use error::{BackendError, Error, Result};
 pub use flash::var_flash_attention;
+pub use kernels_spec::emit::Target;
+pub use kernels_spec::params::ParamWords;
 pub use op::{AttentionOptions, attention_bwd, attention_fwd, var_attention};
 pub use problem::Problem;
-pub use variant::{CompiledStages, TileClass, Variant};
+pub use variant::{CompiledStages, Lowering, TileClass, Variant};
 
 /// One module of generated tests: every instance checked on one backend.
 #[doc(hidden)]

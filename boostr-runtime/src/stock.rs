@@ -102,3 +102,24 @@ pub struct FlashMask {
     /// When positive, keys with `q - kv >= window` are hidden.
     pub window: i32,
 }
+
+/// Calls `$callback!` with the name of every stock variant, so that code
+/// which enumerates them (tests, tools) lists them from here:
+/// `boostr_runtime::stock_variants!(my_macro)` expands to
+/// `my_macro!(Full, Causal, ...)`, each name a type of this module.
+#[macro_export]
+macro_rules! stock_variants {
+    ($callback:ident) => {
+        $callback!(
+            Full,
+            Causal,
+            SlidingWindow,
+            CausalSlidingWindow,
+            Alibi,
+            Softcap,
+            CausalSoftcap,
+            PrefixLm,
+            FlashMask,
+        )
+    };
+}

@@ -4,23 +4,15 @@
 //! is generated from the variant's checked IR, so the kernels of each target
 //! see the same score, mask, derivative and tile classifier.
 
+use crate::error::BackendError;
+use kernels_spec::emit::Target;
+pub use kernels_spec::ir::TileClass;
+use kernels_spec::params::ParamWords;
 use std::fmt::Debug;
 
-/// What a tile's mask is known to be over a whole (query range × key range).
-///
-/// Produced by interval analysis of the mask: `Empty` and `Full` are proofs,
-/// `Partial` means "evaluate the mask per element" (it is always safe).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum TileClass {
-    /// No (query, key) pair in the tile is visible: the tile is skipped.
-    Empty,
-    /// Some pairs may be visible: the mask is evaluated per element.
-    Partial,
-    /// Every pair is visible: the mask is not evaluated.
-    Full,
-}
-
-/// The stages of compilation of one variant, as text, for inspection.
+/// What the compiler made of one variant: every stage as text, for people,
+/// and the variant section of each GPU target, which that target's runtime
+/// assembles its kernels around.
 #[derive(Clone, Copy, Debug)]
 pub struct CompiledStages {
     /// The variant's name.
@@ -28,6 +20,43 @@ pub struct CompiledStages {
     /// A printout of every stage: IR, derivative, tile classifier, and the
     /// source emitted for each target.
     pub text: &'static str,
+    /// The lowered variant section of each GPU target it was lowered to.
+    pub lowerings: &'static [Lowering],
+}
+
+/// One GPU target's lowering of a variant: its helpers, parameter block
+/// struct and the four variant functions, in the target's language
+/// (`kernels_spec::emit::gpu::variant_section`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lowering {
+    /// The target.
+    pub target: Target,
+    /// The section's text.
+    pub section: &'static str,
+}
+
+impl CompiledStages {
+    /// The stages of a variant implemented by hand: no text, no lowering
+    /// (it runs on the CPU only).
+    pub const fn hand_written(name: &'static str) -> CompiledStages {
+        CompiledStages {
+            name,
+            text: "",
+            lowerings: &[],
+        }
+    }
+
+    /// The variant section for `target`, or [`BackendError::NoLowering`].
+    pub fn lowering(&self, target: Target) -> Result<&'static str, BackendError> {
+        self.lowerings
+            .iter()
+            .find(|l| l.target == target)
+            .map(|l| l.section)
+            .ok_or(BackendError::NoLowering {
+                variant: self.name,
+                target,
+            })
+    }
 }
 
 /// An attention variant: a score modification and a mask over
@@ -77,32 +106,15 @@ pub trait Variant: Clone + Debug + Send + Sync + 'static {
     /// `mask` evaluated with f64 arithmetic, for the reference implementation.
     fn mask_f64(&self, b: i32, h: i32, q: i32, kv: i32) -> bool;
 
-    /// What the compiler made of this variant, stage by stage.
+    /// What the compiler made of this variant: its stages, and its
+    /// lowering for each GPU target (none for a hand-written impl, which
+    /// the GPU backends then refuse with [`BackendError::NoLowering`]).
     fn compiled() -> CompiledStages;
 
-    /// The WGSL variant section (helpers, the `Params` uniform and the four
-    /// lowered variant functions) that the WGSL kernels are assembled around,
-    /// or `None` when the variant has no WGSL lowering (a hand-written impl):
-    /// the wgpu backend then returns an error.
-    fn wgsl_variant_functions() -> Option<&'static str> {
-        None
-    }
-
-    /// The CUDA variant section (helpers, the `Params` struct and the four
-    /// lowered `__device__` variant functions) that the CUDA kernel sources
-    /// are assembled around (`kernels_spec::emit::cuda::forward_source` and
-    /// `backward_source`), or `None` when the variant has no CUDA lowering (a
-    /// hand-written impl): the CUDA backend then returns an error. The
-    /// kernels take the `Params` struct by value: the words of
-    /// [`wgsl_params`](Variant::wgsl_params) zero-padded to 32.
-    fn cuda_variant_functions() -> Option<&'static str> {
-        None
-    }
-
-    /// The contents of the WGSL `Params` uniform: one 32-bit word per field
-    /// in declaration order (f32 as its bits, i32/u32 as their bits, bool as
-    /// 0/1), zero-padded to a non-empty multiple of four words.
-    fn wgsl_params(&self) -> Vec<u32> {
-        vec![0; 4]
+    /// The parameter block every GPU kernel takes: the fields encoded by the
+    /// layout the compiler chose (`kernels_spec::params::ParamLayout`).
+    /// Without fields, or without a GPU lowering, all zeros.
+    fn param_words(&self) -> ParamWords {
+        ParamWords::ZERO
     }
 }

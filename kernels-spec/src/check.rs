@@ -11,6 +11,7 @@ use crate::diag::Diagnostics;
 use crate::ir::{
     Arg, BinOp, Builtin, Const, Domain, Expr, ExprKind, Function, Local, ParamDecl, Ty, UnOp,
 };
+use crate::params::ParamLayout;
 use crate::parse::scalar_of;
 use proc_macro2::Span;
 use quote::ToTokens;
@@ -20,6 +21,8 @@ use quote::ToTokens;
 pub struct Checked {
     /// Parameters in field order.
     pub params: Vec<ParamDecl>,
+    /// Where they travel in the kernels' parameter block.
+    pub layout: ParamLayout,
     /// The score function, if declared.
     pub score: Option<Function>,
     /// The mask function, if declared.
@@ -49,6 +52,16 @@ pub fn check(spec: &ast::Spec, diags: &mut Diagnostics) -> Checked {
             ty: ty.unwrap_or(Ty::F32),
         });
     }
+    // The fixed-size block every GPU kernel takes: the first field that
+    // does not fit is the error.
+    let layout = ParamLayout::new(&params).unwrap_or_else(|overflow| {
+        let field = &spec.params[overflow.field].name;
+        diags.error_spanned(
+            field,
+            format!("parameter `{field}` does not fit: {overflow}"),
+        );
+        ParamLayout::default()
+    });
     let score = spec.score.as_ref().and_then(|c| {
         let args = [Arg::S, Arg::B, Arg::H, Arg::Q, Arg::Kv];
         Checker::new(&params, &param_ok, c, &args, diags).function("score", Ty::F32)
@@ -59,6 +72,7 @@ pub fn check(spec: &ast::Spec, diags: &mut Diagnostics) -> Checked {
     });
     Checked {
         params,
+        layout,
         score,
         mask,
     }

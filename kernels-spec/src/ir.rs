@@ -13,6 +13,7 @@
 //! NaN → 0; int ↔ int casts keep the bits; `&&`/`||` have no side effects to
 //! short-circuit, so either evaluation order gives the same value.
 
+use crate::params::ParamLayout;
 use std::fmt;
 
 /// A scalar type.
@@ -443,14 +444,55 @@ pub struct ParamDecl {
     pub ty: Ty,
 }
 
-/// Tile classes returned by [`Program::classify`], as `i32` codes.
-pub mod tile_class {
-    /// No pair in the tile is visible.
-    pub const EMPTY: i32 = 0;
-    /// Some pairs may be visible: evaluate the mask per element.
-    pub const PARTIAL: i32 = 1;
-    /// Every pair is visible.
-    pub const FULL: i32 = 2;
+/// What a tile's mask is known to be over a whole (query range × key range),
+/// as the classifier ([`Program::classify`]) returns it, by its
+/// [`code`](TileClass::code).
+///
+/// Produced by interval analysis of the mask: `Empty` and `Full` are proofs,
+/// `Partial` means "evaluate the mask per element" (it is always safe).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TileClass {
+    /// No (query, key) pair in the tile is visible: the tile is skipped.
+    Empty,
+    /// Some pairs may be visible: the mask is evaluated per element.
+    Partial,
+    /// Every pair is visible: the mask is not evaluated.
+    Full,
+}
+
+impl TileClass {
+    /// Every class, in code order.
+    pub const ALL: [TileClass; 3] = [TileClass::Empty, TileClass::Partial, TileClass::Full];
+
+    /// The `i32` a classifier returns for this class, on every target.
+    #[inline]
+    pub const fn code(self) -> i32 {
+        match self {
+            TileClass::Empty => 0,
+            TileClass::Partial => 1,
+            TileClass::Full => 2,
+        }
+    }
+
+    /// The class of a classifier's result; anything but the codes of
+    /// `Empty` and `Full` is `Partial` (always safe).
+    pub const fn from_code(code: i32) -> TileClass {
+        match code {
+            0 => TileClass::Empty,
+            2 => TileClass::Full,
+            _ => TileClass::Partial,
+        }
+    }
+
+    /// The name of the constant that kernel templates compare a class code
+    /// with (`TILE_EMPTY`, ...), declared by each target from [`code`](Self::code).
+    pub const fn constant(self) -> &'static str {
+        match self {
+            TileClass::Empty => "TILE_EMPTY",
+            TileClass::Partial => "TILE_PARTIAL",
+            TileClass::Full => "TILE_FULL",
+        }
+    }
 }
 
 /// A compiled variant: everything the emitters need.
@@ -458,15 +500,18 @@ pub mod tile_class {
 pub struct Program {
     /// The variant's name.
     pub name: String,
-    /// Its parameters, in field order.
+    /// Its parameters, in field order ([`ExprKind::Param`] indexes them).
     pub params: Vec<ParamDecl>,
+    /// Where each parameter travels in the kernels' parameter block
+    /// (`layout.slots()[i]` places `params[i]`).
+    pub layout: ParamLayout,
     /// `score(s, b, h, q, kv) -> f32`.
     pub score: Function,
     /// `score_grad(s, b, h, q, kv) -> f32`: d score / d s.
     pub score_grad: Function,
     /// `mask(b, h, q, kv) -> bool`.
     pub mask: Function,
-    /// `classify(b, h, q_lo, q_hi, kv_lo, kv_hi) -> i32`, see [`tile_class`].
+    /// `classify(b, h, q_lo, q_hi, kv_lo, kv_hi) -> i32`, a [`TileClass`] code.
     pub classify: Function,
     /// `score` is the identity (it was not given, or is `|s, ..| s`).
     pub score_is_identity: bool,

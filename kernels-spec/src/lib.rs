@@ -22,6 +22,7 @@ pub mod diag;
 pub mod emit;
 pub mod eval;
 pub mod ir;
+pub mod params;
 pub mod parse;
 pub mod print;
 pub mod symbol;
@@ -96,13 +97,23 @@ pub fn explain(program: &ir::Program) -> String {
         out.push_str(&quote::quote!(fn #name(&self, #(#params),*) -> #ret #body).to_string());
         out.push_str("\n\n");
     }
-    out.push_str("== target: wgsl (variant functions) ==\n");
-    out.push_str(&emit::wgsl::variant_functions(program));
-    out.push_str("== target: cuda (variant functions) ==\n");
-    if let Err(e) = emit::cuda::lower::check_params(program) {
-        out.push_str(&format!("// {e}\n"));
-    } else {
-        out.push_str(&emit::cuda::variant_functions(program));
+    for (target, section) in emit::gpu_lowerings(program) {
+        out.push_str(&format!("== target: {target} (variant section) ==\n"));
+        out.push_str(&section);
+    }
+    out.push_str("== kernel interfaces ==\n");
+    for kernel in emit::cuda::kernels::FORWARD_MODULE
+        .interfaces()
+        .chain(emit::cuda::kernels::BACKWARD_MODULE.interfaces())
+    {
+        out.push_str(&format!("cuda {kernel}\n"));
+    }
+    for module in [
+        &emit::wgsl::kernels::FORWARD,
+        &emit::wgsl::kernels::BACKWARD_DQ,
+        &emit::wgsl::kernels::BACKWARD_DKDV,
+    ] {
+        out.push_str(&format!("wgsl {module}\n"));
     }
     out
 }

@@ -2,7 +2,7 @@
 //! was derived from, the symbolic derivative against finite differences.
 
 use kernels_spec::eval::{Value, call};
-use kernels_spec::ir::{ExprKind, Program, tile_class};
+use kernels_spec::ir::{ExprKind, Program, TileClass};
 use kernels_spec::{compile_str, print};
 
 fn program(source: &str) -> Program {
@@ -31,9 +31,9 @@ fn brute_class(
         }
     }
     match (any, all) {
-        (false, _) => tile_class::EMPTY,
-        (true, true) => tile_class::FULL,
-        _ => tile_class::PARTIAL,
+        (false, _) => TileClass::Empty.code(),
+        (true, true) => TileClass::Full.code(),
+        _ => TileClass::Partial.code(),
     }
 }
 
@@ -67,7 +67,7 @@ fn check_classifier(source: &str, params: &[Value], exact: bool) -> usize {
                 for (b, h) in [(0, 0), (1, 3)] {
                     let want = brute_class(&p, params, b, h, q, kv);
                     let got = classify(&p, params, b, h, q, kv);
-                    let sound = got == want || got == tile_class::PARTIAL;
+                    let sound = got == want || got == TileClass::Partial.code();
                     assert!(
                         sound,
                         "{source} {params:?}: tile q {q:?} kv {kv:?} is {want}, classifier says {got}\n{}",
@@ -81,7 +81,7 @@ fn check_classifier(source: &str, params: &[Value], exact: bool) -> usize {
                             print::function(&p, &p.classify)
                         );
                     }
-                    partial += usize::from(want == tile_class::PARTIAL);
+                    partial += usize::from(want == TileClass::Partial.code());
                 }
             }
         }
@@ -163,11 +163,11 @@ fn masks_the_analysis_cannot_bound_stay_sound() {
     // This tile is entirely visible, but the analysis cannot prove it.
     assert_eq!(
         brute_class(&p, &[], 0, 0, (100, 103), (0, 3)),
-        tile_class::FULL
+        TileClass::Full.code()
     );
     assert_eq!(
         classify(&p, &[], 0, 0, (100, 103), (0, 3)),
-        tile_class::PARTIAL
+        TileClass::Partial.code()
     );
 
     // A checkerboard is partial on every tile larger than one pair.
@@ -217,7 +217,7 @@ fn no_mask_means_every_tile_is_full() {
     assert!(!p.has_mask);
     assert_eq!(
         p.classify.body.as_const(),
-        Some(kernels_spec::ir::Const::Int(tile_class::FULL.into()))
+        Some(kernels_spec::ir::Const::Int(TileClass::Full.code().into()))
     );
 }
 

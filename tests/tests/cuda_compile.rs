@@ -9,7 +9,7 @@
 //! The default matrix keeps the test near a minute on two cores (one NVRTC
 //! compilation takes 0.3–1.3 s). The variant functions are the same code in
 //! every configuration, and the kernels differ per (dtype, head dim), so:
-//! every variant (the stock ones and three declared here), forward and
+//! every variant (the stock ones and the three test fixtures), forward and
 //! backward, at one (dtype, head dim) each, cycling so that every dtype meets
 //! every head dim across the variants; and the variant that uses every
 //! language feature at every dtype × head dim 40, 64, 128 (compute_90 →
@@ -19,112 +19,40 @@
 //! A second test runs the kernels on a host emulation against the f64
 //! reference (needs a C++20 compiler: `BOOSTR_CXX`, or `c++`/`g++` on PATH).
 
-use boostr_runtime::stock::{
-    Alibi, Causal, CausalSlidingWindow, CausalSoftcap, FlashMask, Full, PrefixLm, SlidingWindow,
-    Softcap,
-};
+mod fixtures;
+
+use boostr_runtime::stock::{Causal, CausalSlidingWindow, PrefixLm, SlidingWindow, Softcap};
 use boostr_runtime::testing::{Rng, reference_backward, reference_forward};
-use boostr_runtime::{Problem, Variant, attention};
+use boostr_runtime::{ParamWords, Problem, Target, Variant};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
-use kernels_spec::emit::cuda::{
-    self, CudaDType, CudaTiles, DELTA_KERNEL, DKDV_KERNEL, DQ_KERNEL, FORWARD_KERNEL, PARAM_WORDS,
-    kernels,
-};
+use fixtures::{Declared, Everything, ThirtyTwoWords, declared};
+use kernels_spec::emit::choose_tiles;
+use kernels_spec::emit::cuda::interface::{Kernel, Module};
+use kernels_spec::emit::cuda::{CudaDType, CudaTiles, kernels, source};
+use kernels_spec::emit::interface::{Arg, Elem, Scalar};
+use kernels_spec::params::PARAM_WORDS;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// Every construct of the language (as in `ui/pass_full_language.rs`).
-#[attention(
-    score = |s, b, h, q, kv| {
-        let cap: f32 = self.cap;
-        let t = cap * tanh(s / cap);
-        let dist = abs(q - kv) as f32;
-        let bias = if self.alibi { -self.slope * (h + 1) as f32 * dist } else { 0.0 };
-        let smooth = log(1.0 + exp(t)) - log2(1.0 + exp2(-abs(t)));
-        let gate = sigmoid(sqrt(1.0 + t * t)) * floor(s) - ceil(s) * 0.0;
-        let lo = min(b, 0) as f32;
-        max(clamp(t + bias + 0.5 * smooth + gate * 0.0, -cap, cap), lo - cap)
-    },
-    mask = |_b, _h, q, kv| {
-        let window = self.window as i32;
-        let causal = if self.causal { kv <= q } else { true };
-        causal && (q - kv < window || self.window == 0u32) && !(kv < 0)
-    },
-    tile(q = 32, kv = 64),
-)]
-#[derive(Clone, Debug)]
-struct Everything {
-    cap: f32,
-    slope: f32,
-    window: u32,
-    causal: bool,
-    alibi: bool,
+/// The variant's CUDA section.
+fn section(d: &Declared) -> &'static str {
+    d.compiled
+        .lowering(Target::Cuda)
+        .expect("a declared variant has a CUDA lowering")
 }
 
-/// Integer corner cases: division and remainder by parameters (possibly 0
-/// or -1), u32 arithmetic, casts both ways, a document mask.
-#[attention(
-    score = |s, _b, h, q, kv| s + ((q / self.div) % 3) as f32 * 0.5 - ((kv as u32) % self.m) as f32 + (h as f32) * self.f,
-    mask = |_b, _h, q, kv| (q / self.doc == kv / self.doc) && (((q - kv) as f32) * self.f) as i32 >= -1000,
-)]
-#[derive(Clone, Debug)]
-struct Integers {
-    div: i32,
-    m: u32,
-    f: f32,
-    doc: i32,
-}
-
-/// Exactly [`PARAM_WORDS`] parameter words: `Params` has no padding.
-#[attention(mask = |_b, _h, q, kv| kv <= q + self.w0 - self.w31 && kv >= self.w16)]
-#[derive(Clone, Debug)]
-#[rustfmt::skip]
-struct ThirtyTwoWords {
-    w0: i32, w1: i32, w2: i32, w3: i32, w4: i32, w5: i32, w6: i32, w7: i32,
-    w8: i32, w9: i32, w10: i32, w11: i32, w12: i32, w13: i32, w14: i32, w15: i32,
-    w16: i32, w17: i32, w18: i32, w19: i32, w20: i32, w21: i32, w22: i32, w23: i32,
-    w24: i32, w25: i32, w26: i32, w27: i32, w28: i32, w29: i32, w30: i32, w31: i32,
-}
-
-/// A variant's name, CUDA section and tile override.
-struct Spec {
-    name: &'static str,
-    functions: &'static str,
-    tile: (Option<u32>, Option<u32>),
-}
-
-fn spec<V: Variant>() -> Spec {
-    Spec {
-        name: V::NAME,
-        functions: V::cuda_variant_functions().expect("a macro-declared variant has CUDA"),
-        tile: (V::TILE_Q, V::TILE_KV),
-    }
-}
-
-fn variants() -> Vec<Spec> {
-    vec![
-        spec::<Full>(),
-        spec::<Causal>(),
-        spec::<SlidingWindow>(),
-        spec::<CausalSlidingWindow>(),
-        spec::<Alibi>(),
-        spec::<Softcap>(),
-        spec::<CausalSoftcap>(),
-        spec::<PrefixLm>(),
-        spec::<FlashMask>(),
-        spec::<Everything>(),
-        spec::<Integers>(),
-        spec::<ThirtyTwoWords>(),
-    ]
+/// Index of `Everything` in [`fixtures::all`].
+fn everything_index(all: &[Declared]) -> usize {
+    all.iter()
+        .position(|d| d.compiled.name == Everything::NAME)
+        .expect("the fixtures include Everything")
 }
 
 const DTYPES: [CudaDType; 3] = [CudaDType::F32, CudaDType::F16, CudaDType::Bf16];
 const HEAD_DIMS: [u32; 3] = [40, 64, 128];
-/// Index of `Everything` in [`variants`].
-const EVERYTHING: usize = 9;
 /// Head dims the full-language variant is also compiled for, on both archs
 /// (from one compute_80 PTX).
 const EXTRA_HEAD_DIMS: [u32; 3] = [80, 96, 256];
@@ -150,7 +78,7 @@ struct KernelReport {
     spill_loads: u32,
 }
 
-fn jobs(n_variants: usize, full: bool) -> Vec<Job> {
+fn jobs(n_variants: usize, everything: usize, full: bool) -> Vec<Job> {
     let mut jobs = Vec::new();
     let mut push = |variant, dtype, head_dim, archs: &[(&'static str, &'static str)]| {
         for backward in [false, true] {
@@ -173,7 +101,7 @@ fn jobs(n_variants: usize, full: bool) -> Vec<Job> {
                     push(variant, dtype, head_dim, sm90);
                 }
             }
-        } else if variant != EVERYTHING {
+        } else if variant != everything {
             // The variant functions are the same code for every dtype and
             // head dim: one configuration each, cycling so that every dtype
             // meets every head dim across the variants.
@@ -186,11 +114,11 @@ fn jobs(n_variants: usize, full: bool) -> Vec<Job> {
     for dtype in DTYPES {
         if !full {
             for head_dim in HEAD_DIMS {
-                push(EVERYTHING, dtype, head_dim, sm90);
+                push(everything, dtype, head_dim, sm90);
             }
         }
         for head_dim in EXTRA_HEAD_DIMS {
-            push(EVERYTHING, dtype, head_dim, both);
+            push(everything, dtype, head_dim, both);
         }
     }
     jobs
@@ -211,16 +139,10 @@ fn nvrtc_present() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
-/// The tile configuration a runtime would pick: the variant's override when
-/// it validates, else the defaults.
-fn tiles(spec: &Spec, head_dim: u32, dtype: CudaDType) -> CudaTiles {
-    let default = CudaTiles::for_problem(head_dim, dtype);
-    let overridden = default.with_tile_override(spec.tile.0, spec.tile.1);
-    if overridden.validate().is_ok() {
-        overridden
-    } else {
-        default
-    }
+/// The tile configuration the runtime picks.
+fn tiles(d: &Declared, head_dim: u32, dtype: CudaDType) -> CudaTiles {
+    choose_tiles(CudaTiles::for_problem(head_dim, dtype), d.tile.0, d.tile.1)
+        .expect("every head dim of the matrix has a tiling")
 }
 
 fn parse_ptxas(output: &str) -> Result<BTreeMap<String, KernelReport>, String> {
@@ -311,9 +233,9 @@ fn every_kernel_compiles_without_spills() {
         return;
     }
     let ptxas_path = ptxas_path.expect("checked above");
-    let specs = variants();
+    let specs = fixtures::all();
     let full = std::env::var_os("BOOSTR_CUDA_FULL").is_some();
-    let jobs = jobs(specs.len(), full);
+    let jobs = jobs(specs.len(), everything_index(&specs), full);
     let next = AtomicUsize::new(0);
     let failures = Mutex::new(Vec::<String>::new());
     let rows = Mutex::new(BTreeMap::<(String, &'static str, u32, String), Row>::new());
@@ -327,24 +249,21 @@ fn every_kernel_compiles_without_spills() {
                     let Some(job) = jobs.get(i) else { break };
                     let spec = &specs[job.variant];
                     let cfg = tiles(spec, job.head_dim, job.dtype);
-                    let (source, entries, dynamic) = if job.backward {
-                        (
-                            cuda::backward_source(spec.functions, &cfg, job.dtype),
-                            vec![DELTA_KERNEL, DQ_KERNEL, DKDV_KERNEL],
-                            vec![0, cfg.dq_smem_bytes(), cfg.dkdv_smem_bytes()],
-                        )
+                    let module = if job.backward {
+                        &kernels::BACKWARD_MODULE
                     } else {
-                        (
-                            cuda::forward_source(spec.functions, &cfg, job.dtype),
-                            vec![FORWARD_KERNEL],
-                            vec![cfg.forward_smem_bytes()],
-                        )
+                        &kernels::FORWARD_MODULE
                     };
+                    let source =
+                        source(section(spec), &[module], &cfg).expect("the chosen tiles validate");
+                    let entries: Vec<&str> = module.interfaces().map(|k| k.entry).collect();
+                    let dynamic: Vec<u64> =
+                        module.interfaces().map(|k| k.smem_bytes(&cfg)).collect();
                     let mut ptx_cache: Vec<(&str, Result<String, String>)> = Vec::new();
                     for &(nvrtc_arch, sm) in &job.archs {
                         let tag = format!(
                             "{} {} D={} {} {nvrtc_arch}/{sm}",
-                            spec.name,
+                            spec.compiled.name,
                             job.dtype.name(),
                             job.head_dim,
                             if job.backward { "backward" } else { "forward" }
@@ -453,73 +372,38 @@ fn assemble_and_check(
 }
 
 #[test]
-fn params_are_the_wgsl_words_padded_to_32() {
-    let checks: [(&str, Vec<u32>); 4] = [
-        (
-            Everything::NAME,
-            Everything {
-                cap: 30.0,
-                slope: 0.25,
-                window: 4,
-                causal: true,
-                alibi: false,
-            }
-            .wgsl_params(),
-        ),
-        (Alibi::NAME, Alibi { heads: 4 }.wgsl_params()),
-        (Full::NAME, Full.wgsl_params()),
-        (
-            ThirtyTwoWords::NAME,
-            ThirtyTwoWords {
-                w0: 1,
-                w1: 0,
-                w2: 0,
-                w3: 0,
-                w4: 0,
-                w5: 0,
-                w6: 0,
-                w7: 0,
-                w8: 0,
-                w9: 0,
-                w10: 0,
-                w11: 0,
-                w12: 0,
-                w13: 0,
-                w14: 0,
-                w15: 0,
-                w16: 0,
-                w17: 0,
-                w18: 0,
-                w19: 0,
-                w20: 0,
-                w21: 0,
-                w22: 0,
-                w23: 0,
-                w24: 0,
-                w25: 0,
-                w26: 0,
-                w27: 0,
-                w28: 0,
-                w29: 0,
-                w30: 0,
-                w31: 7,
-            }
-            .wgsl_params(),
-        ),
-    ];
-    for (name, words) in checks {
-        assert!(words.len() <= PARAM_WORDS, "{name}: {} words", words.len());
+fn param_words_follow_the_layout() {
+    let everything = Everything {
+        cap: 30.0,
+        slope: 0.25,
+        window: 4,
+        causal: true,
+        alibi: false,
+    };
+    let mut want = [0u32; PARAM_WORDS];
+    want[..5].copy_from_slice(&[30f32.to_bits(), 0.25f32.to_bits(), 4, 1, 0]);
+    assert_eq!(everything.param_words(), ParamWords(want));
+    let words = ThirtyTwoWords {
+        w0: 1,
+        w31: -7,
+        ..Default::default()
     }
-    let everything = Everything::cuda_variant_functions().unwrap();
-    assert!(everything.contains(
+    .param_words();
+    assert_eq!((words.0[0], words.0[31]), (1, (-7i32) as u32));
+    assert!(words.0[1..31].iter().all(|&w| w == 0));
+    assert_eq!(boostr_runtime::stock::Full.param_words(), ParamWords::ZERO);
+
+    // The CUDA struct declares the same words, padded to the block's size.
+    assert!(section(&declared::<Everything>()).contains(
         "struct Params {\n    float p_cap;\n    float p_slope;\n    unsigned p_window;\n    \
          unsigned p_causal;\n    unsigned p_alibi;\n    unsigned _pad[27];\n};"
     ));
-    let full = Full::cuda_variant_functions().unwrap();
-    assert!(full.contains("struct Params {\n    unsigned _pad[32];\n};"));
-    let words = ThirtyTwoWords::cuda_variant_functions().unwrap();
     assert!(
-        words.contains("    int p_w31;\n};"),
+        section(&declared::<boostr_runtime::stock::Full>())
+            .contains("struct Params {\n    unsigned _pad[32];\n};")
+    );
+    assert!(
+        section(&declared::<ThirtyTwoWords>()).contains("    int p_w31;\n};"),
         "no padding after 32 words"
     );
 }
@@ -727,20 +611,8 @@ int main(int argc, char** argv) {
     for (auto* t : {&q, &k, &v, &dout, &out, &dq, &dk, &dv})
         if (off) t->insert(t->begin(), (elem_t)0);
     std::vector<float> lse(nr), delta(nr);
-    launch({(unsigned)((Sq + BQ - 1) / BQ), (unsigned)Hq, (unsigned)B}, FWD_THREADS, [&] {
-        boostr_attn_fwd(q.data() + off, k.data() + off, v.data() + off, out.data() + off, lse.data(), B, Hq, Hkv, Sq, Sk, scale, params);
-    });
-    launch({(unsigned)((nr + DELTA_THREADS / 32 - 1) / (DELTA_THREADS / 32)), 1, 1}, DELTA_THREADS, [&] {
-        boostr_attn_bwd_delta(out.data() + off, dout.data() + off, delta.data(), B, Hq, Sq);
-    });
-    launch({(unsigned)((Sq + BBQ - 1) / BBQ), (unsigned)Hq, (unsigned)B}, BWD_THREADS, [&] {
-        boostr_attn_bwd_dq(q.data() + off, k.data() + off, v.data() + off, dout.data() + off, lse.data(), delta.data(), dq.data() + off, B, Hq,
-                           Hkv, Sq, Sk, scale, params);
-    });
-    launch({(unsigned)((Sk + BBKV - 1) / BBKV), (unsigned)Hkv, (unsigned)B}, BWD_THREADS, [&] {
-        boostr_attn_bwd_dkdv(q.data() + off, k.data() + off, v.data() + off, dout.data() + off, lse.data(), delta.data(), dk.data() + off,
-                             dv.data() + off, B, Hq, Hkv, Sq, Sk, scale, params);
-    });
+    // The launches of every kernel, written from their descriptions.
+#include "launches.inc"
     for (auto* t : {&q, &k, &v, &dout, &out, &dq, &dk, &dv})
         if (off) t->erase(t->begin());
     write_f32(path("q.rounded").c_str(), to_f32(q));
@@ -809,11 +681,10 @@ struct HostCase {
     tag: String,
     /// Element tensors start 1 element past an aligned address.
     misalign: bool,
-    functions: &'static str,
-    tile: (Option<u32>, Option<u32>),
+    declared: Declared,
     dtype: CudaDType,
     problem: Problem,
-    params: Vec<u32>,
+    params: ParamWords,
     reference: Reference,
 }
 
@@ -829,12 +700,11 @@ fn host_case<V: Variant>(variant: V, dtype: CudaDType, problem: Problem) -> Host
         problem.seq_q,
         problem.seq_k
     );
-    let params = variant.wgsl_params();
+    let params = variant.param_words();
     HostCase {
         tag,
         misalign: false,
-        functions: V::cuda_variant_functions().expect("macro-declared"),
-        tile: (V::TILE_Q, V::TILE_KV),
+        declared: declared::<V>(),
         dtype,
         problem,
         params,
@@ -853,22 +723,67 @@ fn misaligned(mut case: HostCase) -> HostCase {
     case
 }
 
+/// The harness's launches of every kernel of `modules`, in order, written
+/// from their descriptions: each on its described grid and block, with its
+/// arguments by role (the harness names its arrays and sizes after them).
+fn launches(modules: &[&Module], cfg: &CudaTiles, p: &Problem) -> String {
+    let sizes = kernels_spec::emit::interface::Sizes {
+        batch: p.batch as u64,
+        heads_q: p.heads_q as u64,
+        heads_kv: p.heads_kv as u64,
+        seq_q: p.seq_q as u64,
+        seq_k: p.seq_k as u64,
+    };
+    let mut s = String::new();
+    for kernel in modules.iter().flat_map(|m| m.interfaces()) {
+        let dims = kernel.launch_dims(cfg, &sizes).expect("the grid fits");
+        assert!(
+            dims.smem_bytes <= 1 << 20,
+            "{}: the harness has 1 MiB of shared memory",
+            kernel.entry
+        );
+        let args: Vec<String> = kernel.args.iter().map(|a| host_arg(kernel, *a)).collect();
+        let (x, y, z) = dims.grid;
+        s.push_str(&format!(
+            "    launch({{{x}u, {y}u, {z}u}}, {}u, [&] {{ {}({}); }});\n",
+            dims.block,
+            kernel.entry,
+            args.join(", ")
+        ));
+    }
+    s
+}
+
+/// The harness's expression for argument `a` of `kernel`.
+fn host_arg(kernel: &Kernel, a: Arg) -> String {
+    match a {
+        // Element tensors may start `off` elements into their arrays.
+        Arg::Buffer(b, _) if b.elem() == Elem::Input => format!("{}.data() + off", b.name()),
+        Arg::Buffer(b, _) => format!("{}.data()", b.name()),
+        Arg::Scalar(Scalar::Batch) => "B".into(),
+        Arg::Scalar(Scalar::HeadsQ) => "Hq".into(),
+        Arg::Scalar(Scalar::HeadsKv) => "Hkv".into(),
+        Arg::Scalar(Scalar::SeqQ) => "Sq".into(),
+        Arg::Scalar(Scalar::SeqK) => "Sk".into(),
+        Arg::Scalar(Scalar::Scale) => "scale".into(),
+        Arg::Scalar(s) => panic!("{}: {} has no host value", kernel.entry, s.name()),
+        Arg::Params => "params".into(),
+    }
+}
+
 fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, String> {
     let tag = &case.tag;
     let p = &case.problem;
-    let spec = Spec {
-        name: "",
-        functions: case.functions,
-        tile: case.tile,
-    };
-    let cfg = tiles(&spec, p.head_dim as u32, case.dtype);
-    let mut source = cuda::forward_source(case.functions, &cfg, case.dtype);
-    source.push_str(kernels::BACKWARD);
+    let cfg = tiles(&case.declared, p.head_dim as u32, case.dtype);
+    let modules = [&kernels::FORWARD_MODULE, &kernels::BACKWARD_MODULE];
+    let source = source(section(&case.declared), &modules, &cfg).expect("the tiles validate");
     let dir =
         std::env::temp_dir().join(format!("boostr-cuda-host-{}-{serial}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{tag}: {e}"))?;
     std::fs::write(dir.join("harness.cpp"), HOST_HARNESS).map_err(|e| format!("{tag}: {e}"))?;
     std::fs::write(dir.join("kernel.cu"), &source).map_err(|e| format!("{tag}: {e}"))?;
+    std::fs::write(dir.join("launches.inc"), launches(&modules, &cfg, p))
+        .map_err(|e| format!("{tag}: {e}"))?;
     let mut rng = Rng::new(0x5eed, serial as u64);
     let inputs = [
         ("q", rng.normal_f32(p.q_len(), 1.0)),
@@ -879,10 +794,8 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
     for (name, data) in &inputs {
         write_f32(&dir.join(name), data);
     }
-    let mut words = case.params.clone();
-    words.resize(PARAM_WORDS, 0);
-    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-    std::fs::write(dir.join("params"), bytes).map_err(|e| format!("{tag}: {e}"))?;
+    std::fs::write(dir.join("params"), case.params.to_le_bytes())
+        .map_err(|e| format!("{tag}: {e}"))?;
     let dtype_code = match case.dtype {
         CudaDType::F32 => 0,
         CudaDType::F16 => 1,

@@ -39,10 +39,7 @@ impl Variant for Plain {
         true
     }
     fn compiled() -> CompiledStages {
-        CompiledStages {
-            name: Self::NAME,
-            text: "",
-        }
+        CompiledStages::hand_written(Self::NAME)
     }
 }
 
@@ -92,10 +89,7 @@ impl Variant for CausalSoftcap {
         kv <= q
     }
     fn compiled() -> CompiledStages {
-        CompiledStages {
-            name: Self::NAME,
-            text: "",
-        }
+        CompiledStages::hand_written(Self::NAME)
     }
 }
 
@@ -139,10 +133,7 @@ impl Variant for SlidingWindow {
         kv <= q && q - kv < self.window
     }
     fn compiled() -> CompiledStages {
-        CompiledStages {
-            name: Self::NAME,
-            text: "",
-        }
+        CompiledStages::hand_written(Self::NAME)
     }
 }
 
@@ -179,10 +170,7 @@ impl Variant for Alibi {
         true
     }
     fn compiled() -> CompiledStages {
-        CompiledStages {
-            name: Self::NAME,
-            text: "",
-        }
+        CompiledStages::hand_written(Self::NAME)
     }
 }
 
@@ -221,10 +209,7 @@ impl Variant for CountingCausal {
         kv <= q
     }
     fn compiled() -> CompiledStages {
-        CompiledStages {
-            name: Self::NAME,
-            text: "",
-        }
+        CompiledStages::hand_written(Self::NAME)
     }
 }
 

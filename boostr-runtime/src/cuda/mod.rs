@@ -1,12 +1,14 @@
 //! The CUDA kernels on numr's [`CudaRuntime`].
 //!
-//! Per (variant, device, head dim, dtype) the kernel sources are assembled
-//! from the variant's CUDA section ([`Variant::cuda_variant_functions`]) and
-//! the templates of `kernels_spec::emit::cuda`, compiled with NVRTC for the
-//! device's compute capability on first use, loaded into numr's CUDA context,
-//! and cached. Launches go on numr's compute stream with the tensors' device
-//! pointers; the variant's fields travel as one by-value `Params` argument, so
-//! a new parameter value never recompiles. f32, f16 and bf16 inputs; f32
+//! Per (variant, device, head dim, dtype, module) the source is assembled
+//! from the variant's CUDA lowering ([`Variant::compiled`]) and the modules
+//! of `kernels_spec::emit::cuda::kernels`, compiled with NVRTC for the
+//! device's compute capability on first use, loaded into numr's CUDA
+//! context, and cached. Each kernel is launched from its description: its
+//! geometry from the tiles and the problem, its arguments in the described
+//! order, each looked up by role. Launches go on numr's compute stream; the
+//! variant's fields travel as one by-value parameter block, so a new
+//! parameter value never recompiles. f32, f16 and bf16 inputs; f32
 //! accumulation, lse and `D_i`.
 //!
 //! The backward is deterministic: a `D_i = rowsum(dO ∘ O)` pre-pass, then a
@@ -14,94 +16,50 @@
 //! recomputing `P` from the lse (no float atomics).
 
 use crate::backend::AttentionRuntime;
-use crate::error::{Error, Result};
+use crate::error::{BackendError, Error, Result};
+use crate::gpu::{self, KernelCache};
 use crate::problem::Problem;
 use crate::validate;
 use crate::variant::Variant;
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, CudaModule, DeviceRepr, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
-use kernels_spec::emit::cuda::{
-    self as emit, CudaDType, CudaTiles, DELTA_KERNEL, DELTA_ROWS_PER_BLOCK, DELTA_THREADS,
-    DKDV_KERNEL, DQ_KERNEL, FORWARD_KERNEL, PARAM_WORDS,
-};
+use kernels_spec::emit::Target;
+use kernels_spec::emit::cuda::interface::{Kernel, Module};
+use kernels_spec::emit::cuda::{CudaDType, CudaTiles, kernels, source};
+use kernels_spec::emit::interface::{Arg, Buffer, Scalar};
+use kernels_spec::params::ParamWords;
 use numr::dtype::DType;
 use numr::runtime::cuda::{CudaClient, CudaRuntime};
 use numr::runtime::{Device as _, Runtime};
 use numr::tensor::Tensor;
 use std::any::TypeId;
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, LazyLock};
 
 const CUDA: &str = "cuda";
 const CUDA_DTYPES: &str = "f32, f16, bf16";
+const TARGET: Target = Target::Cuda;
 
-/// The text of a backend error without its prefix, for cached failures.
-fn message(e: Error) -> String {
-    match e {
-        Error::Numr(numr::error::Error::Backend(m)) => m,
-        other => other.to_string(),
-    }
-}
-
-fn backend(msg: String) -> Error {
-    Error::Numr(numr::error::Error::Backend(format!("boostr cuda: {msg}")))
-}
-
-/// The variant's fields as the kernels' by-value `Params` (32 words).
-#[repr(C)]
+/// The parameter block as the kernels' by-value `Params` argument.
+#[repr(transparent)]
 #[derive(Clone, Copy, Debug)]
-struct Params([u32; PARAM_WORDS]);
+struct Params(ParamWords);
 
 // SAFETY: a plain array of u32, the layout of the kernels' `struct Params`
-// (32 four-byte words).
+// (32 four-byte words, `static_assert`ed in every source).
 unsafe impl DeviceRepr for Params {}
 
-fn params<V: Variant>(variant: &V) -> Result<Params> {
-    let words = variant.wgsl_params();
-    let mut p = [0u32; PARAM_WORDS];
-    if words.len() > PARAM_WORDS {
-        return Err(backend(format!(
-            "variant `{}` has {} parameter words; the CUDA kernels take at most {PARAM_WORDS}",
-            V::NAME,
-            words.len()
-        )));
-    }
-    p[..words.len()].copy_from_slice(&words);
-    Ok(Params(p))
-}
-
-/// Forward, or the backward (three kernels in one module).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-enum Module {
-    Forward,
-    Backward,
-}
-
-impl Module {
-    fn entries(self) -> &'static [&'static str] {
-        match self {
-            Module::Forward => &[FORWARD_KERNEL],
-            Module::Backward => &[DELTA_KERNEL, DQ_KERNEL, DKDV_KERNEL],
-        }
-    }
-}
-
-/// A loaded module and its kernels, in [`Module::entries`] order.
-struct Kernels {
+/// A loaded module and its kernels, in the module's order.
+struct Compiled {
     _module: Arc<CudaModule>,
     functions: Vec<CudaFunction>,
     tiles: CudaTiles,
 }
 
 /// (variant, device, head dim, dtype, compute capability, module).
-type Key = (TypeId, usize, usize, CudaDType, (u32, u32), Module);
-type Slot = Arc<OnceLock<std::result::Result<Arc<Kernels>, String>>>;
+type Key = (TypeId, usize, usize, CudaDType, (u32, u32), &'static str);
 
-fn cache() -> &'static Mutex<HashMap<Key, Slot>> {
-    static CACHE: OnceLock<Mutex<HashMap<Key, Slot>>> = OnceLock::new();
-    CACHE.get_or_init(Default::default)
-}
+static CACHE: LazyLock<KernelCache<Key, Compiled>> = LazyLock::new(KernelCache::default);
 
 fn cuda_dtype(dtype: DType) -> Option<CudaDType> {
     match dtype {
@@ -110,20 +68,6 @@ fn cuda_dtype(dtype: DType) -> Option<CudaDType> {
         DType::BF16 => Some(CudaDType::Bf16),
         _ => None,
     }
-}
-
-/// The tiles for (`V`, head dim, dtype): the variant's `tile(..)` overrides
-/// when they validate, else the emitter's defaults.
-fn tiles<V: Variant>(head_dim: usize, dtype: CudaDType) -> Result<CudaTiles> {
-    let d = u32::try_from(head_dim).map_err(|_| backend(format!("head dim {head_dim}")))?;
-    let cfg = CudaTiles::for_problem(d, dtype).with_tile_override(V::TILE_Q, V::TILE_KV);
-    cfg.validate().map_err(|e| {
-        backend(format!(
-            "head dim {head_dim} ({}) has no CUDA tiling: {e}",
-            dtype.name()
-        ))
-    })?;
-    Ok(cfg)
 }
 
 /// NVRTC's target for compute capability `(major, minor)`: real code for
@@ -141,109 +85,111 @@ fn arch(cc: (u32, u32)) -> &'static str {
     }
 }
 
-/// The compiled `module` of `V` for (head dim, dtype) on `client`'s device:
-/// compiled by the first caller for that key, waited for by concurrent ones.
-/// A failed compilation is cached as its error.
-fn kernels<V: Variant>(
+/// The compiled `module` of `V` for the problem's head dim and `dtype` on
+/// `client`'s device.
+fn compiled<V: Variant>(
     client: &CudaClient,
     device: usize,
-    head_dim: usize,
-    dtype: CudaDType,
-    module: Module,
-) -> Result<Arc<Kernels>> {
+    p: &Problem,
+    dtype: DType,
+    module: &'static Module,
+) -> Result<Arc<Compiled>> {
+    let device_error = |reason: String| BackendError::Device {
+        target: TARGET,
+        reason,
+    };
     let cc = numr::runtime::cuda::cuda_device_id(device)
         .compute_capability()
-        .map_err(|e| backend(format!("compute capability of device {device}: {e}")))?;
+        .map_err(|e| device_error(format!("compute capability of device {device}: {e}")))?;
     if cc.0 < 8 {
-        return Err(backend(format!(
+        return Err(device_error(format!(
             "device {device} has compute capability {}.{}; the kernels need 8.0 or newer \
-             (mma.sync m16n8k16, cp.async)",
+             (mma.sync m16n8k16 and bf16 conversions)",
             cc.0, cc.1
-        )));
+        ))
+        .into());
     }
-    let key = (TypeId::of::<V>(), device, head_dim, dtype, cc, module);
-    // Only the slot lookup holds the map's lock; compilation holds the slot.
-    let slot = {
-        let mut map = cache().lock().unwrap_or_else(|e| e.into_inner());
-        map.entry(key).or_default().clone()
-    };
-    let prefixed = |m: String| {
-        if m.starts_with("boostr cuda:") {
-            m
-        } else {
-            format!("boostr cuda: {m}")
-        }
-    };
-    slot.get_or_init(|| {
-        build::<V>(client, head_dim, dtype, cc, module)
-            .map(Arc::new)
-            .map_err(prefixed)
-    })
-    .clone()
-    .map_err(|msg| Error::Numr(numr::error::Error::Backend(msg)))
+    let cuda = cuda_dtype(dtype).ok_or(Error::DType {
+        name: "q",
+        dtype,
+        backend: CUDA,
+        supported: CUDA_DTYPES,
+    })?;
+    let key = (TypeId::of::<V>(), device, p.head_dim, cuda, cc, module.name);
+    Ok(CACHE.get_or_build(key, || build::<V>(client, p, dtype, cuda, cc, module))?)
 }
 
 fn build<V: Variant>(
     client: &CudaClient,
-    head_dim: usize,
-    dtype: CudaDType,
+    p: &Problem,
+    dtype: DType,
+    cuda: CudaDType,
     cc: (u32, u32),
-    module: Module,
-) -> std::result::Result<Kernels, String> {
-    let fns = V::cuda_variant_functions().ok_or_else(|| {
-        format!(
-            "variant `{}` has no CUDA lowering (implement Variant with #[attention])",
-            V::NAME
-        )
-    })?;
-    let cfg = tiles::<V>(head_dim, dtype).map_err(message)?;
-    let (source, part) = match module {
-        Module::Forward => (emit::forward_source(fns, &cfg, dtype), "fwd"),
-        Module::Backward => (emit::backward_source(fns, &cfg, dtype), "bwd"),
+    module: &'static Module,
+) -> std::result::Result<Compiled, BackendError> {
+    let section = gpu::lowering::<V>(TARGET)?;
+    let default = CudaTiles::for_problem(gpu::head_dim(p), cuda);
+    let cfg = gpu::tiles::<V, _>(TARGET, default, p.head_dim, dtype)?;
+    let tiling = |error| BackendError::Tiling {
+        target: TARGET,
+        head_dim: p.head_dim,
+        dtype,
+        error,
     };
-    let name = format!("boostr_{}_{part}_d{head_dim}_{}.cu", V::NAME, dtype.name());
+    let text = source(section, &[module], &cfg).map_err(tiling)?;
+    let name = format!(
+        "boostr_{}_{}_d{}_{}.cu",
+        V::NAME,
+        module.name,
+        p.head_dim,
+        cuda.name()
+    );
+    let compile_error = |log: String| BackendError::Compile {
+        target: TARGET,
+        source_name: name.clone(),
+        log,
+    };
     let opts = CompileOptions {
         arch: Some(arch(cc)),
         options: vec!["-std=c++17".into()],
         name: Some(name.clone()),
         ..Default::default()
     };
-    let ptx = compile_ptx_with_opts(&source, opts)
-        .map_err(|e| format!("NVRTC failed to compile {name}: {e}"))?;
+    let ptx = compile_ptx_with_opts(&text, opts).map_err(|e| compile_error(e.to_string()))?;
     let loaded = client
         .context()
         .load_module(ptx)
-        .map_err(|e| format!("loading {name}: {e}"))?;
-    let smem = |entry: &str| match entry {
-        FORWARD_KERNEL => cfg.forward_smem_bytes(),
-        DQ_KERNEL => cfg.dq_smem_bytes(),
-        DKDV_KERNEL => cfg.dkdv_smem_bytes(),
-        _ => 0,
-    };
+        .map_err(|e| compile_error(format!("loading the module: {e}")))?;
     let mut functions = Vec::new();
-    for &entry in module.entries() {
+    for kernel in module.interfaces() {
+        let launch_error = |reason: String| BackendError::Launch {
+            target: TARGET,
+            kernel: kernel.entry,
+            reason,
+        };
         let f = loaded
-            .load_function(entry)
-            .map_err(|e| format!("{name}: no kernel {entry}: {e}"))?;
-        let bytes = smem(entry);
+            .load_function(kernel.entry)
+            .map_err(|e| compile_error(format!("no kernel {}: {e}", kernel.entry)))?;
+        let bytes = kernel.smem_bytes(&cfg);
         if bytes > 48 * 1024 {
-            let bytes = i32::try_from(bytes).map_err(|_| format!("{entry}: {bytes} B"))?;
+            let bytes = i32::try_from(bytes)
+                .map_err(|_| launch_error(format!("{bytes} bytes of shared memory")))?;
             f.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 bytes,
             )
-            .map_err(|e| format!("{name}: {entry} cannot use {bytes} B of shared memory: {e}"))?;
+            .map_err(|e| launch_error(format!("cannot use {bytes} B of shared memory: {e}")))?;
         }
         functions.push(f);
     }
-    Ok(Kernels {
+    Ok(Compiled {
         _module: loaded,
         functions,
         tiles: cfg,
     })
 }
 
-/// A contiguous tensor at offset 0 of a supported dtype, and that dtype.
+/// A contiguous tensor at offset 0 of a supported dtype.
 fn input(name: &'static str, t: &Tensor<CudaRuntime>) -> Result<Tensor<CudaRuntime>> {
     validate::check_dtype(
         name,
@@ -255,7 +201,8 @@ fn input(name: &'static str, t: &Tensor<CudaRuntime>) -> Result<Tensor<CudaRunti
     Ok(t.contiguous()?)
 }
 
-fn same_dtype(tensors: &[(&'static str, &Tensor<CudaRuntime>)]) -> Result<CudaDType> {
+/// The dtype every tensor shares (that of the first).
+fn same_dtype(tensors: &[(&'static str, &Tensor<CudaRuntime>)]) -> Result<DType> {
     let (_, t0) = tensors[0];
     for &(name, t) in &tensors[1..] {
         if t.dtype() != t0.dtype() {
@@ -267,55 +214,108 @@ fn same_dtype(tensors: &[(&'static str, &Tensor<CudaRuntime>)]) -> Result<CudaDT
             });
         }
     }
-    cuda_dtype(t0.dtype()).ok_or_else(|| backend(format!("dtype {:?}", t0.dtype())))
+    Ok(t0.dtype())
 }
 
 fn alloc(shape: &[usize], dtype: DType, like: &Tensor<CudaRuntime>) -> Result<Tensor<CudaRuntime>> {
     Ok(Tensor::<CudaRuntime>::empty(shape, dtype, like.device())?)
 }
 
-fn dim(n: usize, what: &str) -> Result<u32> {
-    u32::try_from(n)
-        .ok()
-        .filter(|&x| x <= 65535 || what == "grid x")
-        .ok_or_else(|| backend(format!("{what} = {n} exceeds CUDA's grid limit")))
+/// An argument's value, as the kernel takes it.
+enum Value {
+    Ptr(u64),
+    Int(i32),
+    Float(f32),
+    Params(Params),
 }
 
-fn int(n: usize, what: &str) -> Result<i32> {
-    i32::try_from(n).map_err(|_| backend(format!("{what} = {n} does not fit in i32")))
+/// What one call binds: the problem, the parameter block and its tensors,
+/// each looked up by role.
+struct Call<'a> {
+    problem: &'a Problem,
+    params: Params,
+    buffers: &'a [(Buffer, &'a Tensor<CudaRuntime>)],
 }
 
-fn config(grid: (u32, u32, u32), block: u32, smem: u64) -> Result<LaunchConfig> {
-    Ok(LaunchConfig {
-        grid_dim: grid,
-        block_dim: (block, 1, 1),
-        shared_mem_bytes: u32::try_from(smem).map_err(|_| backend(format!("{smem} B smem")))?,
-    })
-}
-
-/// The problem's integer arguments, in the kernels' order.
-struct Dims {
-    batch: i32,
-    heads_q: i32,
-    heads_kv: i32,
-    seq_q: i32,
-    seq_k: i32,
-}
-
-impl Dims {
-    fn of(p: &Problem) -> Result<Dims> {
-        Ok(Dims {
-            batch: int(p.batch, "batch")?,
-            heads_q: int(p.heads_q, "heads_q")?,
-            heads_kv: int(p.heads_kv, "heads_kv")?,
-            seq_q: int(p.seq_q, "seq_q")?,
-            seq_k: int(p.seq_k, "seq_k")?,
-        })
+impl Call<'_> {
+    fn value(&self, kernel: &Kernel, arg: Arg) -> std::result::Result<Value, BackendError> {
+        let launch_error = |reason: String| BackendError::Launch {
+            target: TARGET,
+            kernel: kernel.entry,
+            reason,
+        };
+        let p = self.problem;
+        let int = |n: usize| {
+            i32::try_from(n)
+                .map(Value::Int)
+                .map_err(|_| launch_error(format!("{} = {n} does not fit in i32", arg.name())))
+        };
+        match arg {
+            Arg::Buffer(b, _) => self
+                .buffers
+                .iter()
+                .find(|(role, _)| *role == b)
+                .map(|(_, t)| Value::Ptr(t.ptr()))
+                .ok_or_else(|| launch_error(format!("no tensor is bound to `{}`", b.name()))),
+            Arg::Scalar(Scalar::Batch) => int(p.batch),
+            Arg::Scalar(Scalar::HeadsQ) => int(p.heads_q),
+            Arg::Scalar(Scalar::HeadsKv) => int(p.heads_kv),
+            Arg::Scalar(Scalar::SeqQ) => int(p.seq_q),
+            Arg::Scalar(Scalar::SeqK) => int(p.seq_k),
+            Arg::Scalar(Scalar::Scale) => Ok(Value::Float(p.scale)),
+            Arg::Scalar(s @ (Scalar::TileBegin | Scalar::TileEnd | Scalar::Flags)) => Err(
+                launch_error(format!("`{}` has no value in a CUDA launch", s.name())),
+            ),
+            Arg::Params => Ok(Value::Params(self.params)),
+        }
     }
 }
 
-fn launch_error(kernel: &str, e: impl std::fmt::Display) -> Error {
-    backend(format!("launching {kernel}: {e}"))
+/// Launch every kernel of `module`, in order, on `client`'s stream.
+fn launch_module(
+    client: &CudaClient,
+    module: &Module,
+    compiled: &Compiled,
+    call: &Call<'_>,
+) -> Result<()> {
+    let sizes = gpu::sizes(call.problem);
+    for (kernel, function) in module.interfaces().zip(&compiled.functions) {
+        let launch_error = |reason: String| BackendError::Launch {
+            target: TARGET,
+            kernel: kernel.entry,
+            reason,
+        };
+        let dims = kernel
+            .launch_dims(&compiled.tiles, &sizes)
+            .map_err(|e| launch_error(e.to_string()))?;
+        let values = kernel
+            .args
+            .iter()
+            .map(|a| call.value(kernel, *a))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let stream = client.stream();
+        let mut builder = stream.launch_builder(function);
+        for v in &values {
+            match v {
+                Value::Ptr(x) => builder.arg(x),
+                Value::Int(x) => builder.arg(x),
+                Value::Float(x) => builder.arg(x),
+                Value::Params(x) => builder.arg(x),
+            };
+        }
+        let config = LaunchConfig {
+            grid_dim: dims.grid,
+            block_dim: (dims.block, 1, 1),
+            shared_mem_bytes: dims.smem_bytes,
+        };
+        // SAFETY: the arguments are the kernel's described arguments, in
+        // their order and of their types (the source's signature is written
+        // from the same description); every pointer is a live, contiguous
+        // numr allocation of the described shape and dtype, kept alive past
+        // the launch by numr's stream-ordered allocator.
+        unsafe { builder.launch(config) }.map_err(|e| launch_error(e.to_string()))?;
+    }
+    Ok(())
 }
 
 impl AttentionRuntime for CudaRuntime {
@@ -329,31 +329,22 @@ impl AttentionRuntime for CudaRuntime {
         let (q, k, v) = (input("q", q)?, input("k", k)?, input("v", v)?);
         let dtype = same_dtype(&[("q", &q), ("k", &k), ("v", &v)])?;
         let client = CudaRuntime::default_client(q.device());
-        let kernels = kernels::<V>(&client, q.device().id(), p.head_dim, dtype, Module::Forward)?;
-        let cfg = kernels.tiles;
-        let out = alloc(q.shape(), q.dtype(), &q)?;
+        let module = &kernels::FORWARD_MODULE;
+        let compiled = compiled::<V>(&client, q.device().id(), p, dtype, module)?;
+        let out = alloc(q.shape(), dtype, &q)?;
         let lse = alloc(&[p.batch, p.heads_q, p.seq_q], DType::F32, &q)?;
-        let dims = Dims::of(p)?;
-        let params = params(variant)?;
-        let grid = (
-            dim(p.seq_q.div_ceil(cfg.block_q as usize), "grid x")?,
-            dim(p.heads_q, "heads_q")?,
-            dim(p.batch, "batch")?,
-        );
-        let lc = config(grid, cfg.threads(), cfg.forward_smem_bytes())?;
-        let (qp, kp, vp, op, lp) = (q.ptr(), k.ptr(), v.ptr(), out.ptr(), lse.ptr());
-        let mut b = client.stream().launch_builder(&kernels.functions[0]);
-        b.arg(&qp).arg(&kp).arg(&vp).arg(&op).arg(&lp);
-        b.arg(&dims.batch).arg(&dims.heads_q).arg(&dims.heads_kv);
-        b.arg(&dims.seq_q)
-            .arg(&dims.seq_k)
-            .arg(&p.scale)
-            .arg(&params);
-        // SAFETY: the arguments follow the forward kernel's documented
-        // signature; every pointer is a live, contiguous numr allocation of
-        // the documented shape and dtype, kept alive past the launch by
-        // numr's stream-ordered allocator.
-        unsafe { b.launch(lc) }.map_err(|e| launch_error(FORWARD_KERNEL, e))?;
+        let call = Call {
+            problem: p,
+            params: Params(variant.param_words()),
+            buffers: &[
+                (Buffer::Q, &q),
+                (Buffer::K, &k),
+                (Buffer::V, &v),
+                (Buffer::Out, &out),
+                (Buffer::Lse, &lse),
+            ],
+        };
+        launch_module(&client, module, &compiled, &call)?;
         Ok((out, lse))
     }
 
@@ -379,91 +370,29 @@ impl AttentionRuntime for CudaRuntime {
             ("dout", &dout),
         ])?;
         let client = CudaRuntime::default_client(q.device());
-        let kernels = kernels::<V>(
-            &client,
-            q.device().id(),
-            p.head_dim,
-            dtype,
-            Module::Backward,
-        )?;
-        let cfg = kernels.tiles;
+        let module = &kernels::BACKWARD_MODULE;
+        let compiled = compiled::<V>(&client, q.device().id(), p, dtype, module)?;
         let delta = alloc(&[p.batch, p.heads_q, p.seq_q], DType::F32, &q)?;
-        let dq = alloc(q.shape(), q.dtype(), &q)?;
-        let dk = alloc(k.shape(), k.dtype(), &k)?;
-        let dv = alloc(v.shape(), v.dtype(), &v)?;
-        let dims = Dims::of(p)?;
-        let params = params(variant)?;
-        let (qp, kp, vp, op, dop) = (q.ptr(), k.ptr(), v.ptr(), out.ptr(), dout.ptr());
-        let (lp, dp) = (lse.ptr(), delta.ptr());
-        let (dqp, dkp, dvp) = (dq.ptr(), dk.ptr(), dv.ptr());
-        let stream = client.stream();
-
-        let rows = p.batch * p.heads_q * p.seq_q;
-        let lc = config(
-            (
-                dim(rows.div_ceil(DELTA_ROWS_PER_BLOCK as usize), "grid x")?,
-                1,
-                1,
-            ),
-            DELTA_THREADS,
-            0,
-        )?;
-        let mut b = stream.launch_builder(&kernels.functions[0]);
-        b.arg(&op).arg(&dop).arg(&dp);
-        b.arg(&dims.batch).arg(&dims.heads_q).arg(&dims.seq_q);
-        // SAFETY: as in the forward, for the D_i kernel's signature.
-        unsafe { b.launch(lc) }.map_err(|e| launch_error(DELTA_KERNEL, e))?;
-
-        let lc = config(
-            (
-                dim(p.seq_q.div_ceil(cfg.bwd_block_q as usize), "grid x")?,
-                dim(p.heads_q, "heads_q")?,
-                dim(p.batch, "batch")?,
-            ),
-            cfg.bwd_threads(),
-            cfg.dq_smem_bytes(),
-        )?;
-        let mut b = stream.launch_builder(&kernels.functions[1]);
-        b.arg(&qp)
-            .arg(&kp)
-            .arg(&vp)
-            .arg(&dop)
-            .arg(&lp)
-            .arg(&dp)
-            .arg(&dqp);
-        b.arg(&dims.batch).arg(&dims.heads_q).arg(&dims.heads_kv);
-        b.arg(&dims.seq_q)
-            .arg(&dims.seq_k)
-            .arg(&p.scale)
-            .arg(&params);
-        // SAFETY: as in the forward, for the dQ kernel's signature.
-        unsafe { b.launch(lc) }.map_err(|e| launch_error(DQ_KERNEL, e))?;
-
-        let lc = config(
-            (
-                dim(p.seq_k.div_ceil(cfg.bwd_block_kv as usize), "grid x")?,
-                dim(p.heads_kv, "heads_kv")?,
-                dim(p.batch, "batch")?,
-            ),
-            cfg.bwd_threads(),
-            cfg.dkdv_smem_bytes(),
-        )?;
-        let mut b = stream.launch_builder(&kernels.functions[2]);
-        b.arg(&qp)
-            .arg(&kp)
-            .arg(&vp)
-            .arg(&dop)
-            .arg(&lp)
-            .arg(&dp)
-            .arg(&dkp)
-            .arg(&dvp);
-        b.arg(&dims.batch).arg(&dims.heads_q).arg(&dims.heads_kv);
-        b.arg(&dims.seq_q)
-            .arg(&dims.seq_k)
-            .arg(&p.scale)
-            .arg(&params);
-        // SAFETY: as in the forward, for the dK/dV kernel's signature.
-        unsafe { b.launch(lc) }.map_err(|e| launch_error(DKDV_KERNEL, e))?;
+        let dq = alloc(q.shape(), dtype, &q)?;
+        let dk = alloc(k.shape(), dtype, &k)?;
+        let dv = alloc(v.shape(), dtype, &v)?;
+        let call = Call {
+            problem: p,
+            params: Params(variant.param_words()),
+            buffers: &[
+                (Buffer::Q, &q),
+                (Buffer::K, &k),
+                (Buffer::V, &v),
+                (Buffer::Out, &out),
+                (Buffer::Dout, &dout),
+                (Buffer::Lse, &lse),
+                (Buffer::Delta, &delta),
+                (Buffer::Dq, &dq),
+                (Buffer::Dk, &dk),
+                (Buffer::Dv, &dv),
+            ],
+        };
+        launch_module(&client, module, &compiled, &call)?;
         Ok((dq, dk, dv))
     }
 }

@@ -36,10 +36,7 @@ impl Variant for Plain {
         true
     }
     fn compiled() -> CompiledStages {
-        CompiledStages {
-            name: "Plain",
-            text: "",
-        }
+        CompiledStages::hand_written("Plain")
     }
 }
 
@@ -114,10 +111,7 @@ impl Variant for CausalSoftcap {
         kv <= q
     }
     fn compiled() -> CompiledStages {
-        CompiledStages {
-            name: "CausalSoftcap",
-            text: "",
-        }
+        CompiledStages::hand_written("CausalSoftcap")
     }
 }
 
@@ -152,10 +146,7 @@ impl Variant for ClampPerHead {
         b == 0 || kv != 0
     }
     fn compiled() -> CompiledStages {
-        CompiledStages {
-            name: "ClampPerHead",
-            text: "",
-        }
+        CompiledStages::hand_written("ClampPerHead")
     }
 }
 

@@ -1,214 +1,168 @@
 //! The WGSL kernels on numr's [`WgpuRuntime`].
 //!
-//! Per (variant, device, head dim) the kernel modules are assembled from the
-//! variant's WGSL section ([`Variant::wgsl_variant_functions`]) and the
-//! templates of `kernels_spec::emit::wgsl`, compiled once, and cached. Every
-//! launch binds `params` (the variant's fields) and `shape` as uniforms, then
-//! numr's tensor buffers in the order the templates declare. f32 only.
+//! Per (variant, device, head dim, module) the module source is assembled
+//! from the variant's WGSL lowering ([`Variant::compiled`]) and the modules
+//! of `kernels_spec::emit::wgsl::kernels`, compiled once, and cached. Each
+//! module is bound and dispatched from its description: the bind group
+//! layout and the bind group from its bindings, each looked up by role (the
+//! parameter block and the `shape` uniform, then numr's tensor buffers),
+//! and each entry point's workgroups and tile loop from the tiles and the
+//! problem. f32 only.
 
 use crate::backend::AttentionRuntime;
-use crate::error::{Error, Result};
+use crate::error::{BackendError, Result};
+use crate::gpu::{self, KernelCache};
 use crate::problem::Problem;
 use crate::validate;
 use crate::variant::Variant;
-use kernels_spec::emit::wgsl::{WgslTiles, backward_modules_from, forward_module_from};
+use kernels_spec::emit::Target;
+use kernels_spec::emit::interface::{Access, Buffer, Scalar};
+use kernels_spec::emit::wgsl::interface::{Binding, Module, SHAPE, SHAPE_WORDS};
+use kernels_spec::emit::wgsl::{FLAG_FIRST, FLAG_LAST, WgslTiles, kernels, module_source};
+use kernels_spec::params::ParamWords;
 use numr::dtype::DType;
 use numr::runtime::Runtime;
 use numr::runtime::wgpu::{WgpuClient, WgpuRuntime, get_buffer};
 use numr::tensor::Tensor;
 use std::any::TypeId;
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, LazyLock};
 use wgpu::util::DeviceExt as _;
 
 const WGPU: &str = "wgpu";
 const WGPU_DTYPES: &str = "f32";
-/// `maxComputeWorkgroupsPerDimension` that WebGPU guarantees.
-const MAX_WORKGROUPS: usize = 65535;
+const TARGET: Target = Target::Wgsl;
 
-/// A backend failure (shader compilation, validation, missing buffer).
-/// The text of a backend error without its prefix, for cached failures.
-fn message(e: Error) -> String {
-    match e {
-        Error::Numr(numr::error::Error::Backend(m)) => m,
-        other => other.to_string(),
-    }
-}
-
-fn backend(msg: String) -> Error {
-    Error::Numr(numr::error::Error::Backend(format!("boostr wgpu: {msg}")))
-}
-
-/// The kernels of one pass: a pipeline per entry point, and their shared
-/// bind group layout.
+/// The kernels of one module: a pipeline per entry point, in the module's
+/// order, and their shared bind group layout.
 #[derive(Debug)]
 struct Pass {
     layout: wgpu::BindGroupLayout,
     pipelines: Vec<wgpu::ComputePipeline>,
 }
 
-/// Forward, or one of the two backward modules.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-enum Module {
-    Forward,
-    BackwardDq,
-    BackwardDkDv,
-}
-
-impl Module {
-    /// Entry points, and (read-only, read-write) storage buffers after the
-    /// two uniforms.
-    fn entries(self) -> (&'static [&'static str], u32, u32) {
-        match self {
-            Module::Forward => (&["attn_fwd"], 3, 3),
-            Module::BackwardDq => (&["attn_bwd_delta", "attn_bwd_dq"], 5, 3),
-            Module::BackwardDkDv => (&["attn_bwd_dkdv"], 6, 2),
-        }
-    }
-}
-
 /// (variant, device, head dim, module).
-type Key = (TypeId, usize, usize, Module);
-/// One cache entry: built once by the first caller, waited for by others; a
-/// failed build is kept as its error.
-type Slot = Arc<OnceLock<std::result::Result<Arc<Pass>, String>>>;
+type Key = (TypeId, usize, usize, &'static str);
 
-fn cache() -> &'static Mutex<HashMap<Key, Slot>> {
-    static CACHE: OnceLock<Mutex<HashMap<Key, Slot>>> = OnceLock::new();
-    CACHE.get_or_init(Default::default)
+static CACHE: LazyLock<KernelCache<Key, Pass>> = LazyLock::new(KernelCache::default);
+
+/// The tiles for `V` at the problem's head dim.
+fn tiles<V: Variant>(p: &Problem) -> std::result::Result<WgslTiles, BackendError> {
+    let default = WgslTiles::for_head_dim(gpu::head_dim(p));
+    gpu::tiles::<V, _>(TARGET, default, p.head_dim, DType::F32)
 }
 
-/// The tiles for `head_dim`: the variant's `tile(..)` overrides when they fit
-/// WebGPU's limits, else the emitter's default.
-fn tiles<V: Variant>(head_dim: usize) -> Result<WgslTiles> {
-    let d = u32::try_from(head_dim).map_err(|_| backend(format!("head dim {head_dim}")))?;
-    let base = WgslTiles::for_head_dim(d);
-    let wanted = WgslTiles {
-        block_q: V::TILE_Q.unwrap_or(base.block_q),
-        block_kv: V::TILE_KV.unwrap_or(base.block_kv),
-        ..base
-    };
-    let tiles = if wanted.validate().is_ok() {
-        wanted
-    } else {
-        base
-    };
-    tiles.validate().map_err(|e| {
-        backend(format!(
-            "head dim {head_dim} has no WGSL tiling within WebGPU limits: {e}"
-        ))
-    })?;
-    Ok(tiles)
-}
-
-/// Runs `f` inside a validation error scope; a validation error becomes `Err`.
-fn scoped<T>(device: &wgpu::Device, what: &str, f: impl FnOnce() -> T) -> Result<T> {
+/// Runs `f` inside a validation error scope; a validation error is `error`
+/// of its message.
+fn scoped<T>(
+    device: &wgpu::Device,
+    f: impl FnOnce() -> T,
+    error: impl FnOnce(String) -> BackendError,
+) -> std::result::Result<T, BackendError> {
     let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
     let value = f();
     match pollster::block_on(scope.pop()) {
         None => Ok(value),
-        Some(e) => Err(backend(format!("{what}: {e}"))),
+        Some(e) => Err(error(e.to_string())),
     }
 }
 
-fn build_pass(device: &wgpu::Device, name: &str, source: &str, module: Module) -> Result<Pass> {
-    let (entries, n_read, n_rw) = module.entries();
-    scoped(device, &format!("compiling {name}"), || {
-        let shader = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-            label: Some(name),
-            source: wgpu::ShaderSource::Wgsl(source.into()),
-        });
-        let uniform = |binding| wgpu::BindGroupLayoutEntry {
-            binding,
-            visibility: wgpu::ShaderStages::COMPUTE,
-            ty: wgpu::BindingType::Buffer {
-                ty: wgpu::BufferBindingType::Uniform,
-                has_dynamic_offset: false,
-                min_binding_size: None,
-            },
-            count: None,
-        };
-        let storage = |binding, read_only| wgpu::BindGroupLayoutEntry {
-            binding,
-            visibility: wgpu::ShaderStages::COMPUTE,
-            ty: wgpu::BindingType::Buffer {
-                ty: wgpu::BufferBindingType::Storage { read_only },
-                has_dynamic_offset: false,
-                min_binding_size: None,
-            },
-            count: None,
-        };
-        let layout_entries: Vec<_> = [uniform(0), uniform(1)]
-            .into_iter()
-            .chain((0..n_read).map(|i| storage(2 + i, true)))
-            .chain((0..n_rw).map(|i| storage(2 + n_read + i, false)))
-            .collect();
-        let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-            label: Some(name),
-            entries: &layout_entries,
-        });
-        let pipeline_layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
-            label: Some(name),
-            bind_group_layouts: &[Some(&layout)],
-            immediate_size: 0,
-        });
-        let pipelines = entries
-            .iter()
-            .map(|entry| {
-                device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                    label: Some(entry),
-                    layout: Some(&pipeline_layout),
-                    module: &shader,
-                    entry_point: Some(entry),
-                    compilation_options: Default::default(),
-                    cache: None,
-                })
-            })
-            .collect();
-        Pass { layout, pipelines }
-    })
+fn layout_entry(binding: u32, b: &Binding) -> wgpu::BindGroupLayoutEntry {
+    let ty = match b {
+        Binding::Params | Binding::Shape => wgpu::BufferBindingType::Uniform,
+        Binding::Storage(_, access) => wgpu::BufferBindingType::Storage {
+            read_only: *access == Access::Read,
+        },
+    };
+    wgpu::BindGroupLayoutEntry {
+        binding,
+        visibility: wgpu::ShaderStages::COMPUTE,
+        ty: wgpu::BindingType::Buffer {
+            ty,
+            has_dynamic_offset: false,
+            min_binding_size: None,
+        },
+        count: None,
+    }
 }
 
-/// The compiled `module` of `V` for `head_dim` on `client`'s device.
-fn pass<V: Variant>(client: &WgpuClient, head_dim: usize, module: Module) -> Result<Arc<Pass>> {
+fn build_pass(
+    device: &wgpu::Device,
+    name: &str,
+    source: &str,
+    module: &Module,
+) -> std::result::Result<Pass, BackendError> {
+    let compile_error = |log: String| BackendError::Compile {
+        target: TARGET,
+        source_name: name.to_string(),
+        log,
+    };
+    scoped(
+        device,
+        || {
+            let shader = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some(name),
+                source: wgpu::ShaderSource::Wgsl(source.into()),
+            });
+            let entries: Vec<_> = (0u32..)
+                .zip(module.bindings)
+                .map(|(i, b)| layout_entry(i, b))
+                .collect();
+            let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                label: Some(name),
+                entries: &entries,
+            });
+            let pipeline_layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                label: Some(name),
+                bind_group_layouts: &[Some(&layout)],
+                immediate_size: 0,
+            });
+            let pipelines = module
+                .entries
+                .iter()
+                .map(|entry| {
+                    device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                        label: Some(entry.name),
+                        layout: Some(&pipeline_layout),
+                        module: &shader,
+                        entry_point: Some(entry.name),
+                        compilation_options: Default::default(),
+                        cache: None,
+                    })
+                })
+                .collect();
+            Pass { layout, pipelines }
+        },
+        compile_error,
+    )
+}
+
+/// The compiled `module` of `V` for the problem's head dim on `client`'s
+/// device.
+fn pass<V: Variant>(
+    client: &WgpuClient,
+    p: &Problem,
+    module: &'static Module,
+) -> Result<Arc<Pass>> {
     let device = client.wgpu_device_arc();
     let key = (
         TypeId::of::<V>(),
         Arc::as_ptr(device) as usize,
-        head_dim,
-        module,
+        p.head_dim,
+        module.name,
     );
-    // Only the slot lookup holds the map's lock (a poisoned lock only means
-    // another launch panicked; the map is intact), so different modules
-    // compile in parallel.
-    let slot = {
-        let mut map = cache().lock().unwrap_or_else(|e| e.into_inner());
-        map.entry(key).or_default().clone()
-    };
-    slot.get_or_init(|| build::<V>(device, head_dim, module).map(Arc::new))
-        .clone()
-        .map_err(|msg| Error::Numr(numr::error::Error::Backend(msg)))
-}
-
-fn build<V: Variant>(
-    device: &wgpu::Device,
-    head_dim: usize,
-    module: Module,
-) -> std::result::Result<Pass, String> {
-    let variant_fns = V::wgsl_variant_functions().ok_or_else(|| {
-        format!(
-            "boostr wgpu: variant `{}` has no WGSL lowering (implement Variant with #[attention])",
-            V::NAME
-        )
-    })?;
-    let cfg = tiles::<V>(head_dim).map_err(message)?;
-    let source = match module {
-        Module::Forward => forward_module_from(variant_fns, &cfg),
-        Module::BackwardDq => backward_modules_from(variant_fns, &cfg).0,
-        Module::BackwardDkDv => backward_modules_from(variant_fns, &cfg).1,
-    };
-    let name = format!("boostr {} {module:?} D={head_dim}", V::NAME);
-    build_pass(device, &name, &source, module).map_err(message)
+    Ok(CACHE.get_or_build(key, || {
+        let section = gpu::lowering::<V>(TARGET)?;
+        let cfg = tiles::<V>(p)?;
+        let source =
+            module_source(section, module, &cfg).map_err(|error| BackendError::Tiling {
+                target: TARGET,
+                head_dim: p.head_dim,
+                dtype: DType::F32,
+                error,
+            })?;
+        let name = format!("boostr {} {} D={}", V::NAME, module.name, p.head_dim);
+        build_pass(device, &name, &source, module)
+    })?)
 }
 
 /// A contiguous f32 tensor at offset 0, so its storage is exactly the view.
@@ -219,24 +173,6 @@ fn input(name: &'static str, t: &Tensor<WgpuRuntime>) -> Result<Tensor<WgpuRunti
 
 fn alloc(shape: &[usize], t: &Tensor<WgpuRuntime>) -> Result<Tensor<WgpuRuntime>> {
     Ok(Tensor::<WgpuRuntime>::empty(shape, DType::F32, t.device())?)
-}
-
-fn buffer(t: &Tensor<WgpuRuntime>) -> Result<Arc<wgpu::Buffer>> {
-    get_buffer(t.storage().ptr()).ok_or_else(|| {
-        backend(format!(
-            "no wgpu buffer for a tensor of shape {:?}",
-            t.shape()
-        ))
-    })
-}
-
-fn workgroups(n: usize, what: &str) -> Result<u32> {
-    if n > MAX_WORKGROUPS {
-        return Err(backend(format!(
-            "{n} workgroups along {what} exceed WebGPU's {MAX_WORKGROUPS}"
-        )));
-    }
-    Ok(n as u32)
 }
 
 /// Loop iterations one invocation may run in one dispatch on Mesa's
@@ -258,15 +194,21 @@ fn tiles_per_dispatch(client: &WgpuClient, cfg: &WgslTiles) -> u32 {
 }
 
 /// The ranges `[begin, end)` covering `0..n` tiles, `per` at a time, with
-/// the kernels' FIRST (1) and LAST (2) flags.
-fn ranges(n: usize, per: u32) -> Vec<(u32, u32, u32)> {
+/// the kernels' `FIRST` and `LAST` flags.
+fn ranges(n: u64, per: u32) -> Vec<(u32, u32, u32)> {
     let n = u32::try_from(n).unwrap_or(u32::MAX);
     let per = per.max(1);
     let mut out = Vec::new();
     let mut begin = 0u32;
     loop {
         let end = begin.saturating_add(per).min(n);
-        let flags = u32::from(begin == 0) | (u32::from(end >= n) << 1);
+        let mut flags = 0;
+        if begin == 0 {
+            flags |= FLAG_FIRST;
+        }
+        if end >= n {
+            flags |= FLAG_LAST;
+        }
         out.push((begin, end, flags));
         if end >= n {
             return out;
@@ -275,97 +217,146 @@ fn ranges(n: usize, per: u32) -> Vec<(u32, u32, u32)> {
     }
 }
 
-/// One kernel over the whole problem: dispatches over consecutive tile
-/// ranges, each with the same grid.
-struct Launch<'a> {
-    pass: &'a Pass,
-    entry: usize,
-    /// Index into the tensor lists of [`run`].
-    group: usize,
-    grid: (u32, u32),
-    /// Tiles the kernel's tile loop covers, and how many per dispatch.
-    tiles: usize,
-    per_dispatch: u32,
+/// The `shape` uniform of one dispatch, in [`SHAPE`]'s order. Sizes fit in
+/// u32: validation bounds them by 2^30.
+fn shape_words(p: &Problem, (begin, end, flags): (u32, u32, u32)) -> [u32; SHAPE_WORDS] {
+    let mut words = [0u32; SHAPE_WORDS];
+    for (w, s) in words.iter_mut().zip(SHAPE) {
+        *w = match s {
+            Scalar::Batch => p.batch as u32,
+            Scalar::HeadsQ => p.heads_q as u32,
+            Scalar::HeadsKv => p.heads_kv as u32,
+            Scalar::SeqQ => p.seq_q as u32,
+            Scalar::SeqK => p.seq_k as u32,
+            Scalar::Scale => p.scale.to_bits(),
+            Scalar::TileBegin => begin,
+            Scalar::TileEnd => end,
+            Scalar::Flags => flags,
+        };
+    }
+    words
 }
 
-/// Binds `params`, `shape` (with each dispatch's tile range) and `tensors`
-/// (in binding order), records `launches` in order, and submits them.
+/// What a binding of a dispatch gets: the parameter block, this dispatch's
+/// `shape`, or a tensor's buffer.
+#[derive(Clone)]
+enum Bound {
+    Params,
+    Shape,
+    Tensor(Arc<wgpu::Buffer>),
+}
+
+/// Binds and dispatches every entry point of `modules`, in order, over
+/// consecutive ranges of its tile loop, and submits them as one command
+/// buffer. Tensors are looked up by role in `tensors`.
 fn run(
     client: &WgpuClient,
-    params: &[u32],
+    params: &ParamWords,
     p: &Problem,
-    groups: &[&[&Tensor<WgpuRuntime>]],
-    launches: &[Launch<'_>],
+    cfg: &WgslTiles,
+    tensors: &[(Buffer, &Tensor<WgpuRuntime>)],
+    modules: &[(&Module, &Pass)],
 ) -> Result<()> {
     let device = client.wgpu_device();
-    let shape = |(begin, end, flags): (u32, u32, u32)| {
-        [
-            p.batch as u32,
-            p.heads_q as u32,
-            p.heads_kv as u32,
-            p.seq_q as u32,
-            p.seq_k as u32,
-            p.scale.to_bits(),
-            begin,
-            end,
-            flags,
-            0,
-            0,
-            0,
-        ]
+    let sizes = gpu::sizes(p);
+    let per_dispatch = tiles_per_dispatch(client, cfg);
+    let launch_error = |kernel: &'static str, reason: String| BackendError::Launch {
+        target: TARGET,
+        kernel,
+        reason,
     };
-    let buffers = groups
-        .iter()
-        .map(|tensors| {
-            tensors
-                .iter()
-                .map(|t| buffer(t))
-                .collect::<Result<Vec<_>>>()
-        })
-        .collect::<Result<Vec<_>>>()?;
-    scoped(device, "launching attention kernels", || {
-        let uniform = |label, words: &[u32]| {
-            let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-            device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: Some(label),
-                contents: &bytes,
-                usage: wgpu::BufferUsages::UNIFORM,
+    // What each binding gets, and every entry's workgroups, before anything
+    // is recorded.
+    let mut plans = Vec::new();
+    for (module, pass) in modules {
+        let kernel = module.entries.first().map_or(module.name, |e| e.name);
+        let bound = module
+            .bindings
+            .iter()
+            .map(|b| match b {
+                Binding::Storage(buf, _) => {
+                    let tensor = tensors
+                        .iter()
+                        .find(|(role, _)| role == buf)
+                        .map(|(_, t)| t)
+                        .ok_or_else(|| {
+                            launch_error(kernel, format!("no tensor is bound to `{}`", buf.name()))
+                        })?;
+                    get_buffer(tensor.storage().ptr())
+                        .map(Bound::Tensor)
+                        .ok_or_else(|| {
+                            launch_error(
+                                kernel,
+                                format!("no wgpu buffer for `{}` {:?}", buf.name(), tensor.shape()),
+                            )
+                        })
+                }
+                Binding::Params => Ok(Bound::Params),
+                Binding::Shape => Ok(Bound::Shape),
             })
-        };
-        let params = uniform("boostr params", params);
-        let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
-            label: Some("boostr attention"),
-        });
-        for l in launches {
-            for range in ranges(l.tiles, l.per_dispatch) {
-                let shape = uniform("boostr shape", &shape(range));
-                let entries: Vec<_> = [&params, &shape]
-                    .into_iter()
-                    .chain(buffers[l.group].iter().map(|b| &**b))
-                    .enumerate()
-                    .map(|(i, b)| wgpu::BindGroupEntry {
-                        binding: i as u32,
-                        resource: b.as_entire_binding(),
-                    })
-                    .collect();
-                let bind_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
-                    label: Some("boostr attention"),
-                    layout: &l.pass.layout,
-                    entries: &entries,
-                });
-                let mut cpass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                    label: Some("boostr attention"),
-                    timestamp_writes: None,
-                });
-                cpass.set_pipeline(&l.pass.pipelines[l.entry]);
-                cpass.set_bind_group(0, &bind_group, &[]);
-                cpass.dispatch_workgroups(l.grid.0, l.grid.1, 1);
-            }
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        for (i, entry) in module.entries.iter().enumerate() {
+            let grid = entry
+                .workgroups(cfg, &sizes)
+                .map_err(|e| launch_error(entry.name, e.to_string()))?;
+            let ranges = ranges(entry.tile_count(cfg, &sizes), per_dispatch);
+            plans.push((module, pass, bound.clone(), i, grid, ranges));
         }
-        client
-            .wgpu_queue()
-            .submit(std::iter::once(encoder.finish()));
-    })
+    }
+    scoped(
+        device,
+        || {
+            let uniform = |label, bytes: &[u8]| {
+                device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some(label),
+                    contents: bytes,
+                    usage: wgpu::BufferUsages::UNIFORM,
+                })
+            };
+            let params = uniform("boostr params", &params.to_le_bytes());
+            let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("boostr attention"),
+            });
+            for (module, pass, bound, entry, grid, ranges) in &plans {
+                for &range in ranges {
+                    let words = shape_words(p, range);
+                    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+                    let shape = uniform("boostr shape", &bytes);
+                    let entries: Vec<_> = (0u32..)
+                        .zip(bound)
+                        .map(|(binding, b)| wgpu::BindGroupEntry {
+                            binding,
+                            resource: match b {
+                                Bound::Params => params.as_entire_binding(),
+                                Bound::Shape => shape.as_entire_binding(),
+                                Bound::Tensor(buffer) => buffer.as_entire_binding(),
+                            },
+                        })
+                        .collect();
+                    let bind_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
+                        label: Some(module.name),
+                        layout: &pass.layout,
+                        entries: &entries,
+                    });
+                    let mut cpass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                        label: Some(module.entries[*entry].name),
+                        timestamp_writes: None,
+                    });
+                    cpass.set_pipeline(&pass.pipelines[*entry]);
+                    cpass.set_bind_group(0, &bind_group, &[]);
+                    cpass.dispatch_workgroups(grid.0, grid.1, 1);
+                }
+            }
+            client
+                .wgpu_queue()
+                .submit(std::iter::once(encoder.finish()));
+        },
+        |reason| {
+            let kernel = modules.first().map_or("attention", |(m, _)| m.name);
+            launch_error(kernel, reason)
+        },
+    )?;
+    Ok(())
 }
 
 impl AttentionRuntime for WgpuRuntime {
@@ -378,31 +369,26 @@ impl AttentionRuntime for WgpuRuntime {
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
         let (q, k, v) = (input("q", q)?, input("k", k)?, input("v", v)?);
         let client = WgpuRuntime::default_client(q.device());
-        let fwd = pass::<V>(&client, p.head_dim, Module::Forward)?;
-        let cfg = tiles::<V>(p.head_dim)?;
+        let fwd = pass::<V>(&client, p, &kernels::FORWARD)?;
+        let cfg = tiles::<V>(p)?;
         let out = alloc(q.shape(), &q)?;
         let lse = alloc(&[p.batch, p.heads_q, p.seq_q], &q)?;
-        let rows = cfg.workgroup_size as usize;
         // Running (max, sum) per row between dispatches.
         let stats = alloc(&[p.batch, p.heads_q, p.seq_q, 2], &q)?;
-        let grid = (
-            // One invocation per query row.
-            workgroups(p.seq_q.div_ceil(rows), "Sq")?,
-            workgroups(p.batch * p.heads_q, "B·Hq")?,
-        );
         run(
             &client,
-            &variant.wgsl_params(),
+            &variant.param_words(),
             p,
-            &[&[&q, &k, &v, &out, &lse, &stats]],
-            &[Launch {
-                pass: &fwd,
-                entry: 0,
-                group: 0,
-                grid,
-                tiles: p.seq_k.div_ceil(cfg.block_kv as usize),
-                per_dispatch: tiles_per_dispatch(&client, &cfg),
-            }],
+            &cfg,
+            &[
+                (Buffer::Q, &q),
+                (Buffer::K, &k),
+                (Buffer::V, &v),
+                (Buffer::Out, &out),
+                (Buffer::Lse, &lse),
+                (Buffer::Stats, &stats),
+            ],
+            &[(&kernels::FORWARD, &fwd)],
         )?;
         Ok((out, lse))
     }
@@ -424,58 +410,35 @@ impl AttentionRuntime for WgpuRuntime {
         let lse = input("lse", lse)?;
         let dout = input("dout", dout)?;
         let client = WgpuRuntime::default_client(q.device());
-        let dq_pass = pass::<V>(&client, p.head_dim, Module::BackwardDq)?;
-        let dkdv_pass = pass::<V>(&client, p.head_dim, Module::BackwardDkDv)?;
-        let cfg = tiles::<V>(p.head_dim)?;
+        let passes = kernels::BACKWARD
+            .iter()
+            .map(|module| Ok((*module, pass::<V>(&client, p, module)?)))
+            .collect::<Result<Vec<_>>>()?;
+        let cfg = tiles::<V>(p)?;
         let delta = alloc(&[p.batch, p.heads_q, p.seq_q], &q)?;
         let stats = alloc(&[p.batch, p.heads_q, p.seq_q, 2], &q)?;
         let dq = alloc(q.shape(), &q)?;
         let dk = alloc(k.shape(), &k)?;
         let dv = alloc(v.shape(), &v)?;
-        let per_dispatch = tiles_per_dispatch(&client, &cfg);
-        // The dQ-side kernels loop over staged key tiles, the dK/dV kernel
-        // over staged query tiles; both run one invocation per row of the
-        // other side.
-        let key_tiles = p.seq_k.div_ceil(cfg.block_kv as usize);
-        let query_tiles = p.seq_q.div_ceil(cfg.block_q as usize);
-        let rows = cfg.workgroup_size as usize;
-        let dq_grid = (
-            workgroups(p.seq_q.div_ceil(rows), "Sq")?,
-            workgroups(p.batch * p.heads_q, "B·Hq")?,
-        );
-        let dkdv_grid = (
-            workgroups(p.seq_k.div_ceil(rows), "Sk")?,
-            workgroups(p.batch * p.heads_kv, "B·Hkv")?,
-        );
-        let over_keys = |entry| Launch {
-            pass: &dq_pass,
-            entry,
-            group: 0,
-            grid: dq_grid,
-            tiles: key_tiles,
-            per_dispatch,
-        };
+        let modules: Vec<(&Module, &Pass)> = passes.iter().map(|(m, pass)| (*m, &**pass)).collect();
         run(
             &client,
-            &variant.wgsl_params(),
+            &variant.param_words(),
             p,
+            &cfg,
             &[
-                &[&q, &k, &v, &dout, &lse, &delta, &dq, &stats],
-                &[&q, &k, &v, &dout, &lse, &delta, &dk, &dv],
+                (Buffer::Q, &q),
+                (Buffer::K, &k),
+                (Buffer::V, &v),
+                (Buffer::Dout, &dout),
+                (Buffer::Lse, &lse),
+                (Buffer::Delta, &delta),
+                (Buffer::Dq, &dq),
+                (Buffer::Dk, &dk),
+                (Buffer::Dv, &dv),
+                (Buffer::Stats, &stats),
             ],
-            &[
-                over_keys(0),
-                over_keys(1),
-                Launch {
-                    pass: &dkdv_pass,
-                    entry: 0,
-                    group: 1,
-                    grid: dkdv_grid,
-                    // (query head of the GQA group, query tile) pairs.
-                    tiles: p.group() * query_tiles,
-                    per_dispatch,
-                },
-            ],
+            &modules,
         )?;
         Ok((dq, dk, dv))
     }

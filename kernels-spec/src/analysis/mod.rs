@@ -45,6 +45,7 @@ pub fn analyze(name: &str, checked: Checked, tile: Option<TileOverride>) -> Prog
         score_is_identity: score.body.kind == ExprKind::Arg(Arg::S),
         has_mask,
         params: checked.params,
+        layout: checked.layout,
         score,
         score_grad,
         mask,

@@ -3,16 +3,16 @@
 //! Lowers the mask `mask(b, h, q, kv) -> bool` to a classifier
 //! `classify(b, h, q_lo, q_hi, kv_lo, kv_hi) -> i32` that runs once per
 //! (query tile, key tile) with the variant's parameter values, on every
-//! target, and answers [`EMPTY`](tile_class::EMPTY) (no pair visible),
-//! [`FULL`](tile_class::FULL) (every pair visible) or
-//! [`PARTIAL`](tile_class::PARTIAL). The classifier is ordinary IR, so every
+//! target, and answers [`Empty`](TileClass::Empty) (no pair visible),
+//! [`Full`](TileClass::Full) (every pair visible) or
+//! [`Partial`](TileClass::Partial). The classifier is ordinary IR, so every
 //! emitter emits it like any other function.
 //!
 //! Abstract values: an `i32` value is an interval `[lo, hi]` of IR
 //! expressions; a bool is the pair (can be true, can be false); `f32` and
 //! `u32` values are not tracked (unknown). Soundness: every concrete value
-//! (with the IR's wrapping semantics) lies in its interval, so `EMPTY` and
-//! `FULL` are proofs. Overflow: each interval also carries a static range,
+//! (with the IR's wrapping semantics) lies in its interval, so `Empty` and
+//! `Full` are proofs. Overflow: each interval also carries a static range,
 //! derived from the kernels' bounds on positions (|q|, kv, b, h < 2^30) and
 //! full `i32` for parameters; where the static range proves an operation
 //! cannot overflow it is emitted as plain arithmetic, otherwise the bounds
@@ -27,7 +27,7 @@
 
 use super::build::{self, and, call, eq, le, let_, lt, not, or, select, sub};
 use crate::ir::{
-    Arg, BinOp, Builtin, Const, Expr, ExprKind, Function, Local, ParamDecl, Ty, UnOp, tile_class,
+    Arg, BinOp, Builtin, Const, Expr, ExprKind, Function, Local, ParamDecl, TileClass, Ty, UnOp,
 };
 use std::collections::HashMap;
 
@@ -42,7 +42,7 @@ const I32_MAX: i64 = i32::MAX as i64;
 pub fn classifier(mask: Option<&Function>, params: &[ParamDecl]) -> Function {
     let args = vec![Arg::B, Arg::H, Arg::QLo, Arg::QHi, Arg::KvLo, Arg::KvHi];
     let body = match mask {
-        None => Expr::i32(tile_class::FULL),
+        None => Expr::i32(TileClass::Full.code()),
         Some(mask) => {
             let mut cx = Interval {
                 params,
@@ -57,11 +57,11 @@ pub fn classifier(mask: Option<&Function>, params: &[ParamDecl]) -> Function {
             };
             let class = select(
                 not(t),
-                Expr::i32(tile_class::EMPTY),
+                Expr::i32(TileClass::Empty.code()),
                 select(
                     not(f),
-                    Expr::i32(tile_class::FULL),
-                    Expr::i32(tile_class::PARTIAL),
+                    Expr::i32(TileClass::Full.code()),
+                    Expr::i32(TileClass::Partial.code()),
                 ),
             );
             cx.bindings

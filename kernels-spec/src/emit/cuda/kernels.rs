@@ -1,7 +1,11 @@
-//! The attention kernels: CUDA C text templates around the lowered variant
-//! functions. Each template uses only the constants [`header`] writes from a
-//! [`CudaTiles`] (tile sizes, strides, shared-memory offsets), plus the
-//! element-type definitions it selects for the dtype.
+//! The attention kernels: one [`Kernel`] description each (entry point,
+//! arguments, launch geometry) and its body, a CUDA C text template around
+//! the lowered variant functions. A source writes each kernel's signature
+//! from its description, then the body. Each template uses only the
+//! constants [`header`] writes from a [`CudaTiles`] (tile sizes, strides,
+//! shared-memory offsets, tile classes), plus the element-type definitions
+//! it selects for the dtype, and the arguments by the names the description
+//! gives them.
 //!
 //! Layout (contiguous): `q, out, dout, dq: [B, Hq, Sq, D]`,
 //! `k, v, dk, dv: [B, Hkv, Sk, D]` of the element type; `lse, delta:
@@ -30,7 +34,10 @@
 //! stays ≈ 0 even at logits ~1e4, where a one-ulp difference in `s` would
 //! be a relative error of ~1e-3 in `P`.
 
-use super::{CudaDType, CudaTiles, SmemLayout};
+use super::interface::{Kernel, Module, Size, Smem, Threads};
+use super::{Cuda, CudaDType, CudaTiles, SmemLayout};
+use crate::emit::gpu::tile_class_constants;
+use crate::emit::interface::{Arg, Buffer, Dim, Extent, Scalar};
 
 /// The constants and element type a template is written against.
 pub fn header(cfg: &CudaTiles) -> String {
@@ -59,7 +66,11 @@ pub fn header(cfg: &CudaTiles) -> String {
         ),
         ("BQ", cfg.block_q, "forward: query rows per block"),
         ("BKV", cfg.block_kv, "forward: keys per tile"),
-        ("FWD_THREADS", cfg.threads(), "forward: threads per block"),
+        (
+            Threads::Forward.constant(),
+            cfg.threads(),
+            "forward: threads per block",
+        ),
         (
             "FWD_LDS",
             CudaTiles::score_stride(cfg.block_kv),
@@ -73,7 +84,7 @@ pub fn header(cfg: &CudaTiles) -> String {
         ("BBQ", cfg.bwd_block_q, "backward: query rows per tile"),
         ("BBKV", cfg.bwd_block_kv, "backward: keys per tile"),
         (
-            "BWD_THREADS",
+            Threads::Backward.constant(),
             cfg.bwd_threads(),
             "backward: threads per block",
         ),
@@ -88,7 +99,7 @@ pub fn header(cfg: &CudaTiles) -> String {
             "backward: 16-bit P/dS row stride",
         ),
         (
-            "DELTA_THREADS",
+            Threads::Delta.constant(),
             super::DELTA_THREADS,
             "D_i pre-pass: threads per block",
         ),
@@ -112,6 +123,8 @@ pub fn header(cfg: &CudaTiles) -> String {
             layout.bytes()
         ));
     }
+    s.push_str("// ---- tile classes (the classifier's codes) ----\n");
+    s.push_str(&tile_class_constants::<Cuda>());
     s.push_str(match cfg.dtype {
         CudaDType::F32 => ELEM_F32,
         CudaDType::F16 => ELEM_F16,
@@ -299,11 +312,11 @@ __device__ __forceinline__ void bx_dot_tile(const elem_t* A, const elem_t* B, fl
 #endif
 }
 
-// Whether (query row q0 + i, key k0 + j) exists and is visible. FULL tiles
-// (cls == 2) skip the mask.
+// Whether (query row q0 + i, key k0 + j) exists and is visible. Full tiles
+// (TILE_FULL) skip the mask.
 __device__ __forceinline__ bool bx_visible(const Params& params, int cls, int b, int h, int qi, int kj,
                                            int seq_q, int seq_k, int qp, int kp) {
-    return qi < seq_q && kj < seq_k && (cls == 2 || variant_mask(params, b, h, qp, kp));
+    return qi < seq_q && kj < seq_k && (cls == TILE_FULL || variant_mask(params, b, h, qp, kp));
 }
 
 // The one place a raw dot product becomes a score, in every kernel: x = the
@@ -431,8 +444,7 @@ struct BxAcc {
 #endif
 "#;
 
-/// [`super::FORWARD_KERNEL`]: one block per (query tile, query head, batch).
-pub const FORWARD: &str = r#"
+const FORWARD_PREAMBLE: &str = r#"
 // ---- forward (FlashAttention-2 schedule) ----
 // Online softmax over one tile of scores, one warp per row: turns scores
 // into probabilities exp(s - m_new) (in S, and as 16-bit in P on tensor
@@ -472,15 +484,9 @@ __device__ __forceinline__ void bx_online_softmax(float* S, elem_t* P, float* ro
         }
     }
 }
+"#;
 
-// Arguments: q, k, v, out, lse, batch, heads_q, heads_kv, seq_q, seq_k,
-// scale, params. Grid (ceil(seq_q / BQ), heads_q, batch), block FWD_THREADS,
-// dynamic shared memory FWD_SMEM_BYTES.
-extern "C" __global__ void __launch_bounds__(FWD_THREADS, 1)
-boostr_attn_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
-                elem_t* __restrict__ out, float* __restrict__ lse,
-                int batch, int heads_q, int heads_kv, int seq_q, int seq_k, float scale, Params params) {
-    extern __shared__ __align__(16) unsigned char bx_smem[];
+const FORWARD_BODY: &str = r#"    extern __shared__ __align__(16) unsigned char bx_smem[];
     elem_t* sQ = reinterpret_cast<elem_t*>(bx_smem + FWD_Q);
     elem_t* sK = reinterpret_cast<elem_t*>(bx_smem + FWD_K);
     elem_t* sV = reinterpret_cast<elem_t*>(bx_smem + FWD_V);
@@ -519,7 +525,7 @@ boostr_attn_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, cons
     for (int kt = 0; kt < n_kt; ++kt) {
         const int k0 = kt * BKV;
         const int cls = variant_classify(params, b, h, q_lo, q_hi, k0, min(k0 + BKV, seq_k) - 1);
-        if (cls == 0) continue; // EMPTY: nothing visible (uniform over the block)
+        if (cls == TILE_EMPTY) continue; // nothing visible (uniform over the block)
         __syncthreads(); // the previous tile's readers of K, V, S, P are done
         bx_load_rows<BKV, FWD_THREADS>(sK, k + (kv_row0 + k0) * D, seq_k - k0);
         bx_load_rows<BKV, FWD_THREADS>(sV, v + (kv_row0 + k0) * D, seq_k - k0);
@@ -553,25 +559,8 @@ boostr_attn_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, cons
 }
 "#;
 
-/// [`super::DELTA_KERNEL`], [`super::DQ_KERNEL`], [`super::DKDV_KERNEL`].
-pub const BACKWARD: &str = r#"
+const BACKWARD_PREAMBLE: &str = r#"
 // ---- backward ----
-// Arguments: out, dout, delta, batch, heads_q, seq_q. One warp per row:
-// delta = rowsum(dout ∘ out) in f32. Grid (ceil(batch·heads_q·seq_q /
-// (DELTA_THREADS / 32))), block DELTA_THREADS, no dynamic shared memory.
-extern "C" __global__ void __launch_bounds__(DELTA_THREADS)
-boostr_attn_bwd_delta(const elem_t* __restrict__ out, const elem_t* __restrict__ dout, float* __restrict__ delta,
-                      int batch, int heads_q, int seq_q) {
-    const long long rows = (long long)batch * heads_q * seq_q;
-    const long long row = (long long)blockIdx.x * (DELTA_THREADS / 32) + (threadIdx.x >> 5);
-    if (row >= rows) return; // whole warps leave together
-    const int lane = threadIdx.x & 31;
-    const size_t base = (size_t)row * D;
-    float s = 0.0f;
-    for (int d = lane; d < D; d += 32) s = fmaf(bx_to_f32(dout[base + d]), bx_to_f32(out[base + d]), s);
-    s = bx_warp_sum(s);
-    if (lane == 0) delta[row] = s;
-}
 
 // The gradient tile of one (query tile, key tile), shared by dQ and dK/dV:
 // recompute each score with the forward's code (bx_dot_tile + bx_score_at),
@@ -632,17 +621,21 @@ __device__ __forceinline__ void bx_grad_tile(float* S, float* dP, elem_t* Pe, el
     elem_t* sdSe = sdP;                                                             \
     constexpr int LDA = BWD_LDS;
 #endif
+"#;
 
-// Arguments: q, k, v, dout, lse, delta, dq, batch, heads_q, heads_kv, seq_q,
-// seq_k, scale, params. One block per query tile: dQ = scale·Σ_kv dS·K.
-// Grid (ceil(seq_q / BBQ), heads_q, batch), block BWD_THREADS, dynamic
-// shared memory BWD_SMEM_BYTES.
-extern "C" __global__ void __launch_bounds__(BWD_THREADS, 1)
-boostr_attn_bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
-                   const elem_t* __restrict__ dout, const float* __restrict__ lse,
-                   const float* __restrict__ delta, elem_t* __restrict__ dq,
-                   int batch, int heads_q, int heads_kv, int seq_q, int seq_k, float scale, Params params) {
-    BX_BWD_SMEM
+const DELTA_BODY: &str = r#"    const long long rows = (long long)batch * heads_q * seq_q;
+    const long long row = (long long)blockIdx.x * (DELTA_THREADS / 32) + (threadIdx.x >> 5);
+    if (row >= rows) return; // whole warps leave together
+    const int lane = threadIdx.x & 31;
+    const size_t base = (size_t)row * D;
+    float s = 0.0f;
+    for (int d = lane; d < D; d += 32) s = fmaf(bx_to_f32(dout[base + d]), bx_to_f32(out[base + d]), s);
+    s = bx_warp_sum(s);
+    if (lane == 0) delta[row] = s;
+}
+"#;
+
+const DQ_BODY: &str = r#"    BX_BWD_SMEM
     BX_BWD_OPERANDS
     (void)batch;
     const int q0 = blockIdx.x * BBQ;
@@ -666,7 +659,7 @@ boostr_attn_bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, c
     for (int kt = 0; kt < n_kt; ++kt) {
         const int k0 = kt * BBKV;
         const int cls = variant_classify(params, b, h, q_lo, q_hi, k0, min(k0 + BBKV, seq_k) - 1);
-        if (cls == 0) continue;
+        if (cls == TILE_EMPTY) continue;
         __syncthreads();
         bx_load_rows<BBKV, BWD_THREADS>(sK, k + (kv_row0 + k0) * D, seq_k - k0);
         bx_load_rows<BBKV, BWD_THREADS>(sV, v + (kv_row0 + k0) * D, seq_k - k0);
@@ -680,19 +673,9 @@ boostr_attn_bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, c
     }
     acc.store(dq + q_row0 * D, seq_q - q0, nullptr, scale);
 }
+"#;
 
-// Arguments: q, k, v, dout, lse, delta, dk, dv, batch, heads_q, heads_kv,
-// seq_q, seq_k, scale, params. One block per key tile of one kv head,
-// looping over every query tile of every query head of its GQA group:
-// dV = Σ Pᵀ·dO, dK = scale·Σ dSᵀ·Q. Keys no query sees get exact zeros.
-// Grid (ceil(seq_k / BBKV), heads_kv, batch), block BWD_THREADS, dynamic
-// shared memory BWD_SMEM_BYTES.
-extern "C" __global__ void __launch_bounds__(BWD_THREADS, 1)
-boostr_attn_bwd_dkdv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
-                     const elem_t* __restrict__ dout, const float* __restrict__ lse,
-                     const float* __restrict__ delta, elem_t* __restrict__ dk, elem_t* __restrict__ dv,
-                     int batch, int heads_q, int heads_kv, int seq_q, int seq_k, float scale, Params params) {
-    BX_BWD_SMEM
+const DKDV_BODY: &str = r#"    BX_BWD_SMEM
     BX_BWD_OPERANDS
     (void)batch;
     const int k0 = blockIdx.x * BBKV;
@@ -719,7 +702,7 @@ boostr_attn_bwd_dkdv(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
             const int q_lo = q0 + offset;
             const int q_hi = min(q0 + BBQ, seq_q) - 1 + offset;
             const int cls = variant_classify(params, b, h, q_lo, q_hi, k0, kv_hi);
-            if (cls == 0) continue;
+            if (cls == TILE_EMPTY) continue;
             __syncthreads(); // K/V loaded; the previous tile's readers are done
             bx_load_rows<BBQ, BWD_THREADS>(sQ, q + (q_head0 + q0) * D, seq_q - q0);
             bx_load_rows<BBQ, BWD_THREADS>(sdO, dout + (q_head0 + q0) * D, seq_q - q0);
@@ -740,3 +723,132 @@ boostr_attn_bwd_dkdv(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
     acc_v.store(dv + kv_row0 * D, seq_k - k0, nullptr, 1.0f);
 }
 "#;
+
+/// The forward: one block per (query tile, query head, batch) computes
+/// `out` and `lse` for its `BQ` rows, streaming every key tile that the
+/// classifier does not prove empty.
+pub const FORWARD: Kernel = Kernel {
+    entry: "boostr_attn_fwd",
+    args: &[
+        Arg::read(Buffer::Q),
+        Arg::read(Buffer::K),
+        Arg::read(Buffer::V),
+        Arg::write(Buffer::Out),
+        Arg::write(Buffer::Lse),
+        Arg::Scalar(Scalar::Batch),
+        Arg::Scalar(Scalar::HeadsQ),
+        Arg::Scalar(Scalar::HeadsKv),
+        Arg::Scalar(Scalar::SeqQ),
+        Arg::Scalar(Scalar::SeqK),
+        Arg::Scalar(Scalar::Scale),
+        Arg::Params,
+    ],
+    grid: [
+        Extent::Tiles(Dim::SeqQ, Size::BlockQ),
+        Extent::Dim(Dim::HeadsQ),
+        Extent::Dim(Dim::Batch),
+    ],
+    threads: Threads::Forward,
+    smem: Smem::Forward,
+    min_blocks: Some(1),
+};
+
+/// The backward's pre-pass, run first: `delta = rowsum(dout ∘ out)` in f32,
+/// one warp per row.
+pub const DELTA: Kernel = Kernel {
+    entry: "boostr_attn_bwd_delta",
+    args: &[
+        Arg::read(Buffer::Out),
+        Arg::read(Buffer::Dout),
+        Arg::write(Buffer::Delta),
+        Arg::Scalar(Scalar::Batch),
+        Arg::Scalar(Scalar::HeadsQ),
+        Arg::Scalar(Scalar::SeqQ),
+    ],
+    grid: [
+        Extent::Tiles(Dim::Rows, Size::DeltaRows),
+        Extent::One,
+        Extent::One,
+    ],
+    threads: Threads::Delta,
+    smem: Smem::None,
+    min_blocks: None,
+};
+
+/// dQ: one block per (query tile, query head, batch), `dQ = scale·Σ_kv dS·K`
+/// over the key tiles the classifier does not prove empty.
+pub const DQ: Kernel = Kernel {
+    entry: "boostr_attn_bwd_dq",
+    args: &[
+        Arg::read(Buffer::Q),
+        Arg::read(Buffer::K),
+        Arg::read(Buffer::V),
+        Arg::read(Buffer::Dout),
+        Arg::read(Buffer::Lse),
+        Arg::read(Buffer::Delta),
+        Arg::write(Buffer::Dq),
+        Arg::Scalar(Scalar::Batch),
+        Arg::Scalar(Scalar::HeadsQ),
+        Arg::Scalar(Scalar::HeadsKv),
+        Arg::Scalar(Scalar::SeqQ),
+        Arg::Scalar(Scalar::SeqK),
+        Arg::Scalar(Scalar::Scale),
+        Arg::Params,
+    ],
+    grid: [
+        Extent::Tiles(Dim::SeqQ, Size::BwdBlockQ),
+        Extent::Dim(Dim::HeadsQ),
+        Extent::Dim(Dim::Batch),
+    ],
+    threads: Threads::Backward,
+    smem: Smem::Backward,
+    min_blocks: Some(1),
+};
+
+/// dK and dV: one block per (key tile, kv head, batch), looping over every
+/// query tile of every query head of its GQA group: `dV = Σ Pᵀ·dO`,
+/// `dK = scale·Σ dSᵀ·Q`. Keys no query sees get exact zeros.
+pub const DKDV: Kernel = Kernel {
+    entry: "boostr_attn_bwd_dkdv",
+    args: &[
+        Arg::read(Buffer::Q),
+        Arg::read(Buffer::K),
+        Arg::read(Buffer::V),
+        Arg::read(Buffer::Dout),
+        Arg::read(Buffer::Lse),
+        Arg::read(Buffer::Delta),
+        Arg::write(Buffer::Dk),
+        Arg::write(Buffer::Dv),
+        Arg::Scalar(Scalar::Batch),
+        Arg::Scalar(Scalar::HeadsQ),
+        Arg::Scalar(Scalar::HeadsKv),
+        Arg::Scalar(Scalar::SeqQ),
+        Arg::Scalar(Scalar::SeqK),
+        Arg::Scalar(Scalar::Scale),
+        Arg::Params,
+    ],
+    grid: [
+        Extent::Tiles(Dim::SeqK, Size::BwdBlockKv),
+        Extent::Dim(Dim::HeadsKv),
+        Extent::Dim(Dim::Batch),
+    ],
+    threads: Threads::Backward,
+    smem: Smem::Backward,
+    min_blocks: Some(1),
+};
+
+/// The forward translation unit: [`FORWARD`].
+pub const FORWARD_MODULE: Module = Module {
+    name: "fwd",
+    preamble: FORWARD_PREAMBLE,
+    kernels: &[(&FORWARD, FORWARD_BODY)],
+};
+
+/// The backward translation unit: [`DELTA`] (run first), then [`DQ`] and
+/// [`DKDV`], which are independent of each other (both read `delta`). No
+/// kernel uses atomics: the backward is deterministic.
+pub const BACKWARD_MODULE: Module = Module {
+    name: "bwd",
+    preamble: BACKWARD_PREAMBLE,
+    kernels: &[(&DELTA, DELTA_BODY), (&DQ, DQ_BODY), (&DKDV, DKDV_BODY)],
+};

@@ -1,9 +1,9 @@
 //! The CUDA target: IR → self-contained CUDA C translation units for NVRTC.
 //!
-//! - [`ast`]: a small typed CUDA C representation with `Display`;
-//! - [`lower`]: the four variant functions (`score`, `score_grad`, `mask`,
-//!   `classify`) and the helpers that give CUDA C the IR's semantics;
-//! - [`kernels`]: the attention kernels, text templates around them.
+//! - [`dialect`]: how CUDA C writes the shared GPU lowering
+//!   ([`crate::emit::gpu`]), and the helpers that give it the IR's semantics;
+//! - [`interface`]: how a kernel is described (arguments, launch geometry);
+//! - [`kernels`]: the kernels, each a description and a text template.
 //!
 //! The sources include no header (NVRTC ships none of `cuda_fp16.h`,
 //! `cuda_bf16.h` or `mma.h` without a CUDA toolkit): half and bfloat16
@@ -13,77 +13,48 @@
 //! with `--gpu-architecture=compute_80` (or `sm_80`) or newer, `-std=c++17`,
 //! and without `-use_fast_math`.
 //!
-//! # Building a source for (variant, head dim, dtype)
+//! # Building and launching a module for (variant, head dim, dtype)
 //!
 //! ```text
-//! let fns = V::cuda_variant_functions()?;            // or variant_functions(&program)
-//! let cfg = CudaTiles::for_problem(head_dim, dtype);  // validated defaults
-//! let fwd = forward_source(fns, &cfg, dtype);         // entry FORWARD_KERNEL
-//! let bwd = backward_source(fns, &cfg, dtype);        // DELTA_KERNEL, DQ_KERNEL, DKDV_KERNEL
+//! let section = variant_section::<Cuda>(&program);     // or the variant's CUDA lowering
+//! let cfg = choose_tiles(CudaTiles::for_problem(d, dtype), tile_q, tile_kv)?;
+//! let src = source(&section, &[&kernels::FORWARD_MODULE], &cfg)?;
+//! for kernel in kernels::FORWARD_MODULE.interfaces() {
+//!     let dims = kernel.launch_dims(&cfg, &sizes)?;   // grid, block, shared memory
+//!     // arguments: kernel.args, in order, by role
+//! }
 //! ```
 //!
-//! # Kernels (argument order, launch configuration)
+//! Every kernel's launch contract is its [`interface::Kernel`] (`Display`
+//! writes it): [`kernels::FORWARD`], and for the backward [`kernels::DELTA`]
+//! (first), then [`kernels::DQ`] and [`kernels::DKDV`]. Buffers are
+//! contiguous; `E` is the element type: `float` for [`CudaDType::F32`], the
+//! 16-bit pattern (`unsigned short`) for [`CudaDType::F16`]/[`CudaDType::Bf16`];
+//! `lse` and `delta` are f32. `int` arguments are 32-bit, pointers 64-bit;
+//! `params` is the 128-byte `Params` struct by value
+//! ([`ParamWords`](crate::params::ParamWords)). `B, Hq, Hkv ≤ 65535` (grid
+//! y/z), `Hq % Hkv == 0`.
 //!
-//! `E` is the element type: `float` for [`CudaDType::F32`], the 16-bit
-//! pattern (`unsigned short`) for [`CudaDType::F16`]/[`CudaDType::Bf16`].
-//! All tensors contiguous: `q, out, dout, dq: [B, Hq, Sq, D]`,
-//! `k, v, dk, dv: [B, Hkv, Sk, D]` of `E`; `lse, delta: [B, Hq, Sq]` of f32.
-//! `int` arguments are 32-bit, `float` 32-bit, pointers 64-bit; `params` is
-//! the 128-byte [`Params`](lower::params_struct) struct by value: the u32
-//! words of `Variant::wgsl_params()` zero-padded to [`PARAM_WORDS`].
-//! `B, Hq, Hkv ≤ 65535` (grid y/z), `Hq % Hkv == 0`.
-//!
-//! - [`FORWARD_KERNEL`] `(const E* q, const E* k, const E* v, E* out,
-//!   float* lse, int batch, int heads_q, int heads_kv, int seq_q, int seq_k,
-//!   float scale, Params params)`: grid `(ceil(Sq / block_q), Hq, B)`, block
-//!   `(32·warps, 1, 1)`, dynamic shared memory
-//!   [`CudaTiles::forward_smem_bytes`].
-//! - [`DELTA_KERNEL`] `(const E* out, const E* dout, float* delta,
-//!   int batch, int heads_q, int seq_q)`: `delta = rowsum(dout ∘ out)`; grid
-//!   `(ceil(B·Hq·Sq / DELTA_ROWS_PER_BLOCK), 1, 1)`, block
-//!   `(DELTA_THREADS, 1, 1)`, no dynamic shared memory. Run first.
-//! - [`DQ_KERNEL`] `(const E* q, const E* k, const E* v, const E* dout,
-//!   const float* lse, const float* delta, E* dq, int batch, int heads_q,
-//!   int heads_kv, int seq_q, int seq_k, float scale, Params params)`: grid
-//!   `(ceil(Sq / bwd_block_q), Hq, B)`, block `(32·bwd_warps, 1, 1)`, dynamic
-//!   shared memory [`CudaTiles::dq_smem_bytes`].
-//! - [`DKDV_KERNEL`] `(const E* q, const E* k, const E* v, const E* dout,
-//!   const float* lse, const float* delta, E* dk, E* dv, int batch,
-//!   int heads_q, int heads_kv, int seq_q, int seq_k, float scale,
-//!   Params params)`: grid `(ceil(Sk / bwd_block_kv), Hkv, B)`, block
-//!   `(32·bwd_warps, 1, 1)`, dynamic shared memory
-//!   [`CudaTiles::dkdv_smem_bytes`].
-//!
-//! Every dynamic shared memory size may exceed 48 KiB: before the first
-//! launch set `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES` to it
+//! Dynamic shared memory may exceed 48 KiB: before the first launch set
+//! `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES` to it
 //! (`cuFuncSetAttribute`); [`CudaTiles::validate`] keeps it within
-//! [`MAX_SMEM_BYTES`]. The dQ and dK/dV kernels are independent of each
-//! other (both read `delta`), and no kernel uses atomics: the backward is
+//! [`MAX_SMEM_BYTES`]. No kernel uses atomics: the backward is
 //! deterministic.
 
-pub mod ast;
+pub mod dialect;
+pub mod interface;
 pub mod kernels;
-pub mod lower;
 
-use crate::ir::Program;
+use self::interface::{Module, Size};
+use super::{Tiling, TilingError};
 
-/// Entry point of the forward kernel.
-pub const FORWARD_KERNEL: &str = "boostr_attn_fwd";
-/// Entry point of the `D_i = rowsum(dO ∘ O)` pre-pass of the backward.
-pub const DELTA_KERNEL: &str = "boostr_attn_bwd_delta";
-/// Entry point of the dQ kernel of the backward.
-pub const DQ_KERNEL: &str = "boostr_attn_bwd_dq";
-/// Entry point of the dK/dV kernel of the backward.
-pub const DKDV_KERNEL: &str = "boostr_attn_bwd_dkdv";
+/// The CUDA C dialect of the GPU lowering (see [`dialect`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Cuda;
 
-/// 32-bit words of the `Params` kernel argument: the variant's fields, one
-/// word each, zero-padded. Fixed, so every variant's kernels have the same
-/// signature, and a change of value never recompiles.
-pub const PARAM_WORDS: usize = 32;
-
-/// Threads per block of [`DELTA_KERNEL`] (one warp per row).
+/// Threads per block of [`kernels::DELTA`] (one warp per row).
 pub const DELTA_THREADS: u32 = 256;
-/// Rows per block of [`DELTA_KERNEL`].
+/// Rows per block of [`kernels::DELTA`].
 pub const DELTA_ROWS_PER_BLOCK: u32 = DELTA_THREADS / 32;
 
 /// The dynamic shared memory a block may use: 99 KiB, the opt-in maximum of
@@ -230,18 +201,13 @@ impl CudaTiles {
         }
     }
 
-    /// These tiles with a variant's `tile(q = .., kv = ..)` override applied
-    /// to the forward and backward tiles alike (`Variant::TILE_Q`,
-    /// `TILE_KV`). The result may not [validate](CudaTiles::validate) (a size
-    /// that is no multiple of 16 on tensor cores, or too much shared memory):
-    /// callers then keep the defaults.
-    pub fn with_tile_override(self, q: Option<u32>, kv: Option<u32>) -> CudaTiles {
-        CudaTiles {
-            block_q: q.unwrap_or(self.block_q),
-            bwd_block_q: q.unwrap_or(self.bwd_block_q),
-            block_kv: kv.unwrap_or(self.block_kv),
-            bwd_block_kv: kv.unwrap_or(self.bwd_block_kv),
-            ..self
+    /// The tile size `size` counts in.
+    pub fn size(&self, size: Size) -> u32 {
+        match size {
+            Size::BlockQ => self.block_q,
+            Size::BwdBlockQ => self.bwd_block_q,
+            Size::BwdBlockKv => self.bwd_block_kv,
+            Size::DeltaRows => DELTA_ROWS_PER_BLOCK,
         }
     }
 
@@ -337,17 +303,17 @@ impl CudaTiles {
         l
     }
 
-    /// Dynamic shared memory of [`FORWARD_KERNEL`] in bytes.
+    /// Dynamic shared memory of [`kernels::FORWARD`] in bytes.
     pub fn forward_smem_bytes(&self) -> u64 {
         self.forward_layout().bytes()
     }
 
-    /// Dynamic shared memory of [`DQ_KERNEL`] in bytes.
+    /// Dynamic shared memory of [`kernels::DQ`] in bytes.
     pub fn dq_smem_bytes(&self) -> u64 {
         self.backward_layout().bytes()
     }
 
-    /// Dynamic shared memory of [`DKDV_KERNEL`] in bytes.
+    /// Dynamic shared memory of [`kernels::DKDV`] in bytes.
     pub fn dkdv_smem_bytes(&self) -> u64 {
         self.backward_layout().bytes()
     }
@@ -380,20 +346,25 @@ impl CudaTiles {
     }
 
     /// Checks every derived size: the head dim, the tile shapes the MMA
-    /// needs, threads per block, shared memory per
-    /// kernel against [`MAX_SMEM_BYTES`] and accumulators per thread against
+    /// needs, threads per block, shared memory per kernel against
+    /// [`MAX_SMEM_BYTES`] and accumulators per thread against
     /// [`MAX_ACCUMULATORS_PER_THREAD`].
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), TilingError> {
         let d = self.head_dim;
         if d == 0 || d > 256 || !d.is_multiple_of(8) {
-            return Err(format!(
-                "{self:?}: head dim {d} must be a multiple of 8 in 8..=256"
-            ));
+            return Err(TilingError::HeadDim {
+                head_dim: d,
+                rule: "a multiple of 8 in 8..=256",
+            });
         }
         for (what, w) in [("warps", self.warps), ("bwd_warps", self.bwd_warps)] {
             // 1024 threads per block at most.
             if w == 0 || w > 32 {
-                return Err(format!("{self:?}: {what} = {w} is outside 1..=32"));
+                return Err(TilingError::Size {
+                    what,
+                    value: w,
+                    rule: "in 1..=32".into(),
+                });
             }
         }
         // Rows and keys per tile: multiples of 16 (the MMA's M and K, and the
@@ -406,101 +377,88 @@ impl CudaTiles {
             ("bwd_block_kv", self.bwd_block_kv),
         ] {
             if b == 0 || !b.is_multiple_of(unit) || b > 256 {
-                return Err(format!(
-                    "{self:?}: {what} = {b} must be a positive multiple of {unit} up to 256"
-                ));
+                return Err(TilingError::Size {
+                    what,
+                    value: b,
+                    rule: format!(
+                        "a positive multiple of {unit} up to 256 ({} tiles)",
+                        self.dtype.name()
+                    ),
+                });
             }
         }
-        for (what, n) in [
+        for (kernel, needed) in [
             ("forward", self.forward_accumulators()),
             ("dQ", self.dq_accumulators()),
             ("dK/dV", self.dkdv_accumulators()),
         ] {
-            if n > MAX_ACCUMULATORS_PER_THREAD {
-                return Err(format!(
-                    "{self:?}: the {what} kernel needs {n} f32 accumulators per thread, over \
-                     {MAX_ACCUMULATORS_PER_THREAD} (they would spill)"
-                ));
+            if needed > MAX_ACCUMULATORS_PER_THREAD {
+                return Err(TilingError::Registers {
+                    kernel,
+                    needed,
+                    max: MAX_ACCUMULATORS_PER_THREAD,
+                });
             }
         }
-        for (what, bytes) in [
+        for (kernel, bytes) in [
             ("forward", self.forward_smem_bytes()),
             ("backward", self.dq_smem_bytes()),
         ] {
             if bytes > MAX_SMEM_BYTES {
-                return Err(format!(
-                    "{self:?}: the {what} kernel needs {bytes} bytes of shared memory, over \
-                     {MAX_SMEM_BYTES}"
-                ));
+                return Err(TilingError::Memory {
+                    kernel,
+                    memory: "dynamic shared memory",
+                    bytes,
+                    max: MAX_SMEM_BYTES,
+                    limit: "the opt-in maximum of sm_86 and sm_89",
+                });
             }
         }
         Ok(())
     }
 }
 
-/// The variant section every source shares: the semantic helpers, the
-/// `Params` struct and the four lowered variant functions
-/// `variant_score(const Params& params, float s, int b, int h, int q, int kv)`,
-/// `variant_score_grad` (same arguments), `variant_mask(params, b, h, q, kv)`
-/// and `variant_classify(params, b, h, q_lo, q_hi, kv_lo, kv_hi)`.
-///
-/// # Panics
-/// If the program has more than [`PARAM_WORDS`] parameters
-/// ([`lower::check_params`]; the macro reports that as a compile error).
-pub fn variant_functions(program: &Program) -> String {
-    let mut s = String::from(lower::HELPERS);
-    s.push_str("\n// ---- variant ");
-    s.push_str(&program.name);
-    s.push_str(" ----\n");
-    s.push_str(&lower::params_struct(program).to_string());
-    s.push_str(&format!(
-        "static_assert(sizeof(Params) == {}, \"Params is {PARAM_WORDS} words\");\n\n",
-        4 * PARAM_WORDS
-    ));
-    for f in [
-        &program.score,
-        &program.score_grad,
-        &program.mask,
-        &program.classify,
-    ] {
-        s.push_str(&lower::function(program, f).to_string());
-        s.push('\n');
+impl Tiling for CudaTiles {
+    /// The override applies to the forward and backward tiles alike.
+    fn with_override(self, q: Option<u32>, kv: Option<u32>) -> CudaTiles {
+        CudaTiles {
+            block_q: q.unwrap_or(self.block_q),
+            bwd_block_q: q.unwrap_or(self.bwd_block_q),
+            block_kv: kv.unwrap_or(self.block_kv),
+            bwd_block_kv: kv.unwrap_or(self.bwd_block_kv),
+            ..self
+        }
     }
-    s
+
+    fn validate(&self) -> Result<(), TilingError> {
+        CudaTiles::validate(self)
+    }
 }
 
-fn source(variant_fns: &str, cfg: &CudaTiles, dtype: CudaDType, parts: &[&str]) -> String {
-    assert_eq!(
-        cfg.dtype, dtype,
-        "the tile configuration was made for another dtype"
-    );
-    if let Err(e) = cfg.validate() {
-        panic!("invalid CUDA tile configuration: {e}");
-    }
+/// The translation unit of `modules` for tiles `cfg`, around
+/// `variant_section` (the variant's CUDA lowering,
+/// [`variant_section::<Cuda>`](crate::emit::gpu::variant_section)): the
+/// configuration header, the variant section, the shared tile building
+/// blocks, then each module's preamble and each of its kernels' signature
+/// (from its description) and body.
+pub fn source(
+    variant_section: &str,
+    modules: &[&Module],
+    cfg: &CudaTiles,
+) -> Result<String, TilingError> {
+    cfg.validate()?;
     let mut s = kernels::header(cfg);
-    s.push_str(variant_fns);
+    s.push_str(variant_section);
     s.push_str(kernels::COMMON);
-    for p in parts {
-        s.push_str(p);
+    for module in modules {
+        s.push_str(module.preamble);
+        for (kernel, body) in module.kernels {
+            s.push('\n');
+            s.push_str(&kernel.signature().to_string());
+            s.push_str(body);
+        }
     }
-    s
-}
-
-/// The forward translation unit (entry [`FORWARD_KERNEL`]).
-///
-/// # Panics
-/// If `cfg` does not [validate](CudaTiles::validate) or is for another dtype.
-pub fn forward_source(variant_fns: &str, cfg: &CudaTiles, dtype: CudaDType) -> String {
-    source(variant_fns, cfg, dtype, &[kernels::FORWARD])
-}
-
-/// The backward translation unit (entries [`DELTA_KERNEL`], [`DQ_KERNEL`],
-/// [`DKDV_KERNEL`]).
-///
-/// # Panics
-/// If `cfg` does not [validate](CudaTiles::validate) or is for another dtype.
-pub fn backward_source(variant_fns: &str, cfg: &CudaTiles, dtype: CudaDType) -> String {
-    source(variant_fns, cfg, dtype, &[kernels::BACKWARD])
+    Ok(s)
 }
 
 #[cfg(test)]

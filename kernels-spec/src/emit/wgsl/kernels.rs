@@ -1,9 +1,12 @@
-//! The attention kernels: WGSL text templates around the lowered variant
-//! functions. Each template uses only the WGSL constants `D`, `BQ`, `BKV` and
-//! `WG` that [`header`] writes from a [`WgslTiles`]; sizes derived from them
-//! are WGSL `const` expressions inside the templates.
+//! The attention kernels: one [`Module`] description each (bindings, entry
+//! points, launch geometry) and its templates, WGSL text around the lowered
+//! variant functions. Each template uses only the WGSL constants `D`, `BQ`,
+//! `BKV`, `WG`, the tile classes and the flags that [`header`] writes from a
+//! [`WgslTiles`] (sizes derived from them are WGSL `const` expressions
+//! inside the templates), and the bindings by the names the description
+//! gives them.
 //!
-//! Layout (all contiguous, f32): `q`, `attn_out` (the output), `dout`, `dq`: `[B, Hq, Sq, D]`;
+//! Layout (all contiguous, f32): `q`, `out`, `dout`, `dq`: `[B, Hq, Sq, D]`;
 //! `k`, `v`, `dk`, `dv`: `[B, Hkv, Sk, D]`; `lse`, `delta`: `[B, Hq, Sq]`.
 //! Query row `i` sits at position `i + Sk - Sq` (bottom-right alignment);
 //! query head `h` reads key/value head `h / (Hq / Hkv)`.
@@ -39,7 +42,11 @@
 //! lives in the output buffers and `stats`; `flags` says whether a dispatch is
 //! the first (start from zero) and the last (finish: normalise, scale).
 
-use super::WgslTiles;
+use super::interface::{Binding, Entry, Module, Size};
+use super::template::Piece;
+use super::{FLAG_FIRST, FLAG_LAST, Wgsl, WgslTiles};
+use crate::emit::gpu::tile_class_constants;
+use crate::emit::interface::{Access, Buffer, Dim, Extent};
 
 /// The constants a template is written against.
 pub fn header(cfg: &WgslTiles) -> String {
@@ -56,31 +63,19 @@ pub fn header(cfg: &WgslTiles) -> String {
     ] {
         s.push_str(&format!("const {name}: u32 = {value}u; // {why}\n"));
     }
+    s.push_str("// ---- tile classes (the classifier's codes) ----\n");
+    s.push_str(&tile_class_constants::<Wgsl>());
+    s.push_str(&format!(
+        "// ---- shape.flags of a dispatch ----\n\
+         const FIRST: u32 = {FLAG_FIRST}u; // its range starts the tile loop\n\
+         const LAST: u32 = {FLAG_LAST}u; // its range ends it\n"
+    ));
     s
 }
 
-/// Shapes, the dispatch range, and helpers shared by all kernels.
+/// Helpers shared by all kernels: the dispatch range and GQA.
 pub const COMMON: &str = r#"
-// ---- shapes ----
-struct Shape {
-    batch: u32,
-    heads_q: u32,
-    heads_kv: u32,
-    seq_q: u32,
-    seq_k: u32,
-    scale: f32,
-    // This dispatch's range of the tile loop, and FIRST | LAST.
-    tile_begin: u32,
-    tile_end: u32,
-    flags: u32,
-    pad_0: u32,
-    pad_1: u32,
-    pad_2: u32,
-}
-@group(0) @binding(1) var<uniform> shape: Shape;
-const FIRST: u32 = 1u;
-const LAST: u32 = 2u;
-
+// ---- shared ----
 fn is_first() -> bool {
     return (shape.flags & FIRST) != 0u;
 }
@@ -98,7 +93,8 @@ fn gqa_group() -> u32 {
 "#;
 
 /// The key/value staging shared by the forward, `D_i` and dQ kernels.
-pub const STAGE_KV: &str = r#"
+const STAGE_KV: &[Piece] = &[Piece::Text(
+    r#"
 // K and V rows k0 .. k0 + BKV of one kv head (zeros past Sk).
 var<workgroup> k_tile: array<f32, BKV * D>;
 var<workgroup> v_tile: array<f32, BKV * D>;
@@ -119,20 +115,14 @@ fn stage_kv(lid: u32, kv_base: u32, k0: u32) {
         }
     }
 }
-"#;
+"#,
+)];
 
-/// Forward: one workgroup per (WG query rows, b·Hq + h), one invocation per
-/// query row; dispatch `(ceil(Sq / WG), B·Hq, 1)` per range of key tiles.
-/// Writes `attn_out` and `lse`; between dispatches `attn_out` holds the
-/// unnormalised accumulator and `stats` the running (max, sum) of each row.
-pub const FORWARD: &str = r#"
+// The code of `FORWARD`.
+const FORWARD_CODE: &[Piece] = &[
+    Piece::Text(
+        r#"
 // ---- forward (FlashAttention-2 online softmax, one query row per invocation) ----
-@group(0) @binding(2) var<storage, read> q: array<f32>;
-@group(0) @binding(3) var<storage, read> k: array<f32>;
-@group(0) @binding(4) var<storage, read> v: array<f32>;
-@group(0) @binding(5) var<storage, read_write> attn_out: array<f32>;
-@group(0) @binding(6) var<storage, read_write> lse: array<f32>;
-@group(0) @binding(7) var<storage, read_write> stats: array<vec2<f32>>;
 @compute @workgroup_size(WG)
 fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let sq = shape.seq_q;
@@ -154,16 +144,22 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     var acc: array<f32, D>;
     var m = -bx_inf();
     var l = 0.0f;
-    for (var d = 0u; d < D; d++) {
+    "#,
+    ),
+    Piece::HeadDimLoop(
+        r#"
         var x = 0.0f;
         var a = 0.0f;
         if live {
             x = q[(q_base + row) * D + d];
-            if !is_first() { a = attn_out[(q_base + row) * D + d]; }
+            if !is_first() { a = out[(q_base + row) * D + d]; }
         }
         qr[d] = x;
         acc[d] = a;
-    }
+    "#,
+    ),
+    Piece::Text(
+        r#"
     if live && !is_first() {
         let ml = stats[q_base + row];
         m = ml.x;
@@ -178,7 +174,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
         let k0 = kt * BKV;
         let kv_hi = i32(min(k0 + BKV, sk)) - 1i;
         let cls = variant_classify(ib, ih, q_lo, q_hi, i32(k0), kv_hi);
-        if cls == 0i { continue; } // EMPTY: nothing visible
+        if cls == TILE_EMPTY { continue; } // EMPTY: nothing visible
         workgroupBarrier(); // the previous tile's readers are done
         stage_kv(lid, kv_base, k0);
         workgroupBarrier();
@@ -186,9 +182,13 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
         for (var j = 0u; j < BKV; j++) {
             let kp = i32(k0 + j);
             var dot = 0.0f;
-            for (var d = 0u; d < D; d++) { dot += qr[d] * k_tile[j * D + d]; }
+            "#,
+    ),
+    Piece::HeadDimLoop(r#" dot += qr[d] * k_tile[j * D + d]; "#),
+    Piece::Text(
+        r#"
             // FULL tiles skip the mask.
-            let seen = live && k0 + j < sk && (cls == 2i || variant_mask(ib, ih, qp, kp));
+            let seen = live && k0 + j < sk && (cls == TILE_FULL || variant_mask(ib, ih, qp, kp));
             let s = select(-bx_inf(), variant_score(dot * shape.scale, ib, ih, qp, kp), seen);
             s_row[j] = s;
             if s > m_new { m_new = s; }
@@ -197,53 +197,53 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
         let m_ref = select(m_new, 0.0f, bx_is_neg_inf(m_new));
         let alpha = exp(m - m_ref);
         l *= alpha;
-        for (var d = 0u; d < D; d++) { acc[d] *= alpha; }
+        "#,
+    ),
+    Piece::HeadDimLoop(r#" acc[d] *= alpha; "#),
+    Piece::Text(
+        r#"
         for (var j = 0u; j < BKV; j++) {
             let p = exp(s_row[j] - m_ref);
             l += p;
-            for (var d = 0u; d < D; d++) { acc[d] += p * v_tile[j * D + d]; }
+            "#,
+    ),
+    Piece::HeadDimLoop(r#" acc[d] += p * v_tile[j * D + d]; "#),
+    Piece::Text(
+        r#"
         }
         m = m_new;
     }
     if !live { return; }
     if !is_last() {
-        for (var d = 0u; d < D; d++) { attn_out[(q_base + row) * D + d] = acc[d]; }
+        "#,
+    ),
+    Piece::HeadDimLoop(r#" out[(q_base + row) * D + d] = acc[d]; "#),
+    Piece::Text(
+        r#"
         stats[q_base + row] = vec2<f32>(m, l);
         return;
     }
-    // A row with no visible key: attn_out 0, lse -inf.
+    // A row with no visible key: out 0, lse -inf.
     var inv = 0.0f;
     if l > 0.0f { inv = 1.0f / l; }
-    for (var d = 0u; d < D; d++) { attn_out[(q_base + row) * D + d] = acc[d] * inv; }
+    "#,
+    ),
+    Piece::HeadDimLoop(r#" out[(q_base + row) * D + d] = acc[d] * inv; "#),
+    Piece::Text(
+        r#"
     var x = -bx_inf();
     if l > 0.0f { x = m + log(l); }
     lse[q_base + row] = x;
 }
-"#;
+"#,
+    ),
+];
 
-/// The dQ module: `attn_bwd_delta` computes
-/// `D_i = Σ_j P_ij dP_ij / Σ_j P_ij` from the recomputed `P`, then
-/// `attn_bwd_dq` the dQ rows. Both: one workgroup per (WG query rows,
-/// b·Hq + h), one invocation per query row; dispatch `(ceil(Sq / WG), B·Hq,
-/// 1)` per range of key tiles. Between dispatches `stats` holds the two sums
-/// of each row, and `dq` the unscaled accumulator.
-///
-/// `D_i` is `rowsum(dO ∘ O)` in exact arithmetic, but taking it from the
-/// same recomputed `P` that forms `dS` makes every row of `dS` sum to zero
-/// in f32 as well. `O` comes from another kernel, whose logits a GPU
-/// compiler may round differently (FMA contraction); at logits ~1e4 one
-/// ulp is 1e-3, and `Σ_j dS_ij ≠ 0` then leaks into dQ along the mean of
-/// the keys. The cost is one more pass of the `QKᵀ` and `dO·Vᵀ` products.
-pub const BACKWARD_DQ: &str = r#"
+// The code of `BACKWARD_DQ`.
+const DQ_CODE: &[Piece] = &[
+    Piece::Text(
+        r#"
 // ---- backward: D_i and dQ (one query row per invocation) ----
-@group(0) @binding(2) var<storage, read> q: array<f32>;
-@group(0) @binding(3) var<storage, read> k: array<f32>;
-@group(0) @binding(4) var<storage, read> v: array<f32>;
-@group(0) @binding(5) var<storage, read> dout: array<f32>;
-@group(0) @binding(6) var<storage, read> lse: array<f32>;
-@group(0) @binding(7) var<storage, read_write> delta: array<f32>;
-@group(0) @binding(8) var<storage, read_write> dq: array<f32>;
-@group(0) @binding(9) var<storage, read_write> stats: array<vec2<f32>>;
 // The workgroup's query tile: its (batch, head), kv rows and positions.
 struct QueryTile {
     ib: i32,
@@ -305,19 +305,28 @@ fn pair_terms(qr: ptr<function, array<f32, D>>, dor: ptr<function, array<f32, D>
     let kp = i32(k0 + j);
     var dot = 0.0f;
     var dp = 0.0f;
-    for (var d = 0u; d < D; d++) {
+    "#,
+    ),
+    Piece::HeadDimLoop(
+        r#"
         dot += (*qr)[d] * k_tile[j * D + d];
         dp += (*dor)[d] * v_tile[j * D + d];
-    }
+    "#,
+    ),
+    Piece::Text(
+        r#"
     let s = dot * shape.scale;
     let seen = r.live && !bx_is_neg_inf(r.lse) && k0 + j < shape.seq_k
-        && (cls == 2i || variant_mask(ib, ih, r.qp, kp));
+        && (cls == TILE_FULL || variant_mask(ib, ih, r.qp, kp));
     let p = select(0.0f, exp(variant_score(s, ib, ih, r.qp, kp) - r.lse), seen);
     return vec3<f32>(s, p, dp);
 }
 
 fn load_row(qr: ptr<function, array<f32, D>>, dor: ptr<function, array<f32, D>>, r: QueryRow) {
-    for (var d = 0u; d < D; d++) {
+    "#,
+    ),
+    Piece::HeadDimLoop(
+        r#"
         var x = 0.0f;
         var y = 0.0f;
         if r.live {
@@ -326,7 +335,10 @@ fn load_row(qr: ptr<function, array<f32, D>>, dor: ptr<function, array<f32, D>>,
         }
         (*qr)[d] = x;
         (*dor)[d] = y;
-    }
+    "#,
+    ),
+    Piece::Text(
+        r#"
 }
 
 @compute @workgroup_size(WG)
@@ -342,7 +354,7 @@ fn attn_bwd_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocati
     for (var kt = shape.tile_begin; kt < min(shape.tile_end, t.n_tiles); kt++) {
         let k0 = kt * BKV;
         let cls = key_tile_class(t, k0);
-        if cls == 0i { continue; }
+        if cls == TILE_EMPTY { continue; }
         workgroupBarrier();
         stage_kv(lid, t.kv_base, k0);
         workgroupBarrier();
@@ -371,16 +383,22 @@ fn attn_bwd_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
     var acc: array<f32, D>;
     var delta_i = 0.0f;
     if r.live { delta_i = delta[r.row]; }
-    for (var d = 0u; d < D; d++) {
+    "#,
+    ),
+    Piece::HeadDimLoop(
+        r#"
         var a = 0.0f;
         if r.live && !is_first() { a = dq[r.row * D + d]; }
         acc[d] = a;
-    }
+    "#,
+    ),
+    Piece::Text(
+        r#"
 
     for (var kt = shape.tile_begin; kt < min(shape.tile_end, t.n_tiles); kt++) {
         let k0 = kt * BKV;
         let cls = key_tile_class(t, k0);
-        if cls == 0i { continue; }
+        if cls == TILE_EMPTY { continue; }
         workgroupBarrier();
         stage_kv(lid, t.kv_base, k0);
         workgroupBarrier();
@@ -388,31 +406,30 @@ fn attn_bwd_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
             let pt = pair_terms(&qr, &dor, r, j, k0, cls, t.ib, t.ih);
             let g = variant_score_grad(pt.x, t.ib, t.ih, r.qp, i32(k0 + j));
             let ds = select(0.0f, pt.y * (pt.z - delta_i) * g, pt.y != 0.0f);
-            for (var d = 0u; d < D; d++) { acc[d] += ds * k_tile[j * D + d]; }
+            "#,
+    ),
+    Piece::HeadDimLoop(r#" acc[d] += ds * k_tile[j * D + d]; "#),
+    Piece::Text(
+        r#"
         }
     }
     if !r.live { return; }
     let f = select(1.0f, shape.scale, is_last());
-    for (var d = 0u; d < D; d++) { dq[r.row * D + d] = acc[d] * f; }
+    "#,
+    ),
+    Piece::HeadDimLoop(r#" dq[r.row * D + d] = acc[d] * f; "#),
+    Piece::Text(
+        r#"
 }
-"#;
+"#,
+    ),
+];
 
-/// The dK/dV module: one workgroup per (WG key rows, b·Hkv + h_kv), one
-/// invocation per key row, summing over every query head of its GQA group
-/// (no float atomics in WGSL); dispatch `(ceil(Sk / WG), B·Hkv, 1)` per range
-/// of the (GQA head, query tile) pairs, flattened. Reads `delta` from
-/// `attn_bwd_delta`; between dispatches `dk`, `dv` hold the accumulators
-/// (`dk` unscaled).
-pub const BACKWARD_DKDV: &str = r#"
+// The code of `BACKWARD_DKDV`.
+const DKDV_CODE: &[Piece] = &[
+    Piece::Text(
+        r#"
 // ---- backward: dK and dV (one key row per invocation) ----
-@group(0) @binding(2) var<storage, read> q: array<f32>;
-@group(0) @binding(3) var<storage, read> k: array<f32>;
-@group(0) @binding(4) var<storage, read> v: array<f32>;
-@group(0) @binding(5) var<storage, read> dout: array<f32>;
-@group(0) @binding(6) var<storage, read> lse: array<f32>;
-@group(0) @binding(7) var<storage, read> delta: array<f32>;
-@group(0) @binding(8) var<storage, read_write> dk: array<f32>;
-@group(0) @binding(9) var<storage, read_write> dv: array<f32>;
 
 // Q and dO rows q0 .. q0 + BQ of one query head, their lse and D_i (lse
 // -inf past Sq: such rows see nothing).
@@ -467,7 +484,10 @@ fn attn_bwd_dkdv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
     var vr: array<f32, D>;
     var dk_acc: array<f32, D>;
     var dv_acc: array<f32, D>;
-    for (var d = 0u; d < D; d++) {
+    "#,
+    ),
+    Piece::HeadDimLoop(
+        r#"
         var x = 0.0f;
         var y = 0.0f;
         var a = 0.0f;
@@ -484,7 +504,10 @@ fn attn_bwd_dkdv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
         vr[d] = y;
         dk_acc[d] = a;
         dv_acc[d] = c;
-    }
+    "#,
+    ),
+    Piece::Text(
+        r#"
 
     let kv_hi = i32(min(k0 + WG, sk)) - 1i;
     let n_tiles = (sq + BQ - 1u) / BQ;
@@ -496,7 +519,7 @@ fn attn_bwd_dkdv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
         let q_lo = i32(q0) + offset;
         let q_hi = i32(min(q0 + BQ, sq)) - 1i + offset;
         let cls = variant_classify(ib, ih, q_lo, q_hi, i32(k0), kv_hi);
-        if cls == 0i { continue; }
+        if cls == TILE_EMPTY { continue; }
         workgroupBarrier();
         stage_q(lid, q_base, q0);
         workgroupBarrier();
@@ -506,26 +529,151 @@ fn attn_bwd_dkdv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
             let qp = i32(q0 + i) + offset;
             var dot = 0.0f;
             var dp = 0.0f;
-            for (var d = 0u; d < D; d++) {
+            "#,
+    ),
+    Piece::HeadDimLoop(
+        r#"
                 dot += q_tile[i * D + d] * kr[d];
                 dp += do_tile[i * D + d] * vr[d];
-            }
+            "#,
+    ),
+    Piece::Text(
+        r#"
             let s = dot * shape.scale;
-            let seen = live && !bx_is_neg_inf(lse_i) && (cls == 2i || variant_mask(ib, ih, qp, kp));
+            let seen = live && !bx_is_neg_inf(lse_i) && (cls == TILE_FULL || variant_mask(ib, ih, qp, kp));
             let p = select(0.0f, exp(variant_score(s, ib, ih, qp, kp) - lse_i), seen);
             let g = variant_score_grad(s, ib, ih, qp, kp);
             let ds = select(0.0f, p * (dp - delta_i) * g, p != 0.0f);
-            for (var d = 0u; d < D; d++) {
+            "#,
+    ),
+    Piece::HeadDimLoop(
+        r#"
                 dv_acc[d] += p * do_tile[i * D + d];
                 dk_acc[d] += ds * q_tile[i * D + d];
-            }
+            "#,
+    ),
+    Piece::Text(
+        r#"
         }
     }
     if !live { return; }
     let f = select(1.0f, shape.scale, is_last());
-    for (var d = 0u; d < D; d++) {
+    "#,
+    ),
+    Piece::HeadDimLoop(
+        r#"
         dk[(kv_base + col) * D + d] = dk_acc[d] * f;
         dv[(kv_base + col) * D + d] = dv_acc[d];
+    "#,
+    ),
+    Piece::Text(
+        r#"
+}
+"#,
+    ),
+];
+
+/// The forward module, `attn_fwd`: one workgroup per (WG query rows, b·Hq + h), one invocation per
+/// query row, dispatched per range of key tiles. Writes `out` and `lse`;
+/// between dispatches `out` holds the unnormalised accumulator and `stats`
+/// the running (max, sum) of each row.
+pub const FORWARD: Module = Module {
+    name: "fwd",
+    bindings: &[
+        Binding::Params,
+        Binding::Shape,
+        Binding::Storage(Buffer::Q, Access::Read),
+        Binding::Storage(Buffer::K, Access::Read),
+        Binding::Storage(Buffer::V, Access::Read),
+        Binding::Storage(Buffer::Out, Access::ReadWrite),
+        Binding::Storage(Buffer::Lse, Access::ReadWrite),
+        Binding::Storage(Buffer::Stats, Access::ReadWrite),
+    ],
+    entries: &[over_key_tiles("attn_fwd")],
+    templates: &[FORWARD_CODE, STAGE_KV],
+};
+
+/// An entry point with one invocation per query row (workgroups along x
+/// over the rows, along y over (batch, query head)) whose tile loop runs
+/// over the key tiles.
+const fn over_key_tiles(name: &'static str) -> Entry {
+    Entry {
+        name,
+        grid: [
+            Extent::Tiles(Dim::SeqQ, Size::Workgroup),
+            Extent::Dim(Dim::BatchHeadsQ),
+        ],
+        tiles: Extent::Tiles(Dim::SeqK, Size::BlockKv),
     }
 }
-"#;
+
+/// The backward's first module: `attn_bwd_delta` computes
+/// `D_i = Σ_j P_ij dP_ij / Σ_j P_ij` from the recomputed `P`, then
+/// `attn_bwd_dq` the dQ rows. Both: one workgroup per (WG query rows,
+/// b·Hq + h), one invocation per query row, dispatched per range of key
+/// tiles. Between dispatches `stats` holds the two sums of each row, and
+/// `dq` the unscaled accumulator.
+///
+/// `D_i` is `rowsum(dO ∘ O)` in exact arithmetic, but taking it from the
+/// same recomputed `P` that forms `dS` makes every row of `dS` sum to zero
+/// in f32 as well. `O` comes from another kernel, whose logits a GPU
+/// compiler may round differently (FMA contraction); at logits ~1e4 one
+/// ulp is 1e-3, and `Σ_j dS_ij ≠ 0` then leaks into dQ along the mean of
+/// the keys. The cost is one more pass of the `QKᵀ` and `dO·Vᵀ` products.
+pub const BACKWARD_DQ: Module = Module {
+    name: "bwd_dq",
+    bindings: &[
+        Binding::Params,
+        Binding::Shape,
+        Binding::Storage(Buffer::Q, Access::Read),
+        Binding::Storage(Buffer::K, Access::Read),
+        Binding::Storage(Buffer::V, Access::Read),
+        Binding::Storage(Buffer::Dout, Access::Read),
+        Binding::Storage(Buffer::Lse, Access::Read),
+        Binding::Storage(Buffer::Delta, Access::ReadWrite),
+        Binding::Storage(Buffer::Dq, Access::ReadWrite),
+        Binding::Storage(Buffer::Stats, Access::ReadWrite),
+    ],
+    entries: &[
+        over_key_tiles("attn_bwd_delta"),
+        over_key_tiles("attn_bwd_dq"),
+    ],
+    templates: &[DQ_CODE, STAGE_KV],
+};
+
+/// The backward's second module, `attn_bwd_dkdv`: one workgroup per (WG key rows, b·Hkv + h_kv),
+/// one invocation per key row, summing over every query head of its GQA
+/// group (no float atomics in WGSL), dispatched per range of the (GQA head,
+/// query tile) pairs, flattened. Reads `delta` from `attn_bwd_delta`;
+/// between dispatches `dk`, `dv` hold the accumulators (`dk` unscaled).
+pub const BACKWARD_DKDV: Module = Module {
+    name: "bwd_dkdv",
+    bindings: &[
+        Binding::Params,
+        Binding::Shape,
+        Binding::Storage(Buffer::Q, Access::Read),
+        Binding::Storage(Buffer::K, Access::Read),
+        Binding::Storage(Buffer::V, Access::Read),
+        Binding::Storage(Buffer::Dout, Access::Read),
+        Binding::Storage(Buffer::Lse, Access::Read),
+        Binding::Storage(Buffer::Delta, Access::Read),
+        Binding::Storage(Buffer::Dk, Access::ReadWrite),
+        Binding::Storage(Buffer::Dv, Access::ReadWrite),
+    ],
+    entries: &[Entry {
+        name: "attn_bwd_dkdv",
+        grid: [
+            Extent::Tiles(Dim::SeqK, Size::Workgroup),
+            Extent::Dim(Dim::BatchHeadsKv),
+        ],
+        // (query head of the GQA group, query tile) pairs.
+        tiles: Extent::Product(&[
+            Extent::Dim(Dim::Group),
+            Extent::Tiles(Dim::SeqQ, Size::BlockQ),
+        ]),
+    }],
+    templates: &[DKDV_CODE],
+};
+
+/// The backward's modules, in the order they run.
+pub const BACKWARD: [&Module; 2] = [&BACKWARD_DQ, &BACKWARD_DKDV];

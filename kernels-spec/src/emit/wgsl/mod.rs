@@ -1,21 +1,38 @@
 //! The WGSL target: IR → WGSL compute shaders.
 //!
-//! - [`ast`]: a small typed WGSL representation with `Display`;
-//! - [`lower`]: the four variant functions (`score`, `score_grad`, `mask`,
-//!   `classify`) and the helpers that give WGSL the IR's semantics;
-//! - [`kernels`]: the attention kernels, text templates around them.
+//! - [`dialect`]: how WGSL writes the shared GPU lowering
+//!   ([`crate::emit::gpu`]), and the helpers that give it the IR's semantics;
+//! - [`interface`]: how a module is described (bindings, entry points,
+//!   launch geometry);
+//! - [`template`]: template text and the head-dim loops the emitter rolls
+//!   or unrolls;
+//! - [`kernels`]: the modules, each a description and its templates.
 //!
-//! One module per (program, head dim): [`forward_module`] and
-//! [`backward_modules`]. Bindings (group 0): 0 `params: Params` (uniform, the
-//! variant's fields, bool as u32), 1 `shape: Shape` (uniform: batch, heads_q,
-//! heads_kv, seq_q, seq_k, scale), then the storage buffers listed in
-//! [`kernels`].
+//! One module per (variant, head dim, [`Module`]): [`module_source`] of
+//! [`kernels::FORWARD`], and for the backward [`kernels::BACKWARD_DQ`] then
+//! [`kernels::BACKWARD_DKDV`]. Every binding of group 0 is declared from the
+//! module's description: the variant's parameter block, the `shape` uniform
+//! ([`interface::SHAPE`]), then the tensors.
 
-pub mod ast;
+pub mod dialect;
+pub mod interface;
 pub mod kernels;
-pub mod lower;
+pub mod template;
 
-use crate::ir::Program;
+use self::interface::{Module, Size};
+use self::template::{Loops, render};
+use super::{Tiling, TilingError};
+
+/// The WGSL dialect of the GPU lowering (see [`dialect`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Wgsl;
+
+/// `shape.flags` bit of the dispatch whose range starts a tile loop (the
+/// kernels start from zero).
+pub const FLAG_FIRST: u32 = 1;
+/// `shape.flags` bit of the dispatch whose range ends a tile loop (the
+/// kernels finish: normalise, scale).
+pub const FLAG_LAST: u32 = 2;
 
 /// The workgroup memory WebGPU guarantees
 /// (`maxComputeWorkgroupStorageSize`).
@@ -52,8 +69,12 @@ impl WgslTiles {
     /// `BQ = ⌊16384 / (8·D + 8)⌋` (Q and dO rows, lse and `D_i`), both at
     /// most [`Self::MAX_STAGED`]. D = 64 → BKV 32, BQ 31; D = 128 → 16, 15.
     pub fn for_head_dim(head_dim: u32) -> WgslTiles {
-        let d = head_dim.max(1);
-        let fit = |per_row: u32| (MAX_WORKGROUP_BYTES / per_row).clamp(1, Self::MAX_STAGED);
+        let d = u64::from(head_dim.max(1));
+        // In u64: `8·D` of a head dim near u32::MAX still has a value (one
+        // staged row, which then fails validation).
+        let fit = |per_row: u64| {
+            (u64::from(MAX_WORKGROUP_BYTES) / per_row).clamp(1, Self::MAX_STAGED.into()) as u32
+        };
         WgslTiles {
             head_dim,
             block_q: fit(8 * d + 8),
@@ -127,72 +148,73 @@ impl WgslTiles {
         )
     }
 
+    /// The tile size `size` counts in.
+    pub fn size(&self, size: Size) -> u32 {
+        match size {
+            Size::Workgroup => self.workgroup_size,
+            Size::BlockQ => self.block_q,
+            Size::BlockKv => self.block_kv,
+        }
+    }
+
     /// Checks every derived size against the WebGPU default limits; both
     /// layouts must fit, since one configuration is chosen per (program,
     /// head dim).
-    pub fn validate(&self) -> Result<(), String> {
-        if self.head_dim == 0 || self.block_q == 0 || self.block_kv == 0 {
-            return Err(format!(
-                "{self:?}: head dim and block sizes must be positive"
-            ));
+    pub fn validate(&self) -> Result<(), TilingError> {
+        if self.head_dim == 0 {
+            return Err(TilingError::HeadDim {
+                head_dim: 0,
+                rule: "positive",
+            });
+        }
+        for (what, value) in [("block_q", self.block_q), ("block_kv", self.block_kv)] {
+            if value == 0 {
+                return Err(TilingError::Size {
+                    what,
+                    value,
+                    rule: "positive".into(),
+                });
+            }
         }
         if self.workgroup_size == 0 || self.workgroup_size > MAX_INVOCATIONS {
-            return Err(format!(
-                "{self:?}: workgroup size {} is outside 1..={MAX_INVOCATIONS} \
-                 (maxComputeInvocationsPerWorkgroup)",
-                self.workgroup_size
-            ));
+            return Err(TilingError::Size {
+                what: "workgroup_size",
+                value: self.workgroup_size,
+                rule: format!("in 1..={MAX_INVOCATIONS} (maxComputeInvocationsPerWorkgroup)"),
+            });
         }
-        let bytes = self.workgroup_bytes();
-        if bytes > MAX_WORKGROUP_BYTES.into() {
-            return Err(format!(
-                "{self:?}: {bytes} bytes of var<workgroup> (forward {}, dK/dV {}) exceed \
-                 the {MAX_WORKGROUP_BYTES}-byte limit (maxComputeWorkgroupStorageSize)",
-                self.forward_workgroup_bytes(),
-                self.backward_workgroup_bytes()
-            ));
+        for (kernel, bytes) in [
+            ("forward", self.forward_workgroup_bytes()),
+            ("dK/dV", self.backward_workgroup_bytes()),
+        ] {
+            if bytes > MAX_WORKGROUP_BYTES.into() {
+                return Err(TilingError::Memory {
+                    kernel,
+                    memory: "var<workgroup> memory",
+                    bytes,
+                    max: MAX_WORKGROUP_BYTES.into(),
+                    limit: "maxComputeWorkgroupStorageSize",
+                });
+            }
         }
         Ok(())
     }
 }
 
-/// The variant section every module shares: the semantic helpers, the
-/// `Params` uniform at binding 0, and the four lowered variant functions.
-pub fn variant_functions(program: &Program) -> String {
-    let mut s = String::from(lower::HELPERS);
-    s.push_str("\n// ---- variant ");
-    s.push_str(&program.name);
-    s.push_str(" ----\n");
-    s.push_str(&lower::params_struct(program).to_string());
-    s.push_str("@group(0) @binding(0) var<uniform> params: Params;\n\n");
-    for f in [
-        &program.score,
-        &program.score_grad,
-        &program.mask,
-        &program.classify,
-    ] {
-        s.push_str(&lower::function(program, f).to_string());
-        s.push('\n');
-    }
-    s
-}
-
-fn module(variant_fns: &str, cfg: &WgslTiles, parts: &[&str]) -> String {
-    if let Err(e) = cfg.validate() {
-        panic!("invalid WGSL tile configuration: {e}");
-    }
-    let mut s = kernels::header(cfg);
-    s.push_str(kernels::COMMON);
-    s.push('\n');
-    s.push_str(variant_fns);
-    for p in parts {
-        if cfg.head_dim <= UNROLL_MAX_HEAD_DIM {
-            s.push_str(&unroll_head_dim(p, cfg.head_dim));
-        } else {
-            s.push_str(p);
+impl Tiling for WgslTiles {
+    /// The override sets the staged rows: `BQ` (query rows, dK/dV) and
+    /// `BKV` (key rows, the others); a workgroup keeps 64 rows.
+    fn with_override(self, q: Option<u32>, kv: Option<u32>) -> WgslTiles {
+        WgslTiles {
+            block_q: q.unwrap_or(self.block_q),
+            block_kv: kv.unwrap_or(self.block_kv),
+            ..self
         }
     }
-    s
+
+    fn validate(&self) -> Result<(), TilingError> {
+        WgslTiles::validate(self)
+    }
 }
 
 /// Head dims up to which the head-dim loops are unrolled. Unrolled, the
@@ -202,109 +224,30 @@ fn module(variant_fns: &str, cfg: &WgslTiles, parts: &[&str]) -> String {
 /// against ~5 s rolled.
 pub const UNROLL_MAX_HEAD_DIM: u32 = 64;
 
-/// The loop header the templates use for loops over the head dim.
-const HEAD_DIM_LOOP: &str = "for (var d = 0u; d < D; d++) {";
-
-/// Every loop over the head dim in `template`, fully unrolled: its body
-/// once per `d` in `0..head_dim`, each copy in its own block with `d`
-/// replaced by the literal. Private arrays indexed by `d` then have constant
-/// indices, so compilers keep them in registers (or address them directly)
-/// instead of gathering per invocation, and the loops no longer count
-/// against llvmpipe's iteration limit.
-pub fn unroll_head_dim(template: &str, head_dim: u32) -> String {
-    let mut out = String::with_capacity(template.len());
-    let mut rest = template;
-    while let Some(at) = rest.find(HEAD_DIM_LOOP) {
-        out.push_str(&rest[..at]);
-        let body_start = at + HEAD_DIM_LOOP.len();
-        let body_end = matching_brace(rest, body_start - 1)
-            .unwrap_or_else(|| panic!("unbalanced head-dim loop in a WGSL template"));
-        let body = &rest[body_start..body_end];
-        out.push('{');
-        for d in 0..head_dim {
-            out.push_str(" { ");
-            out.push_str(&replace_word(body.trim(), "d", &format!("{d}u")));
-            out.push_str(" }");
-        }
-        out.push_str(" }");
-        rest = &rest[body_end + 1..];
+/// The source of `module` for tiles `cfg`, around `variant_section` (the
+/// variant's WGSL lowering,
+/// [`variant_section::<Wgsl>`](crate::emit::gpu::variant_section)): the
+/// configuration header, the binding declarations from the module's
+/// description, the shared helpers, the variant section, then the module's
+/// templates, their head-dim loops unrolled up to [`UNROLL_MAX_HEAD_DIM`].
+pub fn module_source(
+    variant_section: &str,
+    module: &Module,
+    cfg: &WgslTiles,
+) -> Result<String, TilingError> {
+    cfg.validate()?;
+    let mut s = kernels::header(cfg);
+    s.push_str(&module.declarations());
+    s.push_str(kernels::COMMON);
+    s.push('\n');
+    s.push_str(variant_section);
+    let loops = if cfg.head_dim <= UNROLL_MAX_HEAD_DIM {
+        Loops::Unrolled(cfg.head_dim)
+    } else {
+        Loops::Rolled
+    };
+    for template in module.templates {
+        render(&mut s, template, loops);
     }
-    out.push_str(rest);
-    out
-}
-
-/// The index of the `}` closing the `{` at `open`.
-fn matching_brace(s: &str, open: usize) -> Option<usize> {
-    let mut depth = 0usize;
-    for (i, c) in s[open..].char_indices() {
-        match c {
-            '{' => depth += 1,
-            '}' => {
-                depth -= 1;
-                if depth == 0 {
-                    return Some(open + i);
-                }
-            }
-            _ => {}
-        }
-    }
-    None
-}
-
-/// `s` with every whole-word occurrence of the identifier `word` replaced.
-fn replace_word(s: &str, word: &str, with: &str) -> String {
-    let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
-    let mut out = String::with_capacity(s.len());
-    let mut rest = s;
-    while let Some(at) = rest.find(word) {
-        let before = rest[..at].chars().next_back();
-        let after = rest[at + word.len()..].chars().next();
-        out.push_str(&rest[..at]);
-        if before.is_some_and(is_ident) || after.is_some_and(is_ident) {
-            out.push_str(word);
-        } else {
-            out.push_str(with);
-        }
-        rest = &rest[at + word.len()..];
-    }
-    out.push_str(rest);
-    out
-}
-
-/// The forward module (entry point `attn_fwd`).
-///
-/// # Panics
-/// If `cfg` does not [validate](WgslTiles::validate).
-pub fn forward_module(program: &Program, cfg: &WgslTiles) -> String {
-    forward_module_from(&variant_functions(program), cfg)
-}
-
-/// [`forward_module`] from the text of [`variant_functions`], for runtimes
-/// that assemble modules per head dim without the [`Program`].
-///
-/// # Panics
-/// If `cfg` does not [validate](WgslTiles::validate).
-pub fn forward_module_from(variant_fns: &str, cfg: &WgslTiles) -> String {
-    module(variant_fns, cfg, &[kernels::FORWARD, kernels::STAGE_KV])
-}
-
-/// The backward modules: `(dq, dkdv)`. The first has entry points
-/// `attn_bwd_delta` (`D_i`, run first) and `attn_bwd_dq`; the second has
-/// `attn_bwd_dkdv`.
-///
-/// # Panics
-/// If `cfg` does not [validate](WgslTiles::validate).
-pub fn backward_modules(program: &Program, cfg: &WgslTiles) -> (String, String) {
-    backward_modules_from(&variant_functions(program), cfg)
-}
-
-/// [`backward_modules`] from the text of [`variant_functions`].
-///
-/// # Panics
-/// If `cfg` does not [validate](WgslTiles::validate).
-pub fn backward_modules_from(variant_fns: &str, cfg: &WgslTiles) -> (String, String) {
-    (
-        module(variant_fns, cfg, &[kernels::BACKWARD_DQ, kernels::STAGE_KV]),
-        module(variant_fns, cfg, &[kernels::BACKWARD_DKDV]),
-    )
+    Ok(s)
 }

@@ -37,6 +37,10 @@ constexpr unsigned BWD_DSE = 80896; // 9216 bytes
 constexpr unsigned BWD_LSE = 90112; // 256 bytes
 constexpr unsigned BWD_DELTA = 90368; // 256 bytes
 constexpr unsigned BWD_SMEM_BYTES = 90624; // dynamic shared memory
+// ---- tile classes (the classifier's codes) ----
+constexpr int TILE_EMPTY = 0;
+constexpr int TILE_PARTIAL = 1;
+constexpr int TILE_FULL = 2;
 // ---- element type: f16 (IEEE half bits, like __half) ----
 typedef unsigned short elem_t;
 #ifndef BX_HOST_EMULATION
@@ -291,11 +295,11 @@ __device__ __forceinline__ void bx_dot_tile(const elem_t* A, const elem_t* B, fl
 #endif
 }
 
-// Whether (query row q0 + i, key k0 + j) exists and is visible. FULL tiles
-// (cls == 2) skip the mask.
+// Whether (query row q0 + i, key k0 + j) exists and is visible. Full tiles
+// (TILE_FULL) skip the mask.
 __device__ __forceinline__ bool bx_visible(const Params& params, int cls, int b, int h, int qi, int kj,
                                            int seq_q, int seq_k, int qp, int kp) {
-    return qi < seq_q && kj < seq_k && (cls == 2 || variant_mask(params, b, h, qp, kp));
+    return qi < seq_q && kj < seq_k && (cls == TILE_FULL || variant_mask(params, b, h, qp, kp));
 }
 
 // The one place a raw dot product becomes a score, in every kernel: x = the
@@ -462,13 +466,20 @@ __device__ __forceinline__ void bx_online_softmax(float* S, elem_t* P, float* ro
     }
 }
 
-// Arguments: q, k, v, out, lse, batch, heads_q, heads_kv, seq_q, seq_k,
-// scale, params. Grid (ceil(seq_q / BQ), heads_q, batch), block FWD_THREADS,
-// dynamic shared memory FWD_SMEM_BYTES.
 extern "C" __global__ void __launch_bounds__(FWD_THREADS, 1)
-boostr_attn_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
-                elem_t* __restrict__ out, float* __restrict__ lse,
-                int batch, int heads_q, int heads_kv, int seq_q, int seq_k, float scale, Params params) {
+boostr_attn_fwd(
+    const elem_t* __restrict__ q,
+    const elem_t* __restrict__ k,
+    const elem_t* __restrict__ v,
+    elem_t* __restrict__ out,
+    float* __restrict__ lse,
+    int batch,
+    int heads_q,
+    int heads_kv,
+    int seq_q,
+    int seq_k,
+    float scale,
+    Params params) {
     extern __shared__ __align__(16) unsigned char bx_smem[];
     elem_t* sQ = reinterpret_cast<elem_t*>(bx_smem + FWD_Q);
     elem_t* sK = reinterpret_cast<elem_t*>(bx_smem + FWD_K);
@@ -508,7 +519,7 @@ boostr_attn_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, cons
     for (int kt = 0; kt < n_kt; ++kt) {
         const int k0 = kt * BKV;
         const int cls = variant_classify(params, b, h, q_lo, q_hi, k0, min(k0 + BKV, seq_k) - 1);
-        if (cls == 0) continue; // EMPTY: nothing visible (uniform over the block)
+        if (cls == TILE_EMPTY) continue; // nothing visible (uniform over the block)
         __syncthreads(); // the previous tile's readers of K, V, S, P are done
         bx_load_rows<BKV, FWD_THREADS>(sK, k + (kv_row0 + k0) * D, seq_k - k0);
         bx_load_rows<BKV, FWD_THREADS>(sV, v + (kv_row0 + k0) * D, seq_k - k0);

@@ -1,25 +1,19 @@
 //! Golden snapshots of emitted kernels: the CUDA forward source (f16,
-//! D = 64) and the WGSL forward module (D = 64) of a Gemma-2 style variant
-//! (causal, soft-capped logits). A change to an emitter shows up here as a
-//! reviewable diff; after checking it, rewrite the files with
-//! `BOOSTR_BLESS=1 cargo test -p kernels-spec --test snapshots`.
+//! D = 64) and the WGSL forward module (D = 64) of the stock Gemma-2 style
+//! variant (causal, soft-capped logits). A change to an emitter shows up here
+//! as a reviewable diff; after checking it, rewrite the files with
+//! `BOOSTR_BLESS=1 cargo test -p boostr-tests --test snapshots`.
 
-use kernels_spec::compile_str;
+use boostr_runtime::stock::CausalSoftcap;
+use boostr_runtime::{Target, Variant};
 use kernels_spec::emit::cuda::{self, CudaDType, CudaTiles};
 use kernels_spec::emit::wgsl::{self, WgslTiles};
-use kernels_spec::ir::Program;
 use std::path::PathBuf;
 
-const CAUSAL_SOFTCAP: &str = "#[attention(\
-    score = |s, b, h, q, kv| self.cap * tanh(s / self.cap), \
-    mask = |b, h, q, kv| kv <= q)] \
-    struct CausalSoftcap { cap: f32 }";
-
-fn program(source: &str) -> Program {
-    match compile_str(source) {
-        Ok(c) => c.program,
-        Err(d) => panic!("{source} failed to compile: {:?}", d.messages()),
-    }
+fn section(target: Target) -> &'static str {
+    CausalSoftcap::compiled()
+        .lowering(target)
+        .expect("a stock variant has every lowering")
 }
 
 fn snapshot_path(name: &str) -> PathBuf {
@@ -43,7 +37,7 @@ fn check_snapshot(name: &str, actual: &str) {
     }
     let expected = std::fs::read_to_string(&path).unwrap_or_else(|e| {
         panic!(
-            "reading {}: {e}\nto create it, run BOOSTR_BLESS=1 cargo test -p kernels-spec --test snapshots",
+            "reading {}: {e}\nto create it, run BOOSTR_BLESS=1 cargo test -p boostr-tests --test snapshots",
             path.display()
         )
     });
@@ -68,7 +62,7 @@ fn check_snapshot(name: &str, actual: &str) {
     panic!(
         "{name} differs from the emitted source at line {} ({} lines stored, {} emitted)\n\
          ---- stored ----\n{}---- emitted ----\n{}\
-         If the change is intended, run BOOSTR_BLESS=1 cargo test -p kernels-spec --test snapshots \
+         If the change is intended, run BOOSTR_BLESS=1 cargo test -p boostr-tests --test snapshots \
          and review the diff of {}.",
         first + 1,
         exp.len(),
@@ -81,15 +75,16 @@ fn check_snapshot(name: &str, actual: &str) {
 
 #[test]
 fn cuda_forward_f16_d64() {
-    let p = program(CAUSAL_SOFTCAP);
     let cfg = CudaTiles::for_problem(64, CudaDType::F16);
-    let source = cuda::forward_source(&cuda::variant_functions(&p), &cfg, CudaDType::F16);
+    let module = &cuda::kernels::FORWARD_MODULE;
+    let source = cuda::source(section(Target::Cuda), &[module], &cfg).expect("default tiles");
     check_snapshot("causal_softcap.fwd.f16.d64.cu", &source);
 }
 
 #[test]
 fn wgsl_forward_d64() {
-    let p = program(CAUSAL_SOFTCAP);
-    let source = wgsl::forward_module(&p, &WgslTiles::for_head_dim(64));
+    let cfg = WgslTiles::for_head_dim(64);
+    let module = &wgsl::kernels::FORWARD;
+    let source = wgsl::module_source(section(Target::Wgsl), module, &cfg).expect("default tiles");
     check_snapshot("causal_softcap.fwd.d64.wgsl", &source);
 }

@@ -1,0 +1,154 @@
+//! What the GPU backends (wgpu, CUDA) share: the kernel cache, the choice
+//! of tiles, and the problem's sizes as the kernel descriptions read them.
+
+use crate::error::BackendError;
+use crate::problem::Problem;
+use crate::variant::Variant;
+use kernels_spec::emit::interface::Sizes;
+use kernels_spec::emit::{Target, Tiling, choose_tiles};
+use numr::dtype::DType;
+use std::collections::HashMap;
+use std::hash::Hash;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// Built kernels (compiled modules, pipelines), shared by every thread.
+///
+/// Each key has one slot, built by the first caller and waited for by
+/// concurrent ones; the map's lock is held only to find the slot, so
+/// different keys build in parallel. A failed build is kept as its error,
+/// and every later caller gets that error without building again. A build
+/// that panics leaves its slot empty, and the next caller builds again.
+#[derive(Debug)]
+pub(crate) struct KernelCache<K, V> {
+    slots: Mutex<HashMap<K, Slot<V>>>,
+}
+
+type Slot<V> = Arc<OnceLock<Result<Arc<V>, BackendError>>>;
+
+impl<K, V> Default for KernelCache<K, V> {
+    fn default() -> Self {
+        KernelCache {
+            slots: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+impl<K: Eq + Hash, V> KernelCache<K, V> {
+    /// The kernels for `key`, built with `build` on a miss.
+    pub(crate) fn get_or_build(
+        &self,
+        key: K,
+        build: impl FnOnce() -> Result<V, BackendError>,
+    ) -> Result<Arc<V>, BackendError> {
+        let slot = {
+            // A poisoned lock only means another caller panicked while
+            // holding it; the map itself is intact.
+            let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+            slots.entry(key).or_default().clone()
+        };
+        slot.get_or_init(|| build().map(Arc::new)).clone()
+    }
+}
+
+/// The variant's section for `target`, or why it has none.
+pub(crate) fn lowering<V: Variant>(target: Target) -> Result<&'static str, BackendError> {
+    V::compiled().lowering(target)
+}
+
+/// The tiles `V`'s kernels run with on `target`: its `tile(..)` override of
+/// `default` when that validates there, else `default`.
+pub(crate) fn tiles<V: Variant, T: Tiling>(
+    target: Target,
+    default: T,
+    head_dim: usize,
+    dtype: DType,
+) -> Result<T, BackendError> {
+    choose_tiles(default, V::TILE_Q, V::TILE_KV).map_err(|error| BackendError::Tiling {
+        target,
+        head_dim,
+        dtype,
+        error,
+    })
+}
+
+/// The head dim as the tile configurations take it (a head dim past
+/// `u32::MAX` becomes `u32::MAX`, which no configuration validates).
+pub(crate) fn head_dim(p: &Problem) -> u32 {
+    u32::try_from(p.head_dim).unwrap_or(u32::MAX)
+}
+
+/// The problem's sizes, as launch geometry reads them.
+pub(crate) fn sizes(p: &Problem) -> Sizes {
+    Sizes {
+        batch: p.batch as u64,
+        heads_q: p.heads_q as u64,
+        heads_kv: p.heads_kv as u64,
+        seq_q: p.seq_q as u64,
+        seq_k: p.seq_k as u64,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Barrier;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn concurrent_first_use_builds_once() {
+        let cache = KernelCache::<u32, usize>::default();
+        let builds = AtomicUsize::new(0);
+        let threads = 8;
+        let barrier = Barrier::new(threads);
+        let results: Vec<Arc<usize>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads)
+                .map(|_| {
+                    s.spawn(|| {
+                        barrier.wait();
+                        cache
+                            .get_or_build(7, || {
+                                builds.fetch_add(1, Ordering::SeqCst);
+                                // Long enough that the others arrive while
+                                // the build runs.
+                                std::thread::sleep(std::time::Duration::from_millis(50));
+                                Ok(42)
+                            })
+                            .expect("the build succeeds")
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(builds.load(Ordering::SeqCst), 1);
+        assert!(
+            results
+                .iter()
+                .all(|r| **r == 42 && Arc::ptr_eq(r, &results[0]))
+        );
+    }
+
+    #[test]
+    fn a_failed_build_is_kept_and_other_keys_still_build() {
+        let cache = KernelCache::<&str, u8>::default();
+        let error = BackendError::Compile {
+            target: Target::Wgsl,
+            source_name: "broken".into(),
+            log: "syntax error".into(),
+        };
+        let first = cache.get_or_build("a", || Err(error.clone()));
+        assert_eq!(first.unwrap_err(), error);
+        let again = cache.get_or_build("a", || panic!("a kept failure is not rebuilt"));
+        assert_eq!(again.unwrap_err(), error);
+        assert_eq!(*cache.get_or_build("b", || Ok(3)).unwrap(), 3);
+    }
+
+    #[test]
+    fn a_panicking_build_leaves_the_slot_empty() {
+        let cache = KernelCache::<u8, u8>::default();
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _ = cache.get_or_build(1, || panic!("build panics"));
+        }));
+        assert!(panicked.is_err());
+        assert_eq!(*cache.get_or_build(1, || Ok(5)).unwrap(), 5);
+    }
+}

@@ -1,0 +1,189 @@
+//! The typed representation of the variant functions that every C-like GPU
+//! dialect prints: scalar types, literals, operators, functions and casts as
+//! enums, and statements. It still has the IR's semantics (`+` on `i32`
+//! wraps, `/` by zero is 0, `min` ignores a NaN); each [`Dialect`] prints a
+//! node in whatever form gives its target those semantics (an intrinsic, a
+//! helper, an operator).
+//!
+//! [`Dialect`]: super::Dialect
+
+use crate::ir::{self, Arg, Local};
+
+/// A scalar type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Type {
+    /// 32-bit float.
+    F32,
+    /// 32-bit signed integer.
+    I32,
+    /// 32-bit unsigned integer.
+    U32,
+    /// Boolean.
+    Bool,
+}
+
+impl From<ir::Ty> for Type {
+    fn from(t: ir::Ty) -> Type {
+        match t {
+            ir::Ty::F32 => Type::F32,
+            ir::Ty::I32 => Type::I32,
+            ir::Ty::U32 => Type::U32,
+            ir::Ty::Bool => Type::Bool,
+        }
+    }
+}
+
+/// A constant. Any `f32`, including the non-finite ones, which no C-like
+/// target has a literal for: the dialect writes those its own way.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Literal {
+    /// An `f32`.
+    F32(f32),
+    /// An `i32`.
+    I32(i32),
+    /// A `u32`.
+    U32(u32),
+    /// A `bool`.
+    Bool(bool),
+}
+
+/// Prefix operators.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UnaryOp {
+    /// Arithmetic negation (`f32`; `i32` wrapping).
+    Neg,
+    /// Logical not.
+    Not,
+}
+
+/// Infix operators, with the IR's meaning ([`ir::BinOp`]).
+pub use crate::ir::BinOp as BinaryOp;
+
+/// The functions a lowered variant calls. The argument types are the
+/// [`Expr::Call`]'s; the result has the arguments' type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Func {
+    /// `e^x` (f32).
+    Exp,
+    /// `2^x` (f32).
+    Exp2,
+    /// Natural logarithm (f32).
+    Log,
+    /// Base-2 logarithm (f32).
+    Log2,
+    /// Square root (f32).
+    Sqrt,
+    /// Rounding down (f32).
+    Floor,
+    /// Rounding up (f32).
+    Ceil,
+    /// `tanh`, exact near 0 and never NaN for large |x| (f32).
+    Tanh,
+    /// `1 / (1 + e^-x)` (f32).
+    Sigmoid,
+    /// Absolute value (f32, i32 wrapping; never u32, which the lowering
+    /// drops).
+    Abs,
+    /// The smaller of two; with a NaN operand, the other one.
+    Min,
+    /// The larger of two; with a NaN operand, the other one.
+    Max,
+    /// Saturating `i32` addition.
+    SatAdd,
+    /// Saturating `i32` subtraction.
+    SatSub,
+    /// Saturating `i32` multiplication.
+    SatMul,
+}
+
+/// A name in a function body.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Name {
+    /// A function argument.
+    Arg(Arg),
+    /// A `let`-bound value.
+    Local(Local),
+    /// The parameter block.
+    Params,
+}
+
+/// An expression. Compound forms are written fully parenthesised by every
+/// dialect, so precedence never depends on a printer.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Expr {
+    /// A constant.
+    Lit(Literal),
+    /// An argument or a local.
+    Name(Name),
+    /// Member `member` of the parameter block, declared with type `ty`.
+    Param {
+        /// The member's name.
+        member: String,
+        /// Its declared (storage) type.
+        ty: Type,
+    },
+    /// A prefix operation on a value of type `ty`.
+    Unary(UnaryOp, Type, Box<Expr>),
+    /// An infix operation whose operands have type `ty`.
+    Binary(BinaryOp, Type, Box<Expr>, Box<Expr>),
+    /// A call; every argument has type `ty`.
+    Call(Func, Type, Vec<Expr>),
+    /// A conversion from `from` to `to` (never the identity): float → int
+    /// saturates with NaN → 0, int → float rounds to nearest, int ↔ int keeps
+    /// the bits, bool → int is 0 or 1.
+    Cast {
+        /// The result type.
+        to: Type,
+        /// The operand's type.
+        from: Type,
+        /// The operand.
+        value: Box<Expr>,
+    },
+    /// `if cond { then } else { otherwise }`, both sides pure.
+    Select(Box<Expr>, Box<Expr>, Box<Expr>),
+}
+
+/// A statement of a function body.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Stmt {
+    /// A name the function takes but never reads (C-like targets warn).
+    Unused(Name),
+    /// An immutable local.
+    Let(Local, Type, Expr),
+    /// The result.
+    Return(Expr),
+}
+
+/// One variant function. Every function of a kind takes the same
+/// arguments, read or not, and may read the parameter block.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Function {
+    /// Its name in the target (`variant_score`, ...).
+    pub name: String,
+    /// Its arguments, in order, with their types.
+    pub args: Vec<(Arg, Type)>,
+    /// Its result type.
+    pub ret: Type,
+    /// Its body: `Unused` statements first, then `Let`s, then one `Return`.
+    pub body: Vec<Stmt>,
+}
+
+/// One member of the parameter block struct.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Member {
+    /// Its name.
+    pub name: String,
+    /// Its type (never `bool`: a block holds words).
+    pub ty: Type,
+}
+
+/// The parameter block as a struct: one member per field, then
+/// `padding_words` zero words, [`PARAM_WORDS`](crate::params::PARAM_WORDS)
+/// in all.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamsStruct {
+    /// The fields' members, in word order.
+    pub members: Vec<Member>,
+    /// Zero words after them.
+    pub padding_words: usize,
+}

@@ -1,0 +1,320 @@
+//! The vocabulary of kernel interfaces, shared by every GPU target.
+//!
+//! Each target describes each of its kernels once, as data: its entry point
+//! and its arguments (CUDA) or bindings (WGSL) in order, each with its
+//! [role](Arg), plus its launch geometry as [`Extent`]s. From that one
+//! description the emitter writes the kernel's signature or binding
+//! declarations, the runtime builds its argument list or bind group by role,
+//! and [`Display`] writes the launch contract for people. So adding an
+//! argument is one edit in one description, and a kernel and its launcher
+//! cannot disagree on the order.
+
+use std::fmt::{self, Display, Formatter};
+
+/// A tensor a kernel reads or writes. All are contiguous; `B, Hq, Hkv, Sq,
+/// Sk, D` are the problem's sizes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Buffer {
+    /// `q [B, Hq, Sq, D]`.
+    Q,
+    /// `k [B, Hkv, Sk, D]`.
+    K,
+    /// `v [B, Hkv, Sk, D]`.
+    V,
+    /// `out [B, Hq, Sq, D]`: the attention output.
+    Out,
+    /// `lse [B, Hq, Sq]` f32: each row's natural log-sum-exp.
+    Lse,
+    /// `dout [B, Hq, Sq, D]`: the gradient of the loss with respect to `out`.
+    Dout,
+    /// `delta [B, Hq, Sq]` f32: `D_i = rowsum(dO ∘ O)` of the backward.
+    Delta,
+    /// `dq [B, Hq, Sq, D]`.
+    Dq,
+    /// `dk [B, Hkv, Sk, D]`.
+    Dk,
+    /// `dv [B, Hkv, Sk, D]`.
+    Dv,
+    /// `stats [B, Hq, Sq, 2]` f32: per-row running sums kept between the
+    /// dispatches of one kernel (WGSL).
+    Stats,
+}
+
+/// What a [`Buffer`]'s elements are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Elem {
+    /// The call's element type (the dtype of `q`).
+    Input,
+    /// `f32`, whatever the call's element type.
+    F32,
+    /// Pairs of `f32`.
+    F32x2,
+}
+
+impl Buffer {
+    /// The argument's (or binding's) name in every kernel.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Buffer::Q => "q",
+            Buffer::K => "k",
+            Buffer::V => "v",
+            Buffer::Out => "out",
+            Buffer::Lse => "lse",
+            Buffer::Dout => "dout",
+            Buffer::Delta => "delta",
+            Buffer::Dq => "dq",
+            Buffer::Dk => "dk",
+            Buffer::Dv => "dv",
+            Buffer::Stats => "stats",
+        }
+    }
+
+    /// Its element type.
+    pub const fn elem(self) -> Elem {
+        match self {
+            Buffer::Lse | Buffer::Delta => Elem::F32,
+            Buffer::Stats => Elem::F32x2,
+            _ => Elem::Input,
+        }
+    }
+
+    /// Its shape, in the problem's sizes.
+    pub const fn shape(self) -> &'static str {
+        match self {
+            Buffer::Q | Buffer::Out | Buffer::Dout | Buffer::Dq => "[B, Hq, Sq, D]",
+            Buffer::K | Buffer::V | Buffer::Dk | Buffer::Dv => "[B, Hkv, Sk, D]",
+            Buffer::Lse | Buffer::Delta => "[B, Hq, Sq]",
+            Buffer::Stats => "[B, Hq, Sq, 2]",
+        }
+    }
+}
+
+/// Whether a kernel only reads a buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Access {
+    /// Read only.
+    Read,
+    /// Read and written.
+    ReadWrite,
+}
+
+/// A scalar a kernel is given: a problem size, the scale, or (WGSL) the
+/// range of its tile loop that one dispatch covers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Scalar {
+    /// `B`.
+    Batch,
+    /// `Hq`.
+    HeadsQ,
+    /// `Hkv`.
+    HeadsKv,
+    /// `Sq`.
+    SeqQ,
+    /// `Sk`.
+    SeqK,
+    /// The multiplier of `q·k` (f32).
+    Scale,
+    /// First tile of this dispatch's range of the tile loop.
+    TileBegin,
+    /// One past the last tile of the range.
+    TileEnd,
+    /// `FIRST` (1: the range starts the loop) | `LAST` (2: it ends it).
+    Flags,
+}
+
+impl Scalar {
+    /// The argument's (or member's) name in every kernel.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Scalar::Batch => "batch",
+            Scalar::HeadsQ => "heads_q",
+            Scalar::HeadsKv => "heads_kv",
+            Scalar::SeqQ => "seq_q",
+            Scalar::SeqK => "seq_k",
+            Scalar::Scale => "scale",
+            Scalar::TileBegin => "tile_begin",
+            Scalar::TileEnd => "tile_end",
+            Scalar::Flags => "flags",
+        }
+    }
+
+    /// Whether it is an `f32` (else a count or index).
+    pub const fn is_float(self) -> bool {
+        matches!(self, Scalar::Scale)
+    }
+}
+
+/// One argument of a kernel, by role.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Arg {
+    /// A tensor.
+    Buffer(Buffer, Access),
+    /// A scalar.
+    Scalar(Scalar),
+    /// The variant's parameter block ([`ParamWords`](crate::params::ParamWords)).
+    Params,
+}
+
+impl Arg {
+    /// A buffer the kernel only reads.
+    pub const fn read(b: Buffer) -> Arg {
+        Arg::Buffer(b, Access::Read)
+    }
+
+    /// A buffer the kernel writes (and may read).
+    pub const fn write(b: Buffer) -> Arg {
+        Arg::Buffer(b, Access::ReadWrite)
+    }
+
+    /// The argument's name in every kernel.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Arg::Buffer(b, _) => b.name(),
+            Arg::Scalar(s) => s.name(),
+            Arg::Params => "params",
+        }
+    }
+}
+
+/// A size of the problem, for launch geometry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Dim {
+    /// `B`.
+    Batch,
+    /// `Hq`.
+    HeadsQ,
+    /// `Hkv`.
+    HeadsKv,
+    /// `Sq`.
+    SeqQ,
+    /// `Sk`.
+    SeqK,
+    /// `Hq / Hkv`, query heads per kv head.
+    Group,
+    /// `B · Hq`.
+    BatchHeadsQ,
+    /// `B · Hkv`.
+    BatchHeadsKv,
+    /// `B · Hq · Sq`, every query row.
+    Rows,
+}
+
+impl Dim {
+    fn symbol(self) -> &'static str {
+        match self {
+            Dim::Batch => "B",
+            Dim::HeadsQ => "Hq",
+            Dim::HeadsKv => "Hkv",
+            Dim::SeqQ => "Sq",
+            Dim::SeqK => "Sk",
+            Dim::Group => "Hq/Hkv",
+            Dim::BatchHeadsQ => "B·Hq",
+            Dim::BatchHeadsKv => "B·Hkv",
+            Dim::Rows => "B·Hq·Sq",
+        }
+    }
+}
+
+/// The problem's sizes, as launch geometry reads them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Sizes {
+    /// `B`.
+    pub batch: u64,
+    /// `Hq`.
+    pub heads_q: u64,
+    /// `Hkv` (divides `Hq`).
+    pub heads_kv: u64,
+    /// `Sq`.
+    pub seq_q: u64,
+    /// `Sk`.
+    pub seq_k: u64,
+}
+
+impl Sizes {
+    /// The value of `d`.
+    pub fn dim(&self, d: Dim) -> u64 {
+        match d {
+            Dim::Batch => self.batch,
+            Dim::HeadsQ => self.heads_q,
+            Dim::HeadsKv => self.heads_kv,
+            Dim::SeqQ => self.seq_q,
+            Dim::SeqK => self.seq_k,
+            Dim::Group => self.heads_q / self.heads_kv.max(1),
+            Dim::BatchHeadsQ => self.batch * self.heads_q,
+            Dim::BatchHeadsKv => self.batch * self.heads_kv,
+            Dim::Rows => self.batch * self.heads_q * self.seq_q,
+        }
+    }
+}
+
+/// A count of a launch (grid blocks along an axis, tiles of a loop), in
+/// the problem's sizes and the target's tile sizes `S`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Extent<S: 'static> {
+    /// One.
+    One,
+    /// A size of the problem.
+    Dim(Dim),
+    /// `⌈dim / size⌉`: the tiles of `size` that cover `dim`.
+    Tiles(Dim, S),
+    /// The product of the factors.
+    Product(&'static [Extent<S>]),
+}
+
+impl<S: Copy + 'static> Extent<S> {
+    /// The count for `sizes`, with the target's tile sizes from `size`.
+    pub fn eval(&self, sizes: &Sizes, size: &impl Fn(S) -> u32) -> u64 {
+        match *self {
+            Extent::One => 1,
+            Extent::Dim(d) => sizes.dim(d),
+            Extent::Tiles(d, s) => sizes.dim(d).div_ceil(u64::from(size(s)).max(1)),
+            Extent::Product(factors) => factors.iter().map(|e| e.eval(sizes, size)).product(),
+        }
+    }
+
+    /// The count as blocks (or workgroups) along grid `axis`, at most `max`.
+    pub fn blocks(
+        &self,
+        axis: &'static str,
+        max: u64,
+        sizes: &Sizes,
+        size: &impl Fn(S) -> u32,
+    ) -> Result<u32, GridTooLarge> {
+        let blocks = self.eval(sizes, size);
+        u32::try_from(blocks)
+            .ok()
+            .filter(|&b| u64::from(b) <= max)
+            .ok_or(GridTooLarge { axis, blocks, max })
+    }
+}
+
+/// A grid larger than the target can launch.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{blocks} blocks along grid {axis} exceed the limit of {max}")]
+pub struct GridTooLarge {
+    /// The axis (`x`, `y` or `z`).
+    pub axis: &'static str,
+    /// The blocks it would need.
+    pub blocks: u64,
+    /// The target's limit on it.
+    pub max: u64,
+}
+
+impl<S: Copy + Display + 'static> Display for Extent<S> {
+    fn fmt(&self, f: &mut Formatter<'_>) -> fmt::Result {
+        match self {
+            Extent::One => f.write_str("1"),
+            Extent::Dim(d) => f.write_str(d.symbol()),
+            Extent::Tiles(d, s) => write!(f, "⌈{}/{s}⌉", d.symbol()),
+            Extent::Product(factors) => {
+                for (i, e) in factors.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str("·")?;
+                    }
+                    write!(f, "{e}")?;
+                }
+                Ok(())
+            }
+        }
+    }
+}

@@ -1,0 +1,727 @@
+// ---- tile configuration ----
+const D: u32 = 64u; // head dim
+const BQ: u32 = 31u; // query rows staged per tile (dK/dV)
+const BKV: u32 = 32u; // key rows staged per tile (forward, D_i, dQ)
+const WG: u32 = 64u; // invocations (rows) per workgroup
+// ---- tile classes (the classifier's codes) ----
+const TILE_EMPTY: i32 = 0i;
+const TILE_PARTIAL: i32 = 1i;
+const TILE_FULL: i32 = 2i;
+// ---- shape.flags of a dispatch ----
+const FIRST: u32 = 1u; // its range starts the tile loop
+const LAST: u32 = 2u; // its range ends it
+// ---- bindings ----
+struct Shape {
+    batch: u32,
+    heads_q: u32,
+    heads_kv: u32,
+    seq_q: u32,
+    seq_k: u32,
+    scale: f32,
+    tile_begin: u32,
+    tile_end: u32,
+    flags: u32,
+    pad_0: u32,
+    pad_1: u32,
+    pad_2: u32,
+}
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<uniform> shape: Shape;
+@group(0) @binding(2) var<storage, read> q: array<f32>;
+@group(0) @binding(3) var<storage, read> k: array<f32>;
+@group(0) @binding(4) var<storage, read> v: array<f32>;
+@group(0) @binding(5) var<storage, read_write> out: array<f32>;
+@group(0) @binding(6) var<storage, read_write> lse: array<f32>;
+@group(0) @binding(7) var<storage, read_write> stats: array<vec2<f32>>;
+
+// ---- shared ----
+fn is_first() -> bool {
+    return (shape.flags & FIRST) != 0u;
+}
+fn is_last() -> bool {
+    return (shape.flags & LAST) != 0u;
+}
+
+// Elements each invocation copies when the workgroup stages `rows` rows.
+const N_KV: u32 = (BKV * D + WG - 1u) / WG;
+const N_Q: u32 = (BQ * D + WG - 1u) / WG;
+
+fn gqa_group() -> u32 {
+    return max(shape.heads_q / max(shape.heads_kv, 1u), 1u);
+}
+
+// ---- IR semantics helpers ----
+fn bx_inf() -> f32 {
+    var bits: u32 = 0x7f800000u; // a var: never constant-folded
+    return bitcast<f32>(bits);
+}
+fn bx_nan() -> f32 {
+    var bits: u32 = 0x7fc00000u;
+    return bitcast<f32>(bits);
+}
+fn bx_is_nan(x: f32) -> bool {
+    return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u;
+}
+fn bx_is_neg_inf(x: f32) -> bool {
+    return bitcast<u32>(x) == 0xff800000u;
+}
+fn bx_div_i32(a: i32, b: i32) -> i32 {
+    if b == 0i { return 0i; }
+    if b == -1i { return bitcast<i32>(0u - bitcast<u32>(a)); } // i32::MIN / -1 wraps
+    return a / b;
+}
+fn bx_rem_i32(a: i32, b: i32) -> i32 {
+    if b == 0i || b == -1i { return 0i; }
+    return a % b;
+}
+fn bx_div_u32(a: u32, b: u32) -> u32 {
+    if b == 0u { return 0u; }
+    return a / b;
+}
+fn bx_rem_u32(a: u32, b: u32) -> u32 {
+    if b == 0u { return 0u; }
+    return a % b;
+}
+fn bx_f32_to_i32(x: f32) -> i32 {
+    if bx_is_nan(x) { return 0i; }
+    if x >= 2147483648.0f { return 2147483647i; }
+    if x < -2147483648.0f { return -2147483647i - 1i; }
+    return i32(x);
+}
+fn bx_f32_to_u32(x: f32) -> u32 {
+    if bx_is_nan(x) || x < 1.0f { return 0u; }
+    if x >= 4294967296.0f { return 4294967295u; }
+    return u32(x);
+}
+fn bx_min_f32(a: f32, b: f32) -> f32 {
+    if bx_is_nan(a) { return b; }
+    if bx_is_nan(b) { return a; }
+    return min(a, b);
+}
+fn bx_max_f32(a: f32, b: f32) -> f32 {
+    if bx_is_nan(a) { return b; }
+    if bx_is_nan(b) { return a; }
+    return max(a, b);
+}
+fn bx_tanh(x: f32) -> f32 {
+    // Not the builtin: implementations may form it as (e^2x - 1)/(e^2x + 1),
+    // which loses all relative precision near 0 and overflows to NaN for
+    // large |x|. Below |x| = 0.625 an odd polynomial (Cephes tanhf), above
+    // (1 - t)/(1 + t) with t = e^(-2|x|) <= 0.29 (exactly 1 once t underflows).
+    if bx_is_nan(x) { return x; }
+    let a = abs(x);
+    let z = x * x;
+    var p = -5.70498872745e-3f;
+    p = p * z + 2.06390887954e-2f;
+    p = p * z - 5.37397155531e-2f;
+    p = p * z + 1.33314422036e-1f;
+    p = p * z - 3.33332819422e-1f;
+    if a < 0.625f { return x + x * z * p; }
+    let t = exp(-2.0f * a);
+    return sign(x) * ((1.0f - t) / (1.0f + t));
+}
+fn bx_sigmoid(x: f32) -> f32 {
+    return 1.0f / (1.0f + exp(-x));
+}
+fn bx_sat_add(a: i32, b: i32) -> i32 {
+    let r = bitcast<i32>(bitcast<u32>(a) + bitcast<u32>(b));
+    if (a >= 0i) == (b >= 0i) && (r >= 0i) != (a >= 0i) {
+        return select(-2147483647i - 1i, 2147483647i, a >= 0i);
+    }
+    return r;
+}
+fn bx_sat_sub(a: i32, b: i32) -> i32 {
+    let r = bitcast<i32>(bitcast<u32>(a) - bitcast<u32>(b));
+    if (a >= 0i) != (b >= 0i) && (r >= 0i) != (a >= 0i) {
+        return select(-2147483647i - 1i, 2147483647i, a >= 0i);
+    }
+    return r;
+}
+fn bx_sat_mul(a: i32, b: i32) -> i32 {
+    if a == 0i || b == 0i { return 0i; }
+    let neg = (a < 0i) != (b < 0i);
+    // Magnitudes in u32 (|i32::MIN| = 2^31 fits); overflow iff |a|·|b| > limit.
+    let ua = select(bitcast<u32>(a), 0u - bitcast<u32>(a), a < 0i);
+    let ub = select(bitcast<u32>(b), 0u - bitcast<u32>(b), b < 0i);
+    let limit = select(2147483647u, 2147483648u, neg);
+    if ua > limit / ub {
+        return select(2147483647i, -2147483647i - 1i, neg);
+    }
+    let p = ua * ub;
+    return bitcast<i32>(select(p, 0u - p, neg));
+}
+
+// ---- variant CausalSoftcap ----
+struct Params {
+    p_cap: f32,
+    pad_0: u32,
+    pad_1: u32,
+    pad_2: u32,
+    pad: array<vec4<u32>, 7>,
+}
+
+fn variant_score(s: f32, b: i32, h: i32, q: i32, kv: i32) -> f32 {
+    return (params.p_cap * bx_tanh((s / params.p_cap)));
+}
+
+fn variant_score_grad(s: f32, b: i32, h: i32, q: i32, kv: i32) -> f32 {
+    let l0: f32 = bx_tanh((s / params.p_cap));
+    return (params.p_cap * ((1.0f - (l0 * l0)) * (1.0f / params.p_cap)));
+}
+
+fn variant_mask(b: i32, h: i32, q: i32, kv: i32) -> bool {
+    return (kv <= q);
+}
+
+fn variant_classify(b: i32, h: i32, q_lo: i32, q_hi: i32, kv_lo: i32, kv_hi: i32) -> i32 {
+    return select(select(1i, 2i, (q_lo >= kv_hi)), 0i, (kv_lo > q_hi));
+}
+
+
+// ---- forward (FlashAttention-2 online softmax, one query row per invocation) ----
+@compute @workgroup_size(WG)
+fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let sq = shape.seq_q;
+    let sk = shape.seq_k;
+    let b = wid.y / shape.heads_q;
+    let h = wid.y % shape.heads_q;
+    let h_kv = h / gqa_group();
+    let q0 = wid.x * WG;
+    let row = q0 + lid;
+    let live = row < sq;
+    let q_base = (b * shape.heads_q + h) * sq;
+    let kv_base = (b * shape.heads_kv + h_kv) * sk;
+    let offset = i32(sk) - i32(sq);
+    let ib = i32(b);
+    let ih = i32(h);
+    let qp = i32(row) + offset;
+
+    var qr: array<f32, D>;
+    var acc: array<f32, D>;
+    var m = -bx_inf();
+    var l = 0.0f;
+    { { const d = 0u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 1u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 2u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 3u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 4u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 5u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 6u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 7u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 8u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 9u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 10u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 11u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 12u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 13u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 14u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 15u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 16u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 17u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 18u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 19u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 20u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 21u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 22u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 23u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 24u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 25u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 26u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 27u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 28u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 29u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 30u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 31u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 32u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 33u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 34u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 35u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 36u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 37u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 38u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 39u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 40u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 41u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 42u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 43u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 44u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 45u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 46u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 47u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 48u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 49u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 50u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 51u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 52u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 53u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 54u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 55u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 56u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 57u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 58u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 59u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 60u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 61u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 62u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } { const d = 63u; var x = 0.0f;
+        var a = 0.0f;
+        if live {
+            x = q[(q_base + row) * D + d];
+            if !is_first() { a = out[(q_base + row) * D + d]; }
+        }
+        qr[d] = x;
+        acc[d] = a; } }
+    if live && !is_first() {
+        let ml = stats[q_base + row];
+        m = ml.x;
+        l = ml.y;
+    }
+
+    let q_lo = i32(q0) + offset;
+    let q_hi = i32(min(q0 + WG, sq)) - 1i + offset;
+    let n_tiles = (sk + BKV - 1u) / BKV;
+    var s_row: array<f32, BKV>;
+    for (var kt = shape.tile_begin; kt < min(shape.tile_end, n_tiles); kt++) {
+        let k0 = kt * BKV;
+        let kv_hi = i32(min(k0 + BKV, sk)) - 1i;
+        let cls = variant_classify(ib, ih, q_lo, q_hi, i32(k0), kv_hi);
+        if cls == TILE_EMPTY { continue; } // EMPTY: nothing visible
+        workgroupBarrier(); // the previous tile's readers are done
+        stage_kv(lid, kv_base, k0);
+        workgroupBarrier();
+        var m_new = m;
+        for (var j = 0u; j < BKV; j++) {
+            let kp = i32(k0 + j);
+            var dot = 0.0f;
+            { { const d = 0u; dot += qr[d] * k_tile[j * D + d]; } { const d = 1u; dot += qr[d] * k_tile[j * D + d]; } { const d = 2u; dot += qr[d] * k_tile[j * D + d]; } { const d = 3u; dot += qr[d] * k_tile[j * D + d]; } { const d = 4u; dot += qr[d] * k_tile[j * D + d]; } { const d = 5u; dot += qr[d] * k_tile[j * D + d]; } { const d = 6u; dot += qr[d] * k_tile[j * D + d]; } { const d = 7u; dot += qr[d] * k_tile[j * D + d]; } { const d = 8u; dot += qr[d] * k_tile[j * D + d]; } { const d = 9u; dot += qr[d] * k_tile[j * D + d]; } { const d = 10u; dot += qr[d] * k_tile[j * D + d]; } { const d = 11u; dot += qr[d] * k_tile[j * D + d]; } { const d = 12u; dot += qr[d] * k_tile[j * D + d]; } { const d = 13u; dot += qr[d] * k_tile[j * D + d]; } { const d = 14u; dot += qr[d] * k_tile[j * D + d]; } { const d = 15u; dot += qr[d] * k_tile[j * D + d]; } { const d = 16u; dot += qr[d] * k_tile[j * D + d]; } { const d = 17u; dot += qr[d] * k_tile[j * D + d]; } { const d = 18u; dot += qr[d] * k_tile[j * D + d]; } { const d = 19u; dot += qr[d] * k_tile[j * D + d]; } { const d = 20u; dot += qr[d] * k_tile[j * D + d]; } { const d = 21u; dot += qr[d] * k_tile[j * D + d]; } { const d = 22u; dot += qr[d] * k_tile[j * D + d]; } { const d = 23u; dot += qr[d] * k_tile[j * D + d]; } { const d = 24u; dot += qr[d] * k_tile[j * D + d]; } { const d = 25u; dot += qr[d] * k_tile[j * D + d]; } { const d = 26u; dot += qr[d] * k_tile[j * D + d]; } { const d = 27u; dot += qr[d] * k_tile[j * D + d]; } { const d = 28u; dot += qr[d] * k_tile[j * D + d]; } { const d = 29u; dot += qr[d] * k_tile[j * D + d]; } { const d = 30u; dot += qr[d] * k_tile[j * D + d]; } { const d = 31u; dot += qr[d] * k_tile[j * D + d]; } { const d = 32u; dot += qr[d] * k_tile[j * D + d]; } { const d = 33u; dot += qr[d] * k_tile[j * D + d]; } { const d = 34u; dot += qr[d] * k_tile[j * D + d]; } { const d = 35u; dot += qr[d] * k_tile[j * D + d]; } { const d = 36u; dot += qr[d] * k_tile[j * D + d]; } { const d = 37u; dot += qr[d] * k_tile[j * D + d]; } { const d = 38u; dot += qr[d] * k_tile[j * D + d]; } { const d = 39u; dot += qr[d] * k_tile[j * D + d]; } { const d = 40u; dot += qr[d] * k_tile[j * D + d]; } { const d = 41u; dot += qr[d] * k_tile[j * D + d]; } { const d = 42u; dot += qr[d] * k_tile[j * D + d]; } { const d = 43u; dot += qr[d] * k_tile[j * D + d]; } { const d = 44u; dot += qr[d] * k_tile[j * D + d]; } { const d = 45u; dot += qr[d] * k_tile[j * D + d]; } { const d = 46u; dot += qr[d] * k_tile[j * D + d]; } { const d = 47u; dot += qr[d] * k_tile[j * D + d]; } { const d = 48u; dot += qr[d] * k_tile[j * D + d]; } { const d = 49u; dot += qr[d] * k_tile[j * D + d]; } { const d = 50u; dot += qr[d] * k_tile[j * D + d]; } { const d = 51u; dot += qr[d] * k_tile[j * D + d]; } { const d = 52u; dot += qr[d] * k_tile[j * D + d]; } { const d = 53u; dot += qr[d] * k_tile[j * D + d]; } { const d = 54u; dot += qr[d] * k_tile[j * D + d]; } { const d = 55u; dot += qr[d] * k_tile[j * D + d]; } { const d = 56u; dot += qr[d] * k_tile[j * D + d]; } { const d = 57u; dot += qr[d] * k_tile[j * D + d]; } { const d = 58u; dot += qr[d] * k_tile[j * D + d]; } { const d = 59u; dot += qr[d] * k_tile[j * D + d]; } { const d = 60u; dot += qr[d] * k_tile[j * D + d]; } { const d = 61u; dot += qr[d] * k_tile[j * D + d]; } { const d = 62u; dot += qr[d] * k_tile[j * D + d]; } { const d = 63u; dot += qr[d] * k_tile[j * D + d]; } }
+            // FULL tiles skip the mask.
+            let seen = live && k0 + j < sk && (cls == TILE_FULL || variant_mask(ib, ih, qp, kp));
+            let s = select(-bx_inf(), variant_score(dot * shape.scale, ib, ih, qp, kp), seen);
+            s_row[j] = s;
+            if s > m_new { m_new = s; }
+        }
+        // Nothing visible yet: m_new = -inf, and every p and alpha below is 0.
+        let m_ref = select(m_new, 0.0f, bx_is_neg_inf(m_new));
+        let alpha = exp(m - m_ref);
+        l *= alpha;
+        { { const d = 0u; acc[d] *= alpha; } { const d = 1u; acc[d] *= alpha; } { const d = 2u; acc[d] *= alpha; } { const d = 3u; acc[d] *= alpha; } { const d = 4u; acc[d] *= alpha; } { const d = 5u; acc[d] *= alpha; } { const d = 6u; acc[d] *= alpha; } { const d = 7u; acc[d] *= alpha; } { const d = 8u; acc[d] *= alpha; } { const d = 9u; acc[d] *= alpha; } { const d = 10u; acc[d] *= alpha; } { const d = 11u; acc[d] *= alpha; } { const d = 12u; acc[d] *= alpha; } { const d = 13u; acc[d] *= alpha; } { const d = 14u; acc[d] *= alpha; } { const d = 15u; acc[d] *= alpha; } { const d = 16u; acc[d] *= alpha; } { const d = 17u; acc[d] *= alpha; } { const d = 18u; acc[d] *= alpha; } { const d = 19u; acc[d] *= alpha; } { const d = 20u; acc[d] *= alpha; } { const d = 21u; acc[d] *= alpha; } { const d = 22u; acc[d] *= alpha; } { const d = 23u; acc[d] *= alpha; } { const d = 24u; acc[d] *= alpha; } { const d = 25u; acc[d] *= alpha; } { const d = 26u; acc[d] *= alpha; } { const d = 27u; acc[d] *= alpha; } { const d = 28u; acc[d] *= alpha; } { const d = 29u; acc[d] *= alpha; } { const d = 30u; acc[d] *= alpha; } { const d = 31u; acc[d] *= alpha; } { const d = 32u; acc[d] *= alpha; } { const d = 33u; acc[d] *= alpha; } { const d = 34u; acc[d] *= alpha; } { const d = 35u; acc[d] *= alpha; } { const d = 36u; acc[d] *= alpha; } { const d = 37u; acc[d] *= alpha; } { const d = 38u; acc[d] *= alpha; } { const d = 39u; acc[d] *= alpha; } { const d = 40u; acc[d] *= alpha; } { const d = 41u; acc[d] *= alpha; } { const d = 42u; acc[d] *= alpha; } { const d = 43u; acc[d] *= alpha; } { const d = 44u; acc[d] *= alpha; } { const d = 45u; acc[d] *= alpha; } { const d = 46u; acc[d] *= alpha; } { const d = 47u; acc[d] *= alpha; } { const d = 48u; acc[d] *= alpha; } { const d = 49u; acc[d] *= alpha; } { const d = 50u; acc[d] *= alpha; } { const d = 51u; acc[d] *= alpha; } { const d = 52u; acc[d] *= alpha; } { const d = 53u; acc[d] *= alpha; } { const d = 54u; acc[d] *= alpha; } { const d = 55u; acc[d] *= alpha; } { const d = 56u; acc[d] *= alpha; } { const d = 57u; acc[d] *= alpha; } { const d = 58u; acc[d] *= alpha; } { const d = 59u; acc[d] *= alpha; } { const d = 60u; acc[d] *= alpha; } { const d = 61u; acc[d] *= alpha; } { const d = 62u; acc[d] *= alpha; } { const d = 63u; acc[d] *= alpha; } }
+        for (var j = 0u; j < BKV; j++) {
+            let p = exp(s_row[j] - m_ref);
+            l += p;
+            { { const d = 0u; acc[d] += p * v_tile[j * D + d]; } { const d = 1u; acc[d] += p * v_tile[j * D + d]; } { const d = 2u; acc[d] += p * v_tile[j * D + d]; } { const d = 3u; acc[d] += p * v_tile[j * D + d]; } { const d = 4u; acc[d] += p * v_tile[j * D + d]; } { const d = 5u; acc[d] += p * v_tile[j * D + d]; } { const d = 6u; acc[d] += p * v_tile[j * D + d]; } { const d = 7u; acc[d] += p * v_tile[j * D + d]; } { const d = 8u; acc[d] += p * v_tile[j * D + d]; } { const d = 9u; acc[d] += p * v_tile[j * D + d]; } { const d = 10u; acc[d] += p * v_tile[j * D + d]; } { const d = 11u; acc[d] += p * v_tile[j * D + d]; } { const d = 12u; acc[d] += p * v_tile[j * D + d]; } { const d = 13u; acc[d] += p * v_tile[j * D + d]; } { const d = 14u; acc[d] += p * v_tile[j * D + d]; } { const d = 15u; acc[d] += p * v_tile[j * D + d]; } { const d = 16u; acc[d] += p * v_tile[j * D + d]; } { const d = 17u; acc[d] += p * v_tile[j * D + d]; } { const d = 18u; acc[d] += p * v_tile[j * D + d]; } { const d = 19u; acc[d] += p * v_tile[j * D + d]; } { const d = 20u; acc[d] += p * v_tile[j * D + d]; } { const d = 21u; acc[d] += p * v_tile[j * D + d]; } { const d = 22u; acc[d] += p * v_tile[j * D + d]; } { const d = 23u; acc[d] += p * v_tile[j * D + d]; } { const d = 24u; acc[d] += p * v_tile[j * D + d]; } { const d = 25u; acc[d] += p * v_tile[j * D + d]; } { const d = 26u; acc[d] += p * v_tile[j * D + d]; } { const d = 27u; acc[d] += p * v_tile[j * D + d]; } { const d = 28u; acc[d] += p * v_tile[j * D + d]; } { const d = 29u; acc[d] += p * v_tile[j * D + d]; } { const d = 30u; acc[d] += p * v_tile[j * D + d]; } { const d = 31u; acc[d] += p * v_tile[j * D + d]; } { const d = 32u; acc[d] += p * v_tile[j * D + d]; } { const d = 33u; acc[d] += p * v_tile[j * D + d]; } { const d = 34u; acc[d] += p * v_tile[j * D + d]; } { const d = 35u; acc[d] += p * v_tile[j * D + d]; } { const d = 36u; acc[d] += p * v_tile[j * D + d]; } { const d = 37u; acc[d] += p * v_tile[j * D + d]; } { const d = 38u; acc[d] += p * v_tile[j * D + d]; } { const d = 39u; acc[d] += p * v_tile[j * D + d]; } { const d = 40u; acc[d] += p * v_tile[j * D + d]; } { const d = 41u; acc[d] += p * v_tile[j * D + d]; } { const d = 42u; acc[d] += p * v_tile[j * D + d]; } { const d = 43u; acc[d] += p * v_tile[j * D + d]; } { const d = 44u; acc[d] += p * v_tile[j * D + d]; } { const d = 45u; acc[d] += p * v_tile[j * D + d]; } { const d = 46u; acc[d] += p * v_tile[j * D + d]; } { const d = 47u; acc[d] += p * v_tile[j * D + d]; } { const d = 48u; acc[d] += p * v_tile[j * D + d]; } { const d = 49u; acc[d] += p * v_tile[j * D + d]; } { const d = 50u; acc[d] += p * v_tile[j * D + d]; } { const d = 51u; acc[d] += p * v_tile[j * D + d]; } { const d = 52u; acc[d] += p * v_tile[j * D + d]; } { const d = 53u; acc[d] += p * v_tile[j * D + d]; } { const d = 54u; acc[d] += p * v_tile[j * D + d]; } { const d = 55u; acc[d] += p * v_tile[j * D + d]; } { const d = 56u; acc[d] += p * v_tile[j * D + d]; } { const d = 57u; acc[d] += p * v_tile[j * D + d]; } { const d = 58u; acc[d] += p * v_tile[j * D + d]; } { const d = 59u; acc[d] += p * v_tile[j * D + d]; } { const d = 60u; acc[d] += p * v_tile[j * D + d]; } { const d = 61u; acc[d] += p * v_tile[j * D + d]; } { const d = 62u; acc[d] += p * v_tile[j * D + d]; } { const d = 63u; acc[d] += p * v_tile[j * D + d]; } }
+        }
+        m = m_new;
+    }
+    if !live { return; }
+    if !is_last() {
+        { { const d = 0u; out[(q_base + row) * D + d] = acc[d]; } { const d = 1u; out[(q_base + row) * D + d] = acc[d]; } { const d = 2u; out[(q_base + row) * D + d] = acc[d]; } { const d = 3u; out[(q_base + row) * D + d] = acc[d]; } { const d = 4u; out[(q_base + row) * D + d] = acc[d]; } { const d = 5u; out[(q_base + row) * D + d] = acc[d]; } { const d = 6u; out[(q_base + row) * D + d] = acc[d]; } { const d = 7u; out[(q_base + row) * D + d] = acc[d]; } { const d = 8u; out[(q_base + row) * D + d] = acc[d]; } { const d = 9u; out[(q_base + row) * D + d] = acc[d]; } { const d = 10u; out[(q_base + row) * D + d] = acc[d]; } { const d = 11u; out[(q_base + row) * D + d] = acc[d]; } { const d = 12u; out[(q_base + row) * D + d] = acc[d]; } { const d = 13u; out[(q_base + row) * D + d] = acc[d]; } { const d = 14u; out[(q_base + row) * D + d] = acc[d]; } { const d = 15u; out[(q_base + row) * D + d] = acc[d]; } { const d = 16u; out[(q_base + row) * D + d] = acc[d]; } { const d = 17u; out[(q_base + row) * D + d] = acc[d]; } { const d = 18u; out[(q_base + row) * D + d] = acc[d]; } { const d = 19u; out[(q_base + row) * D + d] = acc[d]; } { const d = 20u; out[(q_base + row) * D + d] = acc[d]; } { const d = 21u; out[(q_base + row) * D + d] = acc[d]; } { const d = 22u; out[(q_base + row) * D + d] = acc[d]; } { const d = 23u; out[(q_base + row) * D + d] = acc[d]; } { const d = 24u; out[(q_base + row) * D + d] = acc[d]; } { const d = 25u; out[(q_base + row) * D + d] = acc[d]; } { const d = 26u; out[(q_base + row) * D + d] = acc[d]; } { const d = 27u; out[(q_base + row) * D + d] = acc[d]; } { const d = 28u; out[(q_base + row) * D + d] = acc[d]; } { const d = 29u; out[(q_base + row) * D + d] = acc[d]; } { const d = 30u; out[(q_base + row) * D + d] = acc[d]; } { const d = 31u; out[(q_base + row) * D + d] = acc[d]; } { const d = 32u; out[(q_base + row) * D + d] = acc[d]; } { const d = 33u; out[(q_base + row) * D + d] = acc[d]; } { const d = 34u; out[(q_base + row) * D + d] = acc[d]; } { const d = 35u; out[(q_base + row) * D + d] = acc[d]; } { const d = 36u; out[(q_base + row) * D + d] = acc[d]; } { const d = 37u; out[(q_base + row) * D + d] = acc[d]; } { const d = 38u; out[(q_base + row) * D + d] = acc[d]; } { const d = 39u; out[(q_base + row) * D + d] = acc[d]; } { const d = 40u; out[(q_base + row) * D + d] = acc[d]; } { const d = 41u; out[(q_base + row) * D + d] = acc[d]; } { const d = 42u; out[(q_base + row) * D + d] = acc[d]; } { const d = 43u; out[(q_base + row) * D + d] = acc[d]; } { const d = 44u; out[(q_base + row) * D + d] = acc[d]; } { const d = 45u; out[(q_base + row) * D + d] = acc[d]; } { const d = 46u; out[(q_base + row) * D + d] = acc[d]; } { const d = 47u; out[(q_base + row) * D + d] = acc[d]; } { const d = 48u; out[(q_base + row) * D + d] = acc[d]; } { const d = 49u; out[(q_base + row) * D + d] = acc[d]; } { const d = 50u; out[(q_base + row) * D + d] = acc[d]; } { const d = 51u; out[(q_base + row) * D + d] = acc[d]; } { const d = 52u; out[(q_base + row) * D + d] = acc[d]; } { const d = 53u; out[(q_base + row) * D + d] = acc[d]; } { const d = 54u; out[(q_base + row) * D + d] = acc[d]; } { const d = 55u; out[(q_base + row) * D + d] = acc[d]; } { const d = 56u; out[(q_base + row) * D + d] = acc[d]; } { const d = 57u; out[(q_base + row) * D + d] = acc[d]; } { const d = 58u; out[(q_base + row) * D + d] = acc[d]; } { const d = 59u; out[(q_base + row) * D + d] = acc[d]; } { const d = 60u; out[(q_base + row) * D + d] = acc[d]; } { const d = 61u; out[(q_base + row) * D + d] = acc[d]; } { const d = 62u; out[(q_base + row) * D + d] = acc[d]; } { const d = 63u; out[(q_base + row) * D + d] = acc[d]; } }
+        stats[q_base + row] = vec2<f32>(m, l);
+        return;
+    }
+    // A row with no visible key: out 0, lse -inf.
+    var inv = 0.0f;
+    if l > 0.0f { inv = 1.0f / l; }
+    { { const d = 0u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 1u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 2u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 3u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 4u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 5u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 6u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 7u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 8u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 9u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 10u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 11u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 12u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 13u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 14u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 15u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 16u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 17u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 18u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 19u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 20u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 21u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 22u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 23u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 24u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 25u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 26u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 27u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 28u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 29u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 30u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 31u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 32u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 33u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 34u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 35u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 36u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 37u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 38u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 39u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 40u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 41u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 42u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 43u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 44u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 45u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 46u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 47u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 48u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 49u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 50u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 51u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 52u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 53u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 54u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 55u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 56u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 57u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 58u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 59u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 60u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 61u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 62u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 63u; out[(q_base + row) * D + d] = acc[d] * inv; } }
+    var x = -bx_inf();
+    if l > 0.0f { x = m + log(l); }
+    lse[q_base + row] = x;
+}
+
+// K and V rows k0 .. k0 + BKV of one kv head (zeros past Sk).
+var<workgroup> k_tile: array<f32, BKV * D>;
+var<workgroup> v_tile: array<f32, BKV * D>;
+
+fn stage_kv(lid: u32, kv_base: u32, k0: u32) {
+    for (var t = 0u; t < N_KV; t++) {
+        let e = lid + t * WG;
+        if e < BKV * D {
+            let r = k0 + e / D;
+            var x = 0.0f;
+            var y = 0.0f;
+            if r < shape.seq_k {
+                x = k[(kv_base + r) * D + e % D];
+                y = v[(kv_base + r) * D + e % D];
+            }
+            k_tile[e] = x;
+            v_tile[e] = y;
+        }
+    }
+}
