@@ -91,7 +91,71 @@ pub(crate) fn sizes(p: &Problem) -> Sizes {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::attention;
+    use kernels_spec::emit::TilingError;
+    use kernels_spec::emit::cuda::{CudaDType, CudaTiles};
+    use kernels_spec::emit::wgsl::WgslTiles;
     use std::sync::Barrier;
+
+    #[attention(mask = |_b, _h, q, kv| kv <= q, tile(q = 16, kv = 24))]
+    #[derive(Clone, Debug)]
+    struct Tiled;
+
+    #[test]
+    fn a_tile_override_applies_where_it_validates() {
+        // WGSL stages any number of rows that fits.
+        let wgsl = tiles::<Tiled, _>(Target::Wgsl, WgslTiles::for_head_dim(64), 64, DType::F32);
+        let wgsl = wgsl.expect("tiles");
+        assert_eq!((wgsl.block_q, wgsl.block_kv), (16, 24));
+        // On tensor cores 24 keys are no multiple of 16: the defaults stay.
+        let default = CudaTiles::for_problem(64, CudaDType::F16);
+        let cuda = tiles::<Tiled, _>(Target::Cuda, default, 64, DType::F16).expect("tiles");
+        assert_eq!(cuda, default);
+        // On CUDA cores they are a multiple of 8, and apply.
+        let default = CudaTiles::for_problem(64, CudaDType::F32);
+        let cuda = tiles::<Tiled, _>(Target::Cuda, default, 64, DType::F32).expect("tiles");
+        assert_eq!((cuda.block_q, cuda.block_kv), (16, 24));
+    }
+
+    #[test]
+    fn a_head_dim_without_tiling_is_a_typed_error() {
+        let default = CudaTiles::for_problem(36, CudaDType::F32);
+        let err = tiles::<Tiled, _>(Target::Cuda, default, 36, DType::F32).unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                BackendError::Tiling {
+                    target: Target::Cuda,
+                    head_dim: 36,
+                    error: TilingError::HeadDim { head_dim: 36, .. },
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("multiple of 8"), "{err}");
+        let huge = Problem {
+            batch: 1,
+            heads_q: 1,
+            heads_kv: 1,
+            seq_q: 1,
+            seq_k: 1,
+            head_dim: 1 << 40,
+            scale: 1.0,
+        };
+        let default = WgslTiles::for_head_dim(head_dim(&huge));
+        let err = tiles::<Tiled, _>(Target::Wgsl, default, huge.head_dim, DType::F32);
+        assert!(
+            matches!(
+                err,
+                Err(BackendError::Tiling {
+                    error: TilingError::Memory { .. },
+                    ..
+                })
+            ),
+            "{err:?}"
+        );
+    }
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     #[test]

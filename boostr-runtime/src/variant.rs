@@ -118,3 +118,48 @@ pub trait Variant: Clone + Debug + Send + Sync + 'static {
         ParamWords::ZERO
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stock::CausalSoftcap;
+
+    #[test]
+    fn lowerings_are_found_by_target() {
+        let stages = CausalSoftcap::compiled();
+        let wgsl = stages.lowering(Target::Wgsl).expect("a WGSL lowering");
+        let cuda = stages.lowering(Target::Cuda).expect("a CUDA lowering");
+        assert!(wgsl.contains("fn variant_score(s: f32"), "{wgsl}");
+        assert!(
+            cuda.contains("__device__ __forceinline__ float variant_score("),
+            "{cuda}"
+        );
+        assert_eq!(
+            stages.lowering(Target::Cpu),
+            Err(BackendError::NoLowering {
+                variant: "CausalSoftcap",
+                target: Target::Cpu
+            })
+        );
+    }
+
+    #[test]
+    fn a_hand_written_variant_has_no_gpu_lowering() {
+        let stages = CompiledStages::hand_written("ByHand");
+        for target in [Target::Wgsl, Target::Cuda] {
+            let e = stages.lowering(target).unwrap_err();
+            assert_eq!(
+                e,
+                BackendError::NoLowering {
+                    variant: "ByHand",
+                    target
+                }
+            );
+            let text = e.to_string();
+            assert!(
+                text.contains("`ByHand`") && text.contains(target.name()),
+                "{text}"
+            );
+        }
+    }
+}

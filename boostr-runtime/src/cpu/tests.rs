@@ -2,96 +2,13 @@
 
 use super::backward::{self, key_chunks};
 use super::*;
+use crate::testing::fixtures::{CausalSoftcap, Unmasked, causal_class};
 use crate::variant::CompiledStages;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 // ---------------------------------------------------------------- variants
-
-/// Plain attention: no mask, identity score. Its mask and classifier must
-/// never be called (`HAS_MASK = false`).
-#[derive(Clone, Debug)]
-struct Plain;
-
-impl Variant for Plain {
-    const NAME: &'static str = "Plain";
-    const SCORE_IS_IDENTITY: bool = true;
-    const HAS_MASK: bool = false;
-    fn score(&self, s: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
-        s
-    }
-    fn score_grad(&self, _: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
-        1.0
-    }
-    fn mask(&self, _: i32, _: i32, _: i32, _: i32) -> bool {
-        panic!("mask called on a variant without one")
-    }
-    fn classify_tile(&self, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32) -> TileClass {
-        panic!("classify_tile called on a variant without a mask")
-    }
-    fn score_f64(&self, s: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
-        s
-    }
-    fn score_grad_f64(&self, _: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
-        1.0
-    }
-    fn mask_f64(&self, _: i32, _: i32, _: i32, _: i32) -> bool {
-        true
-    }
-    fn compiled() -> CompiledStages {
-        CompiledStages::hand_written(Self::NAME)
-    }
-}
-
-/// Causal mask with a tanh softcap on the score.
-#[derive(Clone, Debug)]
-struct CausalSoftcap {
-    cap: f32,
-}
-
-/// Tile class of `kv ≤ q` over `[q_lo, q_hi] × [kv_lo, kv_hi]`.
-fn causal_class(q_lo: i32, q_hi: i32, kv_lo: i32, kv_hi: i32) -> TileClass {
-    if kv_hi <= q_lo {
-        TileClass::Full
-    } else if kv_lo > q_hi {
-        TileClass::Empty
-    } else {
-        TileClass::Partial
-    }
-}
-
-impl Variant for CausalSoftcap {
-    const NAME: &'static str = "CausalSoftcap";
-    const SCORE_IS_IDENTITY: bool = false;
-    const HAS_MASK: bool = true;
-    fn score(&self, s: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
-        self.cap * (s / self.cap).tanh()
-    }
-    fn score_grad(&self, s: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
-        let t = (s / self.cap).tanh();
-        1.0 - t * t
-    }
-    fn mask(&self, _: i32, _: i32, q: i32, kv: i32) -> bool {
-        kv <= q
-    }
-    fn classify_tile(&self, _: i32, _: i32, ql: i32, qh: i32, kl: i32, kh: i32) -> TileClass {
-        causal_class(ql, qh, kl, kh)
-    }
-    fn score_f64(&self, s: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
-        let cap = self.cap as f64;
-        cap * (s / cap).tanh()
-    }
-    fn score_grad_f64(&self, s: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
-        let t = (s / self.cap as f64).tanh();
-        1.0 - t * t
-    }
-    fn mask_f64(&self, _: i32, _: i32, q: i32, kv: i32) -> bool {
-        kv <= q
-    }
-    fn compiled() -> CompiledStages {
-        CompiledStages::hand_written(Self::NAME)
-    }
-}
+// (`Unmasked` and `CausalSoftcap` are the runtime's shared fixtures.)
 
 /// Causal sliding window: `0 ≤ q − kv < window`, identity score.
 #[derive(Clone, Debug)]
@@ -463,12 +380,12 @@ fn check_all<V: Variant>(var: &V) {
 
 #[test]
 fn plain_matches_reference() {
-    check_all(&Plain);
+    check_all(&Unmasked);
 }
 
 #[test]
 fn causal_softcap_matches_reference() {
-    check_all(&CausalSoftcap { cap: 2.0 });
+    check_all(&CausalSoftcap::new(2.0));
 }
 
 #[test]
@@ -491,8 +408,8 @@ fn every_key_chunking_and_grouping_matches_reference() {
         for kv_group in [1, 3, 100] {
             let schedule = Some((chunks, kv_group));
             let tiles = CpuTiles::new(16, 16);
-            check(&CausalSoftcap { cap: 3.0 }, &p, tiles, schedule, 7);
-            check(&Plain, &p, CpuTiles::new(32, 16), schedule, 8);
+            check(&CausalSoftcap::new(3.0), &p, tiles, schedule, 7);
+            check(&Unmasked, &p, CpuTiles::new(32, 16), schedule, 8);
         }
     }
 }
@@ -504,11 +421,17 @@ fn key_tiles_group_only_when_queries_outgrow_l2() {
     // tile and query head: 1.5 MiB at S = 1024, D = 128, Hkv = Hq (not
     // grouped, just), 3 MiB at S = 2048; GQA 4:1 multiplies by four.
     let p = |hq, hkv, s, d| problem(1, hq, hkv, s, s, d);
-    assert_eq!(backward::kv_group_size(&Plain, &p(8, 8, 1024, 128), t), 1);
-    assert_eq!(backward::kv_group_size(&Plain, &p(8, 8, 2048, 128), t), 4);
-    assert_eq!(backward::kv_group_size(&Plain, &p(8, 2, 1024, 64), t), 4);
+    assert_eq!(
+        backward::kv_group_size(&Unmasked, &p(8, 8, 1024, 128), t),
+        1
+    );
+    assert_eq!(
+        backward::kv_group_size(&Unmasked, &p(8, 8, 2048, 128), t),
+        4
+    );
+    assert_eq!(backward::kv_group_size(&Unmasked, &p(8, 2, 1024, 64), t), 4);
     // Under a causal mask about half as many query tiles meet a key tile.
-    let causal = CausalSoftcap { cap: 2.0 };
+    let causal = CausalSoftcap::new(2.0);
     assert_eq!(backward::kv_group_size(&causal, &p(8, 8, 1024, 128), t), 1);
     assert_eq!(backward::kv_group_size(&causal, &p(8, 8, 4096, 128), t), 4);
     // A sliding window: a few query tiles per key tile, however long.
@@ -540,7 +463,7 @@ fn every_query_grouping_matches_reference() {
         let tiles = CpuTiles::new(16, 32);
         for group in [1, 2, 3, 4, 100] {
             check_forward_grouped(&SlidingWindow { window: 20 }, &p, tiles, group, &x);
-            check_forward_grouped(&Plain, &p, tiles, group, &x);
+            check_forward_grouped(&Unmasked, &p, tiles, group, &x);
         }
     }
 }
@@ -551,9 +474,9 @@ fn query_groups_only_when_keys_outgrow_l2() {
     let p = |hq, s, d| problem(1, hq, hq, s, s, d);
     // A query tile reads 1 MiB of K and V at S = 2048, D = 64 (not grouped),
     // 2 MiB at D = 128; under a causal mask about half that on average.
-    let causal = CausalSoftcap { cap: 2.0 };
-    assert_eq!(forward::group_size(&Plain, &p(8, 2048, 64), t, 2), 1);
-    assert_eq!(forward::group_size(&Plain, &p(8, 2048, 128), t, 2), 4);
+    let causal = CausalSoftcap::new(2.0);
+    assert_eq!(forward::group_size(&Unmasked, &p(8, 2048, 64), t, 2), 1);
+    assert_eq!(forward::group_size(&Unmasked, &p(8, 2048, 128), t, 2), 4);
     assert_eq!(forward::group_size(&causal, &p(8, 1024, 128), t, 2), 1);
     assert_eq!(forward::group_size(&causal, &p(8, 4096, 128), t, 2), 4);
     // A sliding window reads a few key tiles per query tile, however long.
@@ -561,8 +484,8 @@ fn query_groups_only_when_keys_outgrow_l2() {
     assert_eq!(forward::group_size(&window, &p(8, 16384, 128), t, 2), 1);
     // Too few tasks for four per thread: 1 head × 32 tiles → groups of 2
     // leave 16 tasks for 4 threads, groups of 4 would leave 8.
-    assert_eq!(forward::group_size(&Plain, &p(1, 2048, 128), t, 4), 2);
-    assert_eq!(forward::group_size(&Plain, &p(1, 2048, 128), t, 64), 1);
+    assert_eq!(forward::group_size(&Unmasked, &p(1, 2048, 128), t, 4), 2);
+    assert_eq!(forward::group_size(&Unmasked, &p(1, 2048, 128), t, 64), 1);
 }
 
 #[test]
@@ -571,8 +494,8 @@ fn fully_masked_rows_are_zero_with_lse_neg_inf() {
     let p = problem(2, 2, 1, 17, 5, 40);
     for tiles in TILES.into_iter().chain([CpuTiles::new(4, 2)]) {
         let x = Inputs::new(&p, 3, 1.0);
-        let got = run(&CausalSoftcap { cap: 5.0 }, &p, tiles, None, &x);
-        let want = reference(&CausalSoftcap { cap: 5.0 }, &p, &x);
+        let got = run(&CausalSoftcap::new(5.0), &p, tiles, None, &x);
+        let want = reference(&CausalSoftcap::new(5.0), &p, &x);
         for bh in 0..4 {
             for i in 0..17 {
                 let row = (bh * 17 + i) * 40..(bh * 17 + i + 1) * 40;
@@ -612,7 +535,7 @@ fn huge_logits_do_not_overflow() {
     // q, k of magnitude 100 with D = 64: logits spread over about ±1e4.
     let p = problem(1, 2, 1, 33, 70, 64);
     let x = Inputs::new(&p, 5, 100.0);
-    let logits = reference(&Plain, &p, &x).lse;
+    let logits = reference(&Unmasked, &p, &x).lse;
     assert!(
         logits.iter().any(|&l| l.abs() > 5e3),
         "logits not large: {logits:?}"
@@ -620,10 +543,13 @@ fn huge_logits_do_not_overflow() {
     for tiles in [CpuTiles::DEFAULT, CpuTiles::new(8, 16)] {
         for causal in [false, true] {
             let (got, want) = if causal {
-                let var = CausalSoftcap { cap: 1e6 };
+                let var = CausalSoftcap::new(1e6);
                 (run(&var, &p, tiles, None, &x), reference(&var, &p, &x))
             } else {
-                (run(&Plain, &p, tiles, None, &x), reference(&Plain, &p, &x))
+                (
+                    run(&Unmasked, &p, tiles, None, &x),
+                    reference(&Unmasked, &p, &x),
+                )
             };
             // The f32 logits themselves carry ~1e-3 relative error, so the
             // comparison is loose; the point is: finite, and right.
@@ -660,7 +586,7 @@ fn backward_is_bitwise_deterministic() {
         "the test must exercise dQ partials (got {chunks} chunk)"
     );
     let x = Inputs::new(&p, 9, 1.0);
-    let var = CausalSoftcap { cap: 4.0 };
+    let var = CausalSoftcap::new(4.0);
     let bits = |o: &Outputs| {
         [&o.dq, &o.dk, &o.dv].map(|g| g.iter().map(|x| x.to_bits()).collect::<Vec<u32>>())
     };
@@ -706,7 +632,7 @@ fn every_instruction_set_agrees() {
             }
         }
     }
-    all_paths(&CausalSoftcap { cap: 3.0 });
+    all_paths(&CausalSoftcap::new(3.0));
     all_paths(&Alibi { slope: 0.1 });
     all_paths(&SlidingWindow { window: 9 });
 }

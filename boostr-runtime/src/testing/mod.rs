@@ -29,22 +29,36 @@
 //! Every check draws fresh random inputs per run; set `BOOSTR_TEST_SEED` to
 //! replay the seed a failure printed.
 
+// Each file has one job: the backends checked, the cases and their inputs,
+// the reference and the naive f32 yardstick, running a backend, the
+// tolerance rule, the exact-zero and contract checks, and the two checks
+// built from them.
+mod backends;
 mod cases;
-mod check;
+mod check_variant;
+mod contract;
+mod exact_zeros;
+#[cfg(test)]
+pub(crate) mod fixtures;
 mod gradcheck;
+mod inputs;
+mod naive;
+mod parity;
 mod reference;
+mod report;
 mod rng;
+mod run_backend;
+mod tolerance;
 
-pub use cases::SMALL_CASES;
-pub use cases::{CASES, Case, Logits};
 #[cfg(feature = "cuda")]
-pub use check::Cuda;
+pub use backends::Cuda;
 #[cfg(feature = "wgpu")]
-pub use check::Wgpu;
-pub use check::{
-    Cpu, REQUIRE_DEVICE_ENV, TestBackend, check_parity, check_variant, check_variant_on,
-};
+pub use backends::Wgpu;
+pub use backends::{Cpu, REQUIRE_DEVICE_ENV, TestBackend};
+pub use cases::{CASES, Case, Logits, SMALL_CASES};
+pub use check_variant::{check_variant, check_variant_on};
 pub use gradcheck::check_reference_gradients;
+pub use parity::check_parity;
 pub use reference::{Forward, Gradients, Real, reference_backward, reference_forward};
 pub use rng::{Rng, SEED_ENV};
 

@@ -1,119 +1,12 @@
 //! Tests of the testing kit itself: the oracle against hand computations, the
 //! finite-difference check on hand-written variants, and the checks' teeth.
 
-use super::check::{Layout, NAIVE_FACTOR, compare, contract};
+use super::contract::contract;
+use super::fixtures::{CausalSoftcap, Plain};
+use super::tolerance::{Layout, NAIVE_FACTOR, compare};
 use super::*;
 use crate::problem::Problem;
 use crate::variant::{CompiledStages, TileClass, Variant};
-
-/// No mask, identity score.
-#[derive(Clone, Debug)]
-struct Plain;
-
-impl Variant for Plain {
-    const NAME: &'static str = "Plain";
-    const SCORE_IS_IDENTITY: bool = true;
-    const HAS_MASK: bool = false;
-    fn score(&self, s: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
-        s
-    }
-    fn score_grad(&self, _: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
-        1.0
-    }
-    fn mask(&self, _: i32, _: i32, _: i32, _: i32) -> bool {
-        true
-    }
-    fn classify_tile(&self, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32) -> TileClass {
-        TileClass::Full
-    }
-    fn score_f64(&self, s: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
-        s
-    }
-    fn score_grad_f64(&self, _: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
-        1.0
-    }
-    fn mask_f64(&self, _: i32, _: i32, _: i32, _: i32) -> bool {
-        true
-    }
-    fn compiled() -> CompiledStages {
-        CompiledStages::hand_written("Plain")
-    }
-}
-
-/// Causal mask with a tanh softcap; `score_grad` is right unless `wrong_grad`.
-#[derive(Clone, Debug)]
-struct CausalSoftcap {
-    cap: f32,
-    /// Claim `score_grad = 1` (a broken derivative, for the FD check's teeth).
-    wrong_grad: bool,
-    /// Claim every tile is `Full` (a broken classifier).
-    lying_tiles: bool,
-}
-
-impl CausalSoftcap {
-    const fn new(cap: f32) -> Self {
-        Self {
-            cap,
-            wrong_grad: false,
-            lying_tiles: false,
-        }
-    }
-}
-
-impl Variant for CausalSoftcap {
-    const NAME: &'static str = "CausalSoftcap";
-    const SCORE_IS_IDENTITY: bool = false;
-    const HAS_MASK: bool = true;
-    fn score(&self, s: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
-        self.cap * (s / self.cap).tanh()
-    }
-    fn score_grad(&self, s: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
-        if self.wrong_grad {
-            return 1.0;
-        }
-        let t = (s / self.cap).tanh();
-        1.0 - t * t
-    }
-    fn mask(&self, _: i32, _: i32, q: i32, kv: i32) -> bool {
-        kv <= q
-    }
-    fn classify_tile(
-        &self,
-        _: i32,
-        _: i32,
-        q_lo: i32,
-        q_hi: i32,
-        kv_lo: i32,
-        kv_hi: i32,
-    ) -> TileClass {
-        if self.lying_tiles {
-            TileClass::Full
-        } else if kv_lo > q_hi {
-            TileClass::Empty
-        } else if kv_hi <= q_lo {
-            TileClass::Full
-        } else {
-            TileClass::Partial
-        }
-    }
-    fn score_f64(&self, s: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
-        let cap = f64::from(self.cap);
-        cap * (s / cap).tanh()
-    }
-    fn score_grad_f64(&self, s: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
-        if self.wrong_grad {
-            return 1.0;
-        }
-        let t = (s / f64::from(self.cap)).tanh();
-        1.0 - t * t
-    }
-    fn mask_f64(&self, _: i32, _: i32, q: i32, kv: i32) -> bool {
-        kv <= q
-    }
-    fn compiled() -> CompiledStages {
-        CompiledStages::hand_written("CausalSoftcap")
-    }
-}
 
 /// `clamp(s, -1, 1) + 0.1·h·s` with a per-head slope: kinks at |s| = 1, and a
 /// dependence on `h` and on `b` through the mask (batch 1 hides key 0).

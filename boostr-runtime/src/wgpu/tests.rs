@@ -3,8 +3,9 @@
 //! are checked by the generated tests.)
 
 use crate::stock::{Causal, CausalSlidingWindow, Full};
+use crate::testing::fixtures::Plain;
 use crate::testing::{Case, Logits, REQUIRE_DEVICE_ENV, Wgpu, check_variant_on};
-use crate::{AttentionOptions, Error, attention, attention_fwd};
+use crate::{AttentionOptions, BackendError, Error, Target, attention, attention_fwd};
 use numr::dtype::DType;
 use numr::runtime::wgpu::{WgpuDevice, WgpuRuntime, is_wgpu_available, wgpu_device};
 use numr::tensor::Tensor;
@@ -140,4 +141,25 @@ fn concurrent_first_use_of_the_pipeline_cache() {
         );
     }
     assert_ne!(first[0], first[1], "the two variants must differ");
+}
+
+/// A hand-written variant has no WGSL lowering: a typed error naming it and
+/// the target, never a panic, on every call (the failure is cached).
+#[test]
+fn a_variant_without_a_lowering_is_refused() {
+    let Some(device) = device() else { return };
+    let x = Tensor::<WgpuRuntime>::zeros(&[1, 1, 4, 8], DType::F32, &device).unwrap();
+    for _ in 0..2 {
+        let err = attention_fwd(&Plain, &x, &x, &x, &AttentionOptions::default()).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Backend(BackendError::NoLowering {
+                    variant: "Plain",
+                    target: Target::Wgsl
+                })
+            ),
+            "{err}"
+        );
+    }
 }

@@ -215,3 +215,6 @@ pub fn variant_section<D: Dialect>(program: &Program) -> String {
     }
     s
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,64 @@
+//! Exact zeros: rows that see no key, and keys no query sees.
+
+use super::reference::q_pos;
+use super::tolerance::{Layout, locate};
+use crate::problem::Problem;
+use crate::variant::Variant;
+
+/// Rows with no visible key must give exactly 0 in `out` and `dq`; keys that
+/// no query sees (under `mask_f64`) exactly 0 in `dk` and `dv`.
+pub(crate) fn exact_zeros<V: Variant>(
+    variant: &V,
+    p: &Problem,
+    want_lse: &[f64],
+    rows: [(&str, &Vec<f32>); 4],
+    keys: [(&str, &Vec<f32>); 4],
+    failures: &mut Vec<String>,
+) {
+    let d = p.head_dim;
+    for (label, t) in rows {
+        let bad = want_lse
+            .iter()
+            .enumerate()
+            .filter(|&(_, &l)| l == f64::NEG_INFINITY)
+            .flat_map(|(r, _)| r * d..(r + 1) * d)
+            .find(|&e| t.get(e).is_none_or(|&x| x != 0.0));
+        if let Some(e) = bad {
+            failures.push(format!(
+                "{label}: a row with no visible key must be exactly 0, got {:?} at {}",
+                t.get(e),
+                locate(Layout::Query, p, e)
+            ));
+        }
+    }
+    // seen[(b·Hkv + hk)·Sk + j]: some query of the group sees key j.
+    let mut seen = vec![false; p.batch * p.heads_kv * p.seq_k];
+    for b in 0..p.batch {
+        for h in 0..p.heads_q {
+            let hk = h / p.group();
+            for i in 0..p.seq_q {
+                for j in 0..p.seq_k {
+                    let s = &mut seen[(b * p.heads_kv + hk) * p.seq_k + j];
+                    if !*s && variant.mask_f64(b as i32, h as i32, q_pos(p, i), j as i32) {
+                        *s = true;
+                    }
+                }
+            }
+        }
+    }
+    for (label, t) in keys {
+        let bad = seen
+            .iter()
+            .enumerate()
+            .filter(|&(_, &s)| !s)
+            .flat_map(|(r, _)| r * d..(r + 1) * d)
+            .find(|&e| t.get(e).is_none_or(|&x| x != 0.0));
+        if let Some(e) = bad {
+            failures.push(format!(
+                "{label}: a key no query sees must have exactly 0 gradient, got {:?} at {}",
+                t.get(e),
+                locate(Layout::Key, p, e)
+            ));
+        }
+    }
+}

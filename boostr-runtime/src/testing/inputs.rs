@@ -1,0 +1,114 @@
+//! What a case runs on and is held to: its random inputs, and the f64
+//! reference, the naive f32 implementation and the magnitudes of the summed
+//! terms computed from them.
+
+use super::cases::{Case, Logits};
+use super::naive::naive_f32;
+use super::reference::{
+    Forward, Gradients, reference_backward, reference_forward, reference_magnitudes,
+};
+use super::rng::Rng;
+use crate::op::AttentionOptions;
+use crate::problem::Problem;
+use crate::variant::Variant;
+
+/// `q` and `k` of `case`, as its [`Logits`] says.
+fn draw_qk(case: &Case, rng: &mut Rng) -> (Vec<f32>, Vec<f32>) {
+    let (q_len, kv_len) = (
+        case.q_shape().iter().product(),
+        case.kv_shape().iter().product(),
+    );
+    match case.logits {
+        Logits::Random => (
+            rng.normal_f32(q_len, case.logit_scale),
+            rng.normal_f32(kv_len, case.logit_scale),
+        ),
+        Logits::RowOffset => {
+            // The shift sits on coordinate 0, so the naive f32's forward-order
+            // dot product carries its magnitude through every addition: no
+            // kernel's summation order rounds at that magnitude more often.
+            let (d, c) = (case.head_dim, case.logit_scale);
+            let mut q = rng.normal_f32(q_len, 1.0);
+            let mut k = rng.normal_f32(kv_len, 1.0);
+            for row in q.chunks_exact_mut(d) {
+                let u = 0.5 + 0.5 * rng.uniform();
+                let sign = if rng.uniform() < 0.5 { -1.0 } else { 1.0 };
+                row[0] = (sign * u * f64::from(c)) as f32;
+            }
+            for row in k.chunks_exact_mut(d) {
+                row[0] = c;
+            }
+            (q, k)
+        }
+    }
+}
+
+pub(crate) fn widen(x: &[f32]) -> Vec<f64> {
+    x.iter().map(|&v| f64::from(v)).collect()
+}
+
+/// The random inputs of case number `stream` of a run with `seed`.
+pub(crate) struct Inputs {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    dout: Vec<f32>,
+    pub(crate) opts: AttentionOptions,
+}
+
+impl Inputs {
+    pub(crate) fn draw(case: &Case, seed: u64, stream: u64) -> Inputs {
+        let mut rng = Rng::new(seed, stream);
+        let (q, k) = draw_qk(case, &mut rng);
+        let v = rng.normal_f32(case.kv_shape().iter().product(), 1.0);
+        let dout = rng.normal_f32(case.q_shape().iter().product(), 1.0);
+        let opts = AttentionOptions { scale: case.scale };
+        Inputs {
+            q,
+            k,
+            v,
+            dout,
+            opts,
+        }
+    }
+
+    pub(crate) fn slices(&self) -> [&[f32]; 4] {
+        [&self.q, &self.k, &self.v, &self.dout]
+    }
+}
+
+/// What a case is compared against: the f64 reference (or another backend's
+/// results, widened), the naive f32 implementation, and the magnitudes of
+/// the summed terms (see [`reference_magnitudes`]).
+pub(crate) struct Expected {
+    pub(crate) fwd: Forward<f64>,
+    pub(crate) grads: Gradients<f64>,
+    pub(crate) naive_fwd: Forward<f32>,
+    pub(crate) naive_grads: Gradients<f32>,
+    /// `M` of out, dq, dk, dv.
+    pub(crate) magnitudes: [f64; 4],
+}
+
+impl Expected {
+    pub(crate) fn reference<V: Variant>(variant: &V, p: &Problem, inputs: &Inputs) -> Expected {
+        let [q, k, v, dout] = inputs.slices();
+        let (q64, k64, v64, dout64) = (widen(q), widen(k), widen(v), widen(dout));
+        let fwd = reference_forward(variant, p, &q64, &k64, &v64);
+        let grads = reference_backward(variant, p, &q64, &k64, &v64, &dout64);
+        let (naive_fwd, naive_grads) = naive_f32(variant, p, inputs.slices(), &fwd, &grads);
+        let (mag_out, mag_g) = reference_magnitudes(variant, p, [&q64, &k64, &v64, &dout64]);
+        let max_abs = |x: &[f64]| x.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        Expected {
+            fwd,
+            grads,
+            naive_fwd,
+            naive_grads,
+            magnitudes: [
+                max_abs(&mag_out),
+                max_abs(&mag_g.dq),
+                max_abs(&mag_g.dk),
+                max_abs(&mag_g.dv),
+            ],
+        }
+    }
+}
