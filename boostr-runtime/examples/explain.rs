@@ -1,27 +1,20 @@
 //! Print what the compiler made of the stock variants: the checked IR, the
-//! derivative d score / d s, the tile classifier and each target's source.
+//! derivative d score / d s, the tile classifier, each target's source and
+//! every kernel's launch contract.
 //!
 //! `cargo run -p boostr-runtime --example explain [name ...]` (names are
 //! case-insensitive; none prints every stock variant).
 
-use boostr_runtime::stock::{
-    Alibi, Causal, CausalSlidingWindow, CausalSoftcap, FlashMask, Full, PrefixLm, SlidingWindow,
-    Softcap,
-};
 use boostr_runtime::{CompiledStages, Variant};
 
+macro_rules! compiled {
+    ($($variant:ident),* $(,)?) => {
+        [$(<boostr_runtime::stock::$variant as Variant>::compiled()),*]
+    };
+}
+
 fn main() {
-    let all: [CompiledStages; 9] = [
-        Full::compiled(),
-        Causal::compiled(),
-        SlidingWindow::compiled(),
-        CausalSlidingWindow::compiled(),
-        Alibi::compiled(),
-        Softcap::compiled(),
-        CausalSoftcap::compiled(),
-        PrefixLm::compiled(),
-        FlashMask::compiled(),
-    ];
+    let all: [CompiledStages; _] = boostr_runtime::stock_variants!(compiled);
     let wanted: Vec<String> = std::env::args().skip(1).map(|a| a.to_lowercase()).collect();
     let mut shown = 0;
     for stages in all {

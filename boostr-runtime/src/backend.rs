@@ -24,18 +24,38 @@ pub trait AttentionRuntime: Runtime<DType = DType> {
     ) -> Result<(Tensor<Self>, Tensor<Self>)>;
 
     /// Run the backward kernels on validated inputs; returns `(dq, dk, dv)`.
-    #[allow(clippy::too_many_arguments)]
     fn attention_backward<V: Variant>(
         variant: &V,
         problem: &Problem,
-        q: &Tensor<Self>,
-        k: &Tensor<Self>,
-        v: &Tensor<Self>,
-        out: &Tensor<Self>,
-        lse: &Tensor<Self>,
-        dout: &Tensor<Self>,
+        tensors: BackwardTensors<'_, Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)>;
 }
+
+/// What the backward reads: the forward's inputs and results, and the
+/// gradient of the loss with respect to `out`. Shapes as in [`Problem`].
+#[derive(Debug)]
+pub struct BackwardTensors<'a, R: Runtime> {
+    /// `q [B, Hq, Sq, D]`.
+    pub q: &'a Tensor<R>,
+    /// `k [B, Hkv, Sk, D]`.
+    pub k: &'a Tensor<R>,
+    /// `v [B, Hkv, Sk, D]`.
+    pub v: &'a Tensor<R>,
+    /// The forward's `out [B, Hq, Sq, D]`.
+    pub out: &'a Tensor<R>,
+    /// The forward's `lse [B, Hq, Sq]` (f32).
+    pub lse: &'a Tensor<R>,
+    /// `d loss / d out [B, Hq, Sq, D]`.
+    pub dout: &'a Tensor<R>,
+}
+
+impl<R: Runtime> Clone for BackwardTensors<'_, R> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<R: Runtime> Copy for BackwardTensors<'_, R> {}
 
 const CPU: &str = "cpu";
 const CPU_DTYPES: &str = "f32, f16 and bf16 (f16/bf16 computed in f32)";
@@ -192,13 +212,16 @@ impl AttentionRuntime for CpuRuntime {
     fn attention_backward<V: Variant>(
         variant: &V,
         p: &Problem,
-        q: &Tensor<Self>,
-        k: &Tensor<Self>,
-        v: &Tensor<Self>,
-        out: &Tensor<Self>,
-        lse: &Tensor<Self>,
-        dout: &Tensor<Self>,
+        t: BackwardTensors<'_, Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
+        let BackwardTensors {
+            q,
+            k,
+            v,
+            out,
+            lse,
+            dout,
+        } = t;
         let dtype = q.dtype();
         let device = q.device();
         validate::check_dtype("lse", lse, CPU, &[DType::F32], "f32 for lse")?;

@@ -54,7 +54,7 @@ mod variant;
 #[cfg(feature = "wgpu")]
 mod wgpu;
 
-pub use backend::AttentionRuntime;
+pub use backend::{AttentionRuntime, BackwardTensors};
 pub use boostr_macros::attention;
 pub use error::{BackendError, Error, Result};
 pub use flash::var_flash_attention;

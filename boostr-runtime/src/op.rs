@@ -1,7 +1,7 @@
 //! The attention ops: forward and backward on tensors, and the autograd op on
 //! [`Var`] whose [`GradFn`] calls the fused backward.
 
-use crate::backend::AttentionRuntime;
+use crate::backend::{AttentionRuntime, BackwardTensors};
 use crate::error::Result;
 use crate::problem::Problem;
 use crate::validate;
@@ -49,7 +49,15 @@ pub fn attention_bwd<V: Variant, R: AttentionRuntime>(
     validate::shape_of("out", out, q.shape())?;
     validate::shape_of("dout", dout, q.shape())?;
     validate::shape_of("lse", lse, &[problem.batch, problem.heads_q, problem.seq_q])?;
-    R::attention_backward(variant, &problem, q, k, v, out, lse, dout)
+    let tensors = BackwardTensors {
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dout,
+    };
+    R::attention_backward(variant, &problem, tensors)
 }
 
 /// Attention as an autograd op: the forward runs now, and the backward
@@ -108,8 +116,15 @@ impl<V: Variant, R: AttentionRuntime> GradFn<R> for AttentionBackward<V, R> {
         validate::shape_of("grad_output", grad_output, q.shape())?;
         // dq, dk and dv fall out of the same recomputed P and dS, so one fused
         // kernel computes all three; unneeded ones are dropped, not skipped.
-        let (dq, dk, dv) =
-            R::attention_backward(&self.variant, &self.problem, q, k, v, out, lse, grad_output)?;
+        let tensors = BackwardTensors {
+            q,
+            k,
+            v,
+            out,
+            lse,
+            dout: grad_output,
+        };
+        let (dq, dk, dv) = R::attention_backward(&self.variant, &self.problem, tensors)?;
         let keep = |i: usize, t: Tensor<R>| needed.get(i).copied().unwrap_or(true).then_some(t);
         Ok(vec![keep(0, dq), keep(1, dk), keep(2, dv)])
     }

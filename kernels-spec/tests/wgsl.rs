@@ -87,8 +87,9 @@ fn oversize_configs_are_rejected() {
 }
 
 #[test]
-fn causal_variant_section_contains_the_classifier() {
-    let p = program("#[attention(mask = |b, h, q, kv| kv <= q)] struct Causal;");
+fn a_masked_variant_section_contains_the_classifier() {
+    let p =
+        program("#[attention(mask = |b, h, q, kv| kv + self.lag <= q)] struct Lagged { lag: i32 }");
     let text = variant_section::<Wgsl>(&p);
     assert!(
         text.contains("fn variant_classify(b: i32, h: i32, q_lo: i32, q_hi: i32, kv_lo: i32, kv_hi: i32) -> i32 {"),
@@ -96,7 +97,7 @@ fn causal_variant_section_contains_the_classifier() {
     );
     assert!(
         text.contains(
-            "fn variant_mask(b: i32, h: i32, q: i32, kv: i32) -> bool {\n    return (kv <= q);\n}"
+            "fn variant_mask(b: i32, h: i32, q: i32, kv: i32) -> bool {\n    return ((kv + params.p_lag) <= q);\n}"
         ),
         "{text}"
     );

@@ -15,7 +15,7 @@
 //! dQ kernel over query tiles and a dK/dV kernel over key tiles, each
 //! recomputing `P` from the lse (no float atomics).
 
-use crate::backend::AttentionRuntime;
+use crate::backend::{AttentionRuntime, BackwardTensors};
 use crate::error::{BackendError, Error, Result};
 use crate::gpu::{self, KernelCache};
 use crate::problem::Problem;
@@ -351,17 +351,12 @@ impl AttentionRuntime for CudaRuntime {
     fn attention_backward<V: Variant>(
         variant: &V,
         p: &Problem,
-        q: &Tensor<Self>,
-        k: &Tensor<Self>,
-        v: &Tensor<Self>,
-        out: &Tensor<Self>,
-        lse: &Tensor<Self>,
-        dout: &Tensor<Self>,
+        t: BackwardTensors<'_, Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
-        let (q, k, v) = (input("q", q)?, input("k", k)?, input("v", v)?);
-        let (out, dout) = (input("out", out)?, input("dout", dout)?);
-        validate::check_dtype("lse", lse, CUDA, &[DType::F32], "f32")?;
-        let lse = lse.contiguous()?;
+        let (q, k, v) = (input("q", t.q)?, input("k", t.k)?, input("v", t.v)?);
+        let (out, dout) = (input("out", t.out)?, input("dout", t.dout)?);
+        validate::check_dtype("lse", t.lse, CUDA, &[DType::F32], "f32")?;
+        let lse = t.lse.contiguous()?;
         let dtype = same_dtype(&[
             ("q", &q),
             ("k", &k),

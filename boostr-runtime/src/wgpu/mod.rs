@@ -9,7 +9,7 @@
 //! and each entry point's workgroups and tile loop from the tiles and the
 //! problem. f32 only.
 
-use crate::backend::AttentionRuntime;
+use crate::backend::{AttentionRuntime, BackwardTensors};
 use crate::error::{BackendError, Result};
 use crate::gpu::{self, KernelCache};
 use crate::problem::Problem;
@@ -396,19 +396,13 @@ impl AttentionRuntime for WgpuRuntime {
     fn attention_backward<V: Variant>(
         variant: &V,
         p: &Problem,
-        q: &Tensor<Self>,
-        k: &Tensor<Self>,
-        v: &Tensor<Self>,
-        out: &Tensor<Self>,
-        lse: &Tensor<Self>,
-        dout: &Tensor<Self>,
+        t: BackwardTensors<'_, Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
-        let (q, k, v) = (input("q", q)?, input("k", k)?, input("v", v)?);
+        let (q, k, v) = (input("q", t.q)?, input("k", t.k)?, input("v", t.v)?);
         // `out` is not read: D_i comes from the recomputed P (see
         // `kernels::BACKWARD_DQ`).
-        let _ = out;
-        let lse = input("lse", lse)?;
-        let dout = input("dout", dout)?;
+        let lse = input("lse", t.lse)?;
+        let dout = input("dout", t.dout)?;
         let client = WgpuRuntime::default_client(q.device());
         let passes = kernels::BACKWARD
             .iter()

@@ -663,7 +663,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
         let k0 = kt * BKV;
         let kv_hi = i32(min(k0 + BKV, sk)) - 1i;
         let cls = variant_classify(ib, ih, q_lo, q_hi, i32(k0), kv_hi);
-        if cls == TILE_EMPTY { continue; } // EMPTY: nothing visible
+        if cls == TILE_EMPTY { continue; } // nothing visible
         workgroupBarrier(); // the previous tile's readers are done
         stage_kv(lid, kv_base, k0);
         workgroupBarrier();

@@ -8,6 +8,7 @@
 //! [`Dialect`]: super::Dialect
 
 use crate::ir::{self, Arg, Local};
+use std::fmt;
 
 /// A scalar type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -54,6 +55,16 @@ pub enum UnaryOp {
     Neg,
     /// Logical not.
     Not,
+}
+
+impl UnaryOp {
+    /// The operator as C-like languages write it.
+    pub fn symbol(self) -> &'static str {
+        match self {
+            UnaryOp::Neg => "-",
+            UnaryOp::Not => "!",
+        }
+    }
 }
 
 /// Infix operators, with the IR's meaning ([`ir::BinOp`]).
@@ -105,6 +116,18 @@ pub enum Name {
     Local(Local),
     /// The parameter block.
     Params,
+}
+
+/// The name of a name in every dialect: the argument's own, `l<N>` for a
+/// local, `params` for the parameter block.
+impl fmt::Display for Name {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Name::Arg(a) => f.write_str(a.name()),
+            Name::Local(l) => write!(f, "l{}", l.0),
+            Name::Params => f.write_str("params"),
+        }
+    }
 }
 
 /// An expression. Compound forms are written fully parenthesised by every

@@ -27,8 +27,32 @@ use crate::ir::{Program, TileClass};
 use std::fmt::{self, Display, Formatter};
 use std::marker::PhantomData;
 
-/// How one C-like target writes the [`ast`]. Every method has the C-like
-/// form as its default where there is one; a dialect overrides what differs.
+/// A printed part of the code that a dialect places (an operand, a name,
+/// a value).
+pub type Part<'a> = &'a dyn Display;
+
+/// How a dialect writes an operator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OpForm {
+    /// The language's own operator: `(op a)`, `(a op b)`.
+    Operator,
+    /// A call of this function or helper: `name(a)`, `name(a, b)`.
+    Call(&'static str),
+}
+
+/// How a dialect writes a conversion.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CastForm {
+    /// A call of this function, helper or type constructor: `name(a)`.
+    Call(&'static str),
+    /// A C-style cast to the result type: `((type)(a))`.
+    CCast,
+}
+
+/// How one C-like target writes the [`ast`]: its syntax, as small tables and
+/// hooks. The structure (expressions, statements, functions, the parameter
+/// block) is written once, here; a dialect supplies only what differs, with
+/// the C-like form as the default where there is one.
 pub trait Dialect: Sized + 'static {
     /// The target this dialect writes.
     const TARGET: Target;
@@ -38,78 +62,85 @@ pub trait Dialect: Sized + 'static {
 
     // ---- types and literals ----
 
+    /// The names of `f32`, `i32`, `u32` and `bool`, in that order.
+    const TYPES: [&'static str; 4];
+
+    /// The suffix of an `i32` literal (a `u32`'s is `u`, an `f32`'s `f`).
+    const I32_SUFFIX: &'static str;
+
     /// The name of a scalar type.
-    fn ty(t: Type) -> &'static str;
-
-    /// A constant (any `f32`, non-finite included).
-    fn literal(f: &mut Formatter<'_>, l: Literal) -> fmt::Result;
-
-    /// The declaration of the tile-class constants, one per
-    /// [`TileClass::constant`] with its [`TileClass::code`].
-    fn tile_class_constant(f: &mut Formatter<'_>, class: TileClass) -> fmt::Result;
-
-    // ---- expressions ----
-
-    /// A name: an argument, a local, or the parameter block.
-    fn name(f: &mut Formatter<'_>, n: Name) -> fmt::Result {
-        match n {
-            Name::Arg(a) => f.write_str(a.name()),
-            Name::Local(l) => write!(f, "l{}", l.0),
-            Name::Params => f.write_str("params"),
-        }
+    fn ty(t: Type) -> &'static str {
+        Self::TYPES[match t {
+            Type::F32 => 0,
+            Type::I32 => 1,
+            Type::U32 => 2,
+            Type::Bool => 3,
+        }]
     }
 
-    /// Member `member` of the parameter block.
-    fn param(f: &mut Formatter<'_>, member: &str) -> fmt::Result {
-        write!(f, "params.{member}")
+    /// A non-finite `f32`, which no C-like target has a literal for.
+    fn non_finite(f: &mut Formatter<'_>, v: f32) -> fmt::Result;
+
+    // ---- operations ----
+
+    /// How a prefix operation on a value of type `ty` is written.
+    fn unary(op: UnaryOp, ty: Type) -> OpForm {
+        let _ = (op, ty);
+        OpForm::Operator
     }
 
-    /// A prefix operation on a value of type `ty`.
-    fn unary(f: &mut Formatter<'_>, op: UnaryOp, ty: Type, a: &dyn Display) -> fmt::Result {
-        let _ = ty;
-        // The space keeps `- -x` from becoming the `--` token.
-        match op {
-            UnaryOp::Neg => write!(f, "(- {a})"),
-            UnaryOp::Not => write!(f, "(! {a})"),
-        }
+    /// How an infix operation on operands of type `ty` is written.
+    fn binary(op: BinaryOp, ty: Type) -> OpForm {
+        let _ = (op, ty);
+        OpForm::Operator
     }
 
-    /// An infix operation whose operands have type `ty`.
-    fn binary(
-        f: &mut Formatter<'_>,
-        op: BinaryOp,
-        ty: Type,
-        a: &dyn Display,
-        b: &dyn Display,
-    ) -> fmt::Result {
-        let _ = ty;
-        write!(f, "({a} {} {b})", op.symbol())
-    }
+    /// The name of `func` on arguments of type `ty`.
+    fn function(func: Func, ty: Type) -> &'static str;
 
-    /// A call of `func` on arguments of type `ty`.
-    fn call(f: &mut Formatter<'_>, func: Func, ty: Type, args: &[&dyn Display]) -> fmt::Result;
-
-    /// A conversion (never the identity; see [`Expr::Cast`]).
-    fn cast(f: &mut Formatter<'_>, to: Type, from: Type, value: &dyn Display) -> fmt::Result;
+    /// How a numeric conversion from `from` to `to` is written (a `bool`
+    /// becomes 0 or 1 through [`select`](Dialect::select)).
+    fn cast(from: Type, to: Type) -> CastForm;
 
     /// `if cond { then } else { otherwise }`.
     fn select(
         f: &mut Formatter<'_>,
-        cond: &dyn Display,
-        then: &dyn Display,
-        otherwise: &dyn Display,
+        cond: Part<'_>,
+        then: Part<'_>,
+        otherwise: Part<'_>,
     ) -> fmt::Result;
 
-    // ---- statements, functions, the parameter block ----
+    // ---- statements and declarations ----
 
-    /// One statement, on its own line, indented one level.
-    fn stmt(f: &mut Formatter<'_>, s: &Stmt) -> fmt::Result;
+    /// An immutable local, on its own line, indented one level.
+    fn let_local(
+        f: &mut Formatter<'_>,
+        name: &dyn Display,
+        ty: Type,
+        value: &dyn Display,
+    ) -> fmt::Result;
 
-    /// A whole variant function.
-    fn function(f: &mut Formatter<'_>, fun: &Function) -> fmt::Result;
+    /// A name the function takes but never reads; by default nothing.
+    fn unused(f: &mut Formatter<'_>, name: Part<'_>) -> fmt::Result {
+        let _ = (f, name);
+        Ok(())
+    }
 
-    /// The parameter block struct, named `Params`.
-    fn params_struct(f: &mut Formatter<'_>, s: &ParamsStruct) -> fmt::Result;
+    /// A variant function's declaration up to and including its `{` line.
+    fn function_header(f: &mut Formatter<'_>, fun: &Function) -> fmt::Result;
+
+    /// One member of the parameter block struct `Params`, on its own line.
+    fn params_member(f: &mut Formatter<'_>, name: &str, ty: Type) -> fmt::Result;
+
+    /// The block's `words` zero words after its members (`words > 0`).
+    fn params_padding(f: &mut Formatter<'_>, words: usize) -> fmt::Result;
+
+    /// The end of the `Params` struct, after its members.
+    fn params_end(f: &mut Formatter<'_>) -> fmt::Result;
+
+    /// The declaration of one tile-class constant: [`TileClass::constant`]
+    /// with its [`TileClass::code`].
+    fn tile_class_constant(f: &mut Formatter<'_>, class: TileClass) -> fmt::Result;
 }
 
 /// A node of the [`ast`] as `D` writes it.
@@ -126,59 +157,108 @@ impl<D, T: ?Sized> fmt::Debug for Code<'_, D, T> {
     }
 }
 
+/// A constant as `D` writes it: a finite float round-trips exactly (`{:?}`
+/// always has a `.` or an exponent), negative numbers are parenthesised, and
+/// `i32::MIN`, whose magnitude is no `i32` literal, is written `MAX - 1`.
+pub fn literal<D: Dialect>(f: &mut Formatter<'_>, l: Literal) -> fmt::Result {
+    let s = D::I32_SUFFIX;
+    match l {
+        Literal::F32(v) if !v.is_finite() => D::non_finite(f, v),
+        Literal::F32(v) if v.is_sign_negative() => write!(f, "(-{:?}f)", -v),
+        Literal::F32(v) => write!(f, "{v:?}f"),
+        Literal::I32(i32::MIN) => write!(f, "(-2147483647{s} - 1{s})"),
+        Literal::I32(v) if v < 0 => write!(f, "(-{}{s})", -v),
+        Literal::I32(v) => write!(f, "{v}{s}"),
+        Literal::U32(v) => write!(f, "{v}u"),
+        Literal::Bool(v) => write!(f, "{v}"),
+    }
+}
+
+/// `name(args, ...)`.
+fn call(f: &mut Formatter<'_>, name: &str, args: &[&dyn Display]) -> fmt::Result {
+    write!(f, "{name}(")?;
+    for (i, a) in args.iter().enumerate() {
+        if i > 0 {
+            f.write_str(", ")?;
+        }
+        write!(f, "{a}")?;
+    }
+    f.write_str(")")
+}
+
 impl<D: Dialect> Display for Code<'_, D, Expr> {
     fn fmt(&self, f: &mut Formatter<'_>) -> fmt::Result {
+        let c = code::<D, Expr>;
         match self.0 {
-            Expr::Lit(l) => D::literal(f, *l),
-            Expr::Name(n) => D::name(f, *n),
-            Expr::Param { member, .. } => D::param(f, member),
-            Expr::Unary(op, ty, a) => D::unary(f, *op, *ty, &code::<D, _>(&**a)),
-            Expr::Binary(op, ty, a, b) => {
-                D::binary(f, *op, *ty, &code::<D, _>(&**a), &code::<D, _>(&**b))
-            }
+            Expr::Lit(l) => literal::<D>(f, *l),
+            Expr::Name(n) => write!(f, "{n}"),
+            Expr::Param { member, .. } => write!(f, "params.{member}"),
+            Expr::Unary(op, ty, a) => match D::unary(*op, *ty) {
+                // The space keeps `- -x` from becoming the `--` token.
+                OpForm::Operator => write!(f, "({} {})", op.symbol(), c(a)),
+                OpForm::Call(name) => call(f, name, &[&c(a)]),
+            },
+            Expr::Binary(op, ty, a, b) => match D::binary(*op, *ty) {
+                OpForm::Operator => write!(f, "({} {} {})", c(a), op.symbol(), c(b)),
+                OpForm::Call(name) => call(f, name, &[&c(a), &c(b)]),
+            },
             Expr::Call(func, ty, args) => {
-                let printed: Vec<Code<'_, D, Expr>> = args.iter().map(code::<D, _>).collect();
+                let printed: Vec<Code<'_, D, Expr>> = args.iter().map(c).collect();
                 let args: Vec<&dyn Display> = printed.iter().map(|a| a as &dyn Display).collect();
-                D::call(f, *func, *ty, &args)
+                call(f, D::function(*func, *ty), &args)
             }
-            Expr::Cast { to, from, value } => D::cast(f, *to, *from, &code::<D, _>(&**value)),
-            Expr::Select(c, t, e) => D::select(
-                f,
-                &code::<D, _>(&**c),
-                &code::<D, _>(&**t),
-                &code::<D, _>(&**e),
-            ),
+            // A bool becomes 1 or 0, by the dialect's select.
+            Expr::Cast {
+                to,
+                from: Type::Bool,
+                value,
+            } => {
+                let (one, zero) = match to {
+                    Type::U32 => (Literal::U32(1), Literal::U32(0)),
+                    _ => (Literal::I32(1), Literal::I32(0)),
+                };
+                D::select(f, &c(value), &c(&Expr::Lit(one)), &c(&Expr::Lit(zero)))
+            }
+            Expr::Cast { to, from, value } => match D::cast(*from, *to) {
+                CastForm::Call(name) => call(f, name, &[&c(value)]),
+                CastForm::CCast => write!(f, "(({})({}))", D::ty(*to), c(value)),
+            },
+            Expr::Select(cond, then, otherwise) => D::select(f, &c(cond), &c(then), &c(otherwise)),
         }
     }
 }
 
 impl<D: Dialect> Display for Code<'_, D, Stmt> {
     fn fmt(&self, f: &mut Formatter<'_>) -> fmt::Result {
-        D::stmt(f, self.0)
+        match self.0 {
+            Stmt::Unused(n) => D::unused(f, n),
+            Stmt::Let(l, ty, v) => D::let_local(f, &Name::Local(*l), *ty, &code::<D, _>(v)),
+            Stmt::Return(v) => writeln!(f, "    return {};", code::<D, _>(v)),
+        }
     }
 }
 
 impl<D: Dialect> Display for Code<'_, D, Function> {
     fn fmt(&self, f: &mut Formatter<'_>) -> fmt::Result {
-        D::function(f, self.0)
+        D::function_header(f, self.0)?;
+        for s in &self.0.body {
+            write!(f, "{}", code::<D, _>(s))?;
+        }
+        writeln!(f, "}}")
     }
 }
 
 impl<D: Dialect> Display for Code<'_, D, ParamsStruct> {
     fn fmt(&self, f: &mut Formatter<'_>) -> fmt::Result {
-        D::params_struct(f, self.0)
-    }
-}
-
-/// The name of `n` as `D` writes it.
-pub fn name<D: Dialect>(n: Name) -> impl Display {
-    struct Printed<D>(Name, PhantomData<D>);
-    impl<D: Dialect> Display for Printed<D> {
-        fn fmt(&self, f: &mut Formatter<'_>) -> fmt::Result {
-            D::name(f, self.0)
+        writeln!(f, "struct Params {{")?;
+        for m in &self.0.members {
+            D::params_member(f, &m.name, m.ty)?;
         }
+        if self.0.padding_words > 0 {
+            D::params_padding(f, self.0.padding_words)?;
+        }
+        D::params_end(f)
     }
-    Printed::<D>(n, PhantomData)
 }
 
 /// The tile-class constants as `D` declares them.

@@ -19,7 +19,7 @@ fn literal<D: Dialect>(l: Literal) -> String {
     struct Printed<D>(Literal, std::marker::PhantomData<D>);
     impl<D: Dialect> fmt::Display for Printed<D> {
         fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            D::literal(f, self.0)
+            super::literal::<D>(f, self.0)
         }
     }
     Printed::<D>(l, std::marker::PhantomData).to_string()
@@ -136,16 +136,16 @@ fn closed_expressions_are_folded_with_the_ir_semantics() {
 
 #[test]
 fn unread_arguments_are_taken_and_marked_in_cuda_only() {
-    let p = program("#[attention(mask = |b, h, q, kv| kv <= q)] struct Causal;");
+    let p = program("#[attention(mask = |b, h, q, kv| kv < q)] struct Strict;");
     let (cuda, wgsl) = both(&p, &p.mask);
     assert_eq!(
         cuda,
         "__device__ __forceinline__ bool variant_mask(const Params& params, int b, int h, int q, int kv) {\n    \
-         (void)params;\n    (void)b;\n    (void)h;\n    return (kv <= q);\n}\n"
+         (void)params;\n    (void)b;\n    (void)h;\n    return (kv < q);\n}\n"
     );
     assert_eq!(
         wgsl,
-        "fn variant_mask(b: i32, h: i32, q: i32, kv: i32) -> bool {\n    return (kv <= q);\n}\n"
+        "fn variant_mask(b: i32, h: i32, q: i32, kv: i32) -> bool {\n    return (kv < q);\n}\n"
     );
 }
 
