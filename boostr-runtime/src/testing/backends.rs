@@ -23,8 +23,9 @@ pub trait TestBackend {
     const NAME: &'static str;
     /// A device to run on, or `None` when this machine has none.
     fn device() -> Option<<Self::Runtime as Runtime>::Device>;
-    /// The cases [`check_variant`] runs: [`CASES`] unless the backend is too
-    /// slow for them on the machines it is tested on.
+    /// The cases [`check_variant`](super::check_variant) runs: [`CASES`]
+    /// unless the backend is too slow for them on the machines it is tested
+    /// on.
     fn cases() -> &'static [Case] {
         CASES
     }
@@ -77,7 +78,8 @@ impl TestBackend for Cuda {
 }
 
 /// Environment variable: when set, a backend without a device fails
-/// [`check_variant`] instead of skipping it (for CI machines that have one).
+/// [`check_variant`](super::check_variant) instead of skipping it (for CI
+/// machines that have one).
 pub const REQUIRE_DEVICE_ENV: &str = "BOOSTR_TEST_REQUIRE_DEVICE";
 
 /// `R`'s device, or `None` after saying why `what` is skipped; with

@@ -14,17 +14,20 @@ use crate::variant::Variant;
 use numr::runtime::Runtime;
 
 /// Check `R`'s attention kernels for `variant` on every case of
-/// [`TestBackend::cases`] ([`CASES`] unless the backend says otherwise).
+/// [`TestBackend::cases`] ([`CASES`](super::CASES) unless the backend says otherwise).
 ///
 /// For each case, fresh random `q, k, v, dout` (seed from the clock, or from
 /// `BOOSTR_TEST_SEED`) go through
 ///
-/// 1. [`attention_fwd`] and [`attention_bwd`], and
-/// 2. [`var_attention`] and [`numr::autograd::backward`] of
-///    `L = sum(out ∘ dout)` (the `GradFn` path),
+/// 1. [`attention_fwd`](crate::attention_fwd) and
+///    [`attention_bwd`](crate::attention_bwd), and
+/// 2. [`var_attention`](crate::var_attention) and
+///    [`numr::autograd::backward`] of `L = sum(out ∘ dout)` (the `GradFn`
+///    path),
 ///
 /// and `out, lse, dq, dk, dv` of both are compared with the f64 reference
-/// ([`reference_forward`], [`reference_backward`] with the variant's f64
+/// ([`reference_forward`](super::reference_forward),
+/// [`reference_backward`](super::reference_backward) with the variant's f64
 /// closures) on the same (f32) inputs.
 ///
 /// # Tolerance rule

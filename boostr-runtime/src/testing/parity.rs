@@ -11,16 +11,17 @@ use super::tolerance::{PARITY_FACTOR, SLACK, compare_results};
 use crate::variant::Variant;
 
 /// Check that backend `B` agrees with backend `A` for `variant`, on `B`'s
-/// [`TestBackend::cases`], inputs drawn as in [`check_variant`].
+/// [`TestBackend::cases`], inputs drawn as in
+/// [`check_variant`](super::check_variant).
 ///
 /// `B`'s `out, lse, dq, dk, dv` (tensor ops and autograd) are compared with
-/// `A`'s tensor-op results under [`check_variant`]'s rule with `A` in the
+/// `A`'s tensor-op results under `check_variant`'s rule with `A` in the
 /// place of the f64 reference, and twice its factor: `B` may differ from `A`
 /// by at most four times what the naive f32 implementation differs from
 /// `A`, plus the same slack (each is held to twice the naive error by its
 /// own test, so two correct backends can be twice that apart). `lse
 /// = −inf` must match exactly. Skipped (or failed, with
-/// `BOOSTR_TEST_REQUIRE_DEVICE`) like [`check_variant`] when either backend
+/// `BOOSTR_TEST_REQUIRE_DEVICE`) like `check_variant` when either backend
 /// has no device.
 ///
 /// # Panics
