@@ -6,11 +6,14 @@
 //!
 //! 1. [`parse`]: syn → the spec [`ast`], with spans;
 //! 2. [`check`]: names and types → the typed, target-neutral [`ir`], every
-//!    error collected and pointing at its token;
+//!    error collected and pointing at its token, and the fields placed in
+//!    the kernels' parameter block ([`params`]);
 //! 3. [`analysis`]: the symbolic derivative d score / d s and the mask's tile
 //!    classifier (interval arithmetic), assembled into an [`ir::Program`];
-//! 4. [`emit`]: one module per target turns the program into that target's
-//!    code.
+//! 4. [`emit`]: the program as Rust for the CPU, and as each GPU dialect
+//!    prints its one shared lowering ([`emit::gpu`]), with the kernels
+//!    those targets assemble around it, each described once
+//!    ([`emit::interface`]).
 //!
 //! The `#[attention]` macro is a thin shell over [`compile`]; this crate is an
 //! ordinary library so each stage can be tested directly.
