@@ -1,36 +1,46 @@
-//! Quote a compiled variant: the struct, its `Variant` impl and its tests.
+//! Quote a compiled variant: the struct, its `Variant` and `HostVariant`
+//! impls (with captured tensors, a host type carrying them), and its tests.
 
 use kernels_spec::emit::cpu::{Float, RustEmitter};
 use kernels_spec::emit::gpu_lowerings;
-use kernels_spec::ir::{Function, Program};
-use kernels_spec::params::Encoding;
+use kernels_spec::ir::{DimDecl, Function, Holds, Program, Size, SizeForm, Ty};
+use kernels_spec::params::{Encoding, SlotKind};
+use kernels_spec::symbol;
 use kernels_spec::{Compiled, compile, explain};
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
 
 pub fn expand(attr: TokenStream, item: syn::ItemStruct) -> TokenStream {
-    match compile(attr, &item) {
+    let result = compile(attr, &item);
+    let out = without_tensor_attrs(&item);
+    match result {
         Ok(compiled) => {
             // A debug switch: print every stage while compiling.
             if std::env::var_os("BOOSTR_DUMP").is_some() {
                 eprintln!("{}", explain(&compiled.program));
             }
             let imp = variant_impl(&item, &compiled.program);
-            let tests = tests(&item.ident, &compiled);
-            quote!(#item #imp #tests)
+            let tests = tests(&item, &compiled);
+            quote!(#out #imp #tests)
         }
         Err(diags) => {
             let errors = diags.to_compile_errors();
-            // A generic struct is itself an error; a stub impl for it would
-            // only add unrelated trait-bound errors.
-            let stub = if item.generics.params.is_empty() {
-                stub_impl(&item)
-            } else {
-                TokenStream::new()
-            };
-            quote!(#errors #item #stub)
+            let stub = stub_impl(&item);
+            quote!(#errors #out #stub)
         }
     }
+}
+
+/// The struct as written, without its `#[tensor(..)]` field attributes
+/// (which only this macro reads).
+fn without_tensor_attrs(item: &syn::ItemStruct) -> syn::ItemStruct {
+    let mut out = item.clone();
+    if let syn::Fields::Named(fields) = &mut out.fields {
+        for f in &mut fields.named {
+            f.attrs.retain(|a| a.path() != symbol::TENSOR);
+        }
+    }
+    out
 }
 
 fn method(rust: &RustEmitter<'_>, name: &str, f: &Function) -> TokenStream {
@@ -45,10 +55,16 @@ fn method(rust: &RustEmitter<'_>, name: &str, f: &Function) -> TokenStream {
     }
 }
 
-fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
-    let ident = &item.ident;
-    let (impl_generics, ty_generics, where_clause) = item.generics.split_for_impl();
-    let name = ident.to_string();
+fn elem_type(ty: Ty) -> TokenStream {
+    match ty {
+        Ty::I32 => quote!(i32),
+        Ty::U32 => quote!(u32),
+        _ => quote!(f32),
+    }
+}
+
+/// The `HostVariant` methods: the functions, as Rust over `self`'s fields.
+fn host_methods(program: &Program) -> TokenStream {
     let f32s = RustEmitter::new(program, Float::F32);
     let f64s = RustEmitter::new(program, Float::F64);
     let score = method(&f32s, "score", &program.score);
@@ -59,8 +75,78 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
     let mask_f64 = method(&f64s, "mask_f64", &program.mask);
     let classify_params = f32s.params(&program.classify);
     let classify_body = f32s.body(&program.classify);
+    let name = &program.name;
     let identity = program.score_is_identity;
     let has_mask = program.has_mask;
+    let checked = |f: &Function| {
+        let mut found = false;
+        f.body.walk(&mut |e| {
+            found |= matches!(&e.kind, kernels_spec::ir::ExprKind::Read(r)
+                if r.checks.iter().any(|c| c.any()))
+        });
+        found
+    };
+    let score_checks = checked(&program.score) || checked(&program.score_grad);
+    let errors = program.tensors.iter().map(|t| {
+        let field = format_ident!("{}", t.name);
+        let name = &t.name;
+        quote!(.or_else(|| self.#field.error(#name)))
+    });
+    quote! {
+        const NAME: &'static str = #name;
+        const SCORE_IS_IDENTITY: bool = #identity;
+        const HAS_MASK: bool = #has_mask;
+        const SCORE_CHECKS_READS: bool = #score_checks;
+        #score
+        #score_grad
+        #mask
+        #[inline]
+        #[allow(unused_parens, unused_braces, clippy::all)]
+        fn classify_tile(&self, #(#classify_params),*) -> ::boostr_runtime::TileClass {
+            ::boostr_runtime::TileClass::from_code(#classify_body)
+        }
+        #score_f64
+        #score_grad_f64
+        #mask_f64
+        fn out_of_range(&self) -> ::core::option::Option<::boostr_runtime::Error> {
+            ::core::option::Option::None #(#errors)*
+        }
+    }
+}
+
+fn dim_decl(d: DimDecl) -> TokenStream {
+    match d {
+        DimDecl::Size(s) => {
+            let s = format_ident!(
+                "{}",
+                match s {
+                    Size::B => "B",
+                    Size::Hq => "Hq",
+                    Size::Hkv => "Hkv",
+                    Size::Sq => "Sq",
+                    Size::Sk => "Sk",
+                }
+            );
+            quote!(::boostr_runtime::capture::DimDecl::Size(::boostr_runtime::capture::Size::#s))
+        }
+        DimDecl::Fixed(n) => quote!(::boostr_runtime::capture::DimDecl::Fixed(#n)),
+        DimDecl::Any => quote!(::boostr_runtime::capture::DimDecl::Any),
+    }
+}
+
+fn size_form(f: &SizeForm) -> TokenStream {
+    let (constant, per_size) = (f.constant, f.per_size);
+    quote!(::boostr_runtime::capture::SizeForm {
+        constant: #constant,
+        per_size: [#(#per_size),*],
+    })
+}
+
+fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
+    let ident = &item.ident;
+    let vis = &item.vis;
+    let (impl_generics, ty_generics, where_clause) = item.generics.split_for_impl();
+    let name = ident.to_string();
     let text = explain(program);
     let some = |size: Option<u32>| match size {
         Some(v) => quote!(::core::option::Option::Some(#v)),
@@ -74,86 +160,346 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
             section: #section,
         })
     });
-    let words = program.layout.slots().iter().map(|slot| {
-        let name = format_ident!("{}", slot.name);
+    let host_methods = host_methods(program);
+
+    // The parameter block: scalars by their encoding, tensors by their
+    // shapes and place in the arena.
+    let mut words = Vec::new();
+    let mut tensor_slots = Vec::new();
+    for slot in program.layout.slots() {
+        let field = format_ident!("{}", slot.name);
         let word = slot.word;
-        let value = match slot.encoding() {
-            Encoding::F32Bits => quote!(f32::to_bits(self.#name)),
-            Encoding::I32Bits => quote!(self.#name as u32),
-            Encoding::U32 => quote!(self.#name),
-            Encoding::Bool => quote!(u32::from(self.#name)),
-        };
-        quote!(words.0[#word] = #value;)
-    });
-    quote! {
-        impl #impl_generics ::boostr_runtime::Variant for #ident #ty_generics #where_clause {
-            const NAME: &'static str = #name;
-            const SCORE_IS_IDENTITY: bool = #identity;
-            const HAS_MASK: bool = #has_mask;
-            const TILE_Q: ::core::option::Option<u32> = #tile_q;
-            const TILE_KV: ::core::option::Option<u32> = #tile_kv;
-            #score
-            #score_grad
-            #mask
-            #[inline]
-            #[allow(unused_parens, unused_braces, clippy::all)]
-            fn classify_tile(&self, #(#classify_params),*) -> ::boostr_runtime::TileClass {
-                ::boostr_runtime::TileClass::from_code(#classify_body)
+        match (slot.kind, slot.encoding()) {
+            (SlotKind::Scalar(_), Some(e)) => {
+                let value = match e {
+                    Encoding::F32Bits => quote!(f32::to_bits(self.#field)),
+                    Encoding::I32Bits => quote!(self.#field as u32),
+                    Encoding::U32 => quote!(self.#field),
+                    Encoding::Bool => quote!(u32::from(self.#field)),
+                };
+                words.push(quote!(words.0[#word] = #value;));
             }
-            #score_f64
-            #score_grad_f64
-            #mask_f64
-            fn compiled() -> ::boostr_runtime::CompiledStages {
-                ::boostr_runtime::CompiledStages {
-                    name: #name,
-                    text: #text,
-                    lowerings: &[#(#lowerings),*],
+            (SlotKind::Tensor { rank, .. }, _) => tensor_slots.push(quote!((#word, #rank))),
+            (_, None) => {}
+        }
+    }
+    let tensor_fields: Vec<syn::Ident> = program
+        .tensors
+        .iter()
+        .map(|t| format_ident!("{}", t.name))
+        .collect();
+    if !tensor_fields.is_empty() {
+        words.push(quote! {
+            ::boostr_runtime::capture::place_tensors(
+                &mut words,
+                &[#(#tensor_slots),*],
+                &[#(self.#tensor_fields.shape()),*],
+                <Self as ::boostr_runtime::Variant>::SUMMARIES,
+            );
+        });
+    }
+    let param_words = quote! {
+        #[allow(unused_mut, clippy::all)]
+        fn param_words(&self) -> ::boostr_runtime::ParamWords {
+            let mut words = ::boostr_runtime::ParamWords::ZERO;
+            #(#words)*
+            words
+        }
+    };
+    let compiled = quote! {
+        fn compiled() -> ::boostr_runtime::CompiledStages {
+            ::boostr_runtime::CompiledStages {
+                name: #name,
+                text: #text,
+                lowerings: &[#(#lowerings),*],
+            }
+        }
+    };
+    let consts = quote! {
+        const NAME: &'static str = #name;
+        const TILE_Q: ::core::option::Option<u32> = #tile_q;
+        const TILE_KV: ::core::option::Option<u32> = #tile_kv;
+    };
+
+    if program.tensors.is_empty() {
+        // No tensors: the variant is its own host.
+        return quote! {
+            impl #impl_generics ::boostr_runtime::HostVariant for #ident #ty_generics #where_clause {
+                #host_methods
+            }
+            impl #impl_generics ::boostr_runtime::Variant for #ident #ty_generics #where_clause {
+                #consts
+                type Host = Self;
+                fn host(&self, _: &::boostr_runtime::Problem) -> ::boostr_runtime::Result<Self> {
+                    ::core::result::Result::Ok(::core::clone::Clone::clone(self))
                 }
+                #compiled
+                #param_words
             }
-            #[allow(unused_mut, clippy::all)]
-            fn param_words(&self) -> ::boostr_runtime::ParamWords {
-                let mut words = ::boostr_runtime::ParamWords::ZERO;
-                #(#words)*
-                words
+        };
+    }
+
+    let host = format_ident!("__BoostrHost{}", ident);
+    // The struct is generic over its runtime: the impl holds wherever the
+    // struct has what a variant needs (a runtime whose derives apply).
+    let variant_where = {
+        let mut generics = item.generics.clone();
+        let w = generics.make_where_clause();
+        if let Some(runtime) = item.generics.type_params().next().map(|t| &t.ident) {
+            w.predicates
+                .push(syn::parse_quote!(#runtime: ::boostr_runtime::AttentionRuntime));
+        }
+        w.predicates.push(syn::parse_quote!(
+            Self: ::core::clone::Clone
+                + ::core::fmt::Debug
+                + ::core::marker::Send
+                + ::core::marker::Sync
+                + 'static
+        ));
+        w.clone()
+    };
+    let decls = program.tensors.iter().map(|t| {
+        let name = &t.name;
+        let elem = match t.elem {
+            Ty::I32 => quote!(I32),
+            Ty::U32 => quote!(U32),
+            _ => quote!(F32),
+        };
+        let dims = t.dims.iter().map(|d| dim_decl(*d));
+        quote!(::boostr_runtime::capture::TensorDecl {
+            name: #name,
+            elem: ::boostr_runtime::capture::Ty::#elem,
+            dims: &[#(#dims),*],
+        })
+    });
+    let summaries = program.summaries.iter().map(|(t, a)| quote!((#t, #a)));
+    let read_checks = program.read_conditions.iter().map(|c| {
+        let (site, tensor) = (c.site, c.tensor);
+        let mut signed = Vec::new();
+        for f in [&program.score, &program.mask] {
+            f.body.walk(&mut |e| {
+                if let kernels_spec::ir::ExprKind::Read(r) = &e.kind
+                    && r.site == site
+                    && signed.is_empty()
+                {
+                    signed = r.indices.iter().map(|i| i.ty == Ty::I32).collect();
+                }
+            });
+        }
+        let holds = c.holds.iter().map(|h| match h {
+            Holds::Never => quote!(::boostr_runtime::capture::Holds::Never),
+            Holds::NonNegative(f) => {
+                let f = size_form(f);
+                quote!(::boostr_runtime::capture::Holds::NonNegative(#f))
             }
+            Holds::BelowDim(f, axis) => {
+                let f = size_form(f);
+                quote!(::boostr_runtime::capture::Holds::BelowDim(#f, #axis))
+            }
+        });
+        quote!(::boostr_runtime::capture::ReadCheck {
+            site: #site,
+            tensor: #tensor,
+            signed: &[#(#signed),*],
+            holds: &[#(#holds),*],
+        })
+    });
+    let scalar_fields: Vec<syn::Ident> = program
+        .params
+        .iter()
+        .map(|p| format_ident!("{}", p.name))
+        .collect();
+    let scalar_types: Vec<TokenStream> = program
+        .params
+        .iter()
+        .map(|p| match p.ty {
+            Ty::Bool => quote!(bool),
+            other => elem_type(other),
+        })
+        .collect();
+    let tensor_types: Vec<TokenStream> = program
+        .tensors
+        .iter()
+        .map(|t| {
+            let elem = elem_type(t.elem);
+            let rank = t.dims.len();
+            quote!(::boostr_runtime::capture::HostTensor<#elem, #rank>)
+        })
+        .collect();
+    let capture_fields = |how: TokenStream| {
+        program
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let field = format_ident!("{}", t.name);
+                let axes = program
+                    .summaries
+                    .iter()
+                    .filter(|(st, _)| *st == i)
+                    .map(|(_, a)| *a);
+                quote! {
+                    #field: ::boostr_runtime::capture::HostTensor::#how(
+                        &<Self as ::boostr_runtime::Variant>::TENSORS[#i],
+                        &self.#field,
+                        p,
+                        &[#(#axes),*],
+                    )?
+                }
+            })
+            .collect::<Vec<_>>()
+    };
+    let (captured, copied) = (
+        capture_fields(quote!(capture)),
+        capture_fields(quote!(copy)),
+    );
+    let captures = program.tensors.iter().enumerate().map(|(i, t)| {
+        let field = format_ident!("{}", t.name);
+        quote!(::boostr_runtime::capture::Capture::new(
+            &<Self as ::boostr_runtime::Variant>::TENSORS[#i],
+            &self.#field,
+        ))
+    });
+    let host_doc = format!(
+        "`{name}` with its captured tensors checked and on the host: what the CPU kernels \
+         and the reference evaluate."
+    );
+    quote! {
+        #[doc = #host_doc]
+        #[doc(hidden)]
+        #[derive(Debug)]
+        #[allow(non_camel_case_types)]
+        #vis struct #host {
+            #(#scalar_fields: #scalar_types,)*
+            #(#tensor_fields: #tensor_types,)*
+        }
+        impl ::boostr_runtime::HostVariant for #host {
+            #host_methods
+        }
+        impl #impl_generics ::boostr_runtime::Variant for #ident #ty_generics #variant_where {
+            #consts
+            const TENSORS: &'static [::boostr_runtime::capture::TensorDecl] = &[#(#decls),*];
+            const SUMMARIES: &'static [(usize, usize)] = &[#(#summaries),*];
+            const READ_CHECKS: &'static [::boostr_runtime::capture::ReadCheck] = &[#(#read_checks),*];
+            type Host = #host;
+            fn host(&self, p: &::boostr_runtime::Problem) -> ::boostr_runtime::Result<#host> {
+                ::core::result::Result::Ok(#host {
+                    #(#scalar_fields: self.#scalar_fields,)*
+                    #(#captured,)*
+                })
+            }
+            fn host_copy(
+                &self,
+                p: &::boostr_runtime::Problem,
+            ) -> ::boostr_runtime::Result<#host> {
+                ::core::result::Result::Ok(#host {
+                    #(#scalar_fields: self.#scalar_fields,)*
+                    #(#copied,)*
+                })
+            }
+            fn captures(&self) -> ::std::vec::Vec<::boostr_runtime::capture::Capture<'_>> {
+                ::std::vec![#(#captures),*]
+            }
+            #compiled
+            #param_words
         }
     }
 }
 
+/// After an error: impls whose bodies are never reached, so that one
+/// mistake does not cascade into errors at every use of the variant.
 fn stub_impl(item: &syn::ItemStruct) -> TokenStream {
     let ident = &item.ident;
     let name = ident.to_string();
     let (impl_generics, ty_generics, where_clause) = item.generics.split_for_impl();
+    let host_stub = quote! {
+        const NAME: &'static str = #name;
+        const SCORE_IS_IDENTITY: bool = true;
+        const HAS_MASK: bool = false;
+        fn score(&self, s: f32, b: i32, h: i32, q: i32, kv: i32) -> f32 { unreachable!() }
+        fn score_grad(&self, s: f32, b: i32, h: i32, q: i32, kv: i32) -> f32 { unreachable!() }
+        fn mask(&self, b: i32, h: i32, q: i32, kv: i32) -> bool { unreachable!() }
+        fn classify_tile(&self, b: i32, h: i32, q_lo: i32, q_hi: i32, kv_lo: i32, kv_hi: i32)
+            -> ::boostr_runtime::TileClass { unreachable!() }
+        fn score_f64(&self, s: f64, b: i32, h: i32, q: i32, kv: i32) -> f64 { unreachable!() }
+        fn score_grad_f64(&self, s: f64, b: i32, h: i32, q: i32, kv: i32) -> f64 { unreachable!() }
+        fn mask_f64(&self, b: i32, h: i32, q: i32, kv: i32) -> bool { unreachable!() }
+    };
+    let generic = !item.generics.params.is_empty();
+    let (host_ty, host_impl) = if generic {
+        let host = format_ident!("__BoostrHost{}", ident);
+        let vis = &item.vis;
+        (
+            quote!(#host),
+            quote! {
+                #[doc(hidden)]
+                #[allow(non_camel_case_types)]
+                #vis struct #host;
+                #[allow(unused_variables, clippy::all)]
+                impl ::boostr_runtime::HostVariant for #host { #host_stub }
+            },
+        )
+    } else {
+        (
+            quote!(Self),
+            quote! {
+                #[allow(unused_variables, clippy::all)]
+                impl ::boostr_runtime::HostVariant for #ident { #host_stub }
+            },
+        )
+    };
     quote! {
+        #host_impl
         #[allow(unused_variables, clippy::all)]
         impl #impl_generics ::boostr_runtime::Variant for #ident #ty_generics #where_clause {
             const NAME: &'static str = #name;
-            const SCORE_IS_IDENTITY: bool = true;
-            const HAS_MASK: bool = false;
-            fn score(&self, s: f32, b: i32, h: i32, q: i32, kv: i32) -> f32 { unreachable!() }
-            fn score_grad(&self, s: f32, b: i32, h: i32, q: i32, kv: i32) -> f32 { unreachable!() }
-            fn mask(&self, b: i32, h: i32, q: i32, kv: i32) -> bool { unreachable!() }
-            fn classify_tile(&self, b: i32, h: i32, q_lo: i32, q_hi: i32, kv_lo: i32, kv_hi: i32)
-                -> ::boostr_runtime::TileClass { unreachable!() }
-            fn score_f64(&self, s: f64, b: i32, h: i32, q: i32, kv: i32) -> f64 { unreachable!() }
-            fn score_grad_f64(&self, s: f64, b: i32, h: i32, q: i32, kv: i32) -> f64 { unreachable!() }
-            fn mask_f64(&self, b: i32, h: i32, q: i32, kv: i32) -> bool { unreachable!() }
+            type Host = #host_ty;
+            fn host(&self, p: &::boostr_runtime::Problem) -> ::boostr_runtime::Result<#host_ty> {
+                unreachable!()
+            }
             fn compiled() -> ::boostr_runtime::CompiledStages { unreachable!() }
         }
     }
 }
 
 /// `tests = [..]`: per instance, the reference's own gradient check and the
-/// variant on every backend compiled into `boostr-runtime`.
-fn tests(ident: &syn::Ident, compiled: &Compiled) -> TokenStream {
+/// variant on every backend compiled into `boostr-runtime`. Each instance
+/// becomes a function generic over the runtime that builds it from a case's
+/// test data: a value is returned as written; a closure (`|data| V { t:
+/// data.documents() }`, the only form for a variant with tensors) is called
+/// once per case on each backend's device.
+fn tests(item: &syn::ItemStruct, compiled: &Compiled) -> TokenStream {
     let instances = &compiled.spec.tests;
     if instances.is_empty() {
         return TokenStream::new();
     }
+    let ident = &item.ident;
     let module = format_ident!("__boostr_tests_{}", ident);
+    let runtime = format_ident!("__BoostrRuntime");
+    let ret = if item.generics.params.is_empty() {
+        quote!(#ident)
+    } else {
+        quote!(#ident<#runtime>)
+    };
     let names: Vec<syn::Ident> = (0..instances.len())
         .map(|i| format_ident!("instance_{}", i))
         .collect();
+    let builders = names.iter().zip(instances).map(|(name, instance)| {
+        let body = match instance {
+            syn::Expr::Closure(_) => {
+                quote!(::boostr_runtime::testing::build(data, #instance))
+            }
+            value => quote!((#value)),
+        };
+        quote! {
+            #[allow(unused_variables, clippy::all)]
+            fn #name<#runtime: ::boostr_runtime::AttentionRuntime>(
+                data: &mut ::boostr_runtime::testing::TestData<'_, #runtime>,
+            ) -> #ret {
+                #body
+            }
+        }
+    });
     quote! {
         #[cfg(test)]
         #[allow(non_snake_case)]
@@ -161,12 +507,18 @@ fn tests(ident: &syn::Ident, compiled: &Compiled) -> TokenStream {
             #[allow(unused_imports)]
             use super::*;
 
+            #(#builders)*
+
             #[test]
             fn reference_gradients_match_finite_differences() {
-                #( ::boostr_runtime::testing::check_reference_gradients(&(#instances)); )*
+                #(
+                    ::boostr_runtime::testing::check_reference_gradients_built(
+                        #names::<::boostr_runtime::testing::CpuRuntime>,
+                    );
+                )*
             }
 
-            ::boostr_runtime::__backend_tests! { #( #names => (#instances), )* }
+            ::boostr_runtime::__backend_tests! { #(#names,)* }
         }
     }
 }

@@ -8,8 +8,8 @@
 use boostr_runtime::{CompiledStages, Variant};
 
 macro_rules! compiled {
-    ($($variant:ident),* $(,)?) => {
-        [$(<boostr_runtime::stock::$variant as Variant>::compiled()),*]
+    ($($variant:ty),* $(,)?) => {
+        [$(<$variant as Variant>::compiled()),*]
     };
 }
 

@@ -30,7 +30,7 @@
 //! `lse` must be `-inf` exactly where the CPU's is.
 
 use boostr_runtime::stock::{Alibi, Causal, CausalSlidingWindow, CausalSoftcap};
-use boostr_runtime::{AttentionOptions, Variant, attention_bwd, attention_fwd};
+use boostr_runtime::{AttentionOptions, HostVariant, Variant, attention_bwd, attention_fwd};
 use numr::prelude::*;
 use numr::runtime::cuda::{cuda_device, is_cuda_available};
 use std::process::ExitCode;
@@ -163,7 +163,7 @@ fn to_f32(client: &CudaClient, t: &Tensor<CudaRuntime>) -> BoxResult<Vec<f32>> {
 }
 
 /// Visible (query, key) pairs of one (batch, head) with `s` queries and keys.
-fn visible_pairs<V: Variant>(variant: &V, s: usize) -> u64 {
+fn visible_pairs<V: HostVariant>(variant: &V, s: usize) -> u64 {
     let s = s as i32;
     let mut n = 0u64;
     for q in 0..s {
@@ -231,7 +231,7 @@ impl Row {
     }
 }
 
-fn bench_variant<V: Variant>(
+fn bench_variant<V: Variant + HostVariant>(
     name: &str,
     variant: &V,
     client: &CudaClient,
@@ -288,7 +288,7 @@ fn rel_err(got: &[f32], want: &[f32]) -> std::result::Result<f64, String> {
 
 /// The spot check of `variant` in `dtype`; prints one PASS/FAIL line and
 /// returns whether it passed.
-fn check_variant<V: Variant>(
+fn check_variant<V: Variant + HostVariant>(
     name: &str,
     variant: &V,
     client: &CudaClient,

@@ -10,7 +10,7 @@
 //! tolerance.
 
 use boostr_runtime::testing::{Rng, reference_backward, reference_forward};
-use boostr_runtime::{AttentionOptions, Problem, Variant, attention, var_attention};
+use boostr_runtime::{AttentionOptions, HostVariant, Problem, Variant, attention, var_attention};
 use numr::autograd::{Var, backward, var_mul, var_sum};
 use numr::prelude::{CpuDevice, CpuRuntime, Runtime, Tensor};
 use std::process::ExitCode;

@@ -205,7 +205,7 @@ impl AttentionRuntime for CpuRuntime {
             v.slice(),
             out.slice_mut(),
             lse.slice_mut(),
-        );
+        )?;
         Ok((out.finish(), lse.finish()))
     }
 
@@ -254,7 +254,7 @@ impl AttentionRuntime for CpuRuntime {
             dq.slice_mut(),
             dk.slice_mut(),
             dv.slice_mut(),
-        );
+        )?;
         Ok((dq.finish(), dk.finish(), dv.finish()))
     }
 }

@@ -93,6 +93,46 @@ pub enum Error {
     /// `scale` is not a finite number.
     #[error("scale must be finite, got {0}")]
     Scale(f32),
+    /// A captured tensor has another dtype than its declared element type.
+    #[error("captured tensor `{field}` must have dtype {expected:?}, got {got:?}")]
+    CaptureDType {
+        /// The field.
+        field: &'static str,
+        /// The declared element type's dtype.
+        expected: DType,
+        /// The tensor's.
+        got: DType,
+    },
+    /// A captured tensor's shape does not match its declaration.
+    #[error("captured tensor `{field}` must have shape {expected} (as declared), got {got:?}")]
+    CaptureShape {
+        /// The field.
+        field: &'static str,
+        /// The declared shape with the problem's sizes.
+        expected: String,
+        /// The tensor's shape.
+        got: Vec<usize>,
+    },
+    /// A captured tensor lives on another runtime than the call's.
+    #[error("captured tensor `{field}` is a tensor of {got}, but the call runs on {expected}")]
+    CaptureRuntime {
+        /// The field.
+        field: &'static str,
+        /// The call's runtime.
+        expected: &'static str,
+        /// The tensor's.
+        got: &'static str,
+    },
+    /// A tensor read's index was out of range (the read read nothing).
+    #[error("captured tensor `{field}` was read at index {index:?}, outside its shape {shape:?}")]
+    IndexOutOfRange {
+        /// The field.
+        field: &'static str,
+        /// The index.
+        index: Vec<i64>,
+        /// The tensor's shape.
+        shape: Vec<usize>,
+    },
     /// A GPU backend could not build or launch a kernel.
     #[error(transparent)]
     Backend(#[from] BackendError),

@@ -1,12 +1,16 @@
 //! What the GPU backends (wgpu, CUDA) share: the kernel cache, the choice
 //! of tiles, and the problem's sizes as the kernel descriptions read them.
 
-use crate::error::BackendError;
+use crate::capture;
+use crate::error::{BackendError, Error, Result};
 use crate::problem::Problem;
 use crate::variant::Variant;
 use kernels_spec::emit::interface::Sizes;
 use kernels_spec::emit::{Target, Tiling, choose_tiles};
+use kernels_spec::params::{Arena, SummaryJob};
 use numr::dtype::DType;
+use numr::runtime::Runtime;
+use numr::tensor::Tensor;
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -23,7 +27,7 @@ pub(crate) struct KernelCache<K, V> {
     slots: Mutex<HashMap<K, Slot<V>>>,
 }
 
-type Slot<V> = Arc<OnceLock<Result<Arc<V>, BackendError>>>;
+type Slot<V> = Arc<OnceLock<std::result::Result<Arc<V>, BackendError>>>;
 
 impl<K, V> Default for KernelCache<K, V> {
     fn default() -> Self {
@@ -38,8 +42,8 @@ impl<K: Eq + Hash, V> KernelCache<K, V> {
     pub(crate) fn get_or_build(
         &self,
         key: K,
-        build: impl FnOnce() -> Result<V, BackendError>,
-    ) -> Result<Arc<V>, BackendError> {
+        build: impl FnOnce() -> std::result::Result<V, BackendError>,
+    ) -> std::result::Result<Arc<V>, BackendError> {
         let slot = {
             // A poisoned lock only means another caller panicked while
             // holding it; the map itself is intact.
@@ -51,7 +55,9 @@ impl<K: Eq + Hash, V> KernelCache<K, V> {
 }
 
 /// The variant's section for `target`, or why it has none.
-pub(crate) fn lowering<V: Variant>(target: Target) -> Result<&'static str, BackendError> {
+pub(crate) fn lowering<V: Variant>(
+    target: Target,
+) -> std::result::Result<&'static str, BackendError> {
     V::compiled().lowering(target)
 }
 
@@ -62,13 +68,76 @@ pub(crate) fn tiles<V: Variant, T: Tiling>(
     default: T,
     head_dim: usize,
     dtype: DType,
-) -> Result<T, BackendError> {
+) -> std::result::Result<T, BackendError> {
     choose_tiles(default, V::TILE_Q, V::TILE_KV).map_err(|error| BackendError::Tiling {
         target,
         head_dim,
         dtype,
         error,
     })
+}
+
+/// The capture arena of one call, planned on the host: the captured
+/// tensors checked against their declarations (contiguous, on the call's
+/// runtime), where each goes, the summaries the device computes from them,
+/// and whether the call must read the error record back.
+pub(crate) struct ArenaPlan<R: Runtime> {
+    /// The captured tensors, in field order.
+    pub tensors: Vec<Tensor<R>>,
+    /// Where each tensor and summary lives.
+    pub arena: Arena,
+    /// The summary kernel's jobs, in the arena's order.
+    pub jobs: Vec<SummaryJob>,
+    /// Some checked read may be out of range for this call: read the
+    /// record back after it ([`capture::checks_hold`]).
+    pub report: bool,
+}
+
+/// Words an arena may hold: every index into it is a `u32`, and a WGSL
+/// storage binding is at most 128 MiB by default
+/// (`maxStorageBufferBindingSize`).
+pub(crate) const MAX_ARENA_WORDS: usize = 1 << 25;
+
+impl<R: Runtime<DType = DType>> ArenaPlan<R> {
+    /// The plan for `variant`'s captures on problem `p`.
+    pub(crate) fn new<V: Variant>(variant: &V, p: &Problem) -> Result<Self> {
+        let tensors = variant
+            .captures()
+            .iter()
+            .map(|c| c.on::<R>(p))
+            .collect::<Result<Vec<_>>>()?;
+        let shapes: Vec<&[usize]> = tensors.iter().map(|t| t.shape()).collect();
+        let arena = Arena::new(&shapes, V::SUMMARIES);
+        if arena.words > MAX_ARENA_WORDS {
+            return Err(Error::TooLarge {
+                name: "the capture arena (captured tensors and summaries, in 32-bit words)",
+                value: arena.words,
+                max: MAX_ARENA_WORDS,
+            });
+        }
+        let jobs = (0..V::SUMMARIES.len())
+            .map(|s| arena.job(s, &shapes, V::SUMMARIES))
+            .collect();
+        let report = !capture::checks_hold(V::READ_CHECKS, p, &shapes);
+        Ok(ArenaPlan {
+            tensors,
+            arena,
+            jobs,
+            report,
+        })
+    }
+
+    /// The captured tensors' shapes.
+    pub(crate) fn shapes(&self) -> Vec<&[usize]> {
+        self.tensors.iter().map(|t| t.shape()).collect()
+    }
+
+    /// The error of the arena's record (its first
+    /// [`ERROR_WORDS`](kernels_spec::params::ERROR_WORDS) words),
+    /// if a read was out of range.
+    pub(crate) fn error<V: Variant>(&self, target: Target, record: &[u32]) -> Option<Error> {
+        capture::read_error(target, V::READ_CHECKS, V::TENSORS, &self.shapes(), record)
+    }
 }
 
 /// The head dim as the tile configurations take it (a head dim past

@@ -38,6 +38,7 @@
 extern crate self as boostr_runtime;
 
 pub mod backend;
+pub mod capture;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -62,20 +63,24 @@ pub use kernels_spec::emit::Target;
 pub use kernels_spec::params::ParamWords;
 pub use op::{AttentionOptions, attention_bwd, attention_fwd, var_attention};
 pub use problem::Problem;
-pub use variant::{CompiledStages, Lowering, TileClass, Variant};
+pub use variant::{CompiledStages, HostVariant, Lowering, TileClass, Variant};
 
 /// One module of generated tests: every instance checked on one backend.
+/// Each instance is a builder function of the enclosing module, generic over
+/// the runtime.
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __backend_test_module {
-    ($module:ident, $backend:ident; $($name:ident => $instance:expr,)*) => {
+    ($module:ident, $backend:ident; $($name:ident,)*) => {
         mod $module {
-            #[allow(unused_imports)]
-            use super::*;
             $(
                 #[test]
                 fn $name() {
-                    $crate::testing::check_variant::<$crate::testing::$backend, _>(&$instance);
+                    $crate::testing::check_variant_built::<$crate::testing::$backend, _>(
+                        super::$name::<
+                            <$crate::testing::$backend as $crate::testing::TestBackend>::Runtime,
+                        >,
+                    );
                 }
             )*
         }
@@ -87,18 +92,24 @@ macro_rules! __backend_test_module {
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __parity_test_module {
-    ($module:ident, $a:ident, $b:ident; $($name:ident => $instance:expr,)*) => {
+    ($module:ident, $a:ident, $b:ident; $($name:ident,)*) => {
         mod $module {
-            #[allow(unused_imports)]
-            use super::*;
             $(
                 #[test]
                 fn $name() {
-                    $crate::testing::check_parity::<
+                    $crate::testing::check_parity_built::<
                         $crate::testing::$a,
                         $crate::testing::$b,
                         _,
-                    >(&$instance);
+                        _,
+                    >(
+                        super::$name::<
+                            <$crate::testing::$a as $crate::testing::TestBackend>::Runtime,
+                        >,
+                        super::$name::<
+                            <$crate::testing::$b as $crate::testing::TestBackend>::Runtime,
+                        >,
+                    );
                 }
             )*
         }
@@ -110,10 +121,10 @@ macro_rules! __parity_test_module {
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __backend_tests {
-    ($($name:ident => $instance:expr,)*) => {
-        $crate::__backend_test_module! { cpu, Cpu; $($name => $instance,)* }
-        $crate::__wgpu_tests! { $($name => $instance,)* }
-        $crate::__cuda_tests! { $($name => $instance,)* }
+    ($($name:ident,)*) => {
+        $crate::__backend_test_module! { cpu, Cpu; $($name,)* }
+        $crate::__wgpu_tests! { $($name,)* }
+        $crate::__cuda_tests! { $($name,)* }
     };
 }
 
@@ -125,9 +136,9 @@ macro_rules! __backend_tests {
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __wgpu_tests {
-    ($($name:ident => $instance:expr,)*) => {
-        $crate::__backend_test_module! { wgpu, Wgpu; $($name => $instance,)* }
-        $crate::__parity_test_module! { wgpu_vs_cpu, Cpu, Wgpu; $($name => $instance,)* }
+    ($($name:ident,)*) => {
+        $crate::__backend_test_module! { wgpu, Wgpu; $($name,)* }
+        $crate::__parity_test_module! { wgpu_vs_cpu, Cpu, Wgpu; $($name,)* }
     };
 }
 
@@ -144,9 +155,9 @@ macro_rules! __wgpu_tests {
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __cuda_tests {
-    ($($name:ident => $instance:expr,)*) => {
-        $crate::__backend_test_module! { cuda, Cuda; $($name => $instance,)* }
-        $crate::__parity_test_module! { cuda_vs_cpu, Cpu, Cuda; $($name => $instance,)* }
+    ($($name:ident,)*) => {
+        $crate::__backend_test_module! { cuda, Cuda; $($name,)* }
+        $crate::__parity_test_module! { cuda_vs_cpu, Cpu, Cuda; $($name,)* }
     };
 }
 

@@ -2,6 +2,8 @@
 //! instances, so `cargo test` checks every one of them on every backend.
 
 use crate::attention;
+use numr::runtime::Runtime;
+use numr::tensor::Tensor;
 
 /// Plain softmax attention: no score modification, no mask.
 #[attention(tests = [Full])]
@@ -103,23 +105,128 @@ pub struct FlashMask {
     pub window: i32,
 }
 
-/// Calls `$callback!` with the name of every stock variant, so that code
+/// Packed documents (sequences concatenated without padding): a query sees
+/// the keys of its own document. Document ids come from a tensor over key
+/// positions, so one tensor serves both sides (`Sq ≤ Sk`: query row `i`
+/// sits at position `i + Sk − Sq`; with `Sq > Sk` the first rows' positions
+/// are negative, and the call fails with the read out of range).
+///
+/// Tiles are classified from per-call summaries of the ids: with ids sorted
+/// within each sequence, every tile whose queries and keys share no
+/// document is skipped and every tile inside one document runs unmasked.
+#[attention(
+    mask = |b, _h, q, kv| self.doc[b][q] == self.doc[b][kv],
+    tests = [
+        |data| Documents { doc: data.documents() },
+        |data| Documents { doc: data.unsorted_documents() },
+    ],
+)]
+#[derive(Clone, Debug)]
+pub struct Documents<R: Runtime> {
+    /// The document id of every position, `[B, Sk]` `i32` (sorted within
+    /// each sequence for exact tile skipping; any ids are correct).
+    #[tensor(i32, [B, Sk])]
+    pub doc: Tensor<R>,
+}
+
+/// Causal attention within packed documents: [`Documents`] and `kv <= q`.
+#[attention(
+    mask = |b, _h, q, kv| kv <= q && self.doc[b][q] == self.doc[b][kv],
+    tests = [|data| CausalDocuments { doc: data.documents() }],
+)]
+#[derive(Clone, Debug)]
+pub struct CausalDocuments<R: Runtime> {
+    /// The document id of every position, `[B, Sk]` `i32`.
+    #[tensor(i32, [B, Sk])]
+    pub doc: Tensor<R>,
+}
+
+/// A padded batch, or a KV cache with per-sequence lengths: the keys at
+/// positions `len[b]` and past are hidden (whatever their K and V rows
+/// hold), and the tiles past a length are skipped.
+#[attention(
+    mask = |b, _h, _q, kv| kv < self.len[b],
+    tests = [|data| KvLengths { len: data.lengths() }],
+)]
+#[derive(Clone, Debug)]
+pub struct KvLengths<R: Runtime> {
+    /// The number of valid keys of each sequence, `[B]` `i32`.
+    #[tensor(i32, [B])]
+    pub len: Tensor<R>,
+}
+
+/// Causal attention over per-sequence key lengths: [`KvLengths`] and
+/// `kv <= q`.
+#[attention(
+    mask = |b, _h, q, kv| kv <= q && kv < self.len[b],
+    tests = [|data| CausalKvLengths { len: data.lengths() }],
+)]
+#[derive(Clone, Debug)]
+pub struct CausalKvLengths<R: Runtime> {
+    /// The number of valid keys of each sequence, `[B]` `i32`.
+    #[tensor(i32, [B])]
+    pub len: Tensor<R>,
+}
+
+/// A relative-position bias table (T5-style, here read-only): the logit of
+/// a pair gets `table[h][d + max_distance]`, `d = q − kv` clipped to
+/// `±max_distance`. The table's width is declared `_`; a table narrower
+/// than `2·max_distance + 1` makes the call fail with the read out of range.
+#[attention(
+    score = |s, _b, h, q, kv| s + self.table[h][clamp(q - kv, -self.max_distance, self.max_distance) + self.max_distance],
+    tests = [
+        |data| RelativeBias { table: data.f32s(&[data.heads_q(), 17], -1.0, 1.0), max_distance: 8 },
+        // One column short: reads at distance 8 or more fail.
+        |data| RelativeBias { table: data.f32s(&[data.heads_q(), 16], -1.0, 1.0), max_distance: 8 },
+    ],
+)]
+#[derive(Clone, Debug)]
+pub struct RelativeBias<R: Runtime> {
+    /// The bias of each (query head, clipped distance), `[Hq, 2·max_distance + 1]` `f32`.
+    #[tensor(f32, [Hq, _])]
+    pub table: Tensor<R>,
+    /// Distances are clipped to `-max_distance ..= max_distance`.
+    pub max_distance: i32,
+}
+
+/// ALiBi with the slopes from a tensor (learned or model-specific slopes):
+/// causal, the logit of a pair lowered by `slopes[h] · (q − kv)`.
+#[attention(
+    score = |s, _b, h, q, kv| s - self.slopes[h] * ((q - kv) as f32),
+    mask = |_b, _h, q, kv| kv <= q,
+    tests = [|data| AlibiSlopes { slopes: data.f32s(&[data.heads_q()], 0.0, 0.5) }],
+)]
+#[derive(Clone, Debug)]
+pub struct AlibiSlopes<R: Runtime> {
+    /// The slope of each query head, `[Hq]` `f32`.
+    #[tensor(f32, [Hq])]
+    pub slopes: Tensor<R>,
+}
+
+/// Calls `$callback!` with the type of every stock variant, so that code
 /// which enumerates them (tests, tools) lists them from here:
 /// `boostr_runtime::stock_variants!(my_macro)` expands to
-/// `my_macro!(Full, Causal, ...)`, each name a type of this module.
+/// `my_macro!(boostr_runtime::stock::Full, ...)`, the variants with
+/// tensors at the CPU runtime (`Documents<CpuRuntime>`).
 #[macro_export]
 macro_rules! stock_variants {
     ($callback:ident) => {
         $callback!(
-            Full,
-            Causal,
-            SlidingWindow,
-            CausalSlidingWindow,
-            Alibi,
-            Softcap,
-            CausalSoftcap,
-            PrefixLm,
-            FlashMask,
+            $crate::stock::Full,
+            $crate::stock::Causal,
+            $crate::stock::SlidingWindow,
+            $crate::stock::CausalSlidingWindow,
+            $crate::stock::Alibi,
+            $crate::stock::Softcap,
+            $crate::stock::CausalSoftcap,
+            $crate::stock::PrefixLm,
+            $crate::stock::FlashMask,
+            $crate::stock::Documents<$crate::testing::CpuRuntime>,
+            $crate::stock::CausalDocuments<$crate::testing::CpuRuntime>,
+            $crate::stock::KvLengths<$crate::testing::CpuRuntime>,
+            $crate::stock::CausalKvLengths<$crate::testing::CpuRuntime>,
+            $crate::stock::RelativeBias<$crate::testing::CpuRuntime>,
+            $crate::stock::AlibiSlopes<$crate::testing::CpuRuntime>,
         )
     };
 }

@@ -1,10 +1,13 @@
 //! The contract between a compiled variant and the kernels.
 //!
-//! `#[attention]` implements [`Variant`] for the annotated struct. Every method
-//! is generated from the variant's checked IR, so the kernels of each target
-//! see the same score, mask, derivative and tile classifier.
+//! `#[attention]` implements [`Variant`] for the annotated struct, and
+//! [`HostVariant`] for it (or, with captured tensors, for its host type).
+//! Every method is generated from the variant's checked IR, so the kernels
+//! of each target see the same score, mask, derivative and tile classifier.
 
-use crate::error::BackendError;
+use crate::capture::{Capture, ReadCheck, TensorDecl};
+use crate::error::{BackendError, Error, Result};
+use crate::problem::Problem;
 use kernels_spec::emit::Target;
 pub use kernels_spec::ir::TileClass;
 use kernels_spec::params::ParamWords;
@@ -47,7 +50,7 @@ impl CompiledStages {
     }
 
     /// The variant section for `target`, or [`BackendError::NoLowering`].
-    pub fn lowering(&self, target: Target) -> Result<&'static str, BackendError> {
+    pub fn lowering(&self, target: Target) -> std::result::Result<&'static str, BackendError> {
         self.lowerings
             .iter()
             .find(|l| l.target == target)
@@ -60,25 +63,88 @@ impl CompiledStages {
 }
 
 /// An attention variant: a score modification and a mask over
-/// `(batch, head, q_idx, kv_idx)`, with the struct's fields as parameters.
+/// `(batch, head, q_idx, kv_idx)`, with the struct's fields as parameters and
+/// captured tensors.
 ///
-/// Implemented by `#[attention]`; implementing it by hand is possible but the
-/// methods must agree with each other (e.g. `score_grad` is d`score`/d`s`).
+/// Implemented by `#[attention]`. A variant is what the ops take; its
+/// functions are evaluated by its [`Host`](Variant::Host), the variant with
+/// its tensors checked and on the host (a variant without tensors is its own
+/// host).
+pub trait Variant: Clone + Debug + Send + Sync + 'static {
+    /// The variant's name (the struct's name).
+    const NAME: &'static str;
+    /// `tile(q = ..)`: query rows per tile, overriding each target's default.
+    const TILE_Q: Option<u32> = None;
+    /// `tile(kv = ..)`: keys per tile, overriding each target's default.
+    const TILE_KV: Option<u32> = None;
+    /// The captured tensors, in field order.
+    const TENSORS: &'static [TensorDecl] = &[];
+    /// The `(tensor, axis)` summaries the tile classifier reads, in the
+    /// order of the capture arena (`kernels_spec::params::Arena`).
+    const SUMMARIES: &'static [(usize, usize)] = &[];
+    /// The tensor reads whose indices are checked at run time (the
+    /// compiler could not prove them in range), with what makes their
+    /// checks hold for one call: the GPU backends read back the arena's
+    /// error record after a call only when some may fail.
+    const READ_CHECKS: &'static [ReadCheck] = &[];
+
+    /// The variant's functions on the host, for the CPU kernels and the
+    /// reference.
+    type Host: HostVariant;
+
+    /// The variant with its captured tensors checked against problem `p`
+    /// (dtype, rank, declared dimensions) and read on the host; an `Err`
+    /// naming the field for a tensor that does not match, or that lives on
+    /// another runtime.
+    fn host(&self, p: &Problem) -> Result<Self::Host>;
+
+    /// [`host`](Variant::host) for a variant on any runtime: its tensors
+    /// checked the same way and copied to the host (what the reference
+    /// evaluates for a variant whose tensors live on a GPU).
+    fn host_copy(&self, p: &Problem) -> Result<Self::Host> {
+        self.host(p)
+    }
+
+    /// The captured tensors, in field order, for the GPU backends.
+    fn captures(&self) -> Vec<Capture<'_>> {
+        Vec::new()
+    }
+
+    /// What the compiler made of this variant: its stages, and its
+    /// lowering for each GPU target (none for a hand-written impl, which
+    /// the GPU backends then refuse with [`BackendError::NoLowering`]).
+    fn compiled() -> CompiledStages;
+
+    /// The parameter block every GPU kernel takes: the fields encoded by the
+    /// layout the compiler chose (`kernels_spec::params::ParamLayout`), with
+    /// each tensor's shape and place in the capture arena. Without fields,
+    /// or without a GPU lowering, all zeros.
+    fn param_words(&self) -> ParamWords {
+        ParamWords::ZERO
+    }
+}
+
+/// A variant's functions, as the CPU kernels and the f64 reference evaluate
+/// them. Implemented by `#[attention]` (on the variant itself, or on its
+/// host type when it captures tensors); implementing it by hand is possible
+/// but the methods must agree with each other (e.g. `score_grad` is
+/// d`score`/d`s`).
 ///
 /// Index arguments: `b` batch, `h` query head, `q` the query's position
 /// (bottom-right aligned: row `i` has `q = i + Sk - Sq`), `kv` the key's
 /// position. `s` is the scaled logit `q·k * scale`.
-pub trait Variant: Clone + Debug + Send + Sync + 'static {
-    /// The variant's name (the struct's name).
+pub trait HostVariant: Send + Sync {
+    /// The variant's name.
     const NAME: &'static str;
     /// `score` is the identity: kernels skip it and its derivative (which is 1).
     const SCORE_IS_IDENTITY: bool;
     /// The variant declares a mask; without one every pair is visible.
     const HAS_MASK: bool;
-    /// `tile(q = ..)`: query rows per tile, overriding each target's default.
-    const TILE_Q: Option<u32> = None;
-    /// `tile(kv = ..)`: keys per tile, overriding each target's default.
-    const TILE_KV: Option<u32> = None;
+    /// `score` or `score_grad` reads a tensor with a checked index: they are
+    /// then evaluated at visible pairs only, where the reference evaluates
+    /// them, so that an index out of range there (and only there) is
+    /// reported.
+    const SCORE_CHECKS_READS: bool = false;
 
     /// The modified score of one (query, key) pair.
     fn score(&self, s: f32, b: i32, h: i32, q: i32, kv: i32) -> f32;
@@ -106,17 +172,57 @@ pub trait Variant: Clone + Debug + Send + Sync + 'static {
     /// `mask` evaluated with f64 arithmetic, for the reference implementation.
     fn mask_f64(&self, b: i32, h: i32, q: i32, kv: i32) -> bool;
 
-    /// What the compiler made of this variant: its stages, and its
-    /// lowering for each GPU target (none for a hand-written impl, which
-    /// the GPU backends then refuse with [`BackendError::NoLowering`]).
-    fn compiled() -> CompiledStages;
-
-    /// The parameter block every GPU kernel takes: the fields encoded by the
-    /// layout the compiler chose (`kernels_spec::params::ParamLayout`).
-    /// Without fields, or without a GPU lowering, all zeros.
-    fn param_words(&self) -> ParamWords {
-        ParamWords::ZERO
+    /// The least read out of range of the evaluations so far, as the error
+    /// the call returns; `None` when every index was in range.
+    fn out_of_range(&self) -> Option<Error> {
+        None
     }
+}
+
+/// Implements [`Variant`] for a type that implements [`HostVariant`] by
+/// hand: the type is its own host, has no captured tensors and no GPU
+/// lowering (the GPU backends refuse it with [`BackendError::NoLowering`]);
+/// it runs on the CPU and against the reference.
+///
+/// ```
+/// use boostr_runtime::{HostVariant, TileClass};
+///
+/// /// Every key visible, logits halved.
+/// #[derive(Clone, Debug)]
+/// struct Halved;
+///
+/// impl HostVariant for Halved {
+///     const NAME: &'static str = "Halved";
+///     const SCORE_IS_IDENTITY: bool = false;
+///     const HAS_MASK: bool = false;
+///     fn score(&self, s: f32, _: i32, _: i32, _: i32, _: i32) -> f32 { 0.5 * s }
+///     fn score_grad(&self, _: f32, _: i32, _: i32, _: i32, _: i32) -> f32 { 0.5 }
+///     fn mask(&self, _: i32, _: i32, _: i32, _: i32) -> bool { true }
+///     fn classify_tile(&self, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32) -> TileClass {
+///         TileClass::Full
+///     }
+///     fn score_f64(&self, s: f64, _: i32, _: i32, _: i32, _: i32) -> f64 { 0.5 * s }
+///     fn score_grad_f64(&self, _: f64, _: i32, _: i32, _: i32, _: i32) -> f64 { 0.5 }
+///     fn mask_f64(&self, _: i32, _: i32, _: i32, _: i32) -> bool { true }
+/// }
+/// boostr_runtime::hand_written_variant!(Halved);
+///
+/// boostr_runtime::testing::check_variant::<boostr_runtime::testing::Cpu, _>(&Halved);
+/// ```
+#[macro_export]
+macro_rules! hand_written_variant {
+    ($ty:ty) => {
+        impl $crate::Variant for $ty {
+            const NAME: &'static str = <$ty as $crate::HostVariant>::NAME;
+            type Host = $ty;
+            fn host(&self, _: &$crate::Problem) -> $crate::Result<$ty> {
+                ::core::result::Result::Ok(::core::clone::Clone::clone(self))
+            }
+            fn compiled() -> $crate::CompiledStages {
+                $crate::CompiledStages::hand_written(<$ty as $crate::HostVariant>::NAME)
+            }
+        }
+    };
 }
 
 #[cfg(test)]

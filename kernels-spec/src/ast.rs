@@ -11,8 +11,12 @@ use proc_macro2::Span;
 pub struct Spec {
     /// The struct's name.
     pub name: syn::Ident,
-    /// The struct's fields: the variant's parameters, in declaration order.
+    /// The struct's fields: the variant's parameters and captured tensors,
+    /// in declaration order.
     pub params: Vec<Param>,
+    /// The struct's type parameter, the runtime its tensors live on
+    /// (`struct V<R: Runtime>`); `None` without tensor fields.
+    pub runtime: Option<syn::Ident>,
     /// `score = |s, b, h, q, kv| ...`, if given.
     pub score: Option<Closure>,
     /// `mask = |b, h, q, kv| ...`, if given.
@@ -30,6 +34,22 @@ pub struct Param {
     pub name: syn::Ident,
     /// Field type, as written.
     pub ty: syn::Type,
+    /// `#[tensor(elem, [dims])]`: the field is a captured tensor.
+    pub tensor: Option<TensorAttr>,
+}
+
+/// `#[tensor(i32, [B, Sk])]` on a `Tensor<R>` field: its element type and
+/// declared shape.
+#[derive(Clone, Debug)]
+pub struct TensorAttr {
+    /// The element type, if it is one the language reads.
+    pub elem: Option<Scalar>,
+    /// The element type's token, for errors.
+    pub elem_span: Span,
+    /// The declared dimensions, outermost first.
+    pub dims: Vec<crate::ir::DimDecl>,
+    /// The attribute's span.
+    pub span: Span,
 }
 
 /// `tile(q = .., kv = ..)`: per-variant overrides of the targets' tile sizes.
@@ -74,6 +94,8 @@ pub enum ExprKind {
     Name(syn::Ident),
     /// `self.field`.
     Field(syn::Ident),
+    /// `base[index]`.
+    Index(Box<Expr>, Box<Expr>),
     /// `-x`, `!x`.
     Unary(UnaryOp, Box<Expr>),
     /// `a op b`.

@@ -9,9 +9,10 @@
 use crate::ast::{self, ExprKind as A};
 use crate::diag::Diagnostics;
 use crate::ir::{
-    Arg, BinOp, Builtin, Const, Domain, Expr, ExprKind, Function, Local, ParamDecl, Ty, UnOp,
+    Arg, BinOp, Builtin, Const, Domain, Expr, ExprKind, Function, IndexCheck, Local, ParamDecl,
+    Read, TensorDecl, Ty, UnOp,
 };
-use crate::params::ParamLayout;
+use crate::params::{Field, ParamLayout};
 use crate::parse::scalar_of;
 use proc_macro2::Span;
 use quote::ToTokens;
@@ -19,9 +20,11 @@ use quote::ToTokens;
 /// The checked functions of a spec, before analysis.
 #[derive(Clone, Debug)]
 pub struct Checked {
-    /// Parameters in field order.
+    /// Scalar parameters in field order.
     pub params: Vec<ParamDecl>,
-    /// Where they travel in the kernels' parameter block.
+    /// Captured tensors in field order.
+    pub tensors: Vec<TensorDecl>,
+    /// Where both travel in the kernels' parameter block.
     pub layout: ParamLayout,
     /// The score function, if declared.
     pub score: Option<Function>,
@@ -32,70 +35,144 @@ pub struct Checked {
 /// Check a parsed spec. Errors go to `diags`; the result is only meaningful
 /// when none were recorded.
 pub fn check(spec: &ast::Spec, diags: &mut Diagnostics) -> Checked {
-    let mut params = Vec::with_capacity(spec.params.len());
-    let mut param_ok = Vec::with_capacity(spec.params.len());
+    let mut fields = Fields::default();
     for p in &spec.params {
+        if let Some(t) = &p.tensor {
+            if t.elem.is_none() {
+                // Reported at the attribute; reads of it fail silently.
+                fields.names.push((p.name.clone(), FieldRef::Broken));
+                continue;
+            }
+            fields
+                .names
+                .push((p.name.clone(), FieldRef::Tensor(fields.tensors.len())));
+            fields.tensors.push(TensorDecl {
+                name: p.name.to_string(),
+                elem: t.elem.expect("checked above"),
+                dims: t.dims.clone(),
+            });
+            continue;
+        }
         let ty = scalar_of(&p.ty);
         if ty.is_none() {
             diags.error_spanned(
                 &p.ty,
                 format!(
-                    "field `{}` has unsupported type `{}`; variant parameters are f32, i32, u32 or bool",
+                    "field `{}` has unsupported type `{}`; variant parameters are f32, i32, u32 \
+                     or bool, or tensors declared `#[tensor(elem, [dims])] {}: Tensor<R>`",
                     p.name,
-                    p.ty.to_token_stream()
+                    p.ty.to_token_stream(),
+                    p.name
                 ),
             );
         }
-        param_ok.push(ty.is_some());
-        params.push(ParamDecl {
+        let index = fields.params.len();
+        fields.names.push((
+            p.name.clone(),
+            if ty.is_some() {
+                FieldRef::Scalar(index)
+            } else {
+                FieldRef::Broken
+            },
+        ));
+        fields.params.push(ParamDecl {
             name: p.name.to_string(),
             ty: ty.unwrap_or(Ty::F32),
         });
     }
     // The fixed-size block every GPU kernel takes: the first field that
     // does not fit is the error.
-    let layout = ParamLayout::new(&params).unwrap_or_else(|overflow| {
-        let field = &spec.params[overflow.field].name;
+    let placed: Vec<(usize, Field<'_>)> = fields
+        .names
+        .iter()
+        .enumerate()
+        .filter_map(|(i, (_, r))| match *r {
+            FieldRef::Scalar(p) => Some((i, Field::Scalar(&fields.params[p]))),
+            FieldRef::Tensor(t) => Some((i, Field::Tensor(t, &fields.tensors[t]))),
+            FieldRef::Broken => None,
+        })
+        .collect();
+    let order: Vec<Field<'_>> = placed.iter().map(|(_, f)| *f).collect();
+    let layout = ParamLayout::new(&order).unwrap_or_else(|overflow| {
+        let field = &fields.names[placed[overflow.field].0].0;
         diags.error_spanned(
             field,
             format!("parameter `{field}` does not fit: {overflow}"),
         );
         ParamLayout::default()
     });
+    let mut sites = 0;
     let score = spec.score.as_ref().and_then(|c| {
         let args = [Arg::S, Arg::B, Arg::H, Arg::Q, Arg::Kv];
-        Checker::new(&params, &param_ok, c, &args, diags).function("score", Ty::F32)
+        Checker::new(&fields, c, &args, &mut sites, diags).function("score", Ty::F32)
     });
     let mask = spec.mask.as_ref().and_then(|c| {
         let args = [Arg::B, Arg::H, Arg::Q, Arg::Kv];
-        Checker::new(&params, &param_ok, c, &args, diags).function("mask", Ty::Bool)
+        Checker::new(&fields, c, &args, &mut sites, diags).function("mask", Ty::Bool)
     });
     Checked {
-        params,
+        params: fields.params,
+        tensors: fields.tensors,
         layout,
         score,
         mask,
     }
 }
 
+/// What a field name refers to.
+#[derive(Clone, Copy, Debug)]
+enum FieldRef {
+    /// Scalar parameter number `.0`.
+    Scalar(usize),
+    /// Captured tensor number `.0`.
+    Tensor(usize),
+    /// A field whose declaration was already reported.
+    Broken,
+}
+
+/// The struct's fields, resolved.
+#[derive(Default)]
+struct Fields {
+    names: Vec<(syn::Ident, FieldRef)>,
+    params: Vec<ParamDecl>,
+    tensors: Vec<TensorDecl>,
+}
+
+impl Fields {
+    fn lookup(&self, name: &syn::Ident) -> Option<FieldRef> {
+        self.names.iter().find(|(n, _)| n == name).map(|(_, r)| *r)
+    }
+
+    /// "the parameters are `a`, `b`" or "the struct has no fields".
+    fn known(&self) -> String {
+        let names: Vec<String> = self.names.iter().map(|(n, _)| format!("`{n}`")).collect();
+        if names.is_empty() {
+            "the struct has no fields".to_string()
+        } else {
+            format!("the fields are {}", names.join(", "))
+        }
+    }
+}
+
 struct Checker<'a> {
-    params: &'a [ParamDecl],
-    param_ok: &'a [bool],
+    fields: &'a Fields,
     closure: &'a ast::Closure,
     args: Vec<(syn::Ident, Arg)>,
     /// `let` bindings in scope; the type is `None` when the value failed to
     /// check (already reported), so uses of the name fail silently.
     scopes: Vec<(syn::Ident, Local, Option<Ty>)>,
     next_local: u32,
+    /// Read sites numbered so far in the program.
+    sites: &'a mut u32,
     diags: &'a mut Diagnostics,
 }
 
 impl<'a> Checker<'a> {
     fn new(
-        params: &'a [ParamDecl],
-        param_ok: &'a [bool],
+        fields: &'a Fields,
         closure: &'a ast::Closure,
         roles: &[Arg],
+        sites: &'a mut u32,
         diags: &'a mut Diagnostics,
     ) -> Self {
         let mut args: Vec<(syn::Ident, Arg)> = Vec::new();
@@ -107,12 +184,12 @@ impl<'a> Checker<'a> {
             args.push((name.clone(), role));
         }
         Checker {
-            params,
-            param_ok,
+            fields,
             closure,
             args,
             scopes: Vec::new(),
             next_local: 0,
+            sites,
             diags,
         }
     }
@@ -191,6 +268,7 @@ impl<'a> Checker<'a> {
             A::Bool(b) => Some(Expr::bool(*b)),
             A::Name(name) => self.name(name),
             A::Field(name) => self.field(name),
+            A::Index(..) => self.index(e),
             A::Unary(op, inner) => self.unary(*op, inner, expected, span),
             A::Binary(op, lhs, rhs) => self.binary(*op, lhs, rhs, expected, span),
             A::Call(name, args) => self.call(name, args, expected, span),
@@ -314,8 +392,8 @@ impl<'a> Checker<'a> {
         if let Some((_, arg)) = self.args.iter().find(|(n, _)| n == name) {
             return Some(Expr::arg(*arg));
         }
-        let hint = if self.params.iter().any(|p| name == &p.name) {
-            format!("; parameters are read as `self.{name}`")
+        let hint = if self.fields.lookup(name).is_some() {
+            format!("; fields are read as `self.{name}`")
         } else {
             let names: Vec<String> = self.args.iter().map(|(n, _)| format!("`{n}`")).collect();
             format!("; the closure's arguments are {}", names.join(", "))
@@ -326,28 +404,110 @@ impl<'a> Checker<'a> {
     }
 
     fn field(&mut self, name: &syn::Ident) -> Option<Expr> {
-        let Some(index) = self.params.iter().position(|p| name == &p.name) else {
-            let names: Vec<String> = self
-                .params
-                .iter()
-                .map(|p| format!("`{}`", p.name))
-                .collect();
-            let known = if names.is_empty() {
-                "the struct has no fields".to_string()
-            } else {
-                format!("the parameters are {}", names.join(", "))
-            };
-            self.diags
-                .error_spanned(name, format!("no parameter `{name}`; {known}"));
+        match self.fields.lookup(name) {
+            None => {
+                let known = self.fields.known();
+                self.diags
+                    .error_spanned(name, format!("no field `{name}`; {known}"));
+                None
+            }
+            // Reported at its declaration.
+            Some(FieldRef::Broken) => None,
+            Some(FieldRef::Scalar(index)) => Some(Expr {
+                kind: ExprKind::Param(index),
+                ty: self.fields.params[index].ty,
+            }),
+            Some(FieldRef::Tensor(t)) => {
+                let decl = &self.fields.tensors[t];
+                self.diags.error_spanned(
+                    name,
+                    format!(
+                        "tensor `{name}` is read by indexing, one index per dimension: \
+                         `self.{name}{}` ({})",
+                        "[..]".repeat(decl.dims.len()),
+                        shape(decl)
+                    ),
+                );
+                None
+            }
+        }
+    }
+
+    /// `base[i]..[j]`: a read of a captured tensor, one index per dimension.
+    fn index(&mut self, e: &ast::Expr) -> Option<Expr> {
+        // Unwind `((self.t[i])[j])[k]` into the root and its indices.
+        let mut indices = Vec::new();
+        let mut root = e;
+        while let A::Index(base, index) = &root.kind {
+            indices.push(&**index);
+            root = base;
+        }
+        indices.reverse();
+        let A::Field(name) = &root.kind else {
+            self.diags.error(
+                root.span,
+                "only captured tensors (`self.field`, declared `#[tensor(..)]`) can be indexed",
+            );
             return None;
         };
-        // A field of unsupported type was reported at its declaration.
-        if !self.param_ok[index] {
+        let tensor = match self.fields.lookup(name) {
+            Some(FieldRef::Tensor(t)) => t,
+            Some(FieldRef::Scalar(_)) => {
+                self.diags.error_spanned(
+                    name,
+                    format!(
+                        "`{name}` is a scalar parameter; only tensor fields, declared \
+                         `#[tensor(elem, [dims])]`, can be indexed"
+                    ),
+                );
+                return None;
+            }
+            Some(FieldRef::Broken) => return None,
+            None => return self.field(name),
+        };
+        let decl = &self.fields.tensors[tensor];
+        let mut checked = Vec::with_capacity(indices.len());
+        let mut ok = true;
+        for index in &indices {
+            match self.expr(index, None) {
+                Some(i) if i.ty.is_int() => checked.push(i),
+                Some(i) => {
+                    self.diags.error(
+                        index.span,
+                        format!("a tensor index is an i32 or u32, found {}", i.ty),
+                    );
+                    ok = false;
+                }
+                None => ok = false,
+            }
+        }
+        if indices.len() != decl.dims.len() {
+            self.diags.error(
+                e.span,
+                format!(
+                    "`{name}` has {} dimension{} ({}) but is read with {} ind{}",
+                    decl.dims.len(),
+                    if decl.dims.len() == 1 { "" } else { "s" },
+                    shape(decl),
+                    indices.len(),
+                    if indices.len() == 1 { "ex" } else { "ices" }
+                ),
+            );
             return None;
         }
+        if !ok {
+            return None;
+        }
+        let site = *self.sites;
+        *self.sites += 1;
         Some(Expr {
-            kind: ExprKind::Param(index),
-            ty: self.params[index].ty,
+            ty: decl.elem,
+            kind: ExprKind::Read(Read {
+                tensor,
+                checks: vec![IndexCheck::BOTH; checked.len()],
+                indices: checked,
+                site,
+            }),
         })
     }
 
@@ -536,4 +696,10 @@ impl<'a> Checker<'a> {
             ty,
         })
     }
+}
+
+/// `[B, Sk] i32`, as declared.
+fn shape(t: &TensorDecl) -> String {
+    let dims: Vec<String> = t.dims.iter().map(|d| d.to_string()).collect();
+    format!("`[{}]` of {}", dims.join(", "), t.elem)
 }

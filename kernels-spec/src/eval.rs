@@ -1,8 +1,14 @@
 //! An interpreter of the IR with the targets' f32 semantics. Used to test
 //! analyses against brute force (the tile classifier must agree with the mask
-//! it was derived from; the derivative with finite differences).
+//! it was derived from; the derivative with finite differences), and to fold
+//! constants.
+//!
+//! Range reads ([`ExprKind::ReadRange`]) give the exact least or greatest
+//! element, the tightest of the bounds a target may return.
 
-use crate::ir::{Arg, BinOp, Builtin, Const, Expr, ExprKind, Function, Local, Ty, UnOp};
+use crate::ir::{
+    Arg, BinOp, Builtin, Const, Expr, ExprKind, Function, Local, Read, ReadRange, Ty, UnOp,
+};
 use std::collections::HashMap;
 
 /// A runtime value.
@@ -42,22 +48,82 @@ impl Value {
     }
 }
 
+/// A captured tensor's value: its shape and its elements, row-major.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorValue {
+    /// Its dimensions.
+    pub dims: Vec<usize>,
+    /// Its elements (of the declared element type).
+    pub data: Vec<Value>,
+}
+
+impl TensorValue {
+    /// The linear position of `index`, if it is inside the tensor.
+    fn position(&self, index: &[i64]) -> Option<usize> {
+        let mut at = 0usize;
+        for (&i, &d) in index.iter().zip(&self.dims) {
+            if i < 0 || i as u64 >= d as u64 {
+                return None;
+            }
+            at = at * d + i as usize;
+        }
+        Some(at)
+    }
+}
+
+/// The first read whose index was out of range, if any: its site and its
+/// index.
+pub type OutOfRange = Option<(u32, Vec<i64>)>;
+
 /// Evaluate `f` with argument values in `f.args` order and parameter values
-/// in field order.
+/// in field order (a variant without tensors).
 pub fn call(f: &Function, args: &[Value], params: &[Value]) -> Value {
+    call_with(f, args, params, &[]).0
+}
+
+/// [`call`] with the values of the captured tensors; also returns the first
+/// read out of range (which read nothing and gave a zero of its type).
+pub fn call_with(
+    f: &Function,
+    args: &[Value],
+    params: &[Value],
+    tensors: &[TensorValue],
+) -> (Value, OutOfRange) {
     assert_eq!(args.len(), f.args.len(), "argument count of {}", f.name);
     let mut env = Env {
         args: f.args.iter().copied().zip(args.iter().copied()).collect(),
         params,
+        tensors,
         locals: HashMap::new(),
+        out_of_range: None,
     };
-    env.eval(&f.body)
+    let v = env.eval(&f.body);
+    (v, env.out_of_range)
 }
 
 struct Env<'a> {
     args: HashMap<Arg, Value>,
     params: &'a [Value],
+    tensors: &'a [TensorValue],
     locals: HashMap<Local, Value>,
+    out_of_range: OutOfRange,
+}
+
+fn index_value(v: Value) -> i64 {
+    match v {
+        Value::I32(x) => x.into(),
+        Value::U32(x) => x.into(),
+        other => panic!("ill-typed index {other:?}"),
+    }
+}
+
+fn zero(ty: Ty) -> Value {
+    match ty {
+        Ty::F32 => Value::F32(0.0),
+        Ty::I32 => Value::I32(0),
+        Ty::U32 => Value::U32(0),
+        Ty::Bool => Value::Bool(false),
+    }
 }
 
 impl Env<'_> {
@@ -78,6 +144,13 @@ impl Env<'_> {
                 (UnOp::Not, Value::Bool(x)) => Value::Bool(!x),
                 (op, v) => panic!("ill-typed {op:?} {v:?}"),
             },
+            // The right operand only when it decides the value.
+            ExprKind::Binary(BinOp::And, a, b) => {
+                Value::Bool(self.eval(a).bool() && self.eval(b).bool())
+            }
+            ExprKind::Binary(BinOp::Or, a, b) => {
+                Value::Bool(self.eval(a).bool() || self.eval(b).bool())
+            }
             ExprKind::Binary(op, a, b) => {
                 let (x, y) = (self.eval(a), self.eval(b));
                 binary(*op, x, y)
@@ -99,7 +172,56 @@ impl Env<'_> {
                 self.locals.insert(*l, v);
                 self.eval(body)
             }
+            ExprKind::Read(r) => self.read(r, e.ty),
+            ExprKind::ReadRange(r) => self.range(r),
+            ExprKind::Dim(t, axis) => Value::I32(self.tensors[*t].dims[*axis] as i32),
         }
+    }
+
+    fn read(&mut self, r: &Read, ty: Ty) -> Value {
+        let index: Vec<i64> = r
+            .indices
+            .iter()
+            .map(|i| index_value(self.eval(i)))
+            .collect();
+        let t = &self.tensors[r.tensor];
+        match t.position(&index) {
+            Some(at) => t.data[at],
+            None => {
+                self.out_of_range.get_or_insert((r.site, index));
+                zero(ty)
+            }
+        }
+    }
+
+    fn range(&mut self, r: &ReadRange) -> Value {
+        let mut index: Vec<i64> = r
+            .indices
+            .iter()
+            .map(|i| index_value(self.eval(i)))
+            .collect();
+        let extreme = Value::I32(if r.max { i32::MAX } else { i32::MIN });
+        let t = &self.tensors[r.tensor];
+        let (lo, hi) = match r.axis {
+            None => (0, 0),
+            Some(a) => (index[a], index_value(self.eval(&r.hi))),
+        };
+        let mut best: Option<i32> = None;
+        for i in lo..=hi {
+            if let Some(a) = r.axis {
+                index[a] = i;
+            }
+            let Some(at) = t.position(&index) else {
+                return extreme;
+            };
+            let v = t.data[at].i32();
+            best = Some(match best {
+                None => v,
+                Some(b) if r.max => b.max(v),
+                Some(b) => b.min(v),
+            });
+        }
+        best.map_or(extreme, Value::I32)
     }
 }
 

@@ -5,13 +5,17 @@
 //! - every [`Expr`] carries its type, and operands have the types their
 //!   operator requires (no implicit conversions);
 //! - [`ExprKind::Local`] refers to a binding of an enclosing [`ExprKind::Let`];
-//! - [`Builtin::SatAdd`], [`Builtin::SatSub`] and [`Builtin::SatMul`] appear
-//!   only in tile classifiers built by the analysis, never in user functions.
+//! - [`Builtin::SatAdd`], [`Builtin::SatSub`], [`Builtin::SatMul`] and
+//!   [`ExprKind::ReadRange`] appear only in tile classifiers built by the
+//!   analysis, never in user functions.
 //!
 //! Semantics shared by all targets: `i32`/`u32` `+ - *` wrap; `/` and `%` by
 //! zero give 0 (and `i32::MIN / -1` wraps); float → int casts saturate with
-//! NaN → 0; int ↔ int casts keep the bits; `&&`/`||` have no side effects to
-//! short-circuit, so either evaluation order gives the same value.
+//! NaN → 0; int ↔ int casts keep the bits. Evaluation is Rust's: a `let`'s
+//! value when it is bound, the right operand of `&&`/`||` and one arm of
+//! `if`/`else` only when they decide the value. Nothing but a checked
+//! tensor read (an index out of range is reported, and reads nothing) can
+//! tell the order apart.
 
 use crate::params::ParamLayout;
 use std::fmt;
@@ -339,6 +343,127 @@ pub enum ExprKind {
     Select(Box<Expr>, Box<Expr>, Box<Expr>),
     /// `let local = value; body`.
     Let(Local, Box<Expr>, Box<Expr>),
+    /// An element of a captured tensor (`self.doc[b][q]`).
+    Read(Read),
+    /// A bound on the elements of a captured tensor over a range of one
+    /// index (tile classifiers only, see [`ReadRange`]).
+    ReadRange(ReadRange),
+    /// The size of dimension `.1` of captured tensor `.0`, as an `i32`
+    /// (tile classifiers only).
+    Dim(usize, usize),
+}
+
+/// `tensor[indices...]`: an element of captured tensor `tensor` (an index
+/// into [`Program::tensors`]), of the expression's type (the element type).
+/// Every index is an `i32` or `u32` expression.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Read {
+    /// The tensor.
+    pub tensor: usize,
+    /// One index per dimension.
+    pub indices: Vec<Expr>,
+    /// Which bounds of each index the kernels check at run time: the ones
+    /// that [`crate::analysis::reads`] could not prove from the declared
+    /// shape. `check` makes every bound checked; the analysis clears what it
+    /// proves.
+    pub checks: Vec<IndexCheck>,
+    /// The read's number within its program, for error reports.
+    pub site: u32,
+}
+
+/// `constant + Σ per_size[s] · s` over the problem's sizes, in the order of
+/// [`Size::ALL`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SizeForm {
+    /// The constant term.
+    pub constant: i64,
+    /// The coefficient of each size.
+    pub per_size: [i64; 5],
+}
+
+impl SizeForm {
+    /// The value for sizes `[B, Hq, Hkv, Sq, Sk]`.
+    pub fn eval(&self, sizes: [i64; 5]) -> i64 {
+        self.per_size
+            .iter()
+            .zip(sizes)
+            .fold(self.constant, |acc, (k, s)| acc + k * s)
+    }
+}
+
+/// When one checked bound of an index holds, from the call's sizes alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Holds {
+    /// Not from the sizes (the index depends on a parameter or a value).
+    Never,
+    /// When the form is non-negative.
+    NonNegative(SizeForm),
+    /// When the form (the index's greatest value) is below the tensor's
+    /// dimension `axis` (declared `_`, so known at call time only).
+    BelowDim(SizeForm, usize),
+}
+
+/// What makes every check of one read site hold for a call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SiteCondition {
+    /// The site.
+    pub site: u32,
+    /// The tensor it reads.
+    pub tensor: usize,
+    /// One per checked bound.
+    pub holds: Vec<Holds>,
+}
+
+/// Which bounds of one index are checked at run time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct IndexCheck {
+    /// `index >= 0` is not proven.
+    pub lower: bool,
+    /// `index < dim` is not proven.
+    pub upper: bool,
+}
+
+impl IndexCheck {
+    /// Both bounds checked.
+    pub const BOTH: IndexCheck = IndexCheck {
+        lower: true,
+        upper: true,
+    };
+
+    /// Neither bound checked (proven in range).
+    pub const NONE: IndexCheck = IndexCheck {
+        lower: false,
+        upper: false,
+    };
+
+    /// Whether some bound is checked.
+    pub fn any(self) -> bool {
+        self.lower || self.upper
+    }
+}
+
+/// A bound on elements of `tensor`, for tile classifiers: with `axis =
+/// None`, the element at `indices`; with `axis = Some(a)`, the smallest
+/// (`max = false`) or largest (`max = true`) element where index `a` runs
+/// over `indices[a] ..= hi` and the others are `indices`. Targets may widen
+/// a range to whole blocks of their per-call summaries, and return
+/// `i32::MIN` for the smallest (`i32::MAX` for the largest) when the range
+/// is empty, reaches outside the tensor or spans more than
+/// [`SUMMARY_MAX_BLOCKS`](crate::params::SUMMARY_MAX_BLOCKS) blocks; an
+/// element outside the tensor is `i32::MIN` (`i32::MAX`). So the result is
+/// always a sound bound, and reading it never fails. `i32` elements only.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ReadRange {
+    /// The tensor.
+    pub tensor: usize,
+    /// The index that runs over the range, if any.
+    pub axis: Option<usize>,
+    /// One index per dimension; entry `axis` is the range's low end.
+    pub indices: Vec<Expr>,
+    /// The range's high end (inclusive); unused without an axis.
+    pub hi: Box<Expr>,
+    /// The largest element, else the smallest.
+    pub max: bool,
 }
 
 impl Expr {
@@ -399,7 +524,16 @@ impl Expr {
     pub fn walk(&self, f: &mut impl FnMut(&Expr)) {
         f(self);
         match &self.kind {
-            ExprKind::Const(_) | ExprKind::Arg(_) | ExprKind::Param(_) | ExprKind::Local(_) => {}
+            ExprKind::Const(_)
+            | ExprKind::Arg(_)
+            | ExprKind::Param(_)
+            | ExprKind::Local(_)
+            | ExprKind::Dim(..) => {}
+            ExprKind::Read(r) => r.indices.iter().for_each(|i| i.walk(f)),
+            ExprKind::ReadRange(r) => {
+                r.indices.iter().for_each(|i| i.walk(f));
+                r.hi.walk(f);
+            }
             ExprKind::Unary(_, a) | ExprKind::Cast(a) => a.walk(f),
             ExprKind::Binary(_, a, b) | ExprKind::Let(_, a, b) => {
                 a.walk(f);
@@ -412,6 +546,13 @@ impl Expr {
                 e.walk(f);
             }
         }
+    }
+
+    /// Whether the expression reads a captured tensor.
+    pub fn reads_tensor(&self) -> bool {
+        let mut found = false;
+        self.walk(&mut |e| found |= matches!(e.kind, ExprKind::Read(_)));
+        found
     }
 
     /// Whether the expression reads argument `arg`.
@@ -442,6 +583,70 @@ pub struct ParamDecl {
     pub name: String,
     /// Field type.
     pub ty: Ty,
+}
+
+/// A captured tensor (a field declared `#[tensor(elem, [dims])]`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorDecl {
+    /// Field name.
+    pub name: String,
+    /// Element type (`i32`, `u32` or `f32`).
+    pub elem: Ty,
+    /// The declared shape, outermost first (1 to 4 dimensions).
+    pub dims: Vec<DimDecl>,
+}
+
+/// One declared dimension of a captured tensor. Checked against the
+/// tensor's shape at every call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DimDecl {
+    /// A size of the problem.
+    Size(Size),
+    /// This many.
+    Fixed(u32),
+    /// Any size (`_`).
+    Any,
+}
+
+/// A size of the problem, as tensor shapes are declared in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Size {
+    /// `B`, the batch.
+    B,
+    /// `Hq`, the query heads.
+    Hq,
+    /// `Hkv`, the key/value heads.
+    Hkv,
+    /// `Sq`, the query length.
+    Sq,
+    /// `Sk`, the key length.
+    Sk,
+}
+
+impl Size {
+    /// Every size, by name.
+    pub const ALL: [Size; 5] = [Size::B, Size::Hq, Size::Hkv, Size::Sq, Size::Sk];
+
+    /// Its name in declarations.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Size::B => "B",
+            Size::Hq => "Hq",
+            Size::Hkv => "Hkv",
+            Size::Sq => "Sq",
+            Size::Sk => "Sk",
+        }
+    }
+}
+
+impl fmt::Display for DimDecl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DimDecl::Size(s) => f.write_str(s.name()),
+            DimDecl::Fixed(n) => write!(f, "{n}"),
+            DimDecl::Any => f.write_str("_"),
+        }
+    }
 }
 
 /// What a tile's mask is known to be over a whole (query range × key range),
@@ -502,9 +707,18 @@ pub struct Program {
     pub name: String,
     /// Its parameters, in field order ([`ExprKind::Param`] indexes them).
     pub params: Vec<ParamDecl>,
-    /// Where each parameter travels in the kernels' parameter block
-    /// (`layout.slots()[i]` places `params[i]`).
+    /// Its captured tensors, in field order ([`ExprKind::Read`] indexes
+    /// them).
+    pub tensors: Vec<TensorDecl>,
+    /// Where each parameter and each tensor's shape travel in the kernels'
+    /// parameter block.
     pub layout: ParamLayout,
+    /// The `(tensor, axis)` pairs whose per-call summaries the classifier
+    /// reads ([`ExprKind::ReadRange`]), in order.
+    pub summaries: Vec<(usize, usize)>,
+    /// What makes the checks of each checked read hold for one call (a
+    /// call for which all hold can report no read out of range).
+    pub read_conditions: Vec<SiteCondition>,
     /// `score(s, b, h, q, kv) -> f32`.
     pub score: Function,
     /// `score_grad(s, b, h, q, kv) -> f32`: d score / d s.

@@ -1,4 +1,5 @@
-//! The parameter block: how a variant's fields travel to the GPU kernels.
+//! The parameter block and the capture arena: how a variant's fields travel
+//! to the GPU kernels.
 //!
 //! Every GPU kernel of every variant takes the same fixed-size block of
 //! [`PARAM_WORDS`] 32-bit words (a by-value `Params` struct in CUDA, a
@@ -9,16 +10,41 @@
 //! struct), by the macro (to pack a value into [`ParamWords`]) and by the
 //! runtimes (which bind the words as they are).
 //!
-//! Encoding, one word per scalar field in declaration order: `f32` as its
-//! bits, `i32` and `u32` as their bits, `bool` as 0 or 1 (stored as `u32`,
-//! since WGSL uniforms cannot hold `bool`). The words after the last field
-//! are zero.
+//! Encoding, in field order: a scalar field is one word (`f32` as its bits,
+//! `i32` and `u32` as their bits, `bool` as 0 or 1, stored as `u32` since
+//! WGSL uniforms hold no `bool`). A captured tensor of rank `r` is `1 + 2r`
+//! words: its offset in the capture arena, its `r` dimensions, and the
+//! arena offsets of its per-axis summaries (0 for an axis without one).
+//! The words after the last field are zero.
+//!
+//! The capture arena ([`Arena`]) is one buffer of 32-bit words per call
+//! holding every captured tensor and every summary, so that any number of
+//! tensors costs one binding (WebGPU guarantees only 8 storage buffers per
+//! shader stage): [`ERROR_WORDS`] words for the first out-of-range read,
+//! then each tensor's elements (contiguous, row-major) in field order, then
+//! each summary.
 
-use crate::ir::{ParamDecl, Ty};
+use crate::ir::{ParamDecl, TensorDecl, Ty};
 use std::fmt;
 
 /// 32-bit words in the parameter block of every kernel.
 pub const PARAM_WORDS: usize = 32;
+
+/// Words at the start of the capture arena that record the first read out
+/// of range: `[site + 1, index 0, index 1, index 2, index 3, 0, 0, 0]`
+/// (zero while no read was out of range).
+pub const ERROR_WORDS: usize = 8;
+
+/// Elements of one index that one summary entry covers: a summary of axis
+/// `a` holds the least and the greatest element of every run of
+/// `SUMMARY_BLOCK` consecutive positions along `a` (the last run may be
+/// shorter), for every value of the other indices.
+pub const SUMMARY_BLOCK: usize = 16;
+
+/// Blocks of a summary that a range read looks at, at most: a range over
+/// more of them is unbounded (the classifier then cannot decide the tile,
+/// which is always safe).
+pub const SUMMARY_MAX_BLOCKS: usize = 8;
 
 /// The parameter block's contents, as every GPU kernel receives it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -41,7 +67,7 @@ impl Default for ParamWords {
     }
 }
 
-/// How a field's value becomes its word.
+/// How a scalar field's value becomes its word.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Encoding {
     /// `f32::to_bits`.
@@ -54,53 +80,107 @@ pub enum Encoding {
     Bool,
 }
 
+/// What a slot holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SlotKind {
+    /// A scalar field of this type.
+    Scalar(Ty),
+    /// Captured tensor number `tensor` (in [`crate::ir::Program::tensors`])
+    /// of rank `rank`.
+    Tensor {
+        /// Its index among the tensors.
+        tensor: usize,
+        /// Its rank.
+        rank: usize,
+    },
+}
+
 /// Where one field lives in the block.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParamSlot {
     /// The field's name.
     pub name: String,
-    /// The field's type in the language.
-    pub ty: Ty,
+    /// What it holds.
+    pub kind: SlotKind,
     /// Index of its first word.
     pub word: usize,
 }
 
+/// One word of the block, by what it means.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Member {
+    /// Its name in the kernels' `Params` struct.
+    pub name: String,
+    /// Its declared type (`u32` for anything but an `f32` or `i32` scalar).
+    pub ty: Ty,
+}
+
 impl ParamSlot {
-    /// Words the field takes: one for every scalar.
+    /// Words the field takes: one for a scalar, `1 + 2·rank` for a tensor.
     pub fn words(&self) -> usize {
-        words_of(self.ty)
-    }
-
-    /// The type the word is declared with in a kernel: the field's own
-    /// type, but `u32` for `bool` (read back as `word != 0`).
-    pub fn storage(&self) -> Ty {
-        match self.ty {
-            Ty::Bool => Ty::U32,
-            t => t,
+        match self.kind {
+            SlotKind::Scalar(_) => 1,
+            SlotKind::Tensor { rank, .. } => 1 + 2 * rank,
         }
     }
 
-    /// How a value of the field is encoded.
-    pub fn encoding(&self) -> Encoding {
-        match self.ty {
-            Ty::F32 => Encoding::F32Bits,
-            Ty::I32 => Encoding::I32Bits,
-            Ty::U32 => Encoding::U32,
-            Ty::Bool => Encoding::Bool,
+    /// The scalar's encoding, or `None` for a tensor.
+    pub fn encoding(&self) -> Option<Encoding> {
+        match self.kind {
+            SlotKind::Scalar(Ty::F32) => Some(Encoding::F32Bits),
+            SlotKind::Scalar(Ty::I32) => Some(Encoding::I32Bits),
+            SlotKind::Scalar(Ty::U32) => Some(Encoding::U32),
+            SlotKind::Scalar(Ty::Bool) => Some(Encoding::Bool),
+            SlotKind::Tensor { .. } => None,
         }
     }
 
-    /// The member of the kernels' `Params` struct that holds the field.
+    /// The member holding a scalar field (`p_<name>`).
     pub fn member(&self) -> String {
         format!("p_{}", self.name)
     }
+
+    /// The member holding a tensor's arena offset (`p_<name>_off`).
+    pub fn offset_member(&self) -> String {
+        format!("p_{}_off", self.name)
+    }
+
+    /// The member holding dimension `axis` of a tensor (`p_<name>_d<axis>`).
+    pub fn dim_member(&self, axis: usize) -> String {
+        format!("p_{}_d{axis}", self.name)
+    }
+
+    /// The member holding the arena offset of a tensor's summary along
+    /// `axis` (`p_<name>_s<axis>`).
+    pub fn summary_member(&self, axis: usize) -> String {
+        format!("p_{}_s{axis}", self.name)
+    }
+
+    /// The slot's words, in order, by name and type.
+    pub fn members(&self) -> Vec<Member> {
+        match self.kind {
+            SlotKind::Scalar(ty) => vec![Member {
+                name: self.member(),
+                ty: if ty == Ty::Bool { Ty::U32 } else { ty },
+            }],
+            SlotKind::Tensor { rank, .. } => {
+                let word = |name| Member { name, ty: Ty::U32 };
+                std::iter::once(word(self.offset_member()))
+                    .chain((0..rank).map(|a| word(self.dim_member(a))))
+                    .chain((0..rank).map(|a| word(self.summary_member(a))))
+                    .collect()
+            }
+        }
+    }
 }
 
-/// Words a field of type `ty` takes.
-pub fn words_of(ty: Ty) -> usize {
-    match ty {
-        Ty::F32 | Ty::I32 | Ty::U32 | Ty::Bool => 1,
-    }
+/// A field, as the layout places it.
+#[derive(Clone, Copy, Debug)]
+pub enum Field<'a> {
+    /// A scalar parameter.
+    Scalar(&'a ParamDecl),
+    /// Captured tensor number `.0`.
+    Tensor(usize, &'a TensorDecl),
 }
 
 /// The fields of one variant, placed in the block.
@@ -112,7 +192,8 @@ pub struct ParamLayout {
 /// A field that does not fit the block.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Overflow {
-    /// Index of the first field that crosses [`PARAM_WORDS`].
+    /// Index (in declaration order) of the first field that crosses
+    /// [`PARAM_WORDS`].
     pub field: usize,
     /// Words the fields up to and including it need.
     pub needed: usize,
@@ -123,28 +204,36 @@ impl fmt::Display for Overflow {
         write!(
             f,
             "the fields up to this one need {} parameter words; the kernels' parameter \
-             block holds {PARAM_WORDS} (one word per f32, i32, u32 or bool field)",
+             block holds {PARAM_WORDS} (one word per f32, i32, u32 or bool field, \
+             1 + 2·rank per tensor)",
             self.needed
         )
     }
 }
 
 impl ParamLayout {
-    /// Place `params` in declaration order, or say which field crosses the
+    /// Place `fields` in declaration order, or say which field crosses the
     /// limit.
-    pub fn new(params: &[ParamDecl]) -> Result<ParamLayout, Overflow> {
-        let mut slots = Vec::with_capacity(params.len());
+    pub fn new(fields: &[Field<'_>]) -> Result<ParamLayout, Overflow> {
+        let mut slots = Vec::with_capacity(fields.len());
         let mut word = 0;
-        for (field, p) in params.iter().enumerate() {
-            let needed = word + words_of(p.ty);
+        for (field, f) in fields.iter().enumerate() {
+            let (name, kind) = match *f {
+                Field::Scalar(p) => (p.name.clone(), SlotKind::Scalar(p.ty)),
+                Field::Tensor(tensor, t) => (
+                    t.name.clone(),
+                    SlotKind::Tensor {
+                        tensor,
+                        rank: t.dims.len(),
+                    },
+                ),
+            };
+            let slot = ParamSlot { name, kind, word };
+            let needed = word + slot.words();
             if needed > PARAM_WORDS {
                 return Err(Overflow { field, needed });
             }
-            slots.push(ParamSlot {
-                name: p.name.clone(),
-                ty: p.ty,
-                word,
-            });
+            slots.push(slot);
             word = needed;
         }
         Ok(ParamLayout { slots })
@@ -153,6 +242,23 @@ impl ParamLayout {
     /// The fields, in declaration order.
     pub fn slots(&self) -> &[ParamSlot] {
         &self.slots
+    }
+
+    /// The slot of scalar parameter `index` (in [`crate::ir::Program::params`]).
+    pub fn scalar(&self, index: usize) -> &ParamSlot {
+        self.slots
+            .iter()
+            .filter(|s| matches!(s.kind, SlotKind::Scalar(_)))
+            .nth(index)
+            .expect("a checked parameter has a slot")
+    }
+
+    /// The slot of captured tensor `tensor`.
+    pub fn tensor(&self, tensor: usize) -> &ParamSlot {
+        self.slots
+            .iter()
+            .find(|s| matches!(s.kind, SlotKind::Tensor { tensor: t, .. } if t == tensor))
+            .expect("a checked tensor has a slot")
     }
 
     /// Words the fields take.
@@ -166,9 +272,122 @@ impl ParamLayout {
     }
 }
 
+/// Blocks of [`SUMMARY_BLOCK`] positions covering `len` positions.
+pub fn summary_blocks(len: usize) -> usize {
+    len.div_ceil(SUMMARY_BLOCK)
+}
+
+/// Words of the summary of a tensor of `shape` along `axis`: the least
+/// elements, then the greatest, each laid out as the tensor with dimension
+/// `axis` replaced by its [`summary_blocks`].
+pub fn summary_words(shape: &[usize], axis: usize) -> usize {
+    let outer_inner: usize = shape
+        .iter()
+        .enumerate()
+        .filter(|&(a, _)| a != axis)
+        .map(|(_, &d)| d)
+        .product();
+    2 * summary_blocks(shape[axis]) * outer_inner
+}
+
+/// Where each tensor and each summary of one call lives in the capture
+/// arena (see the module docs).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Arena {
+    /// The word offset of each tensor's elements.
+    pub tensors: Vec<usize>,
+    /// The word offset of each summary, in the order they were asked for.
+    pub summaries: Vec<usize>,
+    /// Words in all.
+    pub words: usize,
+}
+
+/// One summary as the GPU targets' summary kernel computes it, every word
+/// an arena index or a count: entry `e = (o·blocks + blk)·inner + i` is the
+/// least element of positions `blk·SUMMARY_BLOCK ..` (at most
+/// [`SUMMARY_BLOCK`], fewer in the last block) along the summarized axis,
+/// at outer index `o` and inner index `i`, and entry `entries + e` the
+/// greatest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SummaryJob {
+    /// The tensor's first word.
+    pub source: u32,
+    /// The summary's first word.
+    pub dest: u32,
+    /// The product of the dimensions before the axis.
+    pub outer: u32,
+    /// The axis's dimension.
+    pub len: u32,
+    /// The product of the dimensions after it.
+    pub inner: u32,
+    /// `⌈len / SUMMARY_BLOCK⌉`.
+    pub blocks: u32,
+}
+
+impl SummaryJob {
+    /// Entries of each half (least, greatest).
+    pub fn entries(&self) -> u64 {
+        u64::from(self.outer) * u64::from(self.blocks) * u64::from(self.inner)
+    }
+
+    /// The job as the kernels take it: its six words, then the entries
+    /// (which fit `u32`: the arena does), then a zero.
+    pub fn words(&self) -> [u32; 8] {
+        [
+            self.source,
+            self.dest,
+            self.outer,
+            self.len,
+            self.inner,
+            self.blocks,
+            self.entries() as u32,
+            0,
+        ]
+    }
+}
+
+impl Arena {
+    /// The summary kernel's job for summary `s` of tensors of `shapes`
+    /// (placed by `self`) with the `(tensor, axis)` `summaries`.
+    pub fn job(&self, s: usize, shapes: &[&[usize]], summaries: &[(usize, usize)]) -> SummaryJob {
+        let (t, axis) = summaries[s];
+        let shape = shapes[t];
+        let word = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
+        SummaryJob {
+            source: word(self.tensors[t]),
+            dest: word(self.summaries[s]),
+            outer: word(shape[..axis].iter().product()),
+            len: word(shape[axis]),
+            inner: word(shape[axis + 1..].iter().product()),
+            blocks: word(summary_blocks(shape[axis])),
+        }
+    }
+
+    /// The arena of tensors of `shapes` with the `(tensor, axis)` summaries.
+    pub fn new(shapes: &[&[usize]], summaries: &[(usize, usize)]) -> Arena {
+        let mut words = ERROR_WORDS;
+        let mut tensors = Vec::with_capacity(shapes.len());
+        for shape in shapes {
+            tensors.push(words);
+            words += shape.iter().product::<usize>();
+        }
+        let mut offsets = Vec::with_capacity(summaries.len());
+        for &(t, axis) in summaries {
+            offsets.push(words);
+            words += summary_words(shapes[t], axis);
+        }
+        Arena {
+            tensors,
+            summaries: offsets,
+            words,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ir::DimDecl;
 
     fn decls(types: &[Ty]) -> Vec<ParamDecl> {
         types
@@ -181,34 +400,51 @@ mod tests {
             .collect()
     }
 
+    fn scalars(d: &[ParamDecl]) -> Vec<Field<'_>> {
+        d.iter().map(Field::Scalar).collect()
+    }
+
     #[test]
-    fn fields_take_one_word_each_in_order() {
-        let layout = ParamLayout::new(&decls(&[Ty::F32, Ty::Bool, Ty::U32, Ty::I32])).unwrap();
-        let placed: Vec<(usize, Ty, Encoding)> = layout
-            .slots()
-            .iter()
-            .map(|s| (s.word, s.storage(), s.encoding()))
+    fn fields_take_their_words_in_order() {
+        let d = decls(&[Ty::F32, Ty::Bool]);
+        let doc = TensorDecl {
+            name: "doc".into(),
+            elem: Ty::I32,
+            dims: vec![DimDecl::Any, DimDecl::Fixed(3)],
+        };
+        let fields = [
+            Field::Scalar(&d[0]),
+            Field::Tensor(0, &doc),
+            Field::Scalar(&d[1]),
+        ];
+        let layout = ParamLayout::new(&fields).unwrap();
+        let placed: Vec<(usize, usize)> =
+            layout.slots().iter().map(|s| (s.word, s.words())).collect();
+        assert_eq!(placed, [(0, 1), (1, 5), (6, 1)]);
+        assert_eq!((layout.used_words(), layout.padding_words()), (7, 25));
+        let names: Vec<String> = layout
+            .tensor(0)
+            .members()
+            .into_iter()
+            .map(|m| m.name)
             .collect();
         assert_eq!(
-            placed,
-            [
-                (0, Ty::F32, Encoding::F32Bits),
-                (1, Ty::U32, Encoding::Bool),
-                (2, Ty::U32, Encoding::U32),
-                (3, Ty::I32, Encoding::I32Bits),
-            ]
+            names,
+            ["p_doc_off", "p_doc_d0", "p_doc_d1", "p_doc_s0", "p_doc_s1"]
         );
-        assert_eq!((layout.used_words(), layout.padding_words()), (4, 28));
-        assert_eq!(layout.slots()[1].member(), "p_f1");
+        assert_eq!(layout.scalar(1).member(), "p_f1");
+        assert_eq!(layout.scalar(1).members()[0].ty, Ty::U32);
+        assert_eq!(layout.scalar(0).encoding(), Some(Encoding::F32Bits));
     }
 
     #[test]
     fn the_limit_is_exact() {
         let empty = ParamLayout::new(&[]).unwrap();
         assert_eq!((empty.used_words(), empty.padding_words()), (0, 32));
-        let full = ParamLayout::new(&decls(&[Ty::I32; PARAM_WORDS])).unwrap();
+        let d = decls(&[Ty::I32; PARAM_WORDS + 2]);
+        let full = ParamLayout::new(&scalars(&d[..PARAM_WORDS])).unwrap();
         assert_eq!(full.padding_words(), 0);
-        let over = ParamLayout::new(&decls(&[Ty::I32; PARAM_WORDS + 2])).unwrap_err();
+        let over = ParamLayout::new(&scalars(&d)).unwrap_err();
         assert_eq!(
             over,
             Overflow {
@@ -218,5 +454,16 @@ mod tests {
         );
         assert!(over.to_string().contains("33 parameter words"), "{over}");
         assert!(over.to_string().contains("holds 32"), "{over}");
+    }
+
+    #[test]
+    fn the_arena_holds_the_record_then_tensors_then_summaries() {
+        let (doc, len) = ([2usize, 37], [2usize]);
+        let arena = Arena::new(&[&doc, &len], &[(0, 1)]);
+        assert_eq!(arena.tensors, [ERROR_WORDS, ERROR_WORDS + 74]);
+        assert_eq!(arena.summaries, [ERROR_WORDS + 76]);
+        // ⌈37 / 16⌉ = 3 blocks for each of 2 rows, least and greatest.
+        assert_eq!(summary_words(&doc, 1), 12);
+        assert_eq!(arena.words, ERROR_WORDS + 76 + 12);
     }
 }

@@ -4,9 +4,10 @@
 //! so that one run reports every error.
 
 use crate::ast::{
-    BinaryOp, Closure, Expr, ExprKind, Let, Param, Scalar, Spec, TileOverride, UnaryOp,
+    BinaryOp, Closure, Expr, ExprKind, Let, Param, Scalar, Spec, TensorAttr, TileOverride, UnaryOp,
 };
 use crate::diag::Diagnostics;
+use crate::ir::{DimDecl, Size};
 use crate::symbol::{self, Symbol};
 use proc_macro2::{Span, TokenStream};
 use syn::parse::Parser;
@@ -22,6 +23,7 @@ pub fn parse_spec(attr: TokenStream, item: &syn::ItemStruct, diags: &mut Diagnos
     let mut spec = Spec {
         name: item.ident.clone(),
         params: Vec::new(),
+        runtime: None,
         score: None,
         mask: None,
         tile: None,
@@ -42,21 +44,24 @@ pub fn parse_spec(attr: TokenStream, item: &syn::ItemStruct, diags: &mut Diagnos
 }
 
 fn parse_fields(item: &syn::ItemStruct, spec: &mut Spec, diags: &mut Diagnostics) {
-    if !item.generics.params.is_empty() {
-        diags.error_spanned(
-            &item.generics,
-            "an attention variant cannot be generic: kernels are specialised per variant",
-        );
-    }
     match &item.fields {
         syn::Fields::Named(fields) => {
             for field in &fields.named {
                 let Some(name) = field.ident.clone() else {
                     continue;
                 };
+                let mut tensor = None;
+                for attr in field.attrs.iter().filter(|a| a.path() == symbol::TENSOR) {
+                    if tensor.is_some() {
+                        diags.error_spanned(attr, "duplicate `#[tensor]` attribute");
+                        continue;
+                    }
+                    tensor = parse_tensor_attr(attr, diags);
+                }
                 spec.params.push(Param {
                     name,
                     ty: field.ty.clone(),
+                    tensor,
                 });
             }
         }
@@ -66,6 +71,197 @@ fn parse_fields(item: &syn::ItemStruct, spec: &mut Spec, diags: &mut Diagnostics
             "variant parameters must be named fields, read as `self.name` in the closures",
         ),
     }
+    parse_runtime(item, spec, diags);
+}
+
+/// The struct's generics: none, or, with tensor fields, exactly the runtime
+/// parameter the tensors live on.
+fn parse_runtime(item: &syn::ItemStruct, spec: &mut Spec, diags: &mut Diagnostics) {
+    let generics = &item.generics;
+    let has_tensors = spec.params.iter().any(|p| p.tensor.is_some());
+    let type_params: Vec<&syn::TypeParam> = generics.type_params().collect();
+    let only_one_type = type_params.len() == 1 && generics.params.len() == 1;
+    if !has_tensors {
+        if !generics.params.is_empty() {
+            diags.error_spanned(
+                generics,
+                "an attention variant cannot be generic: kernels are specialised per variant \
+                 (only a variant with tensor fields takes a runtime parameter, \
+                 `struct Name<R: Runtime>`)",
+            );
+        }
+        return;
+    }
+    if !only_one_type {
+        let message = "a variant with tensor fields takes exactly one type parameter, the \
+                       runtime its tensors live on: `struct Name<R: Runtime> { \
+                       #[tensor(i32, [B, Sk])] field: Tensor<R> }`";
+        if generics.params.is_empty() {
+            diags.error_spanned(&item.ident, message);
+        } else {
+            diags.error_spanned(generics, message);
+        }
+        return;
+    }
+    let runtime = type_params[0].ident.clone();
+    for p in &spec.params {
+        let is_tensor_type = tensor_runtime(&p.ty).is_some();
+        match (&p.tensor, tensor_runtime(&p.ty)) {
+            (Some(_), Some(r)) if *r == runtime => {}
+            (Some(_), _) => diags.error_spanned(
+                &p.ty,
+                format!("a `#[tensor]` field has type `Tensor<{runtime}>`, the struct's runtime"),
+            ),
+            (None, _) if is_tensor_type => diags.error_spanned(
+                &p.ty,
+                format!(
+                    "tensor field `{}` needs `#[tensor(elem, [dims])]`, e.g. \
+                     `#[tensor(i32, [B, Sk])]`",
+                    p.name
+                ),
+            ),
+            (None, _) => {}
+        }
+    }
+    spec.runtime = Some(runtime);
+}
+
+/// A test instance is a value of the variant, or a closure of one argument
+/// that builds one from a case's test data; a variant with tensor fields
+/// can only be built per case.
+fn check_instance(instance: &syn::Expr, spec: &Spec, diags: &mut Diagnostics) {
+    match instance {
+        syn::Expr::Closure(c) if c.inputs.len() != 1 => diags.error_spanned(
+            &c.inputs,
+            format!(
+                "a test instance closure takes one argument, the case's test data: \
+                 `|data| {} {{ .. }}`",
+                spec.name
+            ),
+        ),
+        syn::Expr::Closure(_) => {}
+        other if spec.runtime.is_some() => diags.error_spanned(
+            other,
+            format!(
+                "a variant with tensor fields lists its test instances as closures that build \
+                 them from each case's test data: `|data| {} {{ field: data.documents(), .. }}`",
+                spec.name
+            ),
+        ),
+        _ => {}
+    }
+}
+
+/// `R` if `ty` is `Tensor<R>` (any path ending in `Tensor`).
+fn tensor_runtime(ty: &syn::Type) -> Option<&syn::Ident> {
+    let syn::Type::Path(p) = ty else { return None };
+    let last = p.path.segments.last()?;
+    if last.ident != "Tensor" {
+        return None;
+    }
+    let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
+        return None;
+    };
+    match args.args.iter().collect::<Vec<_>>()[..] {
+        [syn::GenericArgument::Type(syn::Type::Path(r))] => r.path.get_ident(),
+        _ => None,
+    }
+}
+
+/// `#[tensor(i32, [B, Sk])]`.
+fn parse_tensor_attr(attr: &syn::Attribute, diags: &mut Diagnostics) -> Option<TensorAttr> {
+    const FORM: &str = "expected `#[tensor(elem, [dims])]`, e.g. `#[tensor(i32, [B, Sk])]`";
+    let syn::Meta::List(list) = &attr.meta else {
+        diags.error_spanned(attr, FORM);
+        return None;
+    };
+    let parsed = (|input: syn::parse::ParseStream<'_>| {
+        let elem: syn::Ident = input.parse()?;
+        let _: Token![,] = input.parse()?;
+        let content;
+        let bracket = syn::bracketed!(content in input);
+        let dims = Punctuated::<syn::Expr, Token![,]>::parse_terminated(&content)?;
+        if !input.is_empty() {
+            return Err(input.error("unexpected tokens after the dimensions"));
+        }
+        Ok((elem, bracket, dims))
+    })
+    .parse2(list.tokens.clone());
+    let (elem, bracket, dims) = match parsed {
+        Ok(p) => p,
+        Err(e) => {
+            diags.error(e.span(), format!("{e}; {FORM}"));
+            return None;
+        }
+    };
+    let scalar = match elem.to_string().as_str() {
+        "i32" => Some(Scalar::I32),
+        "u32" => Some(Scalar::U32),
+        "f32" => Some(Scalar::F32),
+        _ => {
+            diags.error_spanned(
+                &elem,
+                format!("unsupported tensor element type `{elem}`; captured tensors hold i32, u32 or f32"),
+            );
+            None
+        }
+    };
+    if dims.is_empty() || dims.len() > 4 {
+        diags.error(
+            bracket.span.join(),
+            format!(
+                "a captured tensor has 1 to 4 dimensions, this declares {}",
+                dims.len()
+            ),
+        );
+        return None;
+    }
+    let mut out = Vec::with_capacity(dims.len());
+    for d in &dims {
+        match d {
+            syn::Expr::Infer(_) => out.push(DimDecl::Any),
+            syn::Expr::Path(p) if p.path.get_ident().is_some() => {
+                let name = p.path.get_ident().expect("checked").to_string();
+                match Size::ALL.into_iter().find(|s| s.name() == name) {
+                    Some(size) => out.push(DimDecl::Size(size)),
+                    None => {
+                        diags.error_spanned(
+                            p,
+                            format!(
+                                "unknown dimension `{name}`; a dimension is a size of the \
+                                 problem (B, Hq, Hkv, Sq, Sk), an integer, or `_` for any size"
+                            ),
+                        );
+                        return None;
+                    }
+                }
+            }
+            syn::Expr::Lit(syn::ExprLit {
+                lit: syn::Lit::Int(n),
+                ..
+            }) => match n.base10_parse::<u32>() {
+                Ok(v) if v > 0 => out.push(DimDecl::Fixed(v)),
+                _ => {
+                    diags.error_spanned(n, "a fixed dimension is a positive u32");
+                    return None;
+                }
+            },
+            other => {
+                diags.error_spanned(
+                    other,
+                    "a dimension is a size of the problem (B, Hq, Hkv, Sq, Sk), an integer, \
+                     or `_` for any size",
+                );
+                return None;
+            }
+        }
+    }
+    Some(TensorAttr {
+        elem: scalar,
+        elem_span: elem.span(),
+        dims: out,
+        span: attr.span(),
+    })
 }
 
 fn duplicate(diags: &mut Diagnostics, path: &syn::Path, key: Symbol) {
@@ -119,7 +315,12 @@ fn parse_meta(meta: &Meta, spec: &mut Spec, diags: &mut Diagnostics) {
             return;
         };
         match &nv.value {
-            syn::Expr::Array(array) => spec.tests.extend(array.elems.iter().cloned()),
+            syn::Expr::Array(array) => {
+                for instance in &array.elems {
+                    check_instance(instance, spec, diags);
+                }
+                spec.tests.extend(array.elems.iter().cloned());
+            }
             other => diags.error_spanned(
                 other,
                 "`tests` takes an array of instances: `tests = [Variant { .. }, ...]`",
@@ -237,7 +438,8 @@ fn unsupported(diags: &mut Diagnostics, tokens: impl quote::ToTokens, what: &str
         tokens,
         format!(
             "unsupported expression: {what}; the variant language has literals, names, `self.field`, \
-             arithmetic, comparisons, `&& || !`, `as` casts, `if`/`else`, `let` blocks and its functions"
+             tensor reads `self.field[i]`, arithmetic, comparisons, `&& || !`, `as` casts, \
+             `if`/`else`, `let` blocks and its functions"
         ),
     );
     None
@@ -331,7 +533,11 @@ fn parse_expr(expr: &syn::Expr, diags: &mut Diagnostics) -> Option<Expr> {
             return None;
         }
         syn::Expr::Macro(m) => return unsupported(diags, m, "a macro invocation"),
-        syn::Expr::Index(i) => return unsupported(diags, i, "indexing"),
+        syn::Expr::Index(i) => {
+            let base = parse_expr(&i.expr, diags);
+            let index = parse_expr(&i.index, diags);
+            ExprKind::Index(Box::new(base?), Box::new(index?))
+        }
         syn::Expr::Match(m) => {
             return unsupported(diags, m.match_token, "`match` (use `if`/`else`)");
         }

@@ -26,6 +26,10 @@ pub fn program(program: &Program) -> String {
         .params
         .iter()
         .map(|p| format!("{}: {}", p.name, p.ty))
+        .chain(program.tensors.iter().map(|t| {
+            let dims: Vec<String> = t.dims.iter().map(|d| d.to_string()).collect();
+            format!("{}: tensor {} [{}]", t.name, t.elem, dims.join(", "))
+        }))
         .collect();
     let mut out = format!(
         "variant {} {{ {} }}\n  score is identity: {}\n  has mask: {}\n  tile: q = {}, kv = {}\n\n",
@@ -42,6 +46,7 @@ pub fn program(program: &Program) -> String {
             .1
             .map_or("default".to_string(), |v| v.to_string()),
     );
+    out.push_str(&reads(program));
     for f in [
         &program.score,
         &program.score_grad,
@@ -51,6 +56,52 @@ pub fn program(program: &Program) -> String {
         out.push_str(&function(program, f));
         out.push('\n');
     }
+    out
+}
+
+/// Every tensor read, which bounds of its indices were proved from the
+/// declared shape, which are checked at run time, and the summaries the
+/// classifier reads.
+pub fn reads(program: &Program) -> String {
+    let mut sites = Vec::new();
+    for f in [&program.score, &program.mask] {
+        crate::analysis::reads::read_sites(&f.body, &mut sites);
+    }
+    if sites.is_empty() {
+        return String::new();
+    }
+    let mut out = String::from("  reads:\n");
+    for s in &sites {
+        let t = &program.tensors[s.tensor];
+        let bounds: Vec<String> = s
+            .checks
+            .iter()
+            .zip(&t.dims)
+            .enumerate()
+            .map(|(i, (c, d))| {
+                let what = match (c.lower, c.upper) {
+                    (false, false) => "proved",
+                    (true, false) => "checked >= 0",
+                    (false, true) => "checked < dim",
+                    (true, true) => "checked",
+                };
+                format!("index {i} (of {d}) {what}")
+            })
+            .collect();
+        out.push_str(&format!(
+            "    #{} {}: {}\n",
+            s.site,
+            t.name,
+            bounds.join(", ")
+        ));
+    }
+    for &(t, axis) in &program.summaries {
+        out.push_str(&format!(
+            "  classifier reads the summary of {} along index {axis}\n",
+            program.tensors[t].name
+        ));
+    }
+    out.push('\n');
     out
 }
 
@@ -126,6 +177,38 @@ impl Printer<'_> {
                 self.out.push_str(" }");
                 Ok(())
             }
+            ExprKind::Read(r) => {
+                write!(self.out, "self.{}", self.program.tensors[r.tensor].name)?;
+                for i in &r.indices {
+                    self.out.push('[');
+                    self.expr(i)?;
+                    self.out.push(']');
+                }
+                write!(self.out, "#{}", r.site)
+            }
+            ExprKind::ReadRange(r) => {
+                let name = &self.program.tensors[r.tensor].name;
+                let bound = if r.max { "max" } else { "min" };
+                write!(self.out, "{bound}(self.{name}")?;
+                for (axis, i) in r.indices.iter().enumerate() {
+                    self.out.push('[');
+                    self.expr(i)?;
+                    if r.axis == Some(axis) {
+                        self.out.push_str(" ..= ");
+                        self.expr(&r.hi)?;
+                    }
+                    self.out.push(']');
+                }
+                self.out.push(')');
+                Ok(())
+            }
+            ExprKind::Dim(t, axis) => {
+                write!(
+                    self.out,
+                    "dim(self.{}, {axis})",
+                    self.program.tensors[*t].name
+                )
+            }
         }
     }
 
@@ -137,6 +220,9 @@ impl Printer<'_> {
                 | ExprKind::Param(_)
                 | ExprKind::Local(_)
                 | ExprKind::Call(..)
+                | ExprKind::Read(_)
+                | ExprKind::ReadRange(_)
+                | ExprKind::Dim(..)
         );
         if simple {
             self.expr(e)

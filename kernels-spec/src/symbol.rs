@@ -20,12 +20,21 @@ pub const TILE_Q: Symbol = Symbol("q");
 /// `tile(kv = ..)`
 pub const TILE_KV: Symbol = Symbol("kv");
 
+/// `#[tensor(elem, [dims])]` on a field.
+pub const TENSOR: Symbol = Symbol("tensor");
+
 /// Every attribute keyword, for "expected one of" messages.
 pub const ATTRIBUTE_KEYS: &str = "`score`, `mask`, `tile`, `tests`";
 
 impl PartialEq<Symbol> for syn::Ident {
     fn eq(&self, word: &Symbol) -> bool {
         self == word.0
+    }
+}
+
+impl PartialEq<Symbol> for &syn::Path {
+    fn eq(&self, word: &Symbol) -> bool {
+        self.is_ident(word.0)
     }
 }
 

@@ -350,3 +350,167 @@ fn derivatives_simplify() {
         print::function(&softcap, &softcap.score_grad)
     );
 }
+
+// ---- masks over captured tensors ----
+
+/// A small deterministic generator (SplitMix64) for the data tests.
+struct Draw(u64);
+
+impl Draw {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> i32 {
+        (self.next() % n) as i32
+    }
+}
+
+use kernels_spec::eval::{TensorValue, call_with};
+
+/// `[batch, len]` document ids: sorted runs of random lengths, or shuffled.
+fn documents(draw: &mut Draw, batch: usize, len: usize, sorted: bool) -> TensorValue {
+    let mut data = Vec::with_capacity(batch * len);
+    for _ in 0..batch {
+        let mut row = Vec::with_capacity(len);
+        let mut doc = 0;
+        while row.len() < len {
+            let run = 1 + draw.below(12) as usize;
+            row.extend(std::iter::repeat_n(doc, run.min(len - row.len())));
+            doc += 1;
+        }
+        if !sorted {
+            for i in (1..len).rev() {
+                row.swap(i, draw.below(i as u64 + 1) as usize);
+            }
+        }
+        data.extend(row.into_iter().map(Value::I32));
+    }
+    TensorValue {
+        dims: vec![batch, len],
+        data,
+    }
+}
+
+/// The classifier against brute force on every tile of several grids,
+/// batches 0 and 1; returns how many tiles were partial by brute force.
+fn check_data_classifier(p: &Program, tensors: &[TensorValue], sk: i32, exact: bool) -> usize {
+    let mut partial = 0;
+    for (tq, tk) in [(1, 1), (4, 4), (8, 16), (16, 8), (5, 7)] {
+        for (q, kv) in tiles(tq, tk, 0) {
+            if q.1 >= sk || kv.1 >= sk {
+                continue;
+            }
+            for b in [0, 1] {
+                let (mut any, mut all) = (false, true);
+                for qi in q.0..=q.1 {
+                    for ki in kv.0..=kv.1 {
+                        let args = [b, 0, qi, ki].map(Value::I32);
+                        let (visible, oob) = call_with(&p.mask, &args, &[], tensors);
+                        assert_eq!(oob, None, "brute force read out of range at q {qi} kv {ki}");
+                        any |= visible.bool();
+                        all &= visible.bool();
+                    }
+                }
+                let want = match (any, all) {
+                    (false, _) => TileClass::Empty.code(),
+                    (true, true) => TileClass::Full.code(),
+                    _ => TileClass::Partial.code(),
+                };
+                let args = [b, 0, q.0, q.1, kv.0, kv.1].map(Value::I32);
+                let got = call_with(&p.classify, &args, &[], tensors).0.i32();
+                assert!(
+                    got == want || got == TileClass::Partial.code(),
+                    "tile q {q:?} kv {kv:?} b {b} is {want}, classifier says {got}\n{}",
+                    print::function(p, &p.classify)
+                );
+                if exact {
+                    assert_eq!(got, want, "tile q {q:?} kv {kv:?} b {b} not exact");
+                }
+                partial += usize::from(want == TileClass::Partial.code());
+            }
+        }
+    }
+    partial
+}
+
+#[test]
+fn sorted_documents_classify_exactly() {
+    let sk = 64;
+    for source in [
+        "#[attention(mask = |b, h, q, kv| self.doc[b][q] == self.doc[b][kv])] \
+         struct D<R: Runtime> { #[tensor(i32, [B, Sk])] doc: Tensor<R> }",
+        "#[attention(mask = |b, h, q, kv| self.doc[b][q] == self.doc[b][kv] && kv <= q)] \
+         struct D<R: Runtime> { #[tensor(i32, [B, Sk])] doc: Tensor<R> }",
+    ] {
+        let p = program(source);
+        let mut draw = Draw(7);
+        for _ in 0..20 {
+            let doc = documents(&mut draw, 2, sk as usize, true);
+            let partial = check_data_classifier(&p, &[doc], sk, true);
+            assert!(partial > 0, "{source}: no tile crosses a document boundary");
+        }
+    }
+}
+
+#[test]
+fn unsorted_documents_stay_sound() {
+    let p = program(
+        "#[attention(mask = |b, h, q, kv| self.doc[b][q] == self.doc[b][kv] && kv <= q)] \
+         struct D<R: Runtime> { #[tensor(i32, [B, Sk])] doc: Tensor<R> }",
+    );
+    let mut draw = Draw(11);
+    for _ in 0..20 {
+        let doc = documents(&mut draw, 2, 64, false);
+        check_data_classifier(&p, &[doc], 64, false);
+    }
+}
+
+#[test]
+fn sequence_lengths_classify_exactly() {
+    let p = program(
+        "#[attention(mask = |b, h, q, kv| kv < self.len[b] && kv <= q)] \
+         struct L<R: Runtime> { #[tensor(i32, [B])] len: Tensor<R> }",
+    );
+    let mut draw = Draw(3);
+    let mut partial = 0;
+    for _ in 0..40 {
+        // Lengths of 0 and of Sk included.
+        let len = TensorValue {
+            dims: vec![2],
+            data: vec![Value::I32(draw.below(65)), Value::I32(draw.below(65))],
+        };
+        partial += check_data_classifier(&p, &[len], 64, true);
+    }
+    assert!(partial > 0);
+}
+
+#[test]
+fn reads_the_analysis_cannot_bound_stay_sound() {
+    // Two running indices, and a data-dependent index: no summary applies.
+    let p = program(
+        "#[attention(mask = |b, h, q, kv| self.t[q][kv] > 0 || self.doc[b][self.doc[b][kv]] == 3)] \
+         struct X<R: Runtime> { #[tensor(i32, [Sk, Sk])] t: Tensor<R>, #[tensor(i32, [B, Sk])] doc: Tensor<R> }",
+    );
+    let mut draw = Draw(5);
+    let sk = 16;
+    for _ in 0..10 {
+        let t = TensorValue {
+            dims: vec![sk, sk],
+            data: (0..sk * sk)
+                .map(|_| Value::I32(draw.below(3) - 1))
+                .collect(),
+        };
+        let doc = TensorValue {
+            dims: vec![2, sk],
+            data: (0..2 * sk)
+                .map(|_| Value::I32(draw.below(sk as u64)))
+                .collect(),
+        };
+        check_data_classifier(&p, &[t, doc], sk as i32, false);
+    }
+}

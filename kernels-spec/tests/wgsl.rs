@@ -5,6 +5,7 @@
 use kernels_spec::compile_str;
 use kernels_spec::emit::TilingError;
 use kernels_spec::emit::gpu::variant_section;
+use kernels_spec::emit::wgsl::interface::Binding;
 use kernels_spec::emit::wgsl::{self, Wgsl, WgslTiles, kernels};
 use kernels_spec::ir::Program;
 
@@ -133,12 +134,12 @@ fn bindings_follow_the_module_description() {
     for (i, line) in [
         "var<uniform> params: Params;",
         "var<uniform> shape: Shape;",
+        "var<storage, read_write> captures: array<atomic<u32>>;",
         "var<storage, read> q: array<f32>;",
         "var<storage, read> k: array<f32>;",
         "var<storage, read> v: array<f32>;",
         "var<storage, read> dout: array<f32>;",
-        "var<storage, read> lse: array<f32>;",
-        "var<storage, read> delta: array<f32>;",
+        "var<storage, read> rows: array<vec4<f32>>;",
         "var<storage, read_write> dk: array<f32>;",
         "var<storage, read_write> dv: array<f32>;",
     ]
@@ -151,5 +152,31 @@ fn bindings_follow_the_module_description() {
     assert_eq!(
         text.matches("@binding(").count(),
         kernels::BACKWARD_DKDV.bindings.len()
+    );
+}
+
+#[test]
+fn every_module_stays_within_the_default_storage_buffer_limit() {
+    use kernels_spec::emit::wgsl::interface::MAX_STORAGE_BUFFERS;
+    for module in [
+        &kernels::FORWARD,
+        &kernels::BACKWARD_DQ,
+        &kernels::BACKWARD_DKDV,
+    ] {
+        assert!(
+            module.storage_buffers() <= MAX_STORAGE_BUFFERS,
+            "{module}: {} storage buffers, WebGPU guarantees {MAX_STORAGE_BUFFERS}",
+            module.storage_buffers()
+        );
+    }
+    // The arena is one of them in every module.
+    assert!(
+        [
+            &kernels::FORWARD,
+            &kernels::BACKWARD_DQ,
+            &kernels::BACKWARD_DKDV
+        ]
+        .iter()
+        .all(|m| m.bindings.contains(&Binding::Captures))
     );
 }

@@ -21,9 +21,14 @@
 
 mod fixtures;
 
-use boostr_runtime::stock::{Causal, CausalSlidingWindow, PrefixLm, SlidingWindow, Softcap};
-use boostr_runtime::testing::{Rng, reference_backward, reference_forward};
-use boostr_runtime::{ParamWords, Problem, Target, Variant};
+use boostr_runtime::stock::{
+    AlibiSlopes, Causal, CausalDocuments, CausalSlidingWindow, Documents, KvLengths, PrefixLm,
+    RelativeBias, SlidingWindow, Softcap,
+};
+use boostr_runtime::testing::{
+    CpuRuntime, Rng, TestData, reference_backward, reference_forward, seen_keys,
+};
+use boostr_runtime::{HostVariant, ParamWords, Problem, Target, Variant};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 use fixtures::{Declared, Everything, ThirtyTwoWords, declared};
 use kernels_spec::emit::choose_tiles;
@@ -31,6 +36,9 @@ use kernels_spec::emit::cuda::interface::{Kernel, Module};
 use kernels_spec::emit::cuda::{CudaDType, CudaTiles, kernels, source};
 use kernels_spec::emit::interface::{Arg, Elem, Scalar};
 use kernels_spec::params::PARAM_WORDS;
+use kernels_spec::params::{Arena, SummaryJob};
+use numr::runtime::cpu::CpuDevice;
+use numr::tensor::Tensor;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -47,7 +55,7 @@ fn section(d: &Declared) -> &'static str {
 /// Index of `Everything` in [`fixtures::all`].
 fn everything_index(all: &[Declared]) -> usize {
     all.iter()
-        .position(|d| d.compiled.name == Everything::NAME)
+        .position(|d| d.compiled.name == <Everything as Variant>::NAME)
         .expect("the fixtures include Everything")
 }
 
@@ -433,7 +441,7 @@ const HOST_HARNESS: &str = r#"// Host emulation of the CUDA kernels: every CUDA 
 #include <algorithm>
 
 struct bx_dim3 { unsigned x = 0, y = 0, z = 0; };
-static bx_dim3 threadIdx, blockIdx;
+static bx_dim3 threadIdx, blockIdx, blockDim;
 #define __global__
 #define __device__
 #define __forceinline__ inline
@@ -483,6 +491,10 @@ inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 using std::min;
 using std::max;
+// Fibers switch only at barriers, so a read-modify-write is atomic.
+inline unsigned atomicMax(unsigned* p, unsigned v) { const unsigned o = *p; if (v > o) *p = v; return o; }
+inline unsigned atomicExch(unsigned* p, unsigned v) { const unsigned o = *p; *p = v; return o; }
+inline void __threadfence() {}
 
 #if BX_HOST_DTYPE == 1 // f16
 inline float bx_to_f32(unsigned short x) { _Float16 h; std::memcpy(&h, &x, 2); return (float)h; }
@@ -524,6 +536,7 @@ inline void bx_mma_sync(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, un
 #endif
 
 #include "kernel.cu"
+#include "summary.cu"
 
 static void bx_entry() {
     (*bx_body)();
@@ -537,6 +550,7 @@ static void launch(bx_dim3 grid, unsigned threads, const std::function<void()>& 
         for (unsigned y = 0; y < grid.y; ++y)
             for (unsigned x = 0; x < grid.x; ++x) {
                 blockIdx = {x, y, z};
+                blockDim = {threads, 1, 1};
                 bx_block_barrier = {threads, 0, 0};
                 for (unsigned w = 0; w < threads / 32; ++w) bx_warp_barrier[w] = {32, 0, 0};
                 std::memset(bx_smem, 0xff, sizeof bx_smem); // garbage: nothing may read unwritten shared memory
@@ -574,6 +588,20 @@ static void write_f32(const char* path, const std::vector<float>& v) {
     std::fwrite(v.data(), 4, v.size(), f);
     std::fclose(f);
 }
+static std::vector<unsigned> read_words(const char* path) {
+    std::vector<unsigned> v;
+    FILE* f = std::fopen(path, "rb");
+    if (!f) { std::fprintf(stderr, "reading %s\n", path); std::exit(2); }
+    unsigned w;
+    while (std::fread(&w, 4, 1, f) == 1) v.push_back(w);
+    std::fclose(f);
+    return v;
+}
+static void write_words(const char* path, const unsigned* v, size_t n) {
+    FILE* f = std::fopen(path, "wb");
+    std::fwrite(v, 4, n, f);
+    std::fclose(f);
+}
 static std::vector<elem_t> to_elem(const std::vector<float>& v) {
     std::vector<elem_t> r(v.size());
     for (size_t i = 0; i < v.size(); ++i) r[i] = bx_from_f32(v[i]);
@@ -588,7 +616,9 @@ static std::vector<float> to_f32(const std::vector<elem_t>& v) {
 // Usage: harness DIR batch heads_q heads_kv seq_q seq_k scale misalign. With
 // misalign = 1 every element tensor starts one element past an aligned
 // address (the kernels' element-by-element load path). Reads q, k, v,
-// dout, params from DIR; writes the rounded inputs and every result as f32.
+// dout, params and the capture arena (its tensors placed, summaries to be
+// made) from DIR; writes the rounded inputs and every result as f32, and
+// the arena's error record.
 int main(int argc, char** argv) {
     if (argc != 9) return 2;
     const int off = argv[8][0] == '1';
@@ -611,8 +641,11 @@ int main(int argc, char** argv) {
     for (auto* t : {&q, &k, &v, &dout, &out, &dq, &dk, &dv})
         if (off) t->insert(t->begin(), (elem_t)0);
     std::vector<float> lse(nr), delta(nr);
-    // The launches of every kernel, written from their descriptions.
+    auto captures = read_words(path("captures").c_str());
+    // The summaries, then the launches of every kernel, written from their
+    // descriptions.
 #include "launches.inc"
+    write_words(path("record").c_str(), captures.data(), 8);
     for (auto* t : {&q, &k, &v, &dout, &out, &dq, &dk, &dv})
         if (off) t->erase(t->begin());
     write_f32(path("q.rounded").c_str(), to_f32(q));
@@ -674,8 +707,10 @@ fn relative_error(name: &str, got: &[f32], want: &[f64]) -> Result<f64, String> 
 }
 
 /// The f64 reference of one case: `(problem, [q, k, v, dout])` →
-/// `[out, lse, dq, dk, dv]`.
-type Reference = Box<dyn Fn(&Problem, [&[f64]; 4]) -> [Vec<f64>; 5] + Send + Sync>;
+/// `[out, lse, dq, dk, dv]`, and the field of a read out of range, if the
+/// reference made one.
+type Reference =
+    Box<dyn Fn(&Problem, [&[f64]; 4]) -> ([Vec<f64>; 5], Option<&'static str>) + Send + Sync>;
 
 struct HostCase {
     tag: String,
@@ -685,13 +720,23 @@ struct HostCase {
     dtype: CudaDType,
     problem: Problem,
     params: ParamWords,
+    /// The capture arena before the kernels: error words zeroed, tensors
+    /// placed; the summaries are the kernels' to make, by `jobs`.
+    arena: Vec<u32>,
+    jobs: Vec<SummaryJob>,
+    /// Per `(b·Hkv + hk)·Sk + j`: no query sees the key (its K and V rows
+    /// get NaN and infinities).
+    hidden: Vec<bool>,
     reference: Reference,
 }
 
-fn host_case<V: Variant>(variant: V, dtype: CudaDType, problem: Problem) -> HostCase {
+fn host_case<V: Variant>(variant: V, dtype: CudaDType, problem: Problem) -> HostCase
+where
+    V::Host: 'static,
+{
     let tag = format!(
         "{} {} D={} B={} H={}/{} S={}/{}",
-        V::NAME,
+        <V as Variant>::NAME,
         dtype.name(),
         problem.head_dim,
         problem.batch,
@@ -701,6 +746,30 @@ fn host_case<V: Variant>(variant: V, dtype: CudaDType, problem: Problem) -> Host
         problem.seq_k
     );
     let params = variant.param_words();
+    let tensors: Vec<Tensor<CpuRuntime>> = variant
+        .captures()
+        .iter()
+        .map(|c| {
+            c.on::<CpuRuntime>(&problem)
+                .expect("the case's tensors fit")
+        })
+        .collect();
+    let shapes: Vec<&[usize]> = tensors.iter().map(|t| t.shape()).collect();
+    let layout = Arena::new(&shapes, V::SUMMARIES);
+    let mut arena = vec![0u32; layout.words];
+    for (t, &at) in tensors.iter().zip(&layout.tensors) {
+        let words: Vec<u32> = t.to_vec();
+        arena[at..at + words.len()].copy_from_slice(&words);
+    }
+    // Poison the summaries: the kernels must make them.
+    if let Some(&first) = layout.summaries.first() {
+        arena[first..].fill(0xdead_beef);
+    }
+    let jobs = (0..V::SUMMARIES.len())
+        .map(|s| layout.job(s, &shapes, V::SUMMARIES))
+        .collect();
+    let host = variant.host(&problem).expect("the case's tensors fit");
+    let hidden = seen_keys(&host, &problem).iter().map(|s| !s).collect();
     HostCase {
         tag,
         misalign: false,
@@ -708,10 +777,17 @@ fn host_case<V: Variant>(variant: V, dtype: CudaDType, problem: Problem) -> Host
         dtype,
         problem,
         params,
+        arena,
+        jobs,
+        hidden,
         reference: Box::new(move |p, [q, k, v, dout]| {
-            let f = reference_forward::<f64, V>(&variant, p, q, k, v);
-            let g = reference_backward::<f64, V>(&variant, p, q, k, v, dout);
-            [f.out, f.lse, g.dq, g.dk, g.dv]
+            let f = reference_forward::<f64, _>(&host, p, q, k, v);
+            let g = reference_backward::<f64, _>(&host, p, q, k, v, dout);
+            let oob = host.out_of_range().map(|e| match e {
+                boostr_runtime::Error::IndexOutOfRange { field, .. } => field,
+                _ => "?",
+            });
+            ([f.out, f.lse, g.dq, g.dk, g.dv], oob)
         }),
     }
 }
@@ -726,7 +802,7 @@ fn misaligned(mut case: HostCase) -> HostCase {
 /// The harness's launches of every kernel of `modules`, in order, written
 /// from their descriptions: each on its described grid and block, with its
 /// arguments by role (the harness names its arrays and sizes after them).
-fn launches(modules: &[&Module], cfg: &CudaTiles, p: &Problem) -> String {
+fn launches(modules: &[&Module], cfg: &CudaTiles, p: &Problem, jobs: &[SummaryJob]) -> String {
     let sizes = kernels_spec::emit::interface::Sizes {
         batch: p.batch as u64,
         heads_q: p.heads_q as u64,
@@ -735,6 +811,15 @@ fn launches(modules: &[&Module], cfg: &CudaTiles, p: &Problem) -> String {
         seq_k: p.seq_k as u64,
     };
     let mut s = String::new();
+    for job in jobs {
+        let threads = kernels::SUMMARY_THREADS;
+        let blocks = job.entries().div_ceil(u64::from(threads));
+        let words: Vec<String> = job.words()[..7].iter().map(|w| format!("{w}u")).collect();
+        s.push_str(&format!(
+            "    launch({{{blocks}u, 1u, 1u}}, {threads}u, [&] {{ bx_summarize(captures.data(), {}); }});\n",
+            words.join(", ")
+        ));
+    }
     for kernel in modules.iter().flat_map(|m| m.interfaces()) {
         let dims = kernel.launch_dims(cfg, &sizes).expect("the grid fits");
         assert!(
@@ -768,6 +853,7 @@ fn host_arg(kernel: &Kernel, a: Arg) -> String {
         Arg::Scalar(Scalar::Scale) => "scale".into(),
         Arg::Scalar(s) => panic!("{}: {} has no host value", kernel.entry, s.name()),
         Arg::Params => "params".into(),
+        Arg::Captures => "captures.data()".into(),
     }
 }
 
@@ -782,18 +868,38 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
     std::fs::create_dir_all(&dir).map_err(|e| format!("{tag}: {e}"))?;
     std::fs::write(dir.join("harness.cpp"), HOST_HARNESS).map_err(|e| format!("{tag}: {e}"))?;
     std::fs::write(dir.join("kernel.cu"), &source).map_err(|e| format!("{tag}: {e}"))?;
-    std::fs::write(dir.join("launches.inc"), launches(&modules, &cfg, p))
+    std::fs::write(dir.join("summary.cu"), kernels::SUMMARY_SOURCE)
         .map_err(|e| format!("{tag}: {e}"))?;
+    std::fs::write(
+        dir.join("launches.inc"),
+        launches(&modules, &cfg, p, &case.jobs),
+    )
+    .map_err(|e| format!("{tag}: {e}"))?;
     let mut rng = Rng::new(0x5eed, serial as u64);
-    let inputs = [
+    let mut inputs = [
         ("q", rng.normal_f32(p.q_len(), 1.0)),
         ("k", rng.normal_f32(p.kv_len(), 1.0)),
         ("v", rng.normal_f32(p.kv_len(), 1.0)),
         ("dout", rng.normal_f32(p.q_len(), 1.0)),
     ];
+    // Keys no query sees get NaN and infinities in K and V: they must not
+    // reach any result.
+    let d = p.head_dim;
+    for (key, _) in case.hidden.iter().enumerate().filter(|(_, h)| **h) {
+        for (_, t) in &mut inputs[1..3] {
+            for (x, bad) in t[key * d..(key + 1) * d]
+                .iter_mut()
+                .zip([f32::NAN, f32::INFINITY, f32::NEG_INFINITY].iter().cycle())
+            {
+                *x = *bad;
+            }
+        }
+    }
     for (name, data) in &inputs {
         write_f32(&dir.join(name), data);
     }
+    let arena: Vec<u8> = case.arena.iter().flat_map(|w| w.to_le_bytes()).collect();
+    std::fs::write(dir.join("captures"), arena).map_err(|e| format!("{tag}: {e}"))?;
     std::fs::write(dir.join("params"), case.params.to_le_bytes())
         .map_err(|e| format!("{tag}: {e}"))?;
     let dtype_code = match case.dtype {
@@ -838,7 +944,36 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
                 .collect()
         })
         .collect();
-    let want = (case.reference)(p, [&rounded[0], &rounded[1], &rounded[2], &rounded[3]]);
+    let (want, oob) = (case.reference)(p, [&rounded[0], &rounded[1], &rounded[2], &rounded[3]]);
+    let record: Vec<u32> = std::fs::read(dir.join("record"))
+        .map_err(|e| format!("{tag}: {e}"))?
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect();
+    match (oob, record[0]) {
+        (None, 0) => {}
+        (Some(field), 0) => {
+            return Err(format!(
+                "{tag}: the reference read `{field}` out of range, the kernels recorded nothing"
+            ));
+        }
+        (Some(_), site) => {
+            // The result of a call that fails is not compared.
+            let _ = std::fs::remove_dir_all(&dir);
+            return Ok(format!(
+                "{tag}: a read out of range recorded (site {})",
+                site - 1
+            ));
+        }
+        (None, site) => {
+            return Err(format!(
+                "{tag}: the kernels recorded a read out of range (site {}, {:?}) the reference \
+                 did not make",
+                site - 1,
+                &record[1..5]
+            ));
+        }
+    }
     // Bounds well above each dtype's rounding (P and dS are rounded to the
     // dtype for the tensor-core products) and far below what a wrong index,
     // mask or tile gives.
@@ -877,6 +1012,8 @@ fn host_emulation_matches_the_reference() {
         head_dim,
         scale: 1.0 / (head_dim as f32).sqrt(),
     };
+    let device = CpuDevice::new();
+    let data = |p: Problem, stream| TestData::<CpuRuntime>::new(p, &device, 0x5eed, stream);
     let everything = Everything {
         cap: 20.0,
         slope: 0.25,
@@ -915,6 +1052,44 @@ fn host_emulation_matches_the_reference() {
             CudaDType::Bf16,
             problem(33, 33, 80),
         )),
+        // Captured tensors: summaries made by the summary kernel, blocks
+        // skipped from them, hidden keys full of NaN, a read out of range.
+        host_case(
+            CausalDocuments {
+                doc: data(problem(97, 97, 64), 1).documents(),
+            },
+            CudaDType::F16,
+            problem(97, 97, 64),
+        ),
+        host_case(
+            Documents {
+                doc: data(problem(70, 97, 40), 2).documents(),
+            },
+            CudaDType::F32,
+            problem(70, 97, 40),
+        ),
+        host_case(
+            KvLengths {
+                len: data(problem(33, 97, 64), 3).lengths(),
+            },
+            CudaDType::Bf16,
+            problem(33, 97, 64),
+        ),
+        host_case(
+            AlibiSlopes {
+                slopes: data(problem(40, 40, 64), 4).f32s(&[4], 0.0, 0.5),
+            },
+            CudaDType::F32,
+            problem(40, 40, 64),
+        ),
+        host_case(
+            RelativeBias {
+                table: data(problem(20, 20, 64), 5).f32s(&[4, 16], -1.0, 1.0),
+                max_distance: 8,
+            },
+            CudaDType::F32,
+            problem(20, 20, 64),
+        ),
     ];
     let next = AtomicUsize::new(0);
     let results = Mutex::new(Vec::new());

@@ -37,11 +37,11 @@ use super::math;
 use super::simd::{self, Elementwise};
 use super::tile::CpuTiles;
 use super::{
-    Axis, BackwardInputs, Band, L2_BUDGET, Positions, band_products, class_bands, mean_visits,
-    tile_class,
+    Axis, BackwardInputs, Band, L2_BUDGET, Positions, all_finite, band_products, class_bands,
+    mean_visits, tile_class, zero_unused_rows,
 };
 use crate::problem::Problem;
-use crate::variant::{TileClass, Variant};
+use crate::variant::{HostVariant, TileClass};
 use rayon::prelude::*;
 use std::marker::PhantomData;
 use std::ops::Range;
@@ -72,7 +72,7 @@ const MAX_KV_GROUP: usize = 4;
 
 /// Key tiles per pass over the query tiles: 1 while a key tile's pass
 /// reads at most [`L2_BUDGET`] of Q, dO and dQ, else [`MAX_KV_GROUP`].
-pub(super) fn kv_group_size<V: Variant>(variant: &V, p: &Problem, tiles: CpuTiles) -> usize {
+pub(super) fn kv_group_size<V: HostVariant>(variant: &V, p: &Problem, tiles: CpuTiles) -> usize {
     let q_tile_bytes = 3 * tiles.q * p.head_dim * std::mem::size_of::<f32>();
     let bytes = mean_visits(variant, p, tiles, Axis::Key) * (p.group() * q_tile_bytes) as f64;
     if bytes <= L2_BUDGET as f64 {
@@ -131,16 +131,20 @@ struct Work {
     g: Vec<f32>,
     /// The tile's bands (see [`class_bands`]).
     bands: Vec<Band>,
+    /// A band's K rows with the unused ones zeroed (see
+    /// [`zero_unused_rows`]).
+    k_guarded: Vec<f32>,
 }
 
 impl Scratch {
-    fn new<V: Variant>(t: CpuTiles, d: usize, kv_group: usize) -> Self {
+    fn new<V: HostVariant>(t: CpuTiles, d: usize, kv_group: usize) -> Self {
         let g = if V::SCORE_IS_IDENTITY { 0 } else { t.q * t.kv };
         let work = Work {
             s: vec![0.0; t.q * t.kv],
             dp: vec![0.0; t.q * t.kv],
             g: vec![0.0; g],
             bands: Vec::with_capacity(t.q.div_ceil(super::BAND_ROWS)),
+            k_guarded: Vec::new(),
         };
         Self {
             kt: vec![0.0; kv_group * d * t.kv],
@@ -156,6 +160,8 @@ struct KvTile<'a> {
     kv0: usize,
     cols: usize,
     k: &'a [f32],
+    /// K holds a NaN or an infinity (see [`zero_unused_rows`]).
+    k_nonfinite: bool,
     kt: &'a [f32],
     vt: &'a [f32],
     dk: &'a mut [f32],
@@ -176,7 +182,7 @@ struct Shared<'a, V> {
 }
 
 #[allow(clippy::too_many_arguments)]
-pub(super) fn backward<V: Variant>(
+pub(super) fn backward<V: HostVariant>(
     variant: &V,
     p: &Problem,
     tiles: CpuTiles,
@@ -271,7 +277,7 @@ pub(super) fn backward<V: Variant>(
 
 /// One task: all query tiles of all query heads of the group, against the
 /// key tiles of the chunk, `kv_group` key tiles at a time.
-fn key_chunk<V: Variant>(sh: &Shared<'_, V>, task: KeyChunk<'_>, sc: &mut Scratch) {
+fn key_chunk<V: HostVariant>(sh: &Shared<'_, V>, task: KeyChunk<'_>, sc: &mut Scratch) {
     let p = sh.p;
     let (sq, sk, d, group) = (p.seq_q, p.seq_k, p.head_dim, p.group());
     let KeyChunk {
@@ -308,6 +314,7 @@ fn key_chunk<V: Variant>(sh: &Shared<'_, V>, task: KeyChunk<'_>, sc: &mut Scratc
                 kv0,
                 cols,
                 k,
+                k_nonfinite: !all_finite(k),
                 kt,
                 vt,
                 dk,
@@ -342,7 +349,7 @@ struct Rows {
 }
 
 /// The contribution of one (query tile × key tile) to dK, dV and dQ.
-fn query_tile<V: Variant>(
+fn query_tile<V: HostVariant>(
     sh: &Shared<'_, V>,
     t: Rows,
     kv: &mut KvTile<'_>,
@@ -416,12 +423,16 @@ fn query_tile<V: Variant>(
         delta,
         dp: &mut *dp,
         bands,
+        partial: class == TileClass::Partial,
         variant: PhantomData,
     });
     let ds = &*dp;
 
-    // dK += scale · dSᵀ Q;  dQ += scale · dS K.
-    for Band { rows: r, cols: c } in bands.iter().filter(|b| !b.cols.is_empty()) {
+    // dK += scale · dSᵀ Q;  dQ += scale · dS K. On a partial tile, keys
+    // the band does not see must not bring a NaN of their K rows with them.
+    let guard = class == TileClass::Partial && kv.k_nonfinite;
+    for band in bands.iter().filter(|b| !b.cols.is_empty()) {
+        let Band { rows: r, cols: c } = band;
         matmul(
             MatMut::row_major(&mut kv.dk[c.start * d..c.end * d], c.len(), d),
             Write::Accumulate,
@@ -429,11 +440,17 @@ fn query_tile<V: Variant>(
             band_rows(&sh.x.q[rows_at.clone()], d, r),
             scale,
         );
+        let k_b = &kv.k[c.start * d..c.end * d];
+        let k_b = if guard {
+            zero_unused_rows(ds, cols, band, k_b, d, &mut w.k_guarded)
+        } else {
+            k_b
+        };
         matmul(
             MatMut::row_major(&mut dq_t[r.start * d..r.end * d], r.len(), d),
             Write::Accumulate,
             band_tile(ds, cols, r, c),
-            band_rows(kv.k, d, c),
+            MatRef::row_major(k_b, c.len(), d),
             scale,
         );
     }
@@ -468,7 +485,7 @@ struct Probabilities<'a, V> {
     bands: &'a [Band],
 }
 
-impl<V: Variant> Elementwise for Probabilities<'_, V> {
+impl<V: HostVariant> Elementwise for Probabilities<'_, V> {
     type Output = ();
 
     #[inline(always)]
@@ -491,7 +508,21 @@ impl<V: Variant> Elementwise for Probabilities<'_, V> {
             for i in r {
                 let qi = q_lo + i as i32;
                 let row = &mut s[i * cols + c.start..i * cols + c.end];
-                if !V::SCORE_IS_IDENTITY {
+                if V::SCORE_CHECKS_READS && class == TileClass::Partial {
+                    // A score with checked reads runs only at visible pairs
+                    // (see the forward's `score_and_mask`).
+                    let g = &mut g[i * cols + c.start..i * cols + c.end];
+                    for (j, (g, x)) in g.iter_mut().zip(row.iter_mut()).enumerate() {
+                        let kv = kv_c + j as i32;
+                        if variant.mask(b, h, qi, kv) {
+                            *g = variant.score_grad(*x, b, h, qi, kv);
+                            *x = variant.score(*x, b, h, qi, kv);
+                        } else {
+                            *g = 0.0;
+                            *x = f32::NEG_INFINITY;
+                        }
+                    }
+                } else if !V::SCORE_IS_IDENTITY {
                     // d score/d s at the raw logit, then the score over it,
                     // in one loop so that what they share (softcap's `tanh`,
                     // say) is computed once.
@@ -525,10 +556,13 @@ struct ScoreGrads<'a, V> {
     dp: &'a mut [f32],
     /// Only the bands' elements are read and written.
     bands: &'a [Band],
+    /// A `Partial` tile: some pairs are hidden, and their `dP` (from a V
+    /// row that may hold NaN) must not reach `dS`.
+    partial: bool,
     variant: PhantomData<V>,
 }
 
-impl<V: Variant> Elementwise for ScoreGrads<'_, V> {
+impl<V: HostVariant> Elementwise for ScoreGrads<'_, V> {
     type Output = ();
 
     #[inline(always)]
@@ -539,6 +573,7 @@ impl<V: Variant> Elementwise for ScoreGrads<'_, V> {
             delta,
             dp,
             bands,
+            partial,
             ..
         } = self;
         let cols = p.len() / delta.len();
@@ -546,9 +581,14 @@ impl<V: Variant> Elementwise for ScoreGrads<'_, V> {
             for i in r {
                 let at = i * cols + c.start..i * cols + c.end;
                 let (ds, p, di) = (&mut dp[at.clone()], &p[at.clone()], delta[i]);
-                if V::SCORE_IS_IDENTITY {
+                if V::SCORE_IS_IDENTITY && !partial {
                     for (ds, &p) in ds.iter_mut().zip(p) {
                         *ds = p * (*ds - di);
+                    }
+                } else if V::SCORE_IS_IDENTITY {
+                    for (ds, &p) in ds.iter_mut().zip(p) {
+                        let v = p * (*ds - di);
+                        *ds = if p == 0.0 { 0.0 } else { v };
                     }
                 } else {
                     // Hidden pairs (P = 0) stay exactly 0 whatever

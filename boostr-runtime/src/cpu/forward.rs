@@ -24,10 +24,11 @@ use super::math;
 use super::simd::{self, Elementwise};
 use super::tile::CpuTiles;
 use super::{
-    Axis, Band, L2_BUDGET, Positions, band_products, class_bands, mean_visits, tile_class,
+    Axis, Band, L2_BUDGET, Positions, all_finite, band_products, class_bands, mean_visits,
+    tile_class, zero_unused_rows,
 };
 use crate::problem::Problem;
-use crate::variant::{TileClass, Variant};
+use crate::variant::{HostVariant, TileClass};
 use rayon::prelude::*;
 
 /// Query tiles per task, at most: they share one pass over the keys, each
@@ -57,7 +58,7 @@ const MAX_GROUP: usize = 4;
 /// or fewer where that would leave under four tasks per thread (a causal
 /// mask makes tasks uneven, and work stealing needs spare ones to even them
 /// out).
-pub(super) fn group_size<V: Variant>(
+pub(super) fn group_size<V: HostVariant>(
     variant: &V,
     p: &Problem,
     tiles: CpuTiles,
@@ -92,6 +93,9 @@ struct Scratch {
     q_tiles: Vec<QueryTile>,
     /// The current tile pair's bands (see `class_bands`).
     bands: Vec<Band>,
+    /// A band's V rows with the unused ones zeroed (see
+    /// [`zero_unused_rows`]).
+    v_guarded: Vec<f32>,
 }
 
 impl Scratch {
@@ -104,6 +108,7 @@ impl Scratch {
             alpha: vec![0.0; rows],
             q_tiles: Vec::with_capacity(group),
             bands: Vec::with_capacity(t.q.div_ceil(super::BAND_ROWS)),
+            v_guarded: Vec::new(),
         }
     }
 }
@@ -130,10 +135,13 @@ struct Head<'a, V> {
     /// tile at key `kv0` starts at `kv0·D`), and V (`Sk × D`).
     kt: &'a [f32],
     v: &'a [f32],
+    /// Per key tile of V: it holds a NaN or an infinity (see
+    /// [`zero_unused_rows`]).
+    v_nonfinite: &'a [bool],
 }
 
 #[allow(clippy::too_many_arguments)]
-pub(super) fn forward<V: Variant>(
+pub(super) fn forward<V: HostVariant>(
     variant: &V,
     p: &Problem,
     tiles: CpuTiles,
@@ -189,6 +197,7 @@ pub(super) fn forward<V: Variant>(
             // its `D · cols` elements, so every element is initialised;
             // `MaybeUninit<f32>` has the layout of `f32`.
             let kt = unsafe { &*(kt as *const [std::mem::MaybeUninit<f32>] as *const [f32]) };
+            let v_nonfinite: Vec<bool> = v.chunks(tiles.kv * d).map(|t| !all_finite(t)).collect();
             out_g
                 .par_chunks_mut(sq * d)
                 .zip(lse_g.par_chunks_mut(sq))
@@ -204,6 +213,7 @@ pub(super) fn forward<V: Variant>(
                         h: Positions::to_i32(h),
                         kt,
                         v,
+                        v_nonfinite: &v_nonfinite,
                     };
                     let q_bh = &q[bh * sq * d..(bh + 1) * sq * d];
                     out_bh
@@ -224,7 +234,7 @@ pub(super) fn forward<V: Variant>(
 
 /// Consecutive query tiles, `rows = lse.len()` rows from row `row0` in
 /// all: stream every key tile through each of them in turn, then normalise.
-fn query_tiles<V: Variant>(
+fn query_tiles<V: HostVariant>(
     head: &Head<'_, V>,
     tiles: CpuTiles,
     row0: usize,
@@ -299,9 +309,12 @@ fn query_tiles<V: Variant>(
             });
 
             // O += P V, band by band over the keys computed (the others'
-            // probabilities are 0).
+            // probabilities are 0). On a partial tile, keys the band does
+            // not see must not bring a NaN of their V rows with them.
             let v_t = &head.v[kv0 * d..(kv0 + cols) * d];
-            for Band { rows: br, cols: c } in sc.bands.iter().cloned() {
+            let guard = class == TileClass::Partial && head.v_nonfinite[kv0 / tiles.kv];
+            for band in sc.bands.iter() {
+                let Band { rows: br, cols: c } = band.clone();
                 let out_b = &mut out_t[br.start * d..br.end * d];
                 if c.is_empty() {
                     if first {
@@ -309,6 +322,12 @@ fn query_tiles<V: Variant>(
                     }
                     continue;
                 }
+                let v_b = &v_t[c.start * d..c.end * d];
+                let v_b = if guard {
+                    zero_unused_rows(s, cols, band, v_b, d, &mut sc.v_guarded)
+                } else {
+                    v_b
+                };
                 matmul(
                     MatMut::row_major(out_b, br.len(), d),
                     if first {
@@ -317,7 +336,7 @@ fn query_tiles<V: Variant>(
                         Write::Accumulate
                     },
                     MatRef::strided(&s[br.start * cols + c.start..], br.len(), c.len(), cols),
-                    MatRef::row_major(&v_t[c.start * d..c.end * d], c.len(), d),
+                    MatRef::row_major(v_b, c.len(), d),
                     1.0,
                 );
             }
@@ -360,7 +379,7 @@ struct OnlineSoftmax<'a, 'h, V> {
     bands: &'a [Band],
 }
 
-impl<V: Variant> Elementwise for OnlineSoftmax<'_, '_, V> {
+impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {
     type Output = ();
 
     #[inline(always)]
@@ -430,7 +449,7 @@ impl<V: Variant> Elementwise for OnlineSoftmax<'_, '_, V> {
 /// mask (`-inf` where hidden) to one row of scaled logits `s`, in place.
 /// The backward applies the same two steps, so both see the same logits.
 #[inline(always)]
-fn score_and_mask<V: Variant>(
+fn score_and_mask<V: HostVariant>(
     variant: &V,
     b: i32,
     h: i32,
@@ -439,6 +458,20 @@ fn score_and_mask<V: Variant>(
     class: TileClass,
     row: &mut [f32],
 ) {
+    if V::SCORE_CHECKS_READS && class == TileClass::Partial {
+        // The score reads a tensor with a checked index: evaluate it only
+        // where the pair is visible, as the reference does, so that a read
+        // out of range there, and only there, is reported.
+        for (j, x) in row.iter_mut().enumerate() {
+            let kv = kv_lo + j as i32;
+            *x = if variant.mask(b, h, qi, kv) {
+                variant.score(*x, b, h, qi, kv)
+            } else {
+                f32::NEG_INFINITY
+            };
+        }
+        return;
+    }
     if !V::SCORE_IS_IDENTITY {
         for (j, x) in row.iter_mut().enumerate() {
             *x = variant.score(*x, b, h, qi, kv_lo + j as i32);
@@ -450,7 +483,7 @@ fn score_and_mask<V: Variant>(
 /// On a `Partial` tile, set the hidden entries of one row of (modified)
 /// logits to `-inf`; on any other tile, nothing.
 #[inline(always)]
-pub(super) fn apply_mask<V: Variant>(
+pub(super) fn apply_mask<V: HostVariant>(
     variant: &V,
     b: i32,
     h: i32,

@@ -1,5 +1,6 @@
 //! Fused attention kernels for the CPU: FlashAttention-2 forward and backward
-//! over contiguous f32 slices, generic over the [`Variant`] so that `score`,
+//! over contiguous f32 slices, generic over the variant's [`HostVariant`]
+//! functions so that `score`,
 //! `score_grad`, `mask` and `classify_tile` inline into the tile loops.
 //!
 //! Why f32 only: f16 and bf16 tensors are widened to f32 by the CPU backend
@@ -62,8 +63,9 @@ mod tests;
 pub use gemm::{time_fma_peak, time_tile_products};
 pub use tile::CpuTiles;
 
+use crate::error::Result;
 use crate::problem::Problem;
-use crate::variant::{TileClass, Variant};
+use crate::variant::{HostVariant, TileClass, Variant};
 
 /// The tensors the backward reads; all contiguous f32 in the layout of
 /// [`Problem`] (`out`, `dout` like `q`; `lse` as the forward wrote it).
@@ -84,6 +86,10 @@ pub struct BackwardInputs<'a> {
 }
 
 /// Attention forward with the variant's [`CpuTiles`]: writes `out` and `lse`.
+///
+/// The variant's captured tensors are checked against `p` and read on the
+/// host first ([`Variant::host`]); an index out of range in a checked read
+/// is the `Err` of the call (and `out`, `lse` are then unspecified).
 pub fn forward<V: Variant>(
     variant: &V,
     p: &Problem,
@@ -92,13 +98,15 @@ pub fn forward<V: Variant>(
     v: &[f32],
     out: &mut [f32],
     lse: &mut [f32],
-) {
-    forward_tiled(variant, p, CpuTiles::for_variant::<V>(), q, k, v, out, lse);
+) -> Result<()> {
+    let host = variant.host(p)?;
+    forward_tiled(&host, p, CpuTiles::for_variant::<V>(), q, k, v, out, lse);
+    host.out_of_range().map_or(Ok(()), Err)
 }
 
 /// Attention forward with explicit tile sizes (for tuning and tests).
 #[allow(clippy::too_many_arguments)]
-pub fn forward_tiled<V: Variant>(
+pub fn forward_tiled<V: HostVariant>(
     variant: &V,
     p: &Problem,
     tiles: CpuTiles,
@@ -119,6 +127,7 @@ pub fn forward_tiled<V: Variant>(
 }
 
 /// Attention backward with the variant's [`CpuTiles`]: writes `dq`, `dk`, `dv`.
+/// Captured tensors and out-of-range reads as in [`forward`].
 pub fn backward<V: Variant>(
     variant: &V,
     p: &Problem,
@@ -126,12 +135,14 @@ pub fn backward<V: Variant>(
     dq: &mut [f32],
     dk: &mut [f32],
     dv: &mut [f32],
-) {
-    backward_tiled(variant, p, CpuTiles::for_variant::<V>(), inputs, dq, dk, dv);
+) -> Result<()> {
+    let host = variant.host(p)?;
+    backward_tiled(&host, p, CpuTiles::for_variant::<V>(), inputs, dq, dk, dv);
+    host.out_of_range().map_or(Ok(()), Err)
 }
 
 /// Attention backward with explicit tile sizes (for tuning and tests).
-pub fn backward_tiled<V: Variant>(
+pub fn backward_tiled<V: HostVariant>(
     variant: &V,
     p: &Problem,
     tiles: CpuTiles,
@@ -210,7 +221,7 @@ impl Positions {
 /// The class of the tile (query positions `q_lo..=q_hi`) × (`cols` keys from
 /// `kv0`). Without a mask every tile is `Full` and `classify_tile` is not called.
 #[inline]
-fn tile_class<V: Variant>(
+fn tile_class<V: HostVariant>(
     variant: &V,
     b: i32,
     h: i32,
@@ -248,7 +259,7 @@ enum Axis {
 /// `Empty`, averaged over up to [`SAMPLED_TILES`] evenly spaced tiles of
 /// batch 0, head 0. It only sizes groups of tiles (any grouping gives the
 /// same results), so an estimate is enough.
-fn mean_visits<V: Variant>(variant: &V, p: &Problem, tiles: CpuTiles, axis: Axis) -> f64 {
+fn mean_visits<V: HostVariant>(variant: &V, p: &Problem, tiles: CpuTiles, axis: Axis) -> f64 {
     let pos = Positions::new(p);
     let (q_tiles, kv_tiles) = (p.seq_q.div_ceil(tiles.q), p.seq_k.div_ceil(tiles.kv));
     let visible = |qt: usize, kt: usize| {
@@ -307,7 +318,7 @@ struct Band {
 /// a tile's products and elementwise passes only there is exact: every
 /// pair outside is hidden. (Chunks of `LANES` keys keep the softmax's lane
 /// sums aligned with the columns.)
-fn class_bands<V: Variant>(
+fn class_bands<V: HostVariant>(
     variant: &V,
     (b, h): (i32, i32),
     class: TileClass,
@@ -362,4 +373,44 @@ fn band_products(
             beta,
         );
     }
+}
+
+/// Whether every element of `x` is finite (no NaN, no infinity).
+fn all_finite(x: &[f32]) -> bool {
+    // Branch-free over the bits, so it vectorises: an exponent of all ones
+    // is an infinity or a NaN.
+    x.iter().fold(0u32, |acc, v| {
+        acc | u32::from(v.to_bits() & 0x7f80_0000 == 0x7f80_0000)
+    }) == 0
+}
+
+/// The right operand `b` of a band's product (`c.len()` rows of `d`, row
+/// `j` meeting column `c.start + j` of the band's left operand `a`, a tile
+/// of `cols` columns) with every row zeroed whose column of `a` is zero in
+/// all of the band's rows, in `scratch`.
+///
+/// Why: a key that no row of the band sees has probability (and `dS`)
+/// exactly 0 in that column, but `0 · NaN` is NaN, so a NaN or infinity
+/// in its K or V row (an unwritten cache slot, garbage padding) would
+/// reach rows that cannot see it. Taking the key's row as zero instead is
+/// exact for finite rows (they contribute 0 either way), so the kernels
+/// only do it where the operand has a non-finite element.
+fn zero_unused_rows<'s>(
+    a: &[f32],
+    cols: usize,
+    band: &Band,
+    b: &[f32],
+    d: usize,
+    scratch: &'s mut Vec<f32>,
+) -> &'s [f32] {
+    let c = &band.cols;
+    scratch.clear();
+    scratch.extend_from_slice(&b[..c.len() * d]);
+    for j in 0..c.len() {
+        let unused = band.rows.clone().all(|i| a[i * cols + c.start + j] == 0.0);
+        if unused {
+            scratch[j * d..(j + 1) * d].fill(0.0);
+        }
+    }
+    scratch
 }

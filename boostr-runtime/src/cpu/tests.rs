@@ -3,7 +3,7 @@
 use super::backward::{self, key_chunks};
 use super::*;
 use crate::testing::fixtures::{CausalSoftcap, Unmasked, causal_class};
-use crate::variant::CompiledStages;
+use crate::variant::HostVariant;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -16,7 +16,7 @@ struct SlidingWindow {
     window: i32,
 }
 
-impl Variant for SlidingWindow {
+impl HostVariant for SlidingWindow {
     const NAME: &'static str = "SlidingWindow";
     const SCORE_IS_IDENTITY: bool = true;
     const HAS_MASK: bool = true;
@@ -49,10 +49,9 @@ impl Variant for SlidingWindow {
     fn mask_f64(&self, _: i32, _: i32, q: i32, kv: i32) -> bool {
         kv <= q && q - kv < self.window
     }
-    fn compiled() -> CompiledStages {
-        CompiledStages::hand_written(Self::NAME)
-    }
 }
+
+crate::hand_written_variant!(SlidingWindow);
 
 /// An ALiBi-like bias that depends on batch, query head and both positions,
 /// so a wrong `b`, `h` (e.g. the kv head) or position shows up. No mask.
@@ -61,7 +60,7 @@ struct Alibi {
     slope: f32,
 }
 
-impl Variant for Alibi {
+impl HostVariant for Alibi {
     const NAME: &'static str = "Alibi";
     const SCORE_IS_IDENTITY: bool = false;
     const HAS_MASK: bool = false;
@@ -86,10 +85,9 @@ impl Variant for Alibi {
     fn mask_f64(&self, _: i32, _: i32, _: i32, _: i32) -> bool {
         true
     }
-    fn compiled() -> CompiledStages {
-        CompiledStages::hand_written(Self::NAME)
-    }
 }
+
+crate::hand_written_variant!(Alibi);
 
 /// Causal, counting how often the kernels call `score` and `mask`.
 #[derive(Clone, Debug, Default)]
@@ -98,7 +96,7 @@ struct CountingCausal {
     masks: Arc<AtomicUsize>,
 }
 
-impl Variant for CountingCausal {
+impl HostVariant for CountingCausal {
     const NAME: &'static str = "CountingCausal";
     const SCORE_IS_IDENTITY: bool = false;
     const HAS_MASK: bool = true;
@@ -125,10 +123,9 @@ impl Variant for CountingCausal {
     fn mask_f64(&self, _: i32, _: i32, q: i32, kv: i32) -> bool {
         kv <= q
     }
-    fn compiled() -> CompiledStages {
-        CompiledStages::hand_written(Self::NAME)
-    }
 }
+
+crate::hand_written_variant!(CountingCausal);
 
 // --------------------------------------------------------------- reference
 
@@ -194,7 +191,7 @@ struct Reference {
     dv: Vec<f64>,
 }
 
-fn reference<V: Variant>(var: &V, p: &Problem, x: &Inputs) -> Reference {
+fn reference<V: HostVariant>(var: &V, p: &Problem, x: &Inputs) -> Reference {
     let (sq, sk, d) = (p.seq_q, p.seq_k, p.head_dim);
     let scale = p.scale as f64;
     let f = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
@@ -290,7 +287,7 @@ struct Outputs {
 /// Forward then backward (fed the kernel's own `out` and `lse`), into
 /// NaN-poisoned buffers; the backward with the given (key chunks, key tiles
 /// per pass), else its own choice.
-fn run<V: Variant>(
+fn run<V: HostVariant>(
     var: &V,
     p: &Problem,
     tiles: CpuTiles,
@@ -323,7 +320,7 @@ fn run<V: Variant>(
 }
 
 #[track_caller]
-fn check<V: Variant>(
+fn check<V: HostVariant>(
     var: &V,
     p: &Problem,
     tiles: CpuTiles,
@@ -362,7 +359,7 @@ const TILES: [CpuTiles; 3] = [
     CpuTiles { q: 7, kv: 13 },
 ];
 
-fn check_all<V: Variant>(var: &V) {
+fn check_all<V: HostVariant>(var: &V) {
     for (n, &(b, hq, hkv, sq, sk, d)) in SHAPES.iter().enumerate() {
         for tiles in TILES {
             check(
@@ -442,7 +439,13 @@ fn key_tiles_group_only_when_queries_outgrow_l2() {
 /// The forward alone with `group` query tiles per task, into NaN-poisoned
 /// buffers, against the f64 reference.
 #[track_caller]
-fn check_forward_grouped<V: Variant>(v: &V, p: &Problem, t: CpuTiles, group: usize, x: &Inputs) {
+fn check_forward_grouped<V: HostVariant>(
+    v: &V,
+    p: &Problem,
+    t: CpuTiles,
+    group: usize,
+    x: &Inputs,
+) {
     let want = reference(v, p, x);
     let mut out = vec![f32::NAN; p.q_len()];
     let mut lse = vec![f32::NAN; p.lse_len()];
@@ -600,7 +603,7 @@ fn backward_is_bitwise_deterministic() {
 #[test]
 fn every_instruction_set_agrees() {
     use super::simd::{LEVEL_CAP, Level};
-    fn all_paths<V: Variant>(var: &V) {
+    fn all_paths<V: HostVariant>(var: &V) {
         let p = problem(2, 4, 2, 97, 70, 40);
         let x = Inputs::new(&p, 12, 1.0);
         let tiles = CpuTiles::new(16, 32);

@@ -17,7 +17,7 @@
 
 use crate::backend::{AttentionRuntime, BackwardTensors};
 use crate::error::{BackendError, Error, Result};
-use crate::gpu::{self, KernelCache};
+use crate::gpu::{self, ArenaPlan, KernelCache};
 use crate::problem::Problem;
 use crate::validate;
 use crate::variant::Variant;
@@ -28,7 +28,7 @@ use kernels_spec::emit::Target;
 use kernels_spec::emit::cuda::interface::{Kernel, Module};
 use kernels_spec::emit::cuda::{CudaDType, CudaTiles, kernels, source};
 use kernels_spec::emit::interface::{Arg, Buffer, Scalar};
-use kernels_spec::params::ParamWords;
+use kernels_spec::params::{ERROR_WORDS, ParamWords};
 use numr::dtype::DType;
 use numr::runtime::cuda::{CudaClient, CudaRuntime};
 use numr::runtime::{Device as _, Runtime};
@@ -85,15 +85,8 @@ fn arch(cc: (u32, u32)) -> &'static str {
     }
 }
 
-/// The compiled `module` of `V` for the problem's head dim and `dtype` on
-/// `client`'s device.
-fn compiled<V: Variant>(
-    client: &CudaClient,
-    device: usize,
-    p: &Problem,
-    dtype: DType,
-    module: &'static Module,
-) -> Result<Arc<Compiled>> {
+/// The compute capability of `device`, 8.0 or newer.
+fn compute_capability(device: usize) -> Result<(u32, u32)> {
     let device_error = |reason: String| BackendError::Device {
         target: TARGET,
         reason,
@@ -109,6 +102,19 @@ fn compiled<V: Variant>(
         ))
         .into());
     }
+    Ok(cc)
+}
+
+/// The compiled `module` of `V` for the problem's head dim and `dtype` on
+/// `client`'s device.
+fn compiled<V: Variant>(
+    client: &CudaClient,
+    device: usize,
+    p: &Problem,
+    dtype: DType,
+    module: &'static Module,
+) -> Result<Arc<Compiled>> {
+    let cc = compute_capability(device)?;
     let cuda = cuda_dtype(dtype).ok_or(Error::DType {
         name: "q",
         dtype,
@@ -229,11 +235,12 @@ enum Value {
     Params(Params),
 }
 
-/// What one call binds: the problem, the parameter block and its tensors,
-/// each looked up by role.
+/// What one call binds: the problem, the parameter block, the capture
+/// arena and its tensors, each looked up by role.
 struct Call<'a> {
     problem: &'a Problem,
     params: Params,
+    captures: u64,
     buffers: &'a [(Buffer, &'a Tensor<CudaRuntime>)],
 }
 
@@ -267,6 +274,7 @@ impl Call<'_> {
                 launch_error(format!("`{}` has no value in a CUDA launch", s.name())),
             ),
             Arg::Params => Ok(Value::Params(self.params)),
+            Arg::Captures => Ok(Value::Ptr(self.captures)),
         }
     }
 }
@@ -318,6 +326,142 @@ fn launch_module(
     Ok(())
 }
 
+/// The summary kernel, loaded on one device.
+struct SummaryKernel {
+    _module: Arc<CudaModule>,
+    function: CudaFunction,
+}
+
+/// (device, compute capability).
+type SummaryKey = (usize, (u32, u32));
+
+static SUMMARY_CACHE: LazyLock<KernelCache<SummaryKey, SummaryKernel>> =
+    LazyLock::new(KernelCache::default);
+
+/// The summary kernel on `client`'s device `device`.
+fn summary_kernel(client: &CudaClient, device: usize) -> Result<Arc<SummaryKernel>> {
+    let cc = compute_capability(device)?;
+    Ok(SUMMARY_CACHE.get_or_build((device, cc), || {
+        let name = "boostr_summarize.cu".to_string();
+        let compile_error = |log: String| BackendError::Compile {
+            target: TARGET,
+            source_name: name.clone(),
+            log,
+        };
+        let opts = CompileOptions {
+            arch: Some(arch(cc)),
+            options: vec!["-std=c++17".into()],
+            name: Some(name.clone()),
+            ..Default::default()
+        };
+        let ptx = compile_ptx_with_opts(kernels::SUMMARY_SOURCE, opts)
+            .map_err(|e| compile_error(e.to_string()))?;
+        let module = client
+            .context()
+            .load_module(ptx)
+            .map_err(|e| compile_error(format!("loading the module: {e}")))?;
+        let function = module
+            .load_function("bx_summarize")
+            .map_err(|e| compile_error(format!("no kernel bx_summarize: {e}")))?;
+        Ok(SummaryKernel {
+            _module: module,
+            function,
+        })
+    })?)
+}
+
+/// A call's capture arena on the device: its plan and its words (`u32`).
+struct DeviceArena {
+    plan: ArenaPlan<CudaRuntime>,
+    words: Tensor<CudaRuntime>,
+}
+
+impl DeviceArena {
+    /// The arena of `variant`'s captures for problem `p`, filled on
+    /// `client`'s stream before anything else runs there: the error words
+    /// zeroed, each tensor copied to its place, then the summaries.
+    fn new<V: Variant>(
+        variant: &V,
+        p: &Problem,
+        client: &CudaClient,
+        like: &Tensor<CudaRuntime>,
+    ) -> Result<Self> {
+        let plan = ArenaPlan::new(variant, p)?;
+        let words = Tensor::<CudaRuntime>::empty(&[plan.arena.words], DType::U32, like.device())?;
+        let stream = client.stream();
+        let fill_error = |reason: String| BackendError::Launch {
+            target: TARGET,
+            kernel: "bx_summarize",
+            reason,
+        };
+        {
+            // Direct driver calls run under the stream's permit (which also
+            // makes its context current); the launches below take their own.
+            let _permit = stream
+                .enqueue_permit()
+                .map_err(|e| fill_error(format!("the stream's context: {e}")))?;
+            let raw = stream.raw().cu_stream();
+            // SAFETY: `words` holds `arena.words` u32 (at least
+            // ERROR_WORDS), each captured tensor is a live contiguous numr
+            // allocation of `numel` 4-byte elements (dtype checked against
+            // its declaration), and the arena places it inside `words`; all
+            // on numr's stream.
+            unsafe {
+                cudarc::driver::result::memset_d8_async(words.ptr(), 0, 4 * ERROR_WORDS, raw)
+                    .map_err(|e| fill_error(format!("zeroing the error record: {e}")))?;
+                for (t, &at) in plan.tensors.iter().zip(&plan.arena.tensors) {
+                    cudarc::driver::result::memcpy_dtod_async(
+                        words.ptr() + 4 * at as u64,
+                        t.ptr(),
+                        4 * t.numel(),
+                        raw,
+                    )
+                    .map_err(|e| fill_error(format!("copying a captured tensor: {e}")))?;
+                }
+            }
+        }
+        if !plan.jobs.is_empty() {
+            let kernel = summary_kernel(client, like.device().id())?;
+            for job in &plan.jobs {
+                let [source, dest, outer, len, inner, blocks, entries, _] = job.words();
+                let arena = words.ptr();
+                let mut builder = stream.launch_builder(&kernel.function);
+                builder.arg(&arena);
+                for w in [&source, &dest, &outer, &len, &inner, &blocks, &entries] {
+                    builder.arg(w);
+                }
+                let threads = kernels::SUMMARY_THREADS;
+                let grid = u32::try_from(job.entries().div_ceil(u64::from(threads)))
+                    .map_err(|_| fill_error(format!("{} summary entries", job.entries())))?;
+                let config = LaunchConfig {
+                    grid_dim: (grid, 1, 1),
+                    block_dim: (threads, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: `bx_summarize(unsigned*, unsigned × 7)`, the
+                // arguments in that order; the job's words index `words`
+                // (the arena placed every summary inside it).
+                unsafe { builder.launch(config) }.map_err(|e| fill_error(e.to_string()))?;
+            }
+        }
+        Ok(DeviceArena { plan, words })
+    }
+
+    /// After the call's kernels: the error of a read out of range, if one
+    /// was recorded. Only a call whose checked reads may fail reads the
+    /// record back (and waits for the stream).
+    fn check<V: Variant>(&self) -> Result<()> {
+        if !self.plan.report {
+            return Ok(());
+        }
+        let record = self.words.narrow(0, 0, ERROR_WORDS)?.contiguous()?;
+        match self.plan.error::<V>(TARGET, &record.to_vec::<u32>()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
 impl AttentionRuntime for CudaRuntime {
     fn attention_forward<V: Variant>(
         variant: &V,
@@ -333,9 +477,11 @@ impl AttentionRuntime for CudaRuntime {
         let compiled = compiled::<V>(&client, q.device().id(), p, dtype, module)?;
         let out = alloc(q.shape(), dtype, &q)?;
         let lse = alloc(&[p.batch, p.heads_q, p.seq_q], DType::F32, &q)?;
+        let arena = DeviceArena::new(variant, p, &client, &q)?;
         let call = Call {
             problem: p,
             params: Params(variant.param_words()),
+            captures: arena.words.ptr(),
             buffers: &[
                 (Buffer::Q, &q),
                 (Buffer::K, &k),
@@ -345,6 +491,7 @@ impl AttentionRuntime for CudaRuntime {
             ],
         };
         launch_module(&client, module, &compiled, &call)?;
+        arena.check::<V>()?;
         Ok((out, lse))
     }
 
@@ -371,9 +518,11 @@ impl AttentionRuntime for CudaRuntime {
         let dq = alloc(q.shape(), dtype, &q)?;
         let dk = alloc(k.shape(), dtype, &k)?;
         let dv = alloc(v.shape(), dtype, &v)?;
+        let arena = DeviceArena::new(variant, p, &client, &q)?;
         let call = Call {
             problem: p,
             params: Params(variant.param_words()),
+            captures: arena.words.ptr(),
             buffers: &[
                 (Buffer::Q, &q),
                 (Buffer::K, &k),
@@ -388,6 +537,7 @@ impl AttentionRuntime for CudaRuntime {
             ],
         };
         launch_module(&client, module, &compiled, &call)?;
+        arena.check::<V>()?;
         Ok((dq, dk, dv))
     }
 }

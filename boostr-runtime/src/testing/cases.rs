@@ -1,5 +1,6 @@
 //! The standard shapes every variant is checked on.
 
+use crate::problem::Problem;
 use std::fmt;
 
 /// How a case draws `q` and `k` (`v` and `dout` are always `N(0, 1)`).
@@ -64,6 +65,19 @@ impl Case {
     /// `[B, Hkv, Sk, D]`.
     pub fn kv_shape(&self) -> [usize; 4] {
         [self.batch, self.heads_kv, self.seq_k, self.head_dim]
+    }
+
+    /// The problem of the case, as validation makes it from its tensors.
+    pub fn problem(&self) -> Problem {
+        Problem {
+            batch: self.batch,
+            heads_q: self.heads_q,
+            heads_kv: self.heads_kv,
+            seq_q: self.seq_q,
+            seq_k: self.seq_k,
+            head_dim: self.head_dim,
+            scale: self.scale.unwrap_or(1.0 / (self.head_dim as f32).sqrt()),
+        }
     }
 }
 

@@ -4,13 +4,15 @@
 use super::backends::{TestBackend, device_or_skip};
 use super::cases::Case;
 use super::contract::contract;
+use super::data::TestData;
 use super::exact_zeros::exact_zeros;
 use super::inputs::{Expected, Inputs};
 use super::report::{CaseReport, run_cases};
 use super::rng::{SEED_ENV, choose_seed};
+use super::run_backend::expect_out_of_range;
 use super::run_backend::run_backend;
 use super::tolerance::{NAIVE_FACTOR, SLACK, compare_results};
-use crate::variant::Variant;
+use crate::variant::{HostVariant, Variant};
 use numr::runtime::Runtime;
 
 /// Check `R`'s attention kernels for `variant` on every case of
@@ -80,13 +82,45 @@ pub fn check_variant<R: TestBackend, V: Variant>(variant: &V) {
 ///
 /// As [`check_variant`].
 pub fn check_variant_on<R: TestBackend, V: Variant>(variant: &V, cases: &[Case]) {
+    check_variant_built_on::<R, V>(|_| variant.clone(), cases);
+}
+
+/// [`check_variant`] for an instance built per case, on the backend's
+/// device, from the case's [`TestData`]: the check of a variant that
+/// captures tensors (`tests = [|data| Documents { doc: data.documents() }]`).
+///
+/// Also checked, on every case: where the f64 reference reads a tensor out
+/// of range (the case's sizes do not fit the declared use of its data), the
+/// backend's ops must fail with
+/// [`Error::IndexOutOfRange`](crate::Error::IndexOutOfRange) for that field
+/// and shape, at an index that is out of range.
+///
+/// # Panics
+///
+/// As [`check_variant`].
+pub fn check_variant_built<R: TestBackend, V: Variant>(
+    build: impl FnMut(&mut TestData<'_, R::Runtime>) -> V,
+) {
+    check_variant_built_on::<R, V>(build, R::cases());
+}
+
+/// [`check_variant_built`] on the given cases.
+///
+/// # Panics
+///
+/// As [`check_variant`].
+pub fn check_variant_built_on<R: TestBackend, V: Variant>(
+    mut build: impl FnMut(&mut TestData<'_, R::Runtime>) -> V,
+    cases: &[Case],
+) {
     let Some(device) = device_or_skip::<R>(&format!("the check of variant `{}`", V::NAME)) else {
         return;
     };
     let seed = choose_seed();
     let label = format!("{} on {}", V::NAME, R::NAME);
     let failures = run_cases(cases, &label, |stream, case| {
-        run_case::<R, V>(variant, &device, case, seed, stream)
+        let variant = build(&mut TestData::new(case.problem(), &device, seed, stream));
+        run_case::<R, V>(&variant, &device, case, seed, stream)
     });
     assert!(
         failures.is_empty(),
@@ -106,17 +140,30 @@ fn run_case<R: TestBackend, V: Variant>(
     seed: u64,
     stream: u64,
 ) -> CaseReport {
-    let inputs = Inputs::draw(case, seed, stream);
+    let p = case.problem();
+    let host = match variant.host_copy(&p) {
+        Ok(host) => host,
+        Err(e) => return CaseReport::error(format!("{}::host: {e}", V::NAME)),
+    };
+    let mut inputs = Inputs::draw(case, seed, stream);
+    let poisoned = inputs.poison_hidden_keys(&host, &p);
+    let mut failures = Vec::new();
+    contract(&host, &p, &mut failures);
+    let want = Expected::reference(&host, &p, &inputs);
+    if let Some(expected) = host.out_of_range() {
+        expect_out_of_range::<R, V>(variant, device, case, &inputs, &expected, &mut failures);
+        return CaseReport::new(failures, format!("fails as it must: {expected}"));
+    }
     let (p, got) = match run_backend::<R, V>(variant, device, case, inputs.slices(), &inputs.opts) {
         Ok(results) => results,
         Err(e) => return CaseReport::error(e),
     };
-    let mut failures = Vec::new();
-    contract(variant, &p, &mut failures);
-    let want = Expected::reference(variant, &p, &inputs);
-    let summary = compare_results(&p, &got, &want, NAIVE_FACTOR, &mut failures);
+    let mut summary = compare_results(&p, &got, &want, NAIVE_FACTOR, &mut failures);
+    if poisoned > 0 {
+        summary.push_str(&format!(", {poisoned} hidden keys of NaN/inf K, V"));
+    }
     exact_zeros(
-        variant,
+        &host,
         &p,
         &want.fwd.lse,
         [

@@ -4,13 +4,13 @@
 
 use super::reference::q_pos;
 use crate::problem::Problem;
-use crate::variant::{TileClass, Variant};
+use crate::variant::{HostVariant, TileClass};
 
 /// Tilings on which `classify_tile` is checked: (query rows, keys) per tile.
 const TILINGS: &[(usize, usize)] = &[(16, 16), (7, 13), (64, 32), (usize::MAX, usize::MAX)];
 
 /// The variant's own contract, on the positions of problem `p`.
-pub(crate) fn contract<V: Variant>(variant: &V, p: &Problem, failures: &mut Vec<String>) {
+pub(crate) fn contract<V: HostVariant>(variant: &V, p: &Problem, failures: &mut Vec<String>) {
     let name = V::NAME;
     let (sq, sk) = (p.seq_q, p.seq_k);
     // Each kind of breach is reported once (its first instance).

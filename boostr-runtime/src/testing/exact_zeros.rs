@@ -3,11 +3,11 @@
 use super::reference::q_pos;
 use super::tolerance::{Layout, locate};
 use crate::problem::Problem;
-use crate::variant::Variant;
+use crate::variant::HostVariant;
 
 /// Rows with no visible key must give exactly 0 in `out` and `dq`; keys that
 /// no query sees (under `mask_f64`) exactly 0 in `dk` and `dv`.
-pub(crate) fn exact_zeros<V: Variant>(
+pub(crate) fn exact_zeros<V: HostVariant>(
     variant: &V,
     p: &Problem,
     want_lse: &[f64],
@@ -31,21 +31,7 @@ pub(crate) fn exact_zeros<V: Variant>(
             ));
         }
     }
-    // seen[(b·Hkv + hk)·Sk + j]: some query of the group sees key j.
-    let mut seen = vec![false; p.batch * p.heads_kv * p.seq_k];
-    for b in 0..p.batch {
-        for h in 0..p.heads_q {
-            let hk = h / p.group();
-            for i in 0..p.seq_q {
-                for j in 0..p.seq_k {
-                    let s = &mut seen[(b * p.heads_kv + hk) * p.seq_k + j];
-                    if !*s && variant.mask_f64(b as i32, h as i32, q_pos(p, i), j as i32) {
-                        *s = true;
-                    }
-                }
-            }
-        }
-    }
+    let seen = seen_keys(variant, p);
     for (label, t) in keys {
         let bad = seen
             .iter()
@@ -61,4 +47,25 @@ pub(crate) fn exact_zeros<V: Variant>(
             ));
         }
     }
+}
+
+/// Which keys some query sees: `seen[(b·Hkv + hk)·Sk + j]` when a query of
+/// kv head `hk`'s group in batch `b` sees key `j` (under `mask_f64`). The
+/// checks fill the K and V rows of the others with NaN and infinities.
+pub fn seen_keys<V: HostVariant>(variant: &V, p: &Problem) -> Vec<bool> {
+    let mut seen = vec![false; p.batch * p.heads_kv * p.seq_k];
+    for b in 0..p.batch {
+        for h in 0..p.heads_q {
+            let hk = h / p.group();
+            for i in 0..p.seq_q {
+                for j in 0..p.seq_k {
+                    let s = &mut seen[(b * p.heads_kv + hk) * p.seq_k + j];
+                    if !*s && variant.mask_f64(b as i32, h as i32, q_pos(p, i), j as i32) {
+                        *s = true;
+                    }
+                }
+            }
+        }
+    }
+    seen
 }

@@ -1,12 +1,12 @@
 //! Hand-written variants the runtime's own tests share, each declared once.
 
-use crate::variant::{CompiledStages, TileClass, Variant};
+use crate::variant::{HostVariant, TileClass};
 
 /// Plain attention: no mask, identity score.
 #[derive(Clone, Debug)]
 pub(crate) struct Plain;
 
-impl Variant for Plain {
+impl HostVariant for Plain {
     const NAME: &'static str = "Plain";
     const SCORE_IS_IDENTITY: bool = true;
     const HAS_MASK: bool = false;
@@ -31,17 +31,16 @@ impl Variant for Plain {
     fn mask_f64(&self, _: i32, _: i32, _: i32, _: i32) -> bool {
         true
     }
-    fn compiled() -> CompiledStages {
-        CompiledStages::hand_written("Plain")
-    }
 }
+
+crate::hand_written_variant!(Plain);
 
 /// [`Plain`] whose mask and classifier panic: kernels must never call them
 /// when `HAS_MASK` is false.
 #[derive(Clone, Debug)]
 pub(crate) struct Unmasked;
 
-impl Variant for Unmasked {
+impl HostVariant for Unmasked {
     const NAME: &'static str = "Unmasked";
     const SCORE_IS_IDENTITY: bool = true;
     const HAS_MASK: bool = false;
@@ -66,10 +65,9 @@ impl Variant for Unmasked {
     fn mask_f64(&self, _: i32, _: i32, _: i32, _: i32) -> bool {
         true
     }
-    fn compiled() -> CompiledStages {
-        CompiledStages::hand_written(Self::NAME)
-    }
 }
+
+crate::hand_written_variant!(Unmasked);
 
 /// Tile class of `kv ≤ q` over `[q_lo, q_hi] × [kv_lo, kv_hi]`.
 pub(crate) fn causal_class(q_lo: i32, q_hi: i32, kv_lo: i32, kv_hi: i32) -> TileClass {
@@ -102,7 +100,7 @@ impl CausalSoftcap {
     }
 }
 
-impl Variant for CausalSoftcap {
+impl HostVariant for CausalSoftcap {
     const NAME: &'static str = "CausalSoftcap";
     const SCORE_IS_IDENTITY: bool = false;
     const HAS_MASK: bool = true;
@@ -148,7 +146,6 @@ impl Variant for CausalSoftcap {
     fn mask_f64(&self, _: i32, _: i32, q: i32, kv: i32) -> bool {
         kv <= q
     }
-    fn compiled() -> CompiledStages {
-        CompiledStages::hand_written("CausalSoftcap")
-    }
 }
+
+crate::hand_written_variant!(CausalSoftcap);

@@ -3,6 +3,7 @@
 //! terms computed from them.
 
 use super::cases::{Case, Logits};
+use super::exact_zeros::seen_keys;
 use super::naive::naive_f32;
 use super::reference::{
     Forward, Gradients, reference_backward, reference_forward, reference_magnitudes,
@@ -10,7 +11,7 @@ use super::reference::{
 use super::rng::Rng;
 use crate::op::AttentionOptions;
 use crate::problem::Problem;
-use crate::variant::Variant;
+use crate::variant::HostVariant;
 
 /// `q` and `k` of `case`, as its [`Logits`] says.
 fn draw_qk(case: &Case, rng: &mut Rng) -> (Vec<f32>, Vec<f32>) {
@@ -75,6 +76,35 @@ impl Inputs {
     pub(crate) fn slices(&self) -> [&[f32]; 4] {
         [&self.q, &self.k, &self.v, &self.dout]
     }
+
+    /// Fill the K and V rows of every key that no query sees with NaN, +inf
+    /// and -inf in turn: a hidden key must not affect any result, whatever
+    /// its rows hold (a KV cache's unwritten slots, garbage padding).
+    /// Returns how many keys were poisoned.
+    pub(crate) fn poison_hidden_keys<V: HostVariant>(&mut self, variant: &V, p: &Problem) -> usize {
+        if !V::HAS_MASK {
+            return 0;
+        }
+        let d = p.head_dim;
+        let poison = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY];
+        let mut n = 0;
+        for (key, _) in seen_keys(variant, p)
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !**s)
+        {
+            for t in [&mut self.k, &mut self.v] {
+                for (x, &bad) in t[key * d..(key + 1) * d]
+                    .iter_mut()
+                    .zip(poison.iter().cycle())
+                {
+                    *x = bad;
+                }
+            }
+            n += 1;
+        }
+        n
+    }
 }
 
 /// What a case is compared against: the f64 reference (or another backend's
@@ -90,7 +120,7 @@ pub(crate) struct Expected {
 }
 
 impl Expected {
-    pub(crate) fn reference<V: Variant>(variant: &V, p: &Problem, inputs: &Inputs) -> Expected {
+    pub(crate) fn reference<V: HostVariant>(variant: &V, p: &Problem, inputs: &Inputs) -> Expected {
         let [q, k, v, dout] = inputs.slices();
         let (q64, k64, v64, dout64) = (widen(q), widen(k), widen(v), widen(dout));
         let fwd = reference_forward(variant, p, &q64, &k64, &v64);

@@ -37,6 +37,7 @@ mod backends;
 mod cases;
 mod check_variant;
 mod contract;
+mod data;
 mod exact_zeros;
 #[cfg(test)]
 pub(crate) mod fixtures;
@@ -56,9 +57,17 @@ pub use backends::Cuda;
 pub use backends::Wgpu;
 pub use backends::{Cpu, REQUIRE_DEVICE_ENV, TestBackend};
 pub use cases::{CASES, Case, Logits, SMALL_CASES};
-pub use check_variant::{check_variant, check_variant_on};
-pub use gradcheck::check_reference_gradients;
-pub use parity::check_parity;
+pub use check_variant::{
+    check_variant, check_variant_built, check_variant_built_on, check_variant_on,
+};
+pub use data::TestData;
+#[doc(hidden)]
+pub use data::build;
+pub use exact_zeros::seen_keys;
+pub use gradcheck::{check_reference_gradients, check_reference_gradients_built};
+#[doc(hidden)]
+pub use numr::runtime::cpu::CpuRuntime;
+pub use parity::{check_parity, check_parity_built};
 pub use reference::{Forward, Gradients, Real, reference_backward, reference_forward};
 pub use rng::{Rng, SEED_ENV};
 

@@ -2,7 +2,7 @@
 
 use super::reference::{Forward, Gradients, reference_backward, reference_forward};
 use crate::problem::Problem;
-use crate::variant::Variant;
+use crate::variant::HostVariant;
 
 /// The naive f32 implementation ([`reference_forward`] / [`reference_backward`]
 /// in f32), run twice: on the inputs, and on the inputs with the head dim
@@ -12,7 +12,7 @@ use crate::variant::Variant;
 /// order's max error is one draw of a noisy statistic where it is rounding
 /// noise of a few terms (rows with one visible key, large logits), and a
 /// kernel's own draw must not fail the rule by luck.
-pub(crate) fn naive_f32<V: Variant>(
+pub(crate) fn naive_f32<V: HostVariant>(
     variant: &V,
     p: &Problem,
     [q, k, v, dout]: [&[f32]; 4],

@@ -2,13 +2,14 @@
 //! the tolerance rule with the first backend in the place of the reference.
 
 use super::backends::{TestBackend, device_or_skip};
+use super::data::TestData;
 use super::inputs::{Expected, Inputs, widen};
 use super::reference::{Forward, Gradients};
 use super::report::{CaseReport, run_cases};
 use super::rng::{SEED_ENV, choose_seed};
 use super::run_backend::run_backend;
 use super::tolerance::{PARITY_FACTOR, SLACK, compare_results};
-use crate::variant::Variant;
+use crate::variant::{HostVariant, Variant};
 
 /// Check that backend `B` agrees with backend `A` for `variant`, on `B`'s
 /// [`TestBackend::cases`], inputs drawn as in
@@ -29,24 +30,51 @@ use crate::variant::Variant;
 /// When `B` and `A` disagree, after running every case, with the seed and
 /// the worst element of each failing tensor.
 pub fn check_parity<A: TestBackend, B: TestBackend, V: Variant>(variant: &V) {
-    let what = format!("{} vs {} for variant `{}`", A::NAME, B::NAME, V::NAME);
+    check_parity_built::<A, B, V, V>(|_| variant.clone(), |_| variant.clone());
+}
+
+/// [`check_parity`] for instances built per case on each backend's device
+/// from the case's [`TestData`] (the same seed gives both backends the same
+/// data): `build_a` and `build_b` are one builder at the two runtimes.
+/// Cases whose reads go out of range are checked by
+/// [`check_variant_built`](super::check_variant_built) instead.
+///
+/// # Panics
+///
+/// As [`check_parity`].
+pub fn check_parity_built<A: TestBackend, B: TestBackend, VA: Variant, VB: Variant>(
+    mut build_a: impl FnMut(&mut TestData<'_, A::Runtime>) -> VA,
+    mut build_b: impl FnMut(&mut TestData<'_, B::Runtime>) -> VB,
+) {
+    let what = format!("{} vs {} for variant `{}`", A::NAME, B::NAME, VB::NAME);
     let (Some(dev_a), Some(dev_b)) = (device_or_skip::<A>(&what), device_or_skip::<B>(&what))
     else {
         return;
     };
     let seed = choose_seed();
-    let label = format!("{} on {} vs {}", V::NAME, B::NAME, A::NAME);
+    let label = format!("{} on {} vs {}", VB::NAME, B::NAME, A::NAME);
     let failures = run_cases(B::cases(), &label, |stream, case| {
-        let inputs = Inputs::draw(case, seed, stream);
+        let p = case.problem();
+        let va = build_a(&mut TestData::new(p, &dev_a, seed, stream));
+        let vb = build_b(&mut TestData::new(p, &dev_b, seed, stream));
+        let host = match va.host_copy(&p) {
+            Ok(host) => host,
+            Err(e) => return CaseReport::error(format!("{}::host: {e}", VA::NAME)),
+        };
+        let mut inputs = Inputs::draw(case, seed, stream);
+        inputs.poison_hidden_keys(&host, &p);
+        let reference = Expected::reference(&host, &p, &inputs);
+        if let Some(e) = host.out_of_range() {
+            return CaseReport::new(Vec::new(), format!("skipped (reads out of range: {e})"));
+        }
         let (a, b) = (
-            run_backend::<A, V>(variant, &dev_a, case, inputs.slices(), &inputs.opts),
-            run_backend::<B, V>(variant, &dev_b, case, inputs.slices(), &inputs.opts),
+            run_backend::<A, VA>(&va, &dev_a, case, inputs.slices(), &inputs.opts),
+            run_backend::<B, VB>(&vb, &dev_b, case, inputs.slices(), &inputs.opts),
         );
         match (a, b) {
             (Err(e), _) => CaseReport::error(format!("{}: {e}", A::NAME)),
             (_, Err(e)) => CaseReport::error(format!("{}: {e}", B::NAME)),
             (Ok((p, a)), Ok((_, b))) => {
-                let reference = Expected::reference(variant, &p, &inputs);
                 let want = Expected {
                     fwd: Forward {
                         out: widen(&a.fwd.out),
@@ -70,7 +98,7 @@ pub fn check_parity<A: TestBackend, B: TestBackend, V: Variant>(variant: &V) {
         "boostr: variant `{}`: {} disagrees with {} (seed {seed}; rerun with {SEED_ENV}={seed})\n\
          tolerance: max|{} − {}| ≤ {PARITY_FACTOR}·max|naive_f32 − {}| + {SLACK:e}·(1 + max|{}|) + ε·M\n\
          {failures}",
-        V::NAME,
+        VB::NAME,
         B::NAME,
         A::NAME,
         B::NAME,

@@ -33,7 +33,7 @@
 //! fixed order, so results do not depend on the thread count.
 
 use crate::problem::Problem;
-use crate::variant::Variant;
+use crate::variant::HostVariant;
 use rayon::prelude::*;
 use std::fmt::Debug;
 use std::ops::{Add, AddAssign, Div, Mul, Neg, Sub};
@@ -76,11 +76,11 @@ pub trait Real:
     /// `|x|`.
     fn abs(self) -> Self;
     /// The variant's `score` in this precision.
-    fn score<V: Variant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self;
+    fn score<V: HostVariant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self;
     /// The variant's `score_grad` in this precision.
-    fn score_grad<V: Variant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self;
+    fn score_grad<V: HostVariant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self;
     /// The variant's mask in this precision.
-    fn mask<V: Variant>(variant: &V, b: i32, h: i32, q: i32, kv: i32) -> bool;
+    fn mask<V: HostVariant>(variant: &V, b: i32, h: i32, q: i32, kv: i32) -> bool;
 }
 
 impl Real for f32 {
@@ -101,13 +101,13 @@ impl Real for f32 {
     fn abs(self) -> Self {
         f32::abs(self)
     }
-    fn score<V: Variant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self {
+    fn score<V: HostVariant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self {
         variant.score(s, b, h, q, kv)
     }
-    fn score_grad<V: Variant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self {
+    fn score_grad<V: HostVariant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self {
         variant.score_grad(s, b, h, q, kv)
     }
-    fn mask<V: Variant>(variant: &V, b: i32, h: i32, q: i32, kv: i32) -> bool {
+    fn mask<V: HostVariant>(variant: &V, b: i32, h: i32, q: i32, kv: i32) -> bool {
         variant.mask(b, h, q, kv)
     }
 }
@@ -130,13 +130,13 @@ impl Real for f64 {
     fn abs(self) -> Self {
         f64::abs(self)
     }
-    fn score<V: Variant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self {
+    fn score<V: HostVariant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self {
         variant.score_f64(s, b, h, q, kv)
     }
-    fn score_grad<V: Variant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self {
+    fn score_grad<V: HostVariant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self {
         variant.score_grad_f64(s, b, h, q, kv)
     }
-    fn mask<V: Variant>(variant: &V, b: i32, h: i32, q: i32, kv: i32) -> bool {
+    fn mask<V: HostVariant>(variant: &V, b: i32, h: i32, q: i32, kv: i32) -> bool {
         variant.mask_f64(b, h, q, kv)
     }
 }
@@ -215,7 +215,7 @@ impl<T: Real> Row<T> {
 
     /// Compute row `i` of `(b, h)`; returns whether any key is visible.
     #[allow(clippy::too_many_arguments)]
-    fn compute<V: Variant>(
+    fn compute<V: HostVariant>(
         &mut self,
         variant: &V,
         p: &Problem,
@@ -290,7 +290,7 @@ impl<T: Real> Row<T> {
 /// # Panics
 ///
 /// When a slice's length does not match `problem`.
-pub fn reference_forward<T: Real, V: Variant>(
+pub fn reference_forward<T: Real, V: HostVariant>(
     variant: &V,
     problem: &Problem,
     q: &[T],
@@ -338,7 +338,7 @@ pub fn reference_forward<T: Real, V: Variant>(
 /// # Panics
 ///
 /// When a slice's length does not match `problem`.
-pub fn reference_backward<T: Real, V: Variant>(
+pub fn reference_backward<T: Real, V: HostVariant>(
     variant: &V,
     problem: &Problem,
     q: &[T],
@@ -362,7 +362,7 @@ pub fn reference_backward<T: Real, V: Variant>(
 /// Rounding anywhere in these sums is a fraction of their magnitude, also
 /// where the result itself cancels to ~0 (a row with one visible key has
 /// `dP − D = 0`, so its `dq` is pure rounding noise, of size ε·magnitude).
-pub(crate) fn reference_magnitudes<V: Variant>(
+pub(crate) fn reference_magnitudes<V: HostVariant>(
     variant: &V,
     problem: &Problem,
     [q, k, v, dout]: [&[f64]; 4],
@@ -373,7 +373,7 @@ pub(crate) fn reference_magnitudes<V: Variant>(
 }
 
 /// The backward; with `magnitudes`, the sums of [`reference_magnitudes`].
-fn backward<T: Real, V: Variant>(
+fn backward<T: Real, V: HostVariant>(
     variant: &V,
     problem: &Problem,
     [q, k, v, dout]: [&[T]; 4],

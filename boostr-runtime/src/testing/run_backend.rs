@@ -3,7 +3,9 @@
 
 use super::backends::TestBackend;
 use super::cases::Case;
+use super::inputs::Inputs;
 use super::reference::{Forward, Gradients};
+use crate::error::Error;
 use crate::op::{AttentionOptions, attention_bwd, attention_fwd, var_attention};
 use crate::problem::Problem;
 use crate::validate;
@@ -88,4 +90,91 @@ pub(crate) fn run_backend<R: TestBackend, V: Variant>(
             var_grads,
         },
     ))
+}
+
+/// The ops of a call whose tensor reads go out of range (the reference
+/// found `expected`) must each fail with [`Error::IndexOutOfRange`] of that
+/// field and shape, at an index outside the shape: the forward, the
+/// backward (given any `out` and `lse`) and the autograd op.
+pub(crate) fn expect_out_of_range<R: TestBackend, V: Variant>(
+    variant: &V,
+    device: &<R::Runtime as Runtime>::Device,
+    case: &Case,
+    inputs: &Inputs,
+    expected: &Error,
+    failures: &mut Vec<String>,
+) {
+    let Error::IndexOutOfRange {
+        field: want_field,
+        shape: want_shape,
+        ..
+    } = expected
+    else {
+        failures.push(format!(
+            "the reference reported {expected}, not a read out of range"
+        ));
+        return;
+    };
+    let [q, k, v, dout] = inputs.slices();
+    let upload = |data: &[f32], shape: &[usize]| {
+        Tensor::<R::Runtime>::from_slice(data, shape, device).map_err(|e| e.to_string())
+    };
+    let tensors = (|| {
+        Ok::<_, String>((
+            upload(q, &case.q_shape())?,
+            upload(k, &case.kv_shape())?,
+            upload(v, &case.kv_shape())?,
+            upload(dout, &case.q_shape())?,
+            upload(&vec![0.0; case.q_shape().iter().product()], &case.q_shape())?,
+            upload(
+                &vec![0.0; case.batch * case.heads_q * case.seq_q],
+                &[case.batch, case.heads_q, case.seq_q],
+            )?,
+        ))
+    })();
+    let (qt, kt, vt, dt, out, lse) = match tensors {
+        Ok(t) => t,
+        Err(e) => {
+            failures.push(format!("uploading the inputs: {e}"));
+            return;
+        }
+    };
+    let opts = &inputs.opts;
+    let mut judge = |op: &str, result: Result<(), Error>| match result {
+        Err(Error::IndexOutOfRange {
+            field,
+            index,
+            shape,
+        }) if field == *want_field && shape == *want_shape => {
+            let outside = index.len() != shape.len()
+                || index
+                    .iter()
+                    .zip(&shape)
+                    .any(|(&i, &d)| i < 0 || i >= d as i64);
+            if !outside {
+                failures.push(format!(
+                    "{op}: reported index {index:?} of `{field}`, which is inside its shape {shape:?}"
+                ));
+            }
+        }
+        Err(other) => failures.push(format!("{op}: expected `{expected}`, got `{other}`")),
+        Ok(()) => failures.push(format!("{op}: expected `{expected}`, but it succeeded")),
+    };
+    judge(
+        "attention_fwd",
+        attention_fwd(variant, &qt, &kt, &vt, opts).map(drop),
+    );
+    judge(
+        "attention_bwd",
+        attention_bwd(variant, &dt, &qt, &kt, &vt, &out, &lse, opts).map(drop),
+    );
+    let (qv, kv, vv) = (
+        Var::new(qt.clone(), true),
+        Var::new(kt.clone(), true),
+        Var::new(vt.clone(), true),
+    );
+    judge(
+        "var_attention",
+        var_attention(variant, &qv, &kv, &vv, opts).map(drop),
+    );
 }

@@ -6,14 +6,14 @@ use super::fixtures::{CausalSoftcap, Plain};
 use super::tolerance::{Layout, NAIVE_FACTOR, compare};
 use super::*;
 use crate::problem::Problem;
-use crate::variant::{CompiledStages, TileClass, Variant};
+use crate::variant::{HostVariant, TileClass};
 
 /// `clamp(s, -1, 1) + 0.1·h·s` with a per-head slope: kinks at |s| = 1, and a
 /// dependence on `h` and on `b` through the mask (batch 1 hides key 0).
 #[derive(Clone, Debug)]
 struct ClampPerHead;
 
-impl Variant for ClampPerHead {
+impl HostVariant for ClampPerHead {
     const NAME: &'static str = "ClampPerHead";
     const SCORE_IS_IDENTITY: bool = false;
     const HAS_MASK: bool = true;
@@ -38,10 +38,9 @@ impl Variant for ClampPerHead {
     fn mask_f64(&self, b: i32, _: i32, _: i32, kv: i32) -> bool {
         b == 0 || kv != 0
     }
-    fn compiled() -> CompiledStages {
-        CompiledStages::hand_written("ClampPerHead")
-    }
 }
+
+crate::hand_written_variant!(ClampPerHead);
 
 fn problem(b: usize, hq: usize, hkv: usize, sq: usize, sk: usize, d: usize, scale: f32) -> Problem {
     Problem {

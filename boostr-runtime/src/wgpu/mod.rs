@@ -11,18 +11,18 @@
 
 use crate::backend::{AttentionRuntime, BackwardTensors};
 use crate::error::{BackendError, Result};
-use crate::gpu::{self, KernelCache};
+use crate::gpu::{self, ArenaPlan, KernelCache};
 use crate::problem::Problem;
 use crate::validate;
 use crate::variant::Variant;
 use kernels_spec::emit::Target;
 use kernels_spec::emit::interface::{Access, Buffer, Scalar};
-use kernels_spec::emit::wgsl::interface::{Binding, Module, SHAPE, SHAPE_WORDS};
+use kernels_spec::emit::wgsl::interface::{Binding, MAX_WORKGROUPS, Module, SHAPE, SHAPE_WORDS};
 use kernels_spec::emit::wgsl::{FLAG_FIRST, FLAG_LAST, WgslTiles, kernels, module_source};
-use kernels_spec::params::ParamWords;
+use kernels_spec::params::ERROR_WORDS;
 use numr::dtype::DType;
-use numr::runtime::Runtime;
-use numr::runtime::wgpu::{WgpuClient, WgpuRuntime, get_buffer};
+use numr::runtime::wgpu::{WgpuClient, WgpuDevice, WgpuRuntime, get_buffer};
+use numr::runtime::{Runtime, RuntimeClient};
 use numr::tensor::Tensor;
 use std::any::TypeId;
 use std::sync::{Arc, LazyLock};
@@ -69,6 +69,7 @@ fn scoped<T>(
 fn layout_entry(binding: u32, b: &Binding) -> wgpu::BindGroupLayoutEntry {
     let ty = match b {
         Binding::Params | Binding::Shape => wgpu::BufferBindingType::Uniform,
+        Binding::Captures => wgpu::BufferBindingType::Storage { read_only: false },
         Binding::Storage(_, access) => wgpu::BufferBindingType::Storage {
             read_only: *access == Access::Read,
         },
@@ -238,25 +239,231 @@ fn shape_words(p: &Problem, (begin, end, flags): (u32, u32, u32)) -> [u32; SHAPE
 }
 
 /// What a binding of a dispatch gets: the parameter block, this dispatch's
-/// `shape`, or a tensor's buffer.
+/// `shape`, or a buffer (a tensor's, or the arena).
 #[derive(Clone)]
 enum Bound {
     Params,
     Shape,
-    Tensor(Arc<wgpu::Buffer>),
+    Buffer(Arc<wgpu::Buffer>),
 }
 
-/// Binds and dispatches every entry point of `modules`, in order, over
-/// consecutive ranges of its tile loop, and submits them as one command
-/// buffer. Tensors are looked up by role in `tensors`.
-fn run(
+/// The wgpu buffer of a numr tensor.
+fn buffer_of(
+    kernel: &'static str,
+    name: &str,
+    t: &Tensor<WgpuRuntime>,
+) -> std::result::Result<Arc<wgpu::Buffer>, BackendError> {
+    get_buffer(t.storage().ptr()).ok_or_else(|| BackendError::Launch {
+        target: TARGET,
+        kernel,
+        reason: format!("no wgpu buffer for `{name}` {:?}", t.shape()),
+    })
+}
+
+/// A call's capture arena on the device: its plan, its words (`u32`), and
+/// where its error record is copied after the kernels when the call reads
+/// it back.
+struct DeviceArena {
+    plan: ArenaPlan<WgpuRuntime>,
+    words: Tensor<WgpuRuntime>,
+    record: Option<Tensor<WgpuRuntime>>,
+}
+
+impl DeviceArena {
+    /// The arena of `variant`'s captures for problem `p`, on `device`.
+    fn new<V: Variant>(variant: &V, p: &Problem, device: &WgpuDevice) -> Result<Self> {
+        let plan = ArenaPlan::new(variant, p)?;
+        let words = Tensor::<WgpuRuntime>::empty(&[plan.arena.words], DType::U32, device)?;
+        let record = if plan.report {
+            Some(Tensor::<WgpuRuntime>::empty(
+                &[ERROR_WORDS],
+                DType::U32,
+                device,
+            )?)
+        } else {
+            None
+        };
+        Ok(DeviceArena {
+            plan,
+            words,
+            record,
+        })
+    }
+
+    /// Records what fills the arena before the kernels: the error words
+    /// zeroed, each tensor copied to its place, then the summaries.
+    fn fill(
+        &self,
+        device: &wgpu::Device,
+        encoder: &mut wgpu::CommandEncoder,
+        summaries: Option<&SummaryPass>,
+    ) -> std::result::Result<(), BackendError> {
+        const KERNEL: &str = "summarize";
+        let arena = buffer_of(KERNEL, "the capture arena", &self.words)?;
+        encoder.clear_buffer(&arena, 0, Some(4 * ERROR_WORDS as u64));
+        for (t, &at) in self.plan.tensors.iter().zip(&self.plan.arena.tensors) {
+            let src = buffer_of(KERNEL, "a captured tensor", t)?;
+            encoder.copy_buffer_to_buffer(
+                &src,
+                4 * t.offset() as u64,
+                &arena,
+                4 * at as u64,
+                Some(4 * t.numel() as u64),
+            );
+        }
+        let Some(pass) = summaries else {
+            return Ok(());
+        };
+        for job in &self.plan.jobs {
+            let words = job.words();
+            let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+            let uniform = device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("boostr summary job"),
+                contents: &bytes,
+                usage: wgpu::BufferUsages::UNIFORM,
+            });
+            let bind_group = device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some(KERNEL),
+                layout: &pass.layout,
+                entries: &[
+                    wgpu::BindGroupEntry {
+                        binding: 0,
+                        resource: uniform.as_entire_binding(),
+                    },
+                    wgpu::BindGroupEntry {
+                        binding: 1,
+                        resource: arena.as_entire_binding(),
+                    },
+                ],
+            });
+            let groups = job
+                .entries()
+                .div_ceil(u64::from(kernels::SUMMARY_WORKGROUP));
+            let x = groups.min(MAX_WORKGROUPS);
+            let y = groups.div_ceil(x.max(1));
+            let mut cpass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some(KERNEL),
+                timestamp_writes: None,
+            });
+            cpass.set_pipeline(&pass.pipeline);
+            cpass.set_bind_group(0, &bind_group, &[]);
+            cpass.dispatch_workgroups(x as u32, y as u32, 1);
+        }
+        Ok(())
+    }
+
+    /// Records the copy of the error record, when the call reads it back.
+    fn copy_record(
+        &self,
+        encoder: &mut wgpu::CommandEncoder,
+    ) -> std::result::Result<(), BackendError> {
+        if let Some(record) = &self.record {
+            let arena = buffer_of("attention", "the capture arena", &self.words)?;
+            let dst = buffer_of("attention", "the error record", record)?;
+            encoder.copy_buffer_to_buffer(&arena, 0, &dst, 0, Some(4 * ERROR_WORDS as u64));
+        }
+        Ok(())
+    }
+
+    /// After the call: the error of a read out of range, if one was
+    /// recorded (a read back from the device, only for calls whose checked
+    /// reads may fail).
+    fn check<V: Variant>(&self) -> Result<()> {
+        match &self.record {
+            Some(record) => match self.plan.error::<V>(TARGET, &record.to_vec::<u32>()) {
+                Some(e) => Err(e),
+                None => Ok(()),
+            },
+            None => Ok(()),
+        }
+    }
+}
+
+/// The summary kernel of one device.
+#[derive(Debug)]
+struct SummaryPass {
+    layout: wgpu::BindGroupLayout,
+    pipeline: wgpu::ComputePipeline,
+}
+
+static SUMMARY_CACHE: LazyLock<KernelCache<usize, SummaryPass>> =
+    LazyLock::new(KernelCache::default);
+
+/// The summary kernel on `client`'s device.
+fn summary_pass(client: &WgpuClient) -> Result<Arc<SummaryPass>> {
+    let device = client.wgpu_device_arc();
+    let key = Arc::as_ptr(device) as usize;
+    Ok(SUMMARY_CACHE.get_or_build(key, || {
+        let name = "boostr summarize";
+        scoped(
+            device,
+            || {
+                let shader = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                    label: Some(name),
+                    source: wgpu::ShaderSource::Wgsl(kernels::SUMMARY_SOURCE.into()),
+                });
+                let entry = |binding, ty| wgpu::BindGroupLayoutEntry {
+                    binding,
+                    visibility: wgpu::ShaderStages::COMPUTE,
+                    ty: wgpu::BindingType::Buffer {
+                        ty,
+                        has_dynamic_offset: false,
+                        min_binding_size: None,
+                    },
+                    count: None,
+                };
+                let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                    label: Some(name),
+                    entries: &[
+                        entry(0, wgpu::BufferBindingType::Uniform),
+                        entry(1, wgpu::BufferBindingType::Storage { read_only: false }),
+                    ],
+                });
+                let pipeline_layout =
+                    device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                        label: Some(name),
+                        bind_group_layouts: &[Some(&layout)],
+                        immediate_size: 0,
+                    });
+                let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                    label: Some(name),
+                    layout: Some(&pipeline_layout),
+                    module: &shader,
+                    entry_point: Some("summarize"),
+                    compilation_options: Default::default(),
+                    cache: None,
+                });
+                SummaryPass { layout, pipeline }
+            },
+            |log| BackendError::Compile {
+                target: TARGET,
+                source_name: name.to_string(),
+                log,
+            },
+        )
+    })?)
+}
+
+/// Fills the arena, then binds and dispatches every entry point of
+/// `modules`, in order, over consecutive ranges of its tile loop, and
+/// submits it all as one command buffer; then reports a read out of range,
+/// if the call may have one. Tensors are looked up by role in `tensors`.
+fn run<V: Variant>(
     client: &WgpuClient,
-    params: &ParamWords,
+    variant: &V,
     p: &Problem,
     cfg: &WgslTiles,
     tensors: &[(Buffer, &Tensor<WgpuRuntime>)],
     modules: &[(&Module, &Pass)],
 ) -> Result<()> {
+    let arena = DeviceArena::new(variant, p, client.device())?;
+    let summaries = if arena.plan.jobs.is_empty() {
+        None
+    } else {
+        Some(summary_pass(client)?)
+    };
+    let params = variant.param_words();
+    let captures = buffer_of("attention", "the capture arena", &arena.words)?;
     let device = client.wgpu_device();
     let sizes = gpu::sizes(p);
     let per_dispatch = tiles_per_dispatch(client, cfg);
@@ -282,17 +489,11 @@ fn run(
                         .ok_or_else(|| {
                             launch_error(kernel, format!("no tensor is bound to `{}`", buf.name()))
                         })?;
-                    get_buffer(tensor.storage().ptr())
-                        .map(Bound::Tensor)
-                        .ok_or_else(|| {
-                            launch_error(
-                                kernel,
-                                format!("no wgpu buffer for `{}` {:?}", buf.name(), tensor.shape()),
-                            )
-                        })
+                    buffer_of(kernel, buf.name(), tensor).map(Bound::Buffer)
                 }
                 Binding::Params => Ok(Bound::Params),
                 Binding::Shape => Ok(Bound::Shape),
+                Binding::Captures => Ok(Bound::Buffer(captures.clone())),
             })
             .collect::<std::result::Result<Vec<_>, _>>()?;
         for (i, entry) in module.entries.iter().enumerate() {
@@ -317,6 +518,7 @@ fn run(
             let mut encoder = device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
                 label: Some("boostr attention"),
             });
+            arena.fill(device, &mut encoder, summaries.as_deref())?;
             for (module, pass, bound, entry, grid, ranges) in &plans {
                 for &range in ranges {
                     let words = shape_words(p, range);
@@ -329,7 +531,7 @@ fn run(
                             resource: match b {
                                 Bound::Params => params.as_entire_binding(),
                                 Bound::Shape => shape.as_entire_binding(),
-                                Bound::Tensor(buffer) => buffer.as_entire_binding(),
+                                Bound::Buffer(buffer) => buffer.as_entire_binding(),
                             },
                         })
                         .collect();
@@ -347,16 +549,18 @@ fn run(
                     cpass.dispatch_workgroups(grid.0, grid.1, 1);
                 }
             }
+            arena.copy_record(&mut encoder)?;
             client
                 .wgpu_queue()
                 .submit(std::iter::once(encoder.finish()));
+            Ok::<(), BackendError>(())
         },
         |reason| {
             let kernel = modules.first().map_or("attention", |(m, _)| m.name);
             launch_error(kernel, reason)
         },
-    )?;
-    Ok(())
+    )??;
+    arena.check::<V>()
 }
 
 impl AttentionRuntime for WgpuRuntime {
@@ -377,7 +581,7 @@ impl AttentionRuntime for WgpuRuntime {
         let stats = alloc(&[p.batch, p.heads_q, p.seq_q, 2], &q)?;
         run(
             &client,
-            &variant.param_words(),
+            variant,
             p,
             &cfg,
             &[
@@ -409,15 +613,15 @@ impl AttentionRuntime for WgpuRuntime {
             .map(|module| Ok((*module, pass::<V>(&client, p, module)?)))
             .collect::<Result<Vec<_>>>()?;
         let cfg = tiles::<V>(p)?;
-        let delta = alloc(&[p.batch, p.heads_q, p.seq_q], &q)?;
-        let stats = alloc(&[p.batch, p.heads_q, p.seq_q, 2], &q)?;
+        // Per query row: running sums between dispatches, then lse and D_i.
+        let rows = alloc(&[p.batch, p.heads_q, p.seq_q, 4], &q)?;
         let dq = alloc(q.shape(), &q)?;
         let dk = alloc(k.shape(), &k)?;
         let dv = alloc(v.shape(), &v)?;
         let modules: Vec<(&Module, &Pass)> = passes.iter().map(|(m, pass)| (*m, &**pass)).collect();
         run(
             &client,
-            &variant.param_words(),
+            variant,
             p,
             &cfg,
             &[
@@ -426,11 +630,10 @@ impl AttentionRuntime for WgpuRuntime {
                 (Buffer::V, &v),
                 (Buffer::Dout, &dout),
                 (Buffer::Lse, &lse),
-                (Buffer::Delta, &delta),
+                (Buffer::Rows, &rows),
                 (Buffer::Dq, &dq),
                 (Buffer::Dk, &dk),
                 (Buffer::Dv, &dv),
-                (Buffer::Stats, &stats),
             ],
             &modules,
         )?;

@@ -3,7 +3,7 @@
 //! classifier come out in their simplest form without a separate rewrite
 //! system. Float constants fold in f64; each target rounds once at emission.
 
-use crate::ir::{Arg, BinOp, Builtin, Const, Expr, ExprKind, Local, Ty, UnOp};
+use crate::ir::{Arg, BinOp, Builtin, Const, Expr, ExprKind, Local, Read, ReadRange, Ty, UnOp};
 
 fn node(kind: ExprKind, ty: Ty) -> Expr {
     Expr { kind, ty }
@@ -315,7 +315,10 @@ pub fn let_(local: Local, value: Expr, body: Expr) -> Expr {
         value.kind,
         ExprKind::Const(_) | ExprKind::Arg(_) | ExprKind::Param(_) | ExprKind::Local(_)
     );
-    if trivial || uses == 1 {
+    // A value that reads a tensor stays where it is bound: moved into its one
+    // use, under an `if` or `&&`, its read would happen less often, and an
+    // index out of range would go unreported.
+    if trivial || (uses == 1 && !value.reads_tensor()) {
         return substitute(body, local, &value);
     }
     let ty = body.ty;
@@ -345,7 +348,26 @@ pub fn rebuild(e: Expr, leaf: &mut impl FnMut(&Expr) -> Option<Expr>) -> Expr {
     }
     let ty = e.ty;
     match e.kind {
-        ExprKind::Const(_) | ExprKind::Arg(_) | ExprKind::Param(_) | ExprKind::Local(_) => e,
+        ExprKind::Const(_)
+        | ExprKind::Arg(_)
+        | ExprKind::Param(_)
+        | ExprKind::Local(_)
+        | ExprKind::Dim(..) => e,
+        ExprKind::Read(r) => node(
+            ExprKind::Read(Read {
+                indices: r.indices.into_iter().map(|i| rebuild(i, leaf)).collect(),
+                ..r
+            }),
+            ty,
+        ),
+        ExprKind::ReadRange(r) => node(
+            ExprKind::ReadRange(ReadRange {
+                indices: r.indices.into_iter().map(|i| rebuild(i, leaf)).collect(),
+                hi: Box::new(rebuild(*r.hi, leaf)),
+                ..r
+            }),
+            ty,
+        ),
         ExprKind::Unary(UnOp::Neg, a) => neg(rebuild(*a, leaf)),
         ExprKind::Unary(UnOp::Not, a) => not(rebuild(*a, leaf)),
         ExprKind::Binary(op, a, b) => binary(op, rebuild(*a, leaf), rebuild(*b, leaf)),

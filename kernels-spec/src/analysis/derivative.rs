@@ -62,7 +62,12 @@ impl Differentiator {
             return Expr::float(0.0);
         }
         match &e.kind {
-            ExprKind::Const(_) | ExprKind::Param(_) => Expr::float(0.0),
+            // Tensor reads are data: constant in s.
+            ExprKind::Const(_)
+            | ExprKind::Param(_)
+            | ExprKind::Read(_)
+            | ExprKind::ReadRange(_)
+            | ExprKind::Dim(..) => Expr::float(0.0),
             ExprKind::Arg(a) => Expr::float(if *a == Arg::S { 1.0 } else { 0.0 }),
             ExprKind::Local(l) => match self.derivs.get(l) {
                 Some(d) => Expr::local(*d, Ty::F32),

@@ -4,6 +4,7 @@
 
 pub mod build;
 pub mod derivative;
+pub mod reads;
 pub mod tiles;
 
 use crate::ast::TileOverride;
@@ -12,10 +13,17 @@ use crate::ir::{Arg, Expr, ExprKind, Function, Program, Ty};
 
 /// Run every analysis and assemble the program.
 pub fn analyze(name: &str, checked: Checked, tile: Option<TileOverride>) -> Program {
+    let tensors = checked.tensors;
+    let mut read_conditions = Vec::new();
+    let mut prove = |body: Expr| {
+        let (body, conditions) = reads::prove(&build::simplify(body), &tensors);
+        read_conditions.extend(conditions);
+        body
+    };
     let score = checked
         .score
         .map(|f| Function {
-            body: build::simplify(f.body),
+            body: prove(f.body),
             ..f
         })
         .unwrap_or_else(|| Function {
@@ -28,7 +36,7 @@ pub fn analyze(name: &str, checked: Checked, tile: Option<TileOverride>) -> Prog
     let mask = checked
         .mask
         .map(|f| Function {
-            body: build::simplify(f.body),
+            body: prove(f.body),
             ..f
         })
         .unwrap_or_else(|| Function {
@@ -38,14 +46,17 @@ pub fn analyze(name: &str, checked: Checked, tile: Option<TileOverride>) -> Prog
             body: Expr::bool(true),
         });
     let score_grad = derivative::score_grad(&score);
-    let classify = tiles::classifier(has_mask.then_some(&mask), &checked.params);
+    let (classify, summaries) = tiles::classifier(has_mask.then_some(&mask), &checked.params);
     let tile = tile.unwrap_or_default();
     Program {
         name: name.to_string(),
         score_is_identity: score.body.kind == ExprKind::Arg(Arg::S),
         has_mask,
         params: checked.params,
+        tensors,
         layout: checked.layout,
+        summaries,
+        read_conditions,
         score,
         score_grad,
         mask,

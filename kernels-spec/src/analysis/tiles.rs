@@ -27,7 +27,8 @@
 
 use super::build::{self, and, call, eq, le, let_, lt, not, or, select, sub};
 use crate::ir::{
-    Arg, BinOp, Builtin, Const, Expr, ExprKind, Function, Local, ParamDecl, TileClass, Ty, UnOp,
+    Arg, BinOp, Builtin, Const, Expr, ExprKind, Function, Local, ParamDecl, Read, ReadRange,
+    TileClass, Ty, UnOp,
 };
 use std::collections::HashMap;
 
@@ -38,9 +39,23 @@ pub const INDEX_BOUND: i64 = (1 << 30) - 1;
 const I32_MIN: i64 = i32::MIN as i64;
 const I32_MAX: i64 = i32::MAX as i64;
 
-/// Build the tile classifier of a mask. Without a mask every tile is full.
-pub fn classifier(mask: Option<&Function>, params: &[ParamDecl]) -> Function {
+/// The tile classifier of a mask, and the `(tensor, axis)` summaries it
+/// reads. Without a mask every tile is full.
+///
+/// Tensor reads: a read whose indices are fixed over the tile (they depend
+/// on `b`, `h` and parameters only) is its element; a read with one index
+/// that runs over the tile (an interval of `q` or `kv`) and the others fixed
+/// is bounded by the least and greatest element over that index range,
+/// from the per-call summaries ([`ExprKind::ReadRange`]); any other read is
+/// unbounded. And a tile where a checked read of the mask may index outside
+/// its tensor is `Partial`, so that the kernels evaluate, and report, that
+/// read wherever the reference would.
+pub fn classifier(
+    mask: Option<&Function>,
+    params: &[ParamDecl],
+) -> (Function, Vec<(usize, usize)>) {
     let args = vec![Arg::B, Arg::H, Arg::QLo, Arg::QHi, Arg::KvLo, Arg::KvHi];
+    let mut summaries = Vec::new();
     let body = match mask {
         None => Expr::i32(TileClass::Full.code()),
         Some(mask) => {
@@ -49,6 +64,8 @@ pub fn classifier(mask: Option<&Function>, params: &[ParamDecl]) -> Function {
                 locals: HashMap::new(),
                 bindings: Vec::new(),
                 next: build::next_local(&mask.body),
+                summaries: Vec::new(),
+                in_range: Expr::bool(true),
             };
             let v = cx.eval(&mask.body);
             let (t, f) = match v {
@@ -64,18 +81,33 @@ pub fn classifier(mask: Option<&Function>, params: &[ParamDecl]) -> Function {
                     Expr::i32(TileClass::Partial.code()),
                 ),
             );
+            let class = select(
+                cx.in_range.clone(),
+                class,
+                Expr::i32(TileClass::Partial.code()),
+            );
+            summaries = cx.summaries;
             cx.bindings
                 .into_iter()
                 .rev()
                 .fold(class, |body, (l, value)| let_(l, value, body))
         }
     };
-    Function {
+    let f = Function {
         name: "classify",
         args,
         ret: Ty::I32,
         body: build::simplify(body),
-    }
+    };
+    // Only the summaries the simplified classifier still reads.
+    summaries.retain(|&(t, a)| {
+        let mut used = false;
+        f.body.walk(&mut |e| {
+            used |= matches!(&e.kind, ExprKind::ReadRange(r) if r.tensor == t && r.axis == Some(a))
+        });
+        used
+    });
+    (f, summaries)
 }
 
 /// An abstract value.
@@ -133,6 +165,10 @@ struct Interval<'a> {
     locals: HashMap<Local, Abs>,
     bindings: Vec<(Local, Expr)>,
     next: u32,
+    /// The summaries read so far.
+    summaries: Vec<(usize, usize)>,
+    /// The tile's checked reads index inside their tensors.
+    in_range: Expr,
 }
 
 impl Interval<'_> {
@@ -152,8 +188,93 @@ impl Interval<'_> {
     }
 
     fn int(&mut self, lo: Expr, hi: Expr, range: (i64, i64)) -> Abs {
+        // A point stays one expression, so that reads can tell it is one.
+        if lo == hi {
+            let v = self.share(lo);
+            return Abs::Int {
+                lo: v.clone(),
+                hi: v,
+                range,
+            };
+        }
         let (lo, hi) = (self.share(lo), self.share(hi));
         Abs::Int { lo, hi, range }
+    }
+
+    /// The bounds of a tensor read over the tile.
+    fn read(&mut self, r: &Read, ty: Ty) -> Abs {
+        let idx: Vec<Abs> = r.indices.iter().map(|i| self.eval(i)).collect();
+        let ints: Option<Vec<(Expr, Expr)>> = idx
+            .iter()
+            .map(|a| match a {
+                Abs::Int { lo, hi, .. } => Some((lo.clone(), hi.clone())),
+                _ => None,
+            })
+            .collect();
+        // The checked bounds, over the whole tile.
+        for (axis, check) in r.checks.iter().enumerate() {
+            if !check.any() {
+                continue;
+            }
+            let ok = match &ints {
+                Some(ints) => {
+                    let (lo, hi) = ints[axis].clone();
+                    let dim = Expr {
+                        kind: ExprKind::Dim(r.tensor, axis),
+                        ty: Ty::I32,
+                    };
+                    let lower = if check.lower {
+                        le(Expr::i32(0), lo)
+                    } else {
+                        Expr::bool(true)
+                    };
+                    let upper = if check.upper {
+                        lt(hi, dim)
+                    } else {
+                        Expr::bool(true)
+                    };
+                    and(lower, upper)
+                }
+                // A u32 index is not tracked: the tile cannot be decided.
+                None => Expr::bool(false),
+            };
+            let ok = self.share(ok);
+            self.in_range = and(self.in_range.clone(), ok);
+        }
+        let Some(ints) = ints.filter(|_| ty == Ty::I32) else {
+            return if ty == Ty::I32 {
+                full_int()
+            } else {
+                Abs::Unknown
+            };
+        };
+        let varying: Vec<usize> = (0..ints.len())
+            .filter(|&a| ints[a].0 != ints[a].1)
+            .collect();
+        let axis = match varying[..] {
+            [] => None,
+            [a] => Some(a),
+            _ => return full_int(),
+        };
+        if let Some(a) = axis
+            && !self.summaries.contains(&(r.tensor, a))
+        {
+            self.summaries.push((r.tensor, a));
+        }
+        let los: Vec<Expr> = ints.iter().map(|(lo, _)| lo.clone()).collect();
+        let hi = axis.map_or_else(|| los[0].clone(), |a| ints[a].1.clone());
+        let bound = |max: bool| Expr {
+            kind: ExprKind::ReadRange(ReadRange {
+                tensor: r.tensor,
+                axis,
+                indices: los.clone(),
+                hi: Box::new(hi.clone()),
+                max,
+            }),
+            ty: Ty::I32,
+        };
+        let (lo, hi) = (bound(false), bound(true));
+        self.int(lo, hi, (I32_MIN, I32_MAX))
     }
 
     fn boolean(&mut self, t: Expr, f: Expr) -> Abs {
@@ -243,6 +364,9 @@ impl Interval<'_> {
                 let (x, y) = (self.eval(a), self.eval(b));
                 self.select(c, x, y)
             }
+            ExprKind::Read(r) => self.read(r, e.ty),
+            // Not in a mask: these come from classifiers.
+            ExprKind::ReadRange(_) | ExprKind::Dim(..) => full_int(),
         }
     }
 

@@ -165,7 +165,55 @@ impl<'a> RustEmitter<'a> {
                 let (v, body) = (self.expr(v), self.expr(body));
                 quote!({ let #id: #ty = #v; #body })
             }
+            ExprKind::Read(r) => {
+                let t = self.tensor(r.tensor);
+                let idx = self.indices(&r.indices);
+                let read = if r.checks.iter().any(|c| c.any()) {
+                    let site = r.site;
+                    quote!(self.#t.checked(#site, [#(#idx),*]))
+                } else {
+                    quote!(self.#t.at([#(#idx),*]))
+                };
+                if e.ty == Ty::F32 && self.float == Float::F64 {
+                    quote!((#read as f64))
+                } else {
+                    read
+                }
+            }
+            ExprKind::ReadRange(r) => {
+                let t = self.tensor(r.tensor);
+                let idx = self.indices(&r.indices);
+                let max = r.max;
+                match r.axis {
+                    None => quote!(self.#t.bound_at([#(#idx),*], #max)),
+                    Some(axis) => {
+                        let hi = self.expr(&r.hi);
+                        quote!(self.#t.range_bound(#axis, [#(#idx),*], (#hi) as i64, #max))
+                    }
+                }
+            }
+            ExprKind::Dim(t, axis) => {
+                let t = self.tensor(*t);
+                quote!(self.#t.dim_i32(#axis))
+            }
         }
+    }
+
+    /// The field holding captured tensor `t`.
+    fn tensor(&self, t: usize) -> Ident {
+        Ident::new(&self.program.tensors[t].name, Span::call_site())
+    }
+
+    /// Tensor indices as the host views take them (`i64`, so that an `i32`
+    /// and a `u32` index both keep their value).
+    fn indices(&self, indices: &[Expr]) -> Vec<TokenStream> {
+        indices
+            .iter()
+            .map(|i| {
+                let i = self.expr(i);
+                quote!(((#i) as i64))
+            })
+            .collect()
     }
 
     fn binary(&self, op: BinOp, a: &Expr, b: &Expr) -> TokenStream {
@@ -278,7 +326,13 @@ impl<'a> RustEmitter<'a> {
 fn is_uniform(e: &Expr) -> bool {
     match &e.kind {
         ExprKind::Const(_) | ExprKind::Param(_) => true,
-        ExprKind::Arg(_) | ExprKind::Local(_) | ExprKind::Let(..) => false,
+        // A tensor read may vary with its indices (and its data).
+        ExprKind::Arg(_)
+        | ExprKind::Local(_)
+        | ExprKind::Let(..)
+        | ExprKind::Read(_)
+        | ExprKind::ReadRange(_)
+        | ExprKind::Dim(..) => false,
         ExprKind::Unary(_, a) | ExprKind::Cast(a) => is_uniform(a),
         ExprKind::Binary(_, a, b) => is_uniform(a) && is_uniform(b),
         ExprKind::Call(_, args) => args.iter().all(is_uniform),

@@ -38,6 +38,10 @@ pub enum Buffer {
     /// `stats [B, Hq, Sq, 2]` f32: per-row running sums kept between the
     /// dispatches of one kernel (WGSL).
     Stats,
+    /// `rows [B, Hq, Sq, 4]` f32: per query row of the backward, two running
+    /// sums, lse and `D_i` (WGSL, one binding where CUDA has `lse` and
+    /// `delta`).
+    Rows,
 }
 
 /// What a [`Buffer`]'s elements are.
@@ -49,6 +53,8 @@ pub enum Elem {
     F32,
     /// Pairs of `f32`.
     F32x2,
+    /// Fours of `f32`.
+    F32x4,
 }
 
 impl Buffer {
@@ -66,6 +72,7 @@ impl Buffer {
             Buffer::Dk => "dk",
             Buffer::Dv => "dv",
             Buffer::Stats => "stats",
+            Buffer::Rows => "rows",
         }
     }
 
@@ -74,6 +81,7 @@ impl Buffer {
         match self {
             Buffer::Lse | Buffer::Delta => Elem::F32,
             Buffer::Stats => Elem::F32x2,
+            Buffer::Rows => Elem::F32x4,
             _ => Elem::Input,
         }
     }
@@ -85,6 +93,7 @@ impl Buffer {
             Buffer::K | Buffer::V | Buffer::Dk | Buffer::Dv => "[B, Hkv, Sk, D]",
             Buffer::Lse | Buffer::Delta => "[B, Hq, Sq]",
             Buffer::Stats => "[B, Hq, Sq, 2]",
+            Buffer::Rows => "[B, Hq, Sq, 4]",
         }
     }
 }
@@ -153,6 +162,10 @@ pub enum Arg {
     Scalar(Scalar),
     /// The variant's parameter block ([`ParamWords`](crate::params::ParamWords)).
     Params,
+    /// The capture arena of the call: `u32` words, the error record first,
+    /// then the captured tensors and their summaries
+    /// ([`Arena`](crate::params::Arena)).
+    Captures,
 }
 
 impl Arg {
@@ -172,6 +185,7 @@ impl Arg {
             Arg::Buffer(b, _) => b.name(),
             Arg::Scalar(s) => s.name(),
             Arg::Params => "params",
+            Arg::Captures => "captures",
         }
     }
 }

@@ -25,7 +25,8 @@ constexpr unsigned FWD_P = 45056; // 9216 bytes
 constexpr unsigned FWD_ROW_M = 54272; // 256 bytes
 constexpr unsigned FWD_ROW_L = 54528; // 256 bytes
 constexpr unsigned FWD_ROW_A = 54784; // 256 bytes
-constexpr unsigned FWD_SMEM_BYTES = 55040; // dynamic shared memory
+constexpr unsigned FWD_SEEN = 55040; // 256 bytes
+constexpr unsigned FWD_SMEM_BYTES = 55296; // dynamic shared memory
 constexpr unsigned BWD_Q = 0; // 9216 bytes
 constexpr unsigned BWD_DO = 9216; // 9216 bytes
 constexpr unsigned BWD_K = 18432; // 9216 bytes
@@ -36,7 +37,8 @@ constexpr unsigned BWD_PE = 71680; // 9216 bytes
 constexpr unsigned BWD_DSE = 80896; // 9216 bytes
 constexpr unsigned BWD_LSE = 90112; // 256 bytes
 constexpr unsigned BWD_DELTA = 90368; // 256 bytes
-constexpr unsigned BWD_SMEM_BYTES = 90624; // dynamic shared memory
+constexpr unsigned BWD_SEEN = 90624; // 256 bytes
+constexpr unsigned BWD_SMEM_BYTES = 90880; // dynamic shared memory
 // ---- tile classes (the classifier's codes) ----
 constexpr int TILE_EMPTY = 0;
 constexpr int TILE_PARTIAL = 1;
@@ -125,32 +127,38 @@ struct Params {
 };
 static_assert(sizeof(Params) == 128, "Params is 32 words");
 
-__device__ __forceinline__ float variant_score(const Params& params, float s, int b, int h, int q, int kv) {
+__device__ __forceinline__ float variant_score(const Params& params, unsigned* __restrict__ captures, float s, int b, int h, int q, int kv, bool seen) {
+    (void)captures;
     (void)b;
     (void)h;
     (void)q;
     (void)kv;
+    (void)seen;
     return __fmul_rn(params.p_cap, bx_tanh(__fdiv_rn(s, params.p_cap)));
 }
 
-__device__ __forceinline__ float variant_score_grad(const Params& params, float s, int b, int h, int q, int kv) {
+__device__ __forceinline__ float variant_score_grad(const Params& params, unsigned* __restrict__ captures, float s, int b, int h, int q, int kv, bool seen) {
+    (void)captures;
     (void)b;
     (void)h;
     (void)q;
     (void)kv;
+    (void)seen;
     const float l0 = bx_tanh(__fdiv_rn(s, params.p_cap));
     return __fmul_rn(params.p_cap, __fmul_rn(__fsub_rn(1.0f, __fmul_rn(l0, l0)), __fdiv_rn(1.0f, params.p_cap)));
 }
 
-__device__ __forceinline__ bool variant_mask(const Params& params, int b, int h, int q, int kv) {
+__device__ __forceinline__ bool variant_mask(const Params& params, unsigned* __restrict__ captures, int b, int h, int q, int kv) {
     (void)params;
+    (void)captures;
     (void)b;
     (void)h;
     return (kv <= q);
 }
 
-__device__ __forceinline__ int variant_classify(const Params& params, int b, int h, int q_lo, int q_hi, int kv_lo, int kv_hi) {
+__device__ __forceinline__ int variant_classify(const Params& params, unsigned* __restrict__ captures, int b, int h, int q_lo, int q_hi, int kv_lo, int kv_hi) {
     (void)params;
+    (void)captures;
     (void)b;
     (void)h;
     return ((kv_lo > q_hi) ? 0 : ((q_lo >= kv_hi) ? 2 : 1));
@@ -297,20 +305,32 @@ __device__ __forceinline__ void bx_dot_tile(const elem_t* A, const elem_t* B, fl
 
 // Whether (query row q0 + i, key k0 + j) exists and is visible. Full tiles
 // (TILE_FULL) skip the mask.
-__device__ __forceinline__ bool bx_visible(const Params& params, int cls, int b, int h, int qi, int kj,
-                                           int seq_q, int seq_k, int qp, int kp) {
-    return qi < seq_q && kj < seq_k && (cls == TILE_FULL || variant_mask(params, b, h, qp, kp));
+__device__ __forceinline__ bool bx_visible(const Params& params, unsigned* __restrict__ captures, int cls, int b,
+                                           int h, int qi, int kj, int seq_q, int seq_k, int qp, int kp) {
+    return qi < seq_q && kj < seq_k && (cls == TILE_FULL || variant_mask(params, captures, b, h, qp, kp));
 }
 
 // The one place a raw dot product becomes a score, in every kernel: x = the
 // scaled logit (rounded on its own, never fused), then the variant's score;
 // -inf when the pair is not visible.
-__device__ __forceinline__ float bx_score_at(const Params& params, float raw, float scale, bool visible,
-                                             int b, int h, int qp, int kp, float& x) {
+__device__ __forceinline__ float bx_score_at(const Params& params, unsigned* __restrict__ captures, float raw,
+                                             float scale, bool visible, int b, int h, int qp, int kp, float& x) {
     x = 0.0f;
     if (!visible) return bx_neg_inf();
     x = __fmul_rn(raw, scale);
-    return variant_score(params, x, b, h, qp, kp);
+    return variant_score(params, captures, x, b, h, qp, kp, true);
+}
+
+// Keys of a tile that no row of it sees (flag 0 in `seen`) get zero rows
+// in `tile`, so that whatever their K or V rows hold (NaN, Inf: a cache's
+// unwritten slots) never meets a zero probability in a product (0·NaN).
+// Only a Partial tile can have such keys.
+template <int ROWS, int NT>
+__device__ __forceinline__ void bx_zero_unseen(elem_t* tile, const int* seen) {
+    for (int e = threadIdx.x; e < ROWS * DP; e += NT) {
+        const int r = e / DP;
+        if (!seen[r]) tile[r * LDE + (e - r * DP)] = (elem_t)0;
+    }
 }
 
 // An f32 accumulator tile [ROWS][DP] in registers, spread over NT threads,
@@ -479,7 +499,8 @@ boostr_attn_fwd(
     int seq_q,
     int seq_k,
     float scale,
-    Params params) {
+    Params params,
+    unsigned* __restrict__ captures) {
     extern __shared__ __align__(16) unsigned char bx_smem[];
     elem_t* sQ = reinterpret_cast<elem_t*>(bx_smem + FWD_Q);
     elem_t* sK = reinterpret_cast<elem_t*>(bx_smem + FWD_K);
@@ -495,6 +516,7 @@ boostr_attn_fwd(
     float* row_m = reinterpret_cast<float*>(bx_smem + FWD_ROW_M);
     float* row_l = reinterpret_cast<float*>(bx_smem + FWD_ROW_L);
     float* row_a = reinterpret_cast<float*>(bx_smem + FWD_ROW_A);
+    int* s_seen = reinterpret_cast<int*>(bx_smem + FWD_SEEN);
     (void)batch;
 
     const int q0 = blockIdx.x * BQ;
@@ -518,11 +540,12 @@ boostr_attn_fwd(
     const int n_kt = (seq_k + BKV - 1) / BKV;
     for (int kt = 0; kt < n_kt; ++kt) {
         const int k0 = kt * BKV;
-        const int cls = variant_classify(params, b, h, q_lo, q_hi, k0, min(k0 + BKV, seq_k) - 1);
+        const int cls = variant_classify(params, captures, b, h, q_lo, q_hi, k0, min(k0 + BKV, seq_k) - 1);
         if (cls == TILE_EMPTY) continue; // nothing visible (uniform over the block)
         __syncthreads(); // the previous tile's readers of K, V, S, P are done
         bx_load_rows<BKV, FWD_THREADS>(sK, k + (kv_row0 + k0) * D, seq_k - k0);
         bx_load_rows<BKV, FWD_THREADS>(sV, v + (kv_row0 + k0) * D, seq_k - k0);
+        for (int j = threadIdx.x; j < BKV; j += FWD_THREADS) s_seen[j] = 0;
         __syncthreads();
         bx_dot_tile<BQ, BKV, FWD_LDS, FWD_THREADS>(sQ, sK, sS);
         __syncthreads();
@@ -531,11 +554,13 @@ boostr_attn_fwd(
             const int j = e - i * BKV;
             const int qp = q0 + i + offset;
             const int kp = k0 + j;
-            const bool vis = bx_visible(params, cls, b, h, q0 + i, kp, seq_q, seq_k, qp, kp);
+            const bool vis = bx_visible(params, captures, cls, b, h, q0 + i, kp, seq_q, seq_k, qp, kp);
+            if (vis) s_seen[j] = 1;
             float x;
-            sS[i * FWD_LDS + j] = bx_score_at(params, sS[i * FWD_LDS + j], scale, vis, b, h, qp, kp, x);
+            sS[i * FWD_LDS + j] = bx_score_at(params, captures, sS[i * FWD_LDS + j], scale, vis, b, h, qp, kp, x);
         }
         __syncthreads();
+        if (cls != TILE_FULL) bx_zero_unseen<BKV, FWD_THREADS>(sV, s_seen); // read after the softmax's barrier
         bx_online_softmax(sS, sP, row_m, row_l, row_a);
         __syncthreads();
         acc.scale_rows(row_a);

@@ -2,7 +2,7 @@
 //! other tests share): `let` blocks (typed and untyped), `if`/`else`, `as`
 //! casts, every function, and f32, i32, u32 and bool parameters.
 
-use boostr_runtime::{Variant, attention};
+use boostr_runtime::{HostVariant, Variant, attention};
 
 include!("../fixtures/everything.rs");
 

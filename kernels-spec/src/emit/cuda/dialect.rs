@@ -23,7 +23,7 @@
 
 use super::Cuda;
 use crate::emit::Target;
-use crate::emit::gpu::ast::{BinaryOp, Func, Function, Literal, Type, UnaryOp};
+use crate::emit::gpu::ast::{BinaryOp, Func, Function, Literal, Name, Type, UnaryOp};
 use crate::emit::gpu::{CastForm, Dialect, OpForm, Part, literal};
 use crate::ir::TileClass;
 use crate::params::PARAM_WORDS;
@@ -32,6 +32,7 @@ use std::fmt::{self, Formatter};
 impl Dialect for Cuda {
     const TARGET: Target = Target::Cuda;
     const HELPERS: &'static str = include_str!("helpers.cu");
+    const CAPTURE_HELPERS: &'static str = include_str!("captures.cu");
     const TYPES: [&'static str; 4] = ["float", "int", "unsigned", "bool"];
     const I32_SUFFIX: &'static str = "";
 
@@ -104,6 +105,15 @@ impl Dialect for Cuda {
         }
     }
 
+    fn bits(to: Type) -> CastForm {
+        match to {
+            Type::F32 => CastForm::Call("__uint_as_float"),
+            _ => CastForm::CCast,
+        }
+    }
+
+    const CAPTURES_ARG: &'static str = "captures, ";
+
     fn select(f: &mut Formatter<'_>, c: Part<'_>, t: Part<'_>, e: Part<'_>) -> fmt::Result {
         write!(f, "({c} ? {t} : {e})")
     }
@@ -119,12 +129,15 @@ impl Dialect for Cuda {
     fn function_header(f: &mut Formatter<'_>, fun: &Function) -> fmt::Result {
         write!(
             f,
-            "__device__ __forceinline__ {} {}(const Params& params",
+            "__device__ __forceinline__ {} {}(const Params& params, unsigned* __restrict__ captures",
             Self::ty(fun.ret),
             fun.name
         )?;
         for (a, t) in &fun.args {
             write!(f, ", {} {}", Self::ty(*t), a.name())?;
+        }
+        if fun.seen {
+            write!(f, ", bool {}", Name::Seen)?;
         }
         writeln!(f, ") {{")
     }

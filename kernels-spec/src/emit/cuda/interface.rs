@@ -146,6 +146,7 @@ fn c_type(arg: Arg) -> &'static str {
         Arg::Scalar(s) if s.is_float() => "float",
         Arg::Scalar(_) => "int",
         Arg::Params => "Params",
+        Arg::Captures => "unsigned* __restrict__",
     }
 }
 

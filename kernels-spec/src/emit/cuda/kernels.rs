@@ -314,20 +314,32 @@ __device__ __forceinline__ void bx_dot_tile(const elem_t* A, const elem_t* B, fl
 
 // Whether (query row q0 + i, key k0 + j) exists and is visible. Full tiles
 // (TILE_FULL) skip the mask.
-__device__ __forceinline__ bool bx_visible(const Params& params, int cls, int b, int h, int qi, int kj,
-                                           int seq_q, int seq_k, int qp, int kp) {
-    return qi < seq_q && kj < seq_k && (cls == TILE_FULL || variant_mask(params, b, h, qp, kp));
+__device__ __forceinline__ bool bx_visible(const Params& params, unsigned* __restrict__ captures, int cls, int b,
+                                           int h, int qi, int kj, int seq_q, int seq_k, int qp, int kp) {
+    return qi < seq_q && kj < seq_k && (cls == TILE_FULL || variant_mask(params, captures, b, h, qp, kp));
 }
 
 // The one place a raw dot product becomes a score, in every kernel: x = the
 // scaled logit (rounded on its own, never fused), then the variant's score;
 // -inf when the pair is not visible.
-__device__ __forceinline__ float bx_score_at(const Params& params, float raw, float scale, bool visible,
-                                             int b, int h, int qp, int kp, float& x) {
+__device__ __forceinline__ float bx_score_at(const Params& params, unsigned* __restrict__ captures, float raw,
+                                             float scale, bool visible, int b, int h, int qp, int kp, float& x) {
     x = 0.0f;
     if (!visible) return bx_neg_inf();
     x = __fmul_rn(raw, scale);
-    return variant_score(params, x, b, h, qp, kp);
+    return variant_score(params, captures, x, b, h, qp, kp, true);
+}
+
+// Keys of a tile that no row of it sees (flag 0 in `seen`) get zero rows
+// in `tile`, so that whatever their K or V rows hold (NaN, Inf: a cache's
+// unwritten slots) never meets a zero probability in a product (0·NaN).
+// Only a Partial tile can have such keys.
+template <int ROWS, int NT>
+__device__ __forceinline__ void bx_zero_unseen(elem_t* tile, const int* seen) {
+    for (int e = threadIdx.x; e < ROWS * DP; e += NT) {
+        const int r = e / DP;
+        if (!seen[r]) tile[r * LDE + (e - r * DP)] = (elem_t)0;
+    }
 }
 
 // An f32 accumulator tile [ROWS][DP] in registers, spread over NT threads,
@@ -501,6 +513,7 @@ const FORWARD_BODY: &str = r#"    extern __shared__ __align__(16) unsigned char 
     float* row_m = reinterpret_cast<float*>(bx_smem + FWD_ROW_M);
     float* row_l = reinterpret_cast<float*>(bx_smem + FWD_ROW_L);
     float* row_a = reinterpret_cast<float*>(bx_smem + FWD_ROW_A);
+    int* s_seen = reinterpret_cast<int*>(bx_smem + FWD_SEEN);
     (void)batch;
 
     const int q0 = blockIdx.x * BQ;
@@ -524,11 +537,12 @@ const FORWARD_BODY: &str = r#"    extern __shared__ __align__(16) unsigned char 
     const int n_kt = (seq_k + BKV - 1) / BKV;
     for (int kt = 0; kt < n_kt; ++kt) {
         const int k0 = kt * BKV;
-        const int cls = variant_classify(params, b, h, q_lo, q_hi, k0, min(k0 + BKV, seq_k) - 1);
+        const int cls = variant_classify(params, captures, b, h, q_lo, q_hi, k0, min(k0 + BKV, seq_k) - 1);
         if (cls == TILE_EMPTY) continue; // nothing visible (uniform over the block)
         __syncthreads(); // the previous tile's readers of K, V, S, P are done
         bx_load_rows<BKV, FWD_THREADS>(sK, k + (kv_row0 + k0) * D, seq_k - k0);
         bx_load_rows<BKV, FWD_THREADS>(sV, v + (kv_row0 + k0) * D, seq_k - k0);
+        for (int j = threadIdx.x; j < BKV; j += FWD_THREADS) s_seen[j] = 0;
         __syncthreads();
         bx_dot_tile<BQ, BKV, FWD_LDS, FWD_THREADS>(sQ, sK, sS);
         __syncthreads();
@@ -537,11 +551,13 @@ const FORWARD_BODY: &str = r#"    extern __shared__ __align__(16) unsigned char 
             const int j = e - i * BKV;
             const int qp = q0 + i + offset;
             const int kp = k0 + j;
-            const bool vis = bx_visible(params, cls, b, h, q0 + i, kp, seq_q, seq_k, qp, kp);
+            const bool vis = bx_visible(params, captures, cls, b, h, q0 + i, kp, seq_q, seq_k, qp, kp);
+            if (vis) s_seen[j] = 1;
             float x;
-            sS[i * FWD_LDS + j] = bx_score_at(params, sS[i * FWD_LDS + j], scale, vis, b, h, qp, kp, x);
+            sS[i * FWD_LDS + j] = bx_score_at(params, captures, sS[i * FWD_LDS + j], scale, vis, b, h, qp, kp, x);
         }
         __syncthreads();
+        if (cls != TILE_FULL) bx_zero_unseen<BKV, FWD_THREADS>(sV, s_seen); // read after the softmax's barrier
         bx_online_softmax(sS, sP, row_m, row_l, row_a);
         __syncthreads();
         acc.scale_rows(row_a);
@@ -569,22 +585,24 @@ const BACKWARD_PREAMBLE: &str = r#"
 // raw Q·Kᵀ, dP the raw dO·Vᵀ. Out: P in S, dS in dP, and their 16-bit
 // copies in Pe, dSe on tensor cores.
 __device__ __forceinline__ void bx_grad_tile(float* S, float* dP, elem_t* Pe, elem_t* dSe, const float* s_lse,
-                                             const float* s_delta, const Params& params, int cls, int b, int h,
-                                             int q0, int k0, int seq_q, int seq_k, int offset, float scale) {
+                                             const float* s_delta, int* s_seen, const Params& params,
+                                             unsigned* __restrict__ captures, int cls, int b, int h, int q0,
+                                             int k0, int seq_q, int seq_k, int offset, float scale) {
     for (int e = threadIdx.x; e < BBQ * BBKV; e += BWD_THREADS) {
         const int i = e / BBKV;
         const int j = e - i * BBKV;
         const int qp = q0 + i + offset;
         const int kp = k0 + j;
-        const bool vis = bx_visible(params, cls, b, h, q0 + i, kp, seq_q, seq_k, qp, kp);
+        const bool vis = bx_visible(params, captures, cls, b, h, q0 + i, kp, seq_q, seq_k, qp, kp);
+        if (vis) s_seen[j] = 1;
         float x;
-        const float sc = bx_score_at(params, S[i * BWD_LDS + j], scale, vis, b, h, qp, kp, x);
+        const float sc = bx_score_at(params, captures, S[i * BWD_LDS + j], scale, vis, b, h, qp, kp, x);
         const float L = s_lse[i];
         float p = 0.0f;
         float ds = 0.0f;
         if (vis && L != bx_neg_inf() && sc != bx_neg_inf()) {
             p = expf(sc - L);
-            ds = p * (dP[i * BWD_LDS + j] - s_delta[i]) * variant_score_grad(params, x, b, h, qp, kp);
+            ds = p * (dP[i * BWD_LDS + j] - s_delta[i]) * variant_score_grad(params, captures, x, b, h, qp, kp, true);
         }
         S[i * BWD_LDS + j] = p;
         dP[i * BWD_LDS + j] = ds;
@@ -607,7 +625,8 @@ __device__ __forceinline__ void bx_grad_tile(float* S, float* dP, elem_t* Pe, el
     float* sS = reinterpret_cast<float*>(bx_smem + BWD_S);                          \
     float* sdP = reinterpret_cast<float*>(bx_smem + BWD_DP);                        \
     float* s_lse = reinterpret_cast<float*>(bx_smem + BWD_LSE);                     \
-    float* s_delta = reinterpret_cast<float*>(bx_smem + BWD_DELTA);
+    float* s_delta = reinterpret_cast<float*>(bx_smem + BWD_DELTA);                 \
+    int* s_seen = reinterpret_cast<int*>(bx_smem + BWD_SEEN);
 
 #if BX_MMA
 #define BX_BWD_OPERANDS                                                             \
@@ -658,17 +677,23 @@ const DQ_BODY: &str = r#"    BX_BWD_SMEM
     const int n_kt = (seq_k + BBKV - 1) / BBKV;
     for (int kt = 0; kt < n_kt; ++kt) {
         const int k0 = kt * BBKV;
-        const int cls = variant_classify(params, b, h, q_lo, q_hi, k0, min(k0 + BBKV, seq_k) - 1);
+        const int cls = variant_classify(params, captures, b, h, q_lo, q_hi, k0, min(k0 + BBKV, seq_k) - 1);
         if (cls == TILE_EMPTY) continue;
         __syncthreads();
         bx_load_rows<BBKV, BWD_THREADS>(sK, k + (kv_row0 + k0) * D, seq_k - k0);
         bx_load_rows<BBKV, BWD_THREADS>(sV, v + (kv_row0 + k0) * D, seq_k - k0);
+        for (int j = threadIdx.x; j < BBKV; j += BWD_THREADS) s_seen[j] = 0;
         __syncthreads();
         bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS>(sQ, sK, sS);
         bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS>(sdO, sV, sdP);
         __syncthreads();
-        bx_grad_tile(sS, sdP, sPe, sdSe, s_lse, s_delta, params, cls, b, h, q0, k0, seq_q, seq_k, offset, scale);
+        bx_grad_tile(sS, sdP, sPe, sdSe, s_lse, s_delta, s_seen, params, captures, cls, b, h, q0, k0, seq_q,
+                     seq_k, offset, scale);
         __syncthreads();
+        if (cls != TILE_FULL) { // dS = 0 at unseen keys, but 0·NaN is not 0
+            bx_zero_unseen<BBKV, BWD_THREADS>(sK, s_seen);
+            __syncthreads();
+        }
         acc.template add<BBKV, LDA, 1>(sdSe, sK);
     }
     acc.store(dq + q_row0 * D, seq_q - q0, nullptr, scale);
@@ -701,7 +726,7 @@ const DKDV_BODY: &str = r#"    BX_BWD_SMEM
             const int q0 = qt * BBQ;
             const int q_lo = q0 + offset;
             const int q_hi = min(q0 + BBQ, seq_q) - 1 + offset;
-            const int cls = variant_classify(params, b, h, q_lo, q_hi, k0, kv_hi);
+            const int cls = variant_classify(params, captures, b, h, q_lo, q_hi, k0, kv_hi);
             if (cls == TILE_EMPTY) continue;
             __syncthreads(); // K/V loaded; the previous tile's readers are done
             bx_load_rows<BBQ, BWD_THREADS>(sQ, q + (q_head0 + q0) * D, seq_q - q0);
@@ -712,7 +737,8 @@ const DKDV_BODY: &str = r#"    BX_BWD_SMEM
             bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS>(sQ, sK, sS);
             bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS>(sdO, sV, sdP);
             __syncthreads();
-            bx_grad_tile(sS, sdP, sPe, sdSe, s_lse, s_delta, params, cls, b, h, q0, k0, seq_q, seq_k, offset, scale);
+            bx_grad_tile(sS, sdP, sPe, sdSe, s_lse, s_delta, s_seen, params, captures, cls, b, h, q0, k0, seq_q,
+                         seq_k, offset, scale);
             __syncthreads();
             // Pᵀ and dSᵀ: A(key j, query i) = P[i][j].
             acc_v.template add<BBQ, 1, LDA>(sPe, sdO);
@@ -742,6 +768,7 @@ pub const FORWARD: Kernel = Kernel {
         Arg::Scalar(Scalar::SeqK),
         Arg::Scalar(Scalar::Scale),
         Arg::Params,
+        Arg::Captures,
     ],
     grid: [
         Extent::Tiles(Dim::SeqQ, Size::BlockQ),
@@ -794,6 +821,7 @@ pub const DQ: Kernel = Kernel {
         Arg::Scalar(Scalar::SeqK),
         Arg::Scalar(Scalar::Scale),
         Arg::Params,
+        Arg::Captures,
     ],
     grid: [
         Extent::Tiles(Dim::SeqQ, Size::BwdBlockQ),
@@ -826,6 +854,7 @@ pub const DKDV: Kernel = Kernel {
         Arg::Scalar(Scalar::SeqK),
         Arg::Scalar(Scalar::Scale),
         Arg::Params,
+        Arg::Captures,
     ],
     grid: [
         Extent::Tiles(Dim::SeqK, Size::BwdBlockKv),
@@ -852,3 +881,38 @@ pub const BACKWARD_MODULE: Module = Module {
     preamble: BACKWARD_PREAMBLE,
     kernels: &[(&DELTA, DELTA_BODY), (&DQ, DQ_BODY), (&DKDV, DKDV_BODY)],
 };
+
+/// Threads per block of [`SUMMARY_SOURCE`].
+pub const SUMMARY_THREADS: u32 = 256;
+
+/// The summary kernel `bx_summarize`, one translation unit for every
+/// variant: one thread per entry of one summary
+/// ([`SummaryJob`](crate::params::SummaryJob), its words the arguments
+/// after the arena), blocks of [`SUMMARY_THREADS`] along x. It runs on the
+/// call's stream before the attention kernels, so the classifiers read
+/// summaries made on the device.
+pub const SUMMARY_SOURCE: &str = r#"// Generated by boostr (kernels-spec): the summaries of captured tensors.
+constexpr unsigned BX_SUMMARY_BLOCK = 16; // kernels_spec::params::SUMMARY_BLOCK
+
+extern "C" __global__ void __launch_bounds__(256)
+bx_summarize(unsigned* __restrict__ arena, unsigned source, unsigned dest, unsigned outer, unsigned len,
+             unsigned inner, unsigned blocks, unsigned entries) {
+    const unsigned long long e = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= entries) return;
+    (void)outer;
+    const unsigned i = (unsigned)(e % inner);
+    const unsigned blk = (unsigned)((e / inner) % blocks);
+    const unsigned o = (unsigned)(e / ((unsigned long long)inner * blocks));
+    const unsigned first = blk * BX_SUMMARY_BLOCK;
+    const unsigned last = min(first + BX_SUMMARY_BLOCK, len);
+    int lo = 2147483647;
+    int hi = -2147483647 - 1;
+    for (unsigned x = first; x < last; ++x) {
+        const int v = (int)arena[source + ((size_t)o * len + x) * inner + i];
+        lo = min(lo, v);
+        hi = max(hi, v);
+    }
+    arena[dest + e] = (unsigned)lo;
+    arena[dest + entries + e] = (unsigned)hi;
+}
+"#;

@@ -263,8 +263,9 @@ impl CudaTiles {
 
     /// The forward kernel's shared memory: Q (`BQ` rows), K and V (`BKV`
     /// rows each, both resident for the tile), the f32 score/probability
-    /// tile, on tensor cores its 16-bit copy (the A operand of P·V), and per
-    /// row the running max, sum and rescale factor.
+    /// tile, on tensor cores its 16-bit copy (the A operand of P·V), per
+    /// row the running max, sum and rescale factor, and per key whether any
+    /// row of the tile sees it.
     pub fn forward_layout(&self) -> SmemLayout {
         let (bq, bkv) = (self.block_q, self.block_kv);
         let mut l = SmemLayout::default();
@@ -278,13 +279,15 @@ impl CudaTiles {
         l.push("FWD_ROW_M", 4 * u64::from(bq));
         l.push("FWD_ROW_L", 4 * u64::from(bq));
         l.push("FWD_ROW_A", 4 * u64::from(bq));
+        l.push("FWD_SEEN", 4 * u64::from(bkv));
         l
     }
 
     /// The backward tile kernels' shared memory (dQ and dK/dV use the same
     /// layout): Q and dO (`BBQ` rows), K and V (`BBKV` rows), the f32 S→P and
-    /// dP→dS tiles, on tensor cores their 16-bit copies (MMA operands), and
-    /// per query row lse and `D_i`.
+    /// dP→dS tiles, on tensor cores their 16-bit copies (MMA operands), per
+    /// query row lse and `D_i`, and per key whether any row of the tile
+    /// sees it.
     pub fn backward_layout(&self) -> SmemLayout {
         let (bq, bkv) = (self.bwd_block_q, self.bwd_block_kv);
         let mut l = SmemLayout::default();
@@ -300,6 +303,7 @@ impl CudaTiles {
         }
         l.push("BWD_LSE", 4 * u64::from(bq));
         l.push("BWD_DELTA", 4 * u64::from(bq));
+        l.push("BWD_SEEN", 4 * u64::from(bkv));
         l
     }
 

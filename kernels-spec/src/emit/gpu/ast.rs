@@ -116,6 +116,12 @@ pub enum Name {
     Local(Local),
     /// The parameter block.
     Params,
+    /// The capture arena (see [`crate::params`]).
+    Captures,
+    /// `score` and `score_grad`'s last argument: the pair is visible, so
+    /// the reference evaluates the function there (a checked read reports
+    /// an index out of range only then).
+    Seen,
 }
 
 /// The name of a name in every dialect: the argument's own, `l<N>` for a
@@ -126,6 +132,8 @@ impl fmt::Display for Name {
             Name::Arg(a) => f.write_str(a.name()),
             Name::Local(l) => write!(f, "l{}", l.0),
             Name::Params => f.write_str("params"),
+            Name::Captures => f.write_str("captures"),
+            Name::Seen => f.write_str("seen"),
         }
     }
 }
@@ -164,6 +172,38 @@ pub enum Expr {
     },
     /// `if cond { then } else { otherwise }`, both sides pure.
     Select(Box<Expr>, Box<Expr>, Box<Expr>),
+    /// The capture arena's `u32` word at index `.0` (a read proved in range).
+    Capture(Box<Expr>),
+    /// The arena's word at `word` when `ok`, else 0 without reading; when
+    /// `report` and not `ok`, the first such read of the launch records
+    /// `site` and its `indices` (as `u32` bits) in the arena's error words.
+    CheckedCapture {
+        /// The word's index.
+        word: Box<Expr>,
+        /// Every checked bound holds.
+        ok: Box<Expr>,
+        /// The read is evaluated where the reference evaluates it.
+        report: Box<Expr>,
+        /// The read's site.
+        site: u32,
+        /// Its indices, as `u32` bits (one to four).
+        indices: Vec<Expr>,
+    },
+    /// The bits of a `u32` as a value of type `.0` (`f32` or `i32`).
+    Bits(Type, Box<Expr>),
+    /// The least (`max = false`) or greatest `i32` among `count` summary
+    /// entries of the arena from word `first`, `stride` words apart; with
+    /// `count = 0`, `i32::MIN` (`i32::MAX` for the greatest).
+    Summary {
+        /// The first entry's word.
+        first: Box<Expr>,
+        /// Words between entries.
+        stride: Box<Expr>,
+        /// Entries (at most [`SUMMARY_MAX_BLOCKS`](crate::params::SUMMARY_MAX_BLOCKS)).
+        count: Box<Expr>,
+        /// The greatest, else the least.
+        max: bool,
+    },
 }
 
 /// A statement of a function body.
@@ -185,6 +225,9 @@ pub struct Function {
     pub name: String,
     /// Its arguments, in order, with their types.
     pub args: Vec<(Arg, Type)>,
+    /// It takes a last argument `seen: bool` ([`Name::Seen`]): `score`
+    /// and `score_grad` do.
+    pub seen: bool,
     /// Its result type.
     pub ret: Type,
     /// Its body: `Unused` statements first, then `Let`s, then one `Return`.

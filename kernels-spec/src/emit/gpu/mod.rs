@@ -59,6 +59,10 @@ pub trait Dialect: Sized + 'static {
     /// The helper functions the printed code calls (text in the target's
     /// language, every one total).
     const HELPERS: &'static str;
+    /// The helpers that read the capture arena (`bx_capture`,
+    /// `bx_capture_checked`, `bx_summary`), included for variants that
+    /// read tensors.
+    const CAPTURE_HELPERS: &'static str;
 
     // ---- types and literals ----
 
@@ -101,6 +105,14 @@ pub trait Dialect: Sized + 'static {
     /// How a numeric conversion from `from` to `to` is written (a `bool`
     /// becomes 0 or 1 through [`select`](Dialect::select)).
     fn cast(from: Type, to: Type) -> CastForm;
+
+    /// How the bits of a `u32` are read as an `f32` or an `i32`.
+    fn bits(to: Type) -> CastForm;
+
+    /// What the capture helpers (`bx_capture`, `bx_capture_checked`,
+    /// `bx_summary`) take before their own arguments: nothing where the
+    /// arena is a module-scope binding, the arena where it is an argument.
+    const CAPTURES_ARG: &'static str = "";
 
     /// `if cond { then } else { otherwise }`.
     fn select(
@@ -224,6 +236,47 @@ impl<D: Dialect> Display for Code<'_, D, Expr> {
                 CastForm::CCast => write!(f, "(({})({}))", D::ty(*to), c(value)),
             },
             Expr::Select(cond, then, otherwise) => D::select(f, &c(cond), &c(then), &c(otherwise)),
+            Expr::Capture(word) => write!(f, "bx_capture({}{})", D::CAPTURES_ARG, c(word)),
+            Expr::CheckedCapture {
+                word,
+                ok,
+                report,
+                site,
+                indices,
+            } => {
+                write!(
+                    f,
+                    "bx_capture_checked({}{}, {}, {}, {site}u",
+                    D::CAPTURES_ARG,
+                    c(word),
+                    c(ok),
+                    c(report)
+                )?;
+                for i in 0..4 {
+                    match indices.get(i) {
+                        Some(index) => write!(f, ", {}", c(index))?,
+                        None => f.write_str(", 0u")?,
+                    }
+                }
+                f.write_str(")")
+            }
+            Expr::Bits(to, value) => match D::bits(*to) {
+                CastForm::Call(name) => call(f, name, &[&c(value)]),
+                CastForm::CCast => write!(f, "(({})({}))", D::ty(*to), c(value)),
+            },
+            Expr::Summary {
+                first,
+                stride,
+                count,
+                max,
+            } => write!(
+                f,
+                "bx_summary({}{}, {}, {}, {max})",
+                D::CAPTURES_ARG,
+                c(first),
+                c(stride),
+                c(count)
+            ),
         }
     }
 }
@@ -279,6 +332,9 @@ pub fn tile_class_constants<D: Dialect>() -> String {
 /// helpers, the parameter block struct and the four variant functions.
 pub fn variant_section<D: Dialect>(program: &Program) -> String {
     let mut s = String::from(D::HELPERS);
+    if !program.tensors.is_empty() {
+        s.push_str(D::CAPTURE_HELPERS);
+    }
     s.push_str("\n// ---- variant ");
     s.push_str(&program.name);
     s.push_str(" ----\n");

@@ -1,7 +1,7 @@
 //! One lowering, two dialects: each construct as CUDA C and WGSL write it.
 
 use super::ast::Literal;
-use super::{Dialect, lower, variant_section};
+use super::{Dialect, code, lower, variant_section};
 use crate::compile_str;
 use crate::emit::cuda::Cuda;
 use crate::emit::wgsl::Wgsl;
@@ -140,8 +140,9 @@ fn unread_arguments_are_taken_and_marked_in_cuda_only() {
     let (cuda, wgsl) = both(&p, &p.mask);
     assert_eq!(
         cuda,
-        "__device__ __forceinline__ bool variant_mask(const Params& params, int b, int h, int q, int kv) {\n    \
-         (void)params;\n    (void)b;\n    (void)h;\n    return (kv < q);\n}\n"
+        "__device__ __forceinline__ bool variant_mask(const Params& params, unsigned* __restrict__ captures, \
+         int b, int h, int q, int kv) {\n    \
+         (void)params;\n    (void)captures;\n    (void)b;\n    (void)h;\n    return (kv < q);\n}\n"
     );
     assert_eq!(
         wgsl,
@@ -190,4 +191,50 @@ fn the_params_struct_fills_the_block_in_both_dialects() {
         ),
         "{wgsl}"
     );
+}
+
+#[test]
+fn tensor_reads_are_arena_words_and_checked_reads_report_on_their_path() {
+    let p = program(
+        "#[attention(score = |s, b, h, q, kv| if kv > 3 { s + self.t[kv - 4] } else { s * self.w[h] }, \
+           mask = |b, h, q, kv| self.doc[b][kv] == self.doc[b][q])] \
+         struct V<R: Runtime> { #[tensor(f32, [8])] t: Tensor<R>, #[tensor(f32, [Hq])] w: Tensor<R>, \
+           #[tensor(i32, [B, Sk])] doc: Tensor<R> }",
+    );
+    let (cuda, wgsl) = both(&p, &p.score);
+    // `w[h]` is proved in range: a plain load. `t[kv - 4]` is checked above
+    // (it may reach past 8), and reports only where `kv > 3` holds, at a
+    // visible pair (`seen`).
+    assert!(
+        cuda.contains("__uint_as_float(bx_capture(captures, (params.p_w_off + ((unsigned)(h)))))"),
+        "{cuda}"
+    );
+    assert!(
+        wgsl.contains("bitcast<f32>(bx_capture((params.p_w_off + bitcast<u32>(h))))"),
+        "{wgsl}"
+    );
+    assert!(wgsl.contains("let l0: bool = (kv > 3i);"), "{wgsl}");
+    assert!(
+        wgsl.contains(
+            "bx_capture_checked((params.p_t_off + bitcast<u32>((kv - 4i))), \
+             (bitcast<u32>((kv - 4i)) < params.p_t_d0), (seen && l0), 0u, bitcast<u32>((kv - 4i)), 0u, 0u, 0u)"
+        ),
+        "{wgsl}"
+    );
+    assert!(
+        wgsl.contains(
+            "fn variant_score(s: f32, b: i32, h: i32, q: i32, kv: i32, seen: bool) -> f32"
+        ),
+        "{wgsl}"
+    );
+    // Without a checked read, `seen` is taken and unused.
+    let (cuda_mask, _) = both(&p, &p.score_grad);
+    assert!(cuda_mask.contains(", int kv, bool seen) {"), "{cuda_mask}");
+    // The classifier bounds `doc` over the tile's positions from summaries.
+    let classify = code::<Wgsl, _>(&lower::function(&p, &p.classify)).to_string();
+    assert!(
+        classify.contains("bx_summary((params.p_doc_s1 + "),
+        "{classify}"
+    );
+    assert_eq!(p.summaries, [(2, 1)]);
 }

@@ -22,7 +22,7 @@
 
 use super::Wgsl;
 use crate::emit::Target;
-use crate::emit::gpu::ast::{BinaryOp, Func, Function, Literal, Type};
+use crate::emit::gpu::ast::{BinaryOp, Func, Function, Literal, Name, Type};
 use crate::emit::gpu::{CastForm, Dialect, OpForm, Part, literal};
 use crate::ir::TileClass;
 use std::fmt::{self, Formatter};
@@ -30,6 +30,7 @@ use std::fmt::{self, Formatter};
 impl Dialect for Wgsl {
     const TARGET: Target = Target::Wgsl;
     const HELPERS: &'static str = include_str!("helpers.wgsl");
+    const CAPTURE_HELPERS: &'static str = include_str!("captures.wgsl");
     const TYPES: [&'static str; 4] = ["f32", "i32", "u32", "bool"];
     const I32_SUFFIX: &'static str = "i";
 
@@ -80,6 +81,13 @@ impl Dialect for Wgsl {
         })
     }
 
+    fn bits(to: Type) -> CastForm {
+        CastForm::Call(match to {
+            Type::F32 => "bitcast<f32>",
+            _ => "bitcast<i32>",
+        })
+    }
+
     fn select(f: &mut Formatter<'_>, c: Part<'_>, t: Part<'_>, e: Part<'_>) -> fmt::Result {
         write!(f, "select({e}, {t}, {c})")
     }
@@ -98,11 +106,14 @@ impl Dialect for Wgsl {
     }
 
     fn function_header(f: &mut Formatter<'_>, fun: &Function) -> fmt::Result {
-        let args: Vec<String> = fun
+        let mut args: Vec<String> = fun
             .args
             .iter()
             .map(|(a, t)| format!("{}: {}", a.name(), Self::ty(*t)))
             .collect();
+        if fun.seen {
+            args.push(format!("{}: bool", Name::Seen));
+        }
         writeln!(
             f,
             "fn {}({}) -> {} {{",

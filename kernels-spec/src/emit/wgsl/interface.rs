@@ -39,6 +39,10 @@ pub enum Binding {
     Params,
     /// `var<uniform> shape: Shape`, the [`SHAPE`] scalars.
     Shape,
+    /// `var<storage, read_write> captures: array<atomic<u32>>`, the call's
+    /// capture arena ([`crate::params::Arena`]); every module binds one (a
+    /// variant without tensors, only the error words).
+    Captures,
     /// `var<storage, read | read_write>` of a tensor.
     Storage(Buffer, Access),
 }
@@ -91,6 +95,10 @@ impl Entry {
     }
 }
 
+/// `maxStorageBuffersPerShaderStage` that WebGPU guarantees: every module
+/// binds at most this many storage buffers.
+pub const MAX_STORAGE_BUFFERS: usize = 8;
+
 /// `maxComputeWorkgroupsPerDimension` that WebGPU guarantees.
 pub const MAX_WORKGROUPS: u64 = 65535;
 
@@ -113,10 +121,19 @@ fn storage_type(b: Buffer) -> &'static str {
         // The WGSL kernels compute in f32 and take f32 tensors.
         Elem::Input | Elem::F32 => "array<f32>",
         Elem::F32x2 => "array<vec2<f32>>",
+        Elem::F32x4 => "array<vec4<f32>>",
     }
 }
 
 impl Module {
+    /// Its storage buffer bindings (the arena among them).
+    pub fn storage_buffers(&self) -> usize {
+        self.bindings
+            .iter()
+            .filter(|b| matches!(b, Binding::Storage(..) | Binding::Captures))
+            .count()
+    }
+
     /// The module's declarations of its bindings and of the `Shape` struct.
     pub fn declarations(&self) -> String {
         let mut s = String::from("// ---- bindings ----\nstruct Shape {\n");
@@ -133,6 +150,9 @@ impl Module {
             s.push_str(&match b {
                 Binding::Params => "var<uniform> params: Params;\n".to_string(),
                 Binding::Shape => "var<uniform> shape: Shape;\n".to_string(),
+                Binding::Captures => {
+                    "var<storage, read_write> captures: array<atomic<u32>>;\n".to_string()
+                }
                 Binding::Storage(buf, access) => format!(
                     "var<storage, {}> {}: {};\n",
                     match access {
@@ -157,6 +177,7 @@ impl Display for Module {
             match b {
                 Binding::Params => write!(f, "{sep}{i} params (uniform)")?,
                 Binding::Shape => write!(f, "{sep}{i} shape (uniform)")?,
+                Binding::Captures => write!(f, "{sep}{i} captures (rw)")?,
                 Binding::Storage(buf, access) => write!(
                     f,
                     "{sep}{i} {} {}{}",

@@ -189,7 +189,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
         r#"
             // FULL tiles skip the mask.
             let seen = live && k0 + j < sk && (cls == TILE_FULL || variant_mask(ib, ih, qp, kp));
-            let s = select(-bx_inf(), variant_score(dot * shape.scale, ib, ih, qp, kp), seen);
+            let s = select(-bx_inf(), variant_score(dot * shape.scale, ib, ih, qp, kp, seen), seen);
             s_row[j] = s;
             if s > m_new { m_new = s; }
         }
@@ -202,14 +202,28 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     Piece::HeadDimLoop(r#" acc[d] *= alpha; "#),
     Piece::Text(
         r#"
-        for (var j = 0u; j < BKV; j++) {
-            let p = exp(s_row[j] - m_ref);
-            l += p;
-            "#,
+        if cls == TILE_FULL {
+            for (var j = 0u; j < BKV; j++) {
+                let p = exp(s_row[j] - m_ref);
+                l += p;
+                "#,
     ),
     Piece::HeadDimLoop(r#" acc[d] += p * v_tile[j * D + d]; "#),
     Piece::Text(
         r#"
+            }
+        } else {
+            // A key this row does not see has p = 0 and stays out of its
+            // sums even where its V row holds NaN or Inf (0·NaN is NaN).
+            for (var j = 0u; j < BKV; j++) {
+                let p = exp(s_row[j] - m_ref);
+                l += p;
+                "#,
+    ),
+    Piece::HeadDimLoop(r#" acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); "#),
+    Piece::Text(
+        r#"
+            }
         }
         m = m_new;
     }
@@ -318,8 +332,9 @@ fn pair_terms(qr: ptr<function, array<f32, D>>, dor: ptr<function, array<f32, D>
     let s = dot * shape.scale;
     let seen = r.live && !bx_is_neg_inf(r.lse) && k0 + j < shape.seq_k
         && (cls == TILE_FULL || variant_mask(ib, ih, r.qp, kp));
-    let p = select(0.0f, exp(variant_score(s, ib, ih, r.qp, kp) - r.lse), seen);
-    return vec3<f32>(s, p, dp);
+    let p = select(0.0f, exp(variant_score(s, ib, ih, r.qp, kp, seen) - r.lse), seen);
+    // dp of a key the row does not see is never used: it may be NaN.
+    return vec3<f32>(s, p, select(0.0f, dp, p != 0.0f));
 }
 
 fn load_row(qr: ptr<function, array<f32, D>>, dor: ptr<function, array<f32, D>>, r: QueryRow) {
@@ -349,7 +364,7 @@ fn attn_bwd_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocati
     var dor: array<f32, D>;
     load_row(&qr, &dor, r);
     var sums = vec2<f32>(0.0f);
-    if r.live && !is_first() { sums = stats[r.row]; }
+    if r.live && !is_first() { sums = rows[r.row].xy; }
 
     for (var kt = shape.tile_begin; kt < min(shape.tile_end, t.n_tiles); kt++) {
         let k0 = kt * BKV;
@@ -365,11 +380,11 @@ fn attn_bwd_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocati
     }
     if !r.live { return; }
     if !is_last() {
-        stats[r.row] = sums;
+        rows[r.row] = vec4<f32>(sums, 0.0f, 0.0f);
     } else {
         var dl = 0.0f;
         if sums.x > 0.0f { dl = sums.y / sums.x; }
-        delta[r.row] = dl;
+        rows[r.row] = vec4<f32>(sums, r.lse, dl);
     }
 }
 
@@ -382,7 +397,7 @@ fn attn_bwd_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
     load_row(&qr, &dor, r);
     var acc: array<f32, D>;
     var delta_i = 0.0f;
-    if r.live { delta_i = delta[r.row]; }
+    if r.live { delta_i = rows[r.row].w; }
     "#,
     ),
     Piece::HeadDimLoop(
@@ -404,13 +419,23 @@ fn attn_bwd_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
         workgroupBarrier();
         for (var j = 0u; j < BKV; j++) {
             let pt = pair_terms(&qr, &dor, r, j, k0, cls, t.ib, t.ih);
-            let g = variant_score_grad(pt.x, t.ib, t.ih, r.qp, i32(k0 + j));
+            let g = variant_score_grad(pt.x, t.ib, t.ih, r.qp, i32(k0 + j), pt.y != 0.0f);
             let ds = select(0.0f, pt.y * (pt.z - delta_i) * g, pt.y != 0.0f);
-            "#,
+            // A key the row does not see stays out even where its K row is
+            // NaN or Inf; only a Partial tile has such keys.
+            if cls == TILE_FULL {
+                "#,
     ),
     Piece::HeadDimLoop(r#" acc[d] += ds * k_tile[j * D + d]; "#),
     Piece::Text(
         r#"
+            } else {
+                "#,
+    ),
+    Piece::HeadDimLoop(r#" acc[d] += select(0.0f, ds * k_tile[j * D + d], ds != 0.0f); "#),
+    Piece::Text(
+        r#"
+            }
         }
     }
     if !r.live { return; }
@@ -432,7 +457,7 @@ const DKDV_CODE: &[Piece] = &[
 // ---- backward: dK and dV (one key row per invocation) ----
 
 // Q and dO rows q0 .. q0 + BQ of one query head, their lse and D_i (lse
-// -inf past Sq: such rows see nothing).
+// -inf past Sq: such rows see nothing), from `rows` (.z lse, .w D_i).
 var<workgroup> q_tile: array<f32, BQ * D>;
 var<workgroup> do_tile: array<f32, BQ * D>;
 var<workgroup> lse_tile: array<f32, BQ>;
@@ -457,8 +482,9 @@ fn stage_q(lid: u32, q_base: u32, q0: u32) {
         var l = -bx_inf();
         var dl = 0.0f;
         if q0 + i < shape.seq_q {
-            l = lse[q_base + q0 + i];
-            dl = delta[q_base + q0 + i];
+            let rw = rows[q_base + q0 + i];
+            l = rw.z;
+            dl = rw.w;
         }
         lse_tile[i] = l;
         delta_tile[i] = dl;
@@ -541,8 +567,8 @@ fn attn_bwd_dkdv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
         r#"
             let s = dot * shape.scale;
             let seen = live && !bx_is_neg_inf(lse_i) && (cls == TILE_FULL || variant_mask(ib, ih, qp, kp));
-            let p = select(0.0f, exp(variant_score(s, ib, ih, qp, kp) - lse_i), seen);
-            let g = variant_score_grad(s, ib, ih, qp, kp);
+            let p = select(0.0f, exp(variant_score(s, ib, ih, qp, kp, seen) - lse_i), seen);
+            let g = variant_score_grad(s, ib, ih, qp, kp, p != 0.0f);
             let ds = select(0.0f, p * (dp - delta_i) * g, p != 0.0f);
             "#,
     ),
@@ -582,6 +608,7 @@ pub const FORWARD: Module = Module {
     bindings: &[
         Binding::Params,
         Binding::Shape,
+        Binding::Captures,
         Binding::Storage(Buffer::Q, Access::Read),
         Binding::Storage(Buffer::K, Access::Read),
         Binding::Storage(Buffer::V, Access::Read),
@@ -611,8 +638,9 @@ const fn over_key_tiles(name: &'static str) -> Entry {
 /// `D_i = Σ_j P_ij dP_ij / Σ_j P_ij` from the recomputed `P`, then
 /// `attn_bwd_dq` the dQ rows. Both: one workgroup per (WG query rows,
 /// b·Hq + h), one invocation per query row, dispatched per range of key
-/// tiles. Between dispatches `stats` holds the two sums of each row, and
-/// `dq` the unscaled accumulator.
+/// tiles. `rows` holds per query row the two sums (between dispatches),
+/// then lse and `D_i` for the dK/dV kernel; `dq` holds the unscaled
+/// accumulator between dispatches.
 ///
 /// `D_i` is `rowsum(dO ∘ O)` in exact arithmetic, but taking it from the
 /// same recomputed `P` that forms `dS` makes every row of `dS` sum to zero
@@ -625,14 +653,14 @@ pub const BACKWARD_DQ: Module = Module {
     bindings: &[
         Binding::Params,
         Binding::Shape,
+        Binding::Captures,
         Binding::Storage(Buffer::Q, Access::Read),
         Binding::Storage(Buffer::K, Access::Read),
         Binding::Storage(Buffer::V, Access::Read),
         Binding::Storage(Buffer::Dout, Access::Read),
         Binding::Storage(Buffer::Lse, Access::Read),
-        Binding::Storage(Buffer::Delta, Access::ReadWrite),
+        Binding::Storage(Buffer::Rows, Access::ReadWrite),
         Binding::Storage(Buffer::Dq, Access::ReadWrite),
-        Binding::Storage(Buffer::Stats, Access::ReadWrite),
     ],
     entries: &[
         over_key_tiles("attn_bwd_delta"),
@@ -644,19 +672,20 @@ pub const BACKWARD_DQ: Module = Module {
 /// The backward's second module, `attn_bwd_dkdv`: one workgroup per (WG key rows, b·Hkv + h_kv),
 /// one invocation per key row, summing over every query head of its GQA
 /// group (no float atomics in WGSL), dispatched per range of the (GQA head,
-/// query tile) pairs, flattened. Reads `delta` from `attn_bwd_delta`;
+/// query tile) pairs, flattened. Reads lse and `D_i` from `rows`, which
+/// `attn_bwd_delta` wrote;
 /// between dispatches `dk`, `dv` hold the accumulators (`dk` unscaled).
 pub const BACKWARD_DKDV: Module = Module {
     name: "bwd_dkdv",
     bindings: &[
         Binding::Params,
         Binding::Shape,
+        Binding::Captures,
         Binding::Storage(Buffer::Q, Access::Read),
         Binding::Storage(Buffer::K, Access::Read),
         Binding::Storage(Buffer::V, Access::Read),
         Binding::Storage(Buffer::Dout, Access::Read),
-        Binding::Storage(Buffer::Lse, Access::Read),
-        Binding::Storage(Buffer::Delta, Access::Read),
+        Binding::Storage(Buffer::Rows, Access::Read),
         Binding::Storage(Buffer::Dk, Access::ReadWrite),
         Binding::Storage(Buffer::Dv, Access::ReadWrite),
     ],
@@ -677,3 +706,49 @@ pub const BACKWARD_DKDV: Module = Module {
 
 /// The backward's modules, in the order they run.
 pub const BACKWARD: [&Module; 2] = [&BACKWARD_DQ, &BACKWARD_DKDV];
+
+/// Invocations per workgroup of [`SUMMARY_SOURCE`].
+pub const SUMMARY_WORKGROUP: u32 = 64;
+
+/// The summary kernel `summarize`, one module for every variant: one
+/// invocation per entry of one summary ([`SummaryJob`](crate::params::SummaryJob),
+/// the uniform `job`), over workgroups `(x, y)` of [`SUMMARY_WORKGROUP`]
+/// invocations, entry `gid.x + gid.y · x · SUMMARY_WORKGROUP`. It runs
+/// before the attention kernels of a call, on the same arena, so the
+/// classifiers read summaries made on the device.
+pub const SUMMARY_SOURCE: &str = r#"// ---- the summaries of captured tensors (see kernels_spec::params) ----
+struct Job {
+    source: u32,
+    dest: u32,
+    outer: u32,
+    len: u32,
+    inner: u32,
+    blocks: u32,
+    entries: u32,
+    pad: u32,
+}
+@group(0) @binding(0) var<uniform> job: Job;
+@group(0) @binding(1) var<storage, read_write> arena: array<u32>;
+
+const BLOCK: u32 = 16u; // kernels_spec::params::SUMMARY_BLOCK
+
+@compute @workgroup_size(64)
+fn summarize(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) n: vec3<u32>) {
+    let e = gid.x + gid.y * n.x * 64u;
+    if e >= job.entries { return; }
+    let i = e % job.inner;
+    let blk = (e / job.inner) % job.blocks;
+    let o = e / (job.inner * job.blocks);
+    let first = blk * BLOCK;
+    let last = min(first + BLOCK, job.len);
+    var lo = 2147483647i;
+    var hi = -2147483647i - 1i;
+    for (var x = first; x < last; x++) {
+        let v = bitcast<i32>(arena[job.source + (o * job.len + x) * job.inner + i]);
+        lo = min(lo, v);
+        hi = max(hi, v);
+    }
+    arena[job.dest + e] = bitcast<u32>(lo);
+    arena[job.dest + job.entries + e] = bitcast<u32>(hi);
+}
+"#;

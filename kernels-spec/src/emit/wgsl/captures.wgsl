@@ -1,0 +1,28 @@
+// ---- the capture arena (see kernels_spec::params) ----
+fn bx_capture(word: u32) -> u32 {
+    return atomicLoad(&captures[word]);
+}
+// The word when ok, else 0 without reading it; the first read out of range
+// of a dispatch that reports records its site and indices in words 0..4
+// (word 7 elects it).
+fn bx_capture_checked(word: u32, ok: bool, report: bool, site: u32, i0: u32, i1: u32, i2: u32, i3: u32) -> u32 {
+    if ok { return atomicLoad(&captures[word]); }
+    if report && atomicMax(&captures[7], 1u) == 0u {
+        atomicStore(&captures[1], i0);
+        atomicStore(&captures[2], i1);
+        atomicStore(&captures[3], i2);
+        atomicStore(&captures[4], i3);
+        atomicStore(&captures[0], site + 1u);
+    }
+    return 0u;
+}
+// The least (or greatest) of `count` summary entries `stride` words apart.
+fn bx_summary(first: u32, stride: u32, count: u32, greatest: bool) -> i32 {
+    if count == 0u { return select(-2147483647i - 1i, 2147483647i, greatest); }
+    var best = bitcast<i32>(atomicLoad(&captures[first]));
+    for (var i = 1u; i < count; i++) {
+        let v = bitcast<i32>(atomicLoad(&captures[first + i * stride]));
+        best = select(min(best, v), max(best, v), greatest);
+    }
+    return best;
+}
