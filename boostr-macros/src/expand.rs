@@ -8,7 +8,7 @@ use kernels_spec::params::{Encoding, SlotKind};
 use kernels_spec::symbol;
 use kernels_spec::{Compiled, compile, explain};
 use proc_macro2::TokenStream;
-use quote::{format_ident, quote};
+use quote::{ToTokens, format_ident, quote};
 
 pub fn expand(attr: TokenStream, item: syn::ItemStruct) -> TokenStream {
     let result = compile(attr, &item);
@@ -142,6 +142,27 @@ fn size_form(f: &SizeForm) -> TokenStream {
     })
 }
 
+/// The where clause of a variant with tensors: the struct is generic over
+/// its runtime, and the impl holds wherever the struct has what a variant
+/// needs (a runtime with attention kernels, whose derives apply).
+fn variant_where(item: &syn::ItemStruct) -> syn::WhereClause {
+    let mut generics = item.generics.clone();
+    let runtime = item.generics.type_params().next().map(|t| t.ident.clone());
+    let w = generics.make_where_clause();
+    if let Some(runtime) = runtime {
+        w.predicates
+            .push(syn::parse_quote!(#runtime: ::boostr_runtime::AttentionRuntime));
+    }
+    w.predicates.push(syn::parse_quote!(
+        Self: ::core::clone::Clone
+            + ::core::fmt::Debug
+            + ::core::marker::Send
+            + ::core::marker::Sync
+            + 'static
+    ));
+    w.clone()
+}
+
 fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
     let ident = &item.ident;
     let vis = &item.vis;
@@ -206,12 +227,14 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
             words
         }
     };
+    let classify_loops = program.classify_loop_iterations();
     let compiled = quote! {
         fn compiled() -> ::boostr_runtime::CompiledStages {
             ::boostr_runtime::CompiledStages {
                 name: #name,
                 text: #text,
                 lowerings: &[#(#lowerings),*],
+                classify_loop_iterations: #classify_loops,
             }
         }
     };
@@ -240,24 +263,7 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
     }
 
     let host = format_ident!("__BoostrHost{}", ident);
-    // The struct is generic over its runtime: the impl holds wherever the
-    // struct has what a variant needs (a runtime whose derives apply).
-    let variant_where = {
-        let mut generics = item.generics.clone();
-        let w = generics.make_where_clause();
-        if let Some(runtime) = item.generics.type_params().next().map(|t| &t.ident) {
-            w.predicates
-                .push(syn::parse_quote!(#runtime: ::boostr_runtime::AttentionRuntime));
-        }
-        w.predicates.push(syn::parse_quote!(
-            Self: ::core::clone::Clone
-                + ::core::fmt::Debug
-                + ::core::marker::Send
-                + ::core::marker::Sync
-                + 'static
-        ));
-        w.clone()
-    };
+    let variant_where = variant_where(item);
     let decls = program.tensors.iter().map(|t| {
         let name = &t.name;
         let elem = match t.elem {
@@ -447,6 +453,11 @@ fn stub_impl(item: &syn::ItemStruct) -> TokenStream {
                 impl ::boostr_runtime::HostVariant for #ident { #host_stub }
             },
         )
+    };
+    let where_clause = if generic {
+        variant_where(item).to_token_stream()
+    } else {
+        where_clause.to_token_stream()
     };
     quote! {
         #host_impl

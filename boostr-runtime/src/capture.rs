@@ -521,3 +521,182 @@ pub fn place_tensors(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::Rng;
+    use numr::runtime::cpu::CpuDevice;
+
+    fn host(values: &[i32], shape: [usize; 2], axis: usize) -> HostTensor<i32, 2> {
+        let t = Tensor::<CpuRuntime>::from_slice(values, &shape, &CpuDevice::new()).unwrap();
+        HostTensor::from_tensor(t, &[axis])
+    }
+
+    /// Along either axis of a `[5, 77]` tensor (and `[77, 5]`), the bound of
+    /// every range of up to `SUMMARY_MAX_BLOCKS` blocks is the least (or
+    /// greatest) element of the blocks that cover it: never inside the
+    /// range's own values, equal to them on block-aligned ranges; unbounded
+    /// for empty, out-of-range and too-wide ranges.
+    #[test]
+    fn range_bounds_cover_the_range_from_its_blocks() {
+        let mut rng = Rng::new(5, 0);
+        for axis in 0..2 {
+            let shape = if axis == 1 { [5, 77] } else { [77, 5] };
+            let values: Vec<i32> = (0..5 * 77)
+                .map(|_| (rng.uniform() * 2000.0) as i32 - 1000)
+                .collect();
+            let t = host(&values, shape, axis);
+            let at = |o: usize, i: usize| {
+                if axis == 1 {
+                    values[o * 77 + i]
+                } else {
+                    values[i * 5 + o]
+                }
+            };
+            let index = |o: usize, i: i64| {
+                if axis == 1 {
+                    [o as i64, i]
+                } else {
+                    [i, o as i64]
+                }
+            };
+            for o in 0..5 {
+                for lo in 0..77i64 {
+                    for hi in lo..77i64 {
+                        let blocks =
+                            (hi as usize / SUMMARY_BLOCK) - (lo as usize / SUMMARY_BLOCK) + 1;
+                        let (min, max) = (
+                            t.range_bound(axis, index(o, lo), hi, false),
+                            t.range_bound(axis, index(o, lo), hi, true),
+                        );
+                        if blocks > SUMMARY_MAX_BLOCKS {
+                            assert_eq!((min, max), (i32::MIN, i32::MAX));
+                            continue;
+                        }
+                        let first = lo as usize / SUMMARY_BLOCK * SUMMARY_BLOCK;
+                        let last = ((hi as usize / SUMMARY_BLOCK + 1) * SUMMARY_BLOCK).min(77);
+                        let covered: Vec<i32> = (first..last).map(|i| at(o, i)).collect();
+                        assert_eq!(min, *covered.iter().min().unwrap());
+                        assert_eq!(max, *covered.iter().max().unwrap());
+                        let own: Vec<i32> = (lo as usize..=hi as usize).map(|i| at(o, i)).collect();
+                        assert!(min <= *own.iter().min().unwrap());
+                        assert!(max >= *own.iter().max().unwrap());
+                    }
+                }
+                // Empty, and outside the tensor: unbounded.
+                assert_eq!(t.range_bound(axis, index(o, 9), 8, false), i32::MIN);
+                assert_eq!(t.range_bound(axis, index(o, -1), 3, true), i32::MAX);
+                assert_eq!(t.range_bound(axis, index(o, 70), 77, false), i32::MIN);
+            }
+        }
+    }
+
+    #[test]
+    fn checked_reads_report_the_least_site_and_index() {
+        let t = host(&[1, 2, 3, 4, 5, 6], [2, 3], 1);
+        assert_eq!(t.checked(1, [1, 2]), 6);
+        assert!(t.error("t").is_none());
+        assert_eq!(t.checked(3, [0, 3]), 0);
+        assert_eq!(t.checked(1, [2, 0]), 0);
+        assert_eq!(t.checked(1, [-1, 0]), 0);
+        let e = t.error("t").expect("reads out of range");
+        assert!(
+            matches!(&e, Error::IndexOutOfRange { field: "t", index, shape }
+                if *index == [-1, 0] && *shape == [2, 3]),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_arena_record_decodes_to_the_error() {
+        const DECLS: &[TensorDecl] = &[TensorDecl {
+            name: "doc",
+            elem: Ty::I32,
+            dims: &[DimDecl::Size(Size::B), DimDecl::Size(Size::Sk)],
+        }];
+        const CHECKS: &[ReadCheck] = &[ReadCheck {
+            site: 3,
+            tensor: 0,
+            signed: &[true, true],
+            holds: &[],
+        }];
+        let shapes: &[&[usize]] = &[&[2, 9]];
+        let target = kernels_spec::emit::Target::Wgsl;
+        assert!(read_error(target, CHECKS, DECLS, shapes, &[0; 8]).is_none());
+        let record = [4, 1, (-2i32) as u32, 0, 0, 0, 0, 1];
+        let e = read_error(target, CHECKS, DECLS, shapes, &record);
+        assert!(
+            matches!(&e, Some(Error::IndexOutOfRange { field: "doc", index, shape })
+                if *index == [1, -2] && *shape == [2, 9]),
+            "{e:?}"
+        );
+        // A site the variant does not have is an error too, never a pass.
+        let e = read_error(target, CHECKS, DECLS, shapes, &[9, 0, 0, 0, 0, 0, 0, 1]);
+        assert!(matches!(e, Some(Error::Backend(_))), "{e:?}");
+    }
+
+    #[test]
+    fn checks_hold_from_the_sizes_alone() {
+        let p = Problem {
+            batch: 1,
+            heads_q: 2,
+            heads_kv: 1,
+            seq_q: 5,
+            seq_k: 9,
+            head_dim: 8,
+            scale: 1.0,
+        };
+        // `Sk - Sq >= 0`: holds for Sq <= Sk.
+        const HOLDS: &[Holds] = &[Holds::NonNegative(SizeForm {
+            constant: 0,
+            per_size: [0, 0, 0, -1, 1],
+        })];
+        let checks = [ReadCheck {
+            site: 0,
+            tensor: 0,
+            signed: &[true],
+            holds: HOLDS,
+        }];
+        assert!(checks_hold(&checks, &p, &[&[9]]));
+        assert!(!checks_hold(&checks, &Problem { seq_q: 10, ..p }, &[&[9]]));
+        // `Sk - 1 < dim 0`, for an `_` dimension.
+        const BELOW: &[Holds] = &[Holds::BelowDim(
+            SizeForm {
+                constant: -1,
+                per_size: [0, 0, 0, 0, 1],
+            },
+            0,
+        )];
+        let checks = [ReadCheck {
+            holds: BELOW,
+            ..checks[0]
+        }];
+        assert!(checks_hold(&checks, &p, &[&[9]]));
+        assert!(!checks_hold(&checks, &p, &[&[8]]));
+        let checks = [ReadCheck {
+            holds: &[Holds::Never],
+            ..checks[0]
+        }];
+        assert!(!checks_hold(&checks, &p, &[&[9]]));
+    }
+
+    #[test]
+    fn the_parameter_block_places_each_tensor_and_its_summaries() {
+        use crate::Variant;
+        let ids: Vec<i32> = (0..80).map(|i| i / 7).collect();
+        let doc = Tensor::<CpuRuntime>::from_slice(&ids, &[2, 40], &CpuDevice::new()).unwrap();
+        let words = crate::stock::Documents { doc }.param_words().0;
+        // `doc`: its offset after the error words, its dimensions, then the
+        // arena offsets of its summaries (none along axis 0; along axis 1
+        // after the 80 elements).
+        let arena = Arena::new(&[&[2, 40]], &[(0, 1)]);
+        assert_eq!(arena.tensors, [kernels_spec::params::ERROR_WORDS]);
+        assert_eq!(
+            &words[..5],
+            &[arena.tensors[0] as u32, 2, 40, 0, arena.summaries[0] as u32]
+        );
+        assert_eq!(arena.summaries[0], kernels_spec::params::ERROR_WORDS + 80);
+        assert!(words[5..].iter().all(|&w| w == 0));
+    }
+}

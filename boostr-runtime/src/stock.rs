@@ -230,3 +230,125 @@ macro_rules! stock_variants {
         )
     };
 }
+
+#[cfg(test)]
+mod tests {
+    //! Tile classification over data against brute force: exact for sorted
+    //! document ids and for lengths, sound for anything.
+
+    use super::*;
+    use crate::testing::{CpuRuntime, TestData};
+    use crate::{HostVariant, Problem, TileClass, Variant};
+    use numr::runtime::cpu::CpuDevice;
+
+    fn problem(batch: usize, s: usize) -> Problem {
+        Problem {
+            batch,
+            heads_q: 2,
+            heads_kv: 1,
+            seq_q: s,
+            seq_k: s,
+            head_dim: 8,
+            scale: 1.0,
+        }
+    }
+
+    /// The class of a tile from every pair of it.
+    fn brute<H: HostVariant>(
+        host: &H,
+        b: i32,
+        (q_lo, q_hi): (i32, i32),
+        (k_lo, k_hi): (i32, i32),
+    ) -> TileClass {
+        let (mut any, mut all) = (false, true);
+        for q in q_lo..=q_hi {
+            for kv in k_lo..=k_hi {
+                let m = host.mask(b, 0, q, kv);
+                any |= m;
+                all &= m;
+            }
+        }
+        match (any, all) {
+            (false, _) => TileClass::Empty,
+            (true, true) => TileClass::Full,
+            _ => TileClass::Partial,
+        }
+    }
+
+    /// Every square tile of side `t` (positions multiples of `t`), and
+    /// tiles of `t` queries by `t / 2` keys: the classifier against brute
+    /// force. `exact`: equal on the square ones; always sound.
+    fn check<V: Variant>(variant: &V, p: &Problem, exact: bool) -> (usize, usize) {
+        let host = variant.host(p).expect("the tensors fit");
+        let s = p.seq_k as i32;
+        let (mut tiles, mut skipped) = (0, 0);
+        for t in [16, 32, 64, 128] {
+            for (tq, tk) in [(t, t), (t, t / 2)] {
+                for b in 0..p.batch as i32 {
+                    for q0 in (0..s).step_by(tq as usize) {
+                        for k0 in (0..s).step_by(tk as usize) {
+                            let qr = (q0, (q0 + tq).min(s) - 1);
+                            let kr = (k0, (k0 + tk).min(s) - 1);
+                            let got = host.classify_tile(b, 0, qr.0, qr.1, kr.0, kr.1);
+                            let want = brute(&host, b, qr, kr);
+                            assert!(
+                                got == want || got == TileClass::Partial,
+                                "{}: unsound: tile {qr:?} x {kr:?} of batch {b} is {want:?}, \
+                                 classified {got:?}",
+                                V::NAME
+                            );
+                            if exact && tq == tk {
+                                assert_eq!(
+                                    got,
+                                    want,
+                                    "{}: tile {qr:?} x {kr:?} of batch {b}",
+                                    V::NAME
+                                );
+                            }
+                            tiles += 1;
+                            skipped += usize::from(got == TileClass::Empty);
+                        }
+                    }
+                }
+            }
+        }
+        (tiles, skipped)
+    }
+
+    #[test]
+    fn sorted_documents_classify_exactly() {
+        let device = CpuDevice::new();
+        for seed in 0..8 {
+            let p = problem(2, 300);
+            let mut data = TestData::<CpuRuntime>::new(p, &device, seed, 0);
+            let doc = data.documents();
+            let (_, skipped) = check(&Documents { doc: doc.clone() }, &p, true);
+            assert!(skipped > 0, "documents of at most 100 positions skip tiles");
+            check(&CausalDocuments { doc }, &p, true);
+        }
+    }
+
+    #[test]
+    fn lengths_classify_exactly() {
+        let device = CpuDevice::new();
+        for seed in 0..8 {
+            let p = problem(4, 200);
+            let mut data = TestData::<CpuRuntime>::new(p, &device, seed, seed);
+            let len = data.lengths();
+            check(&KvLengths { len: len.clone() }, &p, true);
+            check(&CausalKvLengths { len }, &p, true);
+        }
+    }
+
+    #[test]
+    fn unsorted_documents_stay_sound() {
+        let device = CpuDevice::new();
+        for seed in 0..8 {
+            let p = problem(2, 150);
+            let mut data = TestData::<CpuRuntime>::new(p, &device, seed, 0);
+            let doc = data.unsorted_documents();
+            check(&Documents { doc: doc.clone() }, &p, false);
+            check(&CausalDocuments { doc }, &p, false);
+        }
+    }
+}

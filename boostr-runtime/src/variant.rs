@@ -25,6 +25,10 @@ pub struct CompiledStages {
     pub text: &'static str,
     /// The lowered variant section of each GPU target it was lowered to.
     pub lowerings: &'static [Lowering],
+    /// Loop iterations one evaluation of the tile classifier may run on a
+    /// GPU (its reads of summaries), which the loop budget of software
+    /// adapters counts.
+    pub classify_loop_iterations: u64,
 }
 
 /// One GPU target's lowering of a variant: its helpers, parameter block
@@ -46,6 +50,7 @@ impl CompiledStages {
             name,
             text: "",
             lowerings: &[],
+            classify_loop_iterations: 0,
         }
     }
 

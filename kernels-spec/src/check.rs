@@ -54,7 +54,8 @@ pub fn check(spec: &ast::Spec, diags: &mut Diagnostics) -> Checked {
             continue;
         }
         let ty = scalar_of(&p.ty);
-        if ty.is_none() {
+        // A `Tensor<R>` without `#[tensor]` is reported where it is parsed.
+        if ty.is_none() && crate::parse::tensor_runtime(&p.ty).is_none() {
             diags.error_spanned(
                 &p.ty,
                 format!(

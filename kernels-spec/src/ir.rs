@@ -734,3 +734,20 @@ pub struct Program {
     /// Per-variant tile size overrides `(q, kv)`.
     pub tile: (Option<u32>, Option<u32>),
 }
+
+impl Program {
+    /// Loop iterations one evaluation of the tile classifier may run on a
+    /// GPU target: each read of a tensor's summary loops over up to
+    /// [`SUMMARY_MAX_BLOCKS`](crate::params::SUMMARY_MAX_BLOCKS) entries.
+    pub fn classify_loop_iterations(&self) -> u64 {
+        let mut n = 0;
+        self.classify.body.walk(&mut |e| {
+            if let ExprKind::ReadRange(r) = &e.kind
+                && r.axis.is_some()
+            {
+                n += crate::params::SUMMARY_MAX_BLOCKS as u64;
+            }
+        });
+        n
+    }
+}

@@ -78,7 +78,12 @@ fn parse_fields(item: &syn::ItemStruct, spec: &mut Spec, diags: &mut Diagnostics
 /// parameter the tensors live on.
 fn parse_runtime(item: &syn::ItemStruct, spec: &mut Spec, diags: &mut Diagnostics) {
     let generics = &item.generics;
-    let has_tensors = spec.params.iter().any(|p| p.tensor.is_some());
+    // A `Tensor<R>` field without its attribute counts: the error is then
+    // the missing attribute, not the generics.
+    let has_tensors = spec
+        .params
+        .iter()
+        .any(|p| p.tensor.is_some() || tensor_runtime(&p.ty).is_some());
     let type_params: Vec<&syn::TypeParam> = generics.type_params().collect();
     let only_one_type = type_params.len() == 1 && generics.params.len() == 1;
     if !has_tensors {
@@ -110,7 +115,11 @@ fn parse_runtime(item: &syn::ItemStruct, spec: &mut Spec, diags: &mut Diagnostic
             (Some(_), Some(r)) if *r == runtime => {}
             (Some(_), _) => diags.error_spanned(
                 &p.ty,
-                format!("a `#[tensor]` field has type `Tensor<{runtime}>`, the struct's runtime"),
+                format!(
+                    "a `#[tensor(..)]` field is a `Tensor<{runtime}>`, on the struct's runtime \
+                     parameter `{runtime}`; found `{}`",
+                    quote::ToTokens::to_token_stream(&p.ty)
+                ),
             ),
             (None, _) if is_tensor_type => diags.error_spanned(
                 &p.ty,
@@ -153,7 +162,7 @@ fn check_instance(instance: &syn::Expr, spec: &Spec, diags: &mut Diagnostics) {
 }
 
 /// `R` if `ty` is `Tensor<R>` (any path ending in `Tensor`).
-fn tensor_runtime(ty: &syn::Type) -> Option<&syn::Ident> {
+pub(crate) fn tensor_runtime(ty: &syn::Type) -> Option<&syn::Ident> {
     let syn::Type::Path(p) = ty else { return None };
     let last = p.path.segments.last()?;
     if last.ident != "Tensor" {
@@ -169,7 +178,19 @@ fn tensor_runtime(ty: &syn::Type) -> Option<&syn::Ident> {
 }
 
 /// `#[tensor(i32, [B, Sk])]`.
+/// The field's `#[tensor(..)]`: always a tensor field, with no element
+/// type when the attribute has an error (reported here), so that the error
+/// does not cascade into the field being taken for a scalar.
 fn parse_tensor_attr(attr: &syn::Attribute, diags: &mut Diagnostics) -> Option<TensorAttr> {
+    Some(tensor_attr(attr, diags).unwrap_or(TensorAttr {
+        elem: None,
+        elem_span: attr.span(),
+        dims: Vec::new(),
+        span: attr.span(),
+    }))
+}
+
+fn tensor_attr(attr: &syn::Attribute, diags: &mut Diagnostics) -> Option<TensorAttr> {
     const FORM: &str = "expected `#[tensor(elem, [dims])]`, e.g. `#[tensor(i32, [B, Sk])]`";
     let syn::Meta::List(list) = &attr.meta else {
         diags.error_spanned(attr, FORM);
@@ -560,13 +581,14 @@ fn parse_expr(expr: &syn::Expr, diags: &mut Diagnostics) -> Option<Expr> {
 /// its first token's: `a` for `a + b`, as if `a` were at fault. Where the
 /// whole range cannot be had, point at the token that makes the expression
 /// what it is: the operator of `a + b`, the `as` of a cast, the name in
-/// `self.name`.
+/// `self.name`, the last brackets of `self.t[i][j]`.
 fn expr_span(expr: &syn::Expr) -> Span {
     use quote::ToTokens;
     let key = match expr {
         syn::Expr::Binary(b) => b.op.span(),
         syn::Expr::Cast(c) => c.as_token.span,
         syn::Expr::Field(f) => f.member.span(),
+        syn::Expr::Index(i) => i.bracket_token.span.join(),
         _ => return expr.span(),
     };
     let mut tokens = expr.to_token_stream().into_iter();

@@ -1,6 +1,8 @@
 //! Human-readable printing of the IR, for `explain` output and snapshots.
 
-use crate::ir::{Const, Expr, ExprKind, Function, Program, Ty, UnOp};
+use crate::ir::{
+    Const, DimDecl, Expr, ExprKind, Function, Holds, Program, Size, SizeForm, Ty, UnOp,
+};
 use std::fmt::{self, Write};
 
 /// Print a function as `name(args) -> ty = body` with one `let` per line.
@@ -94,6 +96,9 @@ pub fn reads(program: &Program) -> String {
             t.name,
             bounds.join(", ")
         ));
+        if let Some(c) = program.read_conditions.iter().find(|c| c.site == s.site) {
+            out.push_str(&format!("       {}\n", holds_text(&c.holds, &t.dims)));
+        }
     }
     for &(t, axis) in &program.summaries {
         out.push_str(&format!(
@@ -103,6 +108,69 @@ pub fn reads(program: &Program) -> String {
     }
     out.push('\n');
     out
+}
+
+/// `form` over the sizes, as people write it (`Sk - Sq`): positive terms
+/// first.
+fn form_text(form: &SizeForm) -> String {
+    let terms: Vec<(i64, &str)> = form
+        .per_size
+        .iter()
+        .zip(Size::ALL)
+        .filter(|(k, _)| **k != 0)
+        .map(|(k, s)| (*k, s.name()))
+        .collect();
+    let mut text = String::new();
+    for (k, name) in terms
+        .iter()
+        .filter(|t| t.0 > 0)
+        .chain(terms.iter().filter(|t| t.0 < 0))
+    {
+        let sign = match (text.is_empty(), *k < 0) {
+            (true, false) => "",
+            (true, true) => "-",
+            (false, false) => " + ",
+            (false, true) => " - ",
+        };
+        let coefficient = if k.abs() == 1 {
+            String::new()
+        } else {
+            format!("{}·", k.abs())
+        };
+        text.push_str(&format!("{sign}{coefficient}{name}"));
+    }
+    match (text.is_empty(), form.constant) {
+        (true, c) => c.to_string(),
+        (false, 0) => text,
+        (false, c) if c < 0 => format!("{text} - {}", -c),
+        (false, c) => format!("{text} + {c}"),
+    }
+}
+
+/// When the checks of one read may fail for a call, as people write it
+/// (a GPU call reads its error record back only then).
+fn holds_text(holds: &[Holds], dims: &[DimDecl]) -> String {
+    if holds.contains(&Holds::Never) {
+        return "may fail on any call (an index depends on a parameter or a tensor value): \
+                GPU calls read the error record back"
+            .into();
+    }
+    let each: Vec<String> = holds
+        .iter()
+        .map(|h| match h {
+            Holds::Never => unreachable!("handled above"),
+            Holds::NonNegative(f) => format!("{} < 0", form_text(f)),
+            Holds::BelowDim(f, axis) => format!(
+                "{} >= dim {axis}{}",
+                form_text(f),
+                dims.get(*axis).map_or(String::new(), |d| format!(" ({d})"))
+            ),
+        })
+        .collect();
+    format!(
+        "may fail only when {} (GPU calls read the error record back only then)",
+        each.join(" or ")
+    )
 }
 
 struct Printer<'a> {

@@ -241,6 +241,13 @@ fn every_kernel_compiles_without_spills() {
         return;
     }
     let ptxas_path = ptxas_path.expect("checked above");
+    // The summary kernel, shared by every variant with tensors.
+    for (nvrtc_arch, sm) in [("compute_90", "sm_90"), ("compute_80", "sm_80")] {
+        let tag = format!("bx_summarize {nvrtc_arch}/{sm}");
+        nvrtc(kernels::SUMMARY_SOURCE, nvrtc_arch, &tag)
+            .and_then(|ptx| assemble_and_check(&ptx, sm, &ptxas_path, &tag, &["bx_summarize"]))
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
     let specs = fixtures::all();
     let full = std::env::var_os("BOOSTR_CUDA_FULL").is_some();
     let jobs = jobs(specs.len(), everything_index(&specs), full);

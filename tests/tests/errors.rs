@@ -1,6 +1,6 @@
 //! Bad input is an `Err` naming the rule and the values, never a panic.
 
-use boostr_runtime::stock::{Causal, Full};
+use boostr_runtime::stock::{Causal, Documents, Full, RelativeBias};
 use boostr_runtime::{
     AttentionOptions, Error, attention_bwd, attention_fwd, var_attention, var_flash_attention,
 };
@@ -178,5 +178,127 @@ fn flash_attention_is_the_flash_mask_variant() {
     assert!(
         worst <= 1e-6,
         "flash causal vs stock causal differ by {worst}"
+    );
+}
+
+/// `q, k, v [1, 2, 5, 8]`.
+fn qkv() -> [Tensor<CpuRuntime>; 3] {
+    [
+        tensor(&[1, 2, 5, 8]),
+        tensor(&[1, 2, 5, 8]),
+        tensor(&[1, 2, 5, 8]),
+    ]
+}
+
+fn ints(values: &[i32], shape: &[usize]) -> Tensor<CpuRuntime> {
+    Tensor::<CpuRuntime>::from_slice(values, shape, &CpuDevice::new()).expect("tensor")
+}
+
+fn documents_err(doc: Tensor<CpuRuntime>) -> Error {
+    let [q, k, v] = qkv();
+    attention_fwd(&Documents { doc }, &q, &k, &v, &AttentionOptions::default())
+        .expect_err("a captured tensor that does not match its declaration")
+}
+
+#[test]
+fn a_captured_tensor_must_match_its_declaration() {
+    // dtype: i32 declared, f32 given.
+    let e = documents_err(tensor(&[1, 5]));
+    assert!(
+        matches!(
+            e,
+            Error::CaptureDType {
+                field: "doc",
+                expected: DType::I32,
+                got: DType::F32
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("`doc`"), "{e}");
+    // rank: [B, Sk] declared, a vector given.
+    let e = documents_err(ints(&[0; 5], &[5]));
+    assert!(matches!(e, Error::CaptureShape { field: "doc", .. }), "{e}");
+    assert!(
+        e.to_string().contains("[B = 1, Sk = 5]") && e.to_string().contains("[5]"),
+        "{e}"
+    );
+    // a declared size: Sk = 5, 4 given.
+    let e = documents_err(ints(&[0; 4], &[1, 4]));
+    assert!(
+        e.to_string().contains("[B = 1, Sk = 5]") && e.to_string().contains("[1, 4]"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_read_out_of_range_names_the_field_the_index_and_the_shape() {
+    // One column short of 2·max_distance + 1: the pair at distance 2 reads
+    // column 4 of a table of 4.
+    let table =
+        Tensor::<CpuRuntime>::from_slice(&[0.5f32; 8], &[2, 4], &CpuDevice::new()).expect("tensor");
+    let [q, k, v] = qkv();
+    let variant = RelativeBias {
+        table,
+        max_distance: 2,
+    };
+    let e = attention_fwd(&variant, &q, &k, &v, &AttentionOptions::default())
+        .expect_err("a read past the table");
+    match &e {
+        Error::IndexOutOfRange {
+            field,
+            index,
+            shape,
+        } => {
+            assert_eq!(
+                (*field, shape.as_slice()),
+                ("table", &[2usize, 4][..]),
+                "{e}"
+            );
+            assert_eq!(index[1], 4, "{e}");
+        }
+        other => panic!("expected a read out of range, got {other}"),
+    }
+    assert!(e.to_string().contains("`table`"), "{e}");
+    // Documents over key positions with more queries than keys: the first
+    // rows' positions are negative.
+    let (q, kv) = (tensor(&[1, 2, 7, 8]), tensor(&[1, 2, 5, 8]));
+    let e = attention_fwd(
+        &Documents {
+            doc: ints(&[0, 0, 1, 1, 1], &[1, 5]),
+        },
+        &q,
+        &kv,
+        &kv,
+        &AttentionOptions::default(),
+    )
+    .expect_err("negative positions");
+    assert!(
+        matches!(&e, Error::IndexOutOfRange { field: "doc", index, .. } if index[1] < 0),
+        "{e}"
+    );
+}
+
+#[test]
+fn the_backward_and_the_autograd_op_report_the_same_reads() {
+    let table =
+        Tensor::<CpuRuntime>::from_slice(&[0.5f32; 8], &[2, 4], &CpuDevice::new()).expect("tensor");
+    let [q, k, v] = qkv();
+    let variant = RelativeBias {
+        table,
+        max_distance: 2,
+    };
+    let opts = AttentionOptions::default();
+    let e = attention_bwd(&variant, &q, &q, &k, &v, &q, &tensor(&[1, 2, 5]), &opts)
+        .expect_err("the backward reads past the table too");
+    assert!(
+        matches!(e, Error::IndexOutOfRange { field: "table", .. }),
+        "{e}"
+    );
+    let (qv, kv, vv) = (Var::new(q, true), Var::new(k, true), Var::new(v, true));
+    let e = var_attention(&variant, &qv, &kv, &vv, &opts).expect_err("and the autograd op");
+    assert!(
+        matches!(e, Error::IndexOutOfRange { field: "table", .. }),
+        "{e}"
     );
 }

@@ -69,6 +69,19 @@ fn every_declared_variant_validates() {
     }
 }
 
+#[test]
+fn the_summary_kernel_validates() {
+    validate("summarize", kernels::SUMMARY_SOURCE);
+    assert!(
+        kernels::SUMMARY_SOURCE.contains(&format!(
+            "const BLOCK: u32 = {}u;",
+            kernels_spec::params::SUMMARY_BLOCK
+        )) && kernels::SUMMARY_SOURCE
+            .contains(&format!("@workgroup_size({})", kernels::SUMMARY_WORKGROUP)),
+        "the summary kernel's constants follow kernels_spec"
+    );
+}
+
 /// A declaration given as text, validated at `d`.
 fn validate_declaration(source: &str, d: u32) -> String {
     let program = match compile_str(source) {

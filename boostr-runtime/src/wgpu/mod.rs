@@ -183,12 +183,13 @@ fn alloc(shape: &[usize], t: &Tensor<WgpuRuntime>) -> Result<Tensor<WgpuRuntime>
 /// a few more.
 const LLVMPIPE_LOOP_BUDGET: u64 = 16384;
 
-/// Tiles per dispatch of the tile loops on `client`'s device: bounded on
-/// software adapters such as llvmpipe (see [`LLVMPIPE_LOOP_BUDGET`]),
+/// Tiles per dispatch of the tile loops of `V` on `client`'s device:
+/// bounded on software adapters such as llvmpipe (see
+/// [`LLVMPIPE_LOOP_BUDGET`]; the variant's classifier counts too),
 /// unbounded on GPUs.
-fn tiles_per_dispatch(client: &WgpuClient, cfg: &WgslTiles) -> u32 {
+fn tiles_per_dispatch<V: Variant>(client: &WgpuClient, cfg: &WgslTiles) -> u32 {
     if client.wgpu_device().adapter_info().device_type == wgpu::DeviceType::Cpu {
-        cfg.tiles_within(LLVMPIPE_LOOP_BUDGET)
+        cfg.tiles_within(LLVMPIPE_LOOP_BUDGET, V::compiled().classify_loop_iterations)
     } else {
         u32::MAX
     }
@@ -466,7 +467,7 @@ fn run<V: Variant>(
     let captures = buffer_of("attention", "the capture arena", &arena.words)?;
     let device = client.wgpu_device();
     let sizes = gpu::sizes(p);
-    let per_dispatch = tiles_per_dispatch(client, cfg);
+    let per_dispatch = tiles_per_dispatch::<V>(client, cfg);
     let launch_error = |kernel: &'static str, reason: String| BackendError::Launch {
         target: TARGET,
         kernel,

@@ -2,9 +2,11 @@
 //! and concurrent first use of the pipeline cache. (Every variant's numerics
 //! are checked by the generated tests.)
 
-use crate::stock::{Causal, CausalSlidingWindow, Full};
+use crate::stock::{Causal, CausalSlidingWindow, Documents, Full};
 use crate::testing::fixtures::Plain;
-use crate::testing::{Case, Logits, REQUIRE_DEVICE_ENV, Wgpu, check_variant_on};
+use crate::testing::{
+    Case, Logits, REQUIRE_DEVICE_ENV, Wgpu, check_variant_built_on, check_variant_on,
+};
 use crate::{AttentionOptions, BackendError, Error, Target, attention, attention_fwd};
 use numr::dtype::DType;
 use numr::runtime::wgpu::{WgpuDevice, WgpuRuntime, is_wgpu_available, wgpu_device};
@@ -90,7 +92,54 @@ fn skipped_tiles_cross_the_loop_limit() {
     );
 }
 
-/// Each thread's variant type is new to the pipeline cache; all threads
+/// A document variant whose one query row sees only the last 3 of 95,003
+/// keys: 23,750 tiles are skipped from the summaries (each classification
+/// reads four of them), and every read crosses the loop limit unless the
+/// dispatches are split with the classifier counted.
+#[test]
+fn skipped_document_tiles_cross_the_loop_limit() {
+    let Some(device) = device() else { return };
+    let sk = 95_003;
+    let mut ids = vec![0i32; sk];
+    ids[sk - 3..].fill(1);
+    let doc = Tensor::<WgpuRuntime>::from_slice(&ids, &[1, sk], &device).unwrap();
+    check_variant_built_on::<Wgpu, _>(
+        |_| Documents { doc: doc.clone() },
+        &[long_case(1, sk, 1, "documents_skip_23750_tiles")],
+    );
+}
+
+/// A captured tensor lives on the call's runtime: a CPU tensor in a wgpu
+/// call (and a wgpu tensor in a CPU call) is an error naming the field and
+/// both runtimes.
+#[test]
+fn a_captured_tensor_on_another_runtime_is_refused() {
+    let Some(device) = device() else { return };
+    let opts = AttentionOptions::default();
+    let x = Tensor::<WgpuRuntime>::zeros(&[1, 1, 4, 8], DType::F32, &device).unwrap();
+    let cpu = numr::runtime::cpu::CpuDevice::new();
+    let doc = Tensor::<numr::runtime::cpu::CpuRuntime>::zeros(&[1, 4], DType::I32, &cpu).unwrap();
+    let err = attention_fwd(&Documents { doc }, &x, &x, &x, &opts).unwrap_err();
+    assert!(
+        matches!(err, Error::CaptureRuntime { field: "doc", .. }),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("Wgpu") && err.to_string().contains("Cpu"),
+        "{err}"
+    );
+    let xc =
+        Tensor::<numr::runtime::cpu::CpuRuntime>::zeros(&[1, 1, 4, 8], DType::F32, &cpu).unwrap();
+    let doc = Tensor::<WgpuRuntime>::zeros(&[1, 4], DType::I32, &device).unwrap();
+    let err = attention_fwd(&Documents { doc }, &xc, &xc, &xc, &opts).unwrap_err();
+    assert!(
+        matches!(err, Error::CaptureRuntime { field: "doc", .. }),
+        "{err}"
+    );
+}
+
+/// Each thread's variant type is new to the pipeline cache (and, for the
+/// document variant, the summary kernel is new to its cache); all threads
 /// compile and launch at once, and every result matches a later, cached run.
 #[test]
 fn concurrent_first_use_of_the_pipeline_cache() {
@@ -107,11 +156,16 @@ fn concurrent_first_use_of_the_pipeline_cache() {
         .map(|i| ((i * 37 % 101) as f32) * 0.02 - 1.0)
         .collect();
     let x = Tensor::<WgpuRuntime>::from_slice(&data, &[b, h, s, d], &device).unwrap();
+    let ids: Vec<i32> = (0..s as i32).map(|i| i / 5).collect();
+    let docs = Documents {
+        doc: Tensor::<WgpuRuntime>::from_slice(&ids, &[b, s], &device).unwrap(),
+    };
     let opts = AttentionOptions::default();
     let run = move |which: usize| -> Result<Vec<f32>, Error> {
-        let (out, lse) = match which % 2 {
+        let (out, lse) = match which % 3 {
             0 => attention_fwd(&HeadScaledA, &x, &x, &x, &opts)?,
-            _ => attention_fwd(&DistanceB, &x, &x, &x, &opts)?,
+            1 => attention_fwd(&DistanceB, &x, &x, &x, &opts)?,
+            _ => attention_fwd(&docs, &x, &x, &x, &opts)?,
         };
         let mut all = out.to_vec::<f32>();
         all.extend(lse.to_vec::<f32>());
@@ -140,7 +194,8 @@ fn concurrent_first_use_of_the_pipeline_cache() {
             "thread {t}: first use differs from a cached run"
         );
     }
-    assert_ne!(first[0], first[1], "the two variants must differ");
+    assert_ne!(first[0], first[1], "the variants must differ");
+    assert_ne!(first[1], first[2], "the variants must differ");
 }
 
 /// A hand-written variant has no WGSL lowering: a typed error naming it and

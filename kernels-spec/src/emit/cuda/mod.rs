@@ -470,6 +470,16 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_summary_kernel_follows_the_arena_layout() {
+        let src = kernels::SUMMARY_SOURCE;
+        assert!(src.contains(&format!(
+            "constexpr unsigned BX_SUMMARY_BLOCK = {};",
+            crate::params::SUMMARY_BLOCK
+        )));
+        assert!(src.contains(&format!("__launch_bounds__({})", kernels::SUMMARY_THREADS)));
+    }
+
+    #[test]
     fn default_tiles_validate_for_every_head_dim_and_dtype() {
         for dtype in [CudaDType::F32, CudaDType::F16, CudaDType::Bf16] {
             for d in (32..=256).step_by(8) {

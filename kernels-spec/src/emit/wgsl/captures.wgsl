@@ -16,13 +16,18 @@ fn bx_capture_checked(word: u32, ok: bool, report: bool, site: u32, i0: u32, i1:
     }
     return 0u;
 }
-// The least (or greatest) of `count` summary entries `stride` words apart.
+// The least (or greatest) of `count` summary entries `stride` words apart
+// (count <= 8, kernels_spec::params::SUMMARY_MAX_BLOCKS). A constant trip
+// count, so the loop unrolls rather than counting against a software
+// adapter's loop limit.
 fn bx_summary(first: u32, stride: u32, count: u32, greatest: bool) -> i32 {
     if count == 0u { return select(-2147483647i - 1i, 2147483647i, greatest); }
     var best = bitcast<i32>(atomicLoad(&captures[first]));
-    for (var i = 1u; i < count; i++) {
-        let v = bitcast<i32>(atomicLoad(&captures[first + i * stride]));
-        best = select(min(best, v), max(best, v), greatest);
+    for (var i = 1u; i < 8u; i++) {
+        if i < count {
+            let v = bitcast<i32>(atomicLoad(&captures[first + i * stride]));
+            best = select(min(best, v), max(best, v), greatest);
+        }
     }
     return best;
 }

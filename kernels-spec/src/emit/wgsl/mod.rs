@@ -133,9 +133,11 @@ impl WgslTiles {
     }
 
     /// Tiles one dispatch may loop over so that an invocation stays within
-    /// `budget` loop iterations (at least one).
-    pub fn tiles_within(&self, budget: u64) -> u32 {
-        u32::try_from(budget / self.loop_iterations_per_tile())
+    /// `budget` loop iterations (at least one), where the variant's tile
+    /// classifier itself runs `classify` iterations per tile (its summary
+    /// reads, [`crate::ir::Program::classify_loop_iterations`]).
+    pub fn tiles_within(&self, budget: u64, classify: u64) -> u32 {
+        u32::try_from(budget / (self.loop_iterations_per_tile() + classify))
             .unwrap_or(u32::MAX)
             .max(1)
     }
