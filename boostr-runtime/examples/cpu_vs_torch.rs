@@ -10,12 +10,20 @@
 //! tile <m> <n> <k> <n|t> <iters>                  -> ok <tile kernel seconds|none> <gemm crate seconds>
 //! peak <iters> [all]                                               -> ok <seconds|none>
 //! mem <variant> <hq> <hkv> <seq> <dim>                             -> ok <json>
+//! docs <len,len,...>                                               -> ok <documents>
+//! host <hq> <hkv> <seq> <dim>                                      -> ok <seconds>
 //! repeat <n> <attn or gemm command>                                -> ok <seconds> × n
 //! quit
 //! ```
 //!
 //! Variants: `full`, `causal`, `alibi` (causal), `softcap` (causal, cap 30),
-//! `window` (causal sliding window of 256), `prefix` (prefix-LM, prefix S/4).
+//! `window` (causal sliding window of 256), `prefix` (prefix-LM, prefix S/4),
+//! `docs` (causal packed documents, ids from a tensor: the lengths of the
+//! last `docs` command, which must sum to the sequence), `docs_closed` (the
+//! closed form `q / L == kv / L && kv <= q` of the last `docs` command's
+//! length, which must give equal lengths). `host` times what the `docs`
+//! variant does before its kernels: checking the ids and computing their
+//! per-block summaries (`Variant::host`).
 //! `attn` times one run (B = 1) on inputs made when the shape last changed;
 //! `fwdbwd` is `attention_fwd` followed by `attention_bwd`. `gemm` times one
 //! `n × n × n` f32 product through the `gemm` crate on every rayon thread
@@ -36,9 +44,11 @@
 //! cargo run --release -p boostr-runtime --example cpu_vs_torch
 //! ```
 
-use boostr_runtime::stock::{Alibi, Causal, CausalSlidingWindow, CausalSoftcap, Full, PrefixLm};
+use boostr_runtime::stock::{
+    Alibi, Causal, CausalDocuments, CausalSlidingWindow, CausalSoftcap, Full, PrefixLm,
+};
 use boostr_runtime::testing::Rng;
-use boostr_runtime::{AttentionOptions, Variant, attention_bwd, attention_fwd};
+use boostr_runtime::{AttentionOptions, Problem, Variant, attention, attention_bwd, attention_fwd};
 use numr::dtype::DType;
 use numr::prelude::{CpuDevice, CpuRuntime, Tensor};
 use std::error::Error;
@@ -68,11 +78,20 @@ struct Inputs {
     dout: Tensor<CpuRuntime>,
 }
 
+/// Documents of `len` positions each, in closed form.
+#[attention(mask = |_b, _h, q, kv| q / self.len == kv / self.len && kv <= q)]
+#[derive(Clone, Debug)]
+struct EqualDocuments {
+    len: i32,
+}
+
 struct Server {
     device: CpuDevice,
     rng: Rng,
     inputs: Option<Inputs>,
     gemm: Option<(usize, [Vec<f32>; 3])>,
+    /// The document lengths of the last `docs` command.
+    docs: Vec<usize>,
 }
 
 impl Server {
@@ -135,8 +154,41 @@ impl Server {
                     other => return Err(format!("pass {other:?}: fwd or fwdbwd").into()),
                 };
                 let name = variant.copied().unwrap_or_default();
+                let (docs, device) = (self.docs.clone(), self.device.clone());
                 let x = self.inputs(hq, hkv, seq, dim, dtype)?;
-                let secs = time_named(name, x, fwdbwd)?;
+                let secs = time_named(name, x, fwdbwd, &docs, &device)?;
+                Ok(Some(format!("ok {secs:.9}")))
+            }
+            Some("docs") => {
+                let lens = words
+                    .get(1)
+                    .ok_or("docs needs lengths")?
+                    .split(',')
+                    .map(|l| l.parse::<usize>().map_err(|_| format!("bad length {l:?}")))
+                    .collect::<Result<Vec<_>, _>>()?;
+                if lens.contains(&0) {
+                    return Err("a document has at least one position".into());
+                }
+                let n = lens.len();
+                self.docs = lens;
+                Ok(Some(format!("ok {n}")))
+            }
+            Some("host") => {
+                let (hq, hkv, seq, dim) = (num(1)?, num(2)?, num(3)?, num(4)?);
+                let variant = documents(&self.docs, seq, &self.device)?;
+                let p = Problem {
+                    batch: 1,
+                    heads_q: hq,
+                    heads_kv: hkv,
+                    seq_q: seq,
+                    seq_k: seq,
+                    head_dim: dim,
+                    scale: 1.0,
+                };
+                let start = Instant::now();
+                let host = variant.host(&p)?;
+                let secs = start.elapsed().as_secs_f64();
+                drop(host);
                 Ok(Some(format!("ok {secs:.9}")))
             }
             Some("tile") => {
@@ -170,8 +222,9 @@ impl Server {
                 let name = words.get(1).copied().unwrap_or_default();
                 let (hq, hkv, seq, dim) = (num(2)?, num(3)?, num(4)?, num(5)?);
                 let before = peak_rss()?;
+                let (docs, device) = (self.docs.clone(), self.device.clone());
                 let x = self.inputs(hq, hkv, seq, dim, DType::F32)?;
-                let t = time_named(name, x, true)?;
+                let t = time_named(name, x, true, &docs, &device)?;
                 let peak = peak_rss()?;
                 // q, k, v, out and their gradients (dout is out's gradient).
                 let tensors = 4 * (2 * hq + 2 * hkv) * seq * dim * 2;
@@ -241,11 +294,56 @@ impl Server {
     }
 }
 
-/// Time one run of the variant named `name` on `x`.
-fn time_named(name: &str, x: &Inputs, fwdbwd: bool) -> BoxResult<f64> {
-    let (hq, _, seq, _, _) = x.key;
-    let (heads, seq) = (i32::try_from(hq)?, i32::try_from(seq)?);
+/// The causal document variant over documents of `lens`, which must sum to
+/// `seq`.
+fn documents(
+    lens: &[usize],
+    seq: usize,
+    device: &CpuDevice,
+) -> BoxResult<CausalDocuments<CpuRuntime>> {
+    if lens.iter().sum::<usize>() != seq {
+        return Err(format!("documents {lens:?} do not sum to {seq}").into());
+    }
+    let ids: Vec<i32> = lens
+        .iter()
+        .enumerate()
+        .flat_map(|(d, &l)| std::iter::repeat_n(d as i32, l))
+        .collect();
+    Ok(CausalDocuments {
+        doc: Tensor::<CpuRuntime>::from_slice(&ids, &[1, seq], device)?,
+    })
+}
+
+/// Time one run of the variant named `name` on `x` (`docs`: the documents
+/// of the `docs` variants).
+fn time_named(
+    name: &str,
+    x: &Inputs,
+    fwdbwd: bool,
+    docs: &[usize],
+    device: &CpuDevice,
+) -> BoxResult<f64> {
+    let (hq, _, seq_len, _, _) = x.key;
+    let (heads, seq) = (i32::try_from(hq)?, i32::try_from(seq_len)?);
     match name {
+        // Made per run: the ids and their summaries are the call's work.
+        "docs" => time_attention(&documents(docs, seq_len, device)?, x, fwdbwd),
+        "docs_closed" => match docs {
+            [len, rest @ ..]
+                if rest.iter().all(|l| l == len) && docs.iter().sum::<usize>() == seq_len =>
+            {
+                time_attention(
+                    &EqualDocuments {
+                        len: i32::try_from(*len)?,
+                    },
+                    x,
+                    fwdbwd,
+                )
+            }
+            _ => Err(
+                format!("docs_closed needs equal documents summing to {seq}, not {docs:?}").into(),
+            ),
+        },
         "full" => time_attention(&Full, x, fwdbwd),
         "causal" => time_attention(&Causal, x, fwdbwd),
         "alibi" => time_attention(&Alibi { heads }, x, fwdbwd),
@@ -284,6 +382,7 @@ fn main() -> BoxResult<()> {
         rng: Rng::new(0x5eed_70c4, 0),
         inputs: None,
         gemm: None,
+        docs: Vec::new(),
     };
     let stdin = std::io::stdin();
     let mut stdout = std::io::stdout().lock();

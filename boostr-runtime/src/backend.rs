@@ -12,8 +12,10 @@ use numr::runtime::cpu::CpuRuntime;
 use numr::tensor::Tensor;
 use rayon::prelude::*;
 
-/// A numr runtime with fused attention kernels.
-pub trait AttentionRuntime: Runtime<DType = DType> {
+/// A numr runtime with fused attention kernels. (`Debug`, as numr's
+/// runtimes are: a variant generic over its runtime derives `Debug`, which
+/// then holds for every `R: AttentionRuntime`.)
+pub trait AttentionRuntime: Runtime<DType = DType> + std::fmt::Debug {
     /// Run the forward kernel on validated inputs; returns `(out, lse)`.
     fn attention_forward<V: Variant>(
         variant: &V,
