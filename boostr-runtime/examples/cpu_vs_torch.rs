@@ -12,7 +12,7 @@
 //! mem <variant> <hq> <hkv> <seq> <dim>                             -> ok <json>
 //! docs <len,len,...>                                               -> ok <documents>
 //! host <hq> <hkv> <seq> <dim>                                      -> ok <seconds>
-//! repeat <n> <attn or gemm command>                                -> ok <seconds> × n
+//! repeat <n> <attn, gemm or host command>                          -> ok <seconds> × n
 //! quit
 //! ```
 //!
@@ -36,8 +36,8 @@
 //! (`threads · iters · 768` flops: the ceiling of a multi-threaded run).
 //! `mem` runs forward+backward once and reports the peak resident set
 //! (`VmHWM`) against the size of q, k, v, out and their gradients; run it in
-//! a fresh process. `repeat` runs an `attn` or
-//! `gemm` command `n` times back to back and answers each run's seconds.
+//! a fresh process. `repeat` runs an `attn`, `gemm` or `host` command `n`
+//! times back to back and answers each run's seconds.
 //! Errors answer `err <message>`.
 //!
 //! ```text
@@ -241,8 +241,8 @@ impl Server {
                 // shared VM can cost milliseconds).
                 let n = num(1)?;
                 let inner = words.get(2..).unwrap_or_default().join(" ");
-                if !matches!(words.get(2).copied(), Some("attn" | "gemm")) {
-                    return Err(format!("repeat runs attn or gemm, not {inner:?}").into());
+                if !matches!(words.get(2).copied(), Some("attn" | "gemm" | "host")) {
+                    return Err(format!("repeat runs attn, gemm or host, not {inner:?}").into());
                 }
                 let mut times = Vec::with_capacity(n);
                 for _ in 0..n {

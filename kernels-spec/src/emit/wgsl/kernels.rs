@@ -7,7 +7,10 @@
 //! gives them.
 //!
 //! Layout (all contiguous, f32): `q`, `out`, `dout`, `dq`: `[B, Hq, Sq, D]`;
-//! `k`, `v`, `dk`, `dv`: `[B, Hkv, Sk, D]`; `lse`, `delta`: `[B, Hq, Sq]`.
+//! `k`, `v`, `dk`, `dv`: `[B, Hkv, Sk, D]`; `lse`: `[B, Hq, Sq]`; the
+//! backward's `rows`: `[B, Hq, Sq, 4]` (two running sums, lse, `D_i`). Every
+//! module also binds the call's capture arena, `captures` (`u32` words, see
+//! [`crate::params`]), which the variant functions read.
 //! Query row `i` sits at position `i + Sk - Sq` (bottom-right alignment);
 //! query head `h` reads key/value head `h / (Hq / Hkv)`.
 //!
@@ -39,7 +42,7 @@
 //! `shape` uniform, and the runtime may split a kernel into several
 //! dispatches over consecutive ranges, bounded by
 //! [`WgslTiles::loop_iterations_per_tile`]. Between them the partial state
-//! lives in the output buffers and `stats`; `flags` says whether a dispatch is
+//! lives in the output buffers, `stats` and `rows`; `flags` says whether a dispatch is
 //! the first (start from zero) and the last (finish: normalise, scale).
 
 use super::interface::{Binding, Entry, Module, Size};
@@ -294,7 +297,7 @@ fn key_tile_class(t: QueryTile, k0: u32) -> i32 {
 // One query row: its q and dO, lse, and where it sits.
 struct QueryRow {
     live: bool,
-    row: u32,   // flat index into lse/delta; times D into q/dout/dq
+    row: u32,   // flat index into lse/rows; times D into q/dout/dq
     qp: i32,
     lse: f32,
 }
