@@ -231,18 +231,20 @@ fn a_captured_tensor_must_match_its_declaration() {
     );
 }
 
+/// A bias table one column short of `2·max_distance + 1`: the pair at
+/// distance 2 reads column 4 of a table of 4.
+fn short_table() -> RelativeBias<CpuRuntime> {
+    RelativeBias {
+        table: Tensor::<CpuRuntime>::from_slice(&[0.5f32; 8], &[2, 4], &CpuDevice::new())
+            .expect("tensor"),
+        max_distance: 2,
+    }
+}
+
 #[test]
 fn a_read_out_of_range_names_the_field_the_index_and_the_shape() {
-    // One column short of 2·max_distance + 1: the pair at distance 2 reads
-    // column 4 of a table of 4.
-    let table =
-        Tensor::<CpuRuntime>::from_slice(&[0.5f32; 8], &[2, 4], &CpuDevice::new()).expect("tensor");
     let [q, k, v] = qkv();
-    let variant = RelativeBias {
-        table,
-        max_distance: 2,
-    };
-    let e = attention_fwd(&variant, &q, &k, &v, &AttentionOptions::default())
+    let e = attention_fwd(&short_table(), &q, &k, &v, &AttentionOptions::default())
         .expect_err("a read past the table");
     match &e {
         Error::IndexOutOfRange {
@@ -281,13 +283,8 @@ fn a_read_out_of_range_names_the_field_the_index_and_the_shape() {
 
 #[test]
 fn the_backward_and_the_autograd_op_report_the_same_reads() {
-    let table =
-        Tensor::<CpuRuntime>::from_slice(&[0.5f32; 8], &[2, 4], &CpuDevice::new()).expect("tensor");
     let [q, k, v] = qkv();
-    let variant = RelativeBias {
-        table,
-        max_distance: 2,
-    };
+    let variant = short_table();
     let opts = AttentionOptions::default();
     let e = attention_bwd(&variant, &q, &q, &k, &v, &q, &tensor(&[1, 2, 5]), &opts)
         .expect_err("the backward reads past the table too");

@@ -155,17 +155,7 @@ fn build<V: Variant>(
         source_name: name.clone(),
         log,
     };
-    let opts = CompileOptions {
-        arch: Some(arch(cc)),
-        options: vec!["-std=c++17".into()],
-        name: Some(name.clone()),
-        ..Default::default()
-    };
-    let ptx = compile_ptx_with_opts(&text, opts).map_err(|e| compile_error(e.to_string()))?;
-    let loaded = client
-        .context()
-        .load_module(ptx)
-        .map_err(|e| compile_error(format!("loading the module: {e}")))?;
+    let loaded = load(client, &text, &name, cc)?;
     let mut functions = Vec::new();
     for kernel in module.interfaces() {
         let launch_error = |reason: String| BackendError::Launch {
@@ -193,6 +183,32 @@ fn build<V: Variant>(
         functions,
         tiles: cfg,
     })
+}
+
+/// `text` compiled by NVRTC for compute capability `cc` and loaded into
+/// numr's context on `client`'s device.
+fn load(
+    client: &CudaClient,
+    text: &str,
+    name: &str,
+    cc: (u32, u32),
+) -> std::result::Result<Arc<CudaModule>, BackendError> {
+    let compile_error = |log: String| BackendError::Compile {
+        target: TARGET,
+        source_name: name.to_string(),
+        log,
+    };
+    let opts = CompileOptions {
+        arch: Some(arch(cc)),
+        options: vec!["-std=c++17".into()],
+        name: Some(name.to_string()),
+        ..Default::default()
+    };
+    let ptx = compile_ptx_with_opts(text, opts).map_err(|e| compile_error(e.to_string()))?;
+    client
+        .context()
+        .load_module(ptx)
+        .map_err(|e| compile_error(format!("loading the module: {e}")))
 }
 
 /// A contiguous tensor at offset 0 of a supported dtype.
@@ -342,27 +358,15 @@ static SUMMARY_CACHE: LazyLock<KernelCache<SummaryKey, SummaryKernel>> =
 fn summary_kernel(client: &CudaClient, device: usize) -> Result<Arc<SummaryKernel>> {
     let cc = compute_capability(device)?;
     Ok(SUMMARY_CACHE.get_or_build((device, cc), || {
-        let name = "boostr_summarize.cu".to_string();
-        let compile_error = |log: String| BackendError::Compile {
-            target: TARGET,
-            source_name: name.clone(),
-            log,
-        };
-        let opts = CompileOptions {
-            arch: Some(arch(cc)),
-            options: vec!["-std=c++17".into()],
-            name: Some(name.clone()),
-            ..Default::default()
-        };
-        let ptx = compile_ptx_with_opts(kernels::SUMMARY_SOURCE, opts)
-            .map_err(|e| compile_error(e.to_string()))?;
-        let module = client
-            .context()
-            .load_module(ptx)
-            .map_err(|e| compile_error(format!("loading the module: {e}")))?;
+        let name = "boostr_summarize.cu";
+        let module = load(client, kernels::SUMMARY_SOURCE, name, cc)?;
         let function = module
             .load_function("bx_summarize")
-            .map_err(|e| compile_error(format!("no kernel bx_summarize: {e}")))?;
+            .map_err(|e| BackendError::Compile {
+                target: TARGET,
+                source_name: name.to_string(),
+                log: format!("no kernel bx_summarize: {e}"),
+            })?;
         Ok(SummaryKernel {
             _module: module,
             function,

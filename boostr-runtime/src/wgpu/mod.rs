@@ -67,13 +67,20 @@ fn scoped<T>(
 }
 
 fn layout_entry(binding: u32, b: &Binding) -> wgpu::BindGroupLayoutEntry {
-    let ty = match b {
-        Binding::Params | Binding::Shape => wgpu::BufferBindingType::Uniform,
-        Binding::Captures => wgpu::BufferBindingType::Storage { read_only: false },
-        Binding::Storage(_, access) => wgpu::BufferBindingType::Storage {
-            read_only: *access == Access::Read,
+    buffer_entry(
+        binding,
+        match b {
+            Binding::Params | Binding::Shape => wgpu::BufferBindingType::Uniform,
+            Binding::Captures => wgpu::BufferBindingType::Storage { read_only: false },
+            Binding::Storage(_, access) => wgpu::BufferBindingType::Storage {
+                read_only: *access == Access::Read,
+            },
         },
-    };
+    )
+}
+
+/// A compute-stage buffer binding of type `ty`.
+fn buffer_entry(binding: u32, ty: wgpu::BufferBindingType) -> wgpu::BindGroupLayoutEntry {
     wgpu::BindGroupLayoutEntry {
         binding,
         visibility: wgpu::ShaderStages::COMPUTE,
@@ -403,16 +410,7 @@ fn summary_pass(client: &WgpuClient) -> Result<Arc<SummaryPass>> {
                     label: Some(name),
                     source: wgpu::ShaderSource::Wgsl(kernels::SUMMARY_SOURCE.into()),
                 });
-                let entry = |binding, ty| wgpu::BindGroupLayoutEntry {
-                    binding,
-                    visibility: wgpu::ShaderStages::COMPUTE,
-                    ty: wgpu::BindingType::Buffer {
-                        ty,
-                        has_dynamic_offset: false,
-                        min_binding_size: None,
-                    },
-                    count: None,
-                };
+                let entry = buffer_entry;
                 let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
                     label: Some(name),
                     entries: &[
