@@ -27,6 +27,11 @@
 //!   query position `q` and key position `kv` in batch `b`, query head `h`.
 //! - `mask` (default: all visible) says whether key `kv` is visible to `q`.
 //! - Positions are bottom-right aligned: query row `i` has `q = i + Sk - Sq`.
+//! - A field can be a tensor the closures read by indexing, declared
+//!   `#[tensor(i32, [B, Sk])] doc: Tensor<R>` on a struct generic over its
+//!   runtime `R` ([`capture`]; [`stock::CausalDocuments`] is one): checked
+//!   at call time against its declaration, its reads proved in range or
+//!   checked, and the tiles classified from per-call summaries of it.
 //! - The compiler derives d`score`/d`s` for the backward and a tile
 //!   classifier that lets kernels skip empty tiles and unmasked full tiles.
 //!   [`Variant::compiled`] prints what it made.
