@@ -73,11 +73,14 @@ fn host_methods(program: &Program) -> TokenStream {
     let score_f64 = method(&f64s, "score_f64", &program.score);
     let score_grad_f64 = method(&f64s, "score_grad_f64", &program.score_grad);
     let mask_f64 = method(&f64s, "mask_f64", &program.mask);
+    let sink = method(&f32s, "sink", &program.sink);
+    let sink_f64 = method(&f64s, "sink_f64", &program.sink);
     let classify_params = f32s.params(&program.classify);
     let classify_body = f32s.body(&program.classify);
     let name = &program.name;
     let identity = program.score_is_identity;
     let has_mask = program.has_mask;
+    let has_sink = program.has_sink;
     let checked = |f: &Function| {
         let mut found = false;
         f.body.walk(&mut |e| {
@@ -96,6 +99,7 @@ fn host_methods(program: &Program) -> TokenStream {
         const NAME: &'static str = #name;
         const SCORE_IS_IDENTITY: bool = #identity;
         const HAS_MASK: bool = #has_mask;
+        const HAS_SINK: bool = #has_sink;
         const SCORE_CHECKS_READS: bool = #score_checks;
         #score
         #score_grad
@@ -108,6 +112,8 @@ fn host_methods(program: &Program) -> TokenStream {
         #score_f64
         #score_grad_f64
         #mask_f64
+        #sink
+        #sink_f64
         fn out_of_range(&self) -> ::core::option::Option<::boostr_runtime::Error> {
             ::core::option::Option::None #(#errors)*
         }
@@ -282,7 +288,7 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
     let read_checks = program.read_conditions.iter().map(|c| {
         let (site, tensor) = (c.site, c.tensor);
         let mut signed = Vec::new();
-        for f in [&program.score, &program.mask] {
+        for f in program.reading_functions() {
             f.body.walk(&mut |e| {
                 if let kernels_spec::ir::ExprKind::Read(r) = &e.kind
                     && r.site == site

@@ -26,6 +26,8 @@
 //! - `score` (default: identity) maps the scaled logit `s = q·k * scale` of
 //!   query position `q` and key position `kv` in batch `b`, query head `h`.
 //! - `mask` (default: all visible) says whether key `kv` is visible to `q`.
+//! - `sink` (default: none) is one more logit per query row, `|b, h, q|`,
+//!   that joins the softmax and carries no value.
 //! - Positions are bottom-right aligned: query row `i` has `q = i + Sk - Sq`.
 //! - A field can be a tensor the closures read by indexing, declared
 //!   `#[tensor(i32, [B, Sk])] doc: Tensor<R>` on a struct generic over its

@@ -203,6 +203,27 @@ pub struct AlibiSlopes<R: Runtime> {
     pub slopes: Tensor<R>,
 }
 
+/// gpt-oss attention: a causal sliding window with a learned sink logit per
+/// query head, which takes a share of every row's softmax and carries no
+/// value (here read from a `[Hq]` tensor; a row that sees no key has
+/// `out = 0` and `lse` = its head's sink).
+#[attention(
+    mask = |_b, _h, q, kv| kv <= q && q - kv < self.window,
+    sink = |_b, h, _q| self.sinks[h],
+    tests = [
+        |data| CausalSlidingWindowSinks { window: 16, sinks: data.f32s(&[data.heads_q()], -2.0, 2.0) },
+        |data| CausalSlidingWindowSinks { window: 3, sinks: data.f32s(&[data.heads_q()], 0.0, 4.0) },
+    ],
+)]
+#[derive(Clone, Debug)]
+pub struct CausalSlidingWindowSinks<R: Runtime> {
+    /// Keys with `0 <= q - kv < window` are visible.
+    pub window: i32,
+    /// The sink logit of each query head, `[Hq]` `f32`.
+    #[tensor(f32, [Hq])]
+    pub sinks: Tensor<R>,
+}
+
 /// Calls `$callback!` with the type of every stock variant, so that code
 /// which enumerates them (tests, tools) lists them from here:
 /// `boostr_runtime::stock_variants!(my_macro)` expands to
@@ -227,6 +248,7 @@ macro_rules! stock_variants {
             $crate::stock::CausalKvLengths<$crate::testing::CpuRuntime>,
             $crate::stock::RelativeBias<$crate::testing::CpuRuntime>,
             $crate::stock::AlibiSlopes<$crate::testing::CpuRuntime>,
+            $crate::stock::CausalSlidingWindowSinks<$crate::testing::CpuRuntime>,
         )
     };
 }

@@ -145,6 +145,10 @@ pub trait HostVariant: Send + Sync {
     const SCORE_IS_IDENTITY: bool;
     /// The variant declares a mask; without one every pair is visible.
     const HAS_MASK: bool;
+    /// The variant declares a sink: one more logit in every query row's
+    /// softmax, carrying no value (without one, [`sink`](HostVariant::sink)
+    /// is `-inf`).
+    const HAS_SINK: bool = false;
     /// `score` or `score_grad` reads a tensor with a checked index: they are
     /// then evaluated at visible pairs only, where the reference evaluates
     /// them, so that an index out of range there (and only there) is
@@ -176,6 +180,21 @@ pub trait HostVariant: Send + Sync {
     fn score_grad_f64(&self, s: f64, b: i32, h: i32, q: i32, kv: i32) -> f64;
     /// `mask` evaluated with f64 arithmetic, for the reference implementation.
     fn mask_f64(&self, b: i32, h: i32, q: i32, kv: i32) -> bool;
+
+    /// The sink logit of query `q`'s row in batch `b`, query head `h`; `-inf`
+    /// for none. It joins the row's softmax denominator (and its `lse`) and
+    /// contributes no value, so a row that sees no key has `out = 0` and
+    /// `lse = sink`.
+    fn sink(&self, b: i32, h: i32, q: i32) -> f32 {
+        let _ = (b, h, q);
+        f32::NEG_INFINITY
+    }
+
+    /// `sink` evaluated in f64, for the reference implementation.
+    fn sink_f64(&self, b: i32, h: i32, q: i32) -> f64 {
+        let _ = (b, h, q);
+        f64::NEG_INFINITY
+    }
 
     /// The least read out of range of the evaluations so far, as the error
     /// the call returns; `None` when every index was in range.

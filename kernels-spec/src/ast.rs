@@ -21,6 +21,8 @@ pub struct Spec {
     pub score: Option<Closure>,
     /// `mask = |b, h, q, kv| ...`, if given.
     pub mask: Option<Closure>,
+    /// `sink = |b, h, q| ...`, if given.
+    pub sink: Option<Closure>,
     /// `tile(q = .., kv = ..)`, if given.
     pub tile: Option<TileOverride>,
     /// `tests = [...]`: instances to generate tests for, as Rust expressions.

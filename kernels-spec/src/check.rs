@@ -30,6 +30,8 @@ pub struct Checked {
     pub score: Option<Function>,
     /// The mask function, if declared.
     pub mask: Option<Function>,
+    /// The sink function, if declared.
+    pub sink: Option<Function>,
 }
 
 /// Check a parsed spec. Errors go to `diags`; the result is only meaningful
@@ -111,12 +113,17 @@ pub fn check(spec: &ast::Spec, diags: &mut Diagnostics) -> Checked {
         let args = [Arg::B, Arg::H, Arg::Q, Arg::Kv];
         Checker::new(&fields, c, &args, &mut sites, diags).function("mask", Ty::Bool)
     });
+    let sink = spec.sink.as_ref().and_then(|c| {
+        let args = [Arg::B, Arg::H, Arg::Q];
+        Checker::new(&fields, c, &args, &mut sites, diags).function("sink", Ty::F32)
+    });
     Checked {
         params: fields.params,
         tensors: fields.tensors,
         layout,
         score,
         mask,
+        sink,
     }
 }
 
@@ -156,6 +163,8 @@ impl Fields {
 }
 
 struct Checker<'a> {
+    /// The function's arguments, by role, in order.
+    roles: Vec<Arg>,
     fields: &'a Fields,
     closure: &'a ast::Closure,
     args: Vec<(syn::Ident, Arg)>,
@@ -187,6 +196,7 @@ impl<'a> Checker<'a> {
         Checker {
             fields,
             closure,
+            roles: roles.to_vec(),
             args,
             scopes: Vec::new(),
             next_local: 0,
@@ -210,14 +220,9 @@ impl<'a> Checker<'a> {
             );
             return None;
         }
-        let roles: &[Arg] = if name == "score" {
-            &[Arg::S, Arg::B, Arg::H, Arg::Q, Arg::Kv]
-        } else {
-            &[Arg::B, Arg::H, Arg::Q, Arg::Kv]
-        };
         Some(Function {
             name,
-            args: roles.to_vec(),
+            args: self.roles.clone(),
             ret,
             body,
         })

@@ -725,17 +725,41 @@ pub struct Program {
     pub score_grad: Function,
     /// `mask(b, h, q, kv) -> bool`.
     pub mask: Function,
+    /// `sink(b, h, q)`: one more logit in each query row's softmax, which
+    /// carries no value (`-inf` when the variant declares none).
+    pub sink: Function,
     /// `classify(b, h, q_lo, q_hi, kv_lo, kv_hi) -> i32`, a [`TileClass`] code.
     pub classify: Function,
     /// `score` is the identity (it was not given, or is `|s, ..| s`).
     pub score_is_identity: bool,
     /// A mask was given.
     pub has_mask: bool,
+    /// The variant declares a sink (without one, `sink` is `-inf`: no
+    /// extra logit).
+    pub has_sink: bool,
     /// Per-variant tile size overrides `(q, kv)`.
     pub tile: (Option<u32>, Option<u32>),
 }
 
 impl Program {
+    /// Every function, in the order the targets print them: `score`,
+    /// `score_grad`, `mask`, `sink`, `classify`.
+    pub fn functions(&self) -> [&Function; 5] {
+        [
+            &self.score,
+            &self.score_grad,
+            &self.mask,
+            &self.sink,
+            &self.classify,
+        ]
+    }
+
+    /// The functions that read tensors by index (`score`, `mask`, `sink`;
+    /// `score_grad` reads what `score` does, `classify` reads summaries).
+    pub fn reading_functions(&self) -> [&Function; 3] {
+        [&self.score, &self.mask, &self.sink]
+    }
+
     /// Loop iterations one evaluation of the tile classifier may run on a
     /// GPU target: each read of a tensor's summary loops over up to
     /// [`SUMMARY_MAX_BLOCKS`](crate::params::SUMMARY_MAX_BLOCKS) entries.

@@ -87,12 +87,7 @@ pub fn explain(program: &ir::Program) -> String {
     out.push_str(&print::program(program));
     out.push_str("== target: cpu (Rust, f32) ==\n");
     let rust = emit::cpu::RustEmitter::new(program, emit::cpu::Float::F32);
-    for f in [
-        &program.score,
-        &program.score_grad,
-        &program.mask,
-        &program.classify,
-    ] {
+    for f in program.functions() {
         let params = rust.params(f);
         let ret = rust.ty(f.ret);
         let body = rust.body(f);

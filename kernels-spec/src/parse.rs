@@ -26,6 +26,7 @@ pub fn parse_spec(attr: TokenStream, item: &syn::ItemStruct, diags: &mut Diagnos
         runtime: None,
         score: None,
         mask: None,
+        sink: None,
         tile: None,
         tests: Vec::new(),
     };
@@ -301,26 +302,20 @@ fn parse_meta(meta: &Meta, spec: &mut Spec, diags: &mut Diagnostics) {
         );
         return;
     };
-    if key == symbol::SCORE || key == symbol::MASK {
+    if key == symbol::SCORE || key == symbol::MASK || key == symbol::SINK {
         let Meta::NameValue(nv) = meta else {
             diags.error_spanned(meta, format!("expected `{key} = |...| expression`"));
             return;
         };
-        let (arity, slot, signature) = if key == symbol::SCORE {
-            (5, &mut spec.score, "|s, b, h, q, kv|")
+        let (arity, slot, signature, symbol) = if key == symbol::SCORE {
+            (5, &mut spec.score, "|s, b, h, q, kv|", symbol::SCORE)
+        } else if key == symbol::MASK {
+            (4, &mut spec.mask, "|b, h, q, kv|", symbol::MASK)
         } else {
-            (4, &mut spec.mask, "|b, h, q, kv|")
+            (3, &mut spec.sink, "|b, h, q|", symbol::SINK)
         };
         if slot.is_some() {
-            duplicate(
-                diags,
-                path,
-                if key == symbol::SCORE {
-                    symbol::SCORE
-                } else {
-                    symbol::MASK
-                },
-            );
+            duplicate(diags, path, symbol);
             return;
         }
         *slot = parse_closure(&nv.value, arity, signature, diags);

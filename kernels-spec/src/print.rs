@@ -34,11 +34,12 @@ pub fn program(program: &Program) -> String {
         }))
         .collect();
     let mut out = format!(
-        "variant {} {{ {} }}\n  score is identity: {}\n  has mask: {}\n  tile: q = {}, kv = {}\n\n",
+        "variant {} {{ {} }}\n  score is identity: {}\n  has mask: {}\n  has sink: {}\n  tile: q = {}, kv = {}\n\n",
         program.name,
         params.join(", "),
         program.score_is_identity,
         program.has_mask,
+        program.has_sink,
         program
             .tile
             .0
@@ -49,12 +50,7 @@ pub fn program(program: &Program) -> String {
             .map_or("default".to_string(), |v| v.to_string()),
     );
     out.push_str(&reads(program));
-    for f in [
-        &program.score,
-        &program.score_grad,
-        &program.mask,
-        &program.classify,
-    ] {
+    for f in program.functions() {
         out.push_str(&function(program, f));
         out.push('\n');
     }
@@ -66,7 +62,7 @@ pub fn program(program: &Program) -> String {
 /// classifier reads.
 pub fn reads(program: &Program) -> String {
     let mut sites = Vec::new();
-    for f in [&program.score, &program.mask] {
+    for f in program.reading_functions() {
         crate::analysis::reads::read_sites(&f.body, &mut sites);
     }
     if sites.is_empty() {

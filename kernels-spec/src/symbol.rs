@@ -11,6 +11,8 @@ pub struct Symbol(pub &'static str);
 pub const SCORE: Symbol = Symbol("score");
 /// `mask = |b, h, q, kv| ...`
 pub const MASK: Symbol = Symbol("mask");
+/// `sink = |b, h, q| ...`
+pub const SINK: Symbol = Symbol("sink");
 /// `tile(q = .., kv = ..)`
 pub const TILE: Symbol = Symbol("tile");
 /// `tests = [...]`
@@ -24,7 +26,7 @@ pub const TILE_KV: Symbol = Symbol("kv");
 pub const TENSOR: Symbol = Symbol("tensor");
 
 /// Every attribute keyword, for "expected one of" messages.
-pub const ATTRIBUTE_KEYS: &str = "`score`, `mask`, `tile`, `tests`";
+pub const ATTRIBUTE_KEYS: &str = "`score`, `mask`, `sink`, `tile`, `tests`";
 
 impl PartialEq<Symbol> for syn::Ident {
     fn eq(&self, word: &Symbol) -> bool {

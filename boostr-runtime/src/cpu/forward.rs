@@ -248,6 +248,18 @@ fn query_tiles<V: HostVariant>(
     let (m, l) = (&mut sc.m[..rows], &mut sc.l[..rows]);
     m.fill(f32::NEG_INFINITY);
     l.fill([0.0; math::LANES]);
+    if V::HAS_SINK {
+        // The sink is one more logit of the row, with no value: the running
+        // max and sum start from it.
+        let (q0, _) = head.pos.query_range(row0, rows);
+        for (i, (m, l)) in m.iter_mut().zip(l.iter_mut()).enumerate() {
+            let sink = head.variant.sink(head.b, head.h, q0 + i as i32);
+            if sink != f32::NEG_INFINITY {
+                *m = sink;
+                l[0] = 1.0;
+            }
+        }
+    }
     // Each tile's output rows are neither zeroed nor rescaled before its
     // first visible key tile: that tile's `P V` overwrites them. (Rows no
     // tile reaches are zeroed at the end.)
@@ -343,8 +355,13 @@ fn query_tiles<V: HostVariant>(
         }
     }
 
+    // Rows of a tile that no key tile reached were never written.
+    for qt in sc.q_tiles.iter().filter(|t| t.first) {
+        out[qt.rows.start * d..qt.rows.end * d].fill(0.0);
+    }
     for (i, (m, l)) in sc.m[..rows].iter().zip(&sc.l[..rows]).enumerate() {
-        // `l > 0` exactly when some key was visible (the max contributes 1).
+        // `l > 0` exactly when some key or the sink was seen (the max
+        // contributes 1); with only the sink, `out` is 0 and `lse` the sink.
         let l = math::sum_lanes(l);
         if l > 0.0 {
             math::scale(&mut out[i * d..(i + 1) * d], 1.0 / l);

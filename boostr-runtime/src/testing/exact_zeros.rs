@@ -5,8 +5,9 @@ use super::tolerance::{Layout, locate};
 use crate::problem::Problem;
 use crate::variant::HostVariant;
 
-/// Rows with no visible key must give exactly 0 in `out` and `dq`; keys that
-/// no query sees (under `mask_f64`) exactly 0 in `dk` and `dv`.
+/// Rows with no visible key must give exactly 0 in `out` and `dq` (with a
+/// sink too: their `lse` is the sink); keys that no query sees (under
+/// `mask_f64`) exactly 0 in `dk` and `dv`.
 pub(crate) fn exact_zeros<V: HostVariant>(
     variant: &V,
     p: &Problem,
@@ -16,11 +17,25 @@ pub(crate) fn exact_zeros<V: HostVariant>(
     failures: &mut Vec<String>,
 ) {
     let d = p.head_dim;
+    // Rows that see no key: lse −inf, or, with a sink, lse = sink and no
+    // key visible under the mask.
+    let empty: Vec<bool> = want_lse
+        .iter()
+        .enumerate()
+        .map(|(r, &l)| {
+            l == f64::NEG_INFINITY
+                || V::HAS_SINK && {
+                    let (bh, i) = (r / p.seq_q, r % p.seq_q);
+                    let (b, h) = ((bh / p.heads_q) as i32, (bh % p.heads_q) as i32);
+                    (0..p.seq_k as i32).all(|j| !variant.mask_f64(b, h, q_pos(p, i), j))
+                }
+        })
+        .collect();
     for (label, t) in rows {
-        let bad = want_lse
+        let bad = empty
             .iter()
             .enumerate()
-            .filter(|&(_, &l)| l == f64::NEG_INFINITY)
+            .filter(|&(_, &e)| e)
             .flat_map(|(r, _)| r * d..(r + 1) * d)
             .find(|&e| t.get(e).is_none_or(|&x| x != 0.0));
         if let Some(e) = bad {

@@ -16,10 +16,11 @@
 //!   `kv_pos = j`; query head `h` reads kv head `h / (Hq / Hkv)`;
 //! - pairs with `mask(b, h, q_pos, kv_pos) == false` are excluded, and so are
 //!   pairs whose modified score is `−inf` (they carry zero probability);
-//! - `P = softmax(z)` over the visible keys, `out_i = Σ_j P_ij v_j`,
-//!   `lse_i = ln Σ_j exp(z_ij)`;
-//! - a row with no visible key has `out = 0`, `lse = −inf`, and contributes
-//!   nothing to any gradient.
+//! - the row's sink `σ_i = sink(b, h, q_pos)` (`−inf` without one) is one
+//!   more logit with no value: `P = softmax(z)` over the visible keys and
+//!   the sink, `out_i = Σ_j P_ij v_j`, `lse_i = ln (e^σ_i + Σ_j exp(z_ij))`;
+//! - a row with no visible key has `out = 0`, `lse = σ_i` (`−inf` without
+//!   a sink), and contributes nothing to any gradient.
 //!
 //! Backward of `out` with output gradient `dO` (`P` recomputed as
 //! `exp(z − lse)` from the row's lse, and `O` as in the forward, just as a
@@ -81,6 +82,8 @@ pub trait Real:
     fn score_grad<V: HostVariant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self;
     /// The variant's mask in this precision.
     fn mask<V: HostVariant>(variant: &V, b: i32, h: i32, q: i32, kv: i32) -> bool;
+    /// The variant's sink in this precision.
+    fn sink<V: HostVariant>(variant: &V, b: i32, h: i32, q: i32) -> Self;
 }
 
 impl Real for f32 {
@@ -110,6 +113,9 @@ impl Real for f32 {
     fn mask<V: HostVariant>(variant: &V, b: i32, h: i32, q: i32, kv: i32) -> bool {
         variant.mask(b, h, q, kv)
     }
+    fn sink<V: HostVariant>(variant: &V, b: i32, h: i32, q: i32) -> Self {
+        variant.sink(b, h, q)
+    }
 }
 
 impl Real for f64 {
@@ -138,6 +144,9 @@ impl Real for f64 {
     }
     fn mask<V: HostVariant>(variant: &V, b: i32, h: i32, q: i32, kv: i32) -> bool {
         variant.mask_f64(b, h, q, kv)
+    }
+    fn sink<V: HostVariant>(variant: &V, b: i32, h: i32, q: i32) -> Self {
+        variant.sink_f64(b, h, q)
     }
 }
 
@@ -213,7 +222,10 @@ impl<T: Real> Row<T> {
         }
     }
 
-    /// Compute row `i` of `(b, h)`; returns whether any key is visible.
+    /// Compute row `i` of `(b, h)`; returns whether any key carries
+    /// probability. The row's sink, if finite, is one more logit of its
+    /// softmax with no value: it takes part in the max, the sum and the lse,
+    /// and a row with no visible key has `lse = sink`.
     #[allow(clippy::too_many_arguments)]
     fn compute<V: HostVariant>(
         &mut self,
@@ -230,8 +242,9 @@ impl<T: Real> Row<T> {
         let scale = T::from_f32(p.scale);
         let qr = &q[((b * p.heads_q + h) * p.seq_q + i) * d..][..d];
         let (bi, hi, qi) = (b as i32, h as i32, q_pos(p, i));
-        // First pass: z and its max over the visible keys.
-        let mut max = T::NEG_INFINITY;
+        // First pass: z and its max over the visible keys and the sink.
+        let sink = T::sink(variant, bi, hi, qi);
+        let mut max = sink;
         for j in 0..p.seq_k {
             let ji = j as i32;
             if !T::mask(variant, bi, hi, qi, ji) {
@@ -247,14 +260,19 @@ impl<T: Real> Row<T> {
                 max = z;
             }
         }
-        if max == T::NEG_INFINITY {
+        let any_key = self.z.iter().any(|&z| z != T::NEG_INFINITY);
+        if !any_key {
             self.p.fill(T::ZERO);
-            self.lse = T::NEG_INFINITY;
+            self.lse = sink;
             return false;
         }
         // Second pass: exp and normalisation. A NaN score propagates (on
         // purpose: the checks report it).
-        let mut sum = T::ZERO;
+        let mut sum = if sink == T::NEG_INFINITY {
+            T::ZERO
+        } else {
+            (sink - max).exp()
+        };
         for (pj, &z) in self.p.iter_mut().zip(&self.z) {
             *pj = if z == T::NEG_INFINITY {
                 T::ZERO
@@ -312,7 +330,9 @@ pub fn reference_forward<T: Real, V: HostVariant>(
             let hk = h / p.group();
             let mut row = Row::new(p.seq_k);
             for i in 0..p.seq_q {
-                if !row.compute(variant, p, q, k, b, h, i) {
+                let any = row.compute(variant, p, q, k, b, h, i);
+                lse_bh[i] = row.lse;
+                if !any {
                     continue;
                 }
                 let o = &mut out_bh[i * d..][..d];
@@ -325,7 +345,6 @@ pub fn reference_forward<T: Real, V: HostVariant>(
                         *ox += pj * vx;
                     }
                 }
-                lse_bh[i] = row.lse;
             }
         });
     Forward { out, lse }

@@ -45,6 +45,19 @@ pub fn analyze(name: &str, checked: Checked, tile: Option<TileOverride>) -> Prog
             ret: Ty::Bool,
             body: Expr::bool(true),
         });
+    let has_sink = checked.sink.is_some();
+    let sink = checked
+        .sink
+        .map(|f| Function {
+            body: prove(f.body),
+            ..f
+        })
+        .unwrap_or_else(|| Function {
+            name: "sink",
+            args: vec![Arg::B, Arg::H, Arg::Q],
+            ret: Ty::F32,
+            body: Expr::float(f64::NEG_INFINITY),
+        });
     let score_grad = derivative::score_grad(&score);
     let (classify, summaries) = tiles::classifier(has_mask.then_some(&mask), &checked.params);
     let tile = tile.unwrap_or_default();
@@ -52,6 +65,7 @@ pub fn analyze(name: &str, checked: Checked, tile: Option<TileOverride>) -> Prog
         name: name.to_string(),
         score_is_identity: score.body.kind == ExprKind::Arg(Arg::S),
         has_mask,
+        has_sink,
         params: checked.params,
         tensors,
         layout: checked.layout,
@@ -60,6 +74,7 @@ pub fn analyze(name: &str, checked: Checked, tile: Option<TileOverride>) -> Prog
         score,
         score_grad,
         mask,
+        sink,
         classify,
         tile: (tile.q, tile.kv),
     }

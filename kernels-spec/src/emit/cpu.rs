@@ -78,9 +78,19 @@ impl<'a> RustEmitter<'a> {
     }
 
     fn float_lit(&self, v: f64) -> TokenStream {
-        let (ty, lit) = match self.float {
-            Float::F32 => (quote!(f32), Literal::f32_suffixed(v as f32)),
-            Float::F64 => (quote!(f64), Literal::f64_suffixed(v)),
+        let ty = match self.float {
+            Float::F32 => quote!(f32),
+            Float::F64 => quote!(f64),
+        };
+        // The value in the target's precision (an f64 beyond f32's range is
+        // an f32 infinity), whose literal exists only when finite.
+        let v = match self.float {
+            Float::F32 => f64::from(v as f32),
+            Float::F64 => v,
+        };
+        let lit = |x: f64| match self.float {
+            Float::F32 => Literal::f32_suffixed(x as f32),
+            Float::F64 => Literal::f64_suffixed(x),
         };
         if v.is_nan() {
             quote!(#ty::NAN)
@@ -89,12 +99,10 @@ impl<'a> RustEmitter<'a> {
         } else if v.is_infinite() {
             quote!(#ty::NEG_INFINITY)
         } else if v < 0.0 || (v == 0.0 && v.is_sign_negative()) {
-            let pos = match self.float {
-                Float::F32 => Literal::f32_suffixed(-v as f32),
-                Float::F64 => Literal::f64_suffixed(-v),
-            };
+            let pos = lit(-v);
             quote!((-#pos))
         } else {
+            let lit = lit(v);
             quote!(#lit)
         }
     }

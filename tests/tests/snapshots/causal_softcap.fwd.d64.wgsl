@@ -174,6 +174,10 @@ fn variant_mask(b: i32, h: i32, q: i32, kv: i32) -> bool {
     return (kv <= q);
 }
 
+fn variant_sink(b: i32, h: i32, q: i32, seen: bool) -> f32 {
+    return (- bx_inf());
+}
+
 fn variant_classify(b: i32, h: i32, q_lo: i32, q_hi: i32, kv_lo: i32, kv_hi: i32) -> i32 {
     return select(select(1i, 2i, (q_lo >= kv_hi)), 0i, (kv_lo > q_hi));
 }
@@ -199,8 +203,10 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
 
     var qr: array<f32, D>;
     var acc: array<f32, D>;
-    var m = -bx_inf();
-    var l = 0.0f;
+    // The sink is one more logit with no value: the running max and sum
+    // start from it (-inf and 0 without one).
+    var m = variant_sink(ib, ih, qp, live);
+    var l = select(1.0f, 0.0f, bx_is_neg_inf(m));
     { { const d = 0u; var x = 0.0f;
         var a = 0.0f;
         if live {

@@ -156,6 +156,16 @@ __device__ __forceinline__ bool variant_mask(const Params& params, unsigned* __r
     return (kv <= q);
 }
 
+__device__ __forceinline__ float variant_sink(const Params& params, unsigned* __restrict__ captures, int b, int h, int q, bool seen) {
+    (void)params;
+    (void)captures;
+    (void)b;
+    (void)h;
+    (void)q;
+    (void)seen;
+    return __int_as_float((-8388608));
+}
+
 __device__ __forceinline__ int variant_classify(const Params& params, unsigned* __restrict__ captures, int b, int h, int q_lo, int q_hi, int kv_lo, int kv_hi) {
     (void)params;
     (void)captures;
@@ -528,9 +538,12 @@ boostr_attn_fwd(
     const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k;
 
     bx_load_rows<BQ, FWD_THREADS>(sQ, q + q_row0 * D, seq_q - q0);
+    // The sink is one more logit with no value: the running max and sum
+    // start from it (-inf and 0 without one).
     for (int i = threadIdx.x; i < BQ; i += FWD_THREADS) {
-        row_m[i] = bx_neg_inf();
-        row_l[i] = 0.0f;
+        const float sink = variant_sink(params, captures, b, h, q0 + i + offset, q0 + i < seq_q);
+        row_m[i] = sink;
+        row_l[i] = sink == bx_neg_inf() ? 0.0f : 1.0f;
     }
     BxAcc<BQ, FWD_THREADS> acc;
     acc.zero();

@@ -525,9 +525,12 @@ const FORWARD_BODY: &str = r#"    extern __shared__ __align__(16) unsigned char 
     const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k;
 
     bx_load_rows<BQ, FWD_THREADS>(sQ, q + q_row0 * D, seq_q - q0);
+    // The sink is one more logit with no value: the running max and sum
+    // start from it (-inf and 0 without one).
     for (int i = threadIdx.x; i < BQ; i += FWD_THREADS) {
-        row_m[i] = bx_neg_inf();
-        row_l[i] = 0.0f;
+        const float sink = variant_sink(params, captures, b, h, q0 + i + offset, q0 + i < seq_q);
+        row_m[i] = sink;
+        row_l[i] = sink == bx_neg_inf() ? 0.0f : 1.0f;
     }
     BxAcc<BQ, FWD_THREADS> acc;
     acc.zero();

@@ -118,9 +118,10 @@ pub enum Name {
     Params,
     /// The capture arena (see [`crate::params`]).
     Captures,
-    /// `score` and `score_grad`'s last argument: the pair is visible, so
-    /// the reference evaluates the function there (a checked read reports
-    /// an index out of range only then).
+    /// `score`, `score_grad` and `sink`'s last argument: the pair is
+    /// visible (the row exists, for `sink`), so the reference evaluates the
+    /// function there (a checked read reports an index out of range only
+    /// then).
     Seen,
 }
 
@@ -225,8 +226,8 @@ pub struct Function {
     pub name: String,
     /// Its arguments, in order, with their types.
     pub args: Vec<(Arg, Type)>,
-    /// It takes a last argument `seen: bool` ([`Name::Seen`]): `score`
-    /// and `score_grad` do.
+    /// It takes a last argument `seen: bool` ([`Name::Seen`]): `score`,
+    /// `score_grad` and `sink` do.
     pub seen: bool,
     /// Its result type.
     pub ret: Type,

@@ -112,9 +112,10 @@ pub fn function(program: &Program, f: &ir::Function) -> Function {
     }
 }
 
-/// Whether `f` takes the `seen` argument: `score` and `score_grad` do.
+/// Whether `f` takes the `seen` argument: `score` and `score_grad` do (the
+/// pair is visible), and `sink` (the query row exists).
 pub fn takes_seen(f: &ir::Function) -> bool {
-    f.args.first() == Some(&ir::Arg::S)
+    f.args.first() == Some(&ir::Arg::S) || f.name == "sink"
 }
 
 struct Lowering<'a> {

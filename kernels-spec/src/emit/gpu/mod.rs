@@ -340,12 +340,7 @@ pub fn variant_section<D: Dialect>(program: &Program) -> String {
     s.push_str(" ----\n");
     s.push_str(&code::<D, _>(&lower::params_struct(&program.layout)).to_string());
     s.push('\n');
-    for f in [
-        &program.score,
-        &program.score_grad,
-        &program.mask,
-        &program.classify,
-    ] {
+    for f in program.functions() {
         s.push_str(&code::<D, _>(&lower::function(program, f)).to_string());
         s.push('\n');
     }

@@ -238,3 +238,26 @@ fn tensor_reads_are_arena_words_and_checked_reads_report_on_their_path() {
     );
     assert_eq!(p.summaries, [(2, 1)]);
 }
+
+#[test]
+fn a_sink_is_a_function_of_the_row_that_reports_only_for_live_rows() {
+    let p = program(
+        "#[attention(mask = |b, h, q, kv| kv <= q, sink = |b, h, q| self.sinks[h][q - 2]) ] \
+         struct V<R: Runtime> { #[tensor(f32, [Hq, _])] sinks: Tensor<R> }",
+    );
+    assert!(p.has_sink);
+    let (cuda, wgsl) = both(&p, &p.sink);
+    assert!(
+        wgsl.contains("fn variant_sink(b: i32, h: i32, q: i32, seen: bool) -> f32"),
+        "{wgsl}"
+    );
+    assert!(cuda.contains(", int q, bool seen) {"), "{cuda}");
+    // `q - 2` may be out of range: checked, reported where the row exists.
+    assert!(wgsl.contains("bx_capture_checked("), "{wgsl}");
+    assert!(wgsl.contains(", seen, 0u, "), "{wgsl}");
+    // Without a sink: -inf, and no read.
+    let none = program("#[attention(mask = |b, h, q, kv| kv <= q)] struct W;");
+    assert!(!none.has_sink);
+    let (_, wgsl) = both(&none, &none.sink);
+    assert!(wgsl.contains("return (- bx_inf());"), "{wgsl}");
+}

@@ -145,8 +145,10 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
 
     var qr: array<f32, D>;
     var acc: array<f32, D>;
-    var m = -bx_inf();
-    var l = 0.0f;
+    // The sink is one more logit with no value: the running max and sum
+    // start from it (-inf and 0 without one).
+    var m = variant_sink(ib, ih, qp, live);
+    var l = select(1.0f, 0.0f, bx_is_neg_inf(m));
     "#,
     ),
     Piece::HeadDimLoop(
@@ -385,8 +387,11 @@ fn attn_bwd_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocati
     if !is_last() {
         rows[r.row] = vec4<f32>(sums, 0.0f, 0.0f);
     } else {
+        // The sink's probability joins the normalisation (its dP is 0).
+        let sink = variant_sink(t.ib, t.ih, r.qp, r.live);
+        let p_sink = select(exp(sink - r.lse), 0.0f, bx_is_neg_inf(sink) || bx_is_neg_inf(r.lse));
         var dl = 0.0f;
-        if sums.x > 0.0f { dl = sums.y / sums.x; }
+        if sums.x + p_sink > 0.0f { dl = sums.y / (sums.x + p_sink); }
         rows[r.row] = vec4<f32>(sums, r.lse, dl);
     }
 }
@@ -638,7 +643,8 @@ const fn over_key_tiles(name: &'static str) -> Entry {
 }
 
 /// The backward's first module: `attn_bwd_delta` computes
-/// `D_i = Σ_j P_ij dP_ij / Σ_j P_ij` from the recomputed `P`, then
+/// `D_i = Σ_j P_ij dP_ij / (Σ_j P_ij + P_sink,i)` from the recomputed `P`
+/// (`P_sink = e^(sink − lse)`, 0 without a sink), then
 /// `attn_bwd_dq` the dQ rows. Both: one workgroup per (WG query rows,
 /// b·Hq + h), one invocation per query row, dispatched per range of key
 /// tiles. `rows` holds per query row the two sums (between dispatches),
@@ -647,7 +653,7 @@ const fn over_key_tiles(name: &'static str) -> Entry {
 ///
 /// `D_i` is `rowsum(dO ∘ O)` in exact arithmetic, but taking it from the
 /// same recomputed `P` that forms `dS` makes every row of `dS` sum to zero
-/// in f32 as well. `O` comes from another kernel, whose logits a GPU
+/// (less the sink's share) in f32 as well. `O` comes from another kernel, whose logits a GPU
 /// compiler may round differently (FMA contraction); at logits ~1e4 one
 /// ulp is 1e-3, and `Σ_j dS_ij ≠ 0` then leaks into dQ along the mean of
 /// the keys. The cost is one more pass of the `QKᵀ` and `dO·Vᵀ` products.
