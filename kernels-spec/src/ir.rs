@@ -523,27 +523,32 @@ impl Expr {
     /// Visit every sub-expression, this one first.
     pub fn walk(&self, f: &mut impl FnMut(&Expr)) {
         f(self);
+        self.for_each_child(&mut |c| c.walk(f));
+    }
+
+    /// Visit the direct sub-expressions, in order.
+    pub fn for_each_child(&self, f: &mut impl FnMut(&Expr)) {
         match &self.kind {
             ExprKind::Const(_)
             | ExprKind::Arg(_)
             | ExprKind::Param(_)
             | ExprKind::Local(_)
             | ExprKind::Dim(..) => {}
-            ExprKind::Read(r) => r.indices.iter().for_each(|i| i.walk(f)),
+            ExprKind::Read(r) => r.indices.iter().for_each(f),
             ExprKind::ReadRange(r) => {
-                r.indices.iter().for_each(|i| i.walk(f));
-                r.hi.walk(f);
+                r.indices.iter().for_each(&mut *f);
+                f(&r.hi);
             }
-            ExprKind::Unary(_, a) | ExprKind::Cast(a) => a.walk(f),
+            ExprKind::Unary(_, a) | ExprKind::Cast(a) => f(a),
             ExprKind::Binary(_, a, b) | ExprKind::Let(_, a, b) => {
-                a.walk(f);
-                b.walk(f);
+                f(a);
+                f(b);
             }
-            ExprKind::Call(_, args) => args.iter().for_each(|a| a.walk(f)),
+            ExprKind::Call(_, args) => args.iter().for_each(f),
             ExprKind::Select(c, t, e) => {
-                c.walk(f);
-                t.walk(f);
-                e.walk(f);
+                f(c);
+                f(t);
+                f(e);
             }
         }
     }

@@ -514,3 +514,122 @@ fn reads_the_analysis_cannot_bound_stay_sound() {
         check_data_classifier(&p, &[t, doc], sk as i32, false);
     }
 }
+
+/// d score / d t[e] of every element of every tensor, by finite differences
+/// of the element, against the sum over the read sites of `t` whose index
+/// lands on `e` of their `read_grad`: what the backward accumulates.
+#[test]
+fn read_gradients_match_finite_differences() {
+    use kernels_spec::analysis::{derivative::read_grad, reads::read_index};
+    let p = program(
+        "#[attention(score = |s, b, h, q, kv| { \
+            let d = clamp(q - kv, -3, 3) + 3; \
+            let w = self.w[h]; \
+            s * w + tanh(self.bias[h][d]) * self.bias[h][0] - w * w * 0.5 \
+         }, sink = |b, h, q| self.w[h] * 2.0 + self.bias[h][q % 7])] \
+         struct V<R: Runtime> { #[tensor(f32, [Hq])] w: Tensor<R>, \
+           #[tensor(f32, [Hq, 7])] bias: Tensor<R> }",
+    );
+    let mut draw = Draw(0x77);
+    let mut tensors = vec![
+        TensorValue {
+            dims: vec![3],
+            data: (0..3)
+                .map(|_| Value::F32(draw.below(200) as f32 / 100.0 - 1.0))
+                .collect(),
+        },
+        TensorValue {
+            dims: vec![3, 7],
+            data: (0..21)
+                .map(|_| Value::F32(draw.below(200) as f32 / 100.0 - 1.0))
+                .collect(),
+        },
+    ];
+    let mut sites = Vec::new();
+    for f in [&p.score, &p.sink] {
+        kernels_spec::analysis::reads::read_sites(&f.body, &mut sites);
+    }
+    let mut checked = 0;
+    for f in [&p.score, &p.sink] {
+        let mut own = Vec::new();
+        kernels_spec::analysis::reads::read_sites(&f.body, &mut own);
+        for (b, h, q, kv, s) in [(0, 0, 5, 2, 0.3f32), (1, 2, 0, 6, -1.2), (0, 1, 9, 9, 2.5)] {
+            let args: Vec<Value> = if f.name == "score" {
+                vec![
+                    Value::F32(s),
+                    Value::I32(b),
+                    Value::I32(h),
+                    Value::I32(q),
+                    Value::I32(kv),
+                ]
+            } else {
+                vec![Value::I32(b), Value::I32(h), Value::I32(q)]
+            };
+            for (t, tensor_len) in [(0usize, 3usize), (1, 21)] {
+                for e in 0..tensor_len {
+                    let at = |tensors: &[TensorValue], x: f32| {
+                        let mut ts = tensors.to_vec();
+                        ts[t].data[e] = Value::F32(x);
+                        call_with(f, &args, &[], &ts).0.f32() as f64
+                    };
+                    let x0 = tensors[t].data[e].f32();
+                    let eps = 1e-2f32;
+                    let fd = (at(&tensors, x0 + eps) - at(&tensors, x0 - eps)) / (2.0 * eps as f64);
+                    let mut analytic = 0.0f64;
+                    for site in own.iter().filter(|r| r.tensor == t) {
+                        let index = read_index(f, site.site).expect("the site is in f");
+                        let lands = call_with(&index, &args, &[], &tensors).0.i32();
+                        if lands == e as i32 {
+                            let g = read_grad(f, site.site);
+                            analytic += call_with(&g, &args, &[], &tensors).0.f32() as f64;
+                        }
+                    }
+                    assert!(
+                        (analytic - fd).abs() <= 2e-3 * (1.0 + fd.abs()),
+                        "{}: d/d t{t}[{e}] at {args:?}: {analytic}, finite differences {fd}",
+                        f.name
+                    );
+                    checked += 1;
+                }
+            }
+            tensors[0].data[0] = Value::F32(tensors[0].data[0].f32() + 0.1);
+        }
+    }
+    assert_eq!(checked, 2 * 3 * 24);
+    assert_eq!(
+        sites.len(),
+        5,
+        "w and two bias reads in score, w and one bias read in sink"
+    );
+}
+
+#[test]
+fn a_read_index_is_minus_one_outside_the_tensor() {
+    use kernels_spec::analysis::reads::read_index;
+    let p = program(
+        "#[attention(score = |s, b, h, q, kv| s + self.t[q - 2][h])] \
+         struct V<R: Runtime> { #[tensor(f32, [_, 2])] t: Tensor<R> }",
+    );
+    let index = read_index(&p.score, 0).expect("site 0");
+    let t = [TensorValue {
+        dims: vec![4, 2],
+        data: vec![Value::F32(0.0); 8],
+    }];
+    let at = |h: i32, q: i32| {
+        let args = [
+            Value::F32(0.0),
+            Value::I32(0),
+            Value::I32(h),
+            Value::I32(q),
+            Value::I32(0),
+        ];
+        call_with(&index, &args, &[], &t).0.i32()
+    };
+    assert_eq!(at(1, 2), 1);
+    assert_eq!(at(0, 5), 6);
+    assert_eq!(at(1, 5), 7);
+    assert_eq!(at(0, 1), -1, "row -1");
+    assert_eq!(at(0, 6), -1, "row 4 of 4");
+    assert_eq!(at(2, 3), -1, "column 2 of 2");
+    assert!(read_index(&p.score, 1).is_none());
+}

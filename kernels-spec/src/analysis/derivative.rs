@@ -1,7 +1,8 @@
-//! The symbolic derivative d score / d s, used by every target's backward.
+//! The symbolic derivatives of the backward: d score / d s, used by every
+//! target, and d f / d (a tensor read) for the reads of learnable tensors.
 //!
-//! Forward-mode differentiation of the score's IR with respect to
-//! [`Arg::S`]: each `let` gets a companion holding its derivative, nonlinear
+//! Forward-mode differentiation of the IR with respect to [`Arg::S`] or to
+//! the value of one read site: each `let` gets a companion holding its derivative, nonlinear
 //! functions bind their value once and reuse it (`tanh'(a) = 1 - t²` with
 //! `t = tanh(a)`), and the smart constructors of [`build`] fold constants and
 //! identities as the derivative is built, so the identity score gives `1`.
@@ -17,20 +18,43 @@ use std::f64::consts::LN_2;
 
 /// d`score`/d`s` as a function with the score's signature.
 pub fn score_grad(score: &Function) -> Function {
+    derivative(score, Wrt::S, "score_grad")
+}
+
+/// d`f`/d(the value read at `site`), a function with `f`'s signature: what
+/// the backward multiplies into the gradient of the element that read
+/// landed on (the reads of other sites, and of this site's tensor
+/// elsewhere, are constants).
+pub fn read_grad(f: &Function, site: u32) -> Function {
+    derivative(f, Wrt::Site(site), "read_grad")
+}
+
+/// What a derivative is taken with respect to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Wrt {
+    /// The scaled logit.
+    S,
+    /// The value of one tensor read.
+    Site(u32),
+}
+
+fn derivative(f: &Function, wrt: Wrt, name: &'static str) -> Function {
     let mut d = Differentiator {
+        wrt,
         derivs: HashMap::new(),
-        next: build::next_local(&score.body),
+        next: build::next_local(&f.body),
     };
-    let body = d.diff(&score.body);
+    let body = d.diff(&f.body);
     Function {
-        name: "score_grad",
-        args: score.args.clone(),
+        name,
+        args: f.args.clone(),
         ret: Ty::F32,
         body: build::simplify(body),
     }
 }
 
 struct Differentiator {
+    wrt: Wrt,
     /// The local holding each float local's derivative.
     derivs: HashMap<Local, Local>,
     next: u32,
@@ -62,13 +86,22 @@ impl Differentiator {
             return Expr::float(0.0);
         }
         match &e.kind {
-            // Tensor reads are data: constant in s.
+            // Tensor reads are data, constant in s; the read differentiated
+            // against is the variable.
+            ExprKind::Read(r) => Expr::float(if self.wrt == Wrt::Site(r.site) {
+                1.0
+            } else {
+                0.0
+            }),
             ExprKind::Const(_)
             | ExprKind::Param(_)
-            | ExprKind::Read(_)
             | ExprKind::ReadRange(_)
             | ExprKind::Dim(..) => Expr::float(0.0),
-            ExprKind::Arg(a) => Expr::float(if *a == Arg::S { 1.0 } else { 0.0 }),
+            ExprKind::Arg(a) => Expr::float(if *a == Arg::S && self.wrt == Wrt::S {
+                1.0
+            } else {
+                0.0
+            }),
             ExprKind::Local(l) => match self.derivs.get(l) {
                 Some(d) => Expr::local(*d, Ty::F32),
                 None => Expr::float(0.0),

@@ -17,10 +17,11 @@
 //! Note `q`'s lower bound `Sk − Sq`: with `Sq > Sk` the first rows sit at
 //! negative positions, so a read indexed by `q` keeps its `>= 0` check.
 
+use super::build;
 use super::tiles::INDEX_BOUND;
 use crate::ir::{
-    Arg, BinOp, Builtin, Const, DimDecl, Expr, ExprKind, IndexCheck, Local, Read, Size, TensorDecl,
-    Ty, UnOp,
+    Arg, BinOp, Builtin, Const, DimDecl, Expr, ExprKind, Function, IndexCheck, Local, Read, Size,
+    TensorDecl, Ty, UnOp,
 };
 use std::collections::HashMap;
 
@@ -380,6 +381,76 @@ pub fn prove(body: &Expr, tensors: &[TensorDecl]) -> (Expr, Vec<SiteCondition>) 
     };
     let body = p.mark(body);
     (body, p.conditions)
+}
+
+/// Where the read at `site` of `f` lands: a function with `f`'s signature
+/// giving the element's row-major linear index into its tensor, or `-1`
+/// where an index is outside the tensor. The `let`s around the read are
+/// rebuilt around its indices, so they see what the read sees. `None` if
+/// `f` has no such site.
+pub fn read_index(f: &Function, site: u32) -> Option<Function> {
+    let mut lets = Vec::new();
+    let (lets, read) = find_read(&f.body, site, &mut lets)?;
+    let dim = |axis: usize| Expr {
+        kind: ExprKind::Dim(read.tensor, axis),
+        ty: Ty::I32,
+    };
+    let (mut ok, mut linear) = (Expr::bool(true), Expr::i32(0));
+    for (axis, index) in read.indices.iter().enumerate() {
+        // A u32 index past i32::MAX becomes negative, and is outside.
+        let index = build::cast(index.clone(), Ty::I32);
+        ok = build::and(
+            ok,
+            build::and(
+                build::le(Expr::i32(0), index.clone()),
+                build::lt(index.clone(), dim(axis)),
+            ),
+        );
+        linear = build::add(build::mul(linear, dim(axis)), index);
+    }
+    let mut body = build::select(ok, linear, Expr::i32(-1));
+    for (l, value) in lets.into_iter().rev() {
+        body = Expr {
+            kind: ExprKind::Let(l, Box::new(value), Box::new(body)),
+            ty: Ty::I32,
+        };
+    }
+    Some(Function {
+        name: "read_index",
+        args: f.args.clone(),
+        ret: Ty::I32,
+        body,
+    })
+}
+
+/// The read at `site` in `e`, with the `let`s in scope there (outermost
+/// first).
+fn find_read(
+    e: &Expr,
+    site: u32,
+    lets: &mut Vec<(Local, Expr)>,
+) -> Option<(Vec<(Local, Expr)>, Read)> {
+    match &e.kind {
+        ExprKind::Read(r) if r.site == site => Some((lets.clone(), r.clone())),
+        ExprKind::Let(l, value, body) => {
+            if let Some(found) = find_read(value, site, lets) {
+                return Some(found);
+            }
+            lets.push((*l, (**value).clone()));
+            let found = find_read(body, site, lets);
+            lets.pop();
+            found
+        }
+        _ => {
+            let mut found = None;
+            e.for_each_child(&mut |child| {
+                if found.is_none() {
+                    found = find_read(child, site, lets);
+                }
+            });
+            found
+        }
+    }
 }
 
 /// One tensor read, for reports.
