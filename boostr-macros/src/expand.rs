@@ -90,6 +90,7 @@ fn host_methods(program: &Program) -> TokenStream {
         found
     };
     let score_checks = checked(&program.score) || checked(&program.score_grad);
+    let learnable = learnable_methods(program);
     let errors = program.tensors.iter().map(|t| {
         let field = format_ident!("{}", t.name);
         let name = &t.name;
@@ -117,6 +118,136 @@ fn host_methods(program: &Program) -> TokenStream {
         fn out_of_range(&self) -> ::core::option::Option<::boostr_runtime::Error> {
             ::core::option::Option::None #(#errors)*
         }
+        #learnable
+    }
+}
+
+/// The name of a learnable site's helper: `__boostr_site3_grad`.
+fn site_fn(site: u32, what: &str) -> syn::Ident {
+    format_ident!("__boostr_site{}_{}", site, what)
+}
+
+/// The inherent helpers of the learnable reads: per site, where it lands
+/// (`index`, `index_f64`) and its derivative (`grad`, `grad_f64`).
+fn learnable_helpers(program: &Program) -> TokenStream {
+    let f32s = RustEmitter::new(program, Float::F32);
+    let f64s = RustEmitter::new(program, Float::F64);
+    let helpers = program.learnable_sites.iter().map(|l| {
+        let site = l.site;
+        let index = method(&f32s, &site_fn(site, "index").to_string(), &l.index);
+        let index_f64 = method(&f64s, &site_fn(site, "index_f64").to_string(), &l.index);
+        let grad = method(&f32s, &site_fn(site, "grad").to_string(), &l.grad);
+        let grad_f64 = method(&f64s, &site_fn(site, "grad_f64").to_string(), &l.grad);
+        quote!(#index #index_f64 #grad #grad_f64)
+    });
+    quote!(#(#helpers)*)
+}
+
+/// The `HostVariant` items of the learnable tensors: their count and sizes,
+/// and the accumulation of `dz · ∂f/∂read` at every learnable read of
+/// `score` and `sink`.
+fn learnable_methods(program: &Program) -> TokenStream {
+    if program.learnable.is_empty() {
+        return TokenStream::new();
+    }
+    let count = program.learnable.len();
+    let fields: Vec<syn::Ident> = program
+        .learnable
+        .iter()
+        .map(|&t| format_ident!("{}", program.tensors[t].name))
+        .collect();
+    let slots: Vec<usize> = (0..count).collect();
+    // One accumulation per site; `args` are the function's arguments.
+    let accumulate = |in_sink: bool, f64: bool| {
+        let sites = program
+            .learnable_sites
+            .iter()
+            .filter(|l| l.in_sink == in_sink);
+        let adds = sites.map(|l| {
+            let slot = l.slot;
+            let (index, grad) = if f64 {
+                (site_fn(l.site, "index_f64"), site_fn(l.site, "grad_f64"))
+            } else {
+                (site_fn(l.site, "index"), site_fn(l.site, "grad"))
+            };
+            let args = if in_sink {
+                quote!(b, h, q)
+            } else {
+                quote!(s, b, h, q, kv)
+            };
+            let term = if f64 {
+                quote!({
+                    let t = dz * self.#grad(#args);
+                    if abs { t.abs() } else { t }
+                })
+            } else {
+                quote!(dz * self.#grad(#args))
+            };
+            quote! {
+                if let ::core::option::Option::Some(g) = grads.get_mut(#slot) {
+                    if !g.is_empty() {
+                        let at = self.#index(#args);
+                        if at >= 0 {
+                            if let ::core::option::Option::Some(x) = g.get_mut(at as usize) {
+                                *x += #term;
+                            }
+                        }
+                    }
+                }
+            }
+        });
+        quote!(#(#adds)*)
+    };
+    let (score, score_f64) = (accumulate(false, false), accumulate(false, true));
+    let (sink, sink_f64) = (accumulate(true, false), accumulate(true, true));
+    quote! {
+        const LEARNABLE: usize = #count;
+        fn learnable_numel(&self, slot: usize) -> usize {
+            match slot {
+                #(#slots => self.#fields.numel(),)*
+                _ => 0,
+            }
+        }
+        #[inline(always)]
+        #[allow(unused_variables, clippy::all)]
+        fn score_tensor_grads(
+            &self, s: f32, b: i32, h: i32, q: i32, kv: i32, dz: f32, grads: &mut [&mut [f32]],
+        ) {
+            #score
+        }
+        #[allow(unused_variables, clippy::all)]
+        fn score_tensor_grads_f64(
+            &self, s: f64, b: i32, h: i32, q: i32, kv: i32, dz: f64, abs: bool,
+            grads: &mut [&mut [f64]],
+        ) {
+            #score_f64
+        }
+        #[allow(unused_variables, clippy::all)]
+        fn sink_tensor_grads(&self, b: i32, h: i32, q: i32, dz: f32, grads: &mut [&mut [f32]]) {
+            #sink
+        }
+        #[allow(unused_variables, clippy::all)]
+        fn sink_tensor_grads_f64(
+            &self, b: i32, h: i32, q: i32, dz: f64, abs: bool, grads: &mut [&mut [f64]],
+        ) {
+            #sink_f64
+        }
+        fn perturb_learnable(&mut self, slot: usize, at: usize, delta: f32) -> f32 {
+            match slot {
+                #(#slots => self.#fields.perturb(at, delta),)*
+                _ => 0.0,
+            }
+        }
+    }
+}
+
+/// A tensor field as a `&Tensor<R>`: a learnable `Var<R>` through its
+/// tensor.
+fn tensor_of(field: &syn::Ident, learnable: bool) -> TokenStream {
+    if learnable {
+        quote!(self.#field.tensor())
+    } else {
+        quote!(&self.#field)
     }
 }
 
@@ -350,10 +481,11 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
                     .iter()
                     .filter(|(st, _)| *st == i)
                     .map(|(_, a)| *a);
+                let tensor = tensor_of(&field, t.learnable);
                 quote! {
                     #field: ::boostr_runtime::capture::HostTensor::#how(
                         &<Self as ::boostr_runtime::Variant>::TENSORS[#i],
-                        &self.#field,
+                        #tensor,
                         p,
                         &[#(#axes),*],
                     )?
@@ -366,12 +498,21 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
         capture_fields(quote!(copy)),
     );
     let captures = program.tensors.iter().enumerate().map(|(i, t)| {
-        let field = format_ident!("{}", t.name);
+        let tensor = tensor_of(&format_ident!("{}", t.name), t.learnable);
         quote!(::boostr_runtime::capture::Capture::new(
+            &<Self as ::boostr_runtime::Variant>::TENSORS[#i],
+            #tensor,
+        ))
+    });
+    let learnable_slots = &program.learnable;
+    let learnables = program.learnable.iter().map(|&i| {
+        let field = format_ident!("{}", program.tensors[i].name);
+        quote!(::boostr_runtime::capture::Learnable::new(
             &<Self as ::boostr_runtime::Variant>::TENSORS[#i],
             &self.#field,
         ))
     });
+    let helpers = learnable_helpers(program);
     let host_doc = format!(
         "`{name}` with its captured tensors checked and on the host: what the CPU kernels \
          and the reference evaluate."
@@ -387,6 +528,9 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
         }
         impl ::boostr_runtime::HostVariant for #host {
             #host_methods
+        }
+        impl #host {
+            #helpers
         }
         impl #impl_generics ::boostr_runtime::Variant for #ident #ty_generics #variant_where {
             #consts
@@ -411,6 +555,10 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
             }
             fn captures(&self) -> ::std::vec::Vec<::boostr_runtime::capture::Capture<'_>> {
                 ::std::vec![#(#captures),*]
+            }
+            const LEARNABLE: &'static [usize] = &[#(#learnable_slots),*];
+            fn learnables(&self) -> ::std::vec::Vec<::boostr_runtime::capture::Learnable<'_>> {
+                ::std::vec![#(#learnables),*]
             }
             #compiled
             #param_words

@@ -25,12 +25,29 @@ pub trait AttentionRuntime: Runtime<DType = DType> + std::fmt::Debug {
         v: &Tensor<Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)>;
 
-    /// Run the backward kernels on validated inputs; returns `(dq, dk, dv)`.
+    /// Run the backward kernels on validated inputs; returns `dq, dk, dv`
+    /// and the gradient of each learnable tensor that
+    /// [`BackwardTensors::tensor_grads`] asks for.
     fn attention_backward<V: Variant>(
         variant: &V,
         problem: &Problem,
         tensors: BackwardTensors<'_, Self>,
-    ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)>;
+    ) -> Result<AttentionGrads<Self>>;
+}
+
+/// What the backward returns: the gradients of the loss with respect to
+/// `q, k, v`, and to the variant's learnable tensors.
+#[derive(Debug)]
+pub struct AttentionGrads<R: Runtime> {
+    /// `d loss / d q [B, Hq, Sq, D]`.
+    pub dq: Tensor<R>,
+    /// `d loss / d k [B, Hkv, Sk, D]`.
+    pub dk: Tensor<R>,
+    /// `d loss / d v [B, Hkv, Sk, D]`.
+    pub dv: Tensor<R>,
+    /// Per learnable tensor, in slot order ([`Variant::LEARNABLE`]): its
+    /// gradient (f32, its shape), or `None` where it was not asked for.
+    pub tensors: Vec<Option<Tensor<R>>>,
 }
 
 /// What the backward reads: the forward's inputs and results, and the
@@ -49,6 +66,10 @@ pub struct BackwardTensors<'a, R: Runtime> {
     pub lse: &'a Tensor<R>,
     /// `d loss / d out [B, Hq, Sq, D]`.
     pub dout: &'a Tensor<R>,
+    /// Which learnable tensors' gradients to compute, by slot
+    /// ([`Variant::LEARNABLE`]); missing slots are not computed (`&[]`: no
+    /// tensor gradient, no extra work).
+    pub tensor_grads: &'a [bool],
 }
 
 impl<R: Runtime> Clone for BackwardTensors<'_, R> {
@@ -58,6 +79,26 @@ impl<R: Runtime> Clone for BackwardTensors<'_, R> {
 }
 
 impl<R: Runtime> Copy for BackwardTensors<'_, R> {}
+
+/// The error of a backend without tensor gradients, when `wanted` asks
+/// for one.
+#[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+pub(crate) fn refuse_tensor_grads<V: Variant>(
+    backend: &'static str,
+    wanted: &[bool],
+) -> Result<()> {
+    let asked = V::LEARNABLE
+        .iter()
+        .zip(wanted)
+        .find_map(|(&field, &w)| w.then_some(field));
+    match asked.and_then(|field| V::TENSORS.get(field)) {
+        Some(decl) => Err(Error::TensorGradUnsupported {
+            backend,
+            field: decl.name,
+        }),
+        None => Ok(()),
+    }
+}
 
 const CPU: &str = "cpu";
 const CPU_DTYPES: &str = "f32, f16 and bf16 (f16/bf16 computed in f32)";
@@ -215,7 +256,7 @@ impl AttentionRuntime for CpuRuntime {
         variant: &V,
         p: &Problem,
         t: BackwardTensors<'_, Self>,
-    ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
+    ) -> Result<AttentionGrads<Self>> {
         let BackwardTensors {
             q,
             k,
@@ -223,6 +264,7 @@ impl AttentionRuntime for CpuRuntime {
             out,
             lse,
             dout,
+            tensor_grads,
         } = t;
         let dtype = q.dtype();
         let device = q.device();
@@ -242,7 +284,7 @@ impl AttentionRuntime for CpuRuntime {
         let mut dq = Output::new(&q_shape, dtype, device)?;
         let mut dk = Output::new(&kv_shape, dtype, device)?;
         let mut dv = Output::new(&kv_shape, dtype, device)?;
-        crate::cpu::backward(
+        let tensors = crate::cpu::backward(
             variant,
             p,
             crate::cpu::BackwardInputs {
@@ -256,7 +298,23 @@ impl AttentionRuntime for CpuRuntime {
             dq.slice_mut(),
             dk.slice_mut(),
             dv.slice_mut(),
+            tensor_grads,
         )?;
-        Ok((dq.finish(), dk.finish(), dv.finish()))
+        let learnables = variant.learnables();
+        let tensors = tensors
+            .into_iter()
+            .zip(&learnables)
+            .map(|(g, l)| {
+                let Some(g) = g else { return Ok(None) };
+                let shape = l.on::<CpuRuntime>()?.shape();
+                Ok(Some(Tensor::<CpuRuntime>::from_slice(&g, shape, device)?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(AttentionGrads {
+            dq: dq.finish(),
+            dk: dk.finish(),
+            dv: dv.finish(),
+            tensors,
+        })
     }
 }

@@ -7,6 +7,8 @@
 //! - [`check`]: a tensor given at call time against its declaration: its
 //!   dtype, its rank and every declared dimension; an `Err` that names the
 //!   field, what was expected and what was given.
+//! - [`Learnable`]: a learnable tensor (a `Var<R>` field), type-erased for
+//!   the autograd op, which records it as an input of its backward.
 //! - [`HostTensor`]: a checked tensor on the host, as the CPU kernels and
 //!   the reference read it, with the per-call summaries the tile classifier
 //!   reads (`kernels_spec::params` describes their layout, the same on every
@@ -15,6 +17,7 @@
 use crate::error::{Error, Result};
 use crate::problem::Problem;
 use kernels_spec::params::{Arena, ParamWords, SUMMARY_BLOCK, SUMMARY_MAX_BLOCKS, summary_blocks};
+use numr::autograd::Var;
 use numr::dtype::DType;
 use numr::runtime::Runtime;
 use numr::runtime::cpu::CpuRuntime;
@@ -199,6 +202,49 @@ impl<'a> Capture<'a> {
             })?;
         check(self.decl, t.shape(), t.dtype(), p)?;
         Ok(t.contiguous()?)
+    }
+}
+
+/// A learnable tensor of a variant (a `Var<R>` field), type-erased: the
+/// autograd op takes it as its own `Var<R>` (another runtime is an error).
+#[derive(Clone, Copy)]
+pub struct Learnable<'a> {
+    /// Its declaration.
+    pub decl: &'static TensorDecl,
+    /// The field's `Var<R>`.
+    pub var: &'a dyn Any,
+    /// `R`'s type name, for messages.
+    pub runtime: &'static str,
+}
+
+impl fmt::Debug for Learnable<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Learnable")
+            .field("decl", self.decl)
+            .field("runtime", &self.runtime)
+            .finish()
+    }
+}
+
+impl<'a> Learnable<'a> {
+    /// The learnable `var` of field `decl`.
+    pub fn new<R: Runtime>(decl: &'static TensorDecl, var: &'a Var<R>) -> Learnable<'a> {
+        Learnable {
+            decl,
+            var,
+            runtime: std::any::type_name::<R>(),
+        }
+    }
+
+    /// The field as a `Var<R>`, or the error of a tensor on another runtime.
+    pub fn on<R: Runtime>(&self) -> Result<&'a Var<R>> {
+        self.var
+            .downcast_ref::<Var<R>>()
+            .ok_or(Error::CaptureRuntime {
+                field: self.decl.name,
+                expected: std::any::type_name::<R>(),
+                got: self.runtime,
+            })
     }
 }
 
@@ -402,6 +448,11 @@ impl<T: Element, const N: usize> HostTensor<T, N> {
         &self.dims
     }
 
+    /// Its number of elements.
+    pub fn numel(&self) -> usize {
+        self.len
+    }
+
     fn summarize(&self, axis: usize) -> Summary {
         let d = self.dims[axis];
         let inner: usize = self.dims[axis + 1..].iter().product();
@@ -433,6 +484,28 @@ impl<T: Element, const N: usize> HostTensor<T, N> {
             index: index.to_vec(),
             shape: self.dims.to_vec(),
         })
+    }
+}
+
+impl<const N: usize> HostTensor<f32, N> {
+    /// Add `delta` to the element at linear position `at`, in a private
+    /// copy (the caller's tensor is never written), and return the change
+    /// made (`fl(x + delta) − x`, exact): for finite-difference checks.
+    #[doc(hidden)]
+    pub fn perturb(&mut self, at: usize, delta: f32) -> f32 {
+        let mut values = self.values().to_vec();
+        let old = values[at];
+        values[at] += delta;
+        let change = values[at] - old;
+        let t = Tensor::<CpuRuntime>::from_slice(
+            &values,
+            &self.dims,
+            &numr::runtime::cpu::CpuDevice::new(),
+        )
+        .expect("a host tensor of a checked shape");
+        self.data = t.ptr() as *const f32;
+        self._tensor = t;
+        change
     }
 }
 

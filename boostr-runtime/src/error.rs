@@ -133,6 +133,18 @@ pub enum Error {
         /// The tensor's shape.
         shape: Vec<usize>,
     },
+    /// The gradient of a learnable tensor was asked of a backend that does
+    /// not compute it.
+    #[error(
+        "the {backend} backend does not compute gradients of learnable tensors (`{field}` \
+         requires grad); run the backward on the CPU, or pass a tensor that does not require grad"
+    )]
+    TensorGradUnsupported {
+        /// The backend.
+        backend: &'static str,
+        /// The first learnable field whose gradient was asked for.
+        field: &'static str,
+    },
     /// A GPU backend could not build or launch a kernel.
     #[error(transparent)]
     Backend(#[from] BackendError),

@@ -1,7 +1,7 @@
 //! The attention ops: forward and backward on tensors, and the autograd op on
 //! [`Var`] whose [`GradFn`] calls the fused backward.
 
-use crate::backend::{AttentionRuntime, BackwardTensors};
+use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors};
 use crate::error::Result;
 use crate::problem::Problem;
 use crate::validate;
@@ -20,7 +20,8 @@ pub struct AttentionOptions {
 /// Fused attention forward: returns `(out [B, Hq, Sq, D], lse [B, Hq, Sq])`.
 ///
 /// `lse` is the natural log-sum-exp of each query row's masked, modified,
-/// scaled logits; a row with no visible key has `out = 0` and `lse = -inf`.
+/// scaled logits (and its sink, if the variant declares one); a row with no
+/// visible key has `out = 0` and `lse = -inf` (its sink, with one).
 pub fn attention_fwd<V: Variant, R: AttentionRuntime>(
     variant: &V,
     q: &Tensor<R>,
@@ -33,7 +34,8 @@ pub fn attention_fwd<V: Variant, R: AttentionRuntime>(
 }
 
 /// Fused attention backward: returns `(dq, dk, dv)` given the forward's
-/// `out` and `lse` and the output gradient `dout`.
+/// `out` and `lse` and the output gradient `dout`. Learnable tensors get
+/// no gradient here; [`attention_bwd_tensors`] computes theirs too.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_bwd<V: Variant, R: AttentionRuntime>(
     variant: &V,
@@ -45,6 +47,35 @@ pub fn attention_bwd<V: Variant, R: AttentionRuntime>(
     lse: &Tensor<R>,
     opts: &AttentionOptions,
 ) -> Result<(Tensor<R>, Tensor<R>, Tensor<R>)> {
+    let g = backward(variant, [dout, q, k, v, out, lse], opts, &[])?;
+    Ok((g.dq, g.dk, g.dv))
+}
+
+/// [`attention_bwd`] that also returns the gradient of every learnable
+/// tensor of the variant (its `Var<R>` fields, in field order; see
+/// [`Variant::LEARNABLE`]), from the same fused backward.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd_tensors<V: Variant, R: AttentionRuntime>(
+    variant: &V,
+    dout: &Tensor<R>,
+    q: &Tensor<R>,
+    k: &Tensor<R>,
+    v: &Tensor<R>,
+    out: &Tensor<R>,
+    lse: &Tensor<R>,
+    opts: &AttentionOptions,
+) -> Result<AttentionGrads<R>> {
+    let all = vec![true; V::LEARNABLE.len()];
+    backward(variant, [dout, q, k, v, out, lse], opts, &all)
+}
+
+/// The backward on validated tensors, with the tensor gradients `wanted`.
+fn backward<V: Variant, R: AttentionRuntime>(
+    variant: &V,
+    [dout, q, k, v, out, lse]: [&Tensor<R>; 6],
+    opts: &AttentionOptions,
+    wanted: &[bool],
+) -> Result<AttentionGrads<R>> {
     let problem = validate::problem(q, k, v, opts.scale)?;
     validate::shape_of("out", out, q.shape())?;
     validate::shape_of("dout", dout, q.shape())?;
@@ -56,6 +87,7 @@ pub fn attention_bwd<V: Variant, R: AttentionRuntime>(
         out,
         lse,
         dout,
+        tensor_grads: wanted,
     };
     R::attention_backward(variant, &problem, tensors)
 }
@@ -63,7 +95,10 @@ pub fn attention_bwd<V: Variant, R: AttentionRuntime>(
 /// Attention as an autograd op: the forward runs now, and the backward
 /// (through [`numr::autograd::backward`]) runs the fused backward kernel.
 ///
-/// When none of `q, k, v` requires grad, no graph node is created.
+/// The node's inputs are `q, k, v` and every learnable tensor of the
+/// variant (a `Var<R>` field) that requires grad, whose gradient the same
+/// backward computes. When none of them requires grad, no graph node is
+/// created.
 pub fn var_attention<V: Variant, R: AttentionRuntime>(
     variant: &V,
     q: &Var<R>,
@@ -72,19 +107,27 @@ pub fn var_attention<V: Variant, R: AttentionRuntime>(
     opts: &AttentionOptions,
 ) -> Result<Var<R>> {
     let problem = validate::problem(q.tensor(), k.tensor(), v.tensor(), opts.scale)?;
+    let learnables = variant
+        .learnables()
+        .iter()
+        .map(|l| l.on::<R>())
+        .collect::<Result<Vec<&Var<R>>>>()?;
     let (out, lse) = R::attention_forward(variant, &problem, q.tensor(), k.tensor(), v.tensor())?;
-    if !(q.requires_grad() || k.requires_grad() || v.requires_grad()) {
+    let tensor_grads: Vec<bool> = learnables.iter().map(|t| t.requires_grad()).collect();
+    let any_tensor = tensor_grads.iter().any(|&w| w);
+    if !(q.requires_grad() || k.requires_grad() || v.requires_grad() || any_tensor) {
         return Ok(Var::new(out, false));
     }
+    let inputs: Vec<&Var<R>> = [q, k, v]
+        .into_iter()
+        .chain(learnables.iter().copied().filter(|t| t.requires_grad()))
+        .collect();
     let grad_fn = AttentionBackward {
         variant: variant.clone(),
         problem,
-        input_ids: [q.graph_id(), k.graph_id(), v.graph_id()],
-        input_grad_fns: [
-            q.grad_fn().cloned(),
-            k.grad_fn().cloned(),
-            v.grad_fn().cloned(),
-        ],
+        input_ids: inputs.iter().map(|x| x.graph_id()).collect(),
+        input_grad_fns: inputs.iter().map(|x| x.grad_fn().cloned()).collect(),
+        tensor_grads,
         saved: [
             q.tensor().clone(),
             k.tensor().clone(),
@@ -96,12 +139,15 @@ pub fn var_attention<V: Variant, R: AttentionRuntime>(
     Ok(Var::from_op(out, Arc::new(grad_fn)))
 }
 
-/// The backward node of [`var_attention`]: saves `q, k, v, out, lse`.
+/// The backward node of [`var_attention`]: saves `q, k, v, out, lse`; its
+/// inputs are `q, k, v` and then the learnable tensors that require grad.
 struct AttentionBackward<V: Variant, R: AttentionRuntime> {
     variant: V,
     problem: Problem,
-    input_ids: [TensorId; 3],
-    input_grad_fns: [Option<Arc<dyn GradFn<R>>>; 3],
+    input_ids: Vec<TensorId>,
+    input_grad_fns: Vec<Option<Arc<dyn GradFn<R>>>>,
+    /// Per learnable slot: it requires grad (and is an input).
+    tensor_grads: Vec<bool>,
     /// `[q, k, v, out, lse]`.
     saved: [Tensor<R>; 5],
 }
@@ -114,6 +160,13 @@ impl<V: Variant, R: AttentionRuntime> GradFn<R> for AttentionBackward<V, R> {
     ) -> numr::error::Result<Vec<Option<Tensor<R>>>> {
         let [q, k, v, out, lse] = &self.saved;
         validate::shape_of("grad_output", grad_output, q.shape())?;
+        let need = |i: usize| needed.get(i).copied().unwrap_or(true);
+        // The learnable inputs follow q, k, v: input 3 + n is the n-th
+        // learnable slot that requires grad.
+        let mut wanted = self.tensor_grads.clone();
+        for (input, w) in (3..).zip(wanted.iter_mut().filter(|w| **w)) {
+            *w = need(input);
+        }
         // dq, dk and dv fall out of the same recomputed P and dS, so one fused
         // kernel computes all three; unneeded ones are dropped, not skipped.
         let tensors = BackwardTensors {
@@ -123,10 +176,17 @@ impl<V: Variant, R: AttentionRuntime> GradFn<R> for AttentionBackward<V, R> {
             out,
             lse,
             dout: grad_output,
+            tensor_grads: &wanted,
         };
-        let (dq, dk, dv) = R::attention_backward(&self.variant, &self.problem, tensors)?;
-        let keep = |i: usize, t: Tensor<R>| needed.get(i).copied().unwrap_or(true).then_some(t);
-        Ok(vec![keep(0, dq), keep(1, dk), keep(2, dv)])
+        let g = R::attention_backward(&self.variant, &self.problem, tensors)?;
+        let keep = |i: usize, t: Tensor<R>| need(i).then_some(t);
+        let mut grads = vec![keep(0, g.dq), keep(1, g.dk), keep(2, g.dv)];
+        for (slot, t) in g.tensors.into_iter().enumerate() {
+            if self.tensor_grads[slot] {
+                grads.push(t);
+            }
+        }
+        Ok(grads)
     }
 
     fn inputs(&self) -> &[TensorId] {
@@ -134,7 +194,7 @@ impl<V: Variant, R: AttentionRuntime> GradFn<R> for AttentionBackward<V, R> {
     }
 
     fn input_grad_fns(&self) -> Vec<Option<Arc<dyn GradFn<R>>>> {
-        self.input_grad_fns.to_vec()
+        self.input_grad_fns.clone()
     }
 
     fn saved_tensors(&self) -> &[Tensor<R>] {

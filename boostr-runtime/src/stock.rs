@@ -1,7 +1,13 @@
 //! Stock variants, declared with the same macro users use. Each lists test
 //! instances, so `cargo test` checks every one of them on every backend.
 
+//!
+//! Tensor fields declared `Var<R>` are learnable: given as a `Var` that
+//! requires grad, `var_attention` returns their gradients (on the CPU); a
+//! `Var::new(t, false)` reads them like any captured tensor.
+
 use crate::attention;
+use numr::autograd::Var;
 use numr::runtime::Runtime;
 use numr::tensor::Tensor;
 
@@ -189,30 +195,83 @@ pub struct RelativeBias<R: Runtime> {
     pub max_distance: i32,
 }
 
-/// ALiBi with the slopes from a tensor (learned or model-specific slopes):
-/// causal, the logit of a pair lowered by `slopes[h] · (q − kv)`.
+/// ALiBi with learnable per-head slopes: causal, the logit of a pair
+/// lowered by `slopes[h] · (q − kv)`; the slopes' gradient is
+/// `−Σ dS · (q − kv)` over each head's visible pairs.
 #[attention(
     score = |s, _b, h, q, kv| s - self.slopes[h] * ((q - kv) as f32),
     mask = |_b, _h, q, kv| kv <= q,
-    tests = [|data| AlibiSlopes { slopes: data.f32s(&[data.heads_q()], 0.0, 0.5) }],
+    tests = [|data| AlibiSlopes { slopes: data.learnable(&[data.heads_q()], 0.0, 0.5) }],
 )]
 #[derive(Clone, Debug)]
 pub struct AlibiSlopes<R: Runtime> {
     /// The slope of each query head, `[Hq]` `f32`.
     #[tensor(f32, [Hq])]
-    pub slopes: Tensor<R>,
+    pub slopes: Var<R>,
+}
+
+/// T5's relative position bias (Raffel et al.), bidirectional as in its
+/// encoder: a learnable `[Hq, 32]` table of per-head biases, indexed by
+/// T5's bucket of `kv − q`, 16 buckets for each direction: distances below
+/// 8 exactly, then logarithmic up to 128 (`8 + ⌊2·log2(n / 8)⌋`, written
+/// as its thresholds so that every target rounds it alike), and 15 beyond.
+#[attention(
+    score = |s, _b, h, q, kv| {
+        let rel = kv - q;
+        let n = abs(rel);
+        let large = 8 + (if n >= 12 { 1 } else { 0 }) + (if n >= 16 { 1 } else { 0 })
+            + (if n >= 23 { 1 } else { 0 }) + (if n >= 32 { 1 } else { 0 })
+            + (if n >= 46 { 1 } else { 0 }) + (if n >= 64 { 1 } else { 0 })
+            + (if n >= 91 { 1 } else { 0 });
+        let bucket = (if rel > 0 { 16 } else { 0 }) + (if n < 8 { clamp(n, 0, 7) } else { large });
+        s + self.buckets[h][bucket]
+    },
+    tests = [|data| T5Bias { buckets: data.learnable(&[data.heads_q(), 32], -1.0, 1.0) }],
+)]
+#[derive(Clone, Debug)]
+pub struct T5Bias<R: Runtime> {
+    /// The bias of each (query head, bucket), `[Hq, 32]` `f32`.
+    #[tensor(f32, [Hq, 32])]
+    pub buckets: Var<R>,
+}
+
+/// T5's relative position bias as in its decoder: causal, with 32
+/// unidirectional buckets of `q − kv` (below 16 exactly, then
+/// `16 + ⌊16·log2(n / 16) / 3⌋` up to 128, as thresholds, and 31 beyond).
+#[attention(
+    score = |s, _b, h, q, kv| {
+        let n = q - kv;
+        let large = 16 + (if n >= 19 { 1 } else { 0 }) + (if n >= 21 { 1 } else { 0 })
+            + (if n >= 24 { 1 } else { 0 }) + (if n >= 27 { 1 } else { 0 })
+            + (if n >= 31 { 1 } else { 0 }) + (if n >= 35 { 1 } else { 0 })
+            + (if n >= 40 { 1 } else { 0 }) + (if n >= 46 { 1 } else { 0 })
+            + (if n >= 52 { 1 } else { 0 }) + (if n >= 59 { 1 } else { 0 })
+            + (if n >= 67 { 1 } else { 0 }) + (if n >= 77 { 1 } else { 0 })
+            + (if n >= 87 { 1 } else { 0 }) + (if n >= 99 { 1 } else { 0 })
+            + (if n >= 113 { 1 } else { 0 });
+        s + self.buckets[h][if n < 16 { clamp(n, 0, 15) } else { large }]
+    },
+    mask = |_b, _h, q, kv| kv <= q,
+    tests = [|data| CausalT5Bias { buckets: data.learnable(&[data.heads_q(), 32], -1.0, 1.0) }],
+)]
+#[derive(Clone, Debug)]
+pub struct CausalT5Bias<R: Runtime> {
+    /// The bias of each (query head, bucket), `[Hq, 32]` `f32`.
+    #[tensor(f32, [Hq, 32])]
+    pub buckets: Var<R>,
 }
 
 /// gpt-oss attention: a causal sliding window with a learned sink logit per
 /// query head, which takes a share of every row's softmax and carries no
-/// value (here read from a `[Hq]` tensor; a row that sees no key has
-/// `out = 0` and `lse` = its head's sink).
+/// value (a learnable `[Hq]` tensor; a row that sees no key has `out = 0`
+/// and `lse` = its head's sink). The sinks' gradient is
+/// `−Σ_rows e^(sink − lse) · D_i` over each head's rows.
 #[attention(
     mask = |_b, _h, q, kv| kv <= q && q - kv < self.window,
     sink = |_b, h, _q| self.sinks[h],
     tests = [
-        |data| CausalSlidingWindowSinks { window: 16, sinks: data.f32s(&[data.heads_q()], -2.0, 2.0) },
-        |data| CausalSlidingWindowSinks { window: 3, sinks: data.f32s(&[data.heads_q()], 0.0, 4.0) },
+        |data| CausalSlidingWindowSinks { window: 16, sinks: data.learnable(&[data.heads_q()], -2.0, 2.0) },
+        |data| CausalSlidingWindowSinks { window: 3, sinks: data.learnable(&[data.heads_q()], 0.0, 4.0) },
     ],
 )]
 #[derive(Clone, Debug)]
@@ -221,7 +280,7 @@ pub struct CausalSlidingWindowSinks<R: Runtime> {
     pub window: i32,
     /// The sink logit of each query head, `[Hq]` `f32`.
     #[tensor(f32, [Hq])]
-    pub sinks: Tensor<R>,
+    pub sinks: Var<R>,
 }
 
 /// Calls `$callback!` with the type of every stock variant, so that code
@@ -248,6 +307,8 @@ macro_rules! stock_variants {
             $crate::stock::CausalKvLengths<$crate::testing::CpuRuntime>,
             $crate::stock::RelativeBias<$crate::testing::CpuRuntime>,
             $crate::stock::AlibiSlopes<$crate::testing::CpuRuntime>,
+            $crate::stock::T5Bias<$crate::testing::CpuRuntime>,
+            $crate::stock::CausalT5Bias<$crate::testing::CpuRuntime>,
             $crate::stock::CausalSlidingWindowSinks<$crate::testing::CpuRuntime>,
         )
     };

@@ -5,7 +5,7 @@
 //! Every method is generated from the variant's checked IR, so the kernels
 //! of each target see the same score, mask, derivative and tile classifier.
 
-use crate::capture::{Capture, ReadCheck, TensorDecl};
+use crate::capture::{Capture, Learnable, ReadCheck, TensorDecl};
 use crate::error::{BackendError, Error, Result};
 use crate::problem::Problem;
 use kernels_spec::emit::Target;
@@ -92,6 +92,10 @@ pub trait Variant: Clone + Debug + Send + Sync + 'static {
     /// checks hold for one call: the GPU backends read back the arena's
     /// error record after a call only when some may fail.
     const READ_CHECKS: &'static [ReadCheck] = &[];
+    /// The learnable tensors (`Var<R>` fields), as indices into
+    /// [`TENSORS`](Variant::TENSORS): gradient slot `k` is the tensor
+    /// `TENSORS[LEARNABLE[k]]`.
+    const LEARNABLE: &'static [usize] = &[];
 
     /// The variant's functions on the host, for the CPU kernels and the
     /// reference.
@@ -112,6 +116,12 @@ pub trait Variant: Clone + Debug + Send + Sync + 'static {
 
     /// The captured tensors, in field order, for the GPU backends.
     fn captures(&self) -> Vec<Capture<'_>> {
+        Vec::new()
+    }
+
+    /// The learnable tensors, in slot order (see
+    /// [`LEARNABLE`](Variant::LEARNABLE)), for the autograd op.
+    fn learnables(&self) -> Vec<Learnable<'_>> {
         Vec::new()
     }
 
@@ -194,6 +204,82 @@ pub trait HostVariant: Send + Sync {
     fn sink_f64(&self, b: i32, h: i32, q: i32) -> f64 {
         let _ = (b, h, q);
         f64::NEG_INFINITY
+    }
+
+    /// The number of learnable tensors (gradient slots); their reads in
+    /// `score` and `sink` have gradients.
+    const LEARNABLE: usize = 0;
+
+    /// The number of elements of learnable tensor `slot` (0 for none).
+    fn learnable_numel(&self, slot: usize) -> usize {
+        let _ = slot;
+        0
+    }
+
+    /// Add `dz · ∂score/∂t[i]` into `grads[slot][i]` for every read of a
+    /// learnable tensor `t` in `score` at this pair, where `dz` is
+    /// d loss / d score. A slot whose slice is empty is skipped (its
+    /// gradient is not wanted), and so is a read outside its tensor.
+    #[allow(clippy::too_many_arguments)]
+    fn score_tensor_grads(
+        &self,
+        s: f32,
+        b: i32,
+        h: i32,
+        q: i32,
+        kv: i32,
+        dz: f32,
+        grads: &mut [&mut [f32]],
+    ) {
+        let _ = (s, b, h, q, kv, dz, grads);
+    }
+
+    /// [`score_tensor_grads`](HostVariant::score_tensor_grads) in f64, for
+    /// the reference; with `abs`, `|dz · ∂score/∂t[i]|` is added instead
+    /// (the magnitudes that scale the tolerance).
+    #[allow(clippy::too_many_arguments)]
+    fn score_tensor_grads_f64(
+        &self,
+        s: f64,
+        b: i32,
+        h: i32,
+        q: i32,
+        kv: i32,
+        dz: f64,
+        abs: bool,
+        grads: &mut [&mut [f64]],
+    ) {
+        let _ = (s, b, h, q, kv, dz, abs, grads);
+    }
+
+    /// Add `dz · ∂sink/∂t[i]` for every read of a learnable tensor in
+    /// `sink` at this row, where `dz` is d loss / d sink; as
+    /// [`score_tensor_grads`](HostVariant::score_tensor_grads).
+    fn sink_tensor_grads(&self, b: i32, h: i32, q: i32, dz: f32, grads: &mut [&mut [f32]]) {
+        let _ = (b, h, q, dz, grads);
+    }
+
+    /// [`sink_tensor_grads`](HostVariant::sink_tensor_grads) in f64, as
+    /// [`score_tensor_grads_f64`](HostVariant::score_tensor_grads_f64).
+    fn sink_tensor_grads_f64(
+        &self,
+        b: i32,
+        h: i32,
+        q: i32,
+        dz: f64,
+        abs: bool,
+        grads: &mut [&mut [f64]],
+    ) {
+        let _ = (b, h, q, dz, abs, grads);
+    }
+
+    /// Add `delta` to element `at` of learnable tensor `slot`, in a private
+    /// copy, and return the change made (`fl(x + delta) − x`, exact): for
+    /// finite-difference checks.
+    #[doc(hidden)]
+    fn perturb_learnable(&mut self, slot: usize, at: usize, delta: f32) -> f32 {
+        let _ = (slot, at, delta);
+        0.0
     }
 
     /// The least read out of range of the evaluations so far, as the error

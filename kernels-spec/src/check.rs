@@ -48,10 +48,23 @@ pub fn check(spec: &ast::Spec, diags: &mut Diagnostics) -> Checked {
             fields
                 .names
                 .push((p.name.clone(), FieldRef::Tensor(fields.tensors.len())));
+            let elem = t.elem.expect("checked above");
+            let learnable = crate::parse::is_var(&p.ty);
+            if learnable && elem != Ty::F32 {
+                diags.error(
+                    t.elem_span,
+                    format!(
+                        "learnable tensor `{}` (a `Var`) must hold f32 to have a gradient, \
+                         declared {elem}; pass a `Tensor` to read it without one",
+                        p.name
+                    ),
+                );
+            }
             fields.tensors.push(TensorDecl {
                 name: p.name.to_string(),
-                elem: t.elem.expect("checked above"),
+                elem,
                 dims: t.dims.clone(),
+                learnable,
             });
             continue;
         }
@@ -110,8 +123,7 @@ pub fn check(spec: &ast::Spec, diags: &mut Diagnostics) -> Checked {
         Checker::new(&fields, c, &args, &mut sites, diags).function("score", Ty::F32)
     });
     let mask = spec.mask.as_ref().and_then(|c| {
-        let args = [Arg::B, Arg::H, Arg::Q, Arg::Kv];
-        Checker::new(&fields, c, &args, &mut sites, diags).function("mask", Ty::Bool)
+        Checker::new(&fields, c, &MASK_ARGS, &mut sites, diags).function("mask", Ty::Bool)
     });
     let sink = spec.sink.as_ref().and_then(|c| {
         let args = [Arg::B, Arg::H, Arg::Q];
@@ -126,6 +138,9 @@ pub fn check(spec: &ast::Spec, diags: &mut Diagnostics) -> Checked {
         sink,
     }
 }
+
+/// The mask's arguments: a function with these reads no learnable tensor.
+const MASK_ARGS: [Arg; 4] = [Arg::B, Arg::H, Arg::Q, Arg::Kv];
 
 /// What a field name refers to.
 #[derive(Clone, Copy, Debug)]
@@ -472,6 +487,18 @@ impl<'a> Checker<'a> {
             None => return self.field(name),
         };
         let decl = &self.fields.tensors[tensor];
+        if decl.learnable && self.roles == MASK_ARGS {
+            // `mask(b, h, q, kv)`: boolean, so no gradient reaches its reads.
+            self.diags.error_spanned(
+                name,
+                format!(
+                    "learnable tensor `{name}` (a `Var`) is read in `mask`, which is boolean and \
+                     carries no gradient; read it in `score` or `sink`, or capture a read-only \
+                     `Tensor` for the mask"
+                ),
+            );
+            return None;
+        }
         let mut checked = Vec::with_capacity(indices.len());
         let mut ok = true;
         for index in &indices {

@@ -599,6 +599,30 @@ pub struct TensorDecl {
     pub elem: Ty,
     /// The declared shape, outermost first (1 to 4 dimensions).
     pub dims: Vec<DimDecl>,
+    /// A learnable tensor: the field is a `Var<R>` (of `f32`), whose reads
+    /// in `score` and `sink` get gradients.
+    pub learnable: bool,
+}
+
+/// A read of a learnable tensor in `score` or `sink`: what the backward
+/// adds into the tensor's gradient, `dz · grad(..)` at element `index(..)`,
+/// for each (query, key) pair (`score`; `dz = d loss / d score`) or each
+/// query row (`sink`; `dz = d loss / d sink`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LearnableSite {
+    /// The read's site number.
+    pub site: u32,
+    /// The tensor read ([`Program::tensors`]).
+    pub tensor: usize,
+    /// The tensor's place among the learnable ones ([`Program::learnable`]).
+    pub slot: usize,
+    /// The read is in `sink` (else in `score`).
+    pub in_sink: bool,
+    /// d f / d (the value read), with `f`'s signature.
+    pub grad: Function,
+    /// The element read, as a row-major linear index (`-1` outside the
+    /// tensor), with `f`'s signature.
+    pub index: Function,
 }
 
 /// One declared dimension of a captured tensor. Checked against the
@@ -744,6 +768,12 @@ pub struct Program {
     pub has_sink: bool,
     /// Per-variant tile size overrides `(q, kv)`.
     pub tile: (Option<u32>, Option<u32>),
+    /// The learnable tensors ([`Program::tensors`] indices), in field
+    /// order: gradient slot `k` is tensor `learnable[k]`.
+    pub learnable: Vec<usize>,
+    /// Every read of a learnable tensor in `score` and `sink`, in site
+    /// order.
+    pub learnable_sites: Vec<LearnableSite>,
 }
 
 impl Program {

@@ -411,6 +411,7 @@ mod tests {
             name: "doc".into(),
             elem: Ty::I32,
             dims: vec![DimDecl::Any, DimDecl::Fixed(3)],
+            learnable: false,
         };
         let fields = [
             Field::Scalar(&d[0]),

@@ -117,8 +117,8 @@ fn parse_runtime(item: &syn::ItemStruct, spec: &mut Spec, diags: &mut Diagnostic
             (Some(_), _) => diags.error_spanned(
                 &p.ty,
                 format!(
-                    "a `#[tensor(..)]` field is a `Tensor<{runtime}>`, on the struct's runtime \
-                     parameter `{runtime}`; found `{}`",
+                    "a `#[tensor(..)]` field is a `Tensor<{runtime}>` (or, learnable, a \
+                     `Var<{runtime}>`), on the struct's runtime parameter `{runtime}`; found `{}`",
                     quote::ToTokens::to_token_stream(&p.ty)
                 ),
             ),
@@ -162,11 +162,12 @@ fn check_instance(instance: &syn::Expr, spec: &Spec, diags: &mut Diagnostics) {
     }
 }
 
-/// `R` if `ty` is `Tensor<R>` (any path ending in `Tensor`).
+/// `R` if `ty` is `Tensor<R>` or `Var<R>` (any path ending in `Tensor` or
+/// `Var`).
 pub(crate) fn tensor_runtime(ty: &syn::Type) -> Option<&syn::Ident> {
     let syn::Type::Path(p) = ty else { return None };
     let last = p.path.segments.last()?;
-    if last.ident != "Tensor" {
+    if last.ident != "Tensor" && last.ident != "Var" {
         return None;
     }
     let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
@@ -176,6 +177,12 @@ pub(crate) fn tensor_runtime(ty: &syn::Type) -> Option<&syn::Ident> {
         [syn::GenericArgument::Type(syn::Type::Path(r))] => r.path.get_ident(),
         _ => None,
     }
+}
+
+/// Whether a tensor field's type is `Var<R>` (any path ending in `Var`):
+/// a learnable tensor.
+pub(crate) fn is_var(ty: &syn::Type) -> bool {
+    matches!(ty, syn::Type::Path(p) if p.path.segments.last().is_some_and(|l| l.ident == "Var"))
 }
 
 /// `#[tensor(i32, [B, Sk])]`.

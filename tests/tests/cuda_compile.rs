@@ -1084,7 +1084,7 @@ fn host_emulation_matches_the_reference() {
         ),
         host_case(
             AlibiSlopes {
-                slopes: data(problem(40, 40, 64), 4).f32s(&[4], 0.0, 0.5),
+                slopes: data(problem(40, 40, 64), 4).learnable(&[4], 0.0, 0.5),
             },
             CudaDType::F32,
             problem(40, 40, 64),

@@ -24,6 +24,19 @@
 //!    sum is therefore fixed by the chunking alone, not by thread scheduling,
 //!    and the result is bitwise identical from run to run.
 //!
+//! 4. Learnable tensors (when their gradients are wanted): every visible
+//!    pair adds `dz · ∂score/∂read` (`dz = P ∘ (dP − D)`, from the same tile)
+//!    into a partial gradient, and every row adds its sink's
+//!    `−e^(sink − lse) · D_i`. The tasks are cut into at most
+//!    [`MAX_GRAD_PARTIALS`] contiguous groups, each run in task order into its
+//!    own partial; the partials are added in group order, and the sinks' terms
+//!    after them in row order. The key chunking is then fixed by the shape
+//!    ([`GRAD_CHUNK_THREADS`]), not by the thread count, so every gradient
+//!    (dq, dk, dv included) has the same bits for any number of threads.
+//!    Memory: `groups · numel` floats per learnable tensor, with `groups ≤
+//!    64` and `groups · numel ≤ 2^26` (256 MiB) unless one partial alone is
+//!    larger.
+//!
 //! Memory: the partials hold `(chunks − 1) · group · Sq · D` floats per
 //! (batch, kv head), where `chunks ≤ ⌈2 · threads / (B · Hkv)⌉` (see
 //! [`key_chunks`]): at most about `2 · threads · group · Sq · D` floats in
@@ -51,6 +64,26 @@ use std::ops::Range;
 const MIN_CHUNK_FLOPS: usize = 1 << 22;
 /// Elements per task of the D and dQ-reduction passes (memory-bound).
 const ELEMENTWISE_BLOCK: usize = 1 << 14;
+
+/// The thread count the key chunking assumes when learnable tensors'
+/// gradients are computed: fixed, so that the chunking (and with it every
+/// sum's order) does not depend on the machine's thread count.
+pub(super) const GRAD_CHUNK_THREADS: usize = 8;
+
+/// At most this many partial sums of each learnable tensor's gradient.
+const MAX_GRAD_PARTIALS: usize = 64;
+
+/// Floats the partial sums of learnable tensors' gradients may hold (256
+/// MiB), unless one partial set alone is larger.
+const GRAD_PARTIAL_FLOATS: usize = 1 << 26;
+
+/// How many partial gradients the backward's tasks are grouped into: one
+/// per task up to [`MAX_GRAD_PARTIALS`] and the memory budget; a function
+/// of the shape only.
+fn grad_partials(tasks: usize, floats_per_partial: usize) -> usize {
+    let affordable = (GRAD_PARTIAL_FLOATS / floats_per_partial.max(1)).max(1);
+    tasks.min(MAX_GRAD_PARTIALS).min(affordable).max(1)
+}
 
 /// Key tiles, at most, that share one pass over the query tiles within a
 /// task: each query tile (with its dO and dQ rows) visits all of them in
@@ -134,10 +167,13 @@ struct Work {
     /// A band's K rows with the unused ones zeroed (see
     /// [`zero_unused_rows`]).
     k_guarded: Vec<f32>,
+    /// The scaled logits before `score`, kept for the derivatives of
+    /// learnable reads (empty without them).
+    raw: Vec<f32>,
 }
 
 impl Scratch {
-    fn new<V: HostVariant>(t: CpuTiles, d: usize, kv_group: usize) -> Self {
+    fn new<V: HostVariant>(t: CpuTiles, d: usize, kv_group: usize, learn: bool) -> Self {
         let g = if V::SCORE_IS_IDENTITY { 0 } else { t.q * t.kv };
         let work = Work {
             s: vec![0.0; t.q * t.kv],
@@ -145,6 +181,11 @@ impl Scratch {
             g: vec![0.0; g],
             bands: Vec::with_capacity(t.q.div_ceil(super::BAND_ROWS)),
             k_guarded: Vec::new(),
+            raw: if learn {
+                vec![0.0; t.q * t.kv]
+            } else {
+                Vec::new()
+            },
         };
         Self {
             kt: vec![0.0; kv_group * d * t.kv],
@@ -192,8 +233,10 @@ pub(super) fn backward<V: HostVariant>(
     dq: &mut [f32],
     dk: &mut [f32],
     dv: &mut [f32],
+    tensor_grads: &mut [Vec<f32>],
 ) {
     let (sq, sk, d, group) = (p.seq_q, p.seq_k, p.head_dim, p.group());
+    let learn = tensor_grads.iter().any(|g| !g.is_empty());
 
     let mut delta = vec![0.0f32; p.lse_len()];
     delta
@@ -252,10 +295,14 @@ pub(super) fn backward<V: HostVariant>(
         x,
         delta: &delta,
     };
-    tasks.into_par_iter().for_each_init(
-        || Scratch::new::<V>(tiles, d, kv_group),
-        |sc, task| key_chunk(&shared, task, sc),
-    );
+    if learn {
+        learnable_tasks(&shared, tasks, tensor_grads);
+    } else {
+        tasks.into_par_iter().for_each_init(
+            || Scratch::new::<V>(tiles, d, kv_group, false),
+            |sc, task| key_chunk(&shared, task, sc, &mut []),
+        );
+    }
 
     if chunks > 1 {
         // dq += partial_1 + partial_2 + ... in that order, element by element.
@@ -275,9 +322,84 @@ pub(super) fn backward<V: HostVariant>(
     }
 }
 
+/// The tasks with learnable tensors' gradients: grouped into partial sums,
+/// each group run in task order, the partials then added in group order
+/// and the sinks' terms after them in row order (see the module docs).
+fn learnable_tasks<V: HostVariant>(
+    sh: &Shared<'_, V>,
+    tasks: Vec<KeyChunk<'_>>,
+    tensor_grads: &mut [Vec<f32>],
+) {
+    let floats: usize = tensor_grads.iter().map(Vec::len).sum();
+    let n = tasks.len();
+    let sets = grad_partials(n, floats);
+    let mut groups: Vec<Vec<KeyChunk<'_>>> = (0..sets).map(|_| Vec::new()).collect();
+    for (t, task) in tasks.into_iter().enumerate() {
+        groups[t * sets / n].push(task);
+    }
+    let mut partials: Vec<Vec<Vec<f32>>> = (0..sets)
+        .map(|_| tensor_grads.iter().map(|g| vec![0.0; g.len()]).collect())
+        .collect();
+    groups
+        .into_par_iter()
+        .zip(partials.par_iter_mut())
+        .for_each_init(
+            || Scratch::new::<V>(sh.tiles, sh.p.head_dim, sh.kv_group, true),
+            |sc, (group, partial)| {
+                let mut views: Vec<&mut [f32]> =
+                    partial.iter_mut().map(Vec::as_mut_slice).collect();
+                for task in group {
+                    key_chunk(sh, task, sc, &mut views);
+                }
+            },
+        );
+    for (k, grad) in tensor_grads.iter_mut().enumerate() {
+        grad.par_chunks_mut(ELEMENTWISE_BLOCK)
+            .enumerate()
+            .for_each(|(blk, dst)| {
+                let at = blk * ELEMENTWISE_BLOCK;
+                for part in &partials {
+                    math::add_assign(dst, &part[k][at..at + dst.len()]);
+                }
+            });
+    }
+    if V::HAS_SINK {
+        sink_grads(sh, tensor_grads);
+    }
+}
+
+/// Each row's sink term, `d loss / d sink = −e^(sink − lse) · D_i`, times
+/// the sink's derivatives, in row order.
+fn sink_grads<V: HostVariant>(sh: &Shared<'_, V>, tensor_grads: &mut [Vec<f32>]) {
+    let p = sh.p;
+    let mut views: Vec<&mut [f32]> = tensor_grads.iter_mut().map(Vec::as_mut_slice).collect();
+    for bh in 0..p.batch * p.heads_q {
+        let (b, h) = (
+            Positions::to_i32(bh / p.heads_q),
+            Positions::to_i32(bh % p.heads_q),
+        );
+        for i in 0..p.seq_q {
+            let (lse, delta) = (sh.x.lse[bh * p.seq_q + i], sh.delta[bh * p.seq_q + i]);
+            let (q_pos, _) = sh.pos.query_range(i, 1);
+            let sink = sh.variant.sink(b, h, q_pos);
+            if sink == f32::NEG_INFINITY || lse == f32::NEG_INFINITY {
+                continue;
+            }
+            let dz = -(sink - lse).exp() * delta;
+            sh.variant.sink_tensor_grads(b, h, q_pos, dz, &mut views);
+        }
+    }
+}
+
 /// One task: all query tiles of all query heads of the group, against the
-/// key tiles of the chunk, `kv_group` key tiles at a time.
-fn key_chunk<V: HostVariant>(sh: &Shared<'_, V>, task: KeyChunk<'_>, sc: &mut Scratch) {
+/// key tiles of the chunk, `kv_group` key tiles at a time; learnable
+/// tensors' gradients go to `grads` (empty: not wanted).
+fn key_chunk<V: HostVariant>(
+    sh: &Shared<'_, V>,
+    task: KeyChunk<'_>,
+    sc: &mut Scratch,
+    grads: &mut [&mut [f32]],
+) {
     let p = sh.p;
     let (sq, sk, d, group) = (p.seq_q, p.seq_k, p.head_dim, p.group());
     let KeyChunk {
@@ -330,7 +452,7 @@ fn key_chunk<V: HostVariant>(sh: &Shared<'_, V>, task: KeyChunk<'_>, sc: &mut Sc
                 let dq_t = &mut dq_h[r0 * d..(r0 + rows) * d];
                 let t = Rows { b, h, bh, r0, rows };
                 for kv in kvs.iter_mut() {
-                    query_tile(sh, t, kv, dq_t, &mut sc.work);
+                    query_tile(sh, t, kv, dq_t, &mut sc.work, grads);
                 }
             }
         }
@@ -355,6 +477,7 @@ fn query_tile<V: HostVariant>(
     kv: &mut KvTile<'_>,
     dq_t: &mut [f32],
     w: &mut Work,
+    grads: &mut [&mut [f32]],
 ) {
     let p = sh.p;
     let (d, sq, scale) = (p.head_dim, p.seq_q, p.scale);
@@ -388,6 +511,10 @@ fn query_tile<V: HostVariant>(
     let s = &mut w.s[..rows * cols];
     band_products(s, cols, bands, &sh.x.q[rows_at.clone()], kv.kt, d, scale);
     let g = &mut w.g[..if V::SCORE_IS_IDENTITY { 0 } else { rows * cols }];
+    let learn = !grads.is_empty();
+    if learn {
+        w.raw[..rows * cols].copy_from_slice(s);
+    }
     let variant = sh.variant;
     simd::dispatch(Probabilities {
         variant,
@@ -417,6 +544,19 @@ fn query_tile<V: HostVariant>(
     // dP = dO Vᵀ, then dS = P ∘ (dP − D) ∘ score_grad, in place.
     let dp = &mut w.dp[..rows * cols];
     band_products(dp, cols, bands, &sh.x.dout[rows_at.clone()], kv.vt, d, 1.0);
+    if learn {
+        let at = (b, h, q_lo, kv_lo);
+        tensor_grads(
+            variant,
+            at,
+            bands,
+            s,
+            &w.raw[..rows * cols],
+            dp,
+            delta,
+            grads,
+        );
+    }
     simd::dispatch(ScoreGrads::<V> {
         p: s,
         g,
@@ -453,6 +593,36 @@ fn query_tile<V: HostVariant>(
             MatRef::row_major(k_b, c.len(), d),
             scale,
         );
+    }
+}
+
+/// Learnable reads of `score` over one tile: every visible pair adds
+/// `dz · ∂score/∂read` with `dz = P (dP − D_i)`, in row-major order.
+#[allow(clippy::too_many_arguments)]
+fn tensor_grads<V: HostVariant>(
+    variant: &V,
+    (b, h, q_lo, kv_lo): (i32, i32, i32, i32),
+    bands: &[Band],
+    p: &[f32],
+    raw: &[f32],
+    dp: &[f32],
+    delta: &[f32],
+    grads: &mut [&mut [f32]],
+) {
+    let cols = p.len() / delta.len();
+    for Band { rows: r, cols: c } in bands.iter().cloned() {
+        for i in r {
+            let qi = q_lo + i as i32;
+            for j in c.clone() {
+                let at = i * cols + j;
+                let pij = p[at];
+                if pij == 0.0 {
+                    continue;
+                }
+                let dz = pij * (dp[at] - delta[i]);
+                variant.score_tensor_grads(raw[at], b, h, qi, kv_lo + j as i32, dz, grads);
+            }
+        }
     }
 }
 

@@ -41,7 +41,9 @@
 //!   arithmetic; `Full` tiles never evaluate the mask.
 //! - Deterministic: the forward always, and the backward for a given rayon
 //!   thread count (its key chunking depends on it), give the same bits from
-//!   run to run; no summation order depends on scheduling. The elementwise
+//!   run to run; no summation order depends on scheduling. With learnable
+//!   tensors the backward's chunking is fixed by the shape, and every
+//!   gradient has the same bits for any thread count. The elementwise
 //!   passes agree bit for bit on every instruction set; the tile products
 //!   use our AVX-512 kernel (`microkernel`) where the CPU has AVX-512 and
 //!   the `gemm` crate elsewhere, which round differently.
@@ -126,8 +128,10 @@ pub fn forward_tiled<V: HostVariant>(
     in_pool(|| forward::forward(variant, p, tiles, group, q, k, v, out, lse));
 }
 
-/// Attention backward with the variant's [`CpuTiles`]: writes `dq`, `dk`, `dv`.
-/// Captured tensors and out-of-range reads as in [`forward`].
+/// Attention backward with the variant's [`CpuTiles`]: writes `dq`, `dk`, `dv`,
+/// and returns the gradient of each learnable tensor whose slot
+/// `tensor_grads` marks (`None` for the others). Captured tensors and
+/// out-of-range reads as in [`forward`].
 pub fn backward<V: Variant>(
     variant: &V,
     p: &Problem,
@@ -135,13 +139,51 @@ pub fn backward<V: Variant>(
     dq: &mut [f32],
     dk: &mut [f32],
     dv: &mut [f32],
-) -> Result<()> {
+    tensor_grads: &[bool],
+) -> Result<Vec<Option<Vec<f32>>>> {
     let host = variant.host(p)?;
-    backward_tiled(&host, p, CpuTiles::for_variant::<V>(), inputs, dq, dk, dv);
-    host.out_of_range().map_or(Ok(()), Err)
+    let wanted = |slot: usize| tensor_grads.get(slot).copied().unwrap_or(false);
+    let mut grads: Vec<Vec<f32>> = (0..<V::Host as HostVariant>::LEARNABLE)
+        .map(|slot| {
+            vec![
+                0.0;
+                if wanted(slot) {
+                    host.learnable_numel(slot)
+                } else {
+                    0
+                }
+            ]
+        })
+        .collect();
+    let tiles = CpuTiles::for_variant::<V>();
+    backward_tiled(&host, p, tiles, inputs, dq, dk, dv, &mut grads);
+    if <V::Host as HostVariant>::HAS_SINK {
+        // The backward reads the sinks through `lse` only; evaluate them
+        // once per row so that a sink's read out of range is this call's
+        // `Err` too, as it is the forward's.
+        let pos = Positions::new(p);
+        for bh in 0..p.batch * p.heads_q {
+            let (b, h) = (
+                Positions::to_i32(bh / p.heads_q),
+                Positions::to_i32(bh % p.heads_q),
+            );
+            for i in 0..p.seq_q {
+                host.sink(b, h, pos.query_range(i, 1).0);
+            }
+        }
+    }
+    host.out_of_range().map_or(Ok(()), Err)?;
+    Ok(grads
+        .into_iter()
+        .enumerate()
+        .map(|(slot, g)| wanted(slot).then_some(g))
+        .collect())
 }
 
-/// Attention backward with explicit tile sizes (for tuning and tests).
+/// Attention backward with explicit tile sizes (for tuning and tests);
+/// `tensor_grads` holds one zeroed slice per learnable tensor whose
+/// gradient is wanted (empty for the others).
+#[allow(clippy::too_many_arguments)]
 pub fn backward_tiled<V: HostVariant>(
     variant: &V,
     p: &Problem,
@@ -150,6 +192,7 @@ pub fn backward_tiled<V: HostVariant>(
     dq: &mut [f32],
     dk: &mut [f32],
     dv: &mut [f32],
+    tensor_grads: &mut [Vec<f32>],
 ) {
     let i = &inputs;
     assert_eq!(i.q.len(), p.q_len(), "q length");
@@ -171,9 +214,30 @@ pub fn backward_tiled<V: HostVariant>(
         "dk/dv length"
     );
     let tiles = CpuTiles::new(tiles.q, tiles.kv);
-    let chunks = backward::key_chunks(p, tiles, rayon::current_num_threads());
+    // With learnable tensors the chunking is fixed by the shape, so that
+    // every gradient is the same for any thread count.
+    let learn = tensor_grads.iter().any(|g| !g.is_empty());
+    let threads = if learn {
+        backward::GRAD_CHUNK_THREADS
+    } else {
+        rayon::current_num_threads()
+    };
+    let chunks = backward::key_chunks(p, tiles, threads);
     let kv_group = backward::kv_group_size(variant, p, tiles);
-    in_pool(|| backward::backward(variant, p, tiles, chunks, kv_group, inputs, dq, dk, dv));
+    in_pool(|| {
+        backward::backward(
+            variant,
+            p,
+            tiles,
+            chunks,
+            kv_group,
+            inputs,
+            dq,
+            dk,
+            dv,
+            tensor_grads,
+        )
+    });
 }
 
 /// Run `f` on a thread of rayon's pool (inline when already on one).

@@ -311,10 +311,28 @@ fn run<V: HostVariant>(
         dout: &x.dout,
     };
     match schedule {
-        None => backward_tiled(var, p, tiles, inputs, &mut o.dq, &mut o.dk, &mut o.dv),
-        Some((c, g)) => {
-            backward::backward(var, p, tiles, c, g, inputs, &mut o.dq, &mut o.dk, &mut o.dv)
-        }
+        None => backward_tiled(
+            var,
+            p,
+            tiles,
+            inputs,
+            &mut o.dq,
+            &mut o.dk,
+            &mut o.dv,
+            &mut [],
+        ),
+        Some((c, g)) => backward::backward(
+            var,
+            p,
+            tiles,
+            c,
+            g,
+            inputs,
+            &mut o.dq,
+            &mut o.dk,
+            &mut o.dv,
+            &mut [],
+        ),
     }
     o
 }

@@ -15,7 +15,7 @@
 //! dQ kernel over query tiles and a dK/dV kernel over key tiles, each
 //! recomputing `P` from the lse (no float atomics).
 
-use crate::backend::{AttentionRuntime, BackwardTensors};
+use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors};
 use crate::error::{BackendError, Error, Result};
 use crate::gpu::{self, ArenaPlan, KernelCache};
 use crate::problem::Problem;
@@ -503,7 +503,8 @@ impl AttentionRuntime for CudaRuntime {
         variant: &V,
         p: &Problem,
         t: BackwardTensors<'_, Self>,
-    ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
+    ) -> Result<AttentionGrads<Self>> {
+        crate::backend::refuse_tensor_grads::<V>("cuda", t.tensor_grads)?;
         let (q, k, v) = (input("q", t.q)?, input("k", t.k)?, input("v", t.v)?);
         let (out, dout) = (input("out", t.out)?, input("dout", t.dout)?);
         validate::check_dtype("lse", t.lse, CUDA, &[DType::F32], "f32")?;
@@ -542,6 +543,11 @@ impl AttentionRuntime for CudaRuntime {
         };
         launch_module(&client, module, &compiled, &call)?;
         arena.check::<V>()?;
-        Ok((dq, dk, dv))
+        Ok(AttentionGrads {
+            dq,
+            dk,
+            dv,
+            tensors: vec![None; V::LEARNABLE.len()],
+        })
     }
 }

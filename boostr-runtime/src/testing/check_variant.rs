@@ -6,7 +6,7 @@ use super::cases::Case;
 use super::contract::contract;
 use super::data::TestData;
 use super::exact_zeros::exact_zeros;
-use super::inputs::{Expected, Inputs};
+use super::inputs::{Expected, Inputs, learnable_names};
 use super::report::{CaseReport, run_cases};
 use super::rng::{SEED_ENV, choose_seed};
 use super::run_backend::expect_out_of_range;
@@ -119,7 +119,8 @@ pub fn check_variant_built_on<R: TestBackend, V: Variant>(
     let seed = choose_seed();
     let label = format!("{} on {}", V::NAME, R::NAME);
     let failures = run_cases(cases, &label, |stream, case| {
-        let variant = build(&mut TestData::new(case.problem(), &device, seed, stream));
+        let data = TestData::new(case.problem(), &device, seed, stream);
+        let variant = build(&mut data.with_tensor_grads(R::TENSOR_GRADS));
         run_case::<R, V>(&variant, &device, case, seed, stream)
     });
     assert!(
@@ -149,7 +150,12 @@ fn run_case<R: TestBackend, V: Variant>(
     let poisoned = inputs.poison_hidden_keys(&host, &p);
     let mut failures = Vec::new();
     contract(&host, &p, &mut failures);
-    let want = Expected::reference(&host, &p, &inputs);
+    let mut want = Expected::reference(&host, &p, &inputs, learnable_names::<V>());
+    if !R::TENSOR_GRADS {
+        // Checked to be an `Err` by `run_backend`.
+        want.grads.tensors.clear();
+        want.naive_grads.tensors.clear();
+    }
     if let Some(expected) = host.out_of_range() {
         expect_out_of_range::<R, V>(variant, device, case, &inputs, &expected, &mut failures);
         return CaseReport::new(failures, format!("fails as it must: {expected}"));

@@ -3,6 +3,7 @@
 
 use super::rng::Rng;
 use crate::problem::Problem;
+use numr::autograd::Var;
 use numr::dtype::DType;
 use numr::runtime::Runtime;
 use numr::tensor::Tensor;
@@ -33,6 +34,8 @@ pub struct TestData<'a, R: Runtime> {
     device: &'a R::Device,
     stream: u64,
     rng: Rng,
+    /// Whether [`learnable`](TestData::learnable) tensors require grad.
+    tensor_grads: bool,
 }
 
 impl<R: Runtime> std::fmt::Debug for TestData<'_, R> {
@@ -53,7 +56,15 @@ impl<'a, R: Runtime<DType = DType>> TestData<'a, R> {
             device,
             stream,
             rng: Rng::new(seed ^ DATA_SALT, stream),
+            tensor_grads: true,
         }
+    }
+
+    /// The same data whose [`learnable`](TestData::learnable) tensors
+    /// require grad only if `on` (for a backend without tensor gradients).
+    pub fn with_tensor_grads(mut self, on: bool) -> Self {
+        self.tensor_grads = on;
+        self
     }
 
     /// The case's sizes.
@@ -171,6 +182,13 @@ impl<'a, R: Runtime<DType = DType>> TestData<'a, R> {
             .map(|_| lo + (hi - lo) * self.rng.uniform() as f32)
             .collect();
         self.tensor(&values, shape)
+    }
+
+    /// A learnable `f32` tensor of `shape`, uniform in `[lo, hi]`: a `Var`
+    /// that requires grad (unless the backend computes no tensor gradients).
+    pub fn learnable(&mut self, shape: &[usize], lo: f32, hi: f32) -> Var<R> {
+        let t = self.f32s(shape, lo, hi);
+        Var::new(t, self.tensor_grads)
     }
 
     /// An `i32` tensor of `shape`, uniform in `lo ..= hi`.

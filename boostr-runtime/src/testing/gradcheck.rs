@@ -55,6 +55,12 @@ const FD_SHAPES: &[(&str, Problem)] = &[
 const QK_STD: f64 = 1.5;
 /// Finite-difference step.
 const STEP: f64 = 1e-6;
+/// Finite-difference step of a learnable tensor's elements, which are f32:
+/// the step actually taken (`fl(x + h) − x`, exact) is used.
+const TENSOR_STEP: f32 = 1e-4;
+/// Absolute tolerance of a tensor gradient, in units of `1 + max |gradient|`:
+/// the truncation error of a central difference, about `h²·|L‴|/6`.
+const TENSOR_ATOL: f64 = 1e-6;
 /// Relative tolerance of an element's gradient.
 const RTOL: f64 = 1e-6;
 /// Absolute tolerance, in units of `1 + max |gradient|` of the tensor: the
@@ -73,7 +79,9 @@ const KINK_BUDGET: usize = 50;
 /// and `v` is perturbed by `±h`, `h = 1e-6`, and
 /// `|ΔL/2h − ∂L/∂x| ≤ 1e-6·|∂L/∂x| + 1e-7·(1 + max |∂L/∂·|)` must hold.
 /// This validates `score_grad_f64` against `score_f64` (and the reference's
-/// backward itself), which every kernel check then relies on.
+/// backward itself), which every kernel check then relies on. Every element
+/// of every learnable tensor is perturbed too (by `±1e-4`, the step taken in
+/// f32), which checks the tensor gradients of `score` and `sink`.
 ///
 /// Scores with kinks (`clamp`, `abs`, `max`): where a kink lies within `h` of
 /// the point, the two one-sided slopes disagree; such an element is skipped
@@ -109,7 +117,7 @@ pub fn check_reference_gradients_built<V: Variant>(
     for (n, (name, p)) in FD_SHAPES.iter().enumerate() {
         let variant = build(&mut TestData::new(*p, &device, seed, n as u64));
         match variant.host_copy(p) {
-            Ok(host) => check_shape(&host, name, p, seed, n as u64, &mut failures),
+            Ok(host) => check_shape(host, name, p, seed, n as u64, &mut failures),
             Err(e) => failures.push(format!("  shape `{name}`: {}::host: {e}", V::NAME)),
         }
     }
@@ -123,8 +131,14 @@ pub fn check_reference_gradients_built<V: Variant>(
     }
 }
 
+/// `L = Σ out ∘ g` of the f64 reference.
+fn loss<V: HostVariant>(variant: &V, p: &Problem, x: &[Vec<f64>; 3], g: &[f64]) -> f64 {
+    let f = reference_forward(variant, p, &x[0], &x[1], &x[2]);
+    f.out.iter().zip(g).map(|(o, g)| o * g).sum()
+}
+
 fn check_shape<V: HostVariant>(
-    variant: &V,
+    mut variant: V,
     name: &str,
     p: &Problem,
     seed: u64,
@@ -138,12 +152,42 @@ fn check_shape<V: HostVariant>(
         rng.normal_f64(p.kv_len(), 1.0),
     ];
     let g = rng.normal_f64(p.q_len(), 1.0);
-    let loss = |x: &[Vec<f64>; 3]| -> f64 {
-        let f = reference_forward(variant, p, &x[0], &x[1], &x[2]);
-        f.out.iter().zip(&g).map(|(o, g)| o * g).sum()
-    };
-    let grads = reference_backward(variant, p, &inputs[0], &inputs[1], &inputs[2], &g);
-    let l0 = loss(&inputs);
+    let grads = reference_backward(&variant, p, &inputs[0], &inputs[1], &inputs[2], &g);
+    let l0 = loss(&variant, p, &inputs, &g);
+    for (slot, analytic) in grads.tensors.iter().enumerate() {
+        let gmax = analytic.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+        let mut worst: Option<(f64, String)> = None;
+        for (e, &an) in analytic.iter().enumerate() {
+            let hp = f64::from(variant.perturb_learnable(slot, e, TENSOR_STEP));
+            let lp = loss(&variant, p, &inputs, &g);
+            variant.perturb_learnable(slot, e, -(hp as f32));
+            let hm = -f64::from(variant.perturb_learnable(slot, e, -TENSOR_STEP));
+            let lm = loss(&variant, p, &inputs, &g);
+            variant.perturb_learnable(slot, e, hm as f32);
+            let fd = (lp - lm) / (hp + hm);
+            let err = (fd - an).abs();
+            let tol = RTOL * an.abs() + TENSOR_ATOL * (1.0 + gmax);
+            if err.is_nan() || err > tol {
+                let ratio = if err.is_nan() {
+                    f64::INFINITY
+                } else {
+                    err / tol
+                };
+                if worst.as_ref().is_none_or(|(r, _)| ratio > *r) {
+                    worst = Some((
+                        ratio,
+                        format!(
+                            "  shape `{name}` ({p:?}): learnable tensor {slot} [{e}]: analytic \
+                             {an:e}, finite difference {fd:e}, |diff| {err:.3e} > tol {tol:.3e}"
+                        ),
+                    ));
+                }
+            }
+        }
+        if let Some((_, line)) = worst {
+            failures.push(line);
+        }
+    }
     let shape_of = |t: usize| {
         if t == 0 {
             [p.batch, p.heads_q, p.seq_q, p.head_dim]
@@ -161,9 +205,9 @@ fn check_shape<V: HostVariant>(
         for e in 0..analytic.len() {
             let x0 = inputs[t][e];
             inputs[t][e] = x0 + STEP;
-            let (hp, lp) = (inputs[t][e] - x0, loss(&inputs));
+            let (hp, lp) = (inputs[t][e] - x0, loss(&variant, p, &inputs, &g));
             inputs[t][e] = x0 - STEP;
-            let (hm, lm) = (x0 - inputs[t][e], loss(&inputs));
+            let (hm, lm) = (x0 - inputs[t][e], loss(&variant, p, &inputs, &g));
             inputs[t][e] = x0;
             let fd = (lp - lm) / (hp + hm);
             let an = analytic[e];

@@ -117,10 +117,24 @@ pub(crate) struct Expected {
     pub(crate) naive_grads: Gradients<f32>,
     /// `M` of out, dq, dk, dv.
     pub(crate) magnitudes: [f64; 4],
+    /// `M` of each learnable tensor's gradient.
+    pub(crate) tensor_magnitudes: Vec<f64>,
+    /// Each learnable tensor's field name.
+    pub(crate) tensor_names: Vec<&'static str>,
+}
+
+/// The field names of `V`'s learnable tensors, in slot order.
+pub(crate) fn learnable_names<V: crate::Variant>() -> Vec<&'static str> {
+    V::LEARNABLE.iter().map(|&t| V::TENSORS[t].name).collect()
 }
 
 impl Expected {
-    pub(crate) fn reference<V: HostVariant>(variant: &V, p: &Problem, inputs: &Inputs) -> Expected {
+    pub(crate) fn reference<V: HostVariant>(
+        variant: &V,
+        p: &Problem,
+        inputs: &Inputs,
+        tensor_names: Vec<&'static str>,
+    ) -> Expected {
         let [q, k, v, dout] = inputs.slices();
         let (q64, k64, v64, dout64) = (widen(q), widen(k), widen(v), widen(dout));
         let fwd = reference_forward(variant, p, &q64, &k64, &v64);
@@ -139,6 +153,8 @@ impl Expected {
                 max_abs(&mag_g.dk),
                 max_abs(&mag_g.dv),
             ],
+            tensor_magnitudes: mag_g.tensors.iter().map(|t| max_abs(t)).collect(),
+            tensor_names,
         }
     }
 }

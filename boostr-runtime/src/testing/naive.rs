@@ -57,6 +57,13 @@ pub(crate) fn naive_f32<V: HostVariant>(
             dq: worse(g.dq, &unflip(&gr.dq), &want_g.dq),
             dk: worse(g.dk, &unflip(&gr.dk), &want_g.dk),
             dv: worse(g.dv, &unflip(&gr.dv), &want_g.dv),
+            tensors: g
+                .tensors
+                .into_iter()
+                .zip(&gr.tensors)
+                .zip(&want_g.tensors)
+                .map(|((a, b), w)| worse(a, b, w))
+                .collect(),
         },
     )
 }

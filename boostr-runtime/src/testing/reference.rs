@@ -28,7 +28,10 @@
 //! `D_i = Σ_d dO_i·O_i`, `dP_ij = dO_i·v_j`,
 //! `dS_ij = P_ij (dP_ij − D_i) · score_grad(s_ij)`,
 //! `dQ = scale · dS K`, `dK = scale · dSᵀ Q`, `dV = Pᵀ dO`; the query heads of
-//! one GQA group sum into their shared kv head.
+//! one GQA group sum into their shared kv head. A learnable tensor `t` gets
+//! `Σ_ij P_ij (dP_ij − D_i) · ∂score/∂t` over the visible pairs and, read by
+//! the sink, `Σ_i −e^(σ_i − lse_i) D_i · ∂sink/∂t` over the rows (the
+//! sink's probability times the derivative of `out_i` with respect to it).
 //!
 //! Query rows run in parallel over `(batch, query head)`; every sum runs in a
 //! fixed order, so results do not depend on the thread count.
@@ -84,6 +87,23 @@ pub trait Real:
     fn mask<V: HostVariant>(variant: &V, b: i32, h: i32, q: i32, kv: i32) -> bool;
     /// The variant's sink in this precision.
     fn sink<V: HostVariant>(variant: &V, b: i32, h: i32, q: i32) -> Self;
+    /// `score_tensor_grads` in this precision (`abs`: magnitudes, f64 only).
+    #[allow(clippy::too_many_arguments)]
+    fn score_tensor_grads<V: HostVariant>(
+        variant: &V,
+        at: (Self, i32, i32, i32, i32),
+        dz: Self,
+        abs: bool,
+        grads: &mut [&mut [Self]],
+    );
+    /// `sink_tensor_grads` in this precision (`abs`: magnitudes, f64 only).
+    fn sink_tensor_grads<V: HostVariant>(
+        variant: &V,
+        at: (i32, i32, i32),
+        dz: Self,
+        abs: bool,
+        grads: &mut [&mut [Self]],
+    );
 }
 
 impl Real for f32 {
@@ -115,6 +135,26 @@ impl Real for f32 {
     }
     fn sink<V: HostVariant>(variant: &V, b: i32, h: i32, q: i32) -> Self {
         variant.sink(b, h, q)
+    }
+    fn score_tensor_grads<V: HostVariant>(
+        variant: &V,
+        (s, b, h, q, kv): (Self, i32, i32, i32, i32),
+        dz: Self,
+        abs: bool,
+        grads: &mut [&mut [Self]],
+    ) {
+        debug_assert!(!abs, "magnitudes are taken in f64");
+        variant.score_tensor_grads(s, b, h, q, kv, dz, grads);
+    }
+    fn sink_tensor_grads<V: HostVariant>(
+        variant: &V,
+        (b, h, q): (i32, i32, i32),
+        dz: Self,
+        abs: bool,
+        grads: &mut [&mut [Self]],
+    ) {
+        debug_assert!(!abs, "magnitudes are taken in f64");
+        variant.sink_tensor_grads(b, h, q, dz, grads);
     }
 }
 
@@ -148,6 +188,24 @@ impl Real for f64 {
     fn sink<V: HostVariant>(variant: &V, b: i32, h: i32, q: i32) -> Self {
         variant.sink_f64(b, h, q)
     }
+    fn score_tensor_grads<V: HostVariant>(
+        variant: &V,
+        (s, b, h, q, kv): (Self, i32, i32, i32, i32),
+        dz: Self,
+        abs: bool,
+        grads: &mut [&mut [Self]],
+    ) {
+        variant.score_tensor_grads_f64(s, b, h, q, kv, dz, abs, grads);
+    }
+    fn sink_tensor_grads<V: HostVariant>(
+        variant: &V,
+        (b, h, q): (i32, i32, i32),
+        dz: Self,
+        abs: bool,
+        grads: &mut [&mut [Self]],
+    ) {
+        variant.sink_tensor_grads_f64(b, h, q, dz, abs, grads);
+    }
 }
 
 /// Forward results: `out [B, Hq, Sq, D]` and `lse [B, Hq, Sq]`, row-major.
@@ -169,6 +227,9 @@ pub struct Gradients<T> {
     pub dk: Vec<T>,
     /// Gradient of the loss with respect to `v`.
     pub dv: Vec<T>,
+    /// Gradient of the loss with respect to each learnable tensor, in slot
+    /// order (row-major, its shape); empty for a variant without them.
+    pub tensors: Vec<Vec<T>>,
 }
 
 /// Position of query row `i` (bottom-right alignment).
@@ -415,7 +476,12 @@ fn backward<T: Real, V: HostVariant>(
     let mut dq = vec![T::ZERO; p.q_len()];
     // Each (batch, query head) accumulates its own dk, dv over its rows; the
     // heads of a GQA group are summed afterwards in head order.
-    let partials: Vec<(Vec<T>, Vec<T>)> = dq
+    let numel: Vec<usize> = (0..V::LEARNABLE)
+        .map(|k| variant.learnable_numel(k))
+        .collect();
+    // Per (batch, query head): its dk, dv and tensor gradients.
+    type Partial<T> = (Vec<T>, Vec<T>, Vec<Vec<T>>);
+    let partials: Vec<Partial<T>> = dq
         .par_chunks_mut(p.seq_q * d)
         .enumerate()
         .map(|(bh, dq_bh)| {
@@ -424,6 +490,8 @@ fn backward<T: Real, V: HostVariant>(
             let (bi, hi) = (b as i32, h as i32);
             let mut dk_h = vec![T::ZERO; p.seq_k * d];
             let mut dv_h = vec![T::ZERO; p.seq_k * d];
+            let mut tensors_h: Vec<Vec<T>> = numel.iter().map(|&n| vec![T::ZERO; n]).collect();
+            let mut views: Vec<&mut [T]> = tensors_h.iter_mut().map(Vec::as_mut_slice).collect();
             let mut row = Row::new(p.seq_k);
             let mut o = vec![T::ZERO; d];
             for i in 0..p.seq_q {
@@ -451,6 +519,16 @@ fn backward<T: Real, V: HostVariant>(
                 // from its forward's `out`); the naive f32 error must include
                 // that rounding.
                 let d_i = dot_rev(dor, &o);
+                let sink = T::sink(variant, bi, hi, qi);
+                if V::LEARNABLE > 0 && sink != T::NEG_INFINITY {
+                    let p_sink = (sink - row.lse).exp();
+                    let dz = if magnitudes {
+                        p_sink * d_i
+                    } else {
+                        -(p_sink * d_i)
+                    };
+                    T::sink_tensor_grads(variant, (bi, hi, qi), dz, magnitudes, &mut views);
+                }
                 let dq_r = &mut dq_bh[i * d..][..d];
                 for (j, &s) in row.s.iter().enumerate() {
                     let pj = row.p_from_lse(j);
@@ -460,11 +538,16 @@ fn backward<T: Real, V: HostVariant>(
                     let (kr, vr) = (&kf[kv_row(j)..][..d], &vf[kv_row(j)..][..d]);
                     let dp = dot(dor, vr);
                     let g = T::score_grad(variant, s, bi, hi, qi, j as i32);
-                    let ds = if magnitudes {
-                        pj * (dp + d_i) * g.abs()
+                    let dz = if magnitudes {
+                        pj * (dp + d_i)
                     } else {
-                        pj * (dp - d_i) * g
+                        pj * (dp - d_i)
                     };
+                    let ds = if magnitudes { dz * g.abs() } else { dz * g };
+                    if V::LEARNABLE > 0 {
+                        let at = (s, bi, hi, qi, j as i32);
+                        T::score_tensor_grads(variant, at, dz, magnitudes, &mut views);
+                    }
                     let sds = scale * ds;
                     let (dk_j, dv_j) = (&mut dk_h[j * d..][..d], &mut dv_h[j * d..][..d]);
                     for x in 0..d {
@@ -474,12 +557,19 @@ fn backward<T: Real, V: HostVariant>(
                     }
                 }
             }
-            (dk_h, dv_h)
+            drop(views);
+            (dk_h, dv_h, tensors_h)
         })
         .collect();
     let mut dk = vec![T::ZERO; p.kv_len()];
     let mut dv = vec![T::ZERO; p.kv_len()];
-    for (bh, (dk_h, dv_h)) in partials.into_iter().enumerate() {
+    let mut tensors: Vec<Vec<T>> = numel.iter().map(|&n| vec![T::ZERO; n]).collect();
+    for (bh, (dk_h, dv_h, tensors_h)) in partials.into_iter().enumerate() {
+        for (acc, part) in tensors.iter_mut().zip(tensors_h) {
+            for (a, x) in acc.iter_mut().zip(part) {
+                *a += x;
+            }
+        }
         let (b, h) = (bh / p.heads_q, bh % p.heads_q);
         let base = (b * p.heads_kv + h / p.group()) * p.seq_k * d;
         for (acc, x) in dk[base..][..p.seq_k * d].iter_mut().zip(dk_h) {
@@ -489,5 +579,10 @@ fn backward<T: Real, V: HostVariant>(
             *acc += x;
         }
     }
-    Gradients { dq, dk, dv }
+    Gradients {
+        dq,
+        dk,
+        dv,
+        tensors,
+    }
 }

@@ -6,7 +6,9 @@ use super::cases::Case;
 use super::inputs::Inputs;
 use super::reference::{Forward, Gradients};
 use crate::error::Error;
-use crate::op::{AttentionOptions, attention_bwd, attention_fwd, var_attention};
+use crate::op::{
+    AttentionOptions, attention_bwd, attention_bwd_tensors, attention_fwd, var_attention,
+};
 use crate::problem::Problem;
 use crate::validate;
 use crate::variant::Variant;
@@ -49,6 +51,31 @@ pub(crate) fn run_backend<R: TestBackend, V: Variant>(
         attention_fwd(variant, &qt, &kt, &vt, opts).map_err(|e| format!("attention_fwd: {e}"))?;
     let (dq, dk, dv) = attention_bwd(variant, &dt, &qt, &kt, &vt, &out, &lse, opts)
         .map_err(|e| format!("attention_bwd: {e}"))?;
+    // With learnable tensors: the op that returns their gradients too (its
+    // dq, dk, dv are checked through the autograd path, which runs it).
+    let mut tensors = Vec::new();
+    if !V::LEARNABLE.is_empty() && !R::TENSOR_GRADS {
+        match attention_bwd_tensors(variant, &dt, &qt, &kt, &vt, &out, &lse, opts) {
+            Err(Error::TensorGradUnsupported { .. }) => {}
+            Err(e) => return Err(format!("attention_bwd_tensors: {e}")),
+            Ok(_) => {
+                return Err(format!(
+                    "attention_bwd_tensors: {} computes tensor gradients, but its test backend \
+                     says it does not",
+                    R::NAME
+                ));
+            }
+        }
+    } else if !V::LEARNABLE.is_empty() {
+        let g = attention_bwd_tensors(variant, &dt, &qt, &kt, &vt, &out, &lse, opts)
+            .map_err(|e| format!("attention_bwd_tensors: {e}"))?;
+        for (slot, t) in g.tensors.iter().enumerate() {
+            let t = t
+                .as_ref()
+                .ok_or_else(|| format!("attention_bwd_tensors: no gradient for slot {slot}"))?;
+            tensors.push(host(t));
+        }
+    }
 
     let client = <R::Runtime as Runtime>::default_client(device);
     let (qv, kv, vv) = (
@@ -69,10 +96,18 @@ pub(crate) fn run_backend<R: TestBackend, V: Variant>(
             .map(host)
             .ok_or_else(|| format!("autograd backward produced no gradient for {name}"))
     };
+    let mut var_tensors = Vec::new();
+    for l in variant.learnables() {
+        let var = l.on::<R::Runtime>().map_err(|e| e.to_string())?;
+        if var.requires_grad() {
+            var_tensors.push(grad(l.decl.name, var)?);
+        }
+    }
     let var_grads = Gradients {
         dq: grad("q", &qv)?,
         dk: grad("k", &kv)?,
         dv: grad("v", &vv)?,
+        tensors: var_tensors,
     };
     Ok((
         p,
@@ -85,6 +120,7 @@ pub(crate) fn run_backend<R: TestBackend, V: Variant>(
                 dq: host(&dq),
                 dk: host(&dk),
                 dv: host(&dv),
+                tensors,
             },
             var_out: host(out_v.tensor()),
             var_grads,

@@ -41,6 +41,8 @@ pub(crate) enum Layout {
     Key,
     /// `[B, Hq, Sq]`.
     Lse,
+    /// A learnable tensor's gradient, by linear position.
+    Flat,
 }
 
 /// The position of element `index` of a `layout` tensor, in words.
@@ -66,6 +68,7 @@ pub(crate) fn locate(layout: Layout, p: &Problem, index: usize) -> String {
             };
             format!("[b={b}, h={h}, i={i} (q_pos {})]", q_pos(p, i))
         }
+        Layout::Flat => format!("[{index}] (row-major)"),
     }
 }
 
@@ -240,6 +243,19 @@ pub(crate) fn compare_results(
     check("GradFn dq", q_, &got.var_grads.dq, &wg.dq, &ng.dq, m_dq);
     check("GradFn dk", k_, &got.var_grads.dk, &wg.dk, &ng.dk, m_dk);
     check("GradFn dv", k_, &got.var_grads.dv, &wg.dv, &ng.dv, m_dv);
+    for (slot, want_t) in wg.tensors.iter().enumerate() {
+        let (naive, m) = (&ng.tensors[slot], want.tensor_magnitudes[slot]);
+        let label = format!("attention_bwd_tensors d{}", want.tensor_names[slot]);
+        match got.grads.tensors.get(slot) {
+            Some(g) => check(&label, Layout::Flat, g, want_t, naive, m),
+            None => check(&label, Layout::Flat, &[], want_t, naive, m),
+        }
+        let label = format!("GradFn d{}", want.tensor_names[slot]);
+        match got.var_grads.tensors.get(slot) {
+            Some(g) => check(&label, Layout::Flat, g, want_t, naive, m),
+            None => check(&label, Layout::Flat, &[], want_t, naive, m),
+        }
+    }
     summary.push_str("(max err / bound)");
     summary
 }

@@ -9,7 +9,7 @@
 //! and each entry point's workgroups and tile loop from the tiles and the
 //! problem. f32 only.
 
-use crate::backend::{AttentionRuntime, BackwardTensors};
+use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors};
 use crate::error::{BackendError, Result};
 use crate::gpu::{self, ArenaPlan, KernelCache};
 use crate::problem::Problem;
@@ -600,7 +600,8 @@ impl AttentionRuntime for WgpuRuntime {
         variant: &V,
         p: &Problem,
         t: BackwardTensors<'_, Self>,
-    ) -> Result<(Tensor<Self>, Tensor<Self>, Tensor<Self>)> {
+    ) -> Result<AttentionGrads<Self>> {
+        crate::backend::refuse_tensor_grads::<V>("wgpu", t.tensor_grads)?;
         let (q, k, v) = (input("q", t.q)?, input("k", t.k)?, input("v", t.v)?);
         // `out` is not read: D_i comes from the recomputed P (see
         // `kernels::BACKWARD_DQ`).
@@ -636,7 +637,12 @@ impl AttentionRuntime for WgpuRuntime {
             ],
             &modules,
         )?;
-        Ok((dq, dk, dv))
+        Ok(AttentionGrads {
+            dq,
+            dk,
+            dv,
+            tensors: vec![None; V::LEARNABLE.len()],
+        })
     }
 }
 

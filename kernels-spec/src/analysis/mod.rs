@@ -9,7 +9,7 @@ pub mod tiles;
 
 use crate::ast::TileOverride;
 use crate::check::Checked;
-use crate::ir::{Arg, Expr, ExprKind, Function, Program, Ty};
+use crate::ir::{Arg, Expr, ExprKind, Function, LearnableSite, Program, TensorDecl, Ty};
 
 /// Run every analysis and assemble the program.
 pub fn analyze(name: &str, checked: Checked, tile: Option<TileOverride>) -> Program {
@@ -61,6 +61,10 @@ pub fn analyze(name: &str, checked: Checked, tile: Option<TileOverride>) -> Prog
     let score_grad = derivative::score_grad(&score);
     let (classify, summaries) = tiles::classifier(has_mask.then_some(&mask), &checked.params);
     let tile = tile.unwrap_or_default();
+    let learnable: Vec<usize> = (0..tensors.len())
+        .filter(|&t| tensors[t].learnable)
+        .collect();
+    let learnable_sites = learnable_sites(&score, &sink, &tensors, &learnable);
     Program {
         name: name.to_string(),
         score_is_identity: score.body.kind == ExprKind::Arg(Arg::S),
@@ -77,5 +81,50 @@ pub fn analyze(name: &str, checked: Checked, tile: Option<TileOverride>) -> Prog
         sink,
         classify,
         tile: (tile.q, tile.kv),
+        learnable,
+        learnable_sites,
     }
+}
+
+/// Every read of a learnable tensor in `score` and `sink`, with its
+/// derivative and where it lands.
+fn learnable_sites(
+    score: &Function,
+    sink: &Function,
+    tensors: &[TensorDecl],
+    learnable: &[usize],
+) -> Vec<LearnableSite> {
+    let mut out = Vec::new();
+    for (f, in_sink) in [(score, false), (sink, true)] {
+        let mut reads = Vec::new();
+        f.body.walk(&mut |e| {
+            if let ExprKind::Read(r) = &e.kind
+                && tensors[r.tensor].learnable
+            {
+                reads.push((r.site, r.tensor));
+            }
+        });
+        reads.sort_unstable();
+        reads.dedup();
+        for (site, tensor) in reads {
+            let Some(index) = reads::read_index(f, site) else {
+                continue;
+            };
+            out.push(LearnableSite {
+                site,
+                tensor,
+                slot: learnable
+                    .iter()
+                    .position(|&t| t == tensor)
+                    .expect("learnable"),
+                in_sink,
+                grad: derivative::read_grad(f, site),
+                index: Function {
+                    body: build::simplify(index.body),
+                    ..index
+                },
+            });
+        }
+    }
+    out
 }

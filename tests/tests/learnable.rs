@@ -1,0 +1,158 @@
+//! Learnable tensors: gradients from several read sites (through `let`, in
+//! `score` and in `sink`) against the reference on every backend, and
+//! deterministic tensor gradients on the CPU for any thread count.
+
+use boostr_runtime::stock::CausalT5Bias;
+use boostr_runtime::testing::{CpuRuntime, TestData};
+use boostr_runtime::{
+    AttentionGrads, AttentionOptions, Problem, attention, attention_bwd_tensors, attention_fwd,
+};
+use numr::autograd::Var;
+use numr::runtime::Runtime;
+use numr::runtime::cpu::CpuDevice;
+use numr::tensor::Tensor;
+
+/// One table read at three sites of `score` (one through a `let`, two of
+/// them landing on the same elements for `q == kv`), a gain read at a
+/// fourth, and the sink reading the table again next to its own tensor.
+#[attention(
+    score = |s, _b, h, q, kv| {
+        let row = self.table[h][q % 5];
+        s * self.gain[h] + row - 0.5 * self.table[h][kv % 5] + self.table[h][(q + kv) % 5]
+    },
+    mask = |_b, _h, q, kv| kv <= q,
+    sink = |_b, h, q| self.sinks[h] + self.table[h][q % 5],
+    tests = [|data| ManyReads {
+        table: data.learnable(&[data.heads_q(), 5], -1.0, 1.0),
+        gain: data.learnable(&[data.heads_q()], 0.5, 1.5),
+        sinks: data.learnable(&[data.heads_q()], -1.0, 1.0),
+    }],
+)]
+#[derive(Clone, Debug)]
+pub struct ManyReads<R: Runtime> {
+    #[tensor(f32, [Hq, 5])]
+    pub table: Var<R>,
+    #[tensor(f32, [Hq])]
+    pub gain: Var<R>,
+    #[tensor(f32, [Hq])]
+    pub sinks: Var<R>,
+}
+
+/// A learnable tensor next to a read-only one and a scalar: only the `Var`
+/// has a gradient slot.
+#[attention(
+    score = |s, b, h, _q, _kv| s + self.offset[b] * self.scale[h] * self.k,
+    tests = [|data| Mixed {
+        offset: data.f32s(&[data.batch()], -1.0, 1.0),
+        scale: data.learnable(&[data.heads_q()], -1.0, 1.0),
+        k: 0.75,
+    }],
+)]
+#[derive(Clone, Debug)]
+pub struct Mixed<R: Runtime> {
+    #[tensor(f32, [B])]
+    pub offset: Tensor<R>,
+    #[tensor(f32, [Hq])]
+    pub scale: Var<R>,
+    pub k: f32,
+}
+
+#[test]
+fn only_vars_are_learnable() {
+    use boostr_runtime::Variant;
+    assert_eq!(<Mixed<CpuRuntime> as Variant>::LEARNABLE, &[1]);
+    assert_eq!(<ManyReads<CpuRuntime> as Variant>::LEARNABLE, &[0, 1, 2]);
+}
+
+fn bits(t: &Tensor<CpuRuntime>) -> Vec<u32> {
+    t.to_vec::<f32>().into_iter().map(f32::to_bits).collect()
+}
+
+/// Every gradient of one backward, as bits.
+fn grads_bits(g: &AttentionGrads<CpuRuntime>) -> Vec<Vec<u32>> {
+    let mut out = vec![bits(&g.dq), bits(&g.dk), bits(&g.dv)];
+    out.extend(
+        g.tensors
+            .iter()
+            .map(|t| bits(t.as_ref().expect("asked for"))),
+    );
+    out
+}
+
+/// Forward and backward of a causal T5 bias with a learnable table on
+/// `threads` rayon threads.
+fn t5_backward(threads: usize, p: Problem, seed: u64) -> Vec<Vec<u32>> {
+    let device = CpuDevice::new();
+    let mut data = TestData::<CpuRuntime>::new(p, &device, seed, 0);
+    let variant = CausalT5Bias {
+        buckets: data.learnable(&[p.heads_q, 32], -1.0, 1.0),
+    };
+    let q = data.f32s(&[p.batch, p.heads_q, p.seq_q, p.head_dim], -1.0, 1.0);
+    let k = data.f32s(&[p.batch, p.heads_kv, p.seq_k, p.head_dim], -1.0, 1.0);
+    let v = data.f32s(&[p.batch, p.heads_kv, p.seq_k, p.head_dim], -1.0, 1.0);
+    let dout = data.f32s(&[p.batch, p.heads_q, p.seq_q, p.head_dim], -1.0, 1.0);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("a thread pool");
+    pool.install(|| {
+        let opts = AttentionOptions::default();
+        let (out, lse) = attention_fwd(&variant, &q, &k, &v, &opts).expect("forward");
+        let g = attention_bwd_tensors(&variant, &dout, &q, &k, &v, &out, &lse, &opts)
+            .expect("backward");
+        grads_bits(&g)
+    })
+}
+
+#[test]
+fn tensor_gradients_have_the_same_bits_for_any_thread_count() {
+    // Several key chunks per head and more tasks than threads.
+    let p = Problem {
+        batch: 1,
+        heads_q: 4,
+        heads_kv: 2,
+        seq_q: 333,
+        seq_k: 517,
+        head_dim: 64,
+        scale: 0.125,
+    };
+    let seed = 0x5eed;
+    let one = t5_backward(1, p, seed);
+    assert!(
+        one[3].iter().any(|&b| f32::from_bits(b) != 0.0),
+        "a gradient at all"
+    );
+    for threads in [1, 2, 3] {
+        for run in 0..2 {
+            assert!(
+                t5_backward(threads, p, seed) == one,
+                "{threads} threads, run {run}: gradients differ from 1 thread's"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_var_that_requires_no_grad_is_read_only() {
+    let device = CpuDevice::new();
+    let p = Problem {
+        batch: 1,
+        heads_q: 2,
+        heads_kv: 1,
+        seq_q: 9,
+        seq_k: 9,
+        head_dim: 8,
+        scale: 0.35,
+    };
+    let mut data = TestData::<CpuRuntime>::new(p, &device, 3, 0);
+    let table = data.f32s(&[2, 32], -1.0, 1.0);
+    let variant = CausalT5Bias {
+        buckets: Var::new(table, false),
+    };
+    let q = Var::new(data.f32s(&[1, 2, 9, 8], -1.0, 1.0), false);
+    let k = Var::new(data.f32s(&[1, 1, 9, 8], -1.0, 1.0), false);
+    let v = Var::new(data.f32s(&[1, 1, 9, 8], -1.0, 1.0), false);
+    let out = boostr_runtime::var_attention(&variant, &q, &k, &v, &AttentionOptions::default())
+        .expect("forward");
+    assert!(out.grad_fn().is_none(), "no graph node without grads");
+}
