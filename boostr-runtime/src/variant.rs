@@ -209,6 +209,9 @@ pub trait HostVariant: Send + Sync {
     /// The number of learnable tensors (gradient slots); their reads in
     /// `score` and `sink` have gradients.
     const LEARNABLE: usize = 0;
+    /// `score` reads a learnable tensor (else only `sink` does, and the
+    /// backward's per-pair accumulation is skipped).
+    const SCORE_READS_LEARNABLE: bool = false;
 
     /// The number of elements of learnable tensor `slot` (0 for none).
     fn learnable_numel(&self, slot: usize) -> usize {

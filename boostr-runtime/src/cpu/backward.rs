@@ -511,7 +511,7 @@ fn query_tile<V: HostVariant>(
     let s = &mut w.s[..rows * cols];
     band_products(s, cols, bands, &sh.x.q[rows_at.clone()], kv.kt, d, scale);
     let g = &mut w.g[..if V::SCORE_IS_IDENTITY { 0 } else { rows * cols }];
-    let learn = !grads.is_empty();
+    let learn = V::SCORE_READS_LEARNABLE && !grads.is_empty();
     if learn {
         w.raw[..rows * cols].copy_from_slice(s);
     }
