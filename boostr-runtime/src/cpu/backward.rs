@@ -181,7 +181,7 @@ impl Scratch {
             g: vec![0.0; g],
             bands: Vec::with_capacity(t.q.div_ceil(super::BAND_ROWS)),
             k_guarded: Vec::new(),
-            raw: if learn {
+            raw: if learn && V::SCORE_READS_LEARNABLE {
                 vec![0.0; t.q * t.kv]
             } else {
                 Vec::new()
@@ -303,6 +303,9 @@ pub(super) fn backward<V: HostVariant>(
             |sc, task| key_chunk(&shared, task, sc, &mut []),
         );
     }
+    if V::HAS_SINK {
+        sinks(&shared, tensor_grads);
+    }
 
     if chunks > 1 {
         // dq += partial_1 + partial_2 + ... in that order, element by element.
@@ -324,7 +327,7 @@ pub(super) fn backward<V: HostVariant>(
 
 /// The tasks with learnable tensors' gradients: grouped into partial sums,
 /// each group run in task order, the partials then added in group order
-/// and the sinks' terms after them in row order (see the module docs).
+/// (see the module docs).
 fn learnable_tasks<V: HostVariant>(
     sh: &Shared<'_, V>,
     tasks: Vec<KeyChunk<'_>>,
@@ -363,15 +366,16 @@ fn learnable_tasks<V: HostVariant>(
                 }
             });
     }
-    if V::HAS_SINK {
-        sink_grads(sh, tensor_grads);
-    }
 }
 
-/// Each row's sink term, `d loss / d sink = −e^(sink − lse) · D_i`, times
-/// the sink's derivatives, in row order.
-fn sink_grads<V: HostVariant>(sh: &Shared<'_, V>, tensor_grads: &mut [Vec<f32>]) {
+/// Every row's sink, once, in row order: the rest of the backward reads it
+/// only through `lse`, so this is where a sink's read out of range becomes
+/// the call's `Err`, as in the forward. With learnable gradients wanted,
+/// each row adds its sink term `d loss / d sink = −e^(sink − lse) · D_i`
+/// times the sink's derivatives, after the partials of the pairs.
+fn sinks<V: HostVariant>(sh: &Shared<'_, V>, tensor_grads: &mut [Vec<f32>]) {
     let p = sh.p;
+    let learn = tensor_grads.iter().any(|g| !g.is_empty());
     let mut views: Vec<&mut [f32]> = tensor_grads.iter_mut().map(Vec::as_mut_slice).collect();
     for bh in 0..p.batch * p.heads_q {
         let (b, h) = (
@@ -382,7 +386,7 @@ fn sink_grads<V: HostVariant>(sh: &Shared<'_, V>, tensor_grads: &mut [Vec<f32>])
             let (lse, delta) = (sh.x.lse[bh * p.seq_q + i], sh.delta[bh * p.seq_q + i]);
             let (q_pos, _) = sh.pos.query_range(i, 1);
             let sink = sh.variant.sink(b, h, q_pos);
-            if sink == f32::NEG_INFINITY || lse == f32::NEG_INFINITY {
+            if !learn || sink == f32::NEG_INFINITY || lse == f32::NEG_INFINITY {
                 continue;
             }
             let dz = -(sink - lse).exp() * delta;

@@ -157,21 +157,6 @@ pub fn backward<V: Variant>(
         .collect();
     let tiles = CpuTiles::for_variant::<V>();
     backward_tiled(&host, p, tiles, inputs, dq, dk, dv, &mut grads);
-    if <V::Host as HostVariant>::HAS_SINK {
-        // The backward reads the sinks through `lse` only; evaluate them
-        // once per row so that a sink's read out of range is this call's
-        // `Err` too, as it is the forward's.
-        let pos = Positions::new(p);
-        for bh in 0..p.batch * p.heads_q {
-            let (b, h) = (
-                Positions::to_i32(bh / p.heads_q),
-                Positions::to_i32(bh % p.heads_q),
-            );
-            for i in 0..p.seq_q {
-                host.sink(b, h, pos.query_range(i, 1).0);
-            }
-        }
-    }
     host.out_of_range().map_or(Ok(()), Err)?;
     Ok(grads
         .into_iter()
