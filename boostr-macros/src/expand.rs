@@ -355,6 +355,7 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
                 &[#(#tensor_slots),*],
                 &[#(self.#tensor_fields.shape()),*],
                 <Self as ::boostr_runtime::Variant>::SUMMARIES,
+                <Self as ::boostr_runtime::Variant>::LEARNABLE,
             );
         });
     }

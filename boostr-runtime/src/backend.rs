@@ -80,26 +80,6 @@ impl<R: Runtime> Clone for BackwardTensors<'_, R> {
 
 impl<R: Runtime> Copy for BackwardTensors<'_, R> {}
 
-/// The error of a backend without tensor gradients, when `wanted` asks
-/// for one.
-#[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
-pub(crate) fn refuse_tensor_grads<V: Variant>(
-    backend: &'static str,
-    wanted: &[bool],
-) -> Result<()> {
-    let asked = V::LEARNABLE
-        .iter()
-        .zip(wanted)
-        .find_map(|(&field, &w)| w.then_some(field));
-    match asked.and_then(|field| V::TENSORS.get(field)) {
-        Some(decl) => Err(Error::TensorGradUnsupported {
-            backend,
-            field: decl.name,
-        }),
-        None => Ok(()),
-    }
-}
-
 const CPU: &str = "cpu";
 const CPU_DTYPES: &str = "f32, f16 and bf16 (f16/bf16 computed in f32)";
 

@@ -567,15 +567,17 @@ impl<const N: usize> HostTensor<i32, N> {
 /// Write each tensor's place in the capture arena into the parameter block:
 /// for tensor `t` of `shapes` (checked against its declaration), at word
 /// `slots[t].0` (its slot, of declared rank `slots[t].1`), its arena offset,
-/// its dimensions, and the arena offsets of its `summaries`
+/// its dimensions, and the arena offsets of its `summaries`, or of a
+/// `learnable` tensor's gradient accumulators
 /// (`kernels_spec::params::Arena` lays them out, the same on every target).
 pub fn place_tensors(
     words: &mut ParamWords,
     slots: &[(usize, usize)],
     shapes: &[&[usize]],
     summaries: &[(usize, usize)],
+    learnable: &[usize],
 ) {
-    let arena = Arena::new(shapes, summaries);
+    let arena = Arena::new(shapes, summaries, learnable);
     let mut put = |word: usize, value: usize| {
         if let Some(w) = words.0.get_mut(word) {
             *w = u32::try_from(value).unwrap_or(u32::MAX);
@@ -591,6 +593,12 @@ pub fn place_tensors(
         let (slot, rank) = slots[t];
         if axis < rank {
             put(slot + 1 + rank + axis, arena.summaries[s]);
+        }
+    }
+    for (&t, &at) in learnable.iter().zip(&arena.grads) {
+        let (slot, rank) = slots[t];
+        if rank > 0 {
+            put(slot + 1 + rank, at);
         }
     }
 }
@@ -763,7 +771,7 @@ mod tests {
         // `doc`: its offset after the error words, its dimensions, then the
         // arena offsets of its summaries (none along axis 0; along axis 1
         // after the 80 elements).
-        let arena = Arena::new(&[&[2, 40]], &[(0, 1)]);
+        let arena = Arena::new(&[&[2, 40]], &[(0, 1)], &[]);
         assert_eq!(arena.tensors, [kernels_spec::params::ERROR_WORDS]);
         assert_eq!(
             &words[..5],

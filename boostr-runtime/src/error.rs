@@ -133,17 +133,24 @@ pub enum Error {
         /// The tensor's shape.
         shape: Vec<usize>,
     },
-    /// The gradient of a learnable tensor was asked of a backend that does
-    /// not compute it.
+    /// A contribution to a learnable tensor's gradient on a GPU backend was
+    /// beyond the range of its fixed-point accumulators (see
+    /// `kernels_spec::params`, "Gradient accumulators"), or a sum came near
+    /// the end of it.
     #[error(
-        "the {backend} backend does not compute gradients of learnable tensors (`{field}` \
-         requires grad); run the backward on the CPU, or pass a tensor that does not require grad"
+        "a gradient of learnable tensor `{field}` on {backend} is out of the range of its \
+         deterministic fixed-point accumulators: {rule} (got {value:e})"
     )]
-    TensorGradUnsupported {
+    TensorGradRange {
         /// The backend.
         backend: &'static str,
-        /// The first learnable field whose gradient was asked for.
+        /// The learnable field.
         field: &'static str,
+        /// The rule broken.
+        rule: &'static str,
+        /// The magnitude seen (a lower bound where a contribution was
+        /// dropped).
+        value: f64,
     },
     /// A GPU backend could not build or launch a kernel.
     #[error(transparent)]

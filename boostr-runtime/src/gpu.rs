@@ -7,7 +7,10 @@ use crate::problem::Problem;
 use crate::variant::Variant;
 use kernels_spec::emit::interface::Sizes;
 use kernels_spec::emit::{Target, Tiling, choose_tiles};
-use kernels_spec::params::{Arena, SummaryJob};
+use kernels_spec::params::{
+    Arena, GRAD_FLAG_WORD, GRAD_MAX_CONTRIBUTION, GRAD_NON_FINITE, GRAD_RANGE, SummaryJob,
+    grad_value,
+};
 use numr::dtype::DType;
 use numr::runtime::Runtime;
 use numr::tensor::Tensor;
@@ -107,7 +110,7 @@ impl<R: Runtime<DType = DType>> ArenaPlan<R> {
             .map(|c| c.on::<R>(p))
             .collect::<Result<Vec<_>>>()?;
         let shapes: Vec<&[usize]> = tensors.iter().map(|t| t.shape()).collect();
-        let arena = Arena::new(&shapes, V::SUMMARIES);
+        let arena = Arena::new(&shapes, V::SUMMARIES, V::LEARNABLE);
         if arena.words > MAX_ARENA_WORDS {
             return Err(Error::TooLarge {
                 name: "the capture arena (captured tensors and summaries, in 32-bit words)",
@@ -137,6 +140,74 @@ impl<R: Runtime<DType = DType>> ArenaPlan<R> {
     /// if a read was out of range.
     pub(crate) fn error<V: Variant>(&self, target: Target, record: &[u32]) -> Option<Error> {
         capture::read_error(target, V::READ_CHECKS, V::TENSORS, &self.shapes(), record)
+    }
+}
+
+/// Sums of a gradient accumulator at or beyond this magnitude (2³⁰, one
+/// bit short of the ±2³¹ where the 64-bit fixed point wraps) are an
+/// error rather than a value that may have wrapped.
+const GRAD_MAX_SUM: f64 = 1_073_741_824.0;
+
+/// Whether a backward computes the gradient of some learnable tensor.
+pub(crate) fn learns<V: Variant>(wanted: &[bool]) -> bool {
+    V::LEARNABLE.iter().zip(wanted).any(|(_, &w)| w)
+}
+
+impl<R: Runtime<DType = DType>> ArenaPlan<R> {
+    /// The gradients of the learnable tensors asked for (`wanted`, by
+    /// slot) from the arena's words after the kernels: `record`, its first
+    /// [`ERROR_WORDS`](kernels_spec::params::ERROR_WORDS), and `grads`,
+    /// its words from [`Arena::grad_start`] on. A NaN or infinite
+    /// contribution (flagged: the accumulators hold none) makes every
+    /// gradient of the call NaN; one out of the accumulators' range is an
+    /// error.
+    pub(crate) fn grads<V: Variant>(
+        &self,
+        backend: &'static str,
+        record: &[u32],
+        grads: &[u32],
+        wanted: &[bool],
+    ) -> Result<Vec<Option<Vec<f32>>>> {
+        let flags = record.get(GRAD_FLAG_WORD).copied().unwrap_or(0);
+        let field = |slot: usize| V::TENSORS.get(V::LEARNABLE[slot]).map_or("?", |d| d.name);
+        let first_wanted = wanted.iter().position(|&w| w).unwrap_or(0);
+        if flags & GRAD_RANGE != 0 {
+            return Err(Error::TensorGradRange {
+                backend,
+                field: field(first_wanted),
+                rule: "every contribution dz · ∂score/∂read is below 2^24 in magnitude",
+                value: f64::from(GRAD_MAX_CONTRIBUTION),
+            });
+        }
+        let mut out = Vec::with_capacity(V::LEARNABLE.len());
+        for (slot, &t) in V::LEARNABLE.iter().enumerate() {
+            if !wanted.get(slot).copied().unwrap_or(false) {
+                out.push(None);
+                continue;
+            }
+            let numel = self.tensors[t].numel();
+            let first = self.arena.grads[slot] - self.arena.grad_start;
+            let words = &grads[first..first + 2 * numel];
+            let mut values = Vec::with_capacity(numel);
+            for pair in words.chunks_exact(2) {
+                let v = grad_value(pair[0], pair[1]);
+                if v.abs() >= GRAD_MAX_SUM {
+                    return Err(Error::TensorGradRange {
+                        backend,
+                        field: field(slot),
+                        rule: "every element's sum stays below 2^30 in magnitude",
+                        value: v.abs(),
+                    });
+                }
+                values.push(if flags & GRAD_NON_FINITE != 0 {
+                    f32::NAN
+                } else {
+                    v as f32
+                });
+            }
+            out.push(Some(values));
+        }
+        Ok(out)
     }
 }
 

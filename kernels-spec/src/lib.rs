@@ -103,6 +103,7 @@ pub fn explain(program: &ir::Program) -> String {
     for kernel in emit::cuda::kernels::FORWARD_MODULE
         .interfaces()
         .chain(emit::cuda::kernels::BACKWARD_MODULE.interfaces())
+        .chain(emit::cuda::kernels::TENSORS_MODULE.interfaces())
     {
         out.push_str(&format!("cuda {kernel}\n"));
     }
@@ -110,6 +111,7 @@ pub fn explain(program: &ir::Program) -> String {
         &emit::wgsl::kernels::FORWARD,
         &emit::wgsl::kernels::BACKWARD_DQ,
         &emit::wgsl::kernels::BACKWARD_DKDV,
+        &emit::wgsl::kernels::BACKWARD_TENSORS,
     ] {
         out.push_str(&format!("wgsl {module}\n"));
     }

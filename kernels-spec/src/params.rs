@@ -15,14 +15,31 @@
 //! WGSL uniforms hold no `bool`). A captured tensor of rank `r` is `1 + 2r`
 //! words: its offset in the capture arena, its `r` dimensions, and the
 //! arena offsets of its per-axis summaries (0 for an axis without one).
-//! The words after the last field are zero.
+//! The words after the last field are zero. A learnable tensor has no
+//! summaries (it is never read by a mask, nor so by a classifier): its first
+//! summary word holds the arena offset of its gradient accumulators instead.
 //!
 //! The capture arena ([`Arena`]) is one buffer of 32-bit words per call
 //! holding every captured tensor and every summary, so that any number of
 //! tensors costs one binding (WebGPU guarantees only 8 storage buffers per
 //! shader stage): [`ERROR_WORDS`] words for the first out-of-range read,
 //! then each tensor's elements (contiguous, row-major) in field order, then
-//! each summary.
+//! each summary, then the gradient accumulators of each learnable tensor.
+//!
+//! # Gradient accumulators
+//!
+//! The GPU backward adds `dz · ∂score/∂read` into a learnable tensor's
+//! gradient from every (query, key) pair that reads it, in no fixed order.
+//! Float addition is not associative, so the sum would change from run to
+//! run; instead each element's accumulator is a 64-bit two's-complement
+//! **fixed-point** number with [`GRAD_FRACTION_BITS`] fraction bits (two
+//! words, low first, at an even word offset), and each contribution is
+//! rounded to that grid once and added with integer atomics. Integer
+//! addition is associative: the sum is the same bits whatever the order.
+//! Resolution 2⁻³² ≈ 2.3·10⁻¹⁰, range ±2³¹. Word [`GRAD_FLAG_WORD`] of the
+//! record collects [`GRAD_NON_FINITE`] (a contribution was NaN or
+//! infinite) and [`GRAD_RANGE`] (one was at least [`GRAD_MAX_CONTRIBUTION`]
+//! in magnitude, and was dropped).
 
 use crate::ir::{ParamDecl, TensorDecl, Ty};
 use std::fmt;
@@ -45,6 +62,42 @@ pub const SUMMARY_BLOCK: usize = 16;
 /// more of them is unbounded (the classifier then cannot decide the tile,
 /// which is always safe).
 pub const SUMMARY_MAX_BLOCKS: usize = 8;
+
+/// Fraction bits of a gradient accumulator (see the module docs).
+pub const GRAD_FRACTION_BITS: u32 = 32;
+
+/// Contributions to a gradient accumulator are below this in magnitude
+/// (2²⁴): a larger one is dropped and flagged ([`GRAD_RANGE`]), so that
+/// no 128 of them can overflow the ±2³¹ range together.
+pub const GRAD_MAX_CONTRIBUTION: f32 = 16_777_216.0;
+
+/// The record word where the GPU backward flags its gradient accumulators
+/// ([`GRAD_NON_FINITE`], [`GRAD_RANGE`]).
+pub const GRAD_FLAG_WORD: usize = 5;
+
+/// Flag: a contribution to a gradient was NaN or infinite.
+pub const GRAD_NON_FINITE: u32 = 1;
+
+/// Flag: a contribution to a gradient was out of the accumulators' range.
+pub const GRAD_RANGE: u32 = 2;
+
+/// The value of one gradient accumulator, from its two words (low, high).
+pub fn grad_value(lo: u32, hi: u32) -> f64 {
+    let fixed = ((u64::from(hi) << 32) | u64::from(lo)) as i64;
+    fixed as f64 / f64::from(GRAD_FRACTION_BITS).exp2()
+}
+
+/// The words one contribution adds to an accumulator, as the kernels form
+/// them: `x · 2³²` rounded to the nearest integer (ties to even), in two's
+/// complement; `None` where the kernels drop it (non-finite, or at least
+/// [`GRAD_MAX_CONTRIBUTION`] in magnitude).
+pub fn grad_words(x: f32) -> Option<(u32, u32)> {
+    if !x.is_finite() || x.abs() >= GRAD_MAX_CONTRIBUTION {
+        return None;
+    }
+    let fixed = (f64::from(x) * f64::from(GRAD_FRACTION_BITS).exp2()).round_ties_even() as i64;
+    Some((fixed as u32, (fixed >> 32) as u32))
+}
 
 /// The parameter block's contents, as every GPU kernel receives it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -92,6 +145,8 @@ pub enum SlotKind {
         tensor: usize,
         /// Its rank.
         rank: usize,
+        /// It is learnable: its first summary word is its gradient's offset.
+        learnable: bool,
     },
 }
 
@@ -156,6 +211,12 @@ impl ParamSlot {
         format!("p_{}_s{axis}", self.name)
     }
 
+    /// The member holding the arena offset of a learnable tensor's gradient
+    /// accumulators (`p_<name>_grad`, in place of its first summary word).
+    pub fn grad_member(&self) -> String {
+        format!("p_{}_grad", self.name)
+    }
+
     /// The slot's words, in order, by name and type.
     pub fn members(&self) -> Vec<Member> {
         match self.kind {
@@ -163,11 +224,17 @@ impl ParamSlot {
                 name: self.member(),
                 ty: if ty == Ty::Bool { Ty::U32 } else { ty },
             }],
-            SlotKind::Tensor { rank, .. } => {
+            SlotKind::Tensor {
+                rank, learnable, ..
+            } => {
                 let word = |name| Member { name, ty: Ty::U32 };
+                let summary = |a| match (learnable, a) {
+                    (true, 0) => self.grad_member(),
+                    _ => self.summary_member(a),
+                };
                 std::iter::once(word(self.offset_member()))
                     .chain((0..rank).map(|a| word(self.dim_member(a))))
-                    .chain((0..rank).map(|a| word(self.summary_member(a))))
+                    .chain((0..rank).map(|a| word(summary(a))))
                     .collect()
             }
         }
@@ -225,6 +292,7 @@ impl ParamLayout {
                     SlotKind::Tensor {
                         tensor,
                         rank: t.dims.len(),
+                        learnable: t.learnable,
                     },
                 ),
             };
@@ -298,6 +366,11 @@ pub struct Arena {
     pub tensors: Vec<usize>,
     /// The word offset of each summary, in the order they were asked for.
     pub summaries: Vec<usize>,
+    /// The word offset of each learnable tensor's gradient accumulators
+    /// (two words per element, at an even offset), in the order asked for.
+    pub grads: Vec<usize>,
+    /// The first word of the accumulators (the arena's end without them).
+    pub grad_start: usize,
     /// Words in all.
     pub words: usize,
 }
@@ -363,8 +436,9 @@ impl Arena {
         }
     }
 
-    /// The arena of tensors of `shapes` with the `(tensor, axis)` summaries.
-    pub fn new(shapes: &[&[usize]], summaries: &[(usize, usize)]) -> Arena {
+    /// The arena of tensors of `shapes` with the `(tensor, axis)` summaries
+    /// and the gradient accumulators of the `learnable` tensors.
+    pub fn new(shapes: &[&[usize]], summaries: &[(usize, usize)], learnable: &[usize]) -> Arena {
         let mut words = ERROR_WORDS;
         let mut tensors = Vec::with_capacity(shapes.len());
         for shape in shapes {
@@ -376,9 +450,18 @@ impl Arena {
             offsets.push(words);
             words += summary_words(shapes[t], axis);
         }
+        let grad_start = words;
+        let mut grads = Vec::with_capacity(learnable.len());
+        for &t in learnable {
+            words = words.next_multiple_of(2);
+            grads.push(words);
+            words += 2 * shapes[t].iter().product::<usize>();
+        }
         Arena {
             tensors,
             summaries: offsets,
+            grads,
+            grad_start,
             words,
         }
     }
@@ -460,11 +543,52 @@ mod tests {
     #[test]
     fn the_arena_holds_the_record_then_tensors_then_summaries() {
         let (doc, len) = ([2usize, 37], [2usize]);
-        let arena = Arena::new(&[&doc, &len], &[(0, 1)]);
-        assert_eq!(arena.tensors, [ERROR_WORDS, ERROR_WORDS + 74]);
-        assert_eq!(arena.summaries, [ERROR_WORDS + 76]);
+        let bias = [3usize];
+        let arena = Arena::new(&[&doc, &len, &bias], &[(0, 1)], &[2]);
+        assert_eq!(
+            arena.tensors,
+            [ERROR_WORDS, ERROR_WORDS + 74, ERROR_WORDS + 76]
+        );
+        assert_eq!(arena.summaries, [ERROR_WORDS + 79]);
         // ⌈37 / 16⌉ = 3 blocks for each of 2 rows, least and greatest.
         assert_eq!(summary_words(&doc, 1), 12);
-        assert_eq!(arena.words, ERROR_WORDS + 76 + 12);
+        // The accumulators start at the next even word: two per element.
+        assert_eq!(arena.grad_start, ERROR_WORDS + 91);
+        assert_eq!(arena.grads, [ERROR_WORDS + 92]);
+        assert_eq!(arena.words, ERROR_WORDS + 92 + 6);
+    }
+
+    #[test]
+    fn gradient_accumulators_are_64_bit_fixed_point() {
+        for x in [
+            0.0f32,
+            1.0,
+            -1.0,
+            0.75,
+            -3.5e-7,
+            1.0e-12,
+            -1.0e-12,
+            12_345.678,
+            -16_777_215.0,
+        ] {
+            let (lo, hi) = grad_words(x).expect("in range");
+            let back = grad_value(lo, hi);
+            assert!(
+                (back - f64::from(x)).abs() <= 0.5 / 4_294_967_296.0,
+                "{x}: {back}"
+            );
+        }
+        // Sums wrap through zero in two's complement.
+        let add = |a: (u32, u32), b: (u32, u32)| {
+            let (lo, carry) = a.0.overflowing_add(b.0);
+            (lo, a.1.wrapping_add(b.1).wrapping_add(u32::from(carry)))
+        };
+        let minus = grad_words(-0.25).unwrap();
+        let plus = grad_words(0.75).unwrap();
+        let sum = add(minus, plus);
+        assert_eq!(grad_value(sum.0, sum.1), 0.5);
+        for x in [f32::NAN, f32::INFINITY, -GRAD_MAX_CONTRIBUTION, 1.0e30] {
+            assert_eq!(grad_words(x), None, "{x}");
+        }
     }
 }

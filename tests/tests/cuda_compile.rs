@@ -22,8 +22,8 @@
 mod fixtures;
 
 use boostr_runtime::stock::{
-    AlibiSlopes, Causal, CausalDocuments, CausalSlidingWindow, Documents, KvLengths, PrefixLm,
-    RelativeBias, SlidingWindow, Softcap,
+    AlibiSlopes, Causal, CausalDocuments, CausalSlidingWindow, CausalSlidingWindowSinks, Documents,
+    KvLengths, PrefixLm, RelativeBias, SlidingWindow, Softcap, T5Bias,
 };
 use boostr_runtime::testing::{
     CpuRuntime, Rng, TestData, reference_backward, reference_forward, seen_keys,
@@ -264,16 +264,16 @@ fn every_kernel_compiles_without_spills() {
                     let Some(job) = jobs.get(i) else { break };
                     let spec = &specs[job.variant];
                     let cfg = tiles(spec, job.head_dim, job.dtype);
-                    let module = if job.backward {
-                        &kernels::BACKWARD_MODULE
+                    let modules: &[&Module] = if job.backward {
+                        &[&kernels::BACKWARD_MODULE, &kernels::TENSORS_MODULE]
                     } else {
-                        &kernels::FORWARD_MODULE
+                        &[&kernels::FORWARD_MODULE]
                     };
                     let source =
-                        source(section(spec), &[module], &cfg).expect("the chosen tiles validate");
-                    let entries: Vec<&str> = module.interfaces().map(|k| k.entry).collect();
-                    let dynamic: Vec<u64> =
-                        module.interfaces().map(|k| k.smem_bytes(&cfg)).collect();
+                        source(section(spec), modules, &cfg).expect("the chosen tiles validate");
+                    let kernels = || modules.iter().flat_map(|m| m.interfaces());
+                    let entries: Vec<&str> = kernels().map(|k| k.entry).collect();
+                    let dynamic: Vec<u64> = kernels().map(|k| k.smem_bytes(&cfg)).collect();
                     let mut ptx_cache: Vec<(&str, Result<String, String>)> = Vec::new();
                     for &(nvrtc_arch, sm) in &job.archs {
                         let tag = format!(
@@ -501,6 +501,14 @@ using std::max;
 // Fibers switch only at barriers, so a read-modify-write is atomic.
 inline unsigned atomicMax(unsigned* p, unsigned v) { const unsigned o = *p; if (v > o) *p = v; return o; }
 inline unsigned atomicExch(unsigned* p, unsigned v) { const unsigned o = *p; *p = v; return o; }
+inline unsigned atomicOr(unsigned* p, unsigned v) { const unsigned o = *p; *p = o | v; return o; }
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+    const unsigned long long o = *p;
+    *p = o + v;
+    return o;
+}
+inline unsigned __float_as_uint(float f) { return bx_bits(f); }
+inline long long __float2ll_rn(float x) { return (long long)std::nearbyint((double)x); } // ties to even
 inline void __threadfence() {}
 
 #if BX_HOST_DTYPE == 1 // f16
@@ -653,6 +661,7 @@ int main(int argc, char** argv) {
     // descriptions.
 #include "launches.inc"
     write_words(path("record").c_str(), captures.data(), 8);
+    write_words(path("arena").c_str(), captures.data(), captures.size());
     for (auto* t : {&q, &k, &v, &dout, &out, &dq, &dk, &dv})
         if (off) t->erase(t->begin());
     write_f32(path("q.rounded").c_str(), to_f32(q));
@@ -714,10 +723,13 @@ fn relative_error(name: &str, got: &[f32], want: &[f64]) -> Result<f64, String> 
 }
 
 /// The f64 reference of one case: `(problem, [q, k, v, dout])` →
-/// `[out, lse, dq, dk, dv]`, and the field of a read out of range, if the
-/// reference made one.
-type Reference =
-    Box<dyn Fn(&Problem, [&[f64]; 4]) -> ([Vec<f64>; 5], Option<&'static str>) + Send + Sync>;
+/// `[out, lse, dq, dk, dv]`, the learnable tensors' gradients, and the
+/// field of a read out of range, if the reference made one.
+type Reference = Box<
+    dyn Fn(&Problem, [&[f64]; 4]) -> ([Vec<f64>; 5], Vec<Vec<f64>>, Option<&'static str>)
+        + Send
+        + Sync,
+>;
 
 struct HostCase {
     tag: String,
@@ -727,9 +739,12 @@ struct HostCase {
     dtype: CudaDType,
     problem: Problem,
     params: ParamWords,
-    /// The capture arena before the kernels: error words zeroed, tensors
-    /// placed; the summaries are the kernels' to make, by `jobs`.
+    /// The capture arena before the kernels: error words and gradient
+    /// accumulators zeroed, tensors placed; the summaries are the kernels'
+    /// to make, by `jobs`.
     arena: Vec<u32>,
+    /// Each learnable tensor's name and its accumulators' first word.
+    grads: Vec<(&'static str, usize)>,
     jobs: Vec<SummaryJob>,
     /// Per `(b·Hkv + hk)·Sk + j`: no query sees the key (its K and V rows
     /// get NaN and infinities).
@@ -762,7 +777,7 @@ where
         })
         .collect();
     let shapes: Vec<&[usize]> = tensors.iter().map(|t| t.shape()).collect();
-    let layout = Arena::new(&shapes, V::SUMMARIES);
+    let layout = Arena::new(&shapes, V::SUMMARIES, V::LEARNABLE);
     let mut arena = vec![0u32; layout.words];
     for (t, &at) in tensors.iter().zip(&layout.tensors) {
         let words: Vec<u32> = t.to_vec();
@@ -770,8 +785,13 @@ where
     }
     // Poison the summaries: the kernels must make them.
     if let Some(&first) = layout.summaries.first() {
-        arena[first..].fill(0xdead_beef);
+        arena[first..layout.grad_start].fill(0xdead_beef);
     }
+    let grads = V::LEARNABLE
+        .iter()
+        .zip(&layout.grads)
+        .map(|(&t, &at)| (V::TENSORS[t].name, at))
+        .collect();
     let jobs = (0..V::SUMMARIES.len())
         .map(|s| layout.job(s, &shapes, V::SUMMARIES))
         .collect();
@@ -785,6 +805,7 @@ where
         problem,
         params,
         arena,
+        grads,
         jobs,
         hidden,
         reference: Box::new(move |p, [q, k, v, dout]| {
@@ -794,7 +815,7 @@ where
                 boostr_runtime::Error::IndexOutOfRange { field, .. } => field,
                 _ => "?",
             });
-            ([f.out, f.lse, g.dq, g.dk, g.dv], oob)
+            ([f.out, f.lse, g.dq, g.dk, g.dv], g.tensors, oob)
         }),
     }
 }
@@ -868,7 +889,11 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
     let tag = &case.tag;
     let p = &case.problem;
     let cfg = tiles(&case.declared, p.head_dim as u32, case.dtype);
-    let modules = [&kernels::FORWARD_MODULE, &kernels::BACKWARD_MODULE];
+    let modules = [
+        &kernels::FORWARD_MODULE,
+        &kernels::BACKWARD_MODULE,
+        &kernels::TENSORS_MODULE,
+    ];
     let source = source(section(&case.declared), &modules, &cfg).expect("the tiles validate");
     let dir =
         std::env::temp_dir().join(format!("boostr-cuda-host-{}-{serial}", std::process::id()));
@@ -951,7 +976,8 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
                 .collect()
         })
         .collect();
-    let (want, oob) = (case.reference)(p, [&rounded[0], &rounded[1], &rounded[2], &rounded[3]]);
+    let (want, want_tensors, oob) =
+        (case.reference)(p, [&rounded[0], &rounded[1], &rounded[2], &rounded[3]]);
     let record: Vec<u32> = std::fs::read(dir.join("record"))
         .map_err(|e| format!("{tag}: {e}"))?
         .chunks_exact(4)
@@ -997,6 +1023,32 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
         if err > tolerance {
             return Err(format!(
                 "{tag}: {name} relative error {err:.3e} > {tolerance:e}"
+            ));
+        }
+    }
+    // The learnable tensors' gradients, from their fixed-point
+    // accumulators, as the runtime decodes them.
+    let words: Vec<u32> = std::fs::read(dir.join("arena"))
+        .map_err(|e| format!("{tag}: {e}"))?
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect();
+    if words[kernels_spec::params::GRAD_FLAG_WORD] != 0 {
+        return Err(format!(
+            "{tag}: gradient accumulators flagged {:#x}",
+            words[kernels_spec::params::GRAD_FLAG_WORD]
+        ));
+    }
+    for (&(name, at), want) in case.grads.iter().zip(&want_tensors) {
+        let got: Vec<f32> = words[at..at + 2 * want.len()]
+            .chunks_exact(2)
+            .map(|w| kernels_spec::params::grad_value(w[0], w[1]) as f32)
+            .collect();
+        let err = relative_error(name, &got, want).map_err(|e| format!("{tag}: {e}"))?;
+        line.push_str(&format!(" d{name} {err:.1e}"));
+        if err > tolerance {
+            return Err(format!(
+                "{tag}: d{name} relative error {err:.3e} > {tolerance:e}"
             ));
         }
     }
@@ -1088,6 +1140,23 @@ fn host_emulation_matches_the_reference() {
             },
             CudaDType::F32,
             problem(40, 40, 64),
+        ),
+        // Learnable tensors: gradients in the fixed-point accumulators.
+        host_case(
+            T5Bias {
+                buckets: data(problem(45, 61, 32), 6).learnable(&[4, 32], -1.0, 1.0),
+            },
+            CudaDType::F16,
+            problem(45, 61, 32),
+        ),
+        // Learned sinks; Sq > Sk, so some rows see only their sink.
+        host_case(
+            CausalSlidingWindowSinks {
+                window: 5,
+                sinks: data(problem(50, 37, 64), 7).learnable(&[4], -2.0, 2.0),
+            },
+            CudaDType::F32,
+            problem(50, 37, 64),
         ),
         host_case(
             RelativeBias {

@@ -50,6 +50,7 @@ fn validate_modules(name: &str, section: &str, tile: (Option<u32>, Option<u32>),
         &kernels::FORWARD,
         &kernels::BACKWARD_DQ,
         &kernels::BACKWARD_DKDV,
+        &kernels::BACKWARD_TENSORS,
     ] {
         let source = module_source(section, module, &cfg).expect("the tiles validate");
         validate(&format!("{name} {} D={d}", module.name), &source);

@@ -383,7 +383,8 @@ struct DeviceArena {
 impl DeviceArena {
     /// The arena of `variant`'s captures for problem `p`, filled on
     /// `client`'s stream before anything else runs there: the error words
-    /// zeroed, each tensor copied to its place, then the summaries.
+    /// and the gradient accumulators zeroed, each tensor copied to its
+    /// place, then the summaries.
     fn new<V: Variant>(
         variant: &V,
         p: &Problem,
@@ -413,6 +414,16 @@ impl DeviceArena {
             unsafe {
                 cudarc::driver::result::memset_d8_async(words.ptr(), 0, 4 * ERROR_WORDS, raw)
                     .map_err(|e| fill_error(format!("zeroing the error record: {e}")))?;
+                let (start, end) = (plan.arena.grad_start, plan.arena.words);
+                if end > start {
+                    cudarc::driver::result::memset_d8_async(
+                        words.ptr() + 4 * start as u64,
+                        0,
+                        4 * (end - start),
+                        raw,
+                    )
+                    .map_err(|e| fill_error(format!("zeroing the gradient accumulators: {e}")))?;
+                }
                 for (t, &at) in plan.tensors.iter().zip(&plan.arena.tensors) {
                     cudarc::driver::result::memcpy_dtod_async(
                         words.ptr() + 4 * at as u64,
@@ -464,6 +475,36 @@ impl DeviceArena {
             None => Ok(()),
         }
     }
+
+    /// After a backward's kernels: the gradients asked for (`wanted`), as
+    /// f32 tensors of their tensors' shapes (reads back and waits for the
+    /// stream).
+    fn grads<V: Variant>(&self, wanted: &[bool]) -> Result<Vec<Option<Tensor<CudaRuntime>>>> {
+        if !gpu::learns::<V>(wanted) {
+            return Ok(vec![None; V::LEARNABLE.len()]);
+        }
+        let record = self.words.narrow(0, 0, ERROR_WORDS)?.contiguous()?;
+        let (start, end) = (self.plan.arena.grad_start, self.plan.arena.words);
+        let grads = self.words.narrow(0, start, end - start)?.contiguous()?;
+        let values = self.plan.grads::<V>(
+            CUDA,
+            &record.to_vec::<u32>(),
+            &grads.to_vec::<u32>(),
+            wanted,
+        )?;
+        values
+            .into_iter()
+            .zip(V::LEARNABLE)
+            .map(|(g, &field)| {
+                g.map(|values| {
+                    let shape = self.plan.tensors[field].shape();
+                    Tensor::<CudaRuntime>::from_slice(&values, shape, self.words.device())
+                })
+                .transpose()
+                .map_err(Into::into)
+            })
+            .collect()
+    }
 }
 
 impl AttentionRuntime for CudaRuntime {
@@ -504,7 +545,6 @@ impl AttentionRuntime for CudaRuntime {
         p: &Problem,
         t: BackwardTensors<'_, Self>,
     ) -> Result<AttentionGrads<Self>> {
-        crate::backend::refuse_tensor_grads::<V>("cuda", t.tensor_grads)?;
         let (q, k, v) = (input("q", t.q)?, input("k", t.k)?, input("v", t.v)?);
         let (out, dout) = (input("out", t.out)?, input("dout", t.dout)?);
         validate::check_dtype("lse", t.lse, CUDA, &[DType::F32], "f32")?;
@@ -542,12 +582,19 @@ impl AttentionRuntime for CudaRuntime {
             ],
         };
         launch_module(&client, module, &compiled, &call)?;
+        if gpu::learns::<V>(t.tensor_grads) {
+            // After `delta`, on the same stream.
+            let module = &kernels::TENSORS_MODULE;
+            let learning = self::compiled::<V>(&client, q.device().id(), p, dtype, module)?;
+            launch_module(&client, module, &learning, &call)?;
+        }
         arena.check::<V>()?;
+        let tensors = arena.grads::<V>(t.tensor_grads)?;
         Ok(AttentionGrads {
             dq,
             dk,
             dv,
-            tensors: vec![None; V::LEARNABLE.len()],
+            tensors,
         })
     }
 }

@@ -21,9 +21,6 @@ pub trait TestBackend {
     type Runtime: AttentionRuntime<Client: TensorOps<Self::Runtime>>;
     /// Short name, printed in every report.
     const NAME: &'static str;
-    /// The backend computes gradients of learnable tensors (elsewhere the
-    /// tests check that asking for them is an `Err`).
-    const TENSOR_GRADS: bool = false;
     /// A device to run on, or `None` when this machine has none.
     fn device() -> Option<<Self::Runtime as Runtime>::Device>;
     /// The cases [`check_variant`](super::check_variant) runs: [`CASES`]
@@ -41,7 +38,6 @@ pub struct Cpu;
 impl TestBackend for Cpu {
     type Runtime = CpuRuntime;
     const NAME: &'static str = "cpu";
-    const TENSOR_GRADS: bool = true;
     fn device() -> Option<CpuDevice> {
         Some(CpuDevice::new())
     }

@@ -119,8 +119,8 @@ pub fn check_variant_built_on<R: TestBackend, V: Variant>(
     let seed = choose_seed();
     let label = format!("{} on {}", V::NAME, R::NAME);
     let failures = run_cases(cases, &label, |stream, case| {
-        let data = TestData::new(case.problem(), &device, seed, stream);
-        let variant = build(&mut data.with_tensor_grads(R::TENSOR_GRADS));
+        let mut data = TestData::new(case.problem(), &device, seed, stream);
+        let variant = build(&mut data);
         run_case::<R, V>(&variant, &device, case, seed, stream)
     });
     assert!(
@@ -150,12 +150,7 @@ fn run_case<R: TestBackend, V: Variant>(
     let poisoned = inputs.poison_hidden_keys(&host, &p);
     let mut failures = Vec::new();
     contract(&host, &p, &mut failures);
-    let mut want = Expected::reference(&host, &p, &inputs, learnable_names::<V>());
-    if !R::TENSOR_GRADS {
-        // Checked to be an `Err` by `run_backend`.
-        want.grads.tensors.clear();
-        want.naive_grads.tensors.clear();
-    }
+    let want = Expected::reference(&host, &p, &inputs, learnable_names::<V>());
     if let Some(expected) = host.out_of_range() {
         expect_out_of_range::<R, V>(variant, device, case, &inputs, &expected, &mut failures);
         return CaseReport::new(failures, format!("fails as it must: {expected}"));

@@ -34,8 +34,6 @@ pub struct TestData<'a, R: Runtime> {
     device: &'a R::Device,
     stream: u64,
     rng: Rng,
-    /// Whether [`learnable`](TestData::learnable) tensors require grad.
-    tensor_grads: bool,
 }
 
 impl<R: Runtime> std::fmt::Debug for TestData<'_, R> {
@@ -56,15 +54,7 @@ impl<'a, R: Runtime<DType = DType>> TestData<'a, R> {
             device,
             stream,
             rng: Rng::new(seed ^ DATA_SALT, stream),
-            tensor_grads: true,
         }
-    }
-
-    /// The same data whose [`learnable`](TestData::learnable) tensors
-    /// require grad only if `on` (for a backend without tensor gradients).
-    pub fn with_tensor_grads(mut self, on: bool) -> Self {
-        self.tensor_grads = on;
-        self
     }
 
     /// The case's sizes.
@@ -185,10 +175,10 @@ impl<'a, R: Runtime<DType = DType>> TestData<'a, R> {
     }
 
     /// A learnable `f32` tensor of `shape`, uniform in `[lo, hi]`: a `Var`
-    /// that requires grad (unless the backend computes no tensor gradients).
+    /// that requires grad.
     pub fn learnable(&mut self, shape: &[usize], lo: f32, hi: f32) -> Var<R> {
         let t = self.f32s(shape, lo, hi);
-        Var::new(t, self.tensor_grads)
+        Var::new(t, true)
     }
 
     /// An `i32` tensor of `shape`, uniform in `lo ..= hi`.

@@ -55,8 +55,8 @@ pub fn check_parity_built<A: TestBackend, B: TestBackend, VA: Variant, VB: Varia
     let label = format!("{} on {} vs {}", VB::NAME, B::NAME, A::NAME);
     let failures = run_cases(B::cases(), &label, |stream, case| {
         let p = case.problem();
-        let va = build_a(&mut TestData::new(p, &dev_a, seed, stream).with_tensor_grads(false));
-        let vb = build_b(&mut TestData::new(p, &dev_b, seed, stream).with_tensor_grads(false));
+        let va = build_a(&mut TestData::new(p, &dev_a, seed, stream));
+        let vb = build_b(&mut TestData::new(p, &dev_b, seed, stream));
         let host = match va.host_copy(&p) {
             Ok(host) => host,
             Err(e) => return CaseReport::error(format!("{}::host: {e}", VA::NAME)),

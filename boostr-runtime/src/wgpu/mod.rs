@@ -275,11 +275,16 @@ struct DeviceArena {
     plan: ArenaPlan<WgpuRuntime>,
     words: Tensor<WgpuRuntime>,
     record: Option<Tensor<WgpuRuntime>>,
+    /// Where a backward that computes tensor gradients reads back the
+    /// record and the gradient accumulators (the arena from
+    /// `grad_start` on), in that order.
+    learned: Option<Tensor<WgpuRuntime>>,
 }
 
 impl DeviceArena {
-    /// The arena of `variant`'s captures for problem `p`, on `device`.
-    fn new<V: Variant>(variant: &V, p: &Problem, device: &WgpuDevice) -> Result<Self> {
+    /// The arena of `variant`'s captures for problem `p`, on `device`; a
+    /// call that `learn`s reads its gradient accumulators back.
+    fn new<V: Variant>(variant: &V, p: &Problem, device: &WgpuDevice, learn: bool) -> Result<Self> {
         let plan = ArenaPlan::new(variant, p)?;
         let words = Tensor::<WgpuRuntime>::empty(&[plan.arena.words], DType::U32, device)?;
         let record = if plan.report {
@@ -291,15 +296,27 @@ impl DeviceArena {
         } else {
             None
         };
+        let learned = if learn {
+            let grads = plan.arena.words - plan.arena.grad_start;
+            Some(Tensor::<WgpuRuntime>::empty(
+                &[ERROR_WORDS + grads],
+                DType::U32,
+                device,
+            )?)
+        } else {
+            None
+        };
         Ok(DeviceArena {
             plan,
             words,
             record,
+            learned,
         })
     }
 
-    /// Records what fills the arena before the kernels: the error words
-    /// zeroed, each tensor copied to its place, then the summaries.
+    /// Records what fills the arena before the kernels: the error words and
+    /// the gradient accumulators zeroed, each tensor copied to its place,
+    /// then the summaries.
     fn fill(
         &self,
         device: &wgpu::Device,
@@ -309,6 +326,10 @@ impl DeviceArena {
         const KERNEL: &str = "summarize";
         let arena = buffer_of(KERNEL, "the capture arena", &self.words)?;
         encoder.clear_buffer(&arena, 0, Some(4 * ERROR_WORDS as u64));
+        let (start, end) = (self.plan.arena.grad_start, self.plan.arena.words);
+        if end > start {
+            encoder.clear_buffer(&arena, 4 * start as u64, Some(4 * (end - start) as u64));
+        }
         for (t, &at) in self.plan.tensors.iter().zip(&self.plan.arena.tensors) {
             let src = buffer_of(KERNEL, "a captured tensor", t)?;
             encoder.copy_buffer_to_buffer(
@@ -360,17 +381,43 @@ impl DeviceArena {
         Ok(())
     }
 
-    /// Records the copy of the error record, when the call reads it back.
+    /// Records the copy of the error record, when the call reads it back,
+    /// and of the record and the gradient accumulators, when it learns.
     fn copy_record(
         &self,
         encoder: &mut wgpu::CommandEncoder,
     ) -> std::result::Result<(), BackendError> {
+        let arena = buffer_of("attention", "the capture arena", &self.words)?;
+        let record_bytes = 4 * ERROR_WORDS as u64;
         if let Some(record) = &self.record {
-            let arena = buffer_of("attention", "the capture arena", &self.words)?;
             let dst = buffer_of("attention", "the error record", record)?;
-            encoder.copy_buffer_to_buffer(&arena, 0, &dst, 0, Some(4 * ERROR_WORDS as u64));
+            encoder.copy_buffer_to_buffer(&arena, 0, &dst, 0, Some(record_bytes));
+        }
+        if let Some(learned) = &self.learned {
+            let dst = buffer_of("attention", "the gradient read-back", learned)?;
+            encoder.copy_buffer_to_buffer(&arena, 0, &dst, 0, Some(record_bytes));
+            let (start, end) = (self.plan.arena.grad_start, self.plan.arena.words);
+            if end > start {
+                encoder.copy_buffer_to_buffer(
+                    &arena,
+                    4 * start as u64,
+                    &dst,
+                    record_bytes,
+                    Some(4 * (end - start) as u64),
+                );
+            }
         }
         Ok(())
+    }
+
+    /// After a call that learns: the gradients asked for (`wanted`).
+    fn grads<V: Variant>(&self, wanted: &[bool]) -> Result<Vec<Option<Vec<f32>>>> {
+        let Some(learned) = &self.learned else {
+            return Ok(vec![None; V::LEARNABLE.len()]);
+        };
+        let words = learned.to_vec::<u32>();
+        let (record, grads) = words.split_at(ERROR_WORDS);
+        self.plan.grads::<V>(WGPU, record, grads, wanted)
     }
 
     /// After the call: the error of a read out of range, if one was
@@ -447,6 +494,8 @@ fn summary_pass(client: &WgpuClient) -> Result<Arc<SummaryPass>> {
 /// `modules`, in order, over consecutive ranges of its tile loop, and
 /// submits it all as one command buffer; then reports a read out of range,
 /// if the call may have one. Tensors are looked up by role in `tensors`.
+/// Returns the arena, whose gradient accumulators a call that `learn`s
+/// reads back.
 fn run<V: Variant>(
     client: &WgpuClient,
     variant: &V,
@@ -454,8 +503,9 @@ fn run<V: Variant>(
     cfg: &WgslTiles,
     tensors: &[(Buffer, &Tensor<WgpuRuntime>)],
     modules: &[(&Module, &Pass)],
-) -> Result<()> {
-    let arena = DeviceArena::new(variant, p, client.device())?;
+    learn: bool,
+) -> Result<DeviceArena> {
+    let arena = DeviceArena::new(variant, p, client.device(), learn)?;
     let summaries = if arena.plan.jobs.is_empty() {
         None
     } else {
@@ -559,7 +609,8 @@ fn run<V: Variant>(
             launch_error(kernel, reason)
         },
     )??;
-    arena.check::<V>()
+    arena.check::<V>()?;
+    Ok(arena)
 }
 
 impl AttentionRuntime for WgpuRuntime {
@@ -592,6 +643,7 @@ impl AttentionRuntime for WgpuRuntime {
                 (Buffer::Stats, &stats),
             ],
             &[(&kernels::FORWARD, &fwd)],
+            false,
         )?;
         Ok((out, lse))
     }
@@ -601,15 +653,21 @@ impl AttentionRuntime for WgpuRuntime {
         p: &Problem,
         t: BackwardTensors<'_, Self>,
     ) -> Result<AttentionGrads<Self>> {
-        crate::backend::refuse_tensor_grads::<V>("wgpu", t.tensor_grads)?;
         let (q, k, v) = (input("q", t.q)?, input("k", t.k)?, input("v", t.v)?);
         // `out` is not read: D_i comes from the recomputed P (see
         // `kernels::BACKWARD_DQ`).
         let lse = input("lse", t.lse)?;
         let dout = input("dout", t.dout)?;
         let client = WgpuRuntime::default_client(q.device());
+        let learn = gpu::learns::<V>(t.tensor_grads);
+        let tensors_module: &[&'static Module] = if learn {
+            &[&kernels::BACKWARD_TENSORS]
+        } else {
+            &[]
+        };
         let passes = kernels::BACKWARD
             .iter()
+            .chain(tensors_module)
             .map(|module| Ok((*module, pass::<V>(&client, p, module)?)))
             .collect::<Result<Vec<_>>>()?;
         let cfg = tiles::<V>(p)?;
@@ -619,7 +677,7 @@ impl AttentionRuntime for WgpuRuntime {
         let dk = alloc(k.shape(), &k)?;
         let dv = alloc(v.shape(), &v)?;
         let modules: Vec<(&Module, &Pass)> = passes.iter().map(|(m, pass)| (*m, &**pass)).collect();
-        run(
+        let arena = run(
             &client,
             variant,
             p,
@@ -636,12 +694,25 @@ impl AttentionRuntime for WgpuRuntime {
                 (Buffer::Dv, &dv),
             ],
             &modules,
+            learn,
         )?;
+        let tensors = arena
+            .grads::<V>(t.tensor_grads)?
+            .into_iter()
+            .zip(V::LEARNABLE)
+            .map(|(g, &field)| {
+                g.map(|values| {
+                    let shape = arena.plan.tensors[field].shape();
+                    Tensor::<WgpuRuntime>::from_slice(&values, shape, q.device())
+                })
+                .transpose()
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()?;
         Ok(AttentionGrads {
             dq,
             dk,
             dv,
-            tensors: vec![None; V::LEARNABLE.len()],
+            tensors,
         })
     }
 }

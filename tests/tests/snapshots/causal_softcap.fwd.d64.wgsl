@@ -182,6 +182,10 @@ fn variant_classify(b: i32, h: i32, q_lo: i32, q_hi: i32, kv_lo: i32, kv_hi: i32
     return select(select(1i, 2i, (q_lo >= kv_hi)), 0i, (kv_lo > q_hi));
 }
 
+fn bx_learn_score(dz: f32, s: f32, b: i32, h: i32, q: i32, kv: i32) {
+}
+fn bx_learn_sink(dz: f32, b: i32, h: i32, q: i32) {
+}
 
 // ---- forward (FlashAttention-2 online softmax, one query row per invocation) ----
 @compute @workgroup_size(WG)

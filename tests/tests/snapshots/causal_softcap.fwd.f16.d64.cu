@@ -174,6 +174,10 @@ __device__ __forceinline__ int variant_classify(const Params& params, unsigned* 
     return ((kv_lo > q_hi) ? 0 : ((q_lo >= kv_hi) ? 2 : 1));
 }
 
+__device__ __forceinline__ void bx_learn_score(const Params& params, unsigned* __restrict__ captures, float dz, float s, int b, int h, int q, int kv) {
+}
+__device__ __forceinline__ void bx_learn_sink(const Params& params, unsigned* __restrict__ captures, float dz, int b, int h, int q) {
+}
 
 // ---- tile building blocks ----
 __device__ __forceinline__ float bx_neg_inf() { return __int_as_float(0xff800000); }

@@ -30,3 +30,17 @@ __device__ __forceinline__ int bx_summary(const unsigned* __restrict__ captures,
     }
     return best;
 }
+// Adds x to the 64-bit fixed-point gradient accumulator at `word` (even;
+// u32 max: the read was outside its tensor): x·2^32 rounded to nearest, an
+// integer atomic, so the sum is the same bits in any order. A non-finite x,
+// or one of 2^24 or more, is dropped and flagged in word 5.
+__device__ __forceinline__ void bx_grad_add(unsigned* __restrict__ captures, unsigned word, float x) {
+    if (word == 0xffffffffu || x == 0.0f) return;
+    if (!(fabsf(x) < 16777216.0f)) {
+        const bool finite = (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
+        atomicOr(&captures[5], finite ? 2u : 1u);
+        return;
+    }
+    const long long fixed = __float2ll_rn(x * 4294967296.0f);
+    atomicAdd(reinterpret_cast<unsigned long long*>(captures + word), (unsigned long long)fixed);
+}

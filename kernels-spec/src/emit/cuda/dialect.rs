@@ -114,6 +114,19 @@ impl Dialect for Cuda {
 
     const CAPTURES_ARG: &'static str = "captures, ";
 
+    const VARIANT_ARGS: &'static str = "params, captures, ";
+
+    fn void_header(f: &mut Formatter<'_>, name: &str, args: &[(&str, Type)]) -> fmt::Result {
+        write!(
+            f,
+            "__device__ __forceinline__ void {name}(const Params& params, unsigned* __restrict__ captures"
+        )?;
+        for (a, t) in args {
+            write!(f, ", {} {a}", Self::ty(*t))?;
+        }
+        writeln!(f, ") {{")
+    }
+
     fn select(f: &mut Formatter<'_>, c: Part<'_>, t: Part<'_>, e: Part<'_>) -> fmt::Result {
         write!(f, "({c} ? {t} : {e})")
     }

@@ -753,6 +753,67 @@ const DKDV_BODY: &str = r#"    BX_BWD_SMEM
 }
 "#;
 
+const TENSORS_BODY: &str = r#"    BX_BWD_SMEM
+    (void)batch;
+    (void)s_seen;
+    const int q0 = blockIdx.x * BBQ;
+    const int h = blockIdx.y;
+    const int b = blockIdx.z;
+    const int hk = h / bx_group(heads_q, heads_kv);
+    const int offset = seq_k - seq_q;
+    const size_t q_row0 = ((size_t)b * heads_q + h) * (size_t)seq_q + q0;
+    const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k;
+
+    bx_load_rows<BBQ, BWD_THREADS>(sQ, q + q_row0 * D, seq_q - q0);
+    bx_load_rows<BBQ, BWD_THREADS>(sdO, dout + q_row0 * D, seq_q - q0);
+    bx_load_vec<BBQ, BWD_THREADS>(s_lse, lse + q_row0, seq_q - q0, bx_neg_inf());
+    bx_load_vec<BBQ, BWD_THREADS>(s_delta, delta + q_row0, seq_q - q0, 0.0f);
+
+    const int q_lo = q0 + offset;
+    const int q_hi = min(q0 + BBQ, seq_q) - 1 + offset;
+    const int n_kt = (seq_k + BBKV - 1) / BBKV;
+    for (int kt = 0; kt < n_kt; ++kt) {
+        const int k0 = kt * BBKV;
+        const int cls = variant_classify(params, captures, b, h, q_lo, q_hi, k0, min(k0 + BBKV, seq_k) - 1);
+        if (cls == TILE_EMPTY) continue;
+        __syncthreads(); // the previous tile's readers are done
+        bx_load_rows<BBKV, BWD_THREADS>(sK, k + (kv_row0 + k0) * D, seq_k - k0);
+        bx_load_rows<BBKV, BWD_THREADS>(sV, v + (kv_row0 + k0) * D, seq_k - k0);
+        __syncthreads();
+        bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS>(sQ, sK, sS);
+        bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS>(sdO, sV, sdP);
+        __syncthreads();
+        // d loss / d score = P (dP - D_i) at each visible pair, P as
+        // bx_grad_tile recomputes it.
+        for (int e = threadIdx.x; e < BBQ * BBKV; e += BWD_THREADS) {
+            const int i = e / BBKV;
+            const int j = e - i * BBKV;
+            const int qp = q0 + i + offset;
+            const int kp = k0 + j;
+            const bool vis = bx_visible(params, captures, cls, b, h, q0 + i, kp, seq_q, seq_k, qp, kp);
+            float x;
+            const float sc = bx_score_at(params, captures, sS[i * BWD_LDS + j], scale, vis, b, h, qp, kp, x);
+            const float L = s_lse[i];
+            if (vis && L != bx_neg_inf() && sc != bx_neg_inf()) {
+                const float p = expf(sc - L);
+                if (p != 0.0f) bx_learn_score(params, captures, p * (sdP[i * BWD_LDS + j] - s_delta[i]), x, b, h, qp, kp);
+            }
+        }
+    }
+    __syncthreads(); // s_lse and s_delta, where no tile was visited
+    // The sink's share, once per row: d loss / d sink = -P_sink D_i.
+    for (int i = threadIdx.x; i < BBQ; i += BWD_THREADS) {
+        if (q0 + i < seq_q) {
+            const int qp = q0 + i + offset;
+            const float L = s_lse[i];
+            const float sink = variant_sink(params, captures, b, h, qp, true);
+            const float p_sink = (sink == bx_neg_inf() || L == bx_neg_inf()) ? 0.0f : expf(sink - L);
+            bx_learn_sink(params, captures, -p_sink * s_delta[i], b, h, qp);
+        }
+    }
+}
+"#;
+
 /// The forward: one block per (query tile, query head, batch) computes
 /// `out` and `lse` for its `BQ` rows, streaming every key tile that the
 /// classifier does not prove empty.
@@ -869,6 +930,41 @@ pub const DKDV: Kernel = Kernel {
     min_blocks: Some(1),
 };
 
+/// The gradients of learnable tensors, after [`DELTA`]: one block per
+/// (query tile, query head, batch) recomputes `P` and `dP` over the key
+/// tiles the classifier does not prove empty, and adds
+/// `P (dP − D_i) · ∂score/∂read` into the read element's fixed-point
+/// accumulator in the capture arena (64-bit integer atomics: the same bits
+/// in any order, see [`crate::params`], "Gradient accumulators"), then
+/// `−P_sink D_i · ∂sink/∂read` once per row.
+pub const TENSORS: Kernel = Kernel {
+    entry: "boostr_attn_bwd_tensors",
+    args: &[
+        Arg::read(Buffer::Q),
+        Arg::read(Buffer::K),
+        Arg::read(Buffer::V),
+        Arg::read(Buffer::Dout),
+        Arg::read(Buffer::Lse),
+        Arg::read(Buffer::Delta),
+        Arg::Scalar(Scalar::Batch),
+        Arg::Scalar(Scalar::HeadsQ),
+        Arg::Scalar(Scalar::HeadsKv),
+        Arg::Scalar(Scalar::SeqQ),
+        Arg::Scalar(Scalar::SeqK),
+        Arg::Scalar(Scalar::Scale),
+        Arg::Params,
+        Arg::Captures,
+    ],
+    grid: [
+        Extent::Tiles(Dim::SeqQ, Size::BwdBlockQ),
+        Extent::Dim(Dim::HeadsQ),
+        Extent::Dim(Dim::Batch),
+    ],
+    threads: Threads::Backward,
+    smem: Smem::Backward,
+    min_blocks: Some(1),
+};
+
 /// The forward translation unit: [`FORWARD`].
 pub const FORWARD_MODULE: Module = Module {
     name: "fwd",
@@ -878,11 +974,21 @@ pub const FORWARD_MODULE: Module = Module {
 
 /// The backward translation unit: [`DELTA`] (run first), then [`DQ`] and
 /// [`DKDV`], which are independent of each other (both read `delta`). No
-/// kernel uses atomics: the backward is deterministic.
+/// kernel uses atomics: the backward is deterministic (so is
+/// [`TENSORS_MODULE`]'s, whose atomics add integers).
 pub const BACKWARD_MODULE: Module = Module {
     name: "bwd",
     preamble: BACKWARD_PREAMBLE,
     kernels: &[(&DELTA, DELTA_BODY), (&DQ, DQ_BODY), (&DKDV, DKDV_BODY)],
+};
+
+/// The translation unit of the learnable tensors' gradients: [`TENSORS`],
+/// run after [`BACKWARD_MODULE`] (it reads `delta`) by calls that want
+/// them. Its preamble is the backward's (a source with both has it once).
+pub const TENSORS_MODULE: Module = Module {
+    name: "bwd_tensors",
+    preamble: BACKWARD_PREAMBLE,
+    kernels: &[(&TENSORS, TENSORS_BODY)],
 };
 
 /// Threads per block of [`SUMMARY_SOURCE`].

@@ -443,8 +443,8 @@ impl Tiling for CudaTiles {
 /// `variant_section` (the variant's CUDA lowering,
 /// [`variant_section::<Cuda>`](crate::emit::gpu::variant_section)): the
 /// configuration header, the variant section, the shared tile building
-/// blocks, then each module's preamble and each of its kernels' signature
-/// (from its description) and body.
+/// blocks, then each module's preamble (once, where modules share one) and
+/// each of its kernels' signature (from its description) and body.
 pub fn source(
     variant_section: &str,
     modules: &[&Module],
@@ -454,8 +454,12 @@ pub fn source(
     let mut s = kernels::header(cfg);
     s.push_str(variant_section);
     s.push_str(kernels::COMMON);
+    let mut preambles: Vec<&str> = Vec::new();
     for module in modules {
-        s.push_str(module.preamble);
+        if !preambles.contains(&module.preamble) {
+            preambles.push(module.preamble);
+            s.push_str(module.preamble);
+        }
         for (kernel, body) in module.kernels {
             s.push('\n');
             s.push_str(&kernel.signature().to_string());

@@ -112,6 +112,63 @@ pub fn function(program: &Program, f: &ir::Function) -> Function {
     }
 }
 
+/// The two functions of a read of a learnable tensor (see
+/// [`ir::LearnableSite`]): `variant_site<N>_at`, with the read's function's
+/// signature, the arena word of the low half of the element's gradient
+/// accumulator (`u32::MAX` where the read is outside the tensor), and
+/// `variant_site<N>_grad`, the derivative of that function with respect to
+/// the value read.
+pub fn site_functions(program: &Program, site: &ir::LearnableSite) -> [Function; 2] {
+    let mut at = function(program, &site.index);
+    at.name = format!("variant_site{}_at", site.site);
+    // The block is read now: the grad offset.
+    at.body.retain(|s| *s != Stmt::Unused(Name::Params));
+    let Some(Stmt::Return(index)) = at.body.pop() else {
+        unreachable!("a lowered body ends with its return")
+    };
+    let free = at
+        .body
+        .iter()
+        .filter_map(|s| match s {
+            Stmt::Let(l, ..) => Some(l.0 + 1),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0)
+        .max(build::next_local(&site.index.body));
+    let l = Local(free);
+    at.body.push(Stmt::Let(l, Type::I32, index));
+    let index = Expr::Name(Name::Local(l));
+    let word = binary(
+        BinaryOp::Add,
+        Type::U32,
+        Expr::Param {
+            member: program.layout.tensor(site.tensor).grad_member(),
+            ty: Type::U32,
+        },
+        binary(
+            BinaryOp::Mul,
+            Type::U32,
+            u32_lit(2),
+            as_u32(index.clone(), Ty::I32),
+        ),
+    );
+    at.body.push(Stmt::Return(Expr::Select(
+        Box::new(binary(
+            BinaryOp::Lt,
+            Type::I32,
+            index,
+            Expr::Lit(Literal::I32(0)),
+        )),
+        Box::new(u32_lit(u32::MAX)),
+        Box::new(word),
+    )));
+    at.ret = Type::U32;
+    let mut grad = function(program, &site.grad);
+    grad.name = format!("variant_site{}_grad", site.site);
+    [at, grad]
+}
+
 /// Whether `f` takes the `seen` argument: `score` and `score_grad` do (the
 /// pair is visible), and `sink` (the query row exists).
 pub fn takes_seen(f: &ir::Function) -> bool {

@@ -114,6 +114,16 @@ pub trait Dialect: Sized + 'static {
     /// arena is a module-scope binding, the arena where it is an argument.
     const CAPTURES_ARG: &'static str = "";
 
+    /// What a call of a variant function takes before its own arguments:
+    /// nothing where the block and the arena are module-scope bindings,
+    /// both where they are arguments.
+    const VARIANT_ARGS: &'static str = "";
+
+    /// The declaration of a helper that returns nothing, taking what the
+    /// variant functions take (the block, the arena) and then `args`, up to
+    /// and including its `{` line.
+    fn void_header(f: &mut Formatter<'_>, name: &str, args: &[(&str, Type)]) -> fmt::Result;
+
     /// `if cond { then } else { otherwise }`.
     fn select(
         f: &mut Formatter<'_>,
@@ -328,8 +338,59 @@ pub fn tile_class_constants<D: Dialect>() -> String {
     Printed::<D>(PhantomData).to_string()
 }
 
+/// The functions through which the backward adds into the gradients of
+/// learnable tensors ([`crate::params`], "Gradient accumulators"):
+/// `bx_learn_score(dz, s, b, h, q, kv)` adds `dz · ∂score/∂read` for every
+/// read of a learnable tensor in `score` at a visible pair whose
+/// `d loss / d score` is `dz` and scaled logit `s`; `bx_learn_sink(dz, b, h,
+/// q)` likewise for the reads in `sink`, `dz = d loss / d sink`. Both
+/// exist for every variant (empty without such reads), so every kernel
+/// compiles whatever the variant.
+fn learn_functions<D: Dialect>(program: &Program) -> String {
+    struct Printed<'a, D>(&'a Program, PhantomData<D>);
+    impl<D: Dialect> Display for Printed<'_, D> {
+        fn fmt(&self, f: &mut Formatter<'_>) -> fmt::Result {
+            let (fl, int) = (Type::F32, Type::I32);
+            let score = [
+                ("dz", fl),
+                ("s", fl),
+                ("b", int),
+                ("h", int),
+                ("q", int),
+                ("kv", int),
+            ];
+            let sink = [("dz", fl), ("b", int), ("h", int), ("q", int)];
+            let kinds = [
+                ("bx_learn_score", &score[..], false, "s, b, h, q, kv, true"),
+                ("bx_learn_sink", &sink[..], true, "b, h, q"),
+            ];
+            for (name, args, in_sink, call) in kinds {
+                D::void_header(f, name, args)?;
+                for site in self
+                    .0
+                    .learnable_sites
+                    .iter()
+                    .filter(|s| s.in_sink == in_sink)
+                {
+                    let (n, v) = (site.site, D::VARIANT_ARGS);
+                    writeln!(
+                        f,
+                        "    bx_grad_add({}variant_site{n}_at({v}{call}), dz * variant_site{n}_grad({v}{call}));",
+                        D::CAPTURES_ARG
+                    )?;
+                }
+                writeln!(f, "}}")?;
+            }
+            Ok(())
+        }
+    }
+    Printed::<D>(program, PhantomData).to_string()
+}
+
 /// The section every kernel of dialect `D` is assembled around: the
-/// helpers, the parameter block struct and the four variant functions.
+/// helpers, the parameter block struct, the variant functions, the
+/// functions of each read of a learnable tensor and the
+/// [`learn_functions`].
 pub fn variant_section<D: Dialect>(program: &Program) -> String {
     let mut s = String::from(D::HELPERS);
     if !program.tensors.is_empty() {
@@ -344,6 +405,13 @@ pub fn variant_section<D: Dialect>(program: &Program) -> String {
         s.push_str(&code::<D, _>(&lower::function(program, f)).to_string());
         s.push('\n');
     }
+    for site in &program.learnable_sites {
+        for f in lower::site_functions(program, site) {
+            s.push_str(&code::<D, _>(&f).to_string());
+            s.push('\n');
+        }
+    }
+    s.push_str(&learn_functions::<D>(program));
     s
 }
 

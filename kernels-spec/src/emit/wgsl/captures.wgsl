@@ -31,3 +31,31 @@ fn bx_summary(first: u32, stride: u32, count: u32, greatest: bool) -> i32 {
     }
     return best;
 }
+// Adds x to the 64-bit fixed-point gradient accumulator at words `word`
+// (low), `word + 1` (high); u32 max: the read was outside its tensor.
+// x·2^32 is rounded to nearest and added with integer atomics, the carry
+// out of the low word taken from its old value, so the sum is the same bits
+// in any order. A non-finite x, or one of 2^24 or more, is dropped and
+// flagged in word 5.
+fn bx_grad_add(word: u32, x: f32) {
+    if word == 0xffffffffu || x == 0.0f { return; }
+    let a = abs(x);
+    if (bitcast<u32>(x) & 0x7f800000u) == 0x7f800000u {
+        atomicOr(&captures[5], 1u);
+        return;
+    }
+    if a >= 16777216.0f {
+        atomicOr(&captures[5], 2u);
+        return;
+    }
+    // |x| = whole + frac exactly; frac·2^32 < 2^32 for every f32 frac < 1.
+    let whole = floor(a);
+    var hi = u32(whole);
+    var lo = u32(round((a - whole) * 4294967296.0f));
+    if x < 0.0f {
+        lo = ~lo + 1u;
+        hi = ~hi + select(0u, 1u, lo == 0u);
+    }
+    let old = atomicAdd(&captures[word], lo);
+    atomicAdd(&captures[word + 1u], hi + select(0u, 1u, old + lo < old));
+}

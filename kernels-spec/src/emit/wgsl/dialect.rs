@@ -105,6 +105,14 @@ impl Dialect for Wgsl {
         writeln!(f, "    let {name}: {} = {value};", Self::ty(ty))
     }
 
+    fn void_header(f: &mut Formatter<'_>, name: &str, args: &[(&str, Type)]) -> fmt::Result {
+        let args: Vec<String> = args
+            .iter()
+            .map(|(a, t)| format!("{a}: {}", Self::ty(*t)))
+            .collect();
+        writeln!(f, "fn {name}({}) {{", args.join(", "))
+    }
+
     fn function_header(f: &mut Formatter<'_>, fun: &Function) -> fmt::Result {
         let mut args: Vec<String> = fun
             .args

@@ -258,8 +258,9 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     ),
 ];
 
-// The code of `BACKWARD_DQ`.
-const DQ_CODE: &[Piece] = &[
+// What `BACKWARD_DQ` and `BACKWARD_TENSORS` share: the query tile and row,
+// and the terms of one (query row, staged key) pair.
+const QUERY_ROWS: &[Piece] = &[
     Piece::Text(
         r#"
 // ---- backward: D_i and dQ (one query row per invocation) ----
@@ -360,7 +361,14 @@ fn load_row(qr: ptr<function, array<f32, D>>, dor: ptr<function, array<f32, D>>,
     Piece::Text(
         r#"
 }
+"#,
+    ),
+];
 
+// The code of `BACKWARD_DQ`'s entry points.
+const DQ_CODE: &[Piece] = &[
+    Piece::Text(
+        r#"
 @compute @workgroup_size(WG)
 fn attn_bwd_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let t = query_tile(wid);
@@ -607,6 +615,45 @@ fn attn_bwd_dkdv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
     ),
 ];
 
+// The code of `BACKWARD_TENSORS`.
+const TENSORS_CODE: &[Piece] = &[Piece::Text(
+    r#"
+// ---- backward: the gradients of learnable tensors (one query row per invocation) ----
+@compute @workgroup_size(WG)
+fn attn_bwd_tensors(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let t = query_tile(wid);
+    let r = query_row(wid, lid);
+    var qr: array<f32, D>;
+    var dor: array<f32, D>;
+    load_row(&qr, &dor, r);
+    var delta_i = 0.0f;
+    if r.live { delta_i = rows[r.row].w; }
+
+    for (var kt = shape.tile_begin; kt < min(shape.tile_end, t.n_tiles); kt++) {
+        let k0 = kt * BKV;
+        let cls = key_tile_class(t, k0);
+        if cls == TILE_EMPTY { continue; }
+        workgroupBarrier();
+        stage_kv(lid, t.kv_base, k0);
+        workgroupBarrier();
+        for (var j = 0u; j < BKV; j++) {
+            let pt = pair_terms(&qr, &dor, r, j, k0, cls, t.ib, t.ih);
+            // d loss / d score = P (dP - D_i), at the pairs the row sees.
+            if pt.y != 0.0f {
+                bx_learn_score(pt.y * (pt.z - delta_i), pt.x, t.ib, t.ih, r.qp, i32(k0 + j));
+            }
+        }
+    }
+    // The sink's share, once per row: d loss / d sink = -P_sink D_i.
+    if r.live && is_last() {
+        let sink = variant_sink(t.ib, t.ih, r.qp, true);
+        let p_sink = select(exp(sink - r.lse), 0.0f, bx_is_neg_inf(sink) || bx_is_neg_inf(r.lse));
+        bx_learn_sink(-p_sink * delta_i, t.ib, t.ih, r.qp);
+    }
+}
+"#,
+)];
+
 /// The forward module, `attn_fwd`: one workgroup per (WG query rows, b·Hq + h), one invocation per
 /// query row, dispatched per range of key tiles. Writes `out` and `lse`;
 /// between dispatches `out` holds the unnormalised accumulator and `stats`
@@ -675,7 +722,7 @@ pub const BACKWARD_DQ: Module = Module {
         over_key_tiles("attn_bwd_delta"),
         over_key_tiles("attn_bwd_dq"),
     ],
-    templates: &[DQ_CODE, STAGE_KV],
+    templates: &[QUERY_ROWS, DQ_CODE, STAGE_KV],
 };
 
 /// The backward's second module, `attn_bwd_dkdv`: one workgroup per (WG key rows, b·Hkv + h_kv),
@@ -711,6 +758,33 @@ pub const BACKWARD_DKDV: Module = Module {
         ]),
     }],
     templates: &[DKDV_CODE],
+};
+
+/// The backward's gradients of learnable tensors, `attn_bwd_tensors`, run
+/// after [`BACKWARD_DQ`] (it reads `D_i` from `rows`) where a call wants
+/// them: one workgroup per (WG query rows, b·Hq + h), one invocation per
+/// query row, dispatched per range of key tiles. It recomputes `P` and
+/// `dP` of every visible pair and adds `P (dP − D_i) · ∂score/∂read` into
+/// the read element's fixed-point accumulator in the capture arena, and
+/// once per row `−P_sink D_i · ∂sink/∂read` (see
+/// [`crate::params`], "Gradient accumulators": integer atomics, the same
+/// bits in any order). The cost: one more pass of the `QKᵀ` and `dO·Vᵀ`
+/// products, and one 64-bit add (two atomics) per pair and read.
+pub const BACKWARD_TENSORS: Module = Module {
+    name: "bwd_tensors",
+    bindings: &[
+        Binding::Params,
+        Binding::Shape,
+        Binding::Captures,
+        Binding::Storage(Buffer::Q, Access::Read),
+        Binding::Storage(Buffer::K, Access::Read),
+        Binding::Storage(Buffer::V, Access::Read),
+        Binding::Storage(Buffer::Dout, Access::Read),
+        Binding::Storage(Buffer::Lse, Access::Read),
+        Binding::Storage(Buffer::Rows, Access::Read),
+    ],
+    entries: &[over_key_tiles("attn_bwd_tensors")],
+    templates: &[QUERY_ROWS, TENSORS_CODE, STAGE_KV],
 };
 
 /// The backward's modules, in the order they run.
