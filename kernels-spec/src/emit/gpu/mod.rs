@@ -389,8 +389,8 @@ fn learn_functions<D: Dialect>(program: &Program) -> String {
 
 /// The section every kernel of dialect `D` is assembled around: the
 /// helpers, the parameter block struct, the variant functions, the
-/// functions of each read of a learnable tensor and the
-/// [`learn_functions`].
+/// functions of each read of a learnable tensor and the two that add into
+/// their gradients (`bx_learn_score`, `bx_learn_sink`).
 pub fn variant_section<D: Dialect>(program: &Program) -> String {
     let mut s = String::from(D::HELPERS);
     if !program.tensors.is_empty() {
