@@ -201,9 +201,11 @@ fn learnable_methods(program: &Program) -> TokenStream {
     let (score, score_f64) = (accumulate(false, false), accumulate(false, true));
     let (sink, sink_f64) = (accumulate(true, false), accumulate(true, true));
     let in_score = program.learnable_sites.iter().any(|l| !l.in_sink);
+    let by_difference = program.score_grads_by_difference();
     quote! {
         const LEARNABLE: usize = #count;
         const SCORE_READS_LEARNABLE: bool = #in_score;
+        const SCORE_GRADS_BY_DIFFERENCE: bool = #by_difference;
         fn learnable_numel(&self, slot: usize) -> usize {
             match slot {
                 #(#slots => self.#fields.numel(),)*

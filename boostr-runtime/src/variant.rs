@@ -212,6 +212,13 @@ pub trait HostVariant: Send + Sync {
     /// `score` reads a learnable tensor (else only `sink` does, and the
     /// backward's per-pair accumulation is skipped).
     const SCORE_READS_LEARNABLE: bool = false;
+    /// Every learnable read of `score` lands, and has its derivative, by the
+    /// difference of the query and key positions alone, never the logit
+    /// (`kernels_spec::ir::Program::score_grads_by_difference`): the
+    /// backward sums `dz` along each diagonal of a tile and calls
+    /// [`score_tensor_grads`](HostVariant::score_tensor_grads) once per
+    /// diagonal, at one of its pairs.
+    const SCORE_GRADS_BY_DIFFERENCE: bool = false;
 
     /// The number of elements of learnable tensor `slot` (0 for none).
     fn learnable_numel(&self, slot: usize) -> usize {

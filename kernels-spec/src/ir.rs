@@ -795,6 +795,42 @@ impl Program {
         [&self.score, &self.mask, &self.sink]
     }
 
+    /// Whether every read of a learnable tensor in `score` lands on an
+    /// element, and has a derivative, that depend on the query and key
+    /// positions only through their difference (`kv - q` or `q - kv`, as
+    /// written) and not on the logit: a relative-position bias, ALiBi's
+    /// slopes. The pairs of a diagonal then add the same derivative at the
+    /// same element, so a backward may sum `dz` along each diagonal first
+    /// and evaluate the read once per diagonal. A syntactic test: a
+    /// position used any other way (even through a `let` of `q` alone)
+    /// answers no.
+    pub fn score_grads_by_difference(&self) -> bool {
+        let by_difference = |e: &Expr| {
+            fn walk(e: &Expr, ok: &mut bool) {
+                match &e.kind {
+                    ExprKind::Binary(BinOp::Sub, a, b)
+                        if matches!(
+                            (&a.kind, &b.kind),
+                            (ExprKind::Arg(Arg::Kv), ExprKind::Arg(Arg::Q))
+                                | (ExprKind::Arg(Arg::Q), ExprKind::Arg(Arg::Kv))
+                        ) => {}
+                    ExprKind::Arg(Arg::Q | Arg::Kv | Arg::S) => *ok = false,
+                    _ => e.for_each_child(&mut |c| walk(c, ok)),
+                }
+            }
+            let mut ok = true;
+            walk(e, &mut ok);
+            ok
+        };
+        let mut sites = self
+            .learnable_sites
+            .iter()
+            .filter(|l| !l.in_sink)
+            .peekable();
+        sites.peek().is_some()
+            && sites.all(|l| by_difference(&l.index.body) && by_difference(&l.grad.body))
+    }
+
     /// Loop iterations one evaluation of the tile classifier may run on a
     /// GPU target: each read of a tensor's summary loops over up to
     /// [`SUMMARY_MAX_BLOCKS`](crate::params::SUMMARY_MAX_BLOCKS) entries.

@@ -64,6 +64,22 @@ fn only_vars_are_learnable() {
     assert_eq!(<ManyReads<CpuRuntime> as Variant>::LEARNABLE, &[0, 1, 2]);
 }
 
+#[test]
+fn relative_position_reads_go_by_diagonal() {
+    use boostr_runtime::stock::{AlibiSlopes, T5Bias};
+    use boostr_runtime::{HostVariant, Variant};
+    fn by_difference<V: Variant>() -> bool {
+        <V::Host as HostVariant>::SCORE_GRADS_BY_DIFFERENCE
+    }
+    assert!(by_difference::<T5Bias<CpuRuntime>>());
+    assert!(by_difference::<CausalT5Bias<CpuRuntime>>());
+    assert!(by_difference::<AlibiSlopes<CpuRuntime>>());
+    // No position at all.
+    assert!(by_difference::<Mixed<CpuRuntime>>());
+    // A read at `q % 5` alone, and a derivative that is the logit.
+    assert!(!by_difference::<ManyReads<CpuRuntime>>());
+}
+
 fn bits(t: &Tensor<CpuRuntime>) -> Vec<u32> {
     t.to_vec::<f32>().into_iter().map(f32::to_bits).collect()
 }

@@ -168,8 +168,11 @@ struct Work {
     /// [`zero_unused_rows`]).
     k_guarded: Vec<f32>,
     /// The scaled logits before `score`, kept for the derivatives of
-    /// learnable reads (empty without them).
+    /// learnable reads (empty without them, or where they go by diagonal).
     raw: Vec<f32>,
+    /// Per diagonal of a tile, the sum of its pairs' `dz` (learnable reads
+    /// by position difference only).
+    diag: Vec<f32>,
 }
 
 impl Scratch {
@@ -181,8 +184,13 @@ impl Scratch {
             g: vec![0.0; g],
             bands: Vec::with_capacity(t.q.div_ceil(super::BAND_ROWS)),
             k_guarded: Vec::new(),
-            raw: if learn && V::SCORE_READS_LEARNABLE {
+            raw: if learn && V::SCORE_READS_LEARNABLE && !V::SCORE_GRADS_BY_DIFFERENCE {
                 vec![0.0; t.q * t.kv]
+            } else {
+                Vec::new()
+            },
+            diag: if learn && V::SCORE_GRADS_BY_DIFFERENCE {
+                vec![0.0; t.q + t.kv]
             } else {
                 Vec::new()
             },
@@ -516,7 +524,7 @@ fn query_tile<V: HostVariant>(
     band_products(s, cols, bands, &sh.x.q[rows_at.clone()], kv.kt, d, scale);
     let g = &mut w.g[..if V::SCORE_IS_IDENTITY { 0 } else { rows * cols }];
     let learn = V::SCORE_READS_LEARNABLE && !grads.is_empty();
-    if learn {
+    if learn && !V::SCORE_GRADS_BY_DIFFERENCE {
         w.raw[..rows * cols].copy_from_slice(s);
     }
     let variant = sh.variant;
@@ -550,16 +558,20 @@ fn query_tile<V: HostVariant>(
     band_products(dp, cols, bands, &sh.x.dout[rows_at.clone()], kv.vt, d, 1.0);
     if learn {
         let at = (b, h, q_lo, kv_lo);
-        tensor_grads(
-            variant,
-            at,
-            bands,
-            s,
-            &w.raw[..rows * cols],
-            dp,
-            delta,
-            grads,
-        );
+        if V::SCORE_GRADS_BY_DIFFERENCE {
+            diagonal_tensor_grads(variant, at, bands, s, dp, delta, &mut w.diag, grads);
+        } else {
+            tensor_grads(
+                variant,
+                at,
+                bands,
+                s,
+                &w.raw[..rows * cols],
+                dp,
+                delta,
+                grads,
+            );
+        }
     }
     simd::dispatch(ScoreGrads::<V> {
         p: s,
@@ -626,6 +638,51 @@ fn tensor_grads<V: HostVariant>(
                 let dz = pij * (dp[at] - delta[i]);
                 variant.score_tensor_grads(raw[at], b, h, qi, kv_lo + j as i32, dz, grads);
             }
+        }
+    }
+}
+
+/// [`tensor_grads`] for reads that depend on the pair only through
+/// `kv − q` ([`HostVariant::SCORE_GRADS_BY_DIFFERENCE`]): every pair of a
+/// diagonal adds the same derivative at the same element, so the tile's
+/// `dz` are summed per diagonal (rows in order, a vector add along each
+/// row), and the reads are evaluated once per diagonal, at its first pair
+/// in the tile (the logit is not read).
+#[allow(clippy::too_many_arguments)]
+fn diagonal_tensor_grads<V: HostVariant>(
+    variant: &V,
+    (b, h, q_lo, kv_lo): (i32, i32, i32, i32),
+    bands: &[Band],
+    p: &[f32],
+    dp: &[f32],
+    delta: &[f32],
+    diag: &mut [f32],
+    grads: &mut [&mut [f32]],
+) {
+    let rows = delta.len();
+    let cols = p.len() / rows;
+    // Diagonal `rows − 1 + j − i` holds pair (i, j).
+    let diag = &mut diag[..rows + cols - 1];
+    diag.fill(0.0);
+    for Band { rows: r, cols: c } in bands.iter().cloned() {
+        for i in r {
+            let at = i * cols;
+            let (p, dp) = (&p[at + c.start..at + c.end], &dp[at + c.start..at + c.end]);
+            let d = &mut diag[rows - 1 - i + c.start..rows - 1 - i + c.end];
+            let di = delta[i];
+            for ((x, &pij), &dpij) in d.iter_mut().zip(p).zip(dp) {
+                // A hidden pair (P = 0) adds nothing, even where its dP is
+                // NaN (a hidden key's V row).
+                *x += if pij != 0.0 { pij * (dpij - di) } else { 0.0 };
+            }
+        }
+    }
+    for (k, &dz) in diag.iter().enumerate() {
+        if dz != 0.0 {
+            // The diagonal's first pair in the tile.
+            let i = (rows - 1).saturating_sub(k);
+            let j = i + k + 1 - rows;
+            variant.score_tensor_grads(0.0, b, h, q_lo + i as i32, kv_lo + j as i32, dz, grads);
         }
     }
 }
