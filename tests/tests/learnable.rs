@@ -2,7 +2,7 @@
 //! `score` and in `sink`) against the reference on every backend, and
 //! deterministic tensor gradients on the CPU for any thread count.
 
-use boostr_runtime::stock::CausalT5Bias;
+use boostr_runtime::stock::{CausalSlidingWindowSinks, CausalT5Bias};
 use boostr_runtime::testing::{CpuRuntime, TestData};
 use boostr_runtime::{
     AttentionGrads, AttentionOptions, Problem, attention, attention_bwd_tensors, attention_fwd,
@@ -145,6 +145,56 @@ fn tensor_gradients_have_the_same_bits_for_any_thread_count() {
                 "{threads} threads, run {run}: gradients differ from 1 thread's"
             );
         }
+    }
+}
+
+/// Forward and backward of gpt-oss sinks on `threads` rayon threads: the
+/// sinks' gradient, as bits.
+fn sinks_backward(threads: usize, p: Problem, seed: u64) -> Vec<u32> {
+    let device = CpuDevice::new();
+    let mut data = TestData::<CpuRuntime>::new(p, &device, seed, 0);
+    let variant = CausalSlidingWindowSinks {
+        window: 40,
+        sinks: data.learnable(&[p.heads_q], -2.0, 2.0),
+    };
+    let q = data.f32s(&[p.batch, p.heads_q, p.seq_q, p.head_dim], -1.0, 1.0);
+    let k = data.f32s(&[p.batch, p.heads_kv, p.seq_k, p.head_dim], -1.0, 1.0);
+    let v = data.f32s(&[p.batch, p.heads_kv, p.seq_k, p.head_dim], -1.0, 1.0);
+    let dout = data.f32s(&[p.batch, p.heads_q, p.seq_q, p.head_dim], -1.0, 1.0);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("a thread pool");
+    pool.install(|| {
+        let opts = AttentionOptions::default();
+        let (out, lse) = attention_fwd(&variant, &q, &k, &v, &opts).expect("forward");
+        let g = attention_bwd_tensors(&variant, &dout, &q, &k, &v, &out, &lse, &opts)
+            .expect("backward");
+        bits(g.tensors[0].as_ref().expect("asked for"))
+    })
+}
+
+#[test]
+fn sink_gradients_have_the_same_bits_for_any_thread_count() {
+    let p = Problem {
+        batch: 2,
+        heads_q: 4,
+        heads_kv: 1,
+        seq_q: 301,
+        seq_k: 389,
+        head_dim: 32,
+        scale: 0.2,
+    };
+    let one = sinks_backward(1, p, 0x51);
+    assert!(
+        one.iter().any(|&b| f32::from_bits(b) != 0.0),
+        "a gradient at all"
+    );
+    for threads in [1, 2, 3] {
+        assert!(
+            sinks_backward(threads, p, 0x51) == one,
+            "{threads} threads: the sinks' gradient differs from 1 thread's"
+        );
     }
 }
 

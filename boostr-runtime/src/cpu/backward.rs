@@ -35,7 +35,12 @@
 //!    (dq, dk, dv included) has the same bits for any number of threads.
 //!    Memory: `groups · numel` floats per learnable tensor, with `groups ≤
 //!    64` and `groups · numel ≤ 2^26` (256 MiB) unless one partial alone is
-//!    larger.
+//!    larger. Reads whose element and derivative depend on the pair only
+//!    through `kv − q` sum `dz` along each diagonal of a tile first and are
+//!    evaluated once per diagonal. Where only `sink` reads learnable
+//!    tensors, the pairs add nothing: the backward runs as without them,
+//!    and the row pass alone (in row order, on one thread) gives the
+//!    gradients.
 //!
 //! Memory: the partials hold `(chunks − 1) · group · Sq · D` floats per
 //! (batch, kv head), where `chunks ≤ ⌈2 · threads / (B · Hkv)⌉` (see
@@ -303,7 +308,7 @@ pub(super) fn backward<V: HostVariant>(
         x,
         delta: &delta,
     };
-    if learn {
+    if learn && V::SCORE_READS_LEARNABLE {
         learnable_tasks(&shared, tasks, tensor_grads);
     } else {
         tasks.into_par_iter().for_each_init(

@@ -199,9 +199,10 @@ pub fn backward_tiled<V: HostVariant>(
         "dk/dv length"
     );
     let tiles = CpuTiles::new(tiles.q, tiles.kv);
-    // With learnable tensors the chunking is fixed by the shape, so that
-    // every gradient is the same for any thread count.
-    let learn = tensor_grads.iter().any(|g| !g.is_empty());
+    // With learnable tensors read by `score` the chunking is fixed by the
+    // shape, so that every gradient is the same for any thread count (the
+    // sinks' gradients come from a row pass in row order).
+    let learn = V::SCORE_READS_LEARNABLE && tensor_grads.iter().any(|g| !g.is_empty());
     let threads = if learn {
         backward::GRAD_CHUNK_THREADS
     } else {
