@@ -466,7 +466,7 @@ impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {
 /// mask (`-inf` where hidden) to one row of scaled logits `s`, in place.
 /// The backward applies the same two steps, so both see the same logits.
 #[inline(always)]
-fn score_and_mask<V: HostVariant>(
+pub(super) fn score_and_mask<V: HostVariant>(
     variant: &V,
     b: i32,
     h: i32,

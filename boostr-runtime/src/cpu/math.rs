@@ -372,6 +372,14 @@ pub fn scale(xs: &mut [f32], a: f32) {
     }
 }
 
+/// `dst[i] += a · src[i]`.
+#[inline(always)]
+pub fn axpy(dst: &mut [f32], a: f32, src: &[f32]) {
+    for (x, &y) in dst.iter_mut().zip(src) {
+        *x += a * y;
+    }
+}
+
 /// `dst[i] += src[i]`.
 #[inline(always)]
 pub fn add_assign(dst: &mut [f32], src: &[f32]) {

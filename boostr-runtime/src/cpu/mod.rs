@@ -49,6 +49,7 @@
 //!   the `gemm` crate elsewhere, which round differently.
 
 mod backward;
+mod decode;
 mod forward;
 mod gemm;
 #[doc(hidden)] // public for the code `#[attention]` generates (`score` in f32)
@@ -124,8 +125,39 @@ pub fn forward_tiled<V: HostVariant>(
     assert_eq!(out.len(), p.q_len(), "out length");
     assert_eq!(lse.len(), p.lse_len(), "lse length");
     let tiles = CpuTiles::new(tiles.q, tiles.kv);
-    let group = forward::group_size(variant, p, tiles, rayon::current_num_threads());
+    let threads = rayon::current_num_threads();
+    if decode::applies(p) {
+        let chunks = decode::chunks(p, tiles, threads);
+        in_pool(|| decode::forward(variant, p, tiles, chunks, q, k, v, out, lse));
+        return;
+    }
+    let group = forward::group_size(variant, p, tiles, threads);
     in_pool(|| forward::forward(variant, p, tiles, group, q, k, v, out, lse));
+}
+
+/// The decode kernel (query rows per head up to 32; see `decode`) with the
+/// keys of each (batch, kv head) cut into `chunks` chunks, whatever the
+/// shape: for tests and benchmarks of the split against the unsplit path.
+#[doc(hidden)]
+#[allow(clippy::too_many_arguments)]
+pub fn forward_decode<V: HostVariant>(
+    variant: &V,
+    p: &Problem,
+    tiles: CpuTiles,
+    chunks: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+    lse: &mut [f32],
+) {
+    assert_eq!(q.len(), p.q_len(), "q length");
+    assert_eq!(k.len(), p.kv_len(), "k length");
+    assert_eq!(v.len(), p.kv_len(), "v length");
+    assert_eq!(out.len(), p.q_len(), "out length");
+    assert_eq!(lse.len(), p.lse_len(), "lse length");
+    let tiles = CpuTiles::new(tiles.q, tiles.kv);
+    in_pool(|| decode::forward(variant, p, tiles, chunks, q, k, v, out, lse));
 }
 
 /// Attention backward with the variant's [`CpuTiles`]: writes `dq`, `dk`, `dv`,

@@ -787,3 +787,95 @@ fn bands_hold_every_visible_pair_and_only_whole_chunks_beyond() {
         }
     }
 }
+
+// ------------------------------------------------------------------ decode
+
+/// The decode kernel with `chunks` key chunks, into NaN-poisoned buffers.
+fn decode<V: HostVariant>(
+    v: &V,
+    p: &Problem,
+    t: CpuTiles,
+    chunks: usize,
+    x: &Inputs,
+) -> (Vec<f32>, Vec<f32>) {
+    let mut out = vec![f32::NAN; p.q_len()];
+    let mut lse = vec![f32::NAN; p.lse_len()];
+    forward_decode(v, p, t, chunks, &x.q, &x.k, &x.v, &mut out, &mut lse);
+    (out, lse)
+}
+
+#[track_caller]
+fn check_decode<V: HostVariant>(v: &V, p: &Problem, t: CpuTiles) {
+    let x = Inputs::new(p, 0xdec0de ^ p.seq_k as u64, 1.0);
+    let want = reference(v, p, &x);
+    let (one, one_lse) = decode(v, p, t, 1, &x);
+    for chunks in [1, 2, 3, 7, 1000] {
+        let (out, lse) = decode(v, p, t, chunks, &x);
+        let ctx = format!("{} {p:?} {t:?} chunks {chunks}", V::NAME);
+        assert_close(&format!("out {ctx}"), &out, &want.out, 2e-5);
+        assert_close(&format!("lse {ctx}"), &lse, &want.lse, 2e-5);
+        // Split against unsplit: the same rows, merged by their lse.
+        assert_close(
+            &format!("out {ctx} vs 1 chunk"),
+            &out,
+            &one.iter().map(|&y| y as f64).collect::<Vec<_>>(),
+            1e-5,
+        );
+        assert_close(
+            &format!("lse {ctx} vs 1 chunk"),
+            &lse,
+            &one_lse.iter().map(|&y| y as f64).collect::<Vec<_>>(),
+            1e-5,
+        );
+        // Run to run: the same bits.
+        let (again, again_lse) = decode(v, p, t, chunks, &x);
+        assert!(
+            out.iter()
+                .zip(&again)
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+                && lse
+                    .iter()
+                    .zip(&again_lse)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{ctx}: two runs differ"
+        );
+    }
+}
+
+#[test]
+fn decode_matches_reference_for_every_chunking() {
+    let t = CpuTiles::new(64, 64);
+    // Decode, speculative rows and a short append; GQA 8:1 and MQA; key
+    // counts that leave a last block and a last chunk short; Sq > Sk (rows
+    // that see nothing).
+    for (hq, hkv, sq, sk, d) in [
+        (8, 1, 1, 1000, 64),
+        (16, 2, 4, 777, 128),
+        (4, 4, 17, 301, 40),
+        (2, 1, 32, 65, 64),
+        (4, 2, 9, 5, 32),
+    ] {
+        let p = problem(2, hq, hkv, sq, sk, d);
+        check_decode(&Unmasked, &p, t);
+        check_decode(&CausalSoftcap::new(20.0), &p, t);
+        check_decode(&SlidingWindow { window: 100 }, &p, t);
+        check_decode(&Alibi { slope: 0.01 }, &p, t);
+    }
+    // Key tiles of another size.
+    let p = problem(1, 8, 2, 3, 999, 64);
+    check_decode(&SlidingWindow { window: 300 }, &p, CpuTiles::new(64, 48));
+}
+
+#[test]
+fn decode_splits_only_when_the_heads_leave_threads_idle() {
+    let t = CpuTiles::new(64, 64);
+    // One sequence, 8 kv heads, 2 threads: 8 tasks already.
+    assert_eq!(decode::chunks(&problem(1, 32, 8, 1, 32768, 128), t, 2), 1);
+    // One kv head: 8 tasks wanted, and 32k keys allow them.
+    assert_eq!(decode::chunks(&problem(1, 8, 1, 1, 32768, 128), t, 2), 8);
+    // Short keys cap the chunks at one per 512 keys.
+    assert_eq!(decode::chunks(&problem(1, 8, 1, 1, 1000, 128), t, 16), 2);
+    assert_eq!(decode::chunks(&problem(1, 8, 1, 1, 100, 128), t, 16), 1);
+    assert!(decode::applies(&problem(1, 8, 1, 32, 100, 128)));
+    assert!(!decode::applies(&problem(1, 8, 1, 33, 100, 128)));
+}

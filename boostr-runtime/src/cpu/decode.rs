@@ -1,0 +1,344 @@
+//! The decode kernel: a few query rows against long keys, split across
+//! workers (split-KV) and packed by GQA group.
+//!
+//! Decode is bandwidth-bound: each query row meets every key once, so the
+//! time is the time to read K and V. The tile kernel ([`super::forward`])
+//! streams a head's K and V once per query head and first copies K
+//! transposed; here one task owns a (batch, kv head, chunk of keys) and all
+//! `G = Hq / Hkv` query heads of the group together: their `R = G · Sq` rows
+//! are one packed block (row `r = hh · Sq + i` is query row `i` of head
+//! `hkv · G + hh`; they are consecutive in `q`), so each key block of K and
+//! V is read from memory once for the whole group. Per key block (the
+//! variant's key tile): its `Kᵀ` into a cache-resident scratch, `S = scale ·
+//! Q Kᵀ` for all `R` rows (one tile product), `score` and `mask` at the
+//! rows' true positions (each head classified on its own: an empty head
+//! gets no arithmetic but the product), the online softmax per row, then
+//! `O += P V`.
+//!
+//! Split-KV: when `B · Hkv` tasks cannot keep the threads busy, each (batch,
+//! kv head)'s keys are cut into chunks of whole key blocks ([`chunks`]),
+//! each chunk a task with its own running max, sum and unnormalised
+//! output. They are merged per row by their log-sum-exp, in chunk order,
+//! with the sink (if any) as one more partial: `M = max_c m_c`,
+//! `L = Σ_c e^(m_c − M) l_c`, `out = Σ_c e^(m_c − M) acc_c / L`,
+//! `lse = M + ln L`. The chunking depends only on the shape and the thread
+//! count, and no sum's order on scheduling: the same bits from run to run.
+//!
+//! Guarantees as for the tile kernel: every output element written, a row
+//! with no visible key gets `out = 0` and `lse = -inf` (its sink, with
+//! one), a key no row of the block sees never brings a NaN of its V row
+//! into a result. Memory: per task `R · D` floats of output and `R` of
+//! statistics (the partials, `chunks` times the output in all), plus a key
+//! block's `Kᵀ` and `R ×` block scores.
+
+use super::gemm::{self, MatMut, MatRef, Write, matmul};
+use super::math;
+use super::simd::{self, Elementwise};
+use super::tile::CpuTiles;
+use super::{Band, Positions, all_finite, tile_class, zero_unused_rows};
+use crate::problem::Problem;
+use crate::variant::{HostVariant, TileClass};
+use rayon::prelude::*;
+
+/// Query rows per head up to which [`super::forward_tiled`] takes this
+/// kernel: decode (one row), speculative decoding and short appends.
+pub(super) const MAX_ROWS: usize = 32;
+
+/// Keys a chunk holds at least: below this a task's fixed costs (the
+/// partial's merge, scheduling) outweigh the spread.
+const MIN_CHUNK_KEYS: usize = 512;
+
+/// Tasks per thread that splitting aims at, so that work stealing can even
+/// out chunks a mask makes uneven.
+const TASKS_PER_THREAD: usize = 4;
+
+/// Whether the problem is a decode shape (see [`MAX_ROWS`]).
+pub(super) fn applies(p: &Problem) -> bool {
+    p.seq_q <= MAX_ROWS
+}
+
+/// Chunks of keys per (batch, kv head) for `threads` threads: enough that
+/// `B · Hkv · chunks` reaches [`TASKS_PER_THREAD`] tasks per thread, each
+/// chunk at least [`MIN_CHUNK_KEYS`] keys (one chunk when the heads alone
+/// fill the machine).
+pub(super) fn chunks(p: &Problem, tiles: CpuTiles, threads: usize) -> usize {
+    let heads = p.batch * p.heads_kv;
+    let wanted = (TASKS_PER_THREAD * threads.max(1)).div_ceil(heads.max(1));
+    let most = p.seq_k.div_ceil(MIN_CHUNK_KEYS.max(tiles.kv)).max(1);
+    wanted.clamp(1, most)
+}
+
+/// One task's partial result: per packed row its running max and sum, and
+/// its unnormalised output row.
+struct Partial<'a> {
+    m: &'a mut [f32],
+    l: &'a mut [f32],
+    acc: &'a mut [f32],
+}
+
+/// The forward for decode shapes, with the keys of each (batch, kv head)
+/// cut into `chunks` chunks of whole key tiles.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn forward<V: HostVariant>(
+    variant: &V,
+    p: &Problem,
+    tiles: CpuTiles,
+    chunks: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+    lse: &mut [f32],
+) {
+    let (sq, sk, d, g) = (p.seq_q, p.seq_k, p.head_dim, p.group());
+    let rows = g * sq;
+    let pos = Positions::new(p);
+    // Chunks are whole key tiles; recount after rounding up the chunk size.
+    let key_tiles = sk.div_ceil(tiles.kv);
+    let chunk_keys = key_tiles.div_ceil(chunks.clamp(1, key_tiles.max(1))) * tiles.kv;
+    let chunks = sk.div_ceil(chunk_keys.max(1)).max(1);
+    let tasks = p.batch * p.heads_kv * chunks;
+
+    let mut m = vec![f32::NEG_INFINITY; tasks * rows];
+    let mut l = vec![0.0f32; tasks * rows];
+    let mut acc = vec![0.0f32; tasks * rows * d];
+    m.par_chunks_mut(rows)
+        .zip(l.par_chunks_mut(rows))
+        .zip(acc.par_chunks_mut(rows * d))
+        .enumerate()
+        .for_each_init(
+            || Scratch::new(tiles, rows, d),
+            |sc, (t, ((m, l), acc))| {
+                let (bkv, c) = (t / chunks, t % chunks);
+                let keys = c * chunk_keys..sk.min((c + 1) * chunk_keys);
+                let head = bkv * sk * d;
+                let task = Task {
+                    variant,
+                    p,
+                    pos,
+                    tiles,
+                    b: bkv / p.heads_kv,
+                    hkv: bkv % p.heads_kv,
+                    q: &q[bkv * rows * d..(bkv + 1) * rows * d],
+                    k: &k[head..head + sk * d],
+                    v: &v[head..head + sk * d],
+                };
+                task.run(keys, Partial { m, l, acc }, sc);
+            },
+        );
+
+    // Merge each row's chunks in chunk order (the sink first).
+    out.par_chunks_mut(rows * d)
+        .zip(lse.par_chunks_mut(rows))
+        .enumerate()
+        .for_each(|(bkv, (out_g, lse_g))| {
+            let b = Positions::to_i32(bkv / p.heads_kv);
+            for (r, (out_r, lse_r)) in out_g.chunks_mut(d).zip(lse_g.iter_mut()).enumerate() {
+                let h = Positions::to_i32((bkv % p.heads_kv) * g + r / sq);
+                let (qi, _) = pos.query_range(r % sq, 1);
+                let sink = if V::HAS_SINK {
+                    variant.sink(b, h, qi)
+                } else {
+                    f32::NEG_INFINITY
+                };
+                let at = |c: usize| (bkv * chunks + c) * rows + r;
+                let mx = (0..chunks)
+                    .filter(|&c| l[at(c)] > 0.0)
+                    .map(|c| m[at(c)])
+                    .fold(sink, f32::max);
+                out_r.fill(0.0);
+                if mx == f32::NEG_INFINITY {
+                    *lse_r = f32::NEG_INFINITY;
+                    continue;
+                }
+                let mut total = if sink == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    math::exp(sink - mx)
+                };
+                for c in 0..chunks {
+                    let i = at(c);
+                    if l[i] > 0.0 {
+                        let w = math::exp(m[i] - mx);
+                        total += w * l[i];
+                        math::axpy(out_r, w, &acc[i * d..(i + 1) * d]);
+                    }
+                }
+                math::scale(out_r, 1.0 / total);
+                *lse_r = mx + total.ln();
+            }
+        });
+}
+
+/// Per-task scratch: one key block's `Kᵀ` and the block's scores, the
+/// rows' running sums per lane and rescale factors, and a guarded V block.
+struct Scratch {
+    kt: Vec<f32>,
+    s: Vec<f32>,
+    l: Vec<math::Lanes>,
+    alpha: Vec<f32>,
+    classes: Vec<TileClass>,
+    v_guarded: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(tiles: CpuTiles, rows: usize, d: usize) -> Self {
+        Scratch {
+            kt: vec![0.0; d * tiles.kv],
+            s: vec![0.0; rows * tiles.kv],
+            l: vec![[0.0; math::LANES]; rows],
+            alpha: vec![0.0; rows],
+            classes: Vec::new(),
+            v_guarded: Vec::new(),
+        }
+    }
+}
+
+/// One (batch, kv head) and its packed query rows.
+struct Task<'a, V> {
+    variant: &'a V,
+    p: &'a Problem,
+    pos: Positions,
+    tiles: CpuTiles,
+    b: usize,
+    hkv: usize,
+    /// The group's `R × D` query rows.
+    q: &'a [f32],
+    /// The kv head's `Sk × D` keys and values.
+    k: &'a [f32],
+    v: &'a [f32],
+}
+
+impl<V: HostVariant> Task<'_, V> {
+    /// Stream the key blocks of `keys` through the packed rows into `part`
+    /// (statistics and unnormalised output of this chunk).
+    fn run(&self, keys: std::ops::Range<usize>, part: Partial<'_>, sc: &mut Scratch) {
+        let (p, d, g, sq) = (self.p, self.p.head_dim, self.p.group(), self.p.seq_q);
+        let rows = g * sq;
+        let (b, scale) = (Positions::to_i32(self.b), p.scale);
+        let (q_lo, q_hi) = self.pos.query_range(0, sq);
+        let Partial { m, l, acc } = part;
+        let lanes = &mut sc.l[..rows];
+        lanes.fill([0.0; math::LANES]);
+        for kv0 in keys.clone().step_by(self.tiles.kv) {
+            let cols = self.tiles.kv.min(keys.end - kv0);
+            sc.classes.clear();
+            sc.classes.extend((0..g).map(|hh| {
+                let h = Positions::to_i32(self.hkv * g + hh);
+                tile_class(self.variant, b, h, (q_lo, q_hi), kv0, cols)
+            }));
+            if sc.classes.iter().all(|&c| c == TileClass::Empty) {
+                continue;
+            }
+            let k_blk = &self.k[kv0 * d..(kv0 + cols) * d];
+            let kt = &mut sc.kt[..d * cols];
+            gemm::transpose(k_blk, cols, d, kt, cols);
+            let s = &mut sc.s[..rows * cols];
+            matmul(
+                MatMut::row_major(s, rows, cols),
+                Write::Overwrite,
+                MatRef::row_major(self.q, rows, d),
+                MatRef::row_major(kt, d, cols),
+                scale,
+            );
+            simd::dispatch(BlockSoftmax {
+                task: self,
+                classes: &sc.classes,
+                kv_lo: Positions::to_i32(kv0),
+                s: &mut *s,
+                m: &mut *m,
+                l: &mut *lanes,
+                alpha: &mut sc.alpha[..rows],
+                acc: &mut *acc,
+            });
+            // O += P V. Where some row hides some key, that key must not
+            // bring a NaN of its V row with it (0 · NaN).
+            let v_blk = &self.v[kv0 * d..(kv0 + cols) * d];
+            let hides = sc.classes.iter().any(|&c| c != TileClass::Full);
+            let v_blk = if hides && !all_finite(v_blk) {
+                let band = Band {
+                    rows: 0..rows,
+                    cols: 0..cols,
+                };
+                zero_unused_rows(s, cols, &band, v_blk, d, &mut sc.v_guarded)
+            } else {
+                v_blk
+            };
+            matmul(
+                MatMut::row_major(acc, rows, d),
+                Write::Accumulate,
+                MatRef::row_major(s, rows, cols),
+                MatRef::row_major(v_blk, cols, d),
+                1.0,
+            );
+        }
+        for (l, lanes) in l.iter_mut().zip(&sc.l[..rows]) {
+            *l = math::sum_lanes(lanes);
+        }
+    }
+}
+
+/// The elementwise step of one key block for all packed rows: `score` and
+/// `mask` in place (an empty head's rows become `-inf` unevaluated), then
+/// per row the online softmax: `P = e^(x − m_new)` in place, the running
+/// max and per-lane sums, and the output row rescaled where the max grew.
+struct BlockSoftmax<'a, 't, V> {
+    task: &'a Task<'t, V>,
+    classes: &'a [TileClass],
+    kv_lo: i32,
+    s: &'a mut [f32],
+    m: &'a mut [f32],
+    l: &'a mut [math::Lanes],
+    alpha: &'a mut [f32],
+    acc: &'a mut [f32],
+}
+
+impl<V: HostVariant> Elementwise for BlockSoftmax<'_, '_, V> {
+    type Output = ();
+
+    #[inline(always)]
+    fn run(self) {
+        let Self {
+            task,
+            classes,
+            kv_lo,
+            s,
+            m,
+            l,
+            alpha,
+            acc,
+        } = self;
+        let (d, g, sq) = (task.p.head_dim, task.p.group(), task.p.seq_q);
+        let rows = g * sq;
+        let cols = s.len() / rows;
+        let b = Positions::to_i32(task.b);
+        for (r, row) in s.chunks_mut(cols).enumerate() {
+            let hh = r / sq;
+            let h = Positions::to_i32(task.hkv * g + hh);
+            let (qi, _) = task.pos.query_range(r % sq, 1);
+            match classes[hh] {
+                TileClass::Empty => row.fill(f32::NEG_INFINITY),
+                class => super::forward::score_and_mask(task.variant, b, h, qi, kv_lo, class, row),
+            }
+            let m_new = m[r].max(math::max(row));
+            alpha[r] = if m_new == f32::NEG_INFINITY {
+                1.0
+            } else {
+                math::exp_softmax(m[r] - m_new)
+            };
+            m[r] = m_new;
+        }
+        for (r, row) in s.chunks_mut(cols).enumerate() {
+            if m[r] == f32::NEG_INFINITY {
+                // Nothing visible in this row yet: no `e^(-inf + inf)`.
+                row.fill(0.0);
+                continue;
+            }
+            if alpha[r] != 1.0 {
+                l[r].iter_mut().for_each(|x| *x *= alpha[r]);
+                math::scale(&mut acc[r * d..(r + 1) * d], alpha[r]);
+            }
+            l[r] = math::exp_sub_lanes(row, m[r], l[r]);
+        }
+    }
+}
