@@ -25,6 +25,44 @@ pub trait AttentionRuntime: Runtime<DType = DType> + std::fmt::Debug {
         v: &Tensor<Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)>;
 
+    /// Run the forward over a KV cache on validated inputs: `k, v` hold
+    /// `Sk` (the capacity) slots per sequence, of which sequence `b` uses
+    /// `lengths.host[b]` (see [`crate::KvCache`]); returns `(out, lse)`.
+    /// Backends without such a kernel return
+    /// [`Error::LayoutUnsupported`].
+    fn attention_forward_cache<V: Variant>(
+        variant: &V,
+        problem: &Problem,
+        q: &Tensor<Self>,
+        k: &Tensor<Self>,
+        v: &Tensor<Self>,
+        lengths: CacheLengths<'_, Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+        let _ = (variant, problem, q, k, v, lengths);
+        Err(crate::Error::LayoutUnsupported {
+            backend: Self::name(),
+            layout: "a KV cache with per-sequence lengths",
+        })
+    }
+
+    /// Run the forward over a paged KV cache on validated inputs (see
+    /// [`crate::PagedKvCache`]): `problem.seq_k` is `max_pages ·
+    /// page_size`; returns `(out, lse)`. Backends without such a kernel
+    /// return [`Error::LayoutUnsupported`].
+    fn attention_forward_paged<V: Variant>(
+        variant: &V,
+        problem: &Problem,
+        q: &Tensor<Self>,
+        pages: Pages<'_, Self>,
+        lengths: CacheLengths<'_, Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+        let _ = (variant, problem, q, pages, lengths);
+        Err(crate::Error::LayoutUnsupported {
+            backend: Self::name(),
+            layout: "a paged KV cache",
+        })
+    }
+
     /// Run the backward kernels on validated inputs; returns `dq, dk, dv`
     /// and the gradient of each learnable tensor that
     /// [`BackwardTensors::tensor_grads`] asks for.
@@ -33,6 +71,33 @@ pub trait AttentionRuntime: Runtime<DType = DType> + std::fmt::Debug {
         problem: &Problem,
         tensors: BackwardTensors<'_, Self>,
     ) -> Result<AttentionGrads<Self>>;
+}
+
+/// The validated per-sequence key lengths of a KV cache: the `[B]` `i32`
+/// tensor on the call's device, and its values on the host (each in
+/// `0 ..= capacity`).
+#[derive(Clone, Copy, Debug)]
+pub struct CacheLengths<'a, R: Runtime> {
+    /// The lengths as given.
+    pub tensor: &'a Tensor<R>,
+    /// Their values.
+    pub host: &'a [usize],
+}
+
+/// The validated pages of a paged KV cache.
+#[derive(Clone, Copy, Debug)]
+pub struct Pages<'a, R: Runtime> {
+    /// `k [pages, Hkv, page_size, D]`.
+    pub k: &'a Tensor<R>,
+    /// `v [pages, Hkv, page_size, D]`.
+    pub v: &'a Tensor<R>,
+    /// Keys per page.
+    pub page_size: usize,
+    /// The `[B, max_pages]` `i32` page table as given.
+    pub table: &'a Tensor<R>,
+    /// Its values, every entry a length reaches a valid page (the others
+    /// 0, never read).
+    pub host: &'a [usize],
 }
 
 /// What the backward returns: the gradients of the loss with respect to
@@ -223,6 +288,65 @@ impl AttentionRuntime for CpuRuntime {
         crate::cpu::forward(
             variant,
             p,
+            q.slice(),
+            k.slice(),
+            v.slice(),
+            out.slice_mut(),
+            lse.slice_mut(),
+        )?;
+        Ok((out.finish(), lse.finish()))
+    }
+
+    fn attention_forward_cache<V: Variant>(
+        variant: &V,
+        p: &Problem,
+        q: &Tensor<Self>,
+        k: &Tensor<Self>,
+        v: &Tensor<Self>,
+        lengths: CacheLengths<'_, Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+        let (dtype, device) = (q.dtype(), q.device());
+        let (q, k, v) = (
+            HostF32::new("q", q, dtype)?,
+            HostF32::new("k", k, dtype)?,
+            HostF32::new("v", v, dtype)?,
+        );
+        let mut out = Output::new(&[p.batch, p.heads_q, p.seq_q, p.head_dim], dtype, device)?;
+        let mut lse = Output::new(&[p.batch, p.heads_q, p.seq_q], DType::F32, device)?;
+        crate::cpu::forward_cache(
+            variant,
+            p,
+            lengths.host,
+            q.slice(),
+            k.slice(),
+            v.slice(),
+            out.slice_mut(),
+            lse.slice_mut(),
+        )?;
+        Ok((out.finish(), lse.finish()))
+    }
+
+    fn attention_forward_paged<V: Variant>(
+        variant: &V,
+        p: &Problem,
+        q: &Tensor<Self>,
+        pages: Pages<'_, Self>,
+        lengths: CacheLengths<'_, Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+        let (dtype, device) = (q.dtype(), q.device());
+        let (q, k, v) = (
+            HostF32::new("q", q, dtype)?,
+            HostF32::new("k", pages.k, dtype)?,
+            HostF32::new("v", pages.v, dtype)?,
+        );
+        let mut out = Output::new(&[p.batch, p.heads_q, p.seq_q, p.head_dim], dtype, device)?;
+        let mut lse = Output::new(&[p.batch, p.heads_q, p.seq_q], DType::F32, device)?;
+        crate::cpu::forward_paged(
+            variant,
+            p,
+            lengths.host,
+            pages.host,
+            pages.page_size,
             q.slice(),
             k.slice(),
             v.slice(),

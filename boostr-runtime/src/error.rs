@@ -50,6 +50,50 @@ pub enum Error {
         /// The shape it has.
         got: Vec<usize>,
     },
+    /// A KV cache's length is outside `0 ..= capacity`.
+    #[error(
+        "kv cache length of sequence {batch} is {length}; a length must be in 0..={capacity} \
+         (the cache's capacity, k's dimension 2)"
+    )]
+    CacheLength {
+        /// The sequence.
+        batch: usize,
+        /// Its length.
+        length: i64,
+        /// The cache's capacity.
+        capacity: usize,
+    },
+    /// A KV cache's `lengths` or page table are not `i32`.
+    #[error("kv cache {name} must have dtype I32, got {got:?}")]
+    CacheIndexDType {
+        /// `lengths` or `page_table`.
+        name: &'static str,
+        /// Their dtype.
+        got: DType,
+    },
+    /// A page table entry that a sequence's length reaches is no page.
+    #[error(
+        "page table entry [{batch}, {page}] is {index}; the entries a sequence's length reaches \
+         must be page indices in 0..{pages}"
+    )]
+    PageIndex {
+        /// The sequence.
+        batch: usize,
+        /// The logical page.
+        page: usize,
+        /// The entry.
+        index: i64,
+        /// The pages there are.
+        pages: usize,
+    },
+    /// The backend has no kernel for this key/value layout.
+    #[error("the {backend} backend does not run {layout} yet; run the call on the CPU")]
+    LayoutUnsupported {
+        /// The backend.
+        backend: &'static str,
+        /// The layout.
+        layout: &'static str,
+    },
     /// `Hq` is not a multiple of `Hkv`.
     #[error("query heads must be a multiple of kv heads (GQA): Hq = {heads_q}, Hkv = {heads_kv}")]
     Heads {

@@ -62,14 +62,15 @@ mod variant;
 #[cfg(feature = "wgpu")]
 mod wgpu;
 
-pub use backend::{AttentionGrads, AttentionRuntime, BackwardTensors};
+pub use backend::{AttentionGrads, AttentionRuntime, BackwardTensors, CacheLengths, Pages};
 pub use boostr_macros::attention;
 pub use error::{BackendError, Error, Result};
 pub use flash::var_flash_attention;
 pub use kernels_spec::emit::Target;
 pub use kernels_spec::params::ParamWords;
 pub use op::{
-    AttentionOptions, attention_bwd, attention_bwd_tensors, attention_fwd, var_attention,
+    AttentionOptions, KvCache, PagedKvCache, attention_bwd, attention_bwd_tensors, attention_fwd,
+    attention_fwd_cache, attention_fwd_paged, var_attention,
 };
 pub use problem::Problem;
 pub use variant::{CompiledStages, HostVariant, Lowering, TileClass, Variant};

@@ -1,7 +1,7 @@
 //! The attention ops: forward and backward on tensors, and the autograd op on
 //! [`Var`] whose [`GradFn`] calls the fused backward.
 
-use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors};
+use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, CacheLengths, Pages};
 use crate::error::Result;
 use crate::problem::Problem;
 use crate::validate;
@@ -31,6 +31,101 @@ pub fn attention_fwd<V: Variant, R: AttentionRuntime>(
 ) -> Result<(Tensor<R>, Tensor<R>)> {
     let problem = validate::problem(q, k, v, opts.scale)?;
     R::attention_forward(variant, &problem, q, k, v)
+}
+
+/// Keys and values in a cache with spare capacity: `k, v [B, Hkv, capacity,
+/// D]`, of which sequence `b` holds its keys in slots `0 .. lengths[b]`
+/// (`lengths`: `[B]` `i32` on the call's device). Slots past a sequence's
+/// length are never read, so they may hold anything (NaN included).
+#[derive(Debug)]
+pub struct KvCache<'a, R: numr::runtime::Runtime> {
+    /// `k [B, Hkv, capacity, D]`.
+    pub k: &'a Tensor<R>,
+    /// `v [B, Hkv, capacity, D]`.
+    pub v: &'a Tensor<R>,
+    /// `lengths [B]` (`i32`), each in `0 ..= capacity`.
+    pub lengths: &'a Tensor<R>,
+}
+
+/// Fused attention forward over a KV cache: as [`attention_fwd`], but
+/// sequence `b` has only its first `lengths[b]` keys, and its query row `i`
+/// sits at position `i + lengths[b] − Sq` (bottom-right aligned to its own
+/// length). One length for the whole batch equal to the capacity is
+/// [`attention_fwd`]. The cache is neither copied nor narrowed: the kernel
+/// reads each sequence's keys in place (the decode kernel on the CPU:
+/// split-KV, query heads packed by GQA group). A length outside `0 ..=
+/// capacity` is [`Error::CacheLength`](crate::Error::CacheLength).
+pub fn attention_fwd_cache<V: Variant, R: AttentionRuntime>(
+    variant: &V,
+    q: &Tensor<R>,
+    cache: &KvCache<'_, R>,
+    opts: &AttentionOptions,
+) -> Result<(Tensor<R>, Tensor<R>)> {
+    let problem = validate::problem(q, cache.k, cache.v, opts.scale)?;
+    let host = validate::cache_lengths(cache.lengths, &problem)?;
+    let lengths = CacheLengths {
+        tensor: cache.lengths,
+        host: &host,
+    };
+    R::attention_forward_cache(variant, &problem, q, cache.k, cache.v, lengths)
+}
+
+/// Keys and values in pages: `k_pages, v_pages [pages, Hkv, page_size, D]`
+/// and a page table `[B, max_pages]` (`i32`): logical key `j` of sequence
+/// `b` is slot `j % page_size` of page `page_table[b][j / page_size]`.
+/// Sequence `b` holds `lengths[b]` keys (`[B]` `i32`, each at most
+/// `max_pages · page_size`); page table entries past a sequence's length
+/// and pages no entry names are never read.
+#[derive(Debug)]
+pub struct PagedKvCache<'a, R: numr::runtime::Runtime> {
+    /// `k_pages [pages, Hkv, page_size, D]`.
+    pub k_pages: &'a Tensor<R>,
+    /// `v_pages [pages, Hkv, page_size, D]`.
+    pub v_pages: &'a Tensor<R>,
+    /// `page_table [B, max_pages]` (`i32`).
+    pub page_table: &'a Tensor<R>,
+    /// `lengths [B]` (`i32`).
+    pub lengths: &'a Tensor<R>,
+}
+
+/// Fused attention forward over a paged KV cache: as
+/// [`attention_fwd_cache`] with the keys gathered through the page table,
+/// in place (`kv` is the logical position, so every variant works
+/// unchanged; any page size). A length past `max_pages · page_size` is
+/// [`Error::CacheLength`](crate::Error::CacheLength), a table entry a
+/// length reaches that is no page [`Error::PageIndex`](crate::Error::PageIndex).
+pub fn attention_fwd_paged<V: Variant, R: AttentionRuntime>(
+    variant: &V,
+    q: &Tensor<R>,
+    cache: &PagedKvCache<'_, R>,
+    opts: &AttentionOptions,
+) -> Result<(Tensor<R>, Tensor<R>)> {
+    let (problem, page_size) = validate::paged_problem(
+        q,
+        cache.k_pages,
+        cache.v_pages,
+        cache.page_table,
+        opts.scale,
+    )?;
+    let lengths = validate::cache_lengths(cache.lengths, &problem)?;
+    let pages = cache.k_pages.shape()[0];
+    let table = validate::page_table(cache.page_table, &lengths, page_size, pages)?;
+    R::attention_forward_paged(
+        variant,
+        &problem,
+        q,
+        Pages {
+            k: cache.k_pages,
+            v: cache.v_pages,
+            page_size,
+            table: cache.page_table,
+            host: &table,
+        },
+        CacheLengths {
+            tensor: cache.lengths,
+            host: &lengths,
+        },
+    )
 }
 
 /// Fused attention backward: returns `(dq, dk, dv)` given the forward's

@@ -48,6 +48,170 @@ pub(crate) fn check_dtype<R: Runtime<DType = DType>>(
 }
 
 /// Validate `q, k, v` and derive the [`Problem`].
+/// The values of a KV cache's `lengths`: a `[B]` `i32` tensor, each in
+/// `0 ..= Sk` (the capacity). Reads them back to the host.
+pub fn cache_lengths<R: Runtime<DType = DType>>(
+    lengths: &Tensor<R>,
+    p: &Problem,
+) -> Result<Vec<usize>> {
+    if lengths.dtype() != DType::I32 {
+        return Err(Error::CacheIndexDType {
+            name: "lengths",
+            got: lengths.dtype(),
+        });
+    }
+    if lengths.shape() != [p.batch] {
+        return Err(Error::ShapeOf {
+            name: "lengths",
+            expected: vec![p.batch],
+            got: lengths.shape().to_vec(),
+        });
+    }
+    let values = lengths.contiguous()?.to_vec::<i32>();
+    values
+        .iter()
+        .enumerate()
+        .map(|(batch, &l)| {
+            usize::try_from(l)
+                .ok()
+                .filter(|&l| l <= p.seq_k)
+                .ok_or(Error::CacheLength {
+                    batch,
+                    length: i64::from(l),
+                    capacity: p.seq_k,
+                })
+        })
+        .collect()
+}
+
+/// The problem of a paged KV cache: `q [B, Hq, Sq, D]`, `k_pages, v_pages
+/// [pages, Hkv, page_size, D]`, `page_table [B, max_pages]` (`i32`), with
+/// `Sk = max_pages · page_size`; and the page size.
+pub fn paged_problem<R: Runtime<DType = DType>>(
+    q: &Tensor<R>,
+    k_pages: &Tensor<R>,
+    v_pages: &Tensor<R>,
+    page_table: &Tensor<R>,
+    scale: Option<f32>,
+) -> Result<(Problem, usize)> {
+    let [b, _, _, _] = dims4("q", q)?;
+    let [_, _, page_size, _] = dims4("k", k_pages)?;
+    if k_pages.shape() != v_pages.shape() {
+        return Err(Error::Shapes {
+            rule: "k and v pages must have the same shape",
+            q: q.shape().to_vec(),
+            k: k_pages.shape().to_vec(),
+            v: v_pages.shape().to_vec(),
+        });
+    }
+    if page_table.dtype() != DType::I32 {
+        return Err(Error::CacheIndexDType {
+            name: "page_table",
+            got: page_table.dtype(),
+        });
+    }
+    let &[tb, max_pages] = page_table.shape() else {
+        return Err(Error::ShapeOf {
+            name: "page_table",
+            expected: vec![b, 0],
+            got: page_table.shape().to_vec(),
+        });
+    };
+    if tb != b || max_pages == 0 {
+        return Err(Error::ShapeOf {
+            name: "page_table",
+            expected: vec![b, max_pages.max(1)],
+            got: page_table.shape().to_vec(),
+        });
+    }
+    let mut p = check_pages(q, k_pages, scale)?;
+    let capacity = max_pages
+        .checked_mul(page_size)
+        .filter(|&c| c <= MAX_INDEX)
+        .ok_or(Error::TooLarge {
+            name: "max_pages · page_size",
+            value: max_pages.saturating_mul(page_size),
+            max: MAX_INDEX,
+        })?;
+    p.seq_k = capacity;
+    Ok((p, page_size))
+}
+
+/// [`problem`] of `q` against the pages (heads, head dim, sizes), with
+/// `q`'s batch and each page's `page_size` keys as `Sk`.
+fn check_pages<R: Runtime<DType = DType>>(
+    q: &Tensor<R>,
+    pages: &Tensor<R>,
+    scale: Option<f32>,
+) -> Result<Problem> {
+    let [b, hq, sq, dq] = dims4("q", q)?;
+    let [_, hk, sk, dk] = dims4("k", pages)?;
+    if dq != dk {
+        return Err(Error::Shapes {
+            rule: "q, k and v must have the same head dim (dim 3)",
+            q: q.shape().to_vec(),
+            k: pages.shape().to_vec(),
+            v: pages.shape().to_vec(),
+        });
+    }
+    if hq % hk != 0 {
+        return Err(Error::Heads {
+            heads_q: hq,
+            heads_kv: hk,
+        });
+    }
+    for (name, value) in [("batch", b), ("Hq", hq), ("Sq", sq)] {
+        if value > MAX_INDEX {
+            return Err(Error::TooLarge {
+                name,
+                value,
+                max: MAX_INDEX,
+            });
+        }
+    }
+    let scale = scale.unwrap_or(1.0 / (dq as f32).sqrt());
+    if !scale.is_finite() {
+        return Err(Error::Scale(scale));
+    }
+    Ok(Problem {
+        batch: b,
+        heads_q: hq,
+        heads_kv: hk,
+        seq_q: sq,
+        seq_k: sk,
+        head_dim: dq,
+        scale,
+    })
+}
+
+/// The page table's values, each entry that sequence `b`'s length reaches
+/// checked to be a page (`0 .. pages`); entries past it are not read (0).
+pub fn page_table<R: Runtime<DType = DType>>(
+    table: &Tensor<R>,
+    lengths: &[usize],
+    page_size: usize,
+    pages: usize,
+) -> Result<Vec<usize>> {
+    let values = table.contiguous()?.to_vec::<i32>();
+    let max_pages = values.len() / lengths.len().max(1);
+    let mut out = vec![0usize; values.len()];
+    for (batch, &len) in lengths.iter().enumerate() {
+        for page in 0..len.div_ceil(page_size) {
+            let index = values[batch * max_pages + page];
+            out[batch * max_pages + page] = usize::try_from(index)
+                .ok()
+                .filter(|&i| i < pages)
+                .ok_or(Error::PageIndex {
+                    batch,
+                    page,
+                    index: i64::from(index),
+                    pages,
+                })?;
+        }
+    }
+    Ok(out)
+}
+
 pub fn problem<R: Runtime<DType = DType>>(
     q: &Tensor<R>,
     k: &Tensor<R>,

@@ -68,6 +68,23 @@ pub(super) fn chunks(p: &Problem, tiles: CpuTiles, threads: usize) -> usize {
     wanted.clamp(1, most)
 }
 
+/// Where the keys and values live.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Keys<'a> {
+    /// `k, v [B, Hkv, Sk, D]`.
+    Contiguous { k: &'a [f32], v: &'a [f32] },
+    /// `k, v [pages, Hkv, page_size, D]`; logical key `j` of sequence `b`
+    /// is slot `j % page_size` of page `table[b · max_pages + j /
+    /// page_size]` (every page a sequence's length reaches is valid).
+    Paged {
+        k: &'a [f32],
+        v: &'a [f32],
+        table: &'a [usize],
+        max_pages: usize,
+        page_size: usize,
+    },
+}
+
 /// One task's partial result: per packed row its running max and sum, and
 /// its unnormalised output row.
 struct Partial<'a> {
@@ -77,22 +94,29 @@ struct Partial<'a> {
 }
 
 /// The forward for decode shapes, with the keys of each (batch, kv head)
-/// cut into `chunks` chunks of whole key tiles.
+/// cut into `chunks` chunks of whole key tiles. With `lens`, sequence `b`
+/// has keys `0 .. lens[b]` of its `Sk` slots (a KV cache with spare
+/// capacity: the others are never read) and its query row `i` sits at
+/// position `i + lens[b] − Sq`; without, every sequence has `Sk` keys.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn forward<V: HostVariant>(
     variant: &V,
     p: &Problem,
     tiles: CpuTiles,
     chunks: usize,
+    lens: Option<&[usize]>,
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    keys: Keys<'_>,
     out: &mut [f32],
     lse: &mut [f32],
 ) {
     let (sq, sk, d, g) = (p.seq_q, p.seq_k, p.head_dim, p.group());
     let rows = g * sq;
-    let pos = Positions::new(p);
+    Positions::new(p);
+    let len = |b: usize| lens.map_or(sk, |l| l[b].min(sk));
+    let pos = |b: usize| Positions {
+        q_offset: Positions::to_i32(len(b)) - Positions::to_i32(sq),
+    };
     // Chunks are whole key tiles; recount after rounding up the chunk size.
     let key_tiles = sk.div_ceil(tiles.kv);
     let chunk_keys = key_tiles.div_ceil(chunks.clamp(1, key_tiles.max(1))) * tiles.kv;
@@ -110,20 +134,20 @@ pub(super) fn forward<V: HostVariant>(
             || Scratch::new(tiles, rows, d),
             |sc, (t, ((m, l), acc))| {
                 let (bkv, c) = (t / chunks, t % chunks);
-                let keys = c * chunk_keys..sk.min((c + 1) * chunk_keys);
-                let head = bkv * sk * d;
+                let b = bkv / p.heads_kv;
+                let end = len(b);
+                let range = (c * chunk_keys).min(end)..end.min((c + 1) * chunk_keys);
                 let task = Task {
                     variant,
                     p,
-                    pos,
+                    pos: pos(b),
                     tiles,
-                    b: bkv / p.heads_kv,
+                    b,
                     hkv: bkv % p.heads_kv,
                     q: &q[bkv * rows * d..(bkv + 1) * rows * d],
-                    k: &k[head..head + sk * d],
-                    v: &v[head..head + sk * d],
+                    keys,
                 };
-                task.run(keys, Partial { m, l, acc }, sc);
+                task.run(range, Partial { m, l, acc }, sc);
             },
         );
 
@@ -132,6 +156,7 @@ pub(super) fn forward<V: HostVariant>(
         .zip(lse.par_chunks_mut(rows))
         .enumerate()
         .for_each(|(bkv, (out_g, lse_g))| {
+            let pos = pos(bkv / p.heads_kv);
             let b = Positions::to_i32(bkv / p.heads_kv);
             for (r, (out_r, lse_r)) in out_g.chunks_mut(d).zip(lse_g.iter_mut()).enumerate() {
                 let h = Positions::to_i32((bkv % p.heads_kv) * g + r / sq);
@@ -204,12 +229,35 @@ struct Task<'a, V> {
     hkv: usize,
     /// The group's `R × D` query rows.
     q: &'a [f32],
-    /// The kv head's `Sk × D` keys and values.
-    k: &'a [f32],
-    v: &'a [f32],
+    keys: Keys<'a>,
 }
 
 impl<V: HostVariant> Task<'_, V> {
+    /// The keys and values `kv0 ..` of this task's (batch, kv head), at
+    /// most `cols` of them and never past a page: `(k, v, count)`.
+    fn block(&self, kv0: usize, cols: usize) -> (&[f32], &[f32], usize) {
+        let (p, d) = (self.p, self.p.head_dim);
+        match self.keys {
+            Keys::Contiguous { k, v } => {
+                let at = ((self.b * p.heads_kv + self.hkv) * p.seq_k + kv0) * d;
+                (&k[at..at + cols * d], &v[at..at + cols * d], cols)
+            }
+            Keys::Paged {
+                k,
+                v,
+                table,
+                max_pages,
+                page_size,
+            } => {
+                let (page, slot) = (kv0 / page_size, kv0 % page_size);
+                let cols = cols.min(page_size - slot);
+                let page = table[self.b * max_pages + page];
+                let at = ((page * p.heads_kv + self.hkv) * page_size + slot) * d;
+                (&k[at..at + cols * d], &v[at..at + cols * d], cols)
+            }
+        }
+    }
+
     /// Stream the key blocks of `keys` through the packed rows into `part`
     /// (statistics and unnormalised output of this chunk).
     fn run(&self, keys: std::ops::Range<usize>, part: Partial<'_>, sc: &mut Scratch) {
@@ -220,17 +268,19 @@ impl<V: HostVariant> Task<'_, V> {
         let Partial { m, l, acc } = part;
         let lanes = &mut sc.l[..rows];
         lanes.fill([0.0; math::LANES]);
-        for kv0 in keys.clone().step_by(self.tiles.kv) {
-            let cols = self.tiles.kv.min(keys.end - kv0);
+        let mut kv0 = keys.start;
+        while kv0 < keys.end {
+            let (k_blk, v_blk, cols) = self.block(kv0, self.tiles.kv.min(keys.end - kv0));
+            let next = kv0 + cols;
             sc.classes.clear();
             sc.classes.extend((0..g).map(|hh| {
                 let h = Positions::to_i32(self.hkv * g + hh);
                 tile_class(self.variant, b, h, (q_lo, q_hi), kv0, cols)
             }));
             if sc.classes.iter().all(|&c| c == TileClass::Empty) {
+                kv0 = next;
                 continue;
             }
-            let k_blk = &self.k[kv0 * d..(kv0 + cols) * d];
             let kt = &mut sc.kt[..d * cols];
             gemm::transpose(k_blk, cols, d, kt, cols);
             let s = &mut sc.s[..rows * cols];
@@ -253,7 +303,6 @@ impl<V: HostVariant> Task<'_, V> {
             });
             // O += P V. Where some row hides some key, that key must not
             // bring a NaN of its V row with it (0 · NaN).
-            let v_blk = &self.v[kv0 * d..(kv0 + cols) * d];
             let hides = sc.classes.iter().any(|&c| c != TileClass::Full);
             let v_blk = if hides && !all_finite(v_blk) {
                 let band = Band {
@@ -271,6 +320,7 @@ impl<V: HostVariant> Task<'_, V> {
                 MatRef::row_major(v_blk, cols, d),
                 1.0,
             );
+            kv0 = next;
         }
         for (l, lanes) in l.iter_mut().zip(&sc.l[..rows]) {
             *l = math::sum_lanes(lanes);

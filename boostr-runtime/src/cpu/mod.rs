@@ -128,7 +128,19 @@ pub fn forward_tiled<V: HostVariant>(
     let threads = rayon::current_num_threads();
     if decode::applies(p) {
         let chunks = decode::chunks(p, tiles, threads);
-        in_pool(|| decode::forward(variant, p, tiles, chunks, q, k, v, out, lse));
+        in_pool(|| {
+            decode::forward(
+                variant,
+                p,
+                tiles,
+                chunks,
+                None,
+                q,
+                decode::Keys::Contiguous { k, v },
+                out,
+                lse,
+            )
+        });
         return;
     }
     let group = forward::group_size(variant, p, tiles, threads);
@@ -157,7 +169,160 @@ pub fn forward_decode<V: HostVariant>(
     assert_eq!(out.len(), p.q_len(), "out length");
     assert_eq!(lse.len(), p.lse_len(), "lse length");
     let tiles = CpuTiles::new(tiles.q, tiles.kv);
-    in_pool(|| decode::forward(variant, p, tiles, chunks, q, k, v, out, lse));
+    in_pool(|| {
+        decode::forward(
+            variant,
+            p,
+            tiles,
+            chunks,
+            None,
+            q,
+            decode::Keys::Contiguous { k, v },
+            out,
+            lse,
+        )
+    });
+}
+
+/// Attention forward over a KV cache with spare capacity: `k, v [B, Hkv,
+/// Sk, D]` where sequence `b` holds keys `0 .. lens[b]` (each at most
+/// `Sk`; the other slots are never read) and its query row `i` sits at
+/// position `i + lens[b] − Sq`. Runs the decode kernel (split-KV, GQA
+/// packed) whatever `Sq`. Captured tensors and out-of-range reads as in
+/// [`forward`].
+#[allow(clippy::too_many_arguments)]
+pub fn forward_cache<V: Variant>(
+    variant: &V,
+    p: &Problem,
+    lens: &[usize],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+    lse: &mut [f32],
+) -> Result<()> {
+    let host = variant.host(p)?;
+    forward_cache_tiled(
+        &host,
+        p,
+        CpuTiles::for_variant::<V>(),
+        lens,
+        q,
+        k,
+        v,
+        out,
+        lse,
+    );
+    host.out_of_range().map_or(Ok(()), Err)
+}
+
+/// Attention forward over a paged KV cache: `k, v [pages, Hkv, page_size,
+/// D]`, logical key `j` of sequence `b` in slot `j % page_size` of page
+/// `table[b · max_pages + j / page_size]`, sequence `b` holding `lens[b]`
+/// keys (`p.seq_k = max_pages · page_size`); otherwise as
+/// [`forward_cache`]. Every page a length reaches must be a valid page
+/// (the op checks; here it is a panic).
+#[allow(clippy::too_many_arguments)]
+pub fn forward_paged<V: Variant>(
+    variant: &V,
+    p: &Problem,
+    lens: &[usize],
+    table: &[usize],
+    page_size: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+    lse: &mut [f32],
+) -> Result<()> {
+    let host = variant.host(p)?;
+    let tiles = CpuTiles::for_variant::<V>();
+    forward_paged_tiled(&host, p, tiles, lens, table, page_size, q, k, v, out, lse);
+    host.out_of_range().map_or(Ok(()), Err)
+}
+
+/// [`forward_paged`] with explicit tile sizes (for tuning and tests).
+#[allow(clippy::too_many_arguments)]
+pub fn forward_paged_tiled<V: HostVariant>(
+    variant: &V,
+    p: &Problem,
+    tiles: CpuTiles,
+    lens: &[usize],
+    table: &[usize],
+    page_size: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+    lse: &mut [f32],
+) {
+    assert_eq!(q.len(), p.q_len(), "q length");
+    assert_eq!(k.len(), v.len(), "k/v length");
+    assert_eq!(out.len(), p.q_len(), "out length");
+    assert_eq!(lse.len(), p.lse_len(), "lse length");
+    assert_eq!(lens.len(), p.batch, "one length per sequence");
+    assert!(
+        page_size > 0 && p.seq_k.is_multiple_of(page_size),
+        "whole pages"
+    );
+    let max_pages = p.seq_k / page_size;
+    assert_eq!(
+        table.len(),
+        p.batch * max_pages,
+        "a page table row per sequence"
+    );
+    let pages = k.len() / (p.heads_kv * page_size * p.head_dim).max(1);
+    for (b, &len) in lens.iter().enumerate() {
+        assert!(len <= p.seq_k, "length within the table");
+        let used = &table[b * max_pages..b * max_pages + len.div_ceil(page_size)];
+        assert!(used.iter().all(|&page| page < pages), "valid pages");
+    }
+    let tiles = CpuTiles::new(tiles.q, tiles.kv);
+    let chunks = decode::chunks(p, tiles, rayon::current_num_threads());
+    let keys = decode::Keys::Paged {
+        k,
+        v,
+        table,
+        max_pages,
+        page_size,
+    };
+    in_pool(|| decode::forward(variant, p, tiles, chunks, Some(lens), q, keys, out, lse));
+}
+
+/// [`forward_cache`] with explicit tile sizes (for tuning and tests).
+#[allow(clippy::too_many_arguments)]
+pub fn forward_cache_tiled<V: HostVariant>(
+    variant: &V,
+    p: &Problem,
+    tiles: CpuTiles,
+    lens: &[usize],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+    lse: &mut [f32],
+) {
+    assert_eq!(q.len(), p.q_len(), "q length");
+    assert_eq!(k.len(), p.kv_len(), "k length");
+    assert_eq!(v.len(), p.kv_len(), "v length");
+    assert_eq!(out.len(), p.q_len(), "out length");
+    assert_eq!(lse.len(), p.lse_len(), "lse length");
+    assert_eq!(lens.len(), p.batch, "one length per sequence");
+    let tiles = CpuTiles::new(tiles.q, tiles.kv);
+    let chunks = decode::chunks(p, tiles, rayon::current_num_threads());
+    in_pool(|| {
+        decode::forward(
+            variant,
+            p,
+            tiles,
+            chunks,
+            Some(lens),
+            q,
+            decode::Keys::Contiguous { k, v },
+            out,
+            lse,
+        )
+    });
 }
 
 /// Attention backward with the variant's [`CpuTiles`]: writes `dq`, `dk`, `dv`,

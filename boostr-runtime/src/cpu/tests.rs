@@ -192,7 +192,19 @@ struct Reference {
 }
 
 fn reference<V: HostVariant>(var: &V, p: &Problem, x: &Inputs) -> Reference {
-    let (sq, sk, d) = (p.seq_q, p.seq_k, p.head_dim);
+    reference_lens(var, p, x, None)
+}
+
+/// [`reference`] over a KV cache: sequence `b` has keys `0 .. lens[b]` of
+/// its `Sk` slots, and its query row `i` sits at `i + lens[b] − Sq`.
+fn reference_lens<V: HostVariant>(
+    var: &V,
+    p: &Problem,
+    x: &Inputs,
+    lens: Option<&[usize]>,
+) -> Reference {
+    let (sq, d) = (p.seq_q, p.head_dim);
+    let cap = p.seq_k;
     let scale = p.scale as f64;
     let f = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
     let (q, k, v, dout) = (f(&x.q), f(&x.k), f(&x.v), f(&x.dout));
@@ -206,10 +218,11 @@ fn reference<V: HostVariant>(var: &V, p: &Problem, x: &Inputs) -> Reference {
     for b in 0..p.batch {
         for h in 0..p.heads_q {
             let bh = b * p.heads_q + h;
-            let kvb = (b * p.heads_kv + h / p.group()) * sk;
+            let kvb = (b * p.heads_kv + h / p.group()) * cap;
+            let sk = lens.map_or(cap, |l| l[b]);
             let (bi, hi) = (b as i32, h as i32);
             for i in 0..sq {
-                let qi = (i as i64 + p.q_offset()) as i32;
+                let qi = (i as i64 + sk as i64 - sq as i64) as i32;
                 let qrow = &q[(bh * sq + i) * d..][..d];
                 let mut s = vec![0.0; sk];
                 let mut x = vec![f64::NEG_INFINITY; sk];
@@ -878,4 +891,145 @@ fn decode_splits_only_when_the_heads_leave_threads_idle() {
     assert_eq!(decode::chunks(&problem(1, 8, 1, 1, 100, 128), t, 16), 1);
     assert!(decode::applies(&problem(1, 8, 1, 32, 100, 128)));
     assert!(!decode::applies(&problem(1, 8, 1, 33, 100, 128)));
+}
+
+/// The cache forward into NaN-poisoned buffers, against the f64 reference;
+/// the spare slots past each length hold NaN and infinities.
+#[track_caller]
+fn check_cache<V: HostVariant>(v: &V, p: &Problem, t: CpuTiles, lens: &[usize]) {
+    let mut x = Inputs::new(p, 0xcac4e ^ p.seq_k as u64, 1.0);
+    let (cap, d) = (p.seq_k, p.head_dim);
+    for (row, (k, v)) in x.k.chunks_mut(d).zip(x.v.chunks_mut(d)).enumerate() {
+        let b = row / (p.heads_kv * cap);
+        if row % cap >= lens[b] {
+            k.fill(f32::NAN);
+            v.iter_mut()
+                .enumerate()
+                .for_each(|(i, y)| *y = [f32::INFINITY, f32::NAN][i % 2]);
+        }
+    }
+    let want = reference_lens(v, p, &x, Some(lens));
+    let mut out = vec![f32::NAN; p.q_len()];
+    let mut lse = vec![f32::NAN; p.lse_len()];
+    forward_cache_tiled(v, p, t, lens, &x.q, &x.k, &x.v, &mut out, &mut lse);
+    let ctx = format!("{} {p:?} lens {lens:?}", V::NAME);
+    assert_close(&format!("out {ctx}"), &out, &want.out, 2e-5);
+    assert_close(&format!("lse {ctx}"), &lse, &want.lse, 2e-5);
+}
+
+#[test]
+fn cache_lengths_match_reference_and_spare_slots_stay_out() {
+    let t = CpuTiles::new(64, 64);
+    // Lengths 0, 1, a key-tile boundary, the capacity and others, mixed in
+    // one batch; GQA 8:1; decode, speculative rows, and more rows than
+    // some sequences have keys.
+    let lens = [0, 1, 64, 200, 129, 17];
+    for (hq, hkv, sq) in [(8, 1, 1), (8, 1, 4), (4, 2, 17), (2, 2, 40)] {
+        let p = problem(lens.len(), hq, hkv, sq, 200, 64);
+        check_cache(&Unmasked, &p, t, &lens);
+        check_cache(&CausalSoftcap::new(20.0), &p, t, &lens);
+        check_cache(&SlidingWindow { window: 50 }, &p, t, &lens);
+        check_cache(&Alibi { slope: 0.02 }, &p, t, &lens);
+    }
+}
+
+#[test]
+fn a_full_cache_is_the_plain_forward() {
+    // One length for the whole batch, at capacity: the plain call (the
+    // same kernel for Sq <= 32), bit for bit.
+    let p = problem(3, 8, 2, 5, 333, 64);
+    let x = Inputs::new(&p, 7, 1.0);
+    let v = CausalSoftcap::new(30.0);
+    let t = CpuTiles::new(64, 64);
+    let (mut out, mut lse) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
+    forward_tiled(&v, &p, t, &x.q, &x.k, &x.v, &mut out, &mut lse);
+    let (mut out2, mut lse2) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
+    forward_cache_tiled(&v, &p, t, &[333; 3], &x.q, &x.k, &x.v, &mut out2, &mut lse2);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&out), bits(&out2));
+    assert_eq!(bits(&lse), bits(&lse2));
+}
+
+/// The cache of `x` (`[B, Hkv, Sk, D]`, lengths `lens`) scattered into
+/// pages of `page_size` in a shuffled order, with one spare page of NaN:
+/// `(k pages, v pages, table)`, table entries past a length garbage.
+fn paged(
+    p: &Problem,
+    x: &Inputs,
+    lens: &[usize],
+    page_size: usize,
+) -> (Vec<f32>, Vec<f32>, Vec<usize>) {
+    let (d, hkv, cap) = (p.head_dim, p.heads_kv, p.seq_k);
+    let max_pages = cap / page_size;
+    let pages = p.batch * max_pages + 1;
+    // Page `n` of the shuffled order holds (sequence, page) `order[n]`.
+    let gcd = |mut a: usize, mut b: usize| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    let m = [7, 5, 11, 13]
+        .into_iter()
+        .find(|&m| gcd(m, pages) == 1)
+        .unwrap_or(1);
+    let order: Vec<usize> = (0..pages).map(|n| (n * m + 3) % pages).collect();
+    let mut kp = vec![f32::NAN; pages * hkv * page_size * d];
+    let mut vp = vec![f32::NAN; pages * hkv * page_size * d];
+    let mut table = vec![usize::MAX; p.batch * max_pages];
+    for (page, &logical) in order.iter().enumerate() {
+        if logical == pages - 1 {
+            continue; // the spare page
+        }
+        let (b, lp) = (logical / max_pages, logical % max_pages);
+        if lp * page_size < lens[b] {
+            table[b * max_pages + lp] = page;
+        }
+        for h in 0..hkv {
+            for slot in 0..page_size {
+                let from = ((b * hkv + h) * cap + lp * page_size + slot) * d;
+                let to = ((page * hkv + h) * page_size + slot) * d;
+                kp[to..to + d].copy_from_slice(&x.k[from..from + d]);
+                vp[to..to + d].copy_from_slice(&x.v[from..from + d]);
+            }
+        }
+    }
+    (kp, vp, table)
+}
+
+#[test]
+fn paged_caches_match_the_contiguous_cache() {
+    let t = CpuTiles::new(64, 64);
+    let lens = [0, 1, 48, 192, 130];
+    let p = problem(lens.len(), 8, 2, 3, 192, 64);
+    let x = Inputs::new(&p, 0x9a9e, 1.0);
+    let v = CausalSoftcap::new(20.0);
+    let want = reference_lens(&v, &p, &x, Some(&lens));
+    let (mut out, mut lse) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
+    forward_cache_tiled(&v, &p, t, &lens, &x.q, &x.k, &x.v, &mut out, &mut lse);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    // Pages of whole key tiles: the same blocks, bit for bit; other sizes
+    // cut blocks at page boundaries: within rounding.
+    for page_size in [64, 192, 48, 16, 96] {
+        let (kp, vp, table) = paged(&p, &x, &lens, page_size);
+        let (mut po, mut pl) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
+        forward_paged_tiled(
+            &v, &p, t, &lens, &table, page_size, &x.q, &kp, &vp, &mut po, &mut pl,
+        );
+        let ctx = format!("page size {page_size}");
+        assert_close(&format!("out {ctx}"), &po, &want.out, 2e-5);
+        assert_close(&format!("lse {ctx}"), &pl, &want.lse, 2e-5);
+        if page_size % t.kv == 0 {
+            assert_eq!(
+                bits(&po),
+                bits(&out),
+                "{ctx}: out differs from the contiguous cache"
+            );
+            assert_eq!(
+                bits(&pl),
+                bits(&lse),
+                "{ctx}: lse differs from the contiguous cache"
+            );
+        }
+    }
 }

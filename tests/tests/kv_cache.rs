@@ -1,0 +1,309 @@
+//! KV caches with per-sequence lengths through the public op: each sequence
+//! of a cache call against `attention_fwd` on that sequence's keys alone,
+//! spare slots full of NaN, and every bad length an `Err`.
+
+use boostr_runtime::stock::{Causal, CausalSlidingWindow, CausalSoftcap};
+use boostr_runtime::testing::{CpuRuntime, Rng};
+use boostr_runtime::{
+    AttentionOptions, Error, KvCache, PagedKvCache, Variant, attention_fwd, attention_fwd_cache,
+    attention_fwd_paged,
+};
+use numr::runtime::cpu::CpuDevice;
+use numr::tensor::Tensor;
+
+const HQ: usize = 8;
+const HKV: usize = 1;
+const D: usize = 64;
+const CAP: usize = 150;
+
+struct Case {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    lens: Vec<i32>,
+    sq: usize,
+}
+
+impl Case {
+    /// Random q, k, v; the slots past each length hold NaN and infinities.
+    fn new(lens: &[i32], sq: usize, seed: u64) -> Case {
+        let b = lens.len();
+        let mut rng = Rng::new(seed, 0);
+        let q = rng.normal_f32(b * HQ * sq * D, 1.0);
+        let mut k = rng.normal_f32(b * HKV * CAP * D, 1.0);
+        let mut v = rng.normal_f32(b * HKV * CAP * D, 1.0);
+        for (row, (kr, vr)) in k.chunks_mut(D).zip(v.chunks_mut(D)).enumerate() {
+            if row % CAP >= lens[row / (HKV * CAP)] as usize {
+                kr.fill(f32::NAN);
+                vr.fill(f32::INFINITY);
+            }
+        }
+        Case {
+            q,
+            k,
+            v,
+            lens: lens.to_vec(),
+            sq,
+        }
+    }
+
+    fn tensor(&self, data: &[f32], shape: &[usize]) -> Tensor<CpuRuntime> {
+        Tensor::from_slice(data, shape, &CpuDevice::new()).expect("a host tensor")
+    }
+
+    /// The cache call.
+    fn cached<V: Variant>(&self, variant: &V) -> Result<(Vec<f32>, Vec<f32>), Error> {
+        let b = self.lens.len();
+        let q = self.tensor(&self.q, &[b, HQ, self.sq, D]);
+        let k = self.tensor(&self.k, &[b, HKV, CAP, D]);
+        let v = self.tensor(&self.v, &[b, HKV, CAP, D]);
+        let lengths = Tensor::<CpuRuntime>::from_slice(&self.lens, &[b], &CpuDevice::new())
+            .expect("a host tensor");
+        let cache = KvCache {
+            k: &k,
+            v: &v,
+            lengths: &lengths,
+        };
+        let (out, lse) = attention_fwd_cache(variant, &q, &cache, &AttentionOptions::default())?;
+        Ok((out.to_vec(), lse.to_vec()))
+    }
+
+    /// Sequence `b` alone through `attention_fwd`, with only its keys
+    /// (`None` for a sequence without keys).
+    fn alone<V: Variant>(&self, variant: &V, b: usize) -> Option<(Vec<f32>, Vec<f32>)> {
+        let len = self.lens[b] as usize;
+        if len == 0 {
+            return None;
+        }
+        let rows = HQ * self.sq * D;
+        let q = self.tensor(&self.q[b * rows..(b + 1) * rows], &[1, HQ, self.sq, D]);
+        let keys = |x: &[f32]| -> Vec<f32> {
+            (0..HKV)
+                .flat_map(|h| {
+                    let at = (b * HKV + h) * CAP * D;
+                    x[at..at + len * D].to_vec()
+                })
+                .collect()
+        };
+        let k = self.tensor(&keys(&self.k), &[1, HKV, len, D]);
+        let v = self.tensor(&keys(&self.v), &[1, HKV, len, D]);
+        let (out, lse) = attention_fwd(variant, &q, &k, &v, &AttentionOptions::default())
+            .expect("the sequence alone");
+        Some((out.to_vec(), lse.to_vec()))
+    }
+}
+
+fn check<V: Variant>(variant: &V, lens: &[i32], sq: usize) {
+    let case = Case::new(lens, sq, 0x5eed ^ sq as u64);
+    let (out, lse) = case.cached(variant).expect("the cache call");
+    let (rows, lse_rows) = (HQ * sq * D, HQ * sq);
+    for b in 0..lens.len() {
+        let (got, got_lse) = (
+            &out[b * rows..(b + 1) * rows],
+            &lse[b * lse_rows..(b + 1) * lse_rows],
+        );
+        match case.alone(variant, b) {
+            None => {
+                assert!(got.iter().all(|&x| x == 0.0), "length 0: out is 0");
+                assert!(
+                    got_lse.iter().all(|&x| x == f32::NEG_INFINITY),
+                    "length 0: lse is -inf"
+                );
+            }
+            Some((want, want_lse)) => {
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                        "{} lens {lens:?} Sq {sq}: sequence {b} out[{i}] = {g}, alone {w}",
+                        V::NAME
+                    );
+                }
+                for (i, (g, w)) in got_lse.iter().zip(&want_lse).enumerate() {
+                    assert!(
+                        g == w || (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                        "{} lens {lens:?} Sq {sq}: sequence {b} lse[{i}] = {g}, alone {w}",
+                        V::NAME
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn each_sequence_sees_its_own_keys_at_its_own_positions() {
+    // Lengths 0, 1, a key-tile boundary, the capacity and between, in one
+    // batch; GQA 8:1; Sq 1, 4 and 17 (rows before a short sequence's first
+    // key see nothing under a causal mask).
+    let lens = [0, 1, 64, 150, 97];
+    for sq in [1, 4, 17] {
+        check(&Causal, &lens, sq);
+        check(&CausalSlidingWindow { window: 20 }, &lens, sq);
+        check(&CausalSoftcap { cap: 15.0 }, &lens, sq);
+    }
+}
+
+#[test]
+fn bad_lengths_are_errors() {
+    let case = |lens: &[i32]| Case::new(&[3, 3], 1, 1).with_lens(lens);
+    for bad in [[-1, 3], [3, CAP as i32 + 1]] {
+        match case(&bad).cached(&Causal) {
+            Err(Error::CacheLength {
+                length, capacity, ..
+            }) => {
+                assert!(length < 0 || length > capacity as i64, "{bad:?}");
+                assert_eq!(capacity, CAP);
+            }
+            other => panic!("lengths {bad:?}: {other:?}"),
+        }
+    }
+    // One length per sequence.
+    let c = Case::new(&[3, 3], 1, 1);
+    let q = c.tensor(&c.q, &[2, HQ, 1, D]);
+    let k = c.tensor(&c.k, &[2, HKV, CAP, D]);
+    let v = c.tensor(&c.v, &[2, HKV, CAP, D]);
+    let three = Tensor::<CpuRuntime>::from_slice(&[1i32, 2, 3], &[3], &CpuDevice::new()).unwrap();
+    let cache = KvCache {
+        k: &k,
+        v: &v,
+        lengths: &three,
+    };
+    let err = attention_fwd_cache(&Causal, &q, &cache, &AttentionOptions::default()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::ShapeOf {
+                name: "lengths",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // i32 only.
+    let float = Tensor::<CpuRuntime>::from_slice(&[1.0f32, 2.0], &[2], &CpuDevice::new()).unwrap();
+    let cache = KvCache {
+        k: &k,
+        v: &v,
+        lengths: &float,
+    };
+    let err = attention_fwd_cache(&Causal, &q, &cache, &AttentionOptions::default()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::CacheIndexDType {
+                name: "lengths",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("I32"), "{err}");
+}
+
+impl Case {
+    fn with_lens(mut self, lens: &[i32]) -> Case {
+        self.lens = lens.to_vec();
+        self
+    }
+}
+
+/// `lens` sequences of up to 192 keys, as a contiguous cache and as pages
+/// of 64 in reverse order (one spare page of NaN, unused table entries
+/// garbage): the paged op's results against the contiguous op's.
+#[test]
+fn pages_are_the_contiguous_cache_in_place() {
+    let device = CpuDevice::new();
+    let (cap, ps) = (192usize, 64usize);
+    let lens = [5i32, 192, 0, 64, 100];
+    let b = lens.len();
+    let mut rng = Rng::new(99, 0);
+    let q = rng.normal_f32(b * HQ * 3 * D, 1.0);
+    let k = rng.normal_f32(b * HKV * cap * D, 1.0);
+    let v = rng.normal_f32(b * HKV * cap * D, 1.0);
+    let max_pages = cap / ps;
+    let pages = b * max_pages + 1;
+    let mut kp = vec![f32::NAN; pages * HKV * ps * D];
+    let mut vp = vec![f32::NAN; pages * HKV * ps * D];
+    let mut table = vec![-7i32; b * max_pages];
+    for s in 0..b {
+        for lp in 0..max_pages {
+            let page = pages - 1 - (s * max_pages + lp); // page 0 is spare
+            if lp * ps < lens[s] as usize {
+                table[s * max_pages + lp] = page as i32;
+            }
+            for h in 0..HKV {
+                let from = ((s * HKV + h) * cap + lp * ps) * D;
+                let to = (page * HKV + h) * ps * D;
+                kp[to..to + ps * D].copy_from_slice(&k[from..from + ps * D]);
+                vp[to..to + ps * D].copy_from_slice(&v[from..from + ps * D]);
+            }
+        }
+    }
+    let t = |data: &[f32], shape: &[usize]| {
+        Tensor::<CpuRuntime>::from_slice(data, shape, &device).expect("a host tensor")
+    };
+    let ti = |data: &[i32], shape: &[usize]| {
+        Tensor::<CpuRuntime>::from_slice(data, shape, &device).expect("a host tensor")
+    };
+    let q = t(&q, &[b, HQ, 3, D]);
+    let lengths = ti(&lens, &[b]);
+    let opts = AttentionOptions::default();
+    let variant = CausalSoftcap { cap: 10.0 };
+    let (k, v) = (t(&k, &[b, HKV, cap, D]), t(&v, &[b, HKV, cap, D]));
+    let contiguous = KvCache {
+        k: &k,
+        v: &v,
+        lengths: &lengths,
+    };
+    let (out, lse) = attention_fwd_cache(&variant, &q, &contiguous, &opts).expect("contiguous");
+    let (kp, vp) = (t(&kp, &[pages, HKV, ps, D]), t(&vp, &[pages, HKV, ps, D]));
+    let page_table = ti(&table, &[b, max_pages]);
+    let paged = PagedKvCache {
+        k_pages: &kp,
+        v_pages: &vp,
+        page_table: &page_table,
+        lengths: &lengths,
+    };
+    let (pout, plse) = attention_fwd_paged(&variant, &q, &paged, &opts).expect("paged");
+    let bits = |x: Tensor<CpuRuntime>| {
+        x.to_vec::<f32>()
+            .into_iter()
+            .map(f32::to_bits)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        bits(pout),
+        bits(out),
+        "out: pages of whole key tiles, same blocks"
+    );
+    assert_eq!(bits(plse), bits(lse), "lse");
+
+    // A table entry a length reaches that is no page, and a length past
+    // the table: errors.
+    let mut bad = table.clone();
+    bad[max_pages + 2] = pages as i32; // sequence 1 uses all three pages
+    let bad = ti(&bad, &[b, max_pages]);
+    let cache = PagedKvCache {
+        page_table: &bad,
+        ..paged
+    };
+    match attention_fwd_paged(&variant, &q, &cache, &opts) {
+        Err(Error::PageIndex {
+            batch: 1, page: 2, ..
+        }) => {}
+        other => panic!("bad page: {other:?}"),
+    }
+    let long = ti(&[5, 193, 0, 64, 100], &[b]);
+    let cache = PagedKvCache {
+        lengths: &long,
+        ..paged
+    };
+    match attention_fwd_paged(&variant, &q, &cache, &opts) {
+        Err(Error::CacheLength {
+            batch: 1,
+            capacity: 192,
+            ..
+        }) => {}
+        other => panic!("long length: {other:?}"),
+    }
+}
