@@ -9,12 +9,18 @@
 //! Shapes: `Hq = 32`, `Hkv = 8`, `D = 128`, f32, `stock::Causal`, for
 //! (B, Sk) in (1, 4k), (1, 16k), (1, 64k), (8, 4k), (8, 16k). Copy
 //! bandwidth: a 1 GiB buffer copied by all threads at once, bytes copied ÷
-//! time. Medians of `reps` (default 7) runs. `bench/decode.py` runs this,
-//! then PyTorch's SDPA on the same shapes.
+//! time. Then, at B = 8, Sk = 16k, the same keys as a KV cache
+//! (`attention_fwd_cache`, every length 16k) against pages of 64 and of 16
+//! keys in shuffled order (`attention_fwd_paged`). Medians of `reps`
+//! (default 7) runs. `bench/decode.py` runs this, then PyTorch's SDPA on
+//! the same shapes.
 
 use boostr_runtime::stock::Causal;
 use boostr_runtime::testing::Rng;
-use boostr_runtime::{AttentionOptions, attention_fwd};
+use boostr_runtime::{
+    AttentionOptions, KvCache, PagedKvCache, attention_fwd, attention_fwd_cache,
+    attention_fwd_paged,
+};
 use numr::prelude::{CpuDevice, CpuRuntime, Tensor};
 use rayon::prelude::*;
 use std::time::Instant;
@@ -65,6 +71,80 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             t * 1e3,
             bytes / t / 1e9,
             100.0 * bytes / t / copy
+        );
+    }
+    paged(&device, &mut rng, reps)?;
+    Ok(())
+}
+
+/// The median seconds of `reps` runs of `f` after one untimed.
+fn time(reps: usize, f: &mut dyn FnMut()) -> f64 {
+    f();
+    let mut times: Vec<f64> = (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    median(&mut times)
+}
+
+/// A full cache against the same keys in shuffled pages.
+fn paged(device: &CpuDevice, rng: &mut Rng, reps: usize) -> Result<(), Box<dyn std::error::Error>> {
+    let (b, sk) = (8, 16384);
+    let q = rng.normal_f32(b * HQ * D, 1.0);
+    let k = rng.normal_f32(b * HKV * sk * D, 1.0);
+    let v = rng.normal_f32(b * HKV * sk * D, 1.0);
+    let t = |x: &[f32], shape: &[usize]| Tensor::<CpuRuntime>::from_slice(x, shape, device);
+    let ti = |x: &[i32], shape: &[usize]| Tensor::<CpuRuntime>::from_slice(x, shape, device);
+    let q = t(&q, &[b, HQ, 1, D])?;
+    let lengths = ti(&vec![sk as i32; b], &[b])?;
+    let opts = AttentionOptions::default();
+    let (kt, vt) = (t(&k, &[b, HKV, sk, D])?, t(&v, &[b, HKV, sk, D])?);
+    let cache = KvCache {
+        k: &kt,
+        v: &vt,
+        lengths: &lengths,
+    };
+    let contiguous = time(reps, &mut || {
+        std::hint::black_box(attention_fwd_cache(&Causal, &q, &cache, &opts).expect("cache"));
+    });
+    println!("B = {b}, Sk = {sk}, KV cache: {:.2} ms", contiguous * 1e3);
+    for ps in [64usize, 16] {
+        let max_pages = sk / ps;
+        let pages = b * max_pages;
+        // Logical page n of the batch in physical page (n · 7919) mod pages.
+        let place = |n: usize| n * 7919 % pages;
+        let (mut kp, mut vp) = (vec![0.0f32; k.len()], vec![0.0f32; v.len()]);
+        let mut table = vec![0i32; pages];
+        for s in 0..b {
+            for lp in 0..max_pages {
+                let page = place(s * max_pages + lp);
+                table[s * max_pages + lp] = page as i32;
+                for h in 0..HKV {
+                    let from = ((s * HKV + h) * sk + lp * ps) * D;
+                    let to = (page * HKV + h) * ps * D;
+                    kp[to..to + ps * D].copy_from_slice(&k[from..from + ps * D]);
+                    vp[to..to + ps * D].copy_from_slice(&v[from..from + ps * D]);
+                }
+            }
+        }
+        let (kp, vp) = (t(&kp, &[pages, HKV, ps, D])?, t(&vp, &[pages, HKV, ps, D])?);
+        let page_table = ti(&table, &[b, max_pages])?;
+        let cache = PagedKvCache {
+            k_pages: &kp,
+            v_pages: &vp,
+            page_table: &page_table,
+            lengths: &lengths,
+        };
+        let paged = time(reps, &mut || {
+            std::hint::black_box(attention_fwd_paged(&Causal, &q, &cache, &opts).expect("paged"));
+        });
+        println!(
+            "B = {b}, Sk = {sk}, pages of {ps} (shuffled): {:.2} ms, {:.3}× the KV cache",
+            paged * 1e3,
+            paged / contiguous
         );
     }
     Ok(())
