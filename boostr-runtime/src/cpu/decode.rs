@@ -272,6 +272,13 @@ impl<V: HostVariant> Task<'_, V> {
         while kv0 < keys.end {
             let (k_blk, v_blk, cols) = self.block(kv0, self.tiles.kv.min(keys.end - kv0));
             let next = kv0 + cols;
+            if next < keys.end {
+                // The next block may be on another page, where the hardware
+                // prefetcher has no stream yet: start its loads now.
+                let (k_next, v_next, _) = self.block(next, self.tiles.kv.min(keys.end - next));
+                prefetch(k_next);
+                prefetch(v_next);
+            }
             sc.classes.clear();
             sc.classes.extend((0..g).map(|hh| {
                 let h = Positions::to_i32(self.hkv * g + hh);
@@ -391,4 +398,21 @@ impl<V: HostVariant> Elementwise for BlockSoftmax<'_, '_, V> {
             l[r] = math::exp_sub_lanes(row, m[r], l[r]);
         }
     }
+}
+
+/// Ask for every cache line of `x` ahead of its use (nothing off x86-64).
+#[inline(always)]
+fn prefetch(x: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in x.chunks(16) {
+        // SAFETY: a prefetch is only a hint; it never faults, and the
+        // address is in `x`.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                line.as_ptr().cast(),
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = x;
 }
