@@ -286,9 +286,18 @@ impl Call<'_> {
             Arg::Scalar(Scalar::SeqQ) => int(p.seq_q),
             Arg::Scalar(Scalar::SeqK) => int(p.seq_k),
             Arg::Scalar(Scalar::Scale) => Ok(Value::Float(p.scale)),
-            Arg::Scalar(s @ (Scalar::TileBegin | Scalar::TileEnd | Scalar::Flags)) => Err(
-                launch_error(format!("`{}` has no value in a CUDA launch", s.name())),
-            ),
+            Arg::Scalar(
+                s @ (Scalar::TileBegin
+                | Scalar::TileEnd
+                | Scalar::Flags
+                | Scalar::KvLens
+                | Scalar::KvPages
+                | Scalar::PageSize
+                | Scalar::MaxPages),
+            ) => Err(launch_error(format!(
+                "`{}` has no value in a CUDA launch",
+                s.name()
+            ))),
             Arg::Params => Ok(Value::Params(self.params)),
             Arg::Captures => Ok(Value::Ptr(self.captures)),
         }

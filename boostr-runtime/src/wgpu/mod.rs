@@ -9,14 +9,14 @@
 //! and each entry point's workgroups and tile loop from the tiles and the
 //! problem. f32 only.
 
-use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors};
+use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, CacheLengths, Pages};
 use crate::error::{BackendError, Result};
 use crate::gpu::{self, ArenaPlan, KernelCache};
 use crate::problem::Problem;
 use crate::validate;
 use crate::variant::Variant;
 use kernels_spec::emit::Target;
-use kernels_spec::emit::interface::{Access, Buffer, Scalar};
+use kernels_spec::emit::interface::{Access, Buffer, NO_WORD, Scalar};
 use kernels_spec::emit::wgsl::interface::{Binding, MAX_WORKGROUPS, Module, SHAPE, SHAPE_WORDS};
 use kernels_spec::emit::wgsl::{FLAG_FIRST, FLAG_LAST, WgslTiles, kernels, module_source};
 use kernels_spec::params::ERROR_WORDS;
@@ -228,7 +228,39 @@ fn ranges(n: u64, per: u32) -> Vec<(u32, u32, u32)> {
 
 /// The `shape` uniform of one dispatch, in [`SHAPE`]'s order. Sizes fit in
 /// u32: validation bounds them by 2^30.
-fn shape_words(p: &Problem, (begin, end, flags): (u32, u32, u32)) -> [u32; SHAPE_WORDS] {
+/// Where a call's keys live, as the `shape` uniform tells the kernels.
+#[derive(Clone, Copy, Debug)]
+struct KvShape {
+    lens: u32,
+    pages: u32,
+    page_size: u32,
+    max_pages: u32,
+}
+
+impl KvShape {
+    /// `k, v [B, Hkv, Sk, D]`, every sequence `Sk` keys.
+    const PLAIN: KvShape = KvShape {
+        lens: NO_WORD,
+        pages: NO_WORD,
+        page_size: 0,
+        max_pages: 0,
+    };
+}
+
+/// A KV cache's lengths and page table, which the call copies into its
+/// arena after the captures (lengths at word `words`, the table after them).
+#[derive(Clone, Copy, Debug)]
+struct CacheWords<'a> {
+    lengths: &'a Tensor<WgpuRuntime>,
+    /// The page table, keys per page and entries per row.
+    pages: Option<(&'a Tensor<WgpuRuntime>, usize, usize)>,
+}
+
+fn shape_words(
+    p: &Problem,
+    (begin, end, flags): (u32, u32, u32),
+    kv: KvShape,
+) -> [u32; SHAPE_WORDS] {
     let mut words = [0u32; SHAPE_WORDS];
     for (w, s) in words.iter_mut().zip(SHAPE) {
         *w = match s {
@@ -241,6 +273,10 @@ fn shape_words(p: &Problem, (begin, end, flags): (u32, u32, u32)) -> [u32; SHAPE
             Scalar::TileBegin => begin,
             Scalar::TileEnd => end,
             Scalar::Flags => flags,
+            Scalar::KvLens => kv.lens,
+            Scalar::KvPages => kv.pages,
+            Scalar::PageSize => kv.page_size,
+            Scalar::MaxPages => kv.max_pages,
         };
     }
     words
@@ -279,14 +315,39 @@ struct DeviceArena {
     /// record and the gradient accumulators (the arena from
     /// `grad_start` on), in that order.
     learned: Option<Tensor<WgpuRuntime>>,
+    /// `i32` tensors copied in after the plan's words, at these words.
+    cache: Vec<(Tensor<WgpuRuntime>, usize)>,
 }
 
 impl DeviceArena {
     /// The arena of `variant`'s captures for problem `p`, on `device`; a
     /// call that `learn`s reads its gradient accumulators back.
-    fn new<V: Variant>(variant: &V, p: &Problem, device: &WgpuDevice, learn: bool) -> Result<Self> {
+    fn new<V: Variant>(
+        variant: &V,
+        p: &Problem,
+        device: &WgpuDevice,
+        learn: bool,
+        cache: Option<CacheWords<'_>>,
+    ) -> Result<Self> {
         let plan = ArenaPlan::new(variant, p)?;
-        let words = Tensor::<WgpuRuntime>::empty(&[plan.arena.words], DType::U32, device)?;
+        let mut extra = Vec::new();
+        let mut end = plan.arena.words;
+        if let Some(c) = cache {
+            for t in std::iter::once(c.lengths).chain(c.pages.map(|(t, ..)| t)) {
+                let t = t.contiguous()?;
+                let n = t.numel();
+                extra.push((t, end));
+                end += n;
+            }
+        }
+        if end > gpu::MAX_ARENA_WORDS {
+            return Err(crate::Error::TooLarge {
+                name: "the capture arena with the cache's lengths and page table (32-bit words)",
+                value: end,
+                max: gpu::MAX_ARENA_WORDS,
+            });
+        }
+        let words = Tensor::<WgpuRuntime>::empty(&[end], DType::U32, device)?;
         let record = if plan.report {
             Some(Tensor::<WgpuRuntime>::empty(
                 &[ERROR_WORDS],
@@ -311,6 +372,7 @@ impl DeviceArena {
             words,
             record,
             learned,
+            cache: extra,
         })
     }
 
@@ -337,6 +399,16 @@ impl DeviceArena {
                 4 * t.offset() as u64,
                 &arena,
                 4 * at as u64,
+                Some(4 * t.numel() as u64),
+            );
+        }
+        for (t, at) in &self.cache {
+            let src = buffer_of(KERNEL, "a KV cache's lengths or page table", t)?;
+            encoder.copy_buffer_to_buffer(
+                &src,
+                4 * t.offset() as u64,
+                &arena,
+                4 * *at as u64,
                 Some(4 * t.numel() as u64),
             );
         }
@@ -495,7 +567,8 @@ fn summary_pass(client: &WgpuClient) -> Result<Arc<SummaryPass>> {
 /// submits it all as one command buffer; then reports a read out of range,
 /// if the call may have one. Tensors are looked up by role in `tensors`.
 /// Returns the arena, whose gradient accumulators a call that `learn`s
-/// reads back.
+/// reads back; a call over a KV cache copies its `cache` words in.
+#[allow(clippy::too_many_arguments)]
 fn run<V: Variant>(
     client: &WgpuClient,
     variant: &V,
@@ -504,8 +577,18 @@ fn run<V: Variant>(
     tensors: &[(Buffer, &Tensor<WgpuRuntime>)],
     modules: &[(&Module, &Pass)],
     learn: bool,
+    cache: Option<CacheWords<'_>>,
 ) -> Result<DeviceArena> {
-    let arena = DeviceArena::new(variant, p, client.device(), learn)?;
+    let arena = DeviceArena::new(variant, p, client.device(), learn, cache)?;
+    let kv = match (cache, arena.cache.as_slice()) {
+        (Some(c), [(_, lens), rest @ ..]) => KvShape {
+            lens: *lens as u32,
+            pages: rest.first().map_or(NO_WORD, |(_, at)| *at as u32),
+            page_size: c.pages.map_or(0, |(_, ps, _)| ps as u32),
+            max_pages: c.pages.map_or(0, |(.., mp)| mp as u32),
+        },
+        _ => KvShape::PLAIN,
+    };
     let summaries = if arena.plan.jobs.is_empty() {
         None
     } else {
@@ -570,7 +653,7 @@ fn run<V: Variant>(
             arena.fill(device, &mut encoder, summaries.as_deref())?;
             for (module, pass, bound, entry, grid, ranges) in &plans {
                 for &range in ranges {
-                    let words = shape_words(p, range);
+                    let words = shape_words(p, range, kv);
                     let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
                     let shape = uniform("boostr shape", &bytes);
                     let entries: Vec<_> = (0u32..)
@@ -613,6 +696,44 @@ fn run<V: Variant>(
     Ok(arena)
 }
 
+/// The forward over a KV cache (lengths, and pages if any): the forward
+/// kernel with the cache's words in the arena; `k, v` as the cache holds
+/// them.
+fn forward_over<V: Variant>(
+    variant: &V,
+    p: &Problem,
+    q: &Tensor<WgpuRuntime>,
+    k: &Tensor<WgpuRuntime>,
+    v: &Tensor<WgpuRuntime>,
+    cache: CacheWords<'_>,
+) -> Result<(Tensor<WgpuRuntime>, Tensor<WgpuRuntime>)> {
+    let (q, k, v) = (input("q", q)?, input("k", k)?, input("v", v)?);
+    let client = WgpuRuntime::default_client(q.device());
+    let fwd = pass::<V>(&client, p, &kernels::FORWARD)?;
+    let cfg = tiles::<V>(p)?;
+    let out = alloc(q.shape(), &q)?;
+    let lse = alloc(&[p.batch, p.heads_q, p.seq_q], &q)?;
+    let stats = alloc(&[p.batch, p.heads_q, p.seq_q, 2], &q)?;
+    run(
+        &client,
+        variant,
+        p,
+        &cfg,
+        &[
+            (Buffer::Q, &q),
+            (Buffer::K, &k),
+            (Buffer::V, &v),
+            (Buffer::Out, &out),
+            (Buffer::Lse, &lse),
+            (Buffer::Stats, &stats),
+        ],
+        &[(&kernels::FORWARD, &fwd)],
+        false,
+        Some(cache),
+    )?;
+    Ok((out, lse))
+}
+
 impl AttentionRuntime for WgpuRuntime {
     fn attention_forward<V: Variant>(
         variant: &V,
@@ -644,8 +765,39 @@ impl AttentionRuntime for WgpuRuntime {
             ],
             &[(&kernels::FORWARD, &fwd)],
             false,
+            None,
         )?;
         Ok((out, lse))
+    }
+
+    fn attention_forward_cache<V: Variant>(
+        variant: &V,
+        p: &Problem,
+        q: &Tensor<Self>,
+        k: &Tensor<Self>,
+        v: &Tensor<Self>,
+        lengths: CacheLengths<'_, Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+        let cache = CacheWords {
+            lengths: lengths.tensor,
+            pages: None,
+        };
+        forward_over(variant, p, q, k, v, cache)
+    }
+
+    fn attention_forward_paged<V: Variant>(
+        variant: &V,
+        p: &Problem,
+        q: &Tensor<Self>,
+        pages: Pages<'_, Self>,
+        lengths: CacheLengths<'_, Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+        let max_pages = p.seq_k / pages.page_size.max(1);
+        let cache = CacheWords {
+            lengths: lengths.tensor,
+            pages: Some((pages.table, pages.page_size, max_pages)),
+        };
+        forward_over(variant, p, q, pages.k, pages.v, cache)
     }
 
     fn attention_backward<V: Variant>(
@@ -695,6 +847,7 @@ impl AttentionRuntime for WgpuRuntime {
             ],
             &modules,
             learn,
+            None,
         )?;
         let tensors = arena
             .grads::<V>(t.tensor_grads)?

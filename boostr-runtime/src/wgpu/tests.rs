@@ -218,3 +218,101 @@ fn a_variant_without_a_lowering_is_refused() {
         );
     }
 }
+
+/// A KV cache and the same keys in pages, on wgpu against the CPU: mixed
+/// lengths (0, 1, a key-tile boundary, the capacity), GQA 4:1, a sliding
+/// window, NaN in the spare slots and in a spare page; pages of 16 and of
+/// 24 keys (the WGSL key tile is 32 at D = 64: pages cross tiles).
+#[test]
+fn kv_caches_and_pages_match_the_cpu() {
+    use crate::testing::{CpuRuntime, Rng};
+    use crate::{KvCache, PagedKvCache, attention_fwd_cache, attention_fwd_paged};
+    use numr::runtime::cpu::CpuDevice;
+    let Some(device) = device() else { return };
+    let (b, hq, hkv, sq, cap, d) = (4usize, 4usize, 1usize, 3usize, 96usize, 64usize);
+    let lens = [0i32, 1, 32, 96];
+    let mut rng = Rng::new(5, 0);
+    let q = rng.normal_f32(b * hq * sq * d, 1.0);
+    let mut k = rng.normal_f32(b * hkv * cap * d, 1.0);
+    let mut v = rng.normal_f32(b * hkv * cap * d, 1.0);
+    for (row, (kr, vr)) in k.chunks_mut(d).zip(v.chunks_mut(d)).enumerate() {
+        if row % cap >= lens[row / (hkv * cap)] as usize {
+            kr.fill(f32::NAN);
+            vr.fill(f32::INFINITY);
+        }
+    }
+    let cpu = CpuDevice::new();
+    let variant = CausalSlidingWindow { window: 40 };
+    let opts = AttentionOptions::default();
+    let on_cpu = |x: &[f32], s: &[usize]| Tensor::<CpuRuntime>::from_slice(x, s, &cpu).unwrap();
+    let on_gpu = |x: &[f32], s: &[usize]| Tensor::<WgpuRuntime>::from_slice(x, s, &device).unwrap();
+    let lens_cpu = Tensor::<CpuRuntime>::from_slice(&lens, &[b], &cpu).unwrap();
+    let lens_gpu = Tensor::<WgpuRuntime>::from_slice(&lens, &[b], &device).unwrap();
+    let (kc, vc) = (on_cpu(&k, &[b, hkv, cap, d]), on_cpu(&v, &[b, hkv, cap, d]));
+    let cache = KvCache {
+        k: &kc,
+        v: &vc,
+        lengths: &lens_cpu,
+    };
+    let qc = on_cpu(&q, &[b, hq, sq, d]);
+    let (want, want_lse) = attention_fwd_cache(&variant, &qc, &cache, &opts).unwrap();
+    let (want, want_lse) = (want.to_vec::<f32>(), want_lse.to_vec::<f32>());
+    let close = |what: &str, got: &[f32], want: &[f32]| {
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                g == w || (g - w).abs() <= 2e-5 * (1.0 + w.abs()),
+                "{what}[{i}] = {g}, cpu {w}"
+            );
+        }
+    };
+    let qg = on_gpu(&q, &[b, hq, sq, d]);
+    let (kg, vg) = (on_gpu(&k, &[b, hkv, cap, d]), on_gpu(&v, &[b, hkv, cap, d]));
+    let cache = KvCache {
+        k: &kg,
+        v: &vg,
+        lengths: &lens_gpu,
+    };
+    let (out, lse) = attention_fwd_cache(&variant, &qg, &cache, &opts).unwrap();
+    close("cache out", &out.to_vec::<f32>(), &want);
+    close("cache lse", &lse.to_vec::<f32>(), &want_lse);
+
+    for ps in [16usize, 24] {
+        let max_pages = cap / ps;
+        let pages = b * max_pages + 1;
+        let (mut kp, mut vp) = (
+            vec![f32::NAN; pages * hkv * ps * d],
+            vec![f32::NAN; pages * hkv * ps * d],
+        );
+        let mut table = vec![-1i32; b * max_pages];
+        for s in 0..b {
+            for lp in 0..max_pages {
+                let page = pages - 1 - (s * max_pages + lp);
+                if lp * ps < lens[s] as usize {
+                    table[s * max_pages + lp] = page as i32;
+                }
+                let from = (s * cap + lp * ps) * d;
+                let to = page * ps * d;
+                kp[to..to + ps * d].copy_from_slice(&k[from..from + ps * d]);
+                vp[to..to + ps * d].copy_from_slice(&v[from..from + ps * d]);
+            }
+        }
+        let (kpg, vpg) = (
+            on_gpu(&kp, &[pages, hkv, ps, d]),
+            on_gpu(&vp, &[pages, hkv, ps, d]),
+        );
+        let table = Tensor::<WgpuRuntime>::from_slice(&table, &[b, max_pages], &device).unwrap();
+        let paged = PagedKvCache {
+            k_pages: &kpg,
+            v_pages: &vpg,
+            page_table: &table,
+            lengths: &lens_gpu,
+        };
+        let (out, lse) = attention_fwd_paged(&variant, &qg, &paged, &opts).unwrap();
+        close(&format!("pages of {ps}: out"), &out.to_vec::<f32>(), &want);
+        close(
+            &format!("pages of {ps}: lse"),
+            &lse.to_vec::<f32>(),
+            &want_lse,
+        );
+    }
+}

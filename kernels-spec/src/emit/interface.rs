@@ -129,7 +129,21 @@ pub enum Scalar {
     TileEnd,
     /// `FIRST` (1: the range starts the loop) | `LAST` (2: it ends it).
     Flags,
+    /// The arena word of a KV cache's per-sequence lengths, or
+    /// [`NO_WORD`] (every sequence has `Sk` keys).
+    KvLens,
+    /// The arena word of a paged cache's page table (`[B, max_pages]`),
+    /// or [`NO_WORD`].
+    KvPages,
+    /// Keys per page; 0 without pages (`k, v [B, Hkv, Sk, D]`).
+    PageSize,
+    /// Entries per page table row.
+    MaxPages,
 }
+
+/// The value of [`Scalar::KvLens`] and [`Scalar::KvPages`] where there is
+/// none (the shader constant `NO_WORD`).
+pub const NO_WORD: u32 = u32::MAX;
 
 impl Scalar {
     /// The argument's (or member's) name in every kernel.
@@ -144,6 +158,10 @@ impl Scalar {
             Scalar::TileBegin => "tile_begin",
             Scalar::TileEnd => "tile_end",
             Scalar::Flags => "flags",
+            Scalar::KvLens => "kv_lens",
+            Scalar::KvPages => "kv_pages",
+            Scalar::PageSize => "page_size",
+            Scalar::MaxPages => "max_pages",
         }
     }
 

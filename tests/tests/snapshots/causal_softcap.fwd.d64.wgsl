@@ -10,6 +10,7 @@ const TILE_FULL: i32 = 2i;
 // ---- shape.flags of a dispatch ----
 const FIRST: u32 = 1u; // its range starts the tile loop
 const LAST: u32 = 2u; // its range ends it
+const NO_WORD: u32 = 4294967295u; // shape.kv_lens / kv_pages: none
 // ---- bindings ----
 struct Shape {
     batch: u32,
@@ -21,6 +22,10 @@ struct Shape {
     tile_begin: u32,
     tile_end: u32,
     flags: u32,
+    kv_lens: u32,
+    kv_pages: u32,
+    page_size: u32,
+    max_pages: u32,
     pad_0: u32,
     pad_1: u32,
     pad_2: u32,
@@ -49,6 +54,22 @@ const N_Q: u32 = (BQ * D + WG - 1u) / WG;
 
 fn gqa_group() -> u32 {
     return max(shape.heads_q / max(shape.heads_kv, 1u), 1u);
+}
+
+// The keys of sequence b: its KV cache length (arena word shape.kv_lens + b,
+// at most Sk), or Sk without a cache.
+fn seq_keys(b: u32) -> u32 {
+    if shape.kv_lens == NO_WORD { return shape.seq_k; }
+    return min(atomicLoad(&captures[shape.kv_lens + b]), shape.seq_k);
+}
+
+// The offset in k and v of key row r of (b, h_kv): contiguous [B, Hkv, Sk, D],
+// or with pages (page_size > 0) slot r % page_size of page
+// pages[b * max_pages + r / page_size] in [pages, Hkv, page_size, D].
+fn key_row(b: u32, h_kv: u32, r: u32) -> u32 {
+    if shape.page_size == 0u { return ((b * shape.heads_kv + h_kv) * shape.seq_k + r) * D; }
+    let page = atomicLoad(&captures[shape.kv_pages + b * shape.max_pages + r / shape.page_size]);
+    return ((page * shape.heads_kv + h_kv) * shape.page_size + r % shape.page_size) * D;
 }
 
 // ---- IR semantics helpers ----
@@ -191,15 +212,14 @@ fn bx_learn_sink(dz: f32, b: i32, h: i32, q: i32) {
 @compute @workgroup_size(WG)
 fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let sq = shape.seq_q;
-    let sk = shape.seq_k;
     let b = wid.y / shape.heads_q;
+    let sk = seq_keys(b);
     let h = wid.y % shape.heads_q;
     let h_kv = h / gqa_group();
     let q0 = wid.x * WG;
     let row = q0 + lid;
     let live = row < sq;
     let q_base = (b * shape.heads_q + h) * sq;
-    let kv_base = (b * shape.heads_kv + h_kv) * sk;
     let offset = i32(sk) - i32(sq);
     let ib = i32(b);
     let ih = i32(h);
@@ -676,7 +696,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
         let cls = variant_classify(ib, ih, q_lo, q_hi, i32(k0), kv_hi);
         if cls == TILE_EMPTY { continue; } // nothing visible
         workgroupBarrier(); // the previous tile's readers are done
-        stage_kv(lid, kv_base, k0);
+        stage_kv(lid, b, h_kv, k0, sk);
         workgroupBarrier();
         var m_new = m;
         for (var j = 0u; j < BKV; j++) {
@@ -726,20 +746,22 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     lse[q_base + row] = x;
 }
 
-// K and V rows k0 .. k0 + BKV of one kv head (zeros past Sk).
+// K and V rows k0 .. k0 + BKV of kv head h_kv of sequence b (zeros from its
+// sk keys on: a cache's spare slots are never read).
 var<workgroup> k_tile: array<f32, BKV * D>;
 var<workgroup> v_tile: array<f32, BKV * D>;
 
-fn stage_kv(lid: u32, kv_base: u32, k0: u32) {
+fn stage_kv(lid: u32, b: u32, h_kv: u32, k0: u32, sk: u32) {
     for (var t = 0u; t < N_KV; t++) {
         let e = lid + t * WG;
         if e < BKV * D {
             let r = k0 + e / D;
             var x = 0.0f;
             var y = 0.0f;
-            if r < shape.seq_k {
-                x = k[(kv_base + r) * D + e % D];
-                y = v[(kv_base + r) * D + e % D];
+            if r < sk {
+                let at = key_row(b, h_kv, r) + e % D;
+                x = k[at];
+                y = v[at];
             }
             k_tile[e] = x;
             v_tile[e] = y;

@@ -60,6 +60,10 @@ pub const SHAPE: &[Scalar] = &[
     Scalar::TileBegin,
     Scalar::TileEnd,
     Scalar::Flags,
+    Scalar::KvLens,
+    Scalar::KvPages,
+    Scalar::PageSize,
+    Scalar::MaxPages,
 ];
 
 /// Words of the `shape` uniform, padding included.

@@ -49,7 +49,7 @@ use super::interface::{Binding, Entry, Module, Size};
 use super::template::Piece;
 use super::{FLAG_FIRST, FLAG_LAST, Wgsl, WgslTiles};
 use crate::emit::gpu::tile_class_constants;
-use crate::emit::interface::{Access, Buffer, Dim, Extent};
+use crate::emit::interface::{Access, Buffer, Dim, Extent, NO_WORD};
 
 /// The constants a template is written against.
 pub fn header(cfg: &WgslTiles) -> String {
@@ -71,12 +71,15 @@ pub fn header(cfg: &WgslTiles) -> String {
     s.push_str(&format!(
         "// ---- shape.flags of a dispatch ----\n\
          const FIRST: u32 = {FLAG_FIRST}u; // its range starts the tile loop\n\
-         const LAST: u32 = {FLAG_LAST}u; // its range ends it\n"
+         const LAST: u32 = {FLAG_LAST}u; // its range ends it\n\
+         const NO_WORD: u32 = {NO_WORD}u; // shape.kv_lens / kv_pages: none\n"
     ));
     s
 }
 
-/// Helpers shared by all kernels: the dispatch range and GQA.
+/// Helpers shared by all kernels: the dispatch range, GQA, and where a key
+/// row lives (a contiguous `[B, Hkv, Sk, D]`, a KV cache with per-sequence
+/// lengths, or pages).
 pub const COMMON: &str = r#"
 // ---- shared ----
 fn is_first() -> bool {
@@ -93,25 +96,43 @@ const N_Q: u32 = (BQ * D + WG - 1u) / WG;
 fn gqa_group() -> u32 {
     return max(shape.heads_q / max(shape.heads_kv, 1u), 1u);
 }
+
+// The keys of sequence b: its KV cache length (arena word shape.kv_lens + b,
+// at most Sk), or Sk without a cache.
+fn seq_keys(b: u32) -> u32 {
+    if shape.kv_lens == NO_WORD { return shape.seq_k; }
+    return min(atomicLoad(&captures[shape.kv_lens + b]), shape.seq_k);
+}
+
+// The offset in k and v of key row r of (b, h_kv): contiguous [B, Hkv, Sk, D],
+// or with pages (page_size > 0) slot r % page_size of page
+// pages[b * max_pages + r / page_size] in [pages, Hkv, page_size, D].
+fn key_row(b: u32, h_kv: u32, r: u32) -> u32 {
+    if shape.page_size == 0u { return ((b * shape.heads_kv + h_kv) * shape.seq_k + r) * D; }
+    let page = atomicLoad(&captures[shape.kv_pages + b * shape.max_pages + r / shape.page_size]);
+    return ((page * shape.heads_kv + h_kv) * shape.page_size + r % shape.page_size) * D;
+}
 "#;
 
 /// The key/value staging shared by the forward, `D_i` and dQ kernels.
 const STAGE_KV: &[Piece] = &[Piece::Text(
     r#"
-// K and V rows k0 .. k0 + BKV of one kv head (zeros past Sk).
+// K and V rows k0 .. k0 + BKV of kv head h_kv of sequence b (zeros from its
+// sk keys on: a cache's spare slots are never read).
 var<workgroup> k_tile: array<f32, BKV * D>;
 var<workgroup> v_tile: array<f32, BKV * D>;
 
-fn stage_kv(lid: u32, kv_base: u32, k0: u32) {
+fn stage_kv(lid: u32, b: u32, h_kv: u32, k0: u32, sk: u32) {
     for (var t = 0u; t < N_KV; t++) {
         let e = lid + t * WG;
         if e < BKV * D {
             let r = k0 + e / D;
             var x = 0.0f;
             var y = 0.0f;
-            if r < shape.seq_k {
-                x = k[(kv_base + r) * D + e % D];
-                y = v[(kv_base + r) * D + e % D];
+            if r < sk {
+                let at = key_row(b, h_kv, r) + e % D;
+                x = k[at];
+                y = v[at];
             }
             k_tile[e] = x;
             v_tile[e] = y;
@@ -129,15 +150,14 @@ const FORWARD_CODE: &[Piece] = &[
 @compute @workgroup_size(WG)
 fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let sq = shape.seq_q;
-    let sk = shape.seq_k;
     let b = wid.y / shape.heads_q;
+    let sk = seq_keys(b);
     let h = wid.y % shape.heads_q;
     let h_kv = h / gqa_group();
     let q0 = wid.x * WG;
     let row = q0 + lid;
     let live = row < sq;
     let q_base = (b * shape.heads_q + h) * sq;
-    let kv_base = (b * shape.heads_kv + h_kv) * sk;
     let offset = i32(sk) - i32(sq);
     let ib = i32(b);
     let ih = i32(h);
@@ -181,7 +201,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
         let cls = variant_classify(ib, ih, q_lo, q_hi, i32(k0), kv_hi);
         if cls == TILE_EMPTY { continue; } // nothing visible
         workgroupBarrier(); // the previous tile's readers are done
-        stage_kv(lid, kv_base, k0);
+        stage_kv(lid, b, h_kv, k0, sk);
         workgroupBarrier();
         var m_new = m;
         for (var j = 0u; j < BKV; j++) {
@@ -268,7 +288,8 @@ const QUERY_ROWS: &[Piece] = &[
 struct QueryTile {
     ib: i32,
     ih: i32,
-    kv_base: u32,
+    b: u32,
+    h_kv: u32,
     q_lo: i32,
     q_hi: i32,
     n_tiles: u32,   // key tiles of BKV rows
@@ -284,7 +305,8 @@ fn query_tile(wid: vec3<u32>) -> QueryTile {
     var t: QueryTile;
     t.ib = i32(b);
     t.ih = i32(h);
-    t.kv_base = (b * shape.heads_kv + h / gqa_group()) * sk;
+    t.b = b;
+    t.h_kv = h / gqa_group();
     t.q_lo = i32(q0) + offset;
     t.q_hi = i32(min(q0 + WG, sq)) - 1i + offset;
     t.n_tiles = (sk + BKV - 1u) / BKV;
@@ -384,7 +406,7 @@ fn attn_bwd_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocati
         let cls = key_tile_class(t, k0);
         if cls == TILE_EMPTY { continue; }
         workgroupBarrier();
-        stage_kv(lid, t.kv_base, k0);
+        stage_kv(lid, t.b, t.h_kv, k0, shape.seq_k);
         workgroupBarrier();
         for (var j = 0u; j < BKV; j++) {
             let pt = pair_terms(&qr, &dor, r, j, k0, cls, t.ib, t.ih);
@@ -431,7 +453,7 @@ fn attn_bwd_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
         let cls = key_tile_class(t, k0);
         if cls == TILE_EMPTY { continue; }
         workgroupBarrier();
-        stage_kv(lid, t.kv_base, k0);
+        stage_kv(lid, t.b, t.h_kv, k0, shape.seq_k);
         workgroupBarrier();
         for (var j = 0u; j < BKV; j++) {
             let pt = pair_terms(&qr, &dor, r, j, k0, cls, t.ib, t.ih);
@@ -634,7 +656,7 @@ fn attn_bwd_tensors(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoca
         let cls = key_tile_class(t, k0);
         if cls == TILE_EMPTY { continue; }
         workgroupBarrier();
-        stage_kv(lid, t.kv_base, k0);
+        stage_kv(lid, t.b, t.h_kv, k0, shape.seq_k);
         workgroupBarrier();
         for (var j = 0u; j < BKV; j++) {
             let pt = pair_terms(&qr, &dor, r, j, k0, cls, t.ib, t.ih);
