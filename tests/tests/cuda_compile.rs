@@ -635,7 +635,16 @@ static std::vector<float> to_f32(const std::vector<elem_t>& v) {
 // made) from DIR; writes the rounded inputs and every result as f32, and
 // the arena's error record.
 int main(int argc, char** argv) {
-    if (argc != 9) return 2;
+    // Optional: the forward's key layout (kv_lens, kv_pages, page_size, max_pages).
+    int kv_lens = -1, kv_pages = -1, page_size = 0, max_pages = 0;
+    if (argc == 13) {
+        kv_lens = std::atoi(argv[9]);
+        kv_pages = std::atoi(argv[10]);
+        page_size = std::atoi(argv[11]);
+        max_pages = std::atoi(argv[12]);
+    } else if (argc != 9) {
+        return 2;
+    }
     const int off = argv[8][0] == '1';
     const std::string dir = argv[1];
     const int B = std::atoi(argv[2]), Hq = std::atoi(argv[3]), Hkv = std::atoi(argv[4]);
@@ -745,6 +754,12 @@ struct HostCase {
     arena: Vec<u32>,
     /// Each learnable tensor's name and its accumulators' first word.
     grads: Vec<(&'static str, usize)>,
+    /// A forward over a KV cache: the inputs as the kernels see them (k, v
+    /// as the cache holds them, spare slots NaN), the forward's key layout
+    /// arguments, and the expected `out` and `lse` (the CPU's cache
+    /// forward, itself checked against the f64 reference); the backward's
+    /// results are not compared.
+    cache: Option<CacheCase>,
     jobs: Vec<SummaryJob>,
     /// Per `(b·Hkv + hk)·Sk + j`: no query sees the key (its K and V rows
     /// get NaN and infinities).
@@ -806,6 +821,7 @@ where
         params,
         arena,
         grads,
+        cache: None,
         jobs,
         hidden,
         reference: Box::new(move |p, [q, k, v, dout]| {
@@ -818,6 +834,99 @@ where
             ([f.out, f.lse, g.dq, g.dk, g.dv], g.tensors, oob)
         }),
     }
+}
+
+struct CacheCase {
+    inputs: [Vec<f32>; 4],
+    kv: [i32; 4],
+    want: [Vec<f64>; 2],
+}
+
+/// A forward over a KV cache of `lens` (f32): contiguous, or with
+/// `page_size`, in `B · max_pages` pages in shuffled order; lengths and
+/// page table after the arena's words.
+fn host_cache_case<V: Variant>(
+    variant: V,
+    problem: Problem,
+    lens: &[i32],
+    page_size: Option<usize>,
+) -> HostCase
+where
+    V::Host: 'static,
+{
+    let mut case = host_case(variant.clone(), CudaDType::F32, problem);
+    let p = problem;
+    let (d, cap) = (p.head_dim, p.seq_k);
+    let mut rng = Rng::new(0xcac4e, lens.len() as u64);
+    let q = rng.normal_f32(p.q_len(), 1.0);
+    let mut k = rng.normal_f32(p.kv_len(), 1.0);
+    let mut v = rng.normal_f32(p.kv_len(), 1.0);
+    for (row, (kr, vr)) in k.chunks_mut(d).zip(v.chunks_mut(d)).enumerate() {
+        if row % cap >= lens[row / (p.heads_kv * cap)] as usize {
+            kr.fill(f32::NAN);
+            vr.fill(f32::INFINITY);
+        }
+    }
+    let host_lens: Vec<usize> = lens.iter().map(|&l| l as usize).collect();
+    let host = variant.host(&p).expect("the case's tensors fit");
+    let (mut out, mut lse) = (vec![0.0f32; p.q_len()], vec![0.0f32; p.lse_len()]);
+    boostr_runtime::cpu::forward_cache_tiled(
+        &host,
+        &p,
+        boostr_runtime::cpu::CpuTiles::DEFAULT,
+        &host_lens,
+        &q,
+        &k,
+        &v,
+        &mut out,
+        &mut lse,
+    );
+    let lens_word = case.arena.len();
+    case.arena.extend(lens.iter().map(|&l| l as u32));
+    let (kv, k, v) = match page_size {
+        None => ([lens_word as i32, -1, 0, 0], k, v),
+        Some(ps) => {
+            let max_pages = cap / ps;
+            let pages = p.batch * max_pages;
+            let place = |n: usize| (n * 5 + 2) % pages;
+            let table_word = case.arena.len();
+            let (mut kp, mut vp) = (vec![0.0f32; k.len()], vec![0.0f32; v.len()]);
+            let mut table = vec![0u32; pages];
+            for (n, entry) in table.iter_mut().enumerate() {
+                let (b, lp) = (n / max_pages, n % max_pages);
+                *entry = place(n) as u32;
+                for h in 0..p.heads_kv {
+                    let from = ((b * p.heads_kv + h) * cap + lp * ps) * d;
+                    let to = (place(n) * p.heads_kv + h) * ps * d;
+                    kp[to..to + ps * d].copy_from_slice(&k[from..from + ps * d]);
+                    vp[to..to + ps * d].copy_from_slice(&v[from..from + ps * d]);
+                }
+            }
+            case.arena.extend(table);
+            let kv = [
+                lens_word as i32,
+                table_word as i32,
+                ps as i32,
+                max_pages as i32,
+            ];
+            (kv, kp, vp)
+        }
+    };
+    let dout = vec![0.0f32; p.q_len()];
+    case.tag.push_str(&match page_size {
+        None => format!(" cache {lens:?}"),
+        Some(ps) => format!(" pages of {ps} {lens:?}"),
+    });
+    case.hidden.iter_mut().for_each(|h| *h = false);
+    case.cache = Some(CacheCase {
+        inputs: [q, k, v, dout],
+        kv,
+        want: [
+            out.iter().map(|&x| f64::from(x)).collect(),
+            lse.iter().map(|&x| f64::from(x)).collect(),
+        ],
+    });
+    case
 }
 
 /// `case` with every element tensor one element past an aligned address.
@@ -879,6 +988,10 @@ fn host_arg(kernel: &Kernel, a: Arg) -> String {
         Arg::Scalar(Scalar::SeqQ) => "Sq".into(),
         Arg::Scalar(Scalar::SeqK) => "Sk".into(),
         Arg::Scalar(Scalar::Scale) => "scale".into(),
+        Arg::Scalar(Scalar::KvLens) => "kv_lens".into(),
+        Arg::Scalar(Scalar::KvPages) => "kv_pages".into(),
+        Arg::Scalar(Scalar::PageSize) => "page_size".into(),
+        Arg::Scalar(Scalar::MaxPages) => "max_pages".into(),
         Arg::Scalar(s) => panic!("{}: {} has no host value", kernel.entry, s.name()),
         Arg::Params => "params".into(),
         Arg::Captures => "captures.data()".into(),
@@ -908,12 +1021,20 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
     )
     .map_err(|e| format!("{tag}: {e}"))?;
     let mut rng = Rng::new(0x5eed, serial as u64);
-    let mut inputs = [
-        ("q", rng.normal_f32(p.q_len(), 1.0)),
-        ("k", rng.normal_f32(p.kv_len(), 1.0)),
-        ("v", rng.normal_f32(p.kv_len(), 1.0)),
-        ("dout", rng.normal_f32(p.q_len(), 1.0)),
-    ];
+    let mut inputs = match &case.cache {
+        Some(c) => [
+            ("q", c.inputs[0].clone()),
+            ("k", c.inputs[1].clone()),
+            ("v", c.inputs[2].clone()),
+            ("dout", c.inputs[3].clone()),
+        ],
+        None => [
+            ("q", rng.normal_f32(p.q_len(), 1.0)),
+            ("k", rng.normal_f32(p.kv_len(), 1.0)),
+            ("v", rng.normal_f32(p.kv_len(), 1.0)),
+            ("dout", rng.normal_f32(p.q_len(), 1.0)),
+        ],
+    };
     // Keys no query sees get NaN and infinities in K and V: they must not
     // reach any result.
     let d = p.head_dim;
@@ -959,6 +1080,7 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
         .args([p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k].map(|x| x.to_string()))
         .arg(p.scale.to_string())
         .arg(if case.misalign { "1" } else { "0" })
+        .args(case.cache.iter().flat_map(|c| c.kv.map(|w| w.to_string())))
         .output()
         .map_err(|e| format!("{tag}: running the harness: {e}"))?;
     if !out.status.success() {
@@ -1016,6 +1138,20 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
         CudaDType::Bf16 => 2e-2,
     };
     let mut line = format!("{tag}:");
+    if let Some(c) = &case.cache {
+        for (name, want) in ["out", "lse"].iter().zip(&c.want) {
+            let got = read_f32(&dir.join(name));
+            let err = relative_error(name, &got, want).map_err(|e| format!("{tag}: {e}"))?;
+            line.push_str(&format!(" {name} {err:.1e} (vs the CPU)"));
+            if err > tolerance {
+                return Err(format!(
+                    "{tag}: {name} relative error {err:.3e} > {tolerance:e}"
+                ));
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        return Ok(line);
+    }
     for (name, want) in ["out", "lse", "dq", "dk", "dv"].iter().zip(&want) {
         let got = read_f32(&dir.join(name));
         let err = relative_error(name, &got, want).map_err(|e| format!("{tag}: {e}"))?;
@@ -1140,6 +1276,37 @@ fn host_emulation_matches_the_reference() {
             },
             CudaDType::F32,
             problem(40, 40, 64),
+        ),
+        // KV caches: lengths 0, 1, a key tile, capacity and between; pages
+        // of whole and of partial key tiles (BKV is 64 at D = 64).
+        host_cache_case(
+            CausalSlidingWindow { window: 50 },
+            Problem {
+                batch: 5,
+                heads_q: 4,
+                heads_kv: 1,
+                ..problem(3, 192, 64)
+            },
+            &[0, 1, 64, 192, 100],
+            None,
+        ),
+        host_cache_case(
+            Softcap { cap: 10.0 },
+            Problem {
+                batch: 3,
+                ..problem(17, 192, 64)
+            },
+            &[192, 37, 130],
+            Some(64),
+        ),
+        host_cache_case(
+            Causal,
+            Problem {
+                batch: 3,
+                ..problem(4, 192, 64)
+            },
+            &[5, 192, 77],
+            Some(24),
         ),
         // Learnable tensors: gradients in the fixed-point accumulators.
         host_case(

@@ -15,7 +15,7 @@
 //! dQ kernel over query tiles and a dK/dV kernel over key tiles, each
 //! recomputing `P` from the lse (no float atomics).
 
-use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors};
+use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, CacheLengths, Pages};
 use crate::error::{BackendError, Error, Result};
 use crate::gpu::{self, ArenaPlan, KernelCache};
 use crate::problem::Problem;
@@ -258,7 +258,13 @@ struct Call<'a> {
     params: Params,
     captures: u64,
     buffers: &'a [(Buffer, &'a Tensor<CudaRuntime>)],
+    /// The key layout: (arena word of the lengths, of the page table,
+    /// keys per page, entries per table row); -1, -1, 0, 0 for plain K/V.
+    kv: [i32; 4],
 }
+
+/// The `kv` of a call with plain `[B, Hkv, Sk, D]` keys and values.
+const PLAIN_KV: [i32; 4] = [-1, -1, 0, 0];
 
 impl Call<'_> {
     fn value(&self, kernel: &Kernel, arg: Arg) -> std::result::Result<Value, BackendError> {
@@ -286,18 +292,13 @@ impl Call<'_> {
             Arg::Scalar(Scalar::SeqQ) => int(p.seq_q),
             Arg::Scalar(Scalar::SeqK) => int(p.seq_k),
             Arg::Scalar(Scalar::Scale) => Ok(Value::Float(p.scale)),
-            Arg::Scalar(
-                s @ (Scalar::TileBegin
-                | Scalar::TileEnd
-                | Scalar::Flags
-                | Scalar::KvLens
-                | Scalar::KvPages
-                | Scalar::PageSize
-                | Scalar::MaxPages),
-            ) => Err(launch_error(format!(
-                "`{}` has no value in a CUDA launch",
-                s.name()
-            ))),
+            Arg::Scalar(Scalar::KvLens) => Ok(Value::Int(self.kv[0])),
+            Arg::Scalar(Scalar::KvPages) => Ok(Value::Int(self.kv[1])),
+            Arg::Scalar(Scalar::PageSize) => Ok(Value::Int(self.kv[2])),
+            Arg::Scalar(Scalar::MaxPages) => Ok(Value::Int(self.kv[3])),
+            Arg::Scalar(s @ (Scalar::TileBegin | Scalar::TileEnd | Scalar::Flags)) => Err(
+                launch_error(format!("`{}` has no value in a CUDA launch", s.name())),
+            ),
             Arg::Params => Ok(Value::Params(self.params)),
             Arg::Captures => Ok(Value::Ptr(self.captures)),
         }
@@ -383,10 +384,13 @@ fn summary_kernel(client: &CudaClient, device: usize) -> Result<Arc<SummaryKerne
     })?)
 }
 
-/// A call's capture arena on the device: its plan and its words (`u32`).
+/// A call's capture arena on the device: its plan and its words (`u32`),
+/// and where a KV cache's lengths and page table were copied in.
 struct DeviceArena {
     plan: ArenaPlan<CudaRuntime>,
     words: Tensor<CudaRuntime>,
+    /// The arena words of the cache's lengths and page table, if any.
+    cache: [Option<usize>; 2],
 }
 
 impl DeviceArena {
@@ -399,9 +403,29 @@ impl DeviceArena {
         p: &Problem,
         client: &CudaClient,
         like: &Tensor<CudaRuntime>,
+        cache: [Option<&Tensor<CudaRuntime>>; 2],
     ) -> Result<Self> {
         let plan = ArenaPlan::new(variant, p)?;
-        let words = Tensor::<CudaRuntime>::empty(&[plan.arena.words], DType::U32, like.device())?;
+        let cache: Vec<Option<Tensor<CudaRuntime>>> = cache
+            .iter()
+            .map(|t| t.map(|t| t.contiguous()).transpose())
+            .collect::<std::result::Result<_, _>>()?;
+        let mut end = plan.arena.words;
+        let mut at = [None, None];
+        for (slot, t) in at.iter_mut().zip(&cache) {
+            if let Some(t) = t {
+                *slot = Some(end);
+                end += t.numel();
+            }
+        }
+        if end > gpu::MAX_ARENA_WORDS {
+            return Err(Error::TooLarge {
+                name: "the capture arena with the cache's lengths and page table (32-bit words)",
+                value: end,
+                max: gpu::MAX_ARENA_WORDS,
+            });
+        }
+        let words = Tensor::<CudaRuntime>::empty(&[end], DType::U32, like.device())?;
         let stream = client.stream();
         let fill_error = |reason: String| BackendError::Launch {
             target: TARGET,
@@ -442,6 +466,19 @@ impl DeviceArena {
                     )
                     .map_err(|e| fill_error(format!("copying a captured tensor: {e}")))?;
                 }
+                for (t, at) in cache.iter().zip(at) {
+                    if let (Some(t), Some(at)) = (t, at) {
+                        cudarc::driver::result::memcpy_dtod_async(
+                            words.ptr() + 4 * at as u64,
+                            t.ptr(),
+                            4 * t.numel(),
+                            raw,
+                        )
+                        .map_err(|e| {
+                            fill_error(format!("copying a cache's lengths or pages: {e}"))
+                        })?;
+                    }
+                }
             }
         }
         if !plan.jobs.is_empty() {
@@ -468,7 +505,11 @@ impl DeviceArena {
                 unsafe { builder.launch(config) }.map_err(|e| fill_error(e.to_string()))?;
             }
         }
-        Ok(DeviceArena { plan, words })
+        Ok(DeviceArena {
+            plan,
+            words,
+            cache: at,
+        })
     }
 
     /// After the call's kernels: the error of a read out of range, if one
@@ -516,6 +557,69 @@ impl DeviceArena {
     }
 }
 
+/// A KV cache: its lengths, and its page table with the keys per page and
+/// entries per row when paged.
+type CacheTensors<'a> = (
+    &'a Tensor<CudaRuntime>,
+    Option<(&'a Tensor<CudaRuntime>, usize, usize)>,
+);
+
+/// The forward kernel, over plain `k, v` or a KV cache (its lengths and
+/// page table copied into the arena).
+fn forward_over<V: Variant>(
+    variant: &V,
+    p: &Problem,
+    q: &Tensor<CudaRuntime>,
+    k: &Tensor<CudaRuntime>,
+    v: &Tensor<CudaRuntime>,
+    cache: Option<CacheTensors<'_>>,
+) -> Result<(Tensor<CudaRuntime>, Tensor<CudaRuntime>)> {
+    let (q, k, v) = (input("q", q)?, input("k", k)?, input("v", v)?);
+    let dtype = same_dtype(&[("q", &q), ("k", &k), ("v", &v)])?;
+    let client = CudaRuntime::default_client(q.device());
+    let module = &kernels::FORWARD_MODULE;
+    let compiled = compiled::<V>(&client, q.device().id(), p, dtype, module)?;
+    let out = alloc(q.shape(), dtype, &q)?;
+    let lse = alloc(&[p.batch, p.heads_q, p.seq_q], DType::F32, &q)?;
+    let words = [cache.map(|c| c.0), cache.and_then(|c| c.1.map(|t| t.0))];
+    let arena = DeviceArena::new(variant, p, &client, &q, words)?;
+    let word = |w: Option<usize>| w.map_or(Ok(-1), i32::try_from);
+    let pages = cache.and_then(|c| c.1);
+    let kv = [
+        word(arena.cache[0]),
+        word(arena.cache[1]),
+        i32::try_from(pages.map_or(0, |t| t.1)),
+        i32::try_from(pages.map_or(0, |t| t.2)),
+    ];
+    let too_large = |_| Error::TooLarge {
+        name: "a KV cache's arena word, page size or pages per sequence",
+        value: usize::MAX,
+        max: i32::MAX as usize,
+    };
+    let kv = [
+        kv[0].map_err(too_large)?,
+        kv[1].map_err(too_large)?,
+        kv[2].map_err(too_large)?,
+        kv[3].map_err(too_large)?,
+    ];
+    let call = Call {
+        problem: p,
+        params: Params(variant.param_words()),
+        captures: arena.words.ptr(),
+        buffers: &[
+            (Buffer::Q, &q),
+            (Buffer::K, &k),
+            (Buffer::V, &v),
+            (Buffer::Out, &out),
+            (Buffer::Lse, &lse),
+        ],
+        kv,
+    };
+    launch_module(&client, module, &compiled, &call)?;
+    arena.check::<V>()?;
+    Ok((out, lse))
+}
+
 impl AttentionRuntime for CudaRuntime {
     fn attention_forward<V: Variant>(
         variant: &V,
@@ -524,29 +628,37 @@ impl AttentionRuntime for CudaRuntime {
         k: &Tensor<Self>,
         v: &Tensor<Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
-        let (q, k, v) = (input("q", q)?, input("k", k)?, input("v", v)?);
-        let dtype = same_dtype(&[("q", &q), ("k", &k), ("v", &v)])?;
-        let client = CudaRuntime::default_client(q.device());
-        let module = &kernels::FORWARD_MODULE;
-        let compiled = compiled::<V>(&client, q.device().id(), p, dtype, module)?;
-        let out = alloc(q.shape(), dtype, &q)?;
-        let lse = alloc(&[p.batch, p.heads_q, p.seq_q], DType::F32, &q)?;
-        let arena = DeviceArena::new(variant, p, &client, &q)?;
-        let call = Call {
-            problem: p,
-            params: Params(variant.param_words()),
-            captures: arena.words.ptr(),
-            buffers: &[
-                (Buffer::Q, &q),
-                (Buffer::K, &k),
-                (Buffer::V, &v),
-                (Buffer::Out, &out),
-                (Buffer::Lse, &lse),
-            ],
-        };
-        launch_module(&client, module, &compiled, &call)?;
-        arena.check::<V>()?;
-        Ok((out, lse))
+        forward_over(variant, p, q, k, v, None)
+    }
+
+    fn attention_forward_cache<V: Variant>(
+        variant: &V,
+        p: &Problem,
+        q: &Tensor<Self>,
+        k: &Tensor<Self>,
+        v: &Tensor<Self>,
+        lengths: CacheLengths<'_, Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+        forward_over(variant, p, q, k, v, Some((lengths.tensor, None)))
+    }
+
+    fn attention_forward_paged<V: Variant>(
+        variant: &V,
+        p: &Problem,
+        q: &Tensor<Self>,
+        pages: Pages<'_, Self>,
+        lengths: CacheLengths<'_, Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+        let max_pages = p.seq_k / pages.page_size.max(1);
+        let table = Some((pages.table, pages.page_size, max_pages));
+        forward_over(
+            variant,
+            p,
+            q,
+            pages.k,
+            pages.v,
+            Some((lengths.tensor, table)),
+        )
     }
 
     fn attention_backward<V: Variant>(
@@ -572,7 +684,7 @@ impl AttentionRuntime for CudaRuntime {
         let dq = alloc(q.shape(), dtype, &q)?;
         let dk = alloc(k.shape(), dtype, &k)?;
         let dv = alloc(v.shape(), dtype, &v)?;
-        let arena = DeviceArena::new(variant, p, &client, &q)?;
+        let arena = DeviceArena::new(variant, p, &client, &q, [None, None])?;
         let call = Call {
             problem: p,
             params: Params(variant.param_words()),
@@ -589,6 +701,7 @@ impl AttentionRuntime for CudaRuntime {
                 (Buffer::Dk, &dk),
                 (Buffer::Dv, &dv),
             ],
+            kv: PLAIN_KV,
         };
         launch_module(&client, module, &compiled, &call)?;
         if gpu::learns::<V>(t.tensor_grads) {

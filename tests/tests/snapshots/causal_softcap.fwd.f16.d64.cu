@@ -461,6 +461,27 @@ struct BxAcc {
 #endif
 
 // ---- forward (FlashAttention-2 schedule) ----
+// Key rows k0 .. k0 + ROWS of kv head hk from pages, as bx_load_rows loads
+// them from a contiguous block: logical key j is slot j % page_size of page
+// captures[table + j / page_size] of src [pages, Hkv, page_size, D]. Element
+// by element (a tile's rows may span pages); zeros past rows_valid.
+template <int ROWS, int NT>
+__device__ __forceinline__ void bx_load_paged(elem_t* dst, const elem_t* __restrict__ src,
+                                              const unsigned* __restrict__ captures, unsigned table, int page_size,
+                                              int hk, int heads_kv, int k0, int rows_valid) {
+    for (int e = threadIdx.x; e < ROWS * DP; e += NT) {
+        const int r = e / DP;
+        const int c = e - r * DP;
+        elem_t x = (elem_t)0;
+        if (r < rows_valid && c < D) {
+            const int j = k0 + r;
+            const size_t page = captures[table + (unsigned)(j / page_size)];
+            x = src[((page * heads_kv + hk) * (size_t)page_size + (size_t)(j % page_size)) * D + c];
+        }
+        dst[r * LDE + c] = x;
+    }
+}
+
 // Online softmax over one tile of scores, one warp per row: turns scores
 // into probabilities exp(s - m_new) (in S, and as 16-bit in P on tensor
 // cores), updates the running max and sum, and leaves each row's rescale
@@ -513,6 +534,10 @@ boostr_attn_fwd(
     int seq_q,
     int seq_k,
     float scale,
+    int kv_lens,
+    int kv_pages,
+    int page_size,
+    int max_pages,
     Params params,
     unsigned* __restrict__ captures) {
     extern __shared__ __align__(16) unsigned char bx_smem[];
@@ -537,9 +562,13 @@ boostr_attn_fwd(
     const int h = blockIdx.y;
     const int b = blockIdx.z;
     const int hk = h / bx_group(heads_q, heads_kv);
-    const int offset = seq_k - seq_q;
+    // A KV cache: sequence b has sk of its seq_k slots (arena word kv_lens + b),
+    // its rows aligned to them; kv_lens < 0: every sequence has seq_k keys.
+    const int sk = kv_lens < 0 ? seq_k : min((int)captures[kv_lens + b], seq_k);
+    const int offset = sk - seq_q;
     const size_t q_row0 = ((size_t)b * heads_q + h) * (size_t)seq_q + q0;
     const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k;
+    const unsigned table = (unsigned)kv_pages + (unsigned)b * (unsigned)max_pages;
 
     bx_load_rows<BQ, FWD_THREADS>(sQ, q + q_row0 * D, seq_q - q0);
     // The sink is one more logit with no value: the running max and sum
@@ -554,14 +583,19 @@ boostr_attn_fwd(
 
     const int q_lo = q0 + offset;
     const int q_hi = min(q0 + BQ, seq_q) - 1 + offset;
-    const int n_kt = (seq_k + BKV - 1) / BKV;
+    const int n_kt = (sk + BKV - 1) / BKV;
     for (int kt = 0; kt < n_kt; ++kt) {
         const int k0 = kt * BKV;
-        const int cls = variant_classify(params, captures, b, h, q_lo, q_hi, k0, min(k0 + BKV, seq_k) - 1);
+        const int cls = variant_classify(params, captures, b, h, q_lo, q_hi, k0, min(k0 + BKV, sk) - 1);
         if (cls == TILE_EMPTY) continue; // nothing visible (uniform over the block)
         __syncthreads(); // the previous tile's readers of K, V, S, P are done
-        bx_load_rows<BKV, FWD_THREADS>(sK, k + (kv_row0 + k0) * D, seq_k - k0);
-        bx_load_rows<BKV, FWD_THREADS>(sV, v + (kv_row0 + k0) * D, seq_k - k0);
+        if (page_size == 0) {
+            bx_load_rows<BKV, FWD_THREADS>(sK, k + (kv_row0 + k0) * D, sk - k0);
+            bx_load_rows<BKV, FWD_THREADS>(sV, v + (kv_row0 + k0) * D, sk - k0);
+        } else {
+            bx_load_paged<BKV, FWD_THREADS>(sK, k, captures, table, page_size, hk, heads_kv, k0, sk - k0);
+            bx_load_paged<BKV, FWD_THREADS>(sV, v, captures, table, page_size, hk, heads_kv, k0, sk - k0);
+        }
         for (int j = threadIdx.x; j < BKV; j += FWD_THREADS) s_seen[j] = 0;
         __syncthreads();
         bx_dot_tile<BQ, BKV, FWD_LDS, FWD_THREADS>(sQ, sK, sS);
@@ -571,7 +605,7 @@ boostr_attn_fwd(
             const int j = e - i * BKV;
             const int qp = q0 + i + offset;
             const int kp = k0 + j;
-            const bool vis = bx_visible(params, captures, cls, b, h, q0 + i, kp, seq_q, seq_k, qp, kp);
+            const bool vis = bx_visible(params, captures, cls, b, h, q0 + i, kp, seq_q, sk, qp, kp);
             if (vis) s_seen[j] = 1;
             float x;
             sS[i * FWD_LDS + j] = bx_score_at(params, captures, sS[i * FWD_LDS + j], scale, vis, b, h, qp, kp, x);
