@@ -76,7 +76,7 @@ pub trait AttentionRuntime: Runtime<DType = DType> + std::fmt::Debug {
 /// The validated per-sequence key lengths of a KV cache: the `[B]` `i32`
 /// tensor on the call's device, and its values on the host (each in
 /// `0 ..= capacity`).
-#[derive(Clone, Copy, Debug)]
+#[derive(Debug)]
 pub struct CacheLengths<'a, R: Runtime> {
     /// The lengths as given.
     pub tensor: &'a Tensor<R>,
@@ -85,7 +85,7 @@ pub struct CacheLengths<'a, R: Runtime> {
 }
 
 /// The validated pages of a paged KV cache.
-#[derive(Clone, Copy, Debug)]
+#[derive(Debug)]
 pub struct Pages<'a, R: Runtime> {
     /// `k [pages, Hkv, page_size, D]`.
     pub k: &'a Tensor<R>,
@@ -135,6 +135,11 @@ pub struct BackwardTensors<'a, R: Runtime> {
     /// ([`Variant::LEARNABLE`]); missing slots are not computed (`&[]`: no
     /// tensor gradient, no extra work).
     pub tensor_grads: &'a [bool],
+    /// Over a KV cache: `k, v` (and `dk, dv`) hold `Sk` slots per
+    /// sequence, of which sequence `b` has `lengths.host[b]` (see
+    /// [`crate::KvCache`]); spare slots get zero gradients. Backends
+    /// without a cache backward return [`Error::LayoutUnsupported`].
+    pub lengths: Option<CacheLengths<'a, R>>,
 }
 
 impl<R: Runtime> Clone for BackwardTensors<'_, R> {
@@ -144,6 +149,22 @@ impl<R: Runtime> Clone for BackwardTensors<'_, R> {
 }
 
 impl<R: Runtime> Copy for BackwardTensors<'_, R> {}
+
+impl<R: Runtime> Clone for CacheLengths<'_, R> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<R: Runtime> Copy for CacheLengths<'_, R> {}
+
+impl<R: Runtime> Clone for Pages<'_, R> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<R: Runtime> Copy for Pages<'_, R> {}
 
 const CPU: &str = "cpu";
 const CPU_DTYPES: &str = "f32, f16 and bf16 (f16/bf16 computed in f32)";
@@ -369,6 +390,7 @@ impl AttentionRuntime for CpuRuntime {
             lse,
             dout,
             tensor_grads,
+            lengths,
         } = t;
         let dtype = q.dtype();
         let device = q.device();
@@ -388,22 +410,28 @@ impl AttentionRuntime for CpuRuntime {
         let mut dq = Output::new(&q_shape, dtype, device)?;
         let mut dk = Output::new(&kv_shape, dtype, device)?;
         let mut dv = Output::new(&kv_shape, dtype, device)?;
-        let tensors = crate::cpu::backward(
-            variant,
-            p,
-            crate::cpu::BackwardInputs {
-                q: q.slice(),
-                k: k.slice(),
-                v: v.slice(),
-                out: out.slice(),
-                lse: lse.slice(),
-                dout: dout.slice(),
-            },
-            dq.slice_mut(),
-            dk.slice_mut(),
-            dv.slice_mut(),
-            tensor_grads,
-        )?;
+        let inputs = crate::cpu::BackwardInputs {
+            q: q.slice(),
+            k: k.slice(),
+            v: v.slice(),
+            out: out.slice(),
+            lse: lse.slice(),
+            dout: dout.slice(),
+        };
+        let (dq_s, dk_s, dv_s) = (dq.slice_mut(), dk.slice_mut(), dv.slice_mut());
+        let tensors = match lengths {
+            Some(l) => crate::cpu::backward_cache(
+                variant,
+                p,
+                l.host,
+                inputs,
+                dq_s,
+                dk_s,
+                dv_s,
+                tensor_grads,
+            )?,
+            None => crate::cpu::backward(variant, p, inputs, dq_s, dk_s, dv_s, tensor_grads)?,
+        };
         let learnables = variant.learnables();
         let tensors = tensors
             .into_iter()

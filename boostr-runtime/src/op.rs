@@ -183,8 +183,47 @@ fn backward<V: Variant, R: AttentionRuntime>(
         lse,
         dout,
         tensor_grads: wanted,
+        lengths: None,
     };
     R::attention_backward(variant, &problem, tensors)
+}
+
+/// The backward of [`attention_fwd_cache`]: `(dq, dk, dv)` given its `out`
+/// and `lse`, with `dk, dv` shaped as the cache (`[B, Hkv, capacity, D]`)
+/// and zero in every slot past a sequence's length. For training on
+/// sequences of different lengths in one padded batch. The CPU runs it
+/// (the tile kernels at the cache's positions); the GPU backends return
+/// [`Error::LayoutUnsupported`](crate::Error::LayoutUnsupported).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd_cache<V: Variant, R: AttentionRuntime>(
+    variant: &V,
+    dout: &Tensor<R>,
+    q: &Tensor<R>,
+    cache: &KvCache<'_, R>,
+    out: &Tensor<R>,
+    lse: &Tensor<R>,
+    opts: &AttentionOptions,
+) -> Result<(Tensor<R>, Tensor<R>, Tensor<R>)> {
+    let problem = validate::problem(q, cache.k, cache.v, opts.scale)?;
+    validate::shape_of("out", out, q.shape())?;
+    validate::shape_of("dout", dout, q.shape())?;
+    validate::shape_of("lse", lse, &[problem.batch, problem.heads_q, problem.seq_q])?;
+    let host = validate::cache_lengths(cache.lengths, &problem)?;
+    let tensors = BackwardTensors {
+        q,
+        k: cache.k,
+        v: cache.v,
+        out,
+        lse,
+        dout,
+        tensor_grads: &[],
+        lengths: Some(CacheLengths {
+            tensor: cache.lengths,
+            host: &host,
+        }),
+    };
+    let g = R::attention_backward(variant, &problem, tensors)?;
+    Ok((g.dq, g.dk, g.dv))
 }
 
 /// Attention as an autograd op: the forward runs now, and the backward
@@ -272,6 +311,7 @@ impl<V: Variant, R: AttentionRuntime> GradFn<R> for AttentionBackward<V, R> {
             lse,
             dout: grad_output,
             tensor_grads: &wanted,
+            lengths: None,
         };
         let g = R::attention_backward(&self.variant, &self.problem, tensors)?;
         let keep = |i: usize, t: Tensor<R>| need(i).then_some(t);

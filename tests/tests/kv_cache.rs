@@ -5,8 +5,8 @@
 use boostr_runtime::stock::{Causal, CausalSlidingWindow, CausalSoftcap};
 use boostr_runtime::testing::{CpuRuntime, Rng};
 use boostr_runtime::{
-    AttentionOptions, Error, KvCache, PagedKvCache, Variant, attention_fwd, attention_fwd_cache,
-    attention_fwd_paged,
+    AttentionOptions, Error, KvCache, PagedKvCache, Variant, attention_bwd, attention_bwd_cache,
+    attention_fwd, attention_fwd_cache, attention_fwd_paged,
 };
 use numr::runtime::cpu::CpuDevice;
 use numr::tensor::Tensor;
@@ -305,5 +305,82 @@ fn pages_are_the_contiguous_cache_in_place() {
             ..
         }) => {}
         other => panic!("long length: {other:?}"),
+    }
+}
+
+/// The cache backward, sequence by sequence against `attention_bwd` on the
+/// sequence's own keys; the spare slots' dk, dv are zero.
+#[test]
+fn the_cache_backward_is_each_sequence_alone() {
+    let lens = [0, 1, 64, 150, 97];
+    let sq = 40;
+    let variant = CausalSoftcap { cap: 15.0 };
+    let case = Case::new(&lens, sq, 0xbac);
+    let device = CpuDevice::new();
+    let b = lens.len();
+    let mut rng = Rng::new(0xd0, 0);
+    let dout = rng.normal_f32(b * HQ * sq * D, 1.0);
+    let q = case.tensor(&case.q, &[b, HQ, sq, D]);
+    let k = case.tensor(&case.k, &[b, HKV, CAP, D]);
+    let v = case.tensor(&case.v, &[b, HKV, CAP, D]);
+    let dout_t = case.tensor(&dout, &[b, HQ, sq, D]);
+    let lengths = Tensor::<CpuRuntime>::from_slice(&lens, &[b], &device).unwrap();
+    let cache = KvCache {
+        k: &k,
+        v: &v,
+        lengths: &lengths,
+    };
+    let opts = AttentionOptions::default();
+    let (out, lse) = attention_fwd_cache(&variant, &q, &cache, &opts).unwrap();
+    let (dq, dk, dv) =
+        attention_bwd_cache(&variant, &dout_t, &q, &cache, &out, &lse, &opts).unwrap();
+    let (dq, dk, dv) = (dq.to_vec::<f32>(), dk.to_vec::<f32>(), dv.to_vec::<f32>());
+    let close = |what: &str, got: &[f32], want: &[f32]| {
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (g - w).abs() <= 2e-5 * (1.0 + w.abs()),
+                "{what}[{i}] = {g}, alone {w}"
+            );
+        }
+    };
+    let rows = HQ * sq * D;
+    for s in 0..b {
+        let len = lens[s] as usize;
+        let dk_s = &dk[s * HKV * CAP * D..(s + 1) * HKV * CAP * D];
+        let dv_s = &dv[s * HKV * CAP * D..(s + 1) * HKV * CAP * D];
+        assert!(
+            dk_s[len * D..]
+                .iter()
+                .chain(&dv_s[len * D..])
+                .all(|&g| g == 0.0),
+            "sequence {s}: spare slots have gradients"
+        );
+        if len == 0 {
+            assert!(dq[s * rows..(s + 1) * rows].iter().all(|&g| g == 0.0));
+            continue;
+        }
+        let q1 = case.tensor(&case.q[s * rows..(s + 1) * rows], &[1, HQ, sq, D]);
+        let at = s * HKV * CAP * D;
+        let k1 = case.tensor(&case.k[at..at + len * D], &[1, HKV, len, D]);
+        let v1 = case.tensor(&case.v[at..at + len * D], &[1, HKV, len, D]);
+        let do1 = case.tensor(&dout[s * rows..(s + 1) * rows], &[1, HQ, sq, D]);
+        let (o1, l1) = attention_fwd(&variant, &q1, &k1, &v1, &opts).unwrap();
+        let (dq1, dk1, dv1) =
+            attention_bwd(&variant, &do1, &q1, &k1, &v1, &o1, &l1, &opts).unwrap();
+        close(
+            &format!("sequence {s} dq"),
+            &dq[s * rows..(s + 1) * rows],
+            &dq1.to_vec::<f32>(),
+        );
+        close(
+            &format!("sequence {s} dk"),
+            &dk_s[..len * D],
+            &dk1.to_vec::<f32>(),
+        );
+        close(
+            &format!("sequence {s} dv"),
+            &dv_s[..len * D],
+            &dv1.to_vec::<f32>(),
+        );
     }
 }

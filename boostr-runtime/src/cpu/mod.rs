@@ -49,6 +49,7 @@
 //!   the `gemm` crate elsewhere, which round differently.
 
 mod backward;
+mod cached;
 mod decode;
 mod forward;
 mod gemm;
@@ -339,8 +340,51 @@ pub fn backward<V: Variant>(
     tensor_grads: &[bool],
 ) -> Result<Vec<Option<Vec<f32>>>> {
     let host = variant.host(p)?;
+    let tiles = CpuTiles::for_variant::<V>();
+    let grads = backward_host(&host, p, tiles, inputs, dq, dk, dv, tensor_grads);
+    host.out_of_range().map_or(Ok(()), Err)?;
+    Ok(grads)
+}
+
+/// Attention backward over a KV cache (see [`forward_cache`]): `k, v` and
+/// `dk, dv` hold `Sk` slots per sequence, of which sequence `b` has
+/// `lens[b]`; the others get `dk = dv = 0` and are never part of a
+/// product. The tile kernels run unchanged over the cache's positions and
+/// mask (`cached::Cached`), so every variant works.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_cache<V: Variant>(
+    variant: &V,
+    p: &Problem,
+    lens: &[usize],
+    inputs: BackwardInputs<'_>,
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+    tensor_grads: &[bool],
+) -> Result<Vec<Option<Vec<f32>>>> {
+    assert_eq!(lens.len(), p.batch, "one length per sequence");
+    let host = variant.host(p)?;
+    let cached = cached::Cached::new(&host, p.seq_k, lens);
+    let tiles = CpuTiles::for_variant::<V>();
+    let grads = backward_host(&cached, p, tiles, inputs, dq, dk, dv, tensor_grads);
+    host.out_of_range().map_or(Ok(()), Err)?;
+    Ok(grads)
+}
+
+/// The backward of `host` with the slots `tensor_grads` marks computed.
+#[allow(clippy::too_many_arguments)]
+fn backward_host<H: HostVariant>(
+    host: &H,
+    p: &Problem,
+    tiles: CpuTiles,
+    inputs: BackwardInputs<'_>,
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+    tensor_grads: &[bool],
+) -> Vec<Option<Vec<f32>>> {
     let wanted = |slot: usize| tensor_grads.get(slot).copied().unwrap_or(false);
-    let mut grads: Vec<Vec<f32>> = (0..<V::Host as HostVariant>::LEARNABLE)
+    let mut grads: Vec<Vec<f32>> = (0..H::LEARNABLE)
         .map(|slot| {
             vec![
                 0.0;
@@ -352,14 +396,12 @@ pub fn backward<V: Variant>(
             ]
         })
         .collect();
-    let tiles = CpuTiles::for_variant::<V>();
-    backward_tiled(&host, p, tiles, inputs, dq, dk, dv, &mut grads);
-    host.out_of_range().map_or(Ok(()), Err)?;
-    Ok(grads
+    backward_tiled(host, p, tiles, inputs, dq, dk, dv, &mut grads);
+    grads
         .into_iter()
         .enumerate()
         .map(|(slot, g)| wanted(slot).then_some(g))
-        .collect())
+        .collect()
 }
 
 /// Attention backward with explicit tile sizes (for tuning and tests);

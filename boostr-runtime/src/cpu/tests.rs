@@ -1033,3 +1033,67 @@ fn paged_caches_match_the_contiguous_cache() {
         }
     }
 }
+
+#[test]
+fn cache_backward_matches_reference_and_spare_slots_get_zero() {
+    // Forward over the cache, then the backward from its out and lse, for
+    // short and long query blocks (Sq 4 runs the decode forward, 70 the
+    // same through the tile kernels' positions); NaN in the spare slots.
+    let lens = [0usize, 1, 64, 150, 97];
+    for (hq, hkv, sq) in [(4, 1, 4), (2, 2, 70)] {
+        let p = problem(lens.len(), hq, hkv, sq, 150, 32);
+        let mut x = Inputs::new(&p, 0xbac4 ^ sq as u64, 1.0);
+        for (row, (k, v)) in
+            x.k.chunks_mut(p.head_dim)
+                .zip(x.v.chunks_mut(p.head_dim))
+                .enumerate()
+        {
+            if row % p.seq_k >= lens[row / (p.heads_kv * p.seq_k)] {
+                k.fill(f32::NAN);
+                v.fill(f32::NEG_INFINITY);
+            }
+        }
+        check_cache_backward(&CausalSoftcap::new(20.0), &p, &lens, &x);
+        check_cache_backward(&SlidingWindow { window: 30 }, &p, &lens, &x);
+        check_cache_backward(&Alibi { slope: 0.03 }, &p, &lens, &x);
+    }
+}
+
+#[track_caller]
+fn check_cache_backward<V: crate::Variant>(v: &V, p: &Problem, lens: &[usize], x: &Inputs)
+where
+    V::Host: HostVariant,
+{
+    let host = v.host(p).expect("host");
+    let want = reference_lens(&host, p, x, Some(lens));
+    let mut out = vec![f32::NAN; p.q_len()];
+    let mut lse = vec![f32::NAN; p.lse_len()];
+    forward_cache(v, p, lens, &x.q, &x.k, &x.v, &mut out, &mut lse).expect("forward");
+    let (mut dq, mut dk, mut dv) = (
+        vec![f32::NAN; p.q_len()],
+        vec![f32::NAN; p.kv_len()],
+        vec![f32::NAN; p.kv_len()],
+    );
+    let inputs = BackwardInputs {
+        q: &x.q,
+        k: &x.k,
+        v: &x.v,
+        out: &out,
+        lse: &lse,
+        dout: &x.dout,
+    };
+    backward_cache(v, p, lens, inputs, &mut dq, &mut dk, &mut dv, &[]).expect("backward");
+    let ctx = format!("{} {p:?} lens {lens:?}", V::NAME);
+    assert_close(&format!("out {ctx}"), &out, &want.out, 2e-5);
+    assert_close(&format!("dq {ctx}"), &dq, &want.dq, 5e-5);
+    assert_close(&format!("dk {ctx}"), &dk, &want.dk, 5e-5);
+    assert_close(&format!("dv {ctx}"), &dv, &want.dv, 5e-5);
+    for (row, (k, v)) in dk.chunks(p.head_dim).zip(dv.chunks(p.head_dim)).enumerate() {
+        if row % p.seq_k >= lens[row / (p.heads_kv * p.seq_k)] {
+            assert!(
+                k.iter().chain(v).all(|&g| g == 0.0),
+                "{ctx}: spare slot {row} has a gradient"
+            );
+        }
+    }
+}

@@ -666,6 +666,12 @@ impl AttentionRuntime for CudaRuntime {
         p: &Problem,
         t: BackwardTensors<'_, Self>,
     ) -> Result<AttentionGrads<Self>> {
+        if t.lengths.is_some() {
+            return Err(crate::Error::LayoutUnsupported {
+                backend: CUDA,
+                layout: "the backward over a KV cache",
+            });
+        }
         let (q, k, v) = (input("q", t.q)?, input("k", t.k)?, input("v", t.v)?);
         let (out, dout) = (input("out", t.out)?, input("dout", t.dout)?);
         validate::check_dtype("lse", t.lse, CUDA, &[DType::F32], "f32")?;

@@ -805,6 +805,12 @@ impl AttentionRuntime for WgpuRuntime {
         p: &Problem,
         t: BackwardTensors<'_, Self>,
     ) -> Result<AttentionGrads<Self>> {
+        if t.lengths.is_some() {
+            return Err(crate::Error::LayoutUnsupported {
+                backend: WGPU,
+                layout: "the backward over a KV cache",
+            });
+        }
         let (q, k, v) = (input("q", t.q)?, input("k", t.k)?, input("v", t.v)?);
         // `out` is not read: D_i comes from the recomputed P (see
         // `kernels::BACKWARD_DQ`).
