@@ -11,7 +11,9 @@
 //! bandwidth: a 1 GiB buffer copied by all threads at once, bytes copied ÷
 //! time. Then, at B = 8, Sk = 16k, the same keys as a KV cache
 //! (`attention_fwd_cache`, every length 16k) against pages of 64 and of 16
-//! keys in shuffled order (`attention_fwd_paged`). Medians of `reps`
+//! keys in shuffled order (`attention_fwd_paged`), and the same cache in
+//! bf16 (read as stored, widened a key block at a time; bandwidth counts
+//! its 2-byte elements). Medians of `reps`
 //! (default 7) runs. `bench/decode.py` runs this, then PyTorch's SDPA on
 //! the same shapes.
 
@@ -74,6 +76,47 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     paged(&device, &mut rng, reps)?;
+    bf16_cache(&device, &mut rng, reps, copy)?;
+    Ok(())
+}
+
+/// The KV cache in bf16, every length full.
+fn bf16_cache(
+    device: &CpuDevice,
+    rng: &mut Rng,
+    reps: usize,
+    copy: f64,
+) -> Result<(), Box<dyn std::error::Error>> {
+    for (b, sk) in [(1usize, 65536usize), (8, 16384)] {
+        let mut tensor = |shape: &[usize]| -> Result<Tensor<CpuRuntime>, numr::error::Error> {
+            let n = shape.iter().product();
+            let bytes: Vec<u8> = rng
+                .normal_f32(n, 1.0)
+                .into_iter()
+                .flat_map(|x| half::bf16::from_f32(x).to_bits().to_le_bytes())
+                .collect();
+            Tensor::from_bytes(&bytes, shape, numr::dtype::DType::BF16, device)
+        };
+        let q = tensor(&[b, HQ, 1, D])?;
+        let (k, v) = (tensor(&[b, HKV, sk, D])?, tensor(&[b, HKV, sk, D])?);
+        let lengths = Tensor::<CpuRuntime>::from_slice(&vec![sk as i32; b], &[b], device)?;
+        let cache = KvCache {
+            k: &k,
+            v: &v,
+            lengths: &lengths,
+        };
+        let opts = AttentionOptions::default();
+        let t = time(reps, &mut || {
+            std::hint::black_box(attention_fwd_cache(&Causal, &q, &cache, &opts).expect("bf16"));
+        });
+        let bytes = (2 * b * HKV * sk * D * 2) as f64;
+        println!(
+            "B = {b}, Sk = {sk}, bf16 KV cache: {:.2} ms, {:.1} GB/s of K and V, {:.0}% of copy",
+            t * 1e3,
+            bytes / t / 1e9,
+            100.0 * bytes / t / copy
+        );
+    }
     Ok(())
 }
 

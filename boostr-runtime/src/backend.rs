@@ -236,6 +236,135 @@ impl HostF32 {
     }
 }
 
+/// A KV cache's keys or values as stored on the host, f32, f16 or bf16:
+/// the decode kernel widens them one key block at a time, so a 16-bit
+/// cache is never copied whole.
+struct HostElems(Tensor<CpuRuntime>);
+
+impl HostElems {
+    /// `t`, of `dtype` (one of the CPU's), contiguous.
+    fn new(name: &'static str, t: &Tensor<CpuRuntime>, dtype: DType) -> Result<Self> {
+        validate::check_dtype(
+            name,
+            t,
+            CPU,
+            &[DType::F32, DType::F16, DType::BF16],
+            CPU_DTYPES,
+        )?;
+        if t.dtype() != dtype {
+            return Err(Error::DType {
+                name,
+                dtype: t.dtype(),
+                backend: CPU,
+                supported: "the dtype of q (q, k, v, out and dout share one dtype)",
+            });
+        }
+        Ok(Self(t.contiguous()?))
+    }
+
+    /// The elements as `E`.
+    ///
+    /// # Safety
+    /// `E` must be the tensor's element type (f32, `half::f16` or
+    /// `half::bf16` for its dtype).
+    unsafe fn slice<E>(&self) -> &[E] {
+        // SAFETY: contiguous, offset folded into `ptr()`, `numel()` values
+        // of `E` (the caller's promise), alive as long as `self`.
+        unsafe { std::slice::from_raw_parts(self.0.ptr() as *const E, self.0.numel()) }
+    }
+}
+
+/// Where a CPU cache forward reads its keys.
+enum CacheLayout<'a> {
+    Lengths,
+    Pages {
+        table: &'a [usize],
+        page_size: usize,
+    },
+}
+
+/// The CPU forward over a KV cache in the cache's own element type.
+#[allow(clippy::too_many_arguments)]
+fn cpu_cache_forward<V: Variant, E: crate::cpu::KvElem>(
+    variant: &V,
+    p: &Problem,
+    lens: &[usize],
+    layout: &CacheLayout<'_>,
+    q: &[f32],
+    k: &[E],
+    v: &[E],
+    out: &mut [f32],
+    lse: &mut [f32],
+) -> Result<()> {
+    match layout {
+        CacheLayout::Lengths => crate::cpu::forward_cache(variant, p, lens, q, k, v, out, lse),
+        CacheLayout::Pages { table, page_size } => {
+            crate::cpu::forward_paged(variant, p, lens, table, *page_size, q, k, v, out, lse)
+        }
+    }
+}
+
+/// [`cpu_cache_forward`] for a call: `out` and `lse` in q's dtype.
+fn cpu_cache_call<V: Variant>(
+    variant: &V,
+    p: &Problem,
+    lens: &[usize],
+    layout: CacheLayout<'_>,
+    q: &Tensor<CpuRuntime>,
+    k: &Tensor<CpuRuntime>,
+    v: &Tensor<CpuRuntime>,
+) -> Result<(Tensor<CpuRuntime>, Tensor<CpuRuntime>)> {
+    let (dtype, device) = (q.dtype(), q.device());
+    let q = HostF32::new("q", q, dtype)?;
+    let (k, v) = (
+        HostElems::new("k", k, dtype)?,
+        HostElems::new("v", v, dtype)?,
+    );
+    let mut out = Output::new(&[p.batch, p.heads_q, p.seq_q, p.head_dim], dtype, device)?;
+    let mut lse = Output::new(&[p.batch, p.heads_q, p.seq_q], DType::F32, device)?;
+    let (qs, o, l) = (q.slice(), out.slice_mut(), lse.slice_mut());
+    // SAFETY: each arm reads the elements as the type of the dtype it
+    // matched (checked by `HostElems::new`).
+    unsafe {
+        match dtype {
+            DType::F16 => cpu_cache_forward::<V, half::f16>(
+                variant,
+                p,
+                lens,
+                &layout,
+                qs,
+                k.slice(),
+                v.slice(),
+                o,
+                l,
+            ),
+            DType::BF16 => cpu_cache_forward::<V, half::bf16>(
+                variant,
+                p,
+                lens,
+                &layout,
+                qs,
+                k.slice(),
+                v.slice(),
+                o,
+                l,
+            ),
+            _ => cpu_cache_forward::<V, f32>(
+                variant,
+                p,
+                lens,
+                &layout,
+                qs,
+                k.slice(),
+                v.slice(),
+                o,
+                l,
+            ),
+        }
+    }?;
+    Ok((out.finish(), lse.finish()))
+}
+
 /// An output of the CPU kernels: written as f32, delivered in `dtype`.
 struct Output {
     tensor: Tensor<CpuRuntime>,
@@ -326,25 +455,7 @@ impl AttentionRuntime for CpuRuntime {
         v: &Tensor<Self>,
         lengths: CacheLengths<'_, Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
-        let (dtype, device) = (q.dtype(), q.device());
-        let (q, k, v) = (
-            HostF32::new("q", q, dtype)?,
-            HostF32::new("k", k, dtype)?,
-            HostF32::new("v", v, dtype)?,
-        );
-        let mut out = Output::new(&[p.batch, p.heads_q, p.seq_q, p.head_dim], dtype, device)?;
-        let mut lse = Output::new(&[p.batch, p.heads_q, p.seq_q], DType::F32, device)?;
-        crate::cpu::forward_cache(
-            variant,
-            p,
-            lengths.host,
-            q.slice(),
-            k.slice(),
-            v.slice(),
-            out.slice_mut(),
-            lse.slice_mut(),
-        )?;
-        Ok((out.finish(), lse.finish()))
+        cpu_cache_call(variant, p, lengths.host, CacheLayout::Lengths, q, k, v)
     }
 
     fn attention_forward_paged<V: Variant>(
@@ -354,27 +465,11 @@ impl AttentionRuntime for CpuRuntime {
         pages: Pages<'_, Self>,
         lengths: CacheLengths<'_, Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
-        let (dtype, device) = (q.dtype(), q.device());
-        let (q, k, v) = (
-            HostF32::new("q", q, dtype)?,
-            HostF32::new("k", pages.k, dtype)?,
-            HostF32::new("v", pages.v, dtype)?,
-        );
-        let mut out = Output::new(&[p.batch, p.heads_q, p.seq_q, p.head_dim], dtype, device)?;
-        let mut lse = Output::new(&[p.batch, p.heads_q, p.seq_q], DType::F32, device)?;
-        crate::cpu::forward_paged(
-            variant,
-            p,
-            lengths.host,
-            pages.host,
-            pages.page_size,
-            q.slice(),
-            k.slice(),
-            v.slice(),
-            out.slice_mut(),
-            lse.slice_mut(),
-        )?;
-        Ok((out.finish(), lse.finish()))
+        let layout = CacheLayout::Pages {
+            table: pages.host,
+            page_size: pages.page_size,
+        };
+        cpu_cache_call(variant, p, lengths.host, layout, q, pages.k, pages.v)
     }
 
     fn attention_backward<V: Variant>(

@@ -68,22 +68,69 @@ pub(super) fn chunks(p: &Problem, tiles: CpuTiles, threads: usize) -> usize {
     wanted.clamp(1, most)
 }
 
-/// Where the keys and values live.
-#[derive(Clone, Copy, Debug)]
-pub(super) enum Keys<'a> {
+/// An element type the kernel reads keys and values in, as stored: f32,
+/// or f16/bf16 widened one key block at a time into scratch (never a copy
+/// of the whole cache).
+pub trait KvElem: Copy + Send + Sync + 'static {
+    /// The slice itself, where it already is f32.
+    fn as_f32(x: &[Self]) -> Option<&[f32]>;
+    /// `dst[i] = src[i]` as f32 (exact: every f16 and bf16 is an f32).
+    fn widen(src: &[Self], dst: &mut [f32]);
+}
+
+impl KvElem for f32 {
+    fn as_f32(x: &[f32]) -> Option<&[f32]> {
+        Some(x)
+    }
+    fn widen(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+}
+
+impl KvElem for half::f16 {
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt as _;
+        src.convert_to_f32_slice(dst);
+    }
+}
+
+impl KvElem for half::bf16 {
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt as _;
+        src.convert_to_f32_slice(dst);
+    }
+}
+
+/// Where the keys and values live, in elements `E`.
+#[derive(Debug)]
+pub(super) enum Keys<'a, E> {
     /// `k, v [B, Hkv, Sk, D]`.
-    Contiguous { k: &'a [f32], v: &'a [f32] },
+    Contiguous { k: &'a [E], v: &'a [E] },
     /// `k, v [pages, Hkv, page_size, D]`; logical key `j` of sequence `b`
     /// is slot `j % page_size` of page `table[b · max_pages + j /
     /// page_size]` (every page a sequence's length reaches is valid).
     Paged {
-        k: &'a [f32],
-        v: &'a [f32],
+        k: &'a [E],
+        v: &'a [E],
         table: &'a [usize],
         max_pages: usize,
         page_size: usize,
     },
 }
+
+impl<E> Clone for Keys<'_, E> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<E> Copy for Keys<'_, E> {}
 
 /// One task's partial result: per packed row its running max and sum, and
 /// its unnormalised output row.
@@ -99,14 +146,14 @@ struct Partial<'a> {
 /// capacity: the others are never read) and its query row `i` sits at
 /// position `i + lens[b] − Sq`; without, every sequence has `Sk` keys.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn forward<V: HostVariant>(
+pub(super) fn forward<V: HostVariant, E: KvElem>(
     variant: &V,
     p: &Problem,
     tiles: CpuTiles,
     chunks: usize,
     lens: Option<&[usize]>,
     q: &[f32],
-    keys: Keys<'_>,
+    keys: Keys<'_, E>,
     out: &mut [f32],
     lse: &mut [f32],
 ) {
@@ -196,9 +243,12 @@ pub(super) fn forward<V: HostVariant>(
 }
 
 /// Per-task scratch: one key block's `Kᵀ` and the block's scores, the
-/// rows' running sums per lane and rescale factors, and a guarded V block.
+/// rows' running sums per lane and rescale factors, a guarded V block, and
+/// the widened K and V blocks of a 16-bit cache.
 struct Scratch {
     kt: Vec<f32>,
+    k_wide: Vec<f32>,
+    v_wide: Vec<f32>,
     s: Vec<f32>,
     l: Vec<math::Lanes>,
     alpha: Vec<f32>,
@@ -210,6 +260,8 @@ impl Scratch {
     fn new(tiles: CpuTiles, rows: usize, d: usize) -> Self {
         Scratch {
             kt: vec![0.0; d * tiles.kv],
+            k_wide: vec![0.0; d * tiles.kv],
+            v_wide: vec![0.0; d * tiles.kv],
             s: vec![0.0; rows * tiles.kv],
             l: vec![[0.0; math::LANES]; rows],
             alpha: vec![0.0; rows],
@@ -220,7 +272,7 @@ impl Scratch {
 }
 
 /// One (batch, kv head) and its packed query rows.
-struct Task<'a, V> {
+struct Task<'a, V, E> {
     variant: &'a V,
     p: &'a Problem,
     pos: Positions,
@@ -229,13 +281,13 @@ struct Task<'a, V> {
     hkv: usize,
     /// The group's `R × D` query rows.
     q: &'a [f32],
-    keys: Keys<'a>,
+    keys: Keys<'a, E>,
 }
 
-impl<V: HostVariant> Task<'_, V> {
+impl<V: HostVariant, E: KvElem> Task<'_, V, E> {
     /// The keys and values `kv0 ..` of this task's (batch, kv head), at
     /// most `cols` of them and never past a page: `(k, v, count)`.
-    fn block(&self, kv0: usize, cols: usize) -> (&[f32], &[f32], usize) {
+    fn block(&self, kv0: usize, cols: usize) -> (&[E], &[E], usize) {
         let (p, d) = (self.p, self.p.head_dim);
         match self.keys {
             Keys::Contiguous { k, v } => {
@@ -288,6 +340,13 @@ impl<V: HostVariant> Task<'_, V> {
                 kv0 = next;
                 continue;
             }
+            let k_blk = match E::as_f32(k_blk) {
+                Some(k) => k,
+                None => {
+                    E::widen(k_blk, &mut sc.k_wide[..cols * d]);
+                    &sc.k_wide[..cols * d]
+                }
+            };
             let kt = &mut sc.kt[..d * cols];
             gemm::transpose(k_blk, cols, d, kt, cols);
             let s = &mut sc.s[..rows * cols];
@@ -311,6 +370,13 @@ impl<V: HostVariant> Task<'_, V> {
             // O += P V. Where some row hides some key, that key must not
             // bring a NaN of its V row with it (0 · NaN).
             let hides = sc.classes.iter().any(|&c| c != TileClass::Full);
+            let v_blk = match E::as_f32(v_blk) {
+                Some(v) => v,
+                None => {
+                    E::widen(v_blk, &mut sc.v_wide[..cols * d]);
+                    &sc.v_wide[..cols * d]
+                }
+            };
             let v_blk = if hides && !all_finite(v_blk) {
                 let band = Band {
                     rows: 0..rows,
@@ -339,8 +405,8 @@ impl<V: HostVariant> Task<'_, V> {
 /// `mask` in place (an empty head's rows become `-inf` unevaluated), then
 /// per row the online softmax: `P = e^(x − m_new)` in place, the running
 /// max and per-lane sums, and the output row rescaled where the max grew.
-struct BlockSoftmax<'a, 't, V> {
-    task: &'a Task<'t, V>,
+struct BlockSoftmax<'a, 't, V, E> {
+    task: &'a Task<'t, V, E>,
     classes: &'a [TileClass],
     kv_lo: i32,
     s: &'a mut [f32],
@@ -350,7 +416,7 @@ struct BlockSoftmax<'a, 't, V> {
     acc: &'a mut [f32],
 }
 
-impl<V: HostVariant> Elementwise for BlockSoftmax<'_, '_, V> {
+impl<V: HostVariant, E: KvElem> Elementwise for BlockSoftmax<'_, '_, V, E> {
     type Output = ();
 
     #[inline(always)]
@@ -402,9 +468,9 @@ impl<V: HostVariant> Elementwise for BlockSoftmax<'_, '_, V> {
 
 /// Ask for every cache line of `x` ahead of its use (nothing off x86-64).
 #[inline(always)]
-fn prefetch(x: &[f32]) {
+fn prefetch<E>(x: &[E]) {
     #[cfg(target_arch = "x86_64")]
-    for line in x.chunks(16) {
+    for line in x.chunks((64 / std::mem::size_of::<E>().max(1)).max(1)) {
         // SAFETY: a prefetch is only a hint; it never faults, and the
         // address is in `x`.
         unsafe {

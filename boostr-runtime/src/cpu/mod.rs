@@ -63,6 +63,7 @@ mod tile;
 #[cfg(test)]
 mod tests;
 
+pub use decode::KvElem;
 #[doc(hidden)] // for the benchmark example
 pub use gemm::{time_fma_peak, time_tile_products};
 pub use tile::CpuTiles;
@@ -192,13 +193,13 @@ pub fn forward_decode<V: HostVariant>(
 /// packed) whatever `Sq`. Captured tensors and out-of-range reads as in
 /// [`forward`].
 #[allow(clippy::too_many_arguments)]
-pub fn forward_cache<V: Variant>(
+pub fn forward_cache<V: Variant, E: KvElem>(
     variant: &V,
     p: &Problem,
     lens: &[usize],
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: &[E],
+    v: &[E],
     out: &mut [f32],
     lse: &mut [f32],
 ) -> Result<()> {
@@ -224,15 +225,15 @@ pub fn forward_cache<V: Variant>(
 /// [`forward_cache`]. Every page a length reaches must be a valid page
 /// (the op checks; here it is a panic).
 #[allow(clippy::too_many_arguments)]
-pub fn forward_paged<V: Variant>(
+pub fn forward_paged<V: Variant, E: KvElem>(
     variant: &V,
     p: &Problem,
     lens: &[usize],
     table: &[usize],
     page_size: usize,
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: &[E],
+    v: &[E],
     out: &mut [f32],
     lse: &mut [f32],
 ) -> Result<()> {
@@ -244,7 +245,7 @@ pub fn forward_paged<V: Variant>(
 
 /// [`forward_paged`] with explicit tile sizes (for tuning and tests).
 #[allow(clippy::too_many_arguments)]
-pub fn forward_paged_tiled<V: HostVariant>(
+pub fn forward_paged_tiled<V: HostVariant, E: KvElem>(
     variant: &V,
     p: &Problem,
     tiles: CpuTiles,
@@ -252,8 +253,8 @@ pub fn forward_paged_tiled<V: HostVariant>(
     table: &[usize],
     page_size: usize,
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: &[E],
+    v: &[E],
     out: &mut [f32],
     lse: &mut [f32],
 ) {
@@ -292,14 +293,14 @@ pub fn forward_paged_tiled<V: HostVariant>(
 
 /// [`forward_cache`] with explicit tile sizes (for tuning and tests).
 #[allow(clippy::too_many_arguments)]
-pub fn forward_cache_tiled<V: HostVariant>(
+pub fn forward_cache_tiled<V: HostVariant, E: KvElem>(
     variant: &V,
     p: &Problem,
     tiles: CpuTiles,
     lens: &[usize],
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: &[E],
+    v: &[E],
     out: &mut [f32],
     lse: &mut [f32],
 ) {

@@ -1097,3 +1097,88 @@ where
         }
     }
 }
+
+#[test]
+fn a_16_bit_cache_reads_as_its_widened_copy() {
+    // Widening block by block is exact: the same bits as the f32 kernel
+    // on the values widened up front, contiguous and paged.
+    let t = CpuTiles::new(64, 64);
+    let lens = [0usize, 1, 100, 192];
+    let p = problem(lens.len(), 8, 2, 2, 192, 64);
+    let x = Inputs::new(&p, 0x16, 1.0);
+    let v = SlidingWindow { window: 70 };
+    let bf: (Vec<half::bf16>, Vec<half::bf16>) = (
+        x.k.iter().map(|&y| half::bf16::from_f32(y)).collect(),
+        x.v.iter().map(|&y| half::bf16::from_f32(y)).collect(),
+    );
+    let hf: (Vec<half::f16>, Vec<half::f16>) = (
+        x.k.iter().map(|&y| half::f16::from_f32(y)).collect(),
+        x.v.iter().map(|&y| half::f16::from_f32(y)).collect(),
+    );
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let run = |k: &[f32], vv: &[f32]| {
+        let (mut out, mut lse) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
+        forward_cache_tiled(&v, &p, t, &lens, &x.q, k, vv, &mut out, &mut lse);
+        (bits(&out), bits(&lse))
+    };
+    let wide_bf: (Vec<f32>, Vec<f32>) = (
+        bf.0.iter().map(|y| y.to_f32()).collect(),
+        bf.1.iter().map(|y| y.to_f32()).collect(),
+    );
+    let (mut out, mut lse) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
+    forward_cache_tiled(&v, &p, t, &lens, &x.q, &bf.0, &bf.1, &mut out, &mut lse);
+    assert_eq!(
+        (bits(&out), bits(&lse)),
+        run(&wide_bf.0, &wide_bf.1),
+        "bf16 cache"
+    );
+
+    let wide_hf: (Vec<f32>, Vec<f32>) = (
+        hf.0.iter().map(|y| y.to_f32()).collect(),
+        hf.1.iter().map(|y| y.to_f32()).collect(),
+    );
+    // Pages of 32 (half a key tile) holding the f16 cache in order.
+    let (max_pages, ps) = (192 / 32, 32);
+    let table: Vec<usize> = (0..lens.len() * max_pages).collect();
+    let (mut out, mut lse) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
+    let (mut wout, mut wlse) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
+    // Pages [pages, Hkv, ps, D] from [B, Hkv, Sk, D]: page n of sequence s
+    // is its keys n·ps .. for every kv head.
+    let paged_of = |src: &[f32]| -> Vec<f32> {
+        let mut dst = vec![0.0f32; src.len()];
+        let d = p.head_dim;
+        for s in 0..lens.len() {
+            for n in 0..max_pages {
+                for h in 0..p.heads_kv {
+                    let from = ((s * p.heads_kv + h) * p.seq_k + n * ps) * d;
+                    let to = (((s * max_pages + n) * p.heads_kv + h) * ps) * d;
+                    dst[to..to + ps * d].copy_from_slice(&src[from..from + ps * d]);
+                }
+            }
+        }
+        dst
+    };
+    let (kp, vp) = (paged_of(&wide_hf.0), paged_of(&wide_hf.1));
+    let kp16: Vec<half::f16> = kp.iter().map(|&y| half::f16::from_f32(y)).collect();
+    let vp16: Vec<half::f16> = vp.iter().map(|&y| half::f16::from_f32(y)).collect();
+    forward_paged_tiled(
+        &v, &p, t, &lens, &table, ps, &x.q, &kp16, &vp16, &mut out, &mut lse,
+    );
+    forward_paged_tiled(
+        &v, &p, t, &lens, &table, ps, &x.q, &kp, &vp, &mut wout, &mut wlse,
+    );
+    assert_eq!(
+        (bits(&out), bits(&lse)),
+        (bits(&wout), bits(&wlse)),
+        "f16 pages"
+    );
+    // And the f16 cache against the f64 reference.
+    let xr = Inputs {
+        q: x.q.clone(),
+        k: wide_hf.0.clone(),
+        v: wide_hf.1.clone(),
+        dout: x.dout.clone(),
+    };
+    let want = reference_lens(&v, &p, &xr, Some(&lens));
+    assert_close("f16 pages out", &out, &want.out, 2e-5);
+}
