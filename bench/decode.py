@@ -12,7 +12,9 @@ Sq = 1, Hq = 32, Hkv = 8, D = 128, f32, causal, for (B, Sk) in (1, 4k),
     also measures the machine's memory copy bandwidth in the same run;
   - torch.nn.functional.scaled_dot_product_attention with `enable_gqa=True`
     (the query row is the last position, so causal is every key), on as
-    many threads as boostr's rayon pool.
+    many threads as boostr's rayon pool;
+  - torch.compile(flex_attention) with `enable_gqa=True` and no mask (the
+    same pairs), where it runs.
 
 Effective bandwidth is bytes of K and V read / time; medians of --reps after
 a warm-up.
@@ -51,6 +53,36 @@ def torch_decode(reps):
     return rows
 
 
+def flex_decode(reps):
+    """torch.compile(flex_attention) with a causal mask_mod (the last
+    position sees every key), GQA; its CPU path is the forward."""
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch.manual_seed(0)
+    flex = torch.compile(flex_attention)
+    rows = []
+    for b, sk in SHAPES:
+        q = torch.randn(b, HQ, 1, D)
+        k = torch.randn(b, HKV, sk, D)
+        v = torch.randn(b, HKV, sk, D)
+        try:
+            flex(q, k, v, enable_gqa=True)
+        except Exception as e:  # noqa: BLE001 - report, do not hide
+            rows.append(f"B = {b}, Sk = {sk}: does not run ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+            continue
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            flex(q, k, v, enable_gqa=True)
+            times.append(time.perf_counter() - t)
+        times.sort()
+        t = times[len(times) // 2]
+        gb = 2 * b * HKV * sk * D * 4 / t / 1e9
+        rows.append(f"B = {b}, Sk = {sk}: {t * 1e3:.2f} ms, {gb:.1f} GB/s of K and V")
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=7)
@@ -66,6 +98,9 @@ def main():
     torch.set_num_threads(threads)
     print(f"torch {torch.__version__} SDPA, enable_gqa, {threads} threads:")
     for line in torch_decode(args.reps):
+        print("  " + line)
+    print(f"torch {torch.__version__} torch.compile(flex_attention), enable_gqa, {threads} threads:")
+    for line in flex_decode(args.reps):
         print("  " + line)
 
 
