@@ -177,6 +177,27 @@ const CONVERT_BLOCK: usize = 1 << 16;
 /// and bf16 value is an f32), because the kernels compute in f32 — see
 /// [`crate::cpu`] for why that is also the fastest choice for bf16 on CPUs
 /// without AMX.
+/// An input of a CPU call: f32, f16 or bf16, and `dtype` (all tensors of
+/// one call share q's dtype).
+fn check_input(name: &'static str, t: &Tensor<CpuRuntime>, dtype: DType) -> Result<()> {
+    validate::check_dtype(
+        name,
+        t,
+        CPU,
+        &[DType::F32, DType::F16, DType::BF16],
+        CPU_DTYPES,
+    )?;
+    if t.dtype() != dtype {
+        return Err(Error::DType {
+            name,
+            dtype: t.dtype(),
+            backend: CPU,
+            supported: "the dtype of q (q, k, v, out and dout share one dtype)",
+        });
+    }
+    Ok(())
+}
+
 enum HostF32 {
     Tensor(Tensor<CpuRuntime>),
     Widened(Vec<f32>),
@@ -186,21 +207,7 @@ impl HostF32 {
     /// `t` as f32; its dtype must be f32, f16 or bf16 and equal `dtype`
     /// (all tensors of one call share q's dtype).
     fn new(name: &'static str, t: &Tensor<CpuRuntime>, dtype: DType) -> Result<Self> {
-        validate::check_dtype(
-            name,
-            t,
-            CPU,
-            &[DType::F32, DType::F16, DType::BF16],
-            CPU_DTYPES,
-        )?;
-        if t.dtype() != dtype {
-            return Err(Error::DType {
-                name,
-                dtype: t.dtype(),
-                backend: CPU,
-                supported: "the dtype of q (q, k, v, out and dout share one dtype)",
-            });
-        }
+        check_input(name, t, dtype)?;
         let t = t.contiguous()?;
         if dtype == DType::F32 {
             return Ok(Self::Tensor(t));
@@ -244,21 +251,7 @@ struct HostElems(Tensor<CpuRuntime>);
 impl HostElems {
     /// `t`, of `dtype` (one of the CPU's), contiguous.
     fn new(name: &'static str, t: &Tensor<CpuRuntime>, dtype: DType) -> Result<Self> {
-        validate::check_dtype(
-            name,
-            t,
-            CPU,
-            &[DType::F32, DType::F16, DType::BF16],
-            CPU_DTYPES,
-        )?;
-        if t.dtype() != dtype {
-            return Err(Error::DType {
-                name,
-                dtype: t.dtype(),
-                backend: CPU,
-                supported: "the dtype of q (q, k, v, out and dout share one dtype)",
-            });
-        }
+        check_input(name, t, dtype)?;
         Ok(Self(t.contiguous()?))
     }
 

@@ -109,6 +109,22 @@ pub fn forward<V: Variant>(
     host.out_of_range().map_or(Ok(()), Err)
 }
 
+/// The slices of a forward have the problem's lengths (`kv`: what `k` and
+/// `v` must hold).
+fn check_forward_lengths(
+    p: &Problem,
+    q: usize,
+    (k, v): (usize, usize),
+    kv: usize,
+    out: &[f32],
+    lse: &[f32],
+) {
+    assert_eq!(q, p.q_len(), "q length");
+    assert_eq!((k, v), (kv, kv), "k/v length");
+    assert_eq!(out.len(), p.q_len(), "out length");
+    assert_eq!(lse.len(), p.lse_len(), "lse length");
+}
+
 /// Attention forward with explicit tile sizes (for tuning and tests).
 #[allow(clippy::too_many_arguments)]
 pub fn forward_tiled<V: HostVariant>(
@@ -121,11 +137,7 @@ pub fn forward_tiled<V: HostVariant>(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    assert_eq!(q.len(), p.q_len(), "q length");
-    assert_eq!(k.len(), p.kv_len(), "k length");
-    assert_eq!(v.len(), p.kv_len(), "v length");
-    assert_eq!(out.len(), p.q_len(), "out length");
-    assert_eq!(lse.len(), p.lse_len(), "lse length");
+    check_forward_lengths(p, q.len(), (k.len(), v.len()), p.kv_len(), out, lse);
     let tiles = CpuTiles::new(tiles.q, tiles.kv);
     let threads = rayon::current_num_threads();
     if decode::applies(p) {
@@ -165,11 +177,7 @@ pub fn forward_decode<V: HostVariant>(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    assert_eq!(q.len(), p.q_len(), "q length");
-    assert_eq!(k.len(), p.kv_len(), "k length");
-    assert_eq!(v.len(), p.kv_len(), "v length");
-    assert_eq!(out.len(), p.q_len(), "out length");
-    assert_eq!(lse.len(), p.lse_len(), "lse length");
+    check_forward_lengths(p, q.len(), (k.len(), v.len()), p.kv_len(), out, lse);
     let tiles = CpuTiles::new(tiles.q, tiles.kv);
     in_pool(|| {
         decode::forward(
@@ -258,10 +266,7 @@ pub fn forward_paged_tiled<V: HostVariant, E: KvElem>(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    assert_eq!(q.len(), p.q_len(), "q length");
-    assert_eq!(k.len(), v.len(), "k/v length");
-    assert_eq!(out.len(), p.q_len(), "out length");
-    assert_eq!(lse.len(), p.lse_len(), "lse length");
+    check_forward_lengths(p, q.len(), (k.len(), v.len()), k.len(), out, lse);
     assert_eq!(lens.len(), p.batch, "one length per sequence");
     assert!(
         page_size > 0 && p.seq_k.is_multiple_of(page_size),
@@ -304,11 +309,7 @@ pub fn forward_cache_tiled<V: HostVariant, E: KvElem>(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    assert_eq!(q.len(), p.q_len(), "q length");
-    assert_eq!(k.len(), p.kv_len(), "k length");
-    assert_eq!(v.len(), p.kv_len(), "v length");
-    assert_eq!(out.len(), p.q_len(), "out length");
-    assert_eq!(lse.len(), p.lse_len(), "lse length");
+    check_forward_lengths(p, q.len(), (k.len(), v.len()), p.kv_len(), out, lse);
     assert_eq!(lens.len(), p.batch, "one length per sequence");
     let tiles = CpuTiles::new(tiles.q, tiles.kv);
     let chunks = decode::chunks(p, tiles, rayon::current_num_threads());

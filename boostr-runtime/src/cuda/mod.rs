@@ -583,25 +583,23 @@ fn forward_over<V: Variant>(
     let lse = alloc(&[p.batch, p.heads_q, p.seq_q], DType::F32, &q)?;
     let words = [cache.map(|c| c.0), cache.and_then(|c| c.1.map(|t| t.0))];
     let arena = DeviceArena::new(variant, p, &client, &q, words)?;
-    let word = |w: Option<usize>| w.map_or(Ok(-1), i32::try_from);
     let pages = cache.and_then(|c| c.1);
-    let kv = [
-        word(arena.cache[0]),
-        word(arena.cache[1]),
-        i32::try_from(pages.map_or(0, |t| t.1)),
-        i32::try_from(pages.map_or(0, |t| t.2)),
+    let values = [
+        ("the arena word of the cache's lengths", arena.cache[0]),
+        ("the arena word of the page table", arena.cache[1]),
+        ("the page size", pages.map(|t| t.1)),
+        ("the pages per sequence", pages.map(|t| t.2)),
     ];
-    let too_large = |_| Error::TooLarge {
-        name: "a KV cache's arena word, page size or pages per sequence",
-        value: usize::MAX,
-        max: i32::MAX as usize,
-    };
-    let kv = [
-        kv[0].map_err(too_large)?,
-        kv[1].map_err(too_large)?,
-        kv[2].map_err(too_large)?,
-        kv[3].map_err(too_large)?,
-    ];
+    let mut kv = PLAIN_KV;
+    for (slot, (name, value)) in kv.iter_mut().zip(values) {
+        if let Some(value) = value {
+            *slot = i32::try_from(value).map_err(|_| Error::TooLarge {
+                name,
+                value,
+                max: i32::MAX as usize,
+            })?;
+        }
+    }
     let call = Call {
         problem: p,
         params: Params(variant.param_words()),

@@ -696,16 +696,15 @@ fn run<V: Variant>(
     Ok(arena)
 }
 
-/// The forward over a KV cache (lengths, and pages if any): the forward
-/// kernel with the cache's words in the arena; `k, v` as the cache holds
-/// them.
+/// The forward kernel, over plain `k, v` or a KV cache (lengths, and pages
+/// if any; its words in the arena, `k, v` as the cache holds them).
 fn forward_over<V: Variant>(
     variant: &V,
     p: &Problem,
     q: &Tensor<WgpuRuntime>,
     k: &Tensor<WgpuRuntime>,
     v: &Tensor<WgpuRuntime>,
-    cache: CacheWords<'_>,
+    cache: Option<CacheWords<'_>>,
 ) -> Result<(Tensor<WgpuRuntime>, Tensor<WgpuRuntime>)> {
     let (q, k, v) = (input("q", q)?, input("k", k)?, input("v", v)?);
     let client = WgpuRuntime::default_client(q.device());
@@ -729,7 +728,7 @@ fn forward_over<V: Variant>(
         ],
         &[(&kernels::FORWARD, &fwd)],
         false,
-        Some(cache),
+        cache,
     )?;
     Ok((out, lse))
 }
@@ -742,32 +741,7 @@ impl AttentionRuntime for WgpuRuntime {
         k: &Tensor<Self>,
         v: &Tensor<Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
-        let (q, k, v) = (input("q", q)?, input("k", k)?, input("v", v)?);
-        let client = WgpuRuntime::default_client(q.device());
-        let fwd = pass::<V>(&client, p, &kernels::FORWARD)?;
-        let cfg = tiles::<V>(p)?;
-        let out = alloc(q.shape(), &q)?;
-        let lse = alloc(&[p.batch, p.heads_q, p.seq_q], &q)?;
-        // Running (max, sum) per row between dispatches.
-        let stats = alloc(&[p.batch, p.heads_q, p.seq_q, 2], &q)?;
-        run(
-            &client,
-            variant,
-            p,
-            &cfg,
-            &[
-                (Buffer::Q, &q),
-                (Buffer::K, &k),
-                (Buffer::V, &v),
-                (Buffer::Out, &out),
-                (Buffer::Lse, &lse),
-                (Buffer::Stats, &stats),
-            ],
-            &[(&kernels::FORWARD, &fwd)],
-            false,
-            None,
-        )?;
-        Ok((out, lse))
+        forward_over(variant, p, q, k, v, None)
     }
 
     fn attention_forward_cache<V: Variant>(
@@ -782,7 +756,7 @@ impl AttentionRuntime for WgpuRuntime {
             lengths: lengths.tensor,
             pages: None,
         };
-        forward_over(variant, p, q, k, v, cache)
+        forward_over(variant, p, q, k, v, Some(cache))
     }
 
     fn attention_forward_paged<V: Variant>(
@@ -797,7 +771,7 @@ impl AttentionRuntime for WgpuRuntime {
             lengths: lengths.tensor,
             pages: Some((pages.table, pages.page_size, max_pages)),
         };
-        forward_over(variant, p, q, pages.k, pages.v, cache)
+        forward_over(variant, p, q, pages.k, pages.v, Some(cache))
     }
 
     fn attention_backward<V: Variant>(
