@@ -30,7 +30,13 @@ pub fn program(program: &Program) -> String {
         .map(|p| format!("{}: {}", p.name, p.ty))
         .chain(program.tensors.iter().map(|t| {
             let dims: Vec<String> = t.dims.iter().map(|d| d.to_string()).collect();
-            format!("{}: tensor {} [{}]", t.name, t.elem, dims.join(", "))
+            let learnable = if t.learnable { " (learnable)" } else { "" };
+            format!(
+                "{}: tensor {} [{}]{learnable}",
+                t.name,
+                t.elem,
+                dims.join(", ")
+            )
         }))
         .collect();
     let mut out = format!(
@@ -52,6 +58,28 @@ pub fn program(program: &Program) -> String {
     out.push_str(&reads(program));
     for f in program.functions() {
         out.push_str(&function(program, f));
+        out.push('\n');
+    }
+    out.push_str(&learnable(program));
+    out
+}
+
+/// Every read of a learnable tensor: where it lands and its derivative,
+/// which the backward multiplies by `d loss / d score` (or `/ d sink`).
+pub fn learnable(program: &Program) -> String {
+    if program.learnable_sites.is_empty() {
+        return String::new();
+    }
+    let mut out = format!(
+        "learnable reads (in score, by kv - q alone: {}):\n",
+        program.score_grads_by_difference()
+    );
+    for site in &program.learnable_sites {
+        let name = &program.tensors[site.tensor].name;
+        let place = if site.in_sink { "sink" } else { "score" };
+        out.push_str(&format!("// read #{} of {name} in {place}\n", site.site));
+        out.push_str(&function(program, &site.index));
+        out.push_str(&function(program, &site.grad));
         out.push('\n');
     }
     out
