@@ -160,14 +160,16 @@ impl<R: Runtime<DType = DType>> ArenaPlan<R> {
     /// its words from [`Arena::grad_start`] on. A NaN or infinite
     /// contribution (flagged: the accumulators hold none) makes every
     /// gradient of the call NaN; one out of the accumulators' range is an
-    /// error.
+    /// error. Each gradient is an f32 tensor of its tensor's shape on
+    /// `device`.
     pub(crate) fn grads<V: Variant>(
         &self,
         backend: &'static str,
         record: &[u32],
         grads: &[u32],
         wanted: &[bool],
-    ) -> Result<Vec<Option<Vec<f32>>>> {
+        device: &R::Device,
+    ) -> Result<Vec<Option<Tensor<R>>>> {
         let flags = record.get(GRAD_FLAG_WORD).copied().unwrap_or(0);
         let field = |slot: usize| V::TENSORS.get(V::LEARNABLE[slot]).map_or("?", |d| d.name);
         let first_wanted = wanted.iter().position(|&w| w).unwrap_or(0);
@@ -205,7 +207,11 @@ impl<R: Runtime<DType = DType>> ArenaPlan<R> {
                     v as f32
                 });
             }
-            out.push(Some(values));
+            out.push(Some(Tensor::<R>::from_slice(
+                &values,
+                self.tensors[t].shape(),
+                device,
+            )?));
         }
         Ok(out)
     }

@@ -142,20 +142,7 @@ pub fn forward_tiled<V: HostVariant>(
     let threads = rayon::current_num_threads();
     if decode::applies(p) {
         let chunks = decode::chunks(p, tiles, threads);
-        in_pool(|| {
-            decode::forward(
-                variant,
-                p,
-                tiles,
-                chunks,
-                None,
-                q,
-                decode::Keys::Contiguous { k, v },
-                out,
-                lse,
-            )
-        });
-        return;
+        return forward_decode(variant, p, tiles, chunks, q, k, v, out, lse);
     }
     let group = forward::group_size(variant, p, tiles, threads);
     in_pool(|| forward::forward(variant, p, tiles, group, q, k, v, out, lse));

@@ -536,24 +536,13 @@ impl DeviceArena {
         let record = self.words.narrow(0, 0, ERROR_WORDS)?.contiguous()?;
         let (start, end) = (self.plan.arena.grad_start, self.plan.arena.words);
         let grads = self.words.narrow(0, start, end - start)?.contiguous()?;
-        let values = self.plan.grads::<V>(
+        self.plan.grads::<V>(
             CUDA,
             &record.to_vec::<u32>(),
             &grads.to_vec::<u32>(),
             wanted,
-        )?;
-        values
-            .into_iter()
-            .zip(V::LEARNABLE)
-            .map(|(g, &field)| {
-                g.map(|values| {
-                    let shape = self.plan.tensors[field].shape();
-                    Tensor::<CudaRuntime>::from_slice(&values, shape, self.words.device())
-                })
-                .transpose()
-                .map_err(Into::into)
-            })
-            .collect()
+            self.words.device(),
+        )
     }
 }
 

@@ -482,14 +482,16 @@ impl DeviceArena {
         Ok(())
     }
 
-    /// After a call that learns: the gradients asked for (`wanted`).
-    fn grads<V: Variant>(&self, wanted: &[bool]) -> Result<Vec<Option<Vec<f32>>>> {
+    /// After a call that learns: the gradients asked for (`wanted`), as
+    /// f32 tensors of their tensors' shapes.
+    fn grads<V: Variant>(&self, wanted: &[bool]) -> Result<Vec<Option<Tensor<WgpuRuntime>>>> {
         let Some(learned) = &self.learned else {
             return Ok(vec![None; V::LEARNABLE.len()]);
         };
         let words = learned.to_vec::<u32>();
         let (record, grads) = words.split_at(ERROR_WORDS);
-        self.plan.grads::<V>(WGPU, record, grads, wanted)
+        self.plan
+            .grads::<V>(WGPU, record, grads, wanted, self.words.device())
     }
 
     /// After the call: the error of a read out of range, if one was
@@ -829,18 +831,7 @@ impl AttentionRuntime for WgpuRuntime {
             learn,
             None,
         )?;
-        let tensors = arena
-            .grads::<V>(t.tensor_grads)?
-            .into_iter()
-            .zip(V::LEARNABLE)
-            .map(|(g, &field)| {
-                g.map(|values| {
-                    let shape = arena.plan.tensors[field].shape();
-                    Tensor::<WgpuRuntime>::from_slice(&values, shape, q.device())
-                })
-                .transpose()
-            })
-            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let tensors = arena.grads::<V>(t.tensor_grads)?;
         Ok(AttentionGrads {
             dq,
             dk,
