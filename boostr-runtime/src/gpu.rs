@@ -225,13 +225,39 @@ pub(crate) fn head_dim(p: &Problem) -> u32 {
 
 /// The problem's sizes, as launch geometry reads them.
 pub(crate) fn sizes(p: &Problem) -> Sizes {
+    split_sizes(p, 1)
+}
+
+/// The sizes of a forward in `splits` key splits.
+pub(crate) fn split_sizes(p: &Problem, splits: u32) -> Sizes {
     Sizes {
         batch: p.batch as u64,
         heads_q: p.heads_q as u64,
         heads_kv: p.heads_kv as u64,
         seq_q: p.seq_q as u64,
         seq_k: p.seq_k as u64,
+        splits: splits.max(1).into(),
     }
+}
+
+/// Keys a split of a split-KV forward covers at least: below that the
+/// merge and the splits' fixed costs outweigh the parallelism gained.
+pub(crate) const MIN_SPLIT_KEYS: u64 = 256;
+
+/// Key splits for a forward whose grid has `blocks` blocks (query row
+/// blocks × kv heads × batch) over `seq_k` keys in tiles of `block_kv`:
+/// 1 where the grid alone has the `target` blocks that fill the device,
+/// else enough splits for `target` blocks, each at least
+/// [`MIN_SPLIT_KEYS`] keys (and one tile), at most `max`. A function of
+/// the shape and the device only, so the chunking, and with it the
+/// result, is the same on every call.
+pub(crate) fn split_count(blocks: u64, seq_k: u64, block_kv: u64, target: u64, max: u64) -> u32 {
+    if blocks >= target {
+        return 1;
+    }
+    let wanted = target.div_ceil(blocks.max(1));
+    let most = seq_k / MIN_SPLIT_KEYS.max(block_kv).max(1);
+    u32::try_from(wanted.min(most).min(max).max(1)).unwrap_or(1)
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ use crate::problem::Problem;
 use crate::validate;
 use crate::variant::Variant;
 use kernels_spec::emit::Target;
-use kernels_spec::emit::interface::{Access, Buffer, NO_WORD, Scalar};
+use kernels_spec::emit::interface::{Access, Buffer, Dim, NO_WORD, Scalar};
 use kernels_spec::emit::wgsl::interface::{Binding, MAX_WORKGROUPS, Module, SHAPE, SHAPE_WORDS};
 use kernels_spec::emit::wgsl::{FLAG_FIRST, FLAG_LAST, WgslTiles, kernels, module_source};
 use kernels_spec::params::ERROR_WORDS;
@@ -194,9 +194,15 @@ const LLVMPIPE_LOOP_BUDGET: u64 = 16384;
 /// bounded on software adapters such as llvmpipe (see
 /// [`LLVMPIPE_LOOP_BUDGET`]; the variant's classifier counts too),
 /// unbounded on GPUs.
-fn tiles_per_dispatch<V: Variant>(client: &WgpuClient, cfg: &WgslTiles) -> u32 {
+fn tiles_per_dispatch<V: Variant>(client: &WgpuClient, p: &Problem, cfg: &WgslTiles) -> u32 {
     if client.wgpu_device().adapter_info().device_type == wgpu::DeviceType::Cpu {
-        cfg.tiles_within(LLVMPIPE_LOOP_BUDGET, V::compiled().classify_loop_iterations)
+        // The forward classifies a tile once per query head its packed
+        // rows span (a loop of as many iterations).
+        let sq = p.seq_q.max(1) as u64;
+        let group = (p.heads_q / p.heads_kv.max(1)).max(1) as u64;
+        let heads = group.min(u64::from(cfg.workgroup_size).div_ceil(sq) + 1);
+        let classify = (V::compiled().classify_loop_iterations + 1) * heads;
+        cfg.tiles_within(LLVMPIPE_LOOP_BUDGET, classify)
     } else {
         u32::MAX
     }
@@ -260,6 +266,7 @@ fn shape_words(
     p: &Problem,
     (begin, end, flags): (u32, u32, u32),
     kv: KvShape,
+    splits: u32,
 ) -> [u32; SHAPE_WORDS] {
     let mut words = [0u32; SHAPE_WORDS];
     for (w, s) in words.iter_mut().zip(SHAPE) {
@@ -277,6 +284,7 @@ fn shape_words(
             Scalar::KvPages => kv.pages,
             Scalar::PageSize => kv.page_size,
             Scalar::MaxPages => kv.max_pages,
+            Scalar::Splits => splits,
         };
     }
     words
@@ -564,22 +572,30 @@ fn summary_pass(client: &WgpuClient) -> Result<Arc<SummaryPass>> {
     })?)
 }
 
+/// One module of a call: its pipelines, and the tensors its bindings get,
+/// by role.
+struct Step<'a> {
+    module: &'a Module,
+    pass: &'a Pass,
+    tensors: &'a [(Buffer, &'a Tensor<WgpuRuntime>)],
+}
+
 /// Fills the arena, then binds and dispatches every entry point of
-/// `modules`, in order, over consecutive ranges of its tile loop, and
+/// `steps`, in order, over consecutive ranges of its tile loop, and
 /// submits it all as one command buffer; then reports a read out of range,
-/// if the call may have one. Tensors are looked up by role in `tensors`.
-/// Returns the arena, whose gradient accumulators a call that `learn`s
-/// reads back; a call over a KV cache copies its `cache` words in.
+/// if the call may have one. Returns the arena, whose gradient
+/// accumulators a call that `learn`s reads back; a call over a KV cache
+/// copies its `cache` words in; a split-KV forward runs in `splits`.
 #[allow(clippy::too_many_arguments)]
 fn run<V: Variant>(
     client: &WgpuClient,
     variant: &V,
     p: &Problem,
     cfg: &WgslTiles,
-    tensors: &[(Buffer, &Tensor<WgpuRuntime>)],
-    modules: &[(&Module, &Pass)],
+    steps: &[Step<'_>],
     learn: bool,
     cache: Option<CacheWords<'_>>,
+    splits: u32,
 ) -> Result<DeviceArena> {
     let arena = DeviceArena::new(variant, p, client.device(), learn, cache)?;
     let kv = match (cache, arena.cache.as_slice()) {
@@ -599,8 +615,8 @@ fn run<V: Variant>(
     let params = variant.param_words();
     let captures = buffer_of("attention", "the capture arena", &arena.words)?;
     let device = client.wgpu_device();
-    let sizes = gpu::sizes(p);
-    let per_dispatch = tiles_per_dispatch::<V>(client, cfg);
+    let sizes = gpu::split_sizes(p, splits);
+    let per_dispatch = tiles_per_dispatch::<V>(client, p, cfg);
     let launch_error = |kernel: &'static str, reason: String| BackendError::Launch {
         target: TARGET,
         kernel,
@@ -609,7 +625,12 @@ fn run<V: Variant>(
     // What each binding gets, and every entry's workgroups, before anything
     // is recorded.
     let mut plans = Vec::new();
-    for (module, pass) in modules {
+    for Step {
+        module,
+        pass,
+        tensors,
+    } in steps
+    {
         let kernel = module.entries.first().map_or(module.name, |e| e.name);
         let bound = module
             .bindings
@@ -655,7 +676,7 @@ fn run<V: Variant>(
             arena.fill(device, &mut encoder, summaries.as_deref())?;
             for (module, pass, bound, entry, grid, ranges) in &plans {
                 for &range in ranges {
-                    let words = shape_words(p, range, kv);
+                    let words = shape_words(p, range, kv, splits);
                     let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
                     let shape = uniform("boostr shape", &bytes);
                     let entries: Vec<_> = (0u32..)
@@ -690,7 +711,7 @@ fn run<V: Variant>(
             Ok::<(), BackendError>(())
         },
         |reason| {
-            let kernel = modules.first().map_or("attention", |(m, _)| m.name);
+            let kernel = steps.first().map_or("attention", |s| s.module.name);
             launch_error(kernel, reason)
         },
     )??;
@@ -698,40 +719,110 @@ fn run<V: Variant>(
     Ok(arena)
 }
 
-/// The forward kernel, over plain `k, v` or a KV cache (lengths, and pages
-/// if any; its words in the arena, `k, v` as the cache holds them).
-fn forward_over<V: Variant>(
+/// Workgroups that keep the device busy, which a split-KV forward splits
+/// the keys to reach: on a software adapter (llvmpipe, one workgroup at a
+/// time per thread) a few per CPU thread, on a GPU a few per compute unit
+/// of a large one.
+fn target_workgroups(client: &WgpuClient) -> u64 {
+    if client.wgpu_device().adapter_info().device_type == wgpu::DeviceType::Cpu {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        4 * threads as u64
+    } else {
+        512
+    }
+}
+
+/// The key splits of the forward of `p` on `client`'s device (see
+/// [`gpu::split_count`]), at most what the merge's loops allow per
+/// invocation on llvmpipe (see [`LLVMPIPE_LOOP_BUDGET`]).
+fn forward_splits(client: &WgpuClient, p: &Problem, cfg: &WgslTiles) -> u32 {
+    let sizes = gpu::sizes(p);
+    let blocks = sizes
+        .dim(Dim::GroupRows)
+        .div_ceil(cfg.workgroup_size.into())
+        * sizes.dim(Dim::BatchHeadsKv);
+    let most = LLVMPIPE_LOOP_BUDGET / (u64::from(cfg.head_dim) + 2);
+    gpu::split_count(
+        blocks,
+        sizes.seq_k,
+        cfg.block_kv.into(),
+        target_workgroups(client),
+        most.clamp(1, 64),
+    )
+}
+
+/// The forward, over plain `k, v` or a KV cache (lengths, and pages if
+/// any; its words in the arena, `k, v` as the cache holds them), in
+/// `splits` key splits (chosen from the shape and the device if `None`).
+fn forward_split<V: Variant>(
     variant: &V,
     p: &Problem,
     q: &Tensor<WgpuRuntime>,
     k: &Tensor<WgpuRuntime>,
     v: &Tensor<WgpuRuntime>,
     cache: Option<CacheWords<'_>>,
+    splits: Option<u32>,
 ) -> Result<(Tensor<WgpuRuntime>, Tensor<WgpuRuntime>)> {
     let (q, k, v) = (input("q", q)?, input("k", k)?, input("v", v)?);
     let client = WgpuRuntime::default_client(q.device());
     let fwd = pass::<V>(&client, p, &kernels::FORWARD)?;
     let cfg = tiles::<V>(p)?;
+    let splits = splits
+        .unwrap_or_else(|| forward_splits(&client, p, &cfg))
+        .max(1);
     let out = alloc(q.shape(), &q)?;
     let lse = alloc(&[p.batch, p.heads_q, p.seq_q], &q)?;
-    let stats = alloc(&[p.batch, p.heads_q, p.seq_q, 2], &q)?;
-    run(
-        &client,
-        variant,
-        p,
-        &cfg,
-        &[
+    let rows = p.batch * p.heads_q * p.seq_q;
+    let split = splits as usize;
+    if split == 1 {
+        let stats = alloc(&[rows, 2], &q)?;
+        let tensors = [
             (Buffer::Q, &q),
             (Buffer::K, &k),
             (Buffer::V, &v),
             (Buffer::Out, &out),
             (Buffer::Lse, &lse),
             (Buffer::Stats, &stats),
-        ],
-        &[(&kernels::FORWARD, &fwd)],
-        false,
-        cache,
-    )?;
+        ];
+        let steps = [Step {
+            module: &kernels::FORWARD,
+            pass: &fwd,
+            tensors: &tensors,
+        }];
+        run(&client, variant, p, &cfg, &steps, false, cache, 1)?;
+        return Ok((out, lse));
+    }
+    let merge = pass::<V>(&client, p, &kernels::MERGE)?;
+    let split_out = alloc(&[split, rows, p.head_dim], &q)?;
+    let split_lse = alloc(&[split, rows], &q)?;
+    let stats = alloc(&[split, rows, 2], &q)?;
+    let forward = [
+        (Buffer::Q, &q),
+        (Buffer::K, &k),
+        (Buffer::V, &v),
+        (Buffer::Out, &split_out),
+        (Buffer::Lse, &split_lse),
+        (Buffer::Stats, &stats),
+    ];
+    let merged = [
+        (Buffer::SplitOut, &split_out),
+        (Buffer::SplitLse, &split_lse),
+        (Buffer::Out, &out),
+        (Buffer::Lse, &lse),
+    ];
+    let steps = [
+        Step {
+            module: &kernels::FORWARD,
+            pass: &fwd,
+            tensors: &forward,
+        },
+        Step {
+            module: &kernels::MERGE,
+            pass: &merge,
+            tensors: &merged,
+        },
+    ];
+    run(&client, variant, p, &cfg, &steps, false, cache, splits)?;
     Ok((out, lse))
 }
 
@@ -743,7 +834,7 @@ impl AttentionRuntime for WgpuRuntime {
         k: &Tensor<Self>,
         v: &Tensor<Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
-        forward_over(variant, p, q, k, v, None)
+        forward_split(variant, p, q, k, v, None, None)
     }
 
     fn attention_forward_cache<V: Variant>(
@@ -758,7 +849,7 @@ impl AttentionRuntime for WgpuRuntime {
             lengths: lengths.tensor,
             pages: None,
         };
-        forward_over(variant, p, q, k, v, Some(cache))
+        forward_split(variant, p, q, k, v, Some(cache), None)
     }
 
     fn attention_forward_paged<V: Variant>(
@@ -773,7 +864,7 @@ impl AttentionRuntime for WgpuRuntime {
             lengths: lengths.tensor,
             pages: Some((pages.table, pages.page_size, max_pages)),
         };
-        forward_over(variant, p, q, pages.k, pages.v, Some(cache))
+        forward_split(variant, p, q, pages.k, pages.v, Some(cache), None)
     }
 
     fn attention_backward<V: Variant>(
@@ -810,27 +901,26 @@ impl AttentionRuntime for WgpuRuntime {
         let dq = alloc(q.shape(), &q)?;
         let dk = alloc(k.shape(), &k)?;
         let dv = alloc(v.shape(), &v)?;
-        let modules: Vec<(&Module, &Pass)> = passes.iter().map(|(m, pass)| (*m, &**pass)).collect();
-        let arena = run(
-            &client,
-            variant,
-            p,
-            &cfg,
-            &[
-                (Buffer::Q, &q),
-                (Buffer::K, &k),
-                (Buffer::V, &v),
-                (Buffer::Dout, &dout),
-                (Buffer::Lse, &lse),
-                (Buffer::Rows, &rows),
-                (Buffer::Dq, &dq),
-                (Buffer::Dk, &dk),
-                (Buffer::Dv, &dv),
-            ],
-            &modules,
-            learn,
-            None,
-        )?;
+        let tensors = [
+            (Buffer::Q, &q),
+            (Buffer::K, &k),
+            (Buffer::V, &v),
+            (Buffer::Dout, &dout),
+            (Buffer::Lse, &lse),
+            (Buffer::Rows, &rows),
+            (Buffer::Dq, &dq),
+            (Buffer::Dk, &dk),
+            (Buffer::Dv, &dv),
+        ];
+        let steps: Vec<Step<'_>> = passes
+            .iter()
+            .map(|(module, pass)| Step {
+                module,
+                pass,
+                tensors: &tensors,
+            })
+            .collect();
+        let arena = run(&client, variant, p, &cfg, &steps, learn, None, 1)?;
         let tensors = arena.grads::<V>(t.tensor_grads)?;
         Ok(AttentionGrads {
             dq,

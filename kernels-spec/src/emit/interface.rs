@@ -42,6 +42,11 @@ pub enum Buffer {
     /// sums, lse and `D_i` (WGSL, one binding where CUDA has `lse` and
     /// `delta`).
     Rows,
+    /// `split_out [splits, B, Hq, Sq, D]` f32: a split-KV forward's
+    /// normalised output of each split (over its share of the keys).
+    SplitOut,
+    /// `split_lse [splits, B, Hq, Sq]` f32: each split's lse.
+    SplitLse,
 }
 
 /// What a [`Buffer`]'s elements are.
@@ -73,13 +78,15 @@ impl Buffer {
             Buffer::Dv => "dv",
             Buffer::Stats => "stats",
             Buffer::Rows => "rows",
+            Buffer::SplitOut => "split_out",
+            Buffer::SplitLse => "split_lse",
         }
     }
 
     /// Its element type.
     pub const fn elem(self) -> Elem {
         match self {
-            Buffer::Lse | Buffer::Delta => Elem::F32,
+            Buffer::Lse | Buffer::Delta | Buffer::SplitOut | Buffer::SplitLse => Elem::F32,
             Buffer::Stats => Elem::F32x2,
             Buffer::Rows => Elem::F32x4,
             _ => Elem::Input,
@@ -94,6 +101,8 @@ impl Buffer {
             Buffer::Lse | Buffer::Delta => "[B, Hq, Sq]",
             Buffer::Stats => "[B, Hq, Sq, 2]",
             Buffer::Rows => "[B, Hq, Sq, 4]",
+            Buffer::SplitOut => "[splits, B, Hq, Sq, D]",
+            Buffer::SplitLse => "[splits, B, Hq, Sq]",
         }
     }
 }
@@ -139,6 +148,9 @@ pub enum Scalar {
     PageSize,
     /// Entries per page table row.
     MaxPages,
+    /// Key splits of a split-KV forward ([`Sizes::splits`]); 1 writes
+    /// `out` and `lse` directly.
+    Splits,
 }
 
 /// The value of [`Scalar::KvLens`] and [`Scalar::KvPages`] where there is
@@ -162,6 +174,7 @@ impl Scalar {
             Scalar::KvPages => "kv_pages",
             Scalar::PageSize => "page_size",
             Scalar::MaxPages => "max_pages",
+            Scalar::Splits => "splits",
         }
     }
 
@@ -229,6 +242,11 @@ pub enum Dim {
     BatchHeadsKv,
     /// `B · Hq · Sq`, every query row.
     Rows,
+    /// `(Hq / Hkv) · Sq`: the query rows of one kv head, every head of its
+    /// GQA group packed together (a forward block's rows).
+    GroupRows,
+    /// Key splits of a split-KV forward.
+    Splits,
 }
 
 impl Dim {
@@ -243,6 +261,8 @@ impl Dim {
             Dim::BatchHeadsQ => "B·Hq",
             Dim::BatchHeadsKv => "B·Hkv",
             Dim::Rows => "B·Hq·Sq",
+            Dim::GroupRows => "(Hq/Hkv)·Sq",
+            Dim::Splits => "splits",
         }
     }
 }
@@ -260,6 +280,10 @@ pub struct Sizes {
     pub seq_q: u64,
     /// `Sk`.
     pub seq_k: u64,
+    /// Key splits of a split-KV forward: each (block of query rows, kv
+    /// head) runs as `splits` blocks over consecutive shares of the key
+    /// tiles, merged by their lse afterwards. 1 everywhere else.
+    pub splits: u64,
 }
 
 impl Sizes {
@@ -275,6 +299,8 @@ impl Sizes {
             Dim::BatchHeadsQ => self.batch * self.heads_q,
             Dim::BatchHeadsKv => self.batch * self.heads_kv,
             Dim::Rows => self.batch * self.heads_q * self.seq_q,
+            Dim::GroupRows => self.heads_q / self.heads_kv.max(1) * self.seq_q,
+            Dim::Splits => self.splits.max(1),
         }
     }
 }
@@ -291,6 +317,8 @@ pub enum Extent<S: 'static> {
     Tiles(Dim, S),
     /// The product of the factors.
     Product(&'static [Extent<S>]),
+    /// `⌈count / splits⌉`: one split's share of a count.
+    PerSplit(&'static Extent<S>),
 }
 
 impl<S: Copy + 'static> Extent<S> {
@@ -301,6 +329,7 @@ impl<S: Copy + 'static> Extent<S> {
             Extent::Dim(d) => sizes.dim(d),
             Extent::Tiles(d, s) => sizes.dim(d).div_ceil(u64::from(size(s)).max(1)),
             Extent::Product(factors) => factors.iter().map(|e| e.eval(sizes, size)).product(),
+            Extent::PerSplit(e) => e.eval(sizes, size).div_ceil(sizes.dim(Dim::Splits)),
         }
     }
 
@@ -347,6 +376,7 @@ impl<S: Copy + Display + 'static> Display for Extent<S> {
                 }
                 Ok(())
             }
+            Extent::PerSplit(e) => write!(f, "⌈{e}/splits⌉"),
         }
     }
 }

@@ -64,6 +64,7 @@ pub const SHAPE: &[Scalar] = &[
     Scalar::KvPages,
     Scalar::PageSize,
     Scalar::MaxPages,
+    Scalar::Splits,
 ];
 
 /// Words of the `shape` uniform, padding included.

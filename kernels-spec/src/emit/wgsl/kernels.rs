@@ -147,17 +147,36 @@ const FORWARD_CODE: &[Piece] = &[
     Piece::Text(
         r#"
 // ---- forward (FlashAttention-2 online softmax, one query row per invocation) ----
+// The class of key tile [k0, kv_hi] for packed rows of query heads h_lo ..= h_hi
+// at positions q_lo ..= q_hi: the classes agree, or Partial.
+fn rows_class(ib: i32, h_lo: u32, h_hi: u32, q_lo: i32, q_hi: i32, k0: i32, kv_hi: i32) -> i32 {
+    var cls = variant_classify(ib, i32(h_lo), q_lo, q_hi, k0, kv_hi);
+    for (var hh = h_lo + 1u; hh <= h_hi; hh++) {
+        if variant_classify(ib, i32(hh), q_lo, q_hi, k0, kv_hi) != cls { cls = TILE_PARTIAL; }
+    }
+    return cls;
+}
+
 @compute @workgroup_size(WG)
 fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let sq = shape.seq_q;
-    let b = wid.y / shape.heads_q;
+    let sq = max(shape.seq_q, 1u);
+    let g = gqa_group();
+    let splits = max(shape.splits, 1u);
+    let split = wid.x % splits;
+    let b = wid.y / shape.heads_kv;
+    let h_kv = wid.y % shape.heads_kv;
     let sk = seq_keys(b);
-    let h = wid.y % shape.heads_q;
-    let h_kv = h / gqa_group();
-    let q0 = wid.x * WG;
-    let row = q0 + lid;
-    let live = row < sq;
-    let q_base = (b * shape.heads_q + h) * sq;
+    // The workgroup's rows: packed row r is row r % sq of query head
+    // h_kv·g + r / sq, so one pass over the kv head's keys serves its group.
+    let packed = g * sq;
+    let r0 = (wid.x / splits) * WG;
+    let r = r0 + lid;
+    let live = r < packed;
+    let h = h_kv * g + min(r, packed - 1u) / sq;
+    let row = min(r, packed - 1u) % sq;
+    let flat = (b * shape.heads_q + h_kv * g) * sq + r; // q, lse row
+    // Where this split writes: split_out/split_lse rows when split, else out/lse.
+    let at = split * (shape.batch * shape.heads_q * sq) + flat;
     let offset = i32(sk) - i32(sq);
     let ib = i32(b);
     let ih = i32(h);
@@ -165,9 +184,10 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
 
     var qr: array<f32, D>;
     var acc: array<f32, D>;
-    // The sink is one more logit with no value: the running max and sum
-    // start from it (-inf and 0 without one).
+    // The sink is one more logit with no value: the running max and sum of
+    // split 0 start from it (-inf and 0 without one).
     var m = variant_sink(ib, ih, qp, live);
+    if split != 0u { m = -bx_inf(); }
     var l = select(1.0f, 0.0f, bx_is_neg_inf(m));
     "#,
     ),
@@ -176,8 +196,8 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
         var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a;
@@ -186,19 +206,31 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     Piece::Text(
         r#"
     if live && !is_first() {
-        let ml = stats[q_base + row];
+        let ml = stats[at];
         m = ml.x;
         l = ml.y;
     }
 
-    let q_lo = i32(q0) + offset;
-    let q_hi = i32(min(q0 + WG, sq)) - 1i + offset;
+    // The heads and positions the workgroup's rows span.
+    let r_hi = min(r0 + WG, packed) - 1u;
+    let h_lo = h_kv * g + r0 / sq;
+    let h_hi = h_kv * g + r_hi / sq;
+    var q_lo = i32(r0 % sq) + offset;
+    var q_hi = i32(r_hi % sq) + offset;
+    if h_hi != h_lo {
+        q_lo = offset;
+        q_hi = i32(sq) - 1i + offset;
+    }
+    // This split's share of the sequence's key tiles.
     let n_tiles = (sk + BKV - 1u) / BKV;
+    let per = (n_tiles + splits - 1u) / splits;
+    let t_lo = split * per;
+    let t_hi = min(t_lo + per, n_tiles);
     var s_row: array<f32, BKV>;
-    for (var kt = shape.tile_begin; kt < min(shape.tile_end, n_tiles); kt++) {
+    for (var kt = t_lo + shape.tile_begin; kt < min(t_lo + shape.tile_end, t_hi); kt++) {
         let k0 = kt * BKV;
         let kv_hi = i32(min(k0 + BKV, sk)) - 1i;
-        let cls = variant_classify(ib, ih, q_lo, q_hi, i32(k0), kv_hi);
+        let cls = rows_class(ib, h_lo, h_hi, q_lo, q_hi, i32(k0), kv_hi);
         if cls == TILE_EMPTY { continue; } // nothing visible
         workgroupBarrier(); // the previous tile's readers are done
         stage_kv(lid, b, h_kv, k0, sk);
@@ -256,23 +288,77 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     if !is_last() {
         "#,
     ),
-    Piece::HeadDimLoop(r#" out[(q_base + row) * D + d] = acc[d]; "#),
+    Piece::HeadDimLoop(r#" out[at * D + d] = acc[d]; "#),
     Piece::Text(
         r#"
-        stats[q_base + row] = vec2<f32>(m, l);
+        stats[at] = vec2<f32>(m, l);
         return;
     }
-    // A row with no visible key: out 0, lse -inf.
+    // A row with no visible key (in this split): out 0, lse -inf.
     var inv = 0.0f;
     if l > 0.0f { inv = 1.0f / l; }
     "#,
     ),
-    Piece::HeadDimLoop(r#" out[(q_base + row) * D + d] = acc[d] * inv; "#),
+    Piece::HeadDimLoop(r#" out[at * D + d] = acc[d] * inv; "#),
     Piece::Text(
         r#"
     var x = -bx_inf();
     if l > 0.0f { x = m + log(l); }
-    lse[q_base + row] = x;
+    lse[at] = x;
+}
+"#,
+    ),
+];
+
+// The code of `MERGE`.
+const MERGE_CODE: &[Piece] = &[
+    Piece::Text(
+        r#"
+// ---- split-KV merge: out = Σ_s out_s·e^(lse_s − lse), lse = log Σ_s e^(lse_s) ----
+@compute @workgroup_size(WG)
+fn attn_merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let sq = max(shape.seq_q, 1u);
+    let g = gqa_group();
+    let b = wid.y / shape.heads_kv;
+    let h_kv = wid.y % shape.heads_kv;
+    let r = wid.x * WG + lid;
+    if r >= g * sq { return; }
+    let flat = (b * shape.heads_q + h_kv * g) * sq + r;
+    let rows = shape.batch * shape.heads_q * sq;
+    let splits = max(shape.splits, 1u);
+    var m = -bx_inf();
+    for (var s = 0u; s < splits; s++) { m = max(m, split_lse[s * rows + flat]); }
+    var acc: array<f32, D>;
+    "#,
+    ),
+    Piece::HeadDimLoop(r#" acc[d] = 0.0f; "#),
+    Piece::Text(
+        r#"
+    var l = 0.0f;
+    // In split order: the same bits run to run. A split that sees nothing
+    // has lse -inf (weight 0) and out 0.
+    if !bx_is_neg_inf(m) {
+        for (var s = 0u; s < splits; s++) {
+            let w = exp(split_lse[s * rows + flat] - m);
+            let base = (s * rows + flat) * D;
+            l += w;
+            "#,
+    ),
+    Piece::HeadDimLoop(r#" acc[d] += w * split_out[base + d]; "#),
+    Piece::Text(
+        r#"
+        }
+    }
+    var inv = 0.0f;
+    if l > 0.0f { inv = 1.0f / l; }
+    "#,
+    ),
+    Piece::HeadDimLoop(r#" out[flat * D + d] = acc[d] * inv; "#),
+    Piece::Text(
+        r#"
+    var x = -bx_inf();
+    if l > 0.0f { x = m + log(l); }
+    lse[flat] = x;
 }
 "#,
     ),
@@ -676,10 +762,17 @@ fn attn_bwd_tensors(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoca
 "#,
 )];
 
-/// The forward module, `attn_fwd`: one workgroup per (WG query rows, b·Hq + h), one invocation per
-/// query row, dispatched per range of key tiles. Writes `out` and `lse`;
-/// between dispatches `out` holds the unnormalised accumulator and `stats`
-/// the running (max, sum) of each row.
+/// The forward module, `attn_fwd`: one workgroup per (WG packed query
+/// rows, key split, b·Hkv + h_kv), one invocation per query row,
+/// dispatched per range of key tiles. A workgroup's rows are the query
+/// rows of the kv head's whole GQA group, packed (`(Hq/Hkv)·Sq` of them;
+/// for decode, one workgroup serves every query head of a kv head). With
+/// `splits` > 1 the split-KV forward binds `split_out`, `split_lse` (and
+/// their stats) as `out`, `lse`, `stats`: split `s` covers its share of
+/// each sequence's key tiles and writes rows `s·B·Hq·Sq + row`, which
+/// [`MERGE`] combines. Writes `out` and `lse`; between dispatches `out`
+/// holds the unnormalised accumulator and `stats` the running (max, sum)
+/// of each row.
 pub const FORWARD: Module = Module {
     name: "fwd",
     bindings: &[
@@ -693,8 +786,43 @@ pub const FORWARD: Module = Module {
         Binding::Storage(Buffer::Lse, Access::ReadWrite),
         Binding::Storage(Buffer::Stats, Access::ReadWrite),
     ],
-    entries: &[over_key_tiles("attn_fwd")],
+    entries: &[Entry {
+        name: "attn_fwd",
+        grid: [
+            Extent::Product(&[
+                Extent::Tiles(Dim::GroupRows, Size::Workgroup),
+                Extent::Dim(Dim::Splits),
+            ]),
+            Extent::Dim(Dim::BatchHeadsKv),
+        ],
+        tiles: Extent::PerSplit(&Extent::Tiles(Dim::SeqK, Size::BlockKv)),
+    }],
     templates: &[FORWARD_CODE, STAGE_KV],
+};
+
+/// The split-KV forward's merge, `attn_merge`, after [`FORWARD`] with
+/// `splits` > 1: one invocation per query row (packed as the forward packs
+/// them) combines the splits' outputs by their lse, in split order.
+pub const MERGE: Module = Module {
+    name: "merge",
+    bindings: &[
+        Binding::Params,
+        Binding::Shape,
+        Binding::Captures,
+        Binding::Storage(Buffer::SplitOut, Access::Read),
+        Binding::Storage(Buffer::SplitLse, Access::Read),
+        Binding::Storage(Buffer::Out, Access::ReadWrite),
+        Binding::Storage(Buffer::Lse, Access::ReadWrite),
+    ],
+    entries: &[Entry {
+        name: "attn_merge",
+        grid: [
+            Extent::Tiles(Dim::GroupRows, Size::Workgroup),
+            Extent::Dim(Dim::BatchHeadsKv),
+        ],
+        tiles: Extent::One,
+    }],
+    templates: &[MERGE_CODE],
 };
 
 /// An entry point with one invocation per query row (workgroups along x
