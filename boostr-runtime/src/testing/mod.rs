@@ -51,6 +51,11 @@ mod rng;
 mod run_backend;
 mod tolerance;
 
+#[cfg(feature = "wgpu")]
+pub use crate::wgpu::{
+    forward_cache_in_splits as wgpu_forward_cache_in_splits,
+    forward_splits_of as wgpu_forward_splits,
+};
 #[cfg(feature = "cuda")]
 pub use backends::Cuda;
 #[cfg(feature = "wgpu")]

@@ -721,12 +721,12 @@ fn run<V: Variant>(
 
 /// Workgroups that keep the device busy, which a split-KV forward splits
 /// the keys to reach: on a software adapter (llvmpipe, one workgroup at a
-/// time per thread) a few per CPU thread, on a GPU a few per compute unit
+/// time per thread) two per CPU thread, on a GPU a few per compute unit
 /// of a large one.
 fn target_workgroups(client: &WgpuClient) -> u64 {
     if client.wgpu_device().adapter_info().device_type == wgpu::DeviceType::Cpu {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        4 * threads as u64
+        2 * threads as u64
     } else {
         512
     }
@@ -824,6 +824,38 @@ fn forward_split<V: Variant>(
     ];
     run(&client, variant, p, &cfg, &steps, false, cache, splits)?;
     Ok((out, lse))
+}
+
+/// [`attention_fwd_cache`](crate::attention_fwd_cache) on wgpu in exactly
+/// `splits` key splits (1: the unsplit kernel) where the call itself
+/// chooses them from the shape and the device: for comparing the split-KV
+/// decode with the unsplit kernel.
+pub fn forward_cache_in_splits<V: Variant>(
+    variant: &V,
+    q: &Tensor<WgpuRuntime>,
+    cache: &crate::KvCache<'_, WgpuRuntime>,
+    opts: &crate::AttentionOptions,
+    splits: u32,
+) -> Result<(Tensor<WgpuRuntime>, Tensor<WgpuRuntime>)> {
+    let p = validate::problem(q, cache.k, cache.v, opts.scale)?;
+    validate::cache_lengths(cache.lengths, &p)?;
+    let words = CacheWords {
+        lengths: cache.lengths,
+        pages: None,
+    };
+    forward_split(variant, &p, q, cache.k, cache.v, Some(words), Some(splits))
+}
+
+/// The key splits [`attention_fwd_cache`](crate::attention_fwd_cache)
+/// chooses on wgpu for `q` over `cache`.
+pub fn forward_splits_of<V: Variant>(
+    q: &Tensor<WgpuRuntime>,
+    cache: &crate::KvCache<'_, WgpuRuntime>,
+    opts: &crate::AttentionOptions,
+) -> Result<u32> {
+    let p = validate::problem(q, cache.k, cache.v, opts.scale)?;
+    let client = WgpuRuntime::default_client(q.device());
+    Ok(forward_splits(&client, &p, &tiles::<V>(&p)?))
 }
 
 impl AttentionRuntime for WgpuRuntime {
