@@ -760,6 +760,8 @@ struct HostCase {
     /// forward, itself checked against the f64 reference); the backward's
     /// results are not compared.
     cache: Option<CacheCase>,
+    /// Key splits of the forward (1: unsplit).
+    splits: u32,
     jobs: Vec<SummaryJob>,
     /// Per `(b·Hkv + hk)·Sk + j`: no query sees the key (its K and V rows
     /// get NaN and infinities).
@@ -822,6 +824,7 @@ where
         arena,
         grads,
         cache: None,
+        splits: 1,
         jobs,
         hidden,
         reference: Box::new(move |p, [q, k, v, dout]| {
@@ -929,6 +932,13 @@ where
     case
 }
 
+/// `case` with its forward in `splits` key splits, then merged.
+fn split(mut case: HostCase, splits: u32) -> HostCase {
+    case.splits = splits;
+    case.tag.push_str(&format!(" in {splits} splits"));
+    case
+}
+
 /// `case` with every element tensor one element past an aligned address.
 fn misaligned(mut case: HostCase) -> HostCase {
     case.misalign = true;
@@ -939,15 +949,27 @@ fn misaligned(mut case: HostCase) -> HostCase {
 /// The harness's launches of every kernel of `modules`, in order, written
 /// from their descriptions: each on its described grid and block, with its
 /// arguments by role (the harness names its arrays and sizes after them).
-fn launches(modules: &[&Module], cfg: &CudaTiles, p: &Problem, jobs: &[SummaryJob]) -> String {
+/// The forward runs in `splits` key splits, then the merge (as the
+/// runtime runs it: the merge only after a split forward).
+fn launches(
+    modules: &[&Module],
+    cfg: &CudaTiles,
+    p: &Problem,
+    jobs: &[SummaryJob],
+    splits: u32,
+) -> String {
     let sizes = kernels_spec::emit::interface::Sizes {
         batch: p.batch as u64,
         heads_q: p.heads_q as u64,
         heads_kv: p.heads_kv as u64,
         seq_q: p.seq_q as u64,
         seq_k: p.seq_k as u64,
+        splits: splits.into(),
     };
-    let mut s = String::new();
+    let mut s = format!(
+        "    const int splits = {splits};\n    \
+         std::vector<float> split_out((size_t)splits * nr * D), split_lse((size_t)splits * nr);\n"
+    );
     for job in jobs {
         let threads = kernels::SUMMARY_THREADS;
         let blocks = job.entries().div_ceil(u64::from(threads));
@@ -958,6 +980,9 @@ fn launches(modules: &[&Module], cfg: &CudaTiles, p: &Problem, jobs: &[SummaryJo
         ));
     }
     for kernel in modules.iter().flat_map(|m| m.interfaces()) {
+        if *kernel == kernels::MERGE && splits <= 1 {
+            continue;
+        }
         let dims = kernel.launch_dims(cfg, &sizes).expect("the grid fits");
         assert!(
             dims.smem_bytes <= 1 << 20,
@@ -992,6 +1017,7 @@ fn host_arg(kernel: &Kernel, a: Arg) -> String {
         Arg::Scalar(Scalar::KvPages) => "kv_pages".into(),
         Arg::Scalar(Scalar::PageSize) => "page_size".into(),
         Arg::Scalar(Scalar::MaxPages) => "max_pages".into(),
+        Arg::Scalar(Scalar::Splits) => "splits".into(),
         Arg::Scalar(s) => panic!("{}: {} has no host value", kernel.entry, s.name()),
         Arg::Params => "params".into(),
         Arg::Captures => "captures.data()".into(),
@@ -1017,7 +1043,7 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
         .map_err(|e| format!("{tag}: {e}"))?;
     std::fs::write(
         dir.join("launches.inc"),
-        launches(&modules, &cfg, p, &case.jobs),
+        launches(&modules, &cfg, p, &case.jobs, case.splits),
     )
     .map_err(|e| format!("{tag}: {e}"))?;
     let mut rng = Rng::new(0x5eed, serial as u64);
@@ -1223,7 +1249,8 @@ fn host_emulation_matches_the_reference() {
         // Sq > Sk: the first rows see no key (out 0, lse -inf, no gradient).
         host_case(PrefixLm { prefix: 0 }, CudaDType::F16, problem(97, 70, 64)),
         host_case(Causal, CudaDType::F32, problem(97, 70, 64)),
-        // Decode with MQA: one query row, three query heads on one kv head.
+        // Decode with MQA: one query row, three query heads on one kv head,
+        // packed in one block; unsplit and in three key splits.
         host_case(
             CausalSlidingWindow { window: 3 },
             CudaDType::F16,
@@ -1233,6 +1260,19 @@ fn host_emulation_matches_the_reference() {
                 heads_kv: 1,
                 ..problem(1, 129, 128)
             },
+        ),
+        split(
+            host_case(
+                Softcap { cap: 4.0 },
+                CudaDType::Bf16,
+                Problem {
+                    batch: 1,
+                    heads_q: 3,
+                    heads_kv: 1,
+                    ..problem(1, 129, 128)
+                },
+            ),
+            3,
         ),
         host_case(
             SlidingWindow { window: 16 },
@@ -1290,6 +1330,21 @@ fn host_emulation_matches_the_reference() {
             &[0, 1, 64, 192, 100],
             None,
         ),
+        // Split-KV over a cache: some splits past a sequence's end.
+        split(
+            host_cache_case(
+                CausalSlidingWindow { window: 50 },
+                Problem {
+                    batch: 5,
+                    heads_q: 4,
+                    heads_kv: 1,
+                    ..problem(3, 192, 64)
+                },
+                &[0, 1, 64, 192, 100],
+                None,
+            ),
+            2,
+        ),
         host_cache_case(
             Softcap { cap: 10.0 },
             Problem {
@@ -1308,6 +1363,18 @@ fn host_emulation_matches_the_reference() {
             &[5, 192, 77],
             Some(24),
         ),
+        split(
+            host_cache_case(
+                Causal,
+                Problem {
+                    batch: 3,
+                    ..problem(1, 192, 64)
+                },
+                &[5, 192, 77],
+                Some(24),
+            ),
+            4,
+        ),
         // Learnable tensors: gradients in the fixed-point accumulators.
         host_case(
             T5Bias {
@@ -1316,7 +1383,9 @@ fn host_emulation_matches_the_reference() {
             CudaDType::F16,
             problem(45, 61, 32),
         ),
-        // Learned sinks; Sq > Sk, so some rows see only their sink.
+        // Learned sinks; Sq > Sk, so some rows see only their sink. In
+        // splits: the sink joins split 0, the later splits see nothing, and
+        // the backward reads the merged lse.
         host_case(
             CausalSlidingWindowSinks {
                 window: 5,
@@ -1324,6 +1393,17 @@ fn host_emulation_matches_the_reference() {
             },
             CudaDType::F32,
             problem(50, 37, 64),
+        ),
+        split(
+            host_case(
+                CausalSlidingWindowSinks {
+                    window: 5,
+                    sinks: data(problem(2, 300, 64), 8).learnable(&[4], -2.0, 2.0),
+                },
+                CudaDType::F16,
+                problem(2, 300, 64),
+            ),
+            3,
         ),
         host_case(
             RelativeBias {

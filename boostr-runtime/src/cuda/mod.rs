@@ -261,6 +261,8 @@ struct Call<'a> {
     /// The key layout: (arena word of the lengths, of the page table,
     /// keys per page, entries per table row); -1, -1, 0, 0 for plain K/V.
     kv: [i32; 4],
+    /// Key splits of the forward (1: unsplit, and every other kernel).
+    splits: u32,
 }
 
 /// The `kv` of a call with plain `[B, Hkv, Sk, D]` keys and values.
@@ -296,6 +298,7 @@ impl Call<'_> {
             Arg::Scalar(Scalar::KvPages) => Ok(Value::Int(self.kv[1])),
             Arg::Scalar(Scalar::PageSize) => Ok(Value::Int(self.kv[2])),
             Arg::Scalar(Scalar::MaxPages) => Ok(Value::Int(self.kv[3])),
+            Arg::Scalar(Scalar::Splits) => int(self.splits as usize),
             Arg::Scalar(s @ (Scalar::TileBegin | Scalar::TileEnd | Scalar::Flags)) => Err(
                 launch_error(format!("`{}` has no value in a CUDA launch", s.name())),
             ),
@@ -305,15 +308,19 @@ impl Call<'_> {
     }
 }
 
-/// Launch every kernel of `module`, in order, on `client`'s stream.
+/// Launch every kernel of `module`, in order, on `client`'s stream (the
+/// split-KV merge only after a forward in splits).
 fn launch_module(
     client: &CudaClient,
     module: &Module,
     compiled: &Compiled,
     call: &Call<'_>,
 ) -> Result<()> {
-    let sizes = gpu::sizes(call.problem);
+    let sizes = gpu::split_sizes(call.problem, call.splits);
     for (kernel, function) in module.interfaces().zip(&compiled.functions) {
+        if *kernel == kernels::MERGE && call.splits <= 1 {
+            continue;
+        }
         let launch_error = |reason: String| BackendError::Launch {
             target: TARGET,
             kernel: kernel.entry,
@@ -589,6 +596,18 @@ fn forward_over<V: Variant>(
             })?;
         }
     }
+    let splits = forward_splits(&client, p, &compiled.tiles);
+    // The splits' rows (f32), or, unsplit, `lse` in their place (not read).
+    let (split_out, split_lse) = if splits > 1 {
+        let rows = p.batch * p.heads_q * p.seq_q;
+        let n = splits as usize;
+        (
+            alloc(&[n, rows, p.head_dim], DType::F32, &q)?,
+            alloc(&[n, rows], DType::F32, &q)?,
+        )
+    } else {
+        (lse.clone(), lse.clone())
+    };
     let call = Call {
         problem: p,
         params: Params(variant.param_words()),
@@ -599,12 +618,32 @@ fn forward_over<V: Variant>(
             (Buffer::V, &v),
             (Buffer::Out, &out),
             (Buffer::Lse, &lse),
+            (Buffer::SplitOut, &split_out),
+            (Buffer::SplitLse, &split_lse),
         ],
         kv,
+        splits,
     };
     launch_module(&client, module, &compiled, &call)?;
     arena.check::<V>()?;
     Ok((out, lse))
+}
+
+/// The key splits of the forward of `p` on `client`'s device (see
+/// [`gpu::split_count`]): enough blocks for two per multiprocessor, at
+/// most 64 (the merge reads every split per row).
+fn forward_splits(client: &CudaClient, p: &Problem, cfg: &CudaTiles) -> u32 {
+    use cudarc::driver::sys::CUdevice_attribute;
+    let sms = client
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_or(132, |n| n.max(1) as u64);
+    let sizes = gpu::sizes(p);
+    let blocks = sizes
+        .dim(kernels_spec::emit::interface::Dim::GroupRows)
+        .div_ceil(cfg.block_q.into())
+        * sizes.dim(kernels_spec::emit::interface::Dim::BatchHeadsKv);
+    gpu::split_count(blocks, sizes.seq_k, cfg.block_kv.into(), 2 * sms, 64)
 }
 
 impl AttentionRuntime for CudaRuntime {
@@ -695,6 +734,7 @@ impl AttentionRuntime for CudaRuntime {
                 (Buffer::Dv, &dv),
             ],
             kv: PLAIN_KV,
+            splits: 1,
         };
         launch_module(&client, module, &compiled, &call)?;
         if gpu::learns::<V>(t.tensor_grads) {

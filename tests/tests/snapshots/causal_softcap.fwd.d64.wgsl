@@ -26,9 +26,9 @@ struct Shape {
     kv_pages: u32,
     page_size: u32,
     max_pages: u32,
+    splits: u32,
     pad_0: u32,
     pad_1: u32,
-    pad_2: u32,
 }
 @group(0) @binding(0) var<uniform> params: Params;
 @group(0) @binding(1) var<uniform> shape: Shape;
@@ -209,17 +209,36 @@ fn bx_learn_sink(dz: f32, b: i32, h: i32, q: i32) {
 }
 
 // ---- forward (FlashAttention-2 online softmax, one query row per invocation) ----
+// The class of key tile [k0, kv_hi] for packed rows of query heads h_lo ..= h_hi
+// at positions q_lo ..= q_hi: the classes agree, or Partial.
+fn rows_class(ib: i32, h_lo: u32, h_hi: u32, q_lo: i32, q_hi: i32, k0: i32, kv_hi: i32) -> i32 {
+    var cls = variant_classify(ib, i32(h_lo), q_lo, q_hi, k0, kv_hi);
+    for (var hh = h_lo + 1u; hh <= h_hi; hh++) {
+        if variant_classify(ib, i32(hh), q_lo, q_hi, k0, kv_hi) != cls { cls = TILE_PARTIAL; }
+    }
+    return cls;
+}
+
 @compute @workgroup_size(WG)
 fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let sq = shape.seq_q;
-    let b = wid.y / shape.heads_q;
+    let sq = max(shape.seq_q, 1u);
+    let g = gqa_group();
+    let splits = max(shape.splits, 1u);
+    let split = wid.x % splits;
+    let b = wid.y / shape.heads_kv;
+    let h_kv = wid.y % shape.heads_kv;
     let sk = seq_keys(b);
-    let h = wid.y % shape.heads_q;
-    let h_kv = h / gqa_group();
-    let q0 = wid.x * WG;
-    let row = q0 + lid;
-    let live = row < sq;
-    let q_base = (b * shape.heads_q + h) * sq;
+    // The workgroup's rows: packed row r is row r % sq of query head
+    // h_kv·g + r / sq, so one pass over the kv head's keys serves its group.
+    let packed = g * sq;
+    let r0 = (wid.x / splits) * WG;
+    let r = r0 + lid;
+    let live = r < packed;
+    let h = h_kv * g + min(r, packed - 1u) / sq;
+    let row = min(r, packed - 1u) % sq;
+    let flat = (b * shape.heads_q + h_kv * g) * sq + r; // q, lse row
+    // Where this split writes: split_out/split_lse rows when split, else out/lse.
+    let at = split * (shape.batch * shape.heads_q * sq) + flat;
     let offset = i32(sk) - i32(sq);
     let ib = i32(b);
     let ih = i32(h);
@@ -227,473 +246,486 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
 
     var qr: array<f32, D>;
     var acc: array<f32, D>;
-    // The sink is one more logit with no value: the running max and sum
-    // start from it (-inf and 0 without one).
+    // The sink is one more logit with no value: the running max and sum of
+    // split 0 start from it (-inf and 0 without one).
     var m = variant_sink(ib, ih, qp, live);
+    if split != 0u { m = -bx_inf(); }
     var l = select(1.0f, 0.0f, bx_is_neg_inf(m));
     { { const d = 0u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 1u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 2u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 3u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 4u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 5u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 6u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 7u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 8u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 9u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 10u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 11u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 12u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 13u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 14u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 15u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 16u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 17u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 18u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 19u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 20u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 21u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 22u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 23u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 24u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 25u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 26u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 27u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 28u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 29u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 30u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 31u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 32u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 33u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 34u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 35u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 36u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 37u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 38u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 39u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 40u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 41u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 42u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 43u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 44u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 45u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 46u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 47u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 48u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 49u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 50u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 51u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 52u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 53u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 54u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 55u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 56u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 57u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 58u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 59u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 60u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 61u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 62u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } { const d = 63u; var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = q[(q_base + row) * D + d];
-            if !is_first() { a = out[(q_base + row) * D + d]; }
+            x = q[flat * D + d];
+            if !is_first() { a = out[at * D + d]; }
         }
         qr[d] = x;
         acc[d] = a; } }
     if live && !is_first() {
-        let ml = stats[q_base + row];
+        let ml = stats[at];
         m = ml.x;
         l = ml.y;
     }
 
-    let q_lo = i32(q0) + offset;
-    let q_hi = i32(min(q0 + WG, sq)) - 1i + offset;
+    // The heads and positions the workgroup's rows span.
+    let r_hi = min(r0 + WG, packed) - 1u;
+    let h_lo = h_kv * g + r0 / sq;
+    let h_hi = h_kv * g + r_hi / sq;
+    var q_lo = i32(r0 % sq) + offset;
+    var q_hi = i32(r_hi % sq) + offset;
+    if h_hi != h_lo {
+        q_lo = offset;
+        q_hi = i32(sq) - 1i + offset;
+    }
+    // This split's share of the sequence's key tiles.
     let n_tiles = (sk + BKV - 1u) / BKV;
+    let per = (n_tiles + splits - 1u) / splits;
+    let t_lo = split * per;
+    let t_hi = min(t_lo + per, n_tiles);
     var s_row: array<f32, BKV>;
-    for (var kt = shape.tile_begin; kt < min(shape.tile_end, n_tiles); kt++) {
+    for (var kt = t_lo + shape.tile_begin; kt < min(t_lo + shape.tile_end, t_hi); kt++) {
         let k0 = kt * BKV;
         let kv_hi = i32(min(k0 + BKV, sk)) - 1i;
-        let cls = variant_classify(ib, ih, q_lo, q_hi, i32(k0), kv_hi);
+        let cls = rows_class(ib, h_lo, h_hi, q_lo, q_hi, i32(k0), kv_hi);
         if cls == TILE_EMPTY { continue; } // nothing visible
         workgroupBarrier(); // the previous tile's readers are done
         stage_kv(lid, b, h_kv, k0, sk);
@@ -733,17 +765,17 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     }
     if !live { return; }
     if !is_last() {
-        { { const d = 0u; out[(q_base + row) * D + d] = acc[d]; } { const d = 1u; out[(q_base + row) * D + d] = acc[d]; } { const d = 2u; out[(q_base + row) * D + d] = acc[d]; } { const d = 3u; out[(q_base + row) * D + d] = acc[d]; } { const d = 4u; out[(q_base + row) * D + d] = acc[d]; } { const d = 5u; out[(q_base + row) * D + d] = acc[d]; } { const d = 6u; out[(q_base + row) * D + d] = acc[d]; } { const d = 7u; out[(q_base + row) * D + d] = acc[d]; } { const d = 8u; out[(q_base + row) * D + d] = acc[d]; } { const d = 9u; out[(q_base + row) * D + d] = acc[d]; } { const d = 10u; out[(q_base + row) * D + d] = acc[d]; } { const d = 11u; out[(q_base + row) * D + d] = acc[d]; } { const d = 12u; out[(q_base + row) * D + d] = acc[d]; } { const d = 13u; out[(q_base + row) * D + d] = acc[d]; } { const d = 14u; out[(q_base + row) * D + d] = acc[d]; } { const d = 15u; out[(q_base + row) * D + d] = acc[d]; } { const d = 16u; out[(q_base + row) * D + d] = acc[d]; } { const d = 17u; out[(q_base + row) * D + d] = acc[d]; } { const d = 18u; out[(q_base + row) * D + d] = acc[d]; } { const d = 19u; out[(q_base + row) * D + d] = acc[d]; } { const d = 20u; out[(q_base + row) * D + d] = acc[d]; } { const d = 21u; out[(q_base + row) * D + d] = acc[d]; } { const d = 22u; out[(q_base + row) * D + d] = acc[d]; } { const d = 23u; out[(q_base + row) * D + d] = acc[d]; } { const d = 24u; out[(q_base + row) * D + d] = acc[d]; } { const d = 25u; out[(q_base + row) * D + d] = acc[d]; } { const d = 26u; out[(q_base + row) * D + d] = acc[d]; } { const d = 27u; out[(q_base + row) * D + d] = acc[d]; } { const d = 28u; out[(q_base + row) * D + d] = acc[d]; } { const d = 29u; out[(q_base + row) * D + d] = acc[d]; } { const d = 30u; out[(q_base + row) * D + d] = acc[d]; } { const d = 31u; out[(q_base + row) * D + d] = acc[d]; } { const d = 32u; out[(q_base + row) * D + d] = acc[d]; } { const d = 33u; out[(q_base + row) * D + d] = acc[d]; } { const d = 34u; out[(q_base + row) * D + d] = acc[d]; } { const d = 35u; out[(q_base + row) * D + d] = acc[d]; } { const d = 36u; out[(q_base + row) * D + d] = acc[d]; } { const d = 37u; out[(q_base + row) * D + d] = acc[d]; } { const d = 38u; out[(q_base + row) * D + d] = acc[d]; } { const d = 39u; out[(q_base + row) * D + d] = acc[d]; } { const d = 40u; out[(q_base + row) * D + d] = acc[d]; } { const d = 41u; out[(q_base + row) * D + d] = acc[d]; } { const d = 42u; out[(q_base + row) * D + d] = acc[d]; } { const d = 43u; out[(q_base + row) * D + d] = acc[d]; } { const d = 44u; out[(q_base + row) * D + d] = acc[d]; } { const d = 45u; out[(q_base + row) * D + d] = acc[d]; } { const d = 46u; out[(q_base + row) * D + d] = acc[d]; } { const d = 47u; out[(q_base + row) * D + d] = acc[d]; } { const d = 48u; out[(q_base + row) * D + d] = acc[d]; } { const d = 49u; out[(q_base + row) * D + d] = acc[d]; } { const d = 50u; out[(q_base + row) * D + d] = acc[d]; } { const d = 51u; out[(q_base + row) * D + d] = acc[d]; } { const d = 52u; out[(q_base + row) * D + d] = acc[d]; } { const d = 53u; out[(q_base + row) * D + d] = acc[d]; } { const d = 54u; out[(q_base + row) * D + d] = acc[d]; } { const d = 55u; out[(q_base + row) * D + d] = acc[d]; } { const d = 56u; out[(q_base + row) * D + d] = acc[d]; } { const d = 57u; out[(q_base + row) * D + d] = acc[d]; } { const d = 58u; out[(q_base + row) * D + d] = acc[d]; } { const d = 59u; out[(q_base + row) * D + d] = acc[d]; } { const d = 60u; out[(q_base + row) * D + d] = acc[d]; } { const d = 61u; out[(q_base + row) * D + d] = acc[d]; } { const d = 62u; out[(q_base + row) * D + d] = acc[d]; } { const d = 63u; out[(q_base + row) * D + d] = acc[d]; } }
-        stats[q_base + row] = vec2<f32>(m, l);
+        { { const d = 0u; out[at * D + d] = acc[d]; } { const d = 1u; out[at * D + d] = acc[d]; } { const d = 2u; out[at * D + d] = acc[d]; } { const d = 3u; out[at * D + d] = acc[d]; } { const d = 4u; out[at * D + d] = acc[d]; } { const d = 5u; out[at * D + d] = acc[d]; } { const d = 6u; out[at * D + d] = acc[d]; } { const d = 7u; out[at * D + d] = acc[d]; } { const d = 8u; out[at * D + d] = acc[d]; } { const d = 9u; out[at * D + d] = acc[d]; } { const d = 10u; out[at * D + d] = acc[d]; } { const d = 11u; out[at * D + d] = acc[d]; } { const d = 12u; out[at * D + d] = acc[d]; } { const d = 13u; out[at * D + d] = acc[d]; } { const d = 14u; out[at * D + d] = acc[d]; } { const d = 15u; out[at * D + d] = acc[d]; } { const d = 16u; out[at * D + d] = acc[d]; } { const d = 17u; out[at * D + d] = acc[d]; } { const d = 18u; out[at * D + d] = acc[d]; } { const d = 19u; out[at * D + d] = acc[d]; } { const d = 20u; out[at * D + d] = acc[d]; } { const d = 21u; out[at * D + d] = acc[d]; } { const d = 22u; out[at * D + d] = acc[d]; } { const d = 23u; out[at * D + d] = acc[d]; } { const d = 24u; out[at * D + d] = acc[d]; } { const d = 25u; out[at * D + d] = acc[d]; } { const d = 26u; out[at * D + d] = acc[d]; } { const d = 27u; out[at * D + d] = acc[d]; } { const d = 28u; out[at * D + d] = acc[d]; } { const d = 29u; out[at * D + d] = acc[d]; } { const d = 30u; out[at * D + d] = acc[d]; } { const d = 31u; out[at * D + d] = acc[d]; } { const d = 32u; out[at * D + d] = acc[d]; } { const d = 33u; out[at * D + d] = acc[d]; } { const d = 34u; out[at * D + d] = acc[d]; } { const d = 35u; out[at * D + d] = acc[d]; } { const d = 36u; out[at * D + d] = acc[d]; } { const d = 37u; out[at * D + d] = acc[d]; } { const d = 38u; out[at * D + d] = acc[d]; } { const d = 39u; out[at * D + d] = acc[d]; } { const d = 40u; out[at * D + d] = acc[d]; } { const d = 41u; out[at * D + d] = acc[d]; } { const d = 42u; out[at * D + d] = acc[d]; } { const d = 43u; out[at * D + d] = acc[d]; } { const d = 44u; out[at * D + d] = acc[d]; } { const d = 45u; out[at * D + d] = acc[d]; } { const d = 46u; out[at * D + d] = acc[d]; } { const d = 47u; out[at * D + d] = acc[d]; } { const d = 48u; out[at * D + d] = acc[d]; } { const d = 49u; out[at * D + d] = acc[d]; } { const d = 50u; out[at * D + d] = acc[d]; } { const d = 51u; out[at * D + d] = acc[d]; } { const d = 52u; out[at * D + d] = acc[d]; } { const d = 53u; out[at * D + d] = acc[d]; } { const d = 54u; out[at * D + d] = acc[d]; } { const d = 55u; out[at * D + d] = acc[d]; } { const d = 56u; out[at * D + d] = acc[d]; } { const d = 57u; out[at * D + d] = acc[d]; } { const d = 58u; out[at * D + d] = acc[d]; } { const d = 59u; out[at * D + d] = acc[d]; } { const d = 60u; out[at * D + d] = acc[d]; } { const d = 61u; out[at * D + d] = acc[d]; } { const d = 62u; out[at * D + d] = acc[d]; } { const d = 63u; out[at * D + d] = acc[d]; } }
+        stats[at] = vec2<f32>(m, l);
         return;
     }
-    // A row with no visible key: out 0, lse -inf.
+    // A row with no visible key (in this split): out 0, lse -inf.
     var inv = 0.0f;
     if l > 0.0f { inv = 1.0f / l; }
-    { { const d = 0u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 1u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 2u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 3u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 4u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 5u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 6u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 7u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 8u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 9u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 10u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 11u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 12u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 13u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 14u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 15u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 16u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 17u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 18u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 19u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 20u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 21u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 22u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 23u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 24u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 25u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 26u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 27u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 28u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 29u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 30u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 31u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 32u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 33u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 34u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 35u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 36u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 37u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 38u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 39u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 40u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 41u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 42u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 43u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 44u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 45u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 46u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 47u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 48u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 49u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 50u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 51u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 52u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 53u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 54u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 55u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 56u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 57u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 58u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 59u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 60u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 61u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 62u; out[(q_base + row) * D + d] = acc[d] * inv; } { const d = 63u; out[(q_base + row) * D + d] = acc[d] * inv; } }
+    { { const d = 0u; out[at * D + d] = acc[d] * inv; } { const d = 1u; out[at * D + d] = acc[d] * inv; } { const d = 2u; out[at * D + d] = acc[d] * inv; } { const d = 3u; out[at * D + d] = acc[d] * inv; } { const d = 4u; out[at * D + d] = acc[d] * inv; } { const d = 5u; out[at * D + d] = acc[d] * inv; } { const d = 6u; out[at * D + d] = acc[d] * inv; } { const d = 7u; out[at * D + d] = acc[d] * inv; } { const d = 8u; out[at * D + d] = acc[d] * inv; } { const d = 9u; out[at * D + d] = acc[d] * inv; } { const d = 10u; out[at * D + d] = acc[d] * inv; } { const d = 11u; out[at * D + d] = acc[d] * inv; } { const d = 12u; out[at * D + d] = acc[d] * inv; } { const d = 13u; out[at * D + d] = acc[d] * inv; } { const d = 14u; out[at * D + d] = acc[d] * inv; } { const d = 15u; out[at * D + d] = acc[d] * inv; } { const d = 16u; out[at * D + d] = acc[d] * inv; } { const d = 17u; out[at * D + d] = acc[d] * inv; } { const d = 18u; out[at * D + d] = acc[d] * inv; } { const d = 19u; out[at * D + d] = acc[d] * inv; } { const d = 20u; out[at * D + d] = acc[d] * inv; } { const d = 21u; out[at * D + d] = acc[d] * inv; } { const d = 22u; out[at * D + d] = acc[d] * inv; } { const d = 23u; out[at * D + d] = acc[d] * inv; } { const d = 24u; out[at * D + d] = acc[d] * inv; } { const d = 25u; out[at * D + d] = acc[d] * inv; } { const d = 26u; out[at * D + d] = acc[d] * inv; } { const d = 27u; out[at * D + d] = acc[d] * inv; } { const d = 28u; out[at * D + d] = acc[d] * inv; } { const d = 29u; out[at * D + d] = acc[d] * inv; } { const d = 30u; out[at * D + d] = acc[d] * inv; } { const d = 31u; out[at * D + d] = acc[d] * inv; } { const d = 32u; out[at * D + d] = acc[d] * inv; } { const d = 33u; out[at * D + d] = acc[d] * inv; } { const d = 34u; out[at * D + d] = acc[d] * inv; } { const d = 35u; out[at * D + d] = acc[d] * inv; } { const d = 36u; out[at * D + d] = acc[d] * inv; } { const d = 37u; out[at * D + d] = acc[d] * inv; } { const d = 38u; out[at * D + d] = acc[d] * inv; } { const d = 39u; out[at * D + d] = acc[d] * inv; } { const d = 40u; out[at * D + d] = acc[d] * inv; } { const d = 41u; out[at * D + d] = acc[d] * inv; } { const d = 42u; out[at * D + d] = acc[d] * inv; } { const d = 43u; out[at * D + d] = acc[d] * inv; } { const d = 44u; out[at * D + d] = acc[d] * inv; } { const d = 45u; out[at * D + d] = acc[d] * inv; } { const d = 46u; out[at * D + d] = acc[d] * inv; } { const d = 47u; out[at * D + d] = acc[d] * inv; } { const d = 48u; out[at * D + d] = acc[d] * inv; } { const d = 49u; out[at * D + d] = acc[d] * inv; } { const d = 50u; out[at * D + d] = acc[d] * inv; } { const d = 51u; out[at * D + d] = acc[d] * inv; } { const d = 52u; out[at * D + d] = acc[d] * inv; } { const d = 53u; out[at * D + d] = acc[d] * inv; } { const d = 54u; out[at * D + d] = acc[d] * inv; } { const d = 55u; out[at * D + d] = acc[d] * inv; } { const d = 56u; out[at * D + d] = acc[d] * inv; } { const d = 57u; out[at * D + d] = acc[d] * inv; } { const d = 58u; out[at * D + d] = acc[d] * inv; } { const d = 59u; out[at * D + d] = acc[d] * inv; } { const d = 60u; out[at * D + d] = acc[d] * inv; } { const d = 61u; out[at * D + d] = acc[d] * inv; } { const d = 62u; out[at * D + d] = acc[d] * inv; } { const d = 63u; out[at * D + d] = acc[d] * inv; } }
     var x = -bx_inf();
     if l > 0.0f { x = m + log(l); }
-    lse[q_base + row] = x;
+    lse[at] = x;
 }
 
 // K and V rows k0 .. k0 + BKV of kv head h_kv of sequence b (zeros from its

@@ -155,6 +155,7 @@ __device__ __forceinline__ unsigned short bx_from_f32(float x) {
 }
 #define BX_MMA_OP "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
 #endif
+__device__ __forceinline__ void bx_put(unsigned short* p, float x) { *p = bx_from_f32(x); }
 "#;
 
 const ELEM_BF16: &str = r#"// ---- element type: bf16 (bfloat16 bits, like __nv_bfloat16) ----
@@ -170,12 +171,15 @@ __device__ __forceinline__ unsigned short bx_from_f32(float x) {
 }
 #define BX_MMA_OP "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 #endif
+__device__ __forceinline__ void bx_put(unsigned short* p, float x) { *p = bx_from_f32(x); }
 "#;
 
 /// Tile building blocks shared by every kernel, each with one job.
 pub const COMMON: &str = r#"
 // ---- tile building blocks ----
 __device__ __forceinline__ float bx_neg_inf() { return __int_as_float(0xff800000); }
+// *p = x in p's type: f32, or rounded to the 16-bit element type.
+__device__ __forceinline__ void bx_put(float* p, float x) { *p = x; }
 
 // Query heads per kv head (GQA group), never 0.
 __device__ __forceinline__ int bx_group(int heads_q, int heads_kv) {
@@ -388,8 +392,10 @@ struct BxAcc {
             }
         }
     }
-    // dst[r·D + col] = C[r][col]·f·rf[r] (rf may be null) for r < rows_valid, col < D.
-    __device__ __forceinline__ void store(elem_t* __restrict__ dst, int rows_valid, const float* rf, float f) {
+    // dst[r·D + col] = C[r][col]·f·rf[r] (rf may be null) for r < rows_valid, col < D;
+    // dst is elem_t or f32.
+    template <typename T>
+    __device__ __forceinline__ void store(T* __restrict__ dst, int rows_valid, const float* rf, float f) {
 #pragma unroll
         for (int n = 0; n < NB; ++n) {
             const int blk = (int)(threadIdx.x >> 5) + n * W;
@@ -401,8 +407,8 @@ struct BxAcc {
                     const int rr = r + 8 * half;
                     const float fr = rf ? f * rf[rr] : f;
                     if (rr < rows_valid) {
-                        if (col < D) dst[(size_t)rr * D + col] = bx_from_f32(c[n][2 * half] * fr);
-                        if (col + 1 < D) dst[(size_t)rr * D + col + 1] = bx_from_f32(c[n][2 * half + 1] * fr);
+                        if (col < D) bx_put(dst + (size_t)rr * D + col, c[n][2 * half] * fr);
+                        if (col + 1 < D) bx_put(dst + (size_t)rr * D + col + 1, c[n][2 * half + 1] * fr);
                     }
                 }
             }
@@ -535,37 +541,58 @@ const FORWARD_BODY: &str = r#"    extern __shared__ __align__(16) unsigned char 
     float* row_l = reinterpret_cast<float*>(bx_smem + FWD_ROW_L);
     float* row_a = reinterpret_cast<float*>(bx_smem + FWD_ROW_A);
     int* s_seen = reinterpret_cast<int*>(bx_smem + FWD_SEEN);
-    (void)batch;
 
-    const int q0 = blockIdx.x * BQ;
-    const int h = blockIdx.y;
+    // The block's rows: packed row r is row r % seq_q of query head
+    // hk·g + r / seq_q (the kv head's whole GQA group, so one pass over its
+    // keys serves every query head of it), rows r0 .. r0 + BQ. With
+    // n_split > 1, split `split` covers its share of the key tiles.
+    const int g = bx_group(heads_q, heads_kv);
+    const int n_split = splits > 1 ? splits : 1;
+    const int split = (int)(blockIdx.x % (unsigned)n_split);
+    const int r0 = (int)(blockIdx.x / (unsigned)n_split) * BQ;
+    const int hk = blockIdx.y;
     const int b = blockIdx.z;
-    const int hk = h / bx_group(heads_q, heads_kv);
+    const int packed = g * seq_q;
     // A KV cache: sequence b has sk of its seq_k slots (arena word kv_lens + b),
     // its rows aligned to them; kv_lens < 0: every sequence has seq_k keys.
     const int sk = kv_lens < 0 ? seq_k : min((int)captures[kv_lens + b], seq_k);
     const int offset = sk - seq_q;
-    const size_t q_row0 = ((size_t)b * heads_q + h) * (size_t)seq_q + q0;
+    const size_t q_row0 = ((size_t)b * heads_q + (size_t)hk * g) * (size_t)seq_q + r0;
     const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k;
     const unsigned table = (unsigned)kv_pages + (unsigned)b * (unsigned)max_pages;
 
-    bx_load_rows<BQ, FWD_THREADS>(sQ, q + q_row0 * D, seq_q - q0);
-    // The sink is one more logit with no value: the running max and sum
-    // start from it (-inf and 0 without one).
+    bx_load_rows<BQ, FWD_THREADS>(sQ, q + q_row0 * D, packed - r0);
+    // The sink is one more logit with no value: the running max and sum of
+    // split 0 start from it (-inf and 0 without one).
     for (int i = threadIdx.x; i < BQ; i += FWD_THREADS) {
-        const float sink = variant_sink(params, captures, b, h, q0 + i + offset, q0 + i < seq_q);
+        const int r = min(r0 + i, packed - 1);
+        const float sink = split == 0
+            ? variant_sink(params, captures, b, hk * g + r / seq_q, r % seq_q + offset, r0 + i < packed)
+            : bx_neg_inf();
         row_m[i] = sink;
         row_l[i] = sink == bx_neg_inf() ? 0.0f : 1.0f;
     }
     BxAcc<BQ, FWD_THREADS> acc;
     acc.zero();
 
-    const int q_lo = q0 + offset;
-    const int q_hi = min(q0 + BQ, seq_q) - 1 + offset;
+    // The query heads and positions the block's rows span.
+    const int r_hi = min(r0 + BQ, packed) - 1;
+    const int h_lo = hk * g + r0 / seq_q;
+    const int h_hi = hk * g + r_hi / seq_q;
+    const int q_lo = h_lo == h_hi ? r0 % seq_q + offset : offset;
+    const int q_hi = h_lo == h_hi ? r_hi % seq_q + offset : seq_q - 1 + offset;
     const int n_kt = (sk + BKV - 1) / BKV;
-    for (int kt = 0; kt < n_kt; ++kt) {
+    const int per = (n_kt + n_split - 1) / n_split;
+    const int kt_lo = split * per;
+    const int kt_hi = min(kt_lo + per, n_kt);
+    for (int kt = kt_lo; kt < kt_hi; ++kt) {
         const int k0 = kt * BKV;
-        const int cls = variant_classify(params, captures, b, h, q_lo, q_hi, k0, min(k0 + BKV, sk) - 1);
+        const int kv_hi = min(k0 + BKV, sk) - 1;
+        // One class for every head of the block's rows: theirs if they
+        // agree, else Partial.
+        int cls = variant_classify(params, captures, b, h_lo, q_lo, q_hi, k0, kv_hi);
+        for (int hh = h_lo + 1; hh <= h_hi; ++hh)
+            if (variant_classify(params, captures, b, hh, q_lo, q_hi, k0, kv_hi) != cls) cls = TILE_PARTIAL;
         if (cls == TILE_EMPTY) continue; // nothing visible (uniform over the block)
         __syncthreads(); // the previous tile's readers of K, V, S, P are done
         if (page_size == 0) {
@@ -582,9 +609,11 @@ const FORWARD_BODY: &str = r#"    extern __shared__ __align__(16) unsigned char 
         for (int e = threadIdx.x; e < BQ * BKV; e += FWD_THREADS) {
             const int i = e / BKV;
             const int j = e - i * BKV;
-            const int qp = q0 + i + offset;
+            const int r = r0 + i;
+            const int h = hk * g + r / seq_q;
+            const int qp = r % seq_q + offset;
             const int kp = k0 + j;
-            const bool vis = bx_visible(params, captures, cls, b, h, q0 + i, kp, seq_q, sk, qp, kp);
+            const bool vis = bx_visible(params, captures, cls, b, h, r, kp, packed, sk, qp, kp);
             if (vis) s_seen[j] = 1;
             float x;
             sS[i * FWD_LDS + j] = bx_score_at(params, captures, sS[i * FWD_LDS + j], scale, vis, b, h, qp, kp, x);
@@ -597,14 +626,49 @@ const FORWARD_BODY: &str = r#"    extern __shared__ __align__(16) unsigned char 
         acc.template add<BKV, LDPA, 1>(sP, sV);
     }
     __syncthreads();
-    // out = acc / l; lse = m + log(l); a row with nothing visible: 0 and -inf.
+    // out = acc / l; lse = m + log(l); a row with nothing visible (in this
+    // split): 0 and -inf. Split s writes rows s·B·Hq·Sq + row of split_out
+    // and split_lse (f32), for boostr_attn_fwd_merge.
+    const size_t at = n_split > 1 ? (size_t)split * ((size_t)batch * heads_q * seq_q) + q_row0 : q_row0;
+    float* lse_dst = n_split > 1 ? split_lse : lse;
     for (int i = threadIdx.x; i < BQ; i += FWD_THREADS) {
         const float l = row_l[i];
         row_a[i] = l > 0.0f ? 1.0f / l : 0.0f;
-        if (q0 + i < seq_q) lse[q_row0 + i] = l > 0.0f ? row_m[i] + logf(l) : bx_neg_inf();
+        if (r0 + i < packed) lse_dst[at + i] = l > 0.0f ? row_m[i] + logf(l) : bx_neg_inf();
     }
     __syncthreads();
-    acc.store(out + q_row0 * D, seq_q - q0, row_a, 1.0f);
+    if (n_split > 1) {
+        acc.store(split_out + at * D, packed - r0, row_a, 1.0f);
+    } else {
+        acc.store(out + at * D, packed - r0, row_a, 1.0f);
+    }
+}
+"#;
+
+const MERGE_BODY: &str = r#"    const long long rows = (long long)batch * heads_q * seq_q;
+    const long long row = (long long)blockIdx.x * (DELTA_THREADS / 32) + (threadIdx.x >> 5);
+    if (row >= rows) return; // whole warps leave together
+    const int lane = threadIdx.x & 31;
+    const int n = splits > 1 ? splits : 1;
+    // out = Σ_s out_s·e^(lse_s − m) / Σ_s e^(lse_s − m), lse = m + log Σ_s e^(lse_s − m),
+    // in split order (the same bits on every run). A split that sees nothing
+    // has lse -inf (weight 0) and out 0.
+    float m = bx_neg_inf();
+    for (int s = 0; s < n; ++s) m = fmaxf(m, split_lse[(size_t)s * rows + row]);
+    float l = 0.0f;
+    if (m != bx_neg_inf())
+        for (int s = 0; s < n; ++s) l += expf(split_lse[(size_t)s * rows + row] - m);
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int d = lane; d < D; d += 32) {
+        float acc = 0.0f;
+        if (m != bx_neg_inf())
+            for (int s = 0; s < n; ++s) {
+                const size_t at = (size_t)s * rows + row;
+                acc = fmaf(expf(split_lse[at] - m), split_out[at * D + d], acc);
+            }
+        bx_put(out + (size_t)row * D + d, acc * inv);
+    }
+    if (lane == 0) lse[row] = l > 0.0f ? m + logf(l) : bx_neg_inf();
 }
 "#;
 
@@ -844,9 +908,15 @@ const TENSORS_BODY: &str = r#"    BX_BWD_SMEM
 }
 "#;
 
-/// The forward: one block per (query tile, query head, batch) computes
-/// `out` and `lse` for its `BQ` rows, streaming every key tile that the
-/// classifier does not prove empty. Over a KV cache (`kv_lens ≥ 0`: the
+/// The forward: one block per (tile of `BQ` packed query rows, key split,
+/// kv head, batch) computes `out` and `lse` for its rows, streaming every
+/// key tile of its split that the classifier does not prove empty. A
+/// block's rows are the query rows of the kv head's whole GQA group,
+/// packed (`(Hq/Hkv)·Sq`; for decode, one block serves every query head of
+/// a kv head). With `splits` > 1 (split-KV decode) split `s` covers its
+/// share of each sequence's key tiles and writes its rows of `split_out`
+/// and `split_lse` (f32), which [`MERGE`] combines; with 1 it writes `out`
+/// and `lse`. Over a KV cache (`kv_lens ≥ 0`: the
 /// arena word of the `[B]` lengths) sequence `b` has its first
 /// `lengths[b]` keys and rows aligned to them; with pages (`page_size >
 /// 0`) `k, v` are `[pages, Hkv, page_size, D]` and the `[B, max_pages]`
@@ -869,17 +939,48 @@ pub const FORWARD: Kernel = Kernel {
         Arg::Scalar(Scalar::KvPages),
         Arg::Scalar(Scalar::PageSize),
         Arg::Scalar(Scalar::MaxPages),
+        Arg::write(Buffer::SplitOut),
+        Arg::write(Buffer::SplitLse),
+        Arg::Scalar(Scalar::Splits),
         Arg::Params,
         Arg::Captures,
     ],
     grid: [
-        Extent::Tiles(Dim::SeqQ, Size::BlockQ),
-        Extent::Dim(Dim::HeadsQ),
+        Extent::Product(&[
+            Extent::Tiles(Dim::GroupRows, Size::BlockQ),
+            Extent::Dim(Dim::Splits),
+        ]),
+        Extent::Dim(Dim::HeadsKv),
         Extent::Dim(Dim::Batch),
     ],
     threads: Threads::Forward,
     smem: Smem::Forward,
     min_blocks: Some(1),
+};
+
+/// The split-KV forward's merge, after [`FORWARD`] with `splits` > 1: one
+/// warp per query row combines the splits' `split_out` rows by their
+/// `split_lse` into `out` and `lse`.
+pub const MERGE: Kernel = Kernel {
+    entry: "boostr_attn_fwd_merge",
+    args: &[
+        Arg::read(Buffer::SplitOut),
+        Arg::read(Buffer::SplitLse),
+        Arg::write(Buffer::Out),
+        Arg::write(Buffer::Lse),
+        Arg::Scalar(Scalar::Batch),
+        Arg::Scalar(Scalar::HeadsQ),
+        Arg::Scalar(Scalar::SeqQ),
+        Arg::Scalar(Scalar::Splits),
+    ],
+    grid: [
+        Extent::Tiles(Dim::Rows, Size::DeltaRows),
+        Extent::One,
+        Extent::One,
+    ],
+    threads: Threads::Delta,
+    smem: Smem::None,
+    min_blocks: None,
 };
 
 /// The backward's pre-pass, run first: `delta = rowsum(dout ∘ out)` in f32,
@@ -1003,11 +1104,12 @@ pub const TENSORS: Kernel = Kernel {
     min_blocks: Some(1),
 };
 
-/// The forward translation unit: [`FORWARD`].
+/// The forward translation unit: [`FORWARD`], then [`MERGE`] where the
+/// forward ran in splits.
 pub const FORWARD_MODULE: Module = Module {
     name: "fwd",
     preamble: FORWARD_PREAMBLE,
-    kernels: &[(&FORWARD, FORWARD_BODY)],
+    kernels: &[(&FORWARD, FORWARD_BODY), (&MERGE, MERGE_BODY)],
 };
 
 /// The backward translation unit: [`DELTA`] (run first), then [`DQ`] and
