@@ -191,9 +191,9 @@ fn backward<V: Variant, R: AttentionRuntime>(
 /// The backward of [`attention_fwd_cache`]: `(dq, dk, dv)` given its `out`
 /// and `lse`, with `dk, dv` shaped as the cache (`[B, Hkv, capacity, D]`)
 /// and zero in every slot past a sequence's length. For training on
-/// sequences of different lengths in one padded batch. The CPU runs it
-/// (the tile kernels at the cache's positions); the GPU backends return
-/// [`Error::LayoutUnsupported`](crate::Error::LayoutUnsupported).
+/// sequences of different lengths in one padded batch. Every backend runs
+/// it (the tile kernels at each sequence's own positions; the spare slots
+/// are never read).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_bwd_cache<V: Variant, R: AttentionRuntime>(
     variant: &V,

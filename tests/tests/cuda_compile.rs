@@ -842,7 +842,8 @@ where
 struct CacheCase {
     inputs: [Vec<f32>; 4],
     kv: [i32; 4],
-    want: [Vec<f64>; 2],
+    /// `out`, `lse`, and for a contiguous cache `dq`, `dk`, `dv`.
+    want: Vec<Vec<f64>>,
 }
 
 /// A forward over a KV cache of `lens` (f32): contiguous, or with
@@ -915,7 +916,36 @@ where
             (kv, kp, vp)
         }
     };
-    let dout = vec![0.0f32; p.q_len()];
+    let dout = rng.normal_f32(p.q_len(), 1.0);
+    // The backward over a contiguous cache (pages have none).
+    let mut want = vec![out.clone(), lse.clone()];
+    if page_size.is_none() {
+        let (mut dq, mut dk, mut dv) = (
+            vec![0.0f32; p.q_len()],
+            vec![0.0f32; p.kv_len()],
+            vec![0.0f32; p.kv_len()],
+        );
+        let inputs = boostr_runtime::cpu::BackwardInputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            out: &out,
+            lse: &lse,
+            dout: &dout,
+        };
+        boostr_runtime::cpu::backward_cache(
+            &variant,
+            &p,
+            &host_lens,
+            inputs,
+            &mut dq,
+            &mut dk,
+            &mut dv,
+            &[],
+        )
+        .expect("the case's tensors fit");
+        want.extend([dq, dk, dv]);
+    }
     case.tag.push_str(&match page_size {
         None => format!(" cache {lens:?}"),
         Some(ps) => format!(" pages of {ps} {lens:?}"),
@@ -924,10 +954,10 @@ where
     case.cache = Some(CacheCase {
         inputs: [q, k, v, dout],
         kv,
-        want: [
-            out.iter().map(|&x| f64::from(x)).collect(),
-            lse.iter().map(|&x| f64::from(x)).collect(),
-        ],
+        want: want
+            .iter()
+            .map(|t| t.iter().map(|&x| f64::from(x)).collect())
+            .collect(),
     });
     case
 }
@@ -1165,7 +1195,7 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
     };
     let mut line = format!("{tag}:");
     if let Some(c) = &case.cache {
-        for (name, want) in ["out", "lse"].iter().zip(&c.want) {
+        for (name, want) in ["out", "lse", "dq", "dk", "dv"].iter().zip(&c.want) {
             let got = read_f32(&dir.join(name));
             let err = relative_error(name, &got, want).map_err(|e| format!("{tag}: {e}"))?;
             line.push_str(&format!(" {name} {err:.1e} (vs the CPU)"));

@@ -692,12 +692,6 @@ impl AttentionRuntime for CudaRuntime {
         p: &Problem,
         t: BackwardTensors<'_, Self>,
     ) -> Result<AttentionGrads<Self>> {
-        if t.lengths.is_some() {
-            return Err(crate::Error::LayoutUnsupported {
-                backend: CUDA,
-                layout: "the backward over a KV cache",
-            });
-        }
         let (q, k, v) = (input("q", t.q)?, input("k", t.k)?, input("v", t.v)?);
         let (out, dout) = (input("out", t.out)?, input("dout", t.dout)?);
         validate::check_dtype("lse", t.lse, CUDA, &[DType::F32], "f32")?;
@@ -716,7 +710,15 @@ impl AttentionRuntime for CudaRuntime {
         let dq = alloc(q.shape(), dtype, &q)?;
         let dk = alloc(k.shape(), dtype, &k)?;
         let dv = alloc(v.shape(), dtype, &v)?;
-        let arena = DeviceArena::new(variant, p, &client, &q, [None, None])?;
+        let arena = DeviceArena::new(variant, p, &client, &q, [t.lengths.map(|l| l.tensor), None])?;
+        let mut kv = PLAIN_KV;
+        if let Some(at) = arena.cache[0] {
+            kv[0] = i32::try_from(at).map_err(|_| Error::TooLarge {
+                name: "the arena word of the cache's lengths",
+                value: at,
+                max: i32::MAX as usize,
+            })?;
+        }
         let call = Call {
             problem: p,
             params: Params(variant.param_words()),
@@ -733,7 +735,7 @@ impl AttentionRuntime for CudaRuntime {
                 (Buffer::Dk, &dk),
                 (Buffer::Dv, &dv),
             ],
-            kv: PLAIN_KV,
+            kv,
             splits: 1,
         };
         launch_module(&client, module, &compiled, &call)?;

@@ -904,12 +904,6 @@ impl AttentionRuntime for WgpuRuntime {
         p: &Problem,
         t: BackwardTensors<'_, Self>,
     ) -> Result<AttentionGrads<Self>> {
-        if t.lengths.is_some() {
-            return Err(crate::Error::LayoutUnsupported {
-                backend: WGPU,
-                layout: "the backward over a KV cache",
-            });
-        }
         let (q, k, v) = (input("q", t.q)?, input("k", t.k)?, input("v", t.v)?);
         // `out` is not read: D_i comes from the recomputed P (see
         // `kernels::BACKWARD_DQ`).
@@ -952,7 +946,11 @@ impl AttentionRuntime for WgpuRuntime {
                 tensors: &tensors,
             })
             .collect();
-        let arena = run(&client, variant, p, &cfg, &steps, learn, None, 1)?;
+        let cache = t.lengths.map(|l| CacheWords {
+            lengths: l.tensor,
+            pages: None,
+        });
+        let arena = run(&client, variant, p, &cfg, &steps, learn, cache, 1)?;
         let tensors = arena.grads::<V>(t.tensor_grads)?;
         Ok(AttentionGrads {
             dq,

@@ -412,3 +412,89 @@ fn split_kv_decode_matches_the_unsplit_kernel() {
     check(&SlidingWindow { window: 100 }, 4, 2, &device, &cpu);
     check(&Softcap { cap: 8.0 }, 17, 3, &device, &cpu);
 }
+
+/// The backward over a KV cache on wgpu against the CPU's: mixed lengths
+/// (0, 1, a key-tile boundary, between, the capacity), GQA 2:1, Sq > a
+/// sequence's length (rows that see nothing), NaN in the spare slots, and
+/// the spare slots' gradients exactly zero.
+#[test]
+fn cache_backward_matches_the_cpu() {
+    use crate::stock::{CausalSoftcap, SlidingWindow};
+    use crate::testing::{CpuRuntime, Rng};
+    use crate::{KvCache, attention_bwd_cache, attention_fwd_cache};
+    use numr::runtime::cpu::CpuDevice;
+    let Some(device) = device() else { return };
+    let cpu = CpuDevice::new();
+    fn check<V: crate::Variant>(variant: &V, sq: usize, device: &WgpuDevice, cpu: &CpuDevice) {
+        let (b, hq, hkv, cap, d) = (5usize, 4usize, 2usize, 80usize, 32usize);
+        let lens = [0i32, 1, 64, 7, 80];
+        let mut rng = Rng::new(41, sq as u64);
+        let q = rng.normal_f32(b * hq * sq * d, 1.0);
+        let dout = rng.normal_f32(b * hq * sq * d, 1.0);
+        let mut k = rng.normal_f32(b * hkv * cap * d, 1.0);
+        let mut v = rng.normal_f32(b * hkv * cap * d, 1.0);
+        let spare = |row: usize| row % cap >= lens[row / (hkv * cap)] as usize;
+        for (row, (kr, vr)) in k.chunks_mut(d).zip(v.chunks_mut(d)).enumerate() {
+            if spare(row) {
+                kr.fill(f32::NAN);
+                vr.fill(f32::INFINITY);
+            }
+        }
+        let opts = AttentionOptions::default();
+        let run_cpu = || {
+            let t = |x: &[f32], s: &[usize]| Tensor::<CpuRuntime>::from_slice(x, s, cpu).unwrap();
+            let lengths = Tensor::<CpuRuntime>::from_slice(&lens, &[b], cpu).unwrap();
+            let (kc, vc) = (t(&k, &[b, hkv, cap, d]), t(&v, &[b, hkv, cap, d]));
+            let cache = KvCache {
+                k: &kc,
+                v: &vc,
+                lengths: &lengths,
+            };
+            let (qc, dc) = (t(&q, &[b, hq, sq, d]), t(&dout, &[b, hq, sq, d]));
+            let (out, lse) = attention_fwd_cache(variant, &qc, &cache, &opts).unwrap();
+            let (dq, dk, dv) =
+                attention_bwd_cache(variant, &dc, &qc, &cache, &out, &lse, &opts).unwrap();
+            [dq.to_vec::<f32>(), dk.to_vec::<f32>(), dv.to_vec::<f32>()]
+        };
+        let run_gpu = || {
+            let t =
+                |x: &[f32], s: &[usize]| Tensor::<WgpuRuntime>::from_slice(x, s, device).unwrap();
+            let lengths = Tensor::<WgpuRuntime>::from_slice(&lens, &[b], device).unwrap();
+            let (kg, vg) = (t(&k, &[b, hkv, cap, d]), t(&v, &[b, hkv, cap, d]));
+            let cache = KvCache {
+                k: &kg,
+                v: &vg,
+                lengths: &lengths,
+            };
+            let (qg, dg) = (t(&q, &[b, hq, sq, d]), t(&dout, &[b, hq, sq, d]));
+            let (out, lse) = attention_fwd_cache(variant, &qg, &cache, &opts).unwrap();
+            let (dq, dk, dv) =
+                attention_bwd_cache(variant, &dg, &qg, &cache, &out, &lse, &opts).unwrap();
+            [dq.to_vec::<f32>(), dk.to_vec::<f32>(), dv.to_vec::<f32>()]
+        };
+        let (want, got) = (run_cpu(), run_gpu());
+        for ((name, want), got) in ["dq", "dk", "dv"].iter().zip(&want).zip(&got) {
+            let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1.0);
+            for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                assert!(
+                    g.is_finite() && (g - w).abs() <= 1e-5 * scale,
+                    "{} Sq={sq}: {name}[{i}] = {g}, cpu {w}",
+                    V::NAME
+                );
+            }
+        }
+        for (name, got) in ["dk", "dv"].iter().zip(&got[1..]) {
+            for (row, g) in got.chunks(d).enumerate() {
+                if spare(row) {
+                    assert!(
+                        g.iter().all(|x| x.to_bits() == 0),
+                        "{} Sq={sq}: {name} of spare slot {row} = {g:?}",
+                        V::NAME
+                    );
+                }
+            }
+        }
+    }
+    check(&CausalSoftcap { cap: 20.0 }, 3, &device, &cpu);
+    check(&SlidingWindow { window: 9 }, 12, &device, &cpu);
+}

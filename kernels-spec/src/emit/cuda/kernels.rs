@@ -758,7 +758,10 @@ const DQ_BODY: &str = r#"    BX_BWD_SMEM
     const int h = blockIdx.y;
     const int b = blockIdx.z;
     const int hk = h / bx_group(heads_q, heads_kv);
-    const int offset = seq_k - seq_q;
+    // A KV cache: sequence b has its first sk keys (arena word kv_lens + b);
+    // its spare slots are never read and get zero gradients.
+    const int sk = kv_lens < 0 ? seq_k : min((int)captures[kv_lens + b], seq_k);
+    const int offset = sk - seq_q;
     const size_t q_row0 = ((size_t)b * heads_q + h) * (size_t)seq_q + q0;
     const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k;
 
@@ -771,21 +774,21 @@ const DQ_BODY: &str = r#"    BX_BWD_SMEM
 
     const int q_lo = q0 + offset;
     const int q_hi = min(q0 + BBQ, seq_q) - 1 + offset;
-    const int n_kt = (seq_k + BBKV - 1) / BBKV;
+    const int n_kt = (sk + BBKV - 1) / BBKV;
     for (int kt = 0; kt < n_kt; ++kt) {
         const int k0 = kt * BBKV;
-        const int cls = variant_classify(params, captures, b, h, q_lo, q_hi, k0, min(k0 + BBKV, seq_k) - 1);
+        const int cls = variant_classify(params, captures, b, h, q_lo, q_hi, k0, min(k0 + BBKV, sk) - 1);
         if (cls == TILE_EMPTY) continue;
         __syncthreads();
-        bx_load_rows<BBKV, BWD_THREADS>(sK, k + (kv_row0 + k0) * D, seq_k - k0);
-        bx_load_rows<BBKV, BWD_THREADS>(sV, v + (kv_row0 + k0) * D, seq_k - k0);
+        bx_load_rows<BBKV, BWD_THREADS>(sK, k + (kv_row0 + k0) * D, sk - k0);
+        bx_load_rows<BBKV, BWD_THREADS>(sV, v + (kv_row0 + k0) * D, sk - k0);
         for (int j = threadIdx.x; j < BBKV; j += BWD_THREADS) s_seen[j] = 0;
         __syncthreads();
         bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS>(sQ, sK, sS);
         bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS>(sdO, sV, sdP);
         __syncthreads();
         bx_grad_tile(sS, sdP, sPe, sdSe, s_lse, s_delta, s_seen, params, captures, cls, b, h, q0, k0, seq_q,
-                     seq_k, offset, scale);
+                     sk, offset, scale);
         __syncthreads();
         if (cls != TILE_FULL) { // dS = 0 at unseen keys, but 0·NaN is not 0
             bx_zero_unseen<BBKV, BWD_THREADS>(sK, s_seen);
@@ -804,18 +807,21 @@ const DKDV_BODY: &str = r#"    BX_BWD_SMEM
     const int hk = blockIdx.y;
     const int b = blockIdx.z;
     const int group = bx_group(heads_q, heads_kv);
-    const int offset = seq_k - seq_q;
+    // A KV cache: sequence b has its first sk keys (arena word kv_lens + b);
+    // its spare slots are never read and get zero gradients.
+    const int sk = kv_lens < 0 ? seq_k : min((int)captures[kv_lens + b], seq_k);
+    const int offset = sk - seq_q;
     const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k + k0;
-    const int kv_hi = min(k0 + BBKV, seq_k) - 1;
+    const int kv_hi = min(k0 + BBKV, sk) - 1;
 
-    bx_load_rows<BBKV, BWD_THREADS>(sK, k + kv_row0 * D, seq_k - k0);
-    bx_load_rows<BBKV, BWD_THREADS>(sV, v + kv_row0 * D, seq_k - k0);
+    bx_load_rows<BBKV, BWD_THREADS>(sK, k + kv_row0 * D, sk - k0);
+    bx_load_rows<BBKV, BWD_THREADS>(sV, v + kv_row0 * D, sk - k0);
     BxAcc<BBKV, BWD_THREADS> acc_k;
     BxAcc<BBKV, BWD_THREADS> acc_v;
     acc_k.zero();
     acc_v.zero();
 
-    const int n_qt = (seq_q + BBQ - 1) / BBQ;
+    const int n_qt = k0 < sk ? (seq_q + BBQ - 1) / BBQ : 0; // a tile of spare slots: zeros
     for (int hh = 0; hh < group; ++hh) {
         const int h = hk * group + hh;
         const size_t q_head0 = ((size_t)b * heads_q + h) * (size_t)seq_q;
@@ -835,7 +841,7 @@ const DKDV_BODY: &str = r#"    BX_BWD_SMEM
             bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS>(sdO, sV, sdP);
             __syncthreads();
             bx_grad_tile(sS, sdP, sPe, sdSe, s_lse, s_delta, s_seen, params, captures, cls, b, h, q0, k0, seq_q,
-                         seq_k, offset, scale);
+                         sk, offset, scale);
             __syncthreads();
             // Pᵀ and dSᵀ: A(key j, query i) = P[i][j].
             acc_v.template add<BBQ, 1, LDA>(sPe, sdO);
@@ -854,7 +860,10 @@ const TENSORS_BODY: &str = r#"    BX_BWD_SMEM
     const int h = blockIdx.y;
     const int b = blockIdx.z;
     const int hk = h / bx_group(heads_q, heads_kv);
-    const int offset = seq_k - seq_q;
+    // A KV cache: sequence b has its first sk keys (arena word kv_lens + b);
+    // its spare slots are never read and get zero gradients.
+    const int sk = kv_lens < 0 ? seq_k : min((int)captures[kv_lens + b], seq_k);
+    const int offset = sk - seq_q;
     const size_t q_row0 = ((size_t)b * heads_q + h) * (size_t)seq_q + q0;
     const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k;
 
@@ -865,14 +874,14 @@ const TENSORS_BODY: &str = r#"    BX_BWD_SMEM
 
     const int q_lo = q0 + offset;
     const int q_hi = min(q0 + BBQ, seq_q) - 1 + offset;
-    const int n_kt = (seq_k + BBKV - 1) / BBKV;
+    const int n_kt = (sk + BBKV - 1) / BBKV;
     for (int kt = 0; kt < n_kt; ++kt) {
         const int k0 = kt * BBKV;
-        const int cls = variant_classify(params, captures, b, h, q_lo, q_hi, k0, min(k0 + BBKV, seq_k) - 1);
+        const int cls = variant_classify(params, captures, b, h, q_lo, q_hi, k0, min(k0 + BBKV, sk) - 1);
         if (cls == TILE_EMPTY) continue;
         __syncthreads(); // the previous tile's readers are done
-        bx_load_rows<BBKV, BWD_THREADS>(sK, k + (kv_row0 + k0) * D, seq_k - k0);
-        bx_load_rows<BBKV, BWD_THREADS>(sV, v + (kv_row0 + k0) * D, seq_k - k0);
+        bx_load_rows<BBKV, BWD_THREADS>(sK, k + (kv_row0 + k0) * D, sk - k0);
+        bx_load_rows<BBKV, BWD_THREADS>(sV, v + (kv_row0 + k0) * D, sk - k0);
         __syncthreads();
         bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS>(sQ, sK, sS);
         bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS>(sdO, sV, sdP);
@@ -884,7 +893,7 @@ const TENSORS_BODY: &str = r#"    BX_BWD_SMEM
             const int j = e - i * BBKV;
             const int qp = q0 + i + offset;
             const int kp = k0 + j;
-            const bool vis = bx_visible(params, captures, cls, b, h, q0 + i, kp, seq_q, seq_k, qp, kp);
+            const bool vis = bx_visible(params, captures, cls, b, h, q0 + i, kp, seq_q, sk, qp, kp);
             float x;
             const float sc = bx_score_at(params, captures, sS[i * BWD_LDS + j], scale, vis, b, h, qp, kp, x);
             const float L = s_lse[i];
@@ -1023,6 +1032,7 @@ pub const DQ: Kernel = Kernel {
         Arg::Scalar(Scalar::SeqQ),
         Arg::Scalar(Scalar::SeqK),
         Arg::Scalar(Scalar::Scale),
+        Arg::Scalar(Scalar::KvLens),
         Arg::Params,
         Arg::Captures,
     ],
@@ -1056,6 +1066,7 @@ pub const DKDV: Kernel = Kernel {
         Arg::Scalar(Scalar::SeqQ),
         Arg::Scalar(Scalar::SeqK),
         Arg::Scalar(Scalar::Scale),
+        Arg::Scalar(Scalar::KvLens),
         Arg::Params,
         Arg::Captures,
     ],
@@ -1091,6 +1102,7 @@ pub const TENSORS: Kernel = Kernel {
         Arg::Scalar(Scalar::SeqQ),
         Arg::Scalar(Scalar::SeqK),
         Arg::Scalar(Scalar::Scale),
+        Arg::Scalar(Scalar::KvLens),
         Arg::Params,
         Arg::Captures,
     ],

@@ -378,13 +378,14 @@ struct QueryTile {
     h_kv: u32,
     q_lo: i32,
     q_hi: i32,
+    sk: u32,        // the sequence's keys (a KV cache's length)
     n_tiles: u32,   // key tiles of BKV rows
 }
 
 fn query_tile(wid: vec3<u32>) -> QueryTile {
     let sq = shape.seq_q;
-    let sk = shape.seq_k;
     let b = wid.y / shape.heads_q;
+    let sk = seq_keys(b);
     let h = wid.y % shape.heads_q;
     let q0 = wid.x * WG;
     let offset = i32(sk) - i32(sq);
@@ -395,13 +396,14 @@ fn query_tile(wid: vec3<u32>) -> QueryTile {
     t.h_kv = h / gqa_group();
     t.q_lo = i32(q0) + offset;
     t.q_hi = i32(min(q0 + WG, sq)) - 1i + offset;
+    t.sk = sk;
     t.n_tiles = (sk + BKV - 1u) / BKV;
     return t;
 }
 
 // The class of the key tile at k0 for the query tile.
 fn key_tile_class(t: QueryTile, k0: u32) -> i32 {
-    let kv_hi = i32(min(k0 + BKV, shape.seq_k)) - 1i;
+    let kv_hi = i32(min(k0 + BKV, t.sk)) - 1i;
     return variant_classify(t.ib, t.ih, t.q_lo, t.q_hi, i32(k0), kv_hi);
 }
 
@@ -411,6 +413,7 @@ struct QueryRow {
     row: u32,   // flat index into lse/rows; times D into q/dout/dq
     qp: i32,
     lse: f32,
+    sk: u32,    // the sequence's keys
 }
 
 fn query_row(wid: vec3<u32>, lid: u32) -> QueryRow {
@@ -420,7 +423,8 @@ fn query_row(wid: vec3<u32>, lid: u32) -> QueryRow {
     var out: QueryRow;
     out.live = r < shape.seq_q;
     out.row = (b * shape.heads_q + h) * shape.seq_q + r;
-    out.qp = i32(r) + i32(shape.seq_k) - i32(shape.seq_q);
+    out.sk = seq_keys(b);
+    out.qp = i32(r) + i32(out.sk) - i32(shape.seq_q);
     out.lse = -bx_inf();
     if out.live { out.lse = lse[out.row]; }
     return out;
@@ -444,7 +448,7 @@ fn pair_terms(qr: ptr<function, array<f32, D>>, dor: ptr<function, array<f32, D>
     Piece::Text(
         r#"
     let s = dot * shape.scale;
-    let seen = r.live && !bx_is_neg_inf(r.lse) && k0 + j < shape.seq_k
+    let seen = r.live && !bx_is_neg_inf(r.lse) && k0 + j < r.sk
         && (cls == TILE_FULL || variant_mask(ib, ih, r.qp, kp));
     let p = select(0.0f, exp(variant_score(s, ib, ih, r.qp, kp, seen) - r.lse), seen);
     // dp of a key the row does not see is never used: it may be NaN.
@@ -492,7 +496,7 @@ fn attn_bwd_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocati
         let cls = key_tile_class(t, k0);
         if cls == TILE_EMPTY { continue; }
         workgroupBarrier();
-        stage_kv(lid, t.b, t.h_kv, k0, shape.seq_k);
+        stage_kv(lid, t.b, t.h_kv, k0, t.sk);
         workgroupBarrier();
         for (var j = 0u; j < BKV; j++) {
             let pt = pair_terms(&qr, &dor, r, j, k0, cls, t.ib, t.ih);
@@ -539,7 +543,7 @@ fn attn_bwd_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
         let cls = key_tile_class(t, k0);
         if cls == TILE_EMPTY { continue; }
         workgroupBarrier();
-        stage_kv(lid, t.b, t.h_kv, k0, shape.seq_k);
+        stage_kv(lid, t.b, t.h_kv, k0, t.sk);
         workgroupBarrier();
         for (var j = 0u; j < BKV; j++) {
             let pt = pair_terms(&qr, &dor, r, j, k0, cls, t.ib, t.ih);
@@ -618,14 +622,16 @@ fn stage_q(lid: u32, q_base: u32, q0: u32) {
 @compute @workgroup_size(WG)
 fn attn_bwd_dkdv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let sq = shape.seq_q;
-    let sk = shape.seq_k;
     let b = wid.y / shape.heads_kv;
+    // Keys from the sequence's length on (a KV cache's spare slots) are
+    // never read, and get zero gradients.
+    let sk = seq_keys(b);
     let h_kv = wid.y % shape.heads_kv;
     let n_group = gqa_group();
     let k0 = wid.x * WG;
     let col = k0 + lid;
     let live = col < sk;
-    let kv_base = (b * shape.heads_kv + h_kv) * sk;
+    let kv_base = (b * shape.heads_kv + h_kv) * shape.seq_k;
     let offset = i32(sk) - i32(sq);
     let ib = i32(b);
     let kp = i32(col);
@@ -706,7 +712,7 @@ fn attn_bwd_dkdv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
         r#"
         }
     }
-    if !live { return; }
+    if col >= shape.seq_k { return; }
     let f = select(1.0f, shape.scale, is_last());
     "#,
     ),
@@ -742,7 +748,7 @@ fn attn_bwd_tensors(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoca
         let cls = key_tile_class(t, k0);
         if cls == TILE_EMPTY { continue; }
         workgroupBarrier();
-        stage_kv(lid, t.b, t.h_kv, k0, shape.seq_k);
+        stage_kv(lid, t.b, t.h_kv, k0, t.sk);
         workgroupBarrier();
         for (var j = 0u; j < BKV; j++) {
             let pt = pair_terms(&qr, &dor, r, j, k0, cls, t.ib, t.ih);
