@@ -61,7 +61,7 @@ mod simd;
 mod tile;
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 pub use decode::KvElem;
 #[doc(hidden)] // for the benchmark example

@@ -164,11 +164,11 @@ fn random(len: usize, seed: u64, amp: f32) -> Vec<f32> {
         .collect()
 }
 
-struct Inputs {
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    dout: Vec<f32>,
+pub(crate) struct Inputs {
+    pub(crate) q: Vec<f32>,
+    pub(crate) k: Vec<f32>,
+    pub(crate) v: Vec<f32>,
+    pub(crate) dout: Vec<f32>,
 }
 
 impl Inputs {
@@ -183,12 +183,12 @@ impl Inputs {
 }
 
 /// Forward and backward of attention in f64, straight from the definition.
-struct Reference {
-    out: Vec<f64>,
-    lse: Vec<f64>,
-    dq: Vec<f64>,
-    dk: Vec<f64>,
-    dv: Vec<f64>,
+pub(crate) struct Reference {
+    pub(crate) out: Vec<f64>,
+    pub(crate) lse: Vec<f64>,
+    pub(crate) dq: Vec<f64>,
+    pub(crate) dk: Vec<f64>,
+    pub(crate) dv: Vec<f64>,
 }
 
 fn reference<V: HostVariant>(var: &V, p: &Problem, x: &Inputs) -> Reference {
@@ -197,7 +197,7 @@ fn reference<V: HostVariant>(var: &V, p: &Problem, x: &Inputs) -> Reference {
 
 /// [`reference`] over a KV cache: sequence `b` has keys `0 .. lens[b]` of
 /// its `Sk` slots, and its query row `i` sits at `i + lens[b] − Sq`.
-fn reference_lens<V: HostVariant>(
+pub(crate) fn reference_lens<V: HostVariant>(
     var: &V,
     p: &Problem,
     x: &Inputs,
@@ -273,7 +273,7 @@ fn reference_lens<V: HostVariant>(
 
 /// `|got − want| ≤ tol · (1 + |want|)` everywhere, and no NaN.
 #[track_caller]
-fn assert_close(what: &str, got: &[f32], want: &[f64], tol: f64) {
+pub(crate) fn assert_close(what: &str, got: &[f32], want: &[f64], tol: f64) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         assert!(!g.is_nan(), "{what}[{i}] is NaN (unwritten?)");

@@ -317,7 +317,8 @@ fn kv_caches_and_pages_match_the_cpu() {
     }
 }
 
-/// Split-KV decode on wgpu: Sq ∈ {1, 4, 17} against a cache of mixed
+/// Split-KV decode on wgpu against the f64 reference and the CPU: Sq ∈
+/// {1, 4, 17} over a cache of mixed
 /// lengths (0, 1, a key-tile boundary, past a split, the capacity) with
 /// GQA 8:1 and NaN in the spare slots, for a causal, a sliding-window and
 /// a score-modifying variant. Forced splits (3 and 7: splits of one key
@@ -387,10 +388,23 @@ fn split_kv_decode_matches_the_unsplit_kernel() {
                 pages: None,
             })
         };
+        // The f64 reference, from the same inputs.
+        let host = variant.host(&p).unwrap();
+        let inputs = crate::cpu::tests::Inputs {
+            q: q.clone(),
+            k: k.clone(),
+            v: v.clone(),
+            dout: vec![0.0; q.len()],
+        };
+        let host_lens: Vec<usize> = lens.iter().map(|&l| l as usize).collect();
+        let reference = crate::cpu::tests::reference_lens(&host, &p, &inputs, Some(&host_lens));
         let mut results = Vec::new();
         for splits in [Some(3), Some(1), Some(7), None, Some(3)] {
             let (out, lse) = forward_split(variant, &p, &qg, &kg, &vg, words(), splits).unwrap();
             let (out, lse) = (out.to_vec::<f32>(), lse.to_vec::<f32>());
+            let ctx = format!("{} Sq={sq} splits {splits:?}", V::NAME);
+            crate::cpu::tests::assert_close(&format!("{ctx}: out"), &out, &reference.out, 2e-5);
+            crate::cpu::tests::assert_close(&format!("{ctx}: lse"), &lse, &reference.lse, 2e-5);
             for (what, got, want) in [("out", &out, &want), ("lse", &lse, &want_lse)] {
                 for (i, (g, w)) in got.iter().zip(want.iter()).enumerate() {
                     assert!(
@@ -413,7 +427,8 @@ fn split_kv_decode_matches_the_unsplit_kernel() {
     check(&Softcap { cap: 8.0 }, 17, 3, &device, &cpu);
 }
 
-/// The backward over a KV cache on wgpu against the CPU's: mixed lengths
+/// The backward over a KV cache on wgpu against the f64 reference and the
+/// CPU's: mixed lengths
 /// (0, 1, a key-tile boundary, between, the capacity), GQA 2:1, Sq > a
 /// sequence's length (rows that see nothing), NaN in the spare slots, and
 /// the spare slots' gradients exactly zero.
@@ -473,6 +488,41 @@ fn cache_backward_matches_the_cpu() {
             [dq.to_vec::<f32>(), dk.to_vec::<f32>(), dv.to_vec::<f32>()]
         };
         let (want, got) = (run_cpu(), run_gpu());
+        // Against the f64 reference too (the CPU's is checked against it).
+        let p = crate::Problem {
+            batch: b,
+            heads_q: hq,
+            heads_kv: hkv,
+            seq_q: sq,
+            seq_k: cap,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+        };
+        let inputs = crate::cpu::tests::Inputs {
+            q: q.clone(),
+            k: k.clone(),
+            v: v.clone(),
+            dout: dout.clone(),
+        };
+        let host_lens: Vec<usize> = lens.iter().map(|&l| l as usize).collect();
+        let reference = crate::cpu::tests::reference_lens(
+            &variant.host(&p).unwrap(),
+            &p,
+            &inputs,
+            Some(&host_lens),
+        );
+        for (name, got, want) in [
+            ("dq", &got[0], &reference.dq),
+            ("dk", &got[1], &reference.dk),
+            ("dv", &got[2], &reference.dv),
+        ] {
+            crate::cpu::tests::assert_close(
+                &format!("{} Sq={sq}: {name}", V::NAME),
+                got,
+                want,
+                1e-4,
+            );
+        }
         for ((name, want), got) in ["dq", "dk", "dv"].iter().zip(&want).zip(&got) {
             let scale = want.iter().fold(0.0f32, |m, x| m.max(x.abs())).max(1.0);
             for (i, (g, w)) in got.iter().zip(want).enumerate() {
