@@ -421,13 +421,26 @@ impl AttentionRuntime for CpuRuntime {
         v: &Tensor<Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
         let (dtype, device) = (q.dtype(), q.device());
+        let mut out = Output::new(&[p.batch, p.heads_q, p.seq_q, p.head_dim], dtype, device)?;
+        let mut lse = Output::new(&[p.batch, p.heads_q, p.seq_q], DType::F32, device)?;
+        if dtype == DType::BF16 {
+            // bf16 tile products where the CPU has them (AMX), read as stored.
+            let (qe, ke, ve) = (
+                HostElems::new("q", q, dtype)?,
+                HostElems::new("k", k, dtype)?,
+                HostElems::new("v", v, dtype)?,
+            );
+            // SAFETY: the tensors are bf16 (checked by `HostElems::new`).
+            let (qs, ks, vs) = unsafe { (qe.slice(), ke.slice(), ve.slice()) };
+            if crate::cpu::forward_bf16(variant, p, qs, ks, vs, out.slice_mut(), lse.slice_mut())? {
+                return Ok((out.finish(), lse.finish()));
+            }
+        }
         let (q, k, v) = (
             HostF32::new("q", q, dtype)?,
             HostF32::new("k", k, dtype)?,
             HostF32::new("v", v, dtype)?,
         );
-        let mut out = Output::new(&[p.batch, p.heads_q, p.seq_q, p.head_dim], dtype, device)?;
-        let mut lse = Output::new(&[p.batch, p.heads_q, p.seq_q], DType::F32, device)?;
         crate::cpu::forward(
             variant,
             p,

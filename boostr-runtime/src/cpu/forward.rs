@@ -124,20 +124,20 @@ struct QueryTile {
 }
 
 /// The inputs shared by every query tile of one (batch, query head).
-struct Head<'a, V> {
-    variant: &'a V,
-    p: &'a Problem,
-    pos: Positions,
+pub(super) struct Head<'a, V> {
+    pub(super) variant: &'a V,
+    pub(super) p: &'a Problem,
+    pub(super) pos: Positions,
     /// Batch and query head, as passed to the variant.
-    b: i32,
-    h: i32,
+    pub(super) b: i32,
+    pub(super) h: i32,
     /// This head's K transposed tile by tile (the `D × cols` block of the
     /// tile at key `kv0` starts at `kv0·D`), and V (`Sk × D`).
-    kt: &'a [f32],
-    v: &'a [f32],
+    pub(super) kt: &'a [f32],
+    pub(super) v: &'a [f32],
     /// Per key tile of V: it holds a NaN or an infinity (see
     /// [`zero_unused_rows`]).
-    v_nonfinite: &'a [bool],
+    pub(super) v_nonfinite: &'a [bool],
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -377,23 +377,23 @@ fn query_tiles<V: HostVariant>(
 /// tile's scaled logits `s` into unnormalised probabilities
 /// `P = e^(x − m_new)` in place, and updates the running `m`, `l` and the
 /// output accumulator rows (rescaled by `e^(m_old − m_new)` where the max grew).
-struct OnlineSoftmax<'a, 'h, V> {
-    head: &'a Head<'h, V>,
-    class: TileClass,
+pub(super) struct OnlineSoftmax<'a, 'h, V> {
+    pub(super) head: &'a Head<'h, V>,
+    pub(super) class: TileClass,
     /// Position of the tile's first query row and first key.
-    q_lo: i32,
-    kv_lo: i32,
+    pub(super) q_lo: i32,
+    pub(super) kv_lo: i32,
     /// `rows × cols` logits, row-major.
-    s: &'a mut [f32],
-    m: &'a mut [f32],
-    l: &'a mut [math::Lanes],
-    alpha: &'a mut [f32],
+    pub(super) s: &'a mut [f32],
+    pub(super) m: &'a mut [f32],
+    pub(super) l: &'a mut [math::Lanes],
+    pub(super) alpha: &'a mut [f32],
     /// The `rows × D` accumulator to rescale; `None` on the first visible
     /// tile, before anything has been accumulated.
-    out: Option<&'a mut [f32]>,
+    pub(super) out: Option<&'a mut [f32]>,
     /// The tile's bands (see [`class_bands`]): each row's logits are those of
     /// its band's keys; the rest of the row is neither read nor written.
-    bands: &'a [Band],
+    pub(super) bands: &'a [Band],
 }
 
 impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {

@@ -48,6 +48,8 @@
 //!   use our AVX-512 kernel (`microkernel`) where the CPU has AVX-512 and
 //!   the `gemm` crate elsewhere, which round differently.
 
+mod amx;
+mod amx_forward;
 mod backward;
 mod cached;
 mod decode;
@@ -107,6 +109,44 @@ pub fn forward<V: Variant>(
     let host = variant.host(p)?;
     forward_tiled(&host, p, CpuTiles::for_variant::<V>(), q, k, v, out, lse);
     host.out_of_range().map_or(Ok(()), Err)
+}
+
+/// Whether [`forward_bf16`] runs `p` on this CPU: it has AMX-BF16 (and
+/// the OS grants the process its tiles), and the head dim is a multiple of
+/// 32 up to 256.
+pub fn bf16_tiles(p: &Problem) -> bool {
+    amx_forward::applies(p)
+}
+
+/// Attention forward over bf16 `q, k, v` with bf16 tile products on AMX
+/// (see `amx_forward`: `P` rounded to bf16 before `P V`, everything else
+/// f32), where the CPU and OS allow AMX and the head dim is a multiple of
+/// 32 up to 256. Returns `Ok(false)`, writing nothing, where they do not:
+/// the caller then widens the inputs for [`forward`].
+#[allow(clippy::too_many_arguments)]
+pub fn forward_bf16<V: Variant>(
+    variant: &V,
+    p: &Problem,
+    q: &[half::bf16],
+    k: &[half::bf16],
+    v: &[half::bf16],
+    out: &mut [f32],
+    lse: &mut [f32],
+) -> Result<bool> {
+    check_forward_lengths(p, q.len(), (k.len(), v.len()), p.kv_len(), out, lse);
+    if !amx_forward::applies(p) {
+        return Ok(false);
+    }
+    let host = variant.host(p)?;
+    use half::slice::HalfFloatSliceExt as _;
+    let (q, k, v) = (
+        q.reinterpret_cast(),
+        k.reinterpret_cast(),
+        v.reinterpret_cast(),
+    );
+    in_pool(|| amx_forward::forward(&host, p, q, k, v, out, lse));
+    host.out_of_range().map_or(Ok(()), Err)?;
+    Ok(true)
 }
 
 /// The slices of a forward have the problem's lengths (`kv`: what `k` and
@@ -470,7 +510,7 @@ fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
 
 /// Positions of rows and keys as the variant sees them (bottom-right aligned).
 #[derive(Clone, Copy, Debug)]
-struct Positions {
+pub(super) struct Positions {
     /// `Sk − Sq`: query row `i` is at position `i + q_offset`.
     q_offset: i32,
 }
@@ -583,9 +623,9 @@ const BAND_ROWS: usize = 16;
 /// Rows `rows` of a tile and the columns `cols` (relative to the tile)
 /// outside which every pair of those rows is hidden.
 #[derive(Clone, Debug, PartialEq, Eq)]
-struct Band {
-    rows: std::ops::Range<usize>,
-    cols: std::ops::Range<usize>,
+pub(super) struct Band {
+    pub(super) rows: std::ops::Range<usize>,
+    pub(super) cols: std::ops::Range<usize>,
 }
 
 /// Fill `bands` with the bands of the tile of query rows at positions
@@ -654,6 +694,13 @@ fn band_products(
 }
 
 /// Whether every element of `x` is finite (no NaN, no infinity).
+/// [`all_finite`] of bf16 bits.
+fn all_finite_bits(x: &[u16]) -> bool {
+    x.iter()
+        .fold(0u16, |acc, v| acc | u16::from(v & 0x7f80 == 0x7f80))
+        == 0
+}
+
 fn all_finite(x: &[f32]) -> bool {
     // Branch-free over the bits, so it vectorises: an exponent of all ones
     // is an infinity or a NaN.

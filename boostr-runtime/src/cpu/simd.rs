@@ -34,6 +34,8 @@ pub(super) enum Level {
     Baseline,
     Avx2,
     Avx512,
+    /// AVX-512 and AMX tiles (bf16 tile products, see `amx_forward`).
+    Amx,
 }
 
 /// Run `pass` with the widest vector instructions this CPU supports.
@@ -68,17 +70,24 @@ pub(super) fn avx512() -> bool {
     level_cap() >= Level::Avx512 && std::arch::is_x86_feature_detected!("avx512f")
 }
 
+/// Whether the AMX paths may run, as far as tests are concerned (the CPU
+/// is asked in `amx::available`).
+#[inline]
+pub(super) fn amx_allowed() -> bool {
+    level_cap() >= Level::Amx
+}
+
 #[cfg(not(test))]
 #[inline(always)]
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn level_cap() -> Level {
-    Level::Avx512
+    Level::Amx
 }
 
 #[cfg(test)]
 thread_local! {
     /// Tests lower this on a pool's threads to run every path.
-    pub(super) static LEVEL_CAP: std::cell::Cell<Level> = const { std::cell::Cell::new(Level::Avx512) };
+    pub(super) static LEVEL_CAP: std::cell::Cell<Level> = const { std::cell::Cell::new(Level::Amx) };
 }
 
 #[cfg(test)]

@@ -1182,3 +1182,161 @@ fn a_16_bit_cache_reads_as_its_widened_copy() {
     let want = reference_lens(&v, &p, &xr, Some(&lens));
     assert_close("f16 pages out", &out, &want.out, 2e-5);
 }
+
+// ------------------------------------------------------------ bf16 on AMX
+
+/// `x` rounded to bf16 and back (to nearest, ties to even).
+fn bf16_round(x: f32) -> f32 {
+    half::bf16::from_f32(x).to_f32()
+}
+
+/// Naive attention in f64 with the AMX forward's one rounding: each row's
+/// `p_j = e^(x_j − m)` rounded to bf16 before `Σ p_j v_j` (the row sum `l`
+/// of the unrounded `p_j`, as the kernel keeps it); the yardstick of the
+/// bf16 rule.
+fn naive_bf16<V: HostVariant>(var: &V, p: &Problem, x: &Inputs) -> Vec<f64> {
+    let (sq, sk, d) = (p.seq_q, p.seq_k, p.head_dim);
+    let scale = p.scale as f64;
+    let mut out = vec![0.0f64; p.q_len()];
+    for b in 0..p.batch {
+        for h in 0..p.heads_q {
+            let bh = b * p.heads_q + h;
+            let kvb = (b * p.heads_kv + h / p.group()) * sk;
+            for i in 0..sq {
+                let qi = (i as i64 + sk as i64 - sq as i64) as i32;
+                let qrow = &x.q[(bh * sq + i) * d..][..d];
+                let xs: Vec<f64> = (0..sk)
+                    .map(|j| {
+                        let krow = &x.k[(kvb + j) * d..][..d];
+                        let s = qrow
+                            .iter()
+                            .zip(krow)
+                            .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                            .sum::<f64>()
+                            * scale;
+                        if var.mask_f64(b as i32, h as i32, qi, j as i32) {
+                            var.score_f64(s, b as i32, h as i32, qi, j as i32)
+                        } else {
+                            f64::NEG_INFINITY
+                        }
+                    })
+                    .collect();
+                let sink = var.sink_f64(b as i32, h as i32, qi);
+                let m = xs.iter().copied().fold(sink, f64::max);
+                if m == f64::NEG_INFINITY {
+                    continue;
+                }
+                let l = xs.iter().map(|&x| (x - m).exp()).sum::<f64>() + (sink - m).exp();
+                let o = &mut out[(bh * sq + i) * d..][..d];
+                for (j, &xj) in xs.iter().enumerate() {
+                    let pj = f64::from(bf16_round((xj - m).exp() as f32));
+                    for (o, &v) in o.iter_mut().zip(&x.v[(kvb + j) * d..][..d]) {
+                        *o += pj * f64::from(v);
+                    }
+                }
+                o.iter_mut().for_each(|o| *o /= l);
+            }
+        }
+    }
+    out
+}
+
+/// bf16 inputs on AMX tiles, where this CPU has them: against the f64
+/// reference of the same bf16 values under FlashAttention's rule, with
+/// naive attention in the same roundings as the yardstick:
+/// `max|kernel − ref| ≤ 2·max|naive_bf16 − ref| + 1e-6·(1 + max|ref|)` for
+/// `out`, and `lse` (f32 throughout) within 2e-5. Odd shapes, GQA 4:1, Sq ≠
+/// Sk, a long row (S = 4096), masks, a score, a sink; NaN in K and V rows no
+/// query sees. Capped below AMX, the same call declines, and the caller
+/// widens the inputs for the f32 kernels.
+#[test]
+fn bf16_tiles_match_the_reference_within_the_bf16_yardstick() {
+    use crate::stock::{Causal, CausalSlidingWindow, Full, Softcap};
+    let probe = problem(1, 1, 1, 64, 64, 64);
+    if !amx_forward::applies(&probe) {
+        eprintln!("boostr: skipping: no AMX-BF16 on this CPU or OS");
+        return;
+    }
+    fn check<V: Variant>(var: &V, p: Problem, hide: bool) {
+        let host = var.host(&p).unwrap();
+        let mut x = Inputs::new(&p, 0xbf16 ^ (p.seq_q * 7 + p.seq_k) as u64, 1.0);
+        for t in [&mut x.q, &mut x.k, &mut x.v] {
+            t.iter_mut().for_each(|v| *v = bf16_round(*v));
+        }
+        if hide {
+            // Keys that no query sees (a causal mask with Sq < Sk hides
+            // none; a window hides the oldest): NaN in K and V.
+            let seen = crate::testing::seen_keys(&host, &p);
+            for (key, seen) in seen.iter().enumerate() {
+                if !seen {
+                    let d = p.head_dim;
+                    x.k[key * d..(key + 1) * d].fill(f32::NAN);
+                    x.v[key * d..(key + 1) * d].fill(f32::NAN);
+                }
+            }
+        }
+        let want = reference_lens(&host, &p, &x, None);
+        let naive = naive_bf16(&host, &p, &x);
+        let bf = |v: &[f32]| {
+            v.iter()
+                .map(|&x| half::bf16::from_f32(x))
+                .collect::<Vec<_>>()
+        };
+        let (mut out, mut lse) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
+        let ran =
+            forward_bf16(var, &p, &bf(&x.q), &bf(&x.k), &bf(&x.v), &mut out, &mut lse).unwrap();
+        assert!(ran, "{} {p:?}: the AMX forward runs", V::NAME);
+        let max_err = |got: &mut dyn Iterator<Item = f64>| {
+            got.zip(&want.out)
+                .fold(0.0f64, |m, (g, w)| m.max((g - w).abs()))
+        };
+        let yard = max_err(&mut naive.iter().copied());
+        assert!(
+            out.iter().all(|x| x.is_finite()),
+            "{} {p:?}: a non-finite out",
+            V::NAME
+        );
+        let err = max_err(&mut out.iter().map(|&x| f64::from(x)));
+        let big = want.out.iter().fold(0.0f64, |m, w| m.max(w.abs()));
+        let bound = 2.0 * yard + 1e-6 * (1.0 + big);
+        assert!(
+            err <= bound,
+            "{} {p:?}: out error {err:e} > {bound:e} (yardstick {yard:e})",
+            V::NAME
+        );
+        assert_close(&format!("{} {p:?} lse", V::NAME), &lse, &want.lse, 2e-5);
+        // Capped at AVX-512, the call declines without writing.
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .start_handler(|_| super::simd::LEVEL_CAP.with(|c| c.set(super::simd::Level::Avx512)))
+            .build()
+            .unwrap();
+        let mut untouched = vec![f32::NAN; p.q_len()];
+        let declined = pool.install(|| {
+            forward_bf16(
+                var,
+                &p,
+                &bf(&x.q),
+                &bf(&x.k),
+                &bf(&x.v),
+                &mut untouched,
+                &mut lse,
+            )
+            .unwrap()
+        });
+        assert!(
+            !declined && untouched.iter().all(|x| x.is_nan()),
+            "capped, the AMX forward runs"
+        );
+    }
+    check(&Full, problem(2, 4, 1, 77, 130, 64), false);
+    check(&Causal, problem(1, 4, 2, 200, 200, 128), false);
+    check(&Causal, problem(1, 2, 2, 33, 97, 96), false);
+    check(&Softcap { cap: 20.0 }, problem(1, 2, 1, 64, 64, 32), false);
+    check(
+        &CausalSlidingWindow { window: 40 },
+        problem(1, 2, 1, 150, 150, 64),
+        true,
+    );
+    check(&Causal, problem(1, 1, 1, 4096, 4096, 64), false);
+}

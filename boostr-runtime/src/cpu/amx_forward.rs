@@ -1,0 +1,448 @@
+//! The bf16 forward on AMX tiles: FlashAttention-2 as in [`super::forward`],
+//! with both tile products (`S = Q Kᵀ` and `O += P V`) on `tdpbf16ps` (see
+//! [`super::amx`]) and everything between them in f32.
+//!
+//! Roundings, where a GPU FlashAttention makes them: `Q`, `K` and `V` are
+//! bf16 already (the call's inputs, read as stored); `P = e^(x − m)` is
+//! rounded to bf16 (to nearest, ties to even) right before `P V`, as the
+//! GPU kernels round it for their tensor-core product. Everything else
+//! stays f32: the products accumulate in f32 (each `tdpbf16ps` adds 32
+//! products into f32, pairs fused), the scores, the mask, the softmax
+//! statistics, the row sums (of the unrounded `P`), the output accumulator
+//! and the lse.
+//!
+//! Layout: every kv head's K is packed once per call, tile by tile, as the
+//! right-hand operand of `Q Kᵀ` wants it (`D/2` rows of 64 keys' bf16
+//! pairs), and V as that of `P V` wants it (32 rows of key pairs, each
+//! `D` pairs), zero past the last key. A task (batch, query head, tile of
+//! 64 query rows) copies its Q rows into a zero-padded 64 × D block and
+//! then streams the key tiles: scores into a 64 × 64 f32 block, scaled into
+//! the softmax's tile, `P` rounded into a 64 × 64 bf16 block, and `P V`
+//! added straight into the tile's output rows (through a 64-row block for a
+//! last tile of fewer rows).
+//!
+//! Scope: head dims that are multiples of 32 up to 256, on CPUs with AMX
+//! (see [`applies`]); partial tiles run the mask over the whole tile (one
+//! band), since a tile product costs less than the bookkeeping of bands.
+
+use super::amx::{self, Tiles};
+use super::forward::{Head, OnlineSoftmax};
+use super::{Band, Positions, all_finite_bits, math, simd, tile_class};
+use crate::problem::Problem;
+use crate::variant::{HostVariant, TileClass};
+use rayon::prelude::*;
+
+/// Query rows per task, and keys per tile.
+const BQ: usize = 64;
+const BK: usize = 64;
+/// Rows of a tile register.
+const T: usize = amx::TILE;
+
+/// Whether the AMX forward runs `p`: the head dim is a whole number of
+/// `tdpbf16ps` reductions (32) and at most 256, and the CPU and OS allow
+/// AMX-BF16.
+pub(super) fn applies(p: &Problem) -> bool {
+    p.head_dim.is_multiple_of(amx::DEPTH)
+        && p.head_dim <= 256
+        && super::simd::amx_allowed()
+        && super::simd::avx512()
+        && amx::available()
+}
+
+/// One kv head's K and V as the tile products read them.
+struct Packed {
+    /// Per key tile: `D/2` rows of `BK` u32, each the bf16 pair
+    /// `(K[key][2p], K[key][2p + 1])`.
+    k: Vec<u32>,
+    /// Per key tile: `BK/2` rows of `D` u32, each `(V[2r][d], V[2r + 1][d])`.
+    v: Vec<u32>,
+    /// Per key tile: V holds a NaN or an infinity.
+    v_nonfinite: Vec<bool>,
+}
+
+/// The packed K and V of one kv head (`sk × D` each, bf16 bits).
+fn pack(k: &[u16], v: &[u16], sk: usize, d: usize) -> Packed {
+    let tiles = sk.div_ceil(BK);
+    let per = BK * d / 2;
+    let mut kp = vec![0u32; tiles * per];
+    let mut vp = vec![0u32; tiles * per];
+    kp.par_chunks_mut(per)
+        .zip(vp.par_chunks_mut(per))
+        .enumerate()
+        .for_each(|(t, (kp, vp))| {
+            let k0 = t * BK;
+            for key in k0..sk.min(k0 + BK) {
+                let (n, row) = (key - k0, &k[key * d..(key + 1) * d]);
+                for p in 0..d / 2 {
+                    kp[p * BK + n] = u32::from(row[2 * p]) | (u32::from(row[2 * p + 1]) << 16);
+                }
+                let row = &v[key * d..(key + 1) * d];
+                let (r, half) = (n / 2, 16 * (n % 2));
+                for (c, &x) in row.iter().enumerate() {
+                    vp[r * d + c] |= u32::from(x) << half;
+                }
+            }
+        });
+    let v_nonfinite = v.chunks(BK * d).map(|t| !all_finite_bits(t)).collect();
+    Packed {
+        k: kp,
+        v: vp,
+        v_nonfinite,
+    }
+}
+
+/// `S (64 × 64 f32, stride 64) = Q · Kᵀ` for `row_groups` groups of 16 query
+/// rows and `col_groups` of 16 keys (both even), `Q` 64 zero-padded bf16
+/// rows of `d`, `K` one packed key tile.
+///
+/// # Safety
+/// `q` holds `16·row_groups` rows of `d`, `k` a packed tile (`d/2 × 64`),
+/// `s` 64 × 64.
+#[inline(always)]
+unsafe fn scores(
+    t: &Tiles,
+    q: *const u16,
+    k: *const u32,
+    d: usize,
+    s: *mut f32,
+    row_groups: usize,
+    col_groups: usize,
+) {
+    // SAFETY (whole body): every tile read or written lies in the bounds
+    // the caller vouches for: rows rg·16 .. rg·16 + 32 < 16·row_groups of q,
+    // packed rows < d/2 of k, columns < 64 of s.
+    unsafe {
+        for rg in (0..row_groups).step_by(2) {
+            for cg in (0..col_groups).step_by(2) {
+                t.zero::<0>();
+                t.zero::<1>();
+                t.zero::<2>();
+                t.zero::<3>();
+                for dc in 0..d / amx::DEPTH {
+                    let a = q.add(rg * T * d + dc * amx::DEPTH);
+                    let b = k.add(dc * T * BK + cg * T);
+                    t.load::<4>(a.cast(), 2 * d);
+                    t.load::<5>(a.add(T * d).cast(), 2 * d);
+                    t.load::<6>(b.cast(), 4 * BK);
+                    t.load::<7>(b.add(T).cast(), 4 * BK);
+                    t.dot::<0, 4, 6>();
+                    t.dot::<1, 4, 7>();
+                    t.dot::<2, 5, 6>();
+                    t.dot::<3, 5, 7>();
+                }
+                let c = s.add(rg * T * BK + cg * T);
+                t.store::<0>(c.cast(), 4 * BK);
+                t.store::<1>(c.add(T).cast(), 4 * BK);
+                t.store::<2>(c.add(T * BK).cast(), 4 * BK);
+                t.store::<3>(c.add(T * BK + T).cast(), 4 * BK);
+            }
+        }
+    }
+}
+
+/// `O (=|+=) P · V` for `row_groups` (even) groups of 16 rows of `O`
+/// (`d` f32 apart), `P` 64 × 64 bf16 (keys past the tile's zero), `V` one
+/// packed key tile, over `chunks` chunks of 32 keys.
+///
+/// # Safety
+/// `o` holds `16·row_groups` rows of `d`; `p` 64 × 64; `v` a packed tile.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn accumulate(
+    t: &Tiles,
+    p: *const u16,
+    v: *const u32,
+    d: usize,
+    o: *mut f32,
+    row_groups: usize,
+    chunks: usize,
+    first: bool,
+) {
+    // SAFETY (whole body): as for `scores`: rows < 16·row_groups of o and
+    // p, packed rows < 32 of v, columns < d.
+    unsafe {
+        for rg in (0..row_groups).step_by(2) {
+            for dg in (0..d / T).step_by(2) {
+                let c = o.add(rg * T * d + dg * T);
+                if first {
+                    t.zero::<0>();
+                    t.zero::<1>();
+                    t.zero::<2>();
+                    t.zero::<3>();
+                } else {
+                    t.load::<0>(c.cast(), 4 * d);
+                    t.load::<1>(c.add(T).cast(), 4 * d);
+                    t.load::<2>(c.add(T * d).cast(), 4 * d);
+                    t.load::<3>(c.add(T * d + T).cast(), 4 * d);
+                }
+                for kc in 0..chunks {
+                    let a = p.add(rg * T * BK + kc * amx::DEPTH);
+                    let b = v.add(kc * T * d + dg * T);
+                    t.load::<4>(a.cast(), 2 * BK);
+                    t.load::<5>(a.add(T * BK).cast(), 2 * BK);
+                    t.load::<6>(b.cast(), 4 * d);
+                    t.load::<7>(b.add(T).cast(), 4 * d);
+                    t.dot::<0, 4, 6>();
+                    t.dot::<1, 4, 7>();
+                    t.dot::<2, 5, 6>();
+                    t.dot::<3, 5, 7>();
+                }
+                t.store::<0>(c.cast(), 4 * d);
+                t.store::<1>(c.add(T).cast(), 4 * d);
+                t.store::<2>(c.add(T * d).cast(), 4 * d);
+                t.store::<3>(c.add(T * d + T).cast(), 4 * d);
+            }
+        }
+    }
+}
+
+/// `x` rounded to bf16 bits, to nearest, ties to even (for the finite,
+/// non-negative probabilities it rounds).
+#[inline(always)]
+fn round_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+/// `dst[j] = bf16(src[j])`, then zeros to the end of `dst`.
+#[target_feature(enable = "avx512f,avx512bw")]
+fn round_row(src: &[f32], dst: &mut [u16]) {
+    let (head, tail) = dst.split_at_mut(src.len());
+    for (d, &s) in head.iter_mut().zip(src) {
+        *d = round_bf16(s);
+    }
+    tail.fill(0);
+}
+
+/// Per-task scratch.
+struct Scratch {
+    q: Vec<u16>,
+    s64: Vec<f32>,
+    s: Vec<f32>,
+    p: Vec<u16>,
+    o: Vec<f32>,
+    m: Vec<f32>,
+    l: Vec<math::Lanes>,
+    alpha: Vec<f32>,
+    bands: Vec<Band>,
+    v_guarded: Vec<u32>,
+}
+
+impl Scratch {
+    fn new(d: usize) -> Self {
+        Self {
+            q: vec![0; BQ * d],
+            s64: vec![0.0; BQ * BK],
+            s: vec![0.0; BQ * BK],
+            p: vec![0; BQ * BK],
+            o: vec![0.0; BQ * d],
+            m: vec![0.0; BQ],
+            l: vec![[0.0; math::LANES]; BQ],
+            alpha: vec![0.0; BQ],
+            bands: Vec::with_capacity(1),
+            v_guarded: vec![0; BK * d / 2],
+        }
+    }
+}
+
+/// The bf16 forward of `variant` (bf16 bits `q`, `k`, `v`; f32 `out`,
+/// `lse`).
+///
+/// # Panics
+/// Unless [`applies`] to `p`.
+pub(super) fn forward<V: HostVariant>(
+    variant: &V,
+    p: &Problem,
+    q: &[u16],
+    k: &[u16],
+    v: &[u16],
+    out: &mut [f32],
+    lse: &mut [f32],
+) {
+    assert!(applies(p), "the AMX forward runs {p:?}");
+    let (sq, sk, d, g) = (p.seq_q, p.seq_k, p.head_dim, p.group());
+    let pos = Positions::new(p);
+    let packed: Vec<Packed> = k
+        .par_chunks(sk * d)
+        .zip(v.par_chunks(sk * d))
+        .map(|(k, v)| pack(k, v, sk, d))
+        .collect();
+    out.par_chunks_mut(sq * d)
+        .zip(lse.par_chunks_mut(sq))
+        .enumerate()
+        .for_each(|(bh, (out_bh, lse_bh))| {
+            let (b, h) = (bh / p.heads_q, bh % p.heads_q);
+            let kv = &packed[b * p.heads_kv + h / g];
+            let head = Head {
+                variant,
+                p,
+                pos,
+                b: Positions::to_i32(b),
+                h: Positions::to_i32(h),
+                kt: &[],
+                v: &[],
+                v_nonfinite: &[],
+            };
+            let q_bh = &q[bh * sq * d..(bh + 1) * sq * d];
+            out_bh
+                .par_chunks_mut(BQ * d)
+                .zip(lse_bh.par_chunks_mut(BQ))
+                .enumerate()
+                .for_each_init(
+                    || Scratch::new(d),
+                    |sc, (t, (out_t, lse_t))| {
+                        let row0 = t * BQ;
+                        let q_t = &q_bh[row0 * d..row0 * d + out_t.len()];
+                        query_tile(&head, kv, row0, q_t, out_t, lse_t, sc);
+                    },
+                );
+        });
+}
+
+/// One tile of `rows = lse.len()` query rows from row `row0`.
+fn query_tile<V: HostVariant>(
+    head: &Head<'_, V>,
+    kv: &Packed,
+    row0: usize,
+    q: &[u16],
+    out: &mut [f32],
+    lse: &mut [f32],
+    sc: &mut Scratch,
+) {
+    let (d, sk, scale) = (head.p.head_dim, head.p.seq_k, head.p.scale);
+    let rows = lse.len();
+    sc.q[..q.len()].copy_from_slice(q);
+    sc.q[q.len()..].fill(0);
+    let (m, l) = (&mut sc.m[..rows], &mut sc.l[..rows]);
+    m.fill(f32::NEG_INFINITY);
+    l.fill([0.0; math::LANES]);
+    let (q_lo, q_hi) = head.pos.query_range(row0, rows);
+    if V::HAS_SINK {
+        for (i, (m, l)) in m.iter_mut().zip(l.iter_mut()).enumerate() {
+            let sink = head.variant.sink(head.b, head.h, q_lo + i as i32);
+            if sink != f32::NEG_INFINITY {
+                *m = sink;
+                l[0] = 1.0;
+            }
+        }
+    }
+    let row_groups = rows.div_ceil(T).next_multiple_of(2);
+    let mut first = true;
+    // SAFETY: `applies` checked that AMX is available.
+    let tiles = unsafe { Tiles::configure() };
+    for (tile, kv0) in (0..sk).step_by(BK).enumerate() {
+        let cols = BK.min(sk - kv0);
+        let class = tile_class(head.variant, head.b, head.h, (q_lo, q_hi), kv0, cols);
+        if class == TileClass::Empty {
+            continue;
+        }
+        let k_t = &kv.k[tile * BK * d / 2..(tile + 1) * BK * d / 2];
+        let v_t = &kv.v[tile * BK * d / 2..(tile + 1) * BK * d / 2];
+        // SAFETY: q holds 64 rows of d, k_t a packed tile, s64 64 × 64;
+        // row_groups ≤ 4 and the column groups ≤ 4.
+        unsafe {
+            scores(
+                &tiles,
+                sc.q.as_ptr(),
+                k_t.as_ptr(),
+                d,
+                sc.s64.as_mut_ptr(),
+                row_groups,
+                cols.div_ceil(T).next_multiple_of(2),
+            );
+        }
+        let s = &mut sc.s[..rows * cols];
+        for (row, s64) in s.chunks_exact_mut(cols).zip(sc.s64.chunks_exact(BK)) {
+            for (x, &y) in row.iter_mut().zip(s64) {
+                *x = y * scale;
+            }
+        }
+        sc.bands.clear();
+        sc.bands.push(Band {
+            rows: 0..rows,
+            cols: 0..cols,
+        });
+        simd::dispatch(OnlineSoftmax {
+            head,
+            class,
+            q_lo,
+            kv_lo: Positions::to_i32(kv0),
+            s: &mut *s,
+            m: &mut sc.m[..rows],
+            l: &mut sc.l[..rows],
+            alpha: &mut sc.alpha[..rows],
+            out: (!first).then_some(&mut *out),
+            bands: &sc.bands,
+        });
+        let chunks = cols.div_ceil(amx::DEPTH);
+        for (row, p) in s.chunks_exact(cols).zip(sc.p.chunks_exact_mut(BK)) {
+            // SAFETY: `applies` implies AVX-512 (every CPU with AMX has it).
+            unsafe { round_row(row, p) };
+        }
+        // On a partial tile a key no row sees has P = 0 in every row, and
+        // must not bring a NaN of its V row into the product (0·NaN).
+        let v_t = if class == TileClass::Partial && kv.v_nonfinite[tile] {
+            sc.v_guarded.copy_from_slice(v_t);
+            for key in 0..cols {
+                if s.chunks_exact(cols).all(|row| row[key] == 0.0) {
+                    let (r, shift) = (key / 2, 16 * (key % 2));
+                    for x in &mut sc.v_guarded[r * d..(r + 1) * d] {
+                        *x &= !(0xffff << shift);
+                    }
+                }
+            }
+            &sc.v_guarded[..]
+        } else {
+            v_t
+        };
+        if rows == BQ {
+            // SAFETY: out holds 64 rows of d; p 64 × 64; v_t a packed tile.
+            unsafe {
+                accumulate(
+                    &tiles,
+                    sc.p.as_ptr(),
+                    v_t.as_ptr(),
+                    d,
+                    out.as_mut_ptr(),
+                    row_groups,
+                    chunks,
+                    first,
+                )
+            };
+        } else {
+            let o = &mut sc.o[..];
+            if !first {
+                o[..rows * d].copy_from_slice(out);
+            }
+            // SAFETY: o holds 64 rows of d; as above.
+            unsafe {
+                accumulate(
+                    &tiles,
+                    sc.p.as_ptr(),
+                    v_t.as_ptr(),
+                    d,
+                    o.as_mut_ptr(),
+                    row_groups,
+                    chunks,
+                    first,
+                )
+            };
+            out.copy_from_slice(&o[..rows * d]);
+        }
+        first = false;
+    }
+    drop(tiles);
+    if first {
+        out.fill(0.0);
+    }
+    for (i, (m, l)) in sc.m[..rows].iter().zip(&sc.l[..rows]).enumerate() {
+        let l = math::sum_lanes(l);
+        if l > 0.0 {
+            math::scale(&mut out[i * d..(i + 1) * d], 1.0 / l);
+            lse[i] = m + l.ln();
+        } else {
+            out[i * d..(i + 1) * d].fill(0.0);
+            lse[i] = f32::NEG_INFINITY;
+        }
+    }
+}
