@@ -368,6 +368,17 @@ def main():
     else:
         gemm_gf = None
 
+    amx_gf = None
+    if "bf16" in args.section:
+        # The bf16 tile peak on every thread: four independent AMX tdpbf16ps
+        # on registers per round (best of --reps, one thread, times threads).
+        peak = [server.ask("amxpeak 2000000") for _ in range(args.reps)]
+        if "none" not in peak:
+            t = min(float(p) for p in peak)
+            amx_gf = gflops(2000000 * 4 * 16384, t) * args.threads
+            print(f"AMX bf16 tile peak: {fmt_gf(amx_gf)} GFLOP/s on {args.threads} threads "
+                  f"({fmt_gf(amx_gf / args.threads)} per core, registers only)", file=sys.stderr)
+            results.append(dict(section="amxpeak", seconds=t, flops=2000000 * 4 * 16384))
     for dtype, section in (("f32", "plain"), ("bf16", "bf16")):
         if section not in args.section:
             continue
@@ -392,6 +403,8 @@ def main():
                                    fmt_ratio(tt / tb if tb else None)]
                             if gemm_gf and section == "plain":
                                 row.append(f"{100 * gb / gemm_gf:.0f}%" if (gb and variant == "full" and pass_ == "fwd") else "")
+                            if amx_gf and section == "bf16":
+                                row.append(f"{100 * gb / amx_gf:.0f}%" if gb else "")
                             rows.append(row)
                             print("  " + " ".join(row), file=sys.stderr, flush=True)
                             results.append(dict(section=section, variant=variant, pass_=pass_, hq=args.hq, hkv=hkv,
@@ -400,7 +413,26 @@ def main():
         header = ["variant", "pass", "Hkv", "S", "D", "boostr ms", "boostr GF/s", "SDPA ms", "SDPA GF/s", "ratio"]
         if gemm_gf and section == "plain":
             header.append("of gemm")
+        if amx_gf and section == "bf16":
+            header.append("of AMX peak")
         table(f"{dtype}: boostr vs scaled_dot_product_attention", header, rows)
+
+    if "plain" in args.section and "bf16" in args.section:
+        # boostr's bf16 against its own f32, cell by cell, same run.
+        f32 = {(r["variant"], r["pass_"], r["hkv"], r["s"], r["d"]): r["boostr"]
+               for r in results if r.get("section") == "plain"}
+        rows = []
+        for r in results:
+            if r.get("section") != "bf16":
+                continue
+            key = (r["variant"], r["pass_"], r["hkv"], r["s"], r["d"])
+            base = f32.get(key)
+            if base and r["boostr"] and r["torch"]:
+                rows.append([r["variant"], "fwd" if r["pass_"] == "fwd" else "fwd+bwd", str(r["hkv"]),
+                             str(r["s"]), str(r["d"]), fmt_ratio(base / r["boostr"]),
+                             fmt_ratio(r["torch"] / r["boostr"])])
+        table("bf16: boostr's bf16 against its own f32 and against SDPA bf16",
+              ["variant", "pass", "Hkv", "S", "D", "bf16 speedup over f32", "over SDPA bf16"], rows)
 
     if "custom" in args.section:
         if th.flex_error:

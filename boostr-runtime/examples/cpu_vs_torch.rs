@@ -9,6 +9,7 @@
 //! gemm <n> <f32>                                                   -> ok <seconds>
 //! tile <m> <n> <k> <n|t> <iters>                  -> ok <tile kernel seconds|none> <gemm crate seconds>
 //! peak <iters> [all]                                               -> ok <seconds|none>
+//! amxpeak <iters>                                                  -> ok <seconds|none>
 //! mem <variant> <hq> <hkv> <seq> <dim>                             -> ok <json>
 //! docs <len,len,...>                                               -> ok <documents>
 //! host <hq> <hkv> <seq> <dim>                                      -> ok <seconds>
@@ -210,6 +211,13 @@ impl Server {
                     Some("all") => time_fma_peak_all(iters),
                     Some(other) => return Err(format!("peak {other:?}: all or nothing").into()),
                 };
+                Ok(Some(
+                    t.map_or("ok none".to_string(), |t| format!("ok {t:.9}")),
+                ))
+            }
+            Some("amxpeak") => {
+                let iters = num(1)?;
+                let t = boostr_runtime::cpu::time_amx_peak(iters);
                 Ok(Some(
                     t.map_or("ok none".to_string(), |t| format!("ok {t:.9}")),
                 ))

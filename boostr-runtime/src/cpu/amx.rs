@@ -159,6 +159,33 @@ impl Tiles {
     }
 }
 
+/// Seconds for `iters` rounds of four independent `tdpbf16ps` on tile
+/// registers only (no loads), on the calling thread: `iters · 4 · 16384`
+/// flops at the core's bf16 tile peak. `None` without AMX.
+pub(super) fn time_peak(iters: usize) -> Option<f64> {
+    if !available() {
+        return None;
+    }
+    // SAFETY: AMX is available.
+    let tiles = unsafe { Tiles::configure() };
+    tiles.zero::<0>();
+    tiles.zero::<1>();
+    tiles.zero::<2>();
+    tiles.zero::<3>();
+    tiles.zero::<4>();
+    tiles.zero::<5>();
+    tiles.zero::<6>();
+    tiles.zero::<7>();
+    let start = std::time::Instant::now();
+    for _ in 0..iters {
+        tiles.dot::<0, 4, 6>();
+        tiles.dot::<1, 4, 7>();
+        tiles.dot::<2, 5, 6>();
+        tiles.dot::<3, 5, 7>();
+    }
+    Some(start.elapsed().as_secs_f64())
+}
+
 impl Drop for Tiles {
     fn drop(&mut self) {
         // SAFETY: releases the state `configure` set up on this thread.

@@ -241,6 +241,16 @@ pub fn time_fma_peak(iters: usize) -> Option<f64> {
     None
 }
 
+/// Seconds for `iters` rounds of four independent AMX `tdpbf16ps` on tile
+/// registers only, on the calling thread (`None` without AMX-BF16):
+/// `iters · 4 · 16384` flops at the core's bf16 tile peak, against which
+/// the bf16 forward's rate can be read. For the `amxpeak` command of the
+/// `cpu_vs_torch` example; not part of the API.
+#[doc(hidden)]
+pub fn time_amx_peak(iters: usize) -> Option<f64> {
+    super::amx::time_peak(iters)
+}
+
 /// Seconds for `iters` single-threaded tile products `C += A·B` of
 /// `m × n × k` (`A` stored transposed when `a_transposed`, as the backward's
 /// `Pᵀ dO` and `dSᵀ Q` are): through the AVX-512 tile kernel (`None` without

@@ -3,12 +3,18 @@
 //! functions so that `score`,
 //! `score_grad`, `mask` and `classify_tile` inline into the tile loops.
 //!
-//! Why f32 only: f16 and bf16 tensors are widened to f32 by the CPU backend
-//! (exactly) and the results rounded once. A bf16 tile product on
-//! AVX512-BF16 (`vdpbf16ps`) would halve the operands' bytes, but on the
-//! Xeons without AMX we measured, that instruction issues at half the rate of
-//! f32 FMAs, so it would be slower than these kernels; AMX tiles would be the
-//! path that pays, on CPUs that have them.
+//! Element types: the kernels compute in f32. f16 tensors, and bf16 ones
+//! where the bf16 forward below does not run, are widened to f32 by the CPU
+//! backend (exactly) and the results rounded once. The bf16 forward runs on
+//! AMX tiles (`amx_forward`: `tdpbf16ps` for `Q Kᵀ` and `P V`, `P` rounded
+//! to bf16, the rest f32) where [`bf16_tiles`] says so: the CPU has
+//! AMX-BF16, Linux grants the process its tile state, and the head dim is a
+//! multiple of 32 up to 256. The choice is made per call from CPUID (and
+//! tests cap it to run the widened path too). AVX512-BF16 alone
+//! (`vdpbf16ps`) is not used: on the Sapphire Rapids Xeons measured it
+//! issues at half the rate of f32 FMAs, so it would be slower than the f32
+//! kernels; where it is the fastest bf16 instruction (AMD Zen 4/5, no AMX)
+//! the widened f32 path runs for now. The bf16 backward widens.
 //!
 //! Layout and semantics are those of [`Problem`]: `q, out [B, Hq, Sq, D]`,
 //! `k, v [B, Hkv, Sk, D]`, `lse [B, Hq, Sq]`, query head `h` reads kv head
@@ -67,7 +73,7 @@ pub(crate) mod tests;
 
 pub use decode::KvElem;
 #[doc(hidden)] // for the benchmark example
-pub use gemm::{time_fma_peak, time_tile_products};
+pub use gemm::{time_amx_peak, time_fma_peak, time_tile_products};
 pub use tile::CpuTiles;
 
 use crate::error::Result;
