@@ -234,3 +234,59 @@ fn the_reference_roundings_are_right() {
         assert_eq!(Half::F16.round(-x), f16 | 0x8000, "f16 of -{x}");
     }
 }
+
+/// The gradients of a model-like loss, `L = Σ out ∘ W` (W random: `dout =
+/// W`), from bf16 inputs (on a CPU with AMX, the forward on bf16 tiles)
+/// point the same way as those of the f32 kernels on the widened inputs:
+/// cosine similarity above 0.999 for dq, dk and dv, at S = 2048.
+#[test]
+fn bf16_gradients_point_the_way_of_f32() {
+    let h = Half::Bf16;
+    let (b, hq, hkv, s, d) = (1usize, 2usize, 1usize, 2048usize, 64usize);
+    let mut rng = Rng::new(0xc05, 2048);
+    let qs = [b, hq, s, d];
+    let ks = [b, hkv, s, d];
+    let rounded = |n: usize, rng: &mut Rng| -> Vec<u16> {
+        rng.normal_f32(n, 1.0).iter().map(|&x| h.round(x)).collect()
+    };
+    let (q, k, v, w) = (
+        rounded(qs.iter().product(), &mut rng),
+        rounded(ks.iter().product(), &mut rng),
+        rounded(ks.iter().product(), &mut rng),
+        rounded(qs.iter().product(), &mut rng),
+    );
+    let wide = |x: &[u16]| x.iter().map(|&b| h.widen(b)).collect::<Vec<f32>>();
+    let opts = AttentionOptions::default();
+    let cosine = |a: &[f32], b: &[f32]| {
+        let dot: f64 = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| f64::from(*x) * f64::from(*y))
+            .sum();
+        let na: f64 = a.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+        let nb: f64 = b.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+        dot / (na * nb)
+    };
+    let (qh, kh, vh, wh) = (
+        half_tensor(h, &q, &qs),
+        half_tensor(h, &k, &ks),
+        half_tensor(h, &v, &ks),
+        half_tensor(h, &w, &qs),
+    );
+    let (qf, kf, vf, wf) = (
+        f32_tensor(&wide(&q), &qs),
+        f32_tensor(&wide(&k), &ks),
+        f32_tensor(&wide(&v), &ks),
+        f32_tensor(&wide(&w), &qs),
+    );
+    let (out_h, lse_h) = attention_fwd(&Causal, &qh, &kh, &vh, &opts).unwrap();
+    let (dq_h, dk_h, dv_h) =
+        attention_bwd(&Causal, &wh, &qh, &kh, &vh, &out_h, &lse_h, &opts).unwrap();
+    let (out_f, lse_f) = attention_fwd(&Causal, &qf, &kf, &vf, &opts).unwrap();
+    let (dq_f, dk_f, dv_f) =
+        attention_bwd(&Causal, &wf, &qf, &kf, &vf, &out_f, &lse_f, &opts).unwrap();
+    for (name, got, want) in [("dq", dq_h, dq_f), ("dk", dk_h, dk_f), ("dv", dv_h, dv_f)] {
+        let c = cosine(&wide(&got.to_vec::<u16>()), &want.to_vec::<f32>());
+        assert!(c > 0.999, "{name}: cosine similarity {c}");
+    }
+}

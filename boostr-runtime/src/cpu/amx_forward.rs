@@ -276,7 +276,7 @@ impl Scratch {
             l: vec![[0.0; math::LANES]; BQ],
             alpha: vec![0.0; BQ],
             bands: Vec::with_capacity(1),
-            v_guarded: vec![0; BK * d / 2],
+            v_guarded: Vec::new(),
         }
     }
 }
@@ -303,36 +303,39 @@ pub(super) fn forward<V: HostVariant>(
         .zip(v.par_chunks(sk * d))
         .map(|(k, v)| pack(k, v, sk, d))
         .collect();
-    out.par_chunks_mut(sq * d)
-        .zip(lse.par_chunks_mut(sq))
-        .enumerate()
-        .for_each(|(bh, (out_bh, lse_bh))| {
+    let heads: Vec<Head<'_, V>> = (0..p.batch * p.heads_q)
+        .map(|bh| Head {
+            variant,
+            p,
+            pos,
+            b: Positions::to_i32(bh / p.heads_q),
+            h: Positions::to_i32(bh % p.heads_q),
+            kt: &[],
+            v: &[],
+            v_nonfinite: &[],
+        })
+        .collect();
+    // One task per (batch, query head, tile of query rows), in one flat
+    // list: each thread makes its scratch once, not once per head.
+    let mut tasks = Vec::with_capacity(heads.len() * sq.div_ceil(BQ));
+    for (bh, (out_bh, lse_bh)) in out.chunks_mut(sq * d).zip(lse.chunks_mut(sq)).enumerate() {
+        for (t, (out_t, lse_t)) in out_bh
+            .chunks_mut(BQ * d)
+            .zip(lse_bh.chunks_mut(BQ))
+            .enumerate()
+        {
+            tasks.push((bh, t * BQ, out_t, lse_t));
+        }
+    }
+    tasks.into_par_iter().for_each_init(
+        || Scratch::new(d),
+        |sc, (bh, row0, out_t, lse_t)| {
             let (b, h) = (bh / p.heads_q, bh % p.heads_q);
             let kv = &packed[b * p.heads_kv + h / g];
-            let head = Head {
-                variant,
-                p,
-                pos,
-                b: Positions::to_i32(b),
-                h: Positions::to_i32(h),
-                kt: &[],
-                v: &[],
-                v_nonfinite: &[],
-            };
-            let q_bh = &q[bh * sq * d..(bh + 1) * sq * d];
-            out_bh
-                .par_chunks_mut(BQ * d)
-                .zip(lse_bh.par_chunks_mut(BQ))
-                .enumerate()
-                .for_each_init(
-                    || Scratch::new(d),
-                    |sc, (t, (out_t, lse_t))| {
-                        let row0 = t * BQ;
-                        let q_t = &q_bh[row0 * d..row0 * d + out_t.len()];
-                        query_tile(&head, kv, row0, q_t, out_t, lse_t, sc);
-                    },
-                );
-        });
+            let q_t = &q[(bh * sq + row0) * d..(bh * sq + row0) * d + out_t.len()];
+            query_tile(&heads[bh], kv, row0, q_t, out_t, lse_t, sc);
+        },
+    );
 }
 
 /// One tile of `rows = lse.len()` query rows from row `row0`.
@@ -415,7 +418,8 @@ fn query_tile<V: HostVariant>(
         // On a partial tile a key no row sees has P = 0 in every row, and
         // must not bring a NaN of its V row into the product (0·NaN).
         let v_t = if class == TileClass::Partial && kv.v_nonfinite[tile] {
-            sc.v_guarded.copy_from_slice(v_t);
+            sc.v_guarded.clear();
+            sc.v_guarded.extend_from_slice(v_t);
             for key in 0..cols {
                 if s.chunks_exact(cols).all(|row| row[key] == 0.0) {
                     let (r, shift) = (key / 2, 16 * (key % 2));
