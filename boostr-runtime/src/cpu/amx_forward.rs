@@ -14,9 +14,10 @@
 //! Layout: every kv head's K is packed once per call, tile by tile, as the
 //! right-hand operand of `Q Kᵀ` wants it (`D/2` rows of 128 keys' bf16
 //! pairs), and V as that of `P V` wants it (64 rows of key pairs, each
-//! `D` pairs), zero past the last key. A task (batch, query head, tile of
-//! 64 query rows) copies its Q rows into a zero-padded 64 × D block and
-//! then streams the key tiles: scores into a 64 × 128 f32 block, scaled into
+//! `D` pairs), zero past the last key. A task (batch, query head, up to
+//! four tiles of 64 query rows, see [`MAX_GROUP`]) copies each tile's Q
+//! rows into a zero-padded 64 × D block and then streams the key tiles,
+//! each through every query tile in turn: scores into a 64 × 128 f32 block, scaled into
 //! the softmax's tile, `P` rounded into a 64 × 128 bf16 block, and `P V`
 //! added straight into the tile's output rows (through a 64-row block for a
 //! last tile of fewer rows).
@@ -250,16 +251,39 @@ fn scaled(s64: &[f32], s: &mut [f32], cols: usize, scale: f32) {
     }
 }
 
-/// Per-task scratch.
-struct Scratch {
+/// Query tiles per task, at most, where a kv head's packed K and V outgrow
+/// L2: each key tile then visits them all in turn before the next is
+/// loaded, as in the f32 forward (see `forward::MAX_GROUP`). Measured at
+/// S = 4096, Hq = Hkv = 8, 2 threads, through the `cpu_vs_torch` example's
+/// server, four calls each: full, D = 128, 97–105 ms grouped against
+/// 107–113 ungrouped; causal, D = 64, no difference (36–39 ms).
+const MAX_GROUP: usize = 4;
+
+/// Packed K and V bytes of one kv head up to which a task has one query
+/// tile: they stay in a core's L2 from one query tile to the next.
+const GROUP_BYTES: usize = 1 << 20;
+
+/// One query tile of a task: its rows, its Q rows zero-padded to 64, and
+/// its softmax statistics.
+struct QueryTile {
+    row0: usize,
+    rows: usize,
+    pos: (i32, i32),
     q: Vec<u16>,
+    m: Vec<f32>,
+    l: Vec<math::Lanes>,
+    alpha: Vec<f32>,
+    /// No key tile has been accumulated into its output rows yet.
+    first: bool,
+}
+
+/// Per-task scratch: the query tiles, and the work tiles they share.
+struct Scratch {
+    tiles: Vec<QueryTile>,
     s64: Vec<f32>,
     s: Vec<f32>,
     p: Vec<u16>,
     o: Vec<f32>,
-    m: Vec<f32>,
-    l: Vec<math::Lanes>,
-    alpha: Vec<f32>,
     bands: Vec<Band>,
     v_guarded: Vec<u32>,
 }
@@ -267,14 +291,22 @@ struct Scratch {
 impl Scratch {
     fn new(d: usize) -> Self {
         Self {
-            q: vec![0; BQ * d],
+            tiles: (0..MAX_GROUP)
+                .map(|_| QueryTile {
+                    row0: 0,
+                    rows: 0,
+                    pos: (0, 0),
+                    q: vec![0; BQ * d],
+                    m: vec![0.0; BQ],
+                    l: vec![[0.0; math::LANES]; BQ],
+                    alpha: vec![0.0; BQ],
+                    first: true,
+                })
+                .collect(),
             s64: vec![0.0; BQ * BK],
             s: vec![0.0; BQ * BK],
             p: vec![0; BQ * BK],
             o: vec![0.0; BQ * d],
-            m: vec![0.0; BQ],
-            l: vec![[0.0; math::LANES]; BQ],
-            alpha: vec![0.0; BQ],
             bands: Vec::with_capacity(1),
             v_guarded: Vec::new(),
         }
@@ -317,14 +349,20 @@ pub(super) fn forward<V: HostVariant>(
         .collect();
     // One task per (batch, query head, tile of query rows), in one flat
     // list: each thread makes its scratch once, not once per head.
-    let mut tasks = Vec::with_capacity(heads.len() * sq.div_ceil(BQ));
+    let group = if 4 * sk * d > GROUP_BYTES {
+        MAX_GROUP
+    } else {
+        1
+    };
+    let rows = group * BQ;
+    let mut tasks = Vec::with_capacity(heads.len() * sq.div_ceil(rows));
     for (bh, (out_bh, lse_bh)) in out.chunks_mut(sq * d).zip(lse.chunks_mut(sq)).enumerate() {
         for (t, (out_t, lse_t)) in out_bh
-            .chunks_mut(BQ * d)
-            .zip(lse_bh.chunks_mut(BQ))
+            .chunks_mut(rows * d)
+            .zip(lse_bh.chunks_mut(rows))
             .enumerate()
         {
-            tasks.push((bh, t * BQ, out_t, lse_t));
+            tasks.push((bh, t * rows, out_t, lse_t));
         }
     }
     tasks.into_par_iter().for_each_init(
@@ -333,13 +371,14 @@ pub(super) fn forward<V: HostVariant>(
             let (b, h) = (bh / p.heads_q, bh % p.heads_q);
             let kv = &packed[b * p.heads_kv + h / g];
             let q_t = &q[(bh * sq + row0) * d..(bh * sq + row0) * d + out_t.len()];
-            query_tile(&heads[bh], kv, row0, q_t, out_t, lse_t, sc);
+            query_tiles(&heads[bh], kv, row0, q_t, out_t, lse_t, sc);
         },
     );
 }
 
-/// One tile of `rows = lse.len()` query rows from row `row0`.
-fn query_tile<V: HostVariant>(
+/// Consecutive query tiles, `lse.len()` rows from row `row0` in all: start
+/// each, stream every key tile through each of them in turn, finish each.
+fn query_tiles<V: HostVariant>(
     head: &Head<'_, V>,
     kv: &Packed,
     row0: usize,
@@ -348,131 +387,194 @@ fn query_tile<V: HostVariant>(
     lse: &mut [f32],
     sc: &mut Scratch,
 ) {
-    let (d, sk, scale) = (head.p.head_dim, head.p.seq_k, head.p.scale);
-    let rows = lse.len();
-    sc.q[..q.len()].copy_from_slice(q);
-    sc.q[q.len()..].fill(0);
-    let (m, l) = (&mut sc.m[..rows], &mut sc.l[..rows]);
+    let (d, sk) = (head.p.head_dim, head.p.seq_k);
+    let n = lse.len().div_ceil(BQ);
+    for (t, qt) in sc.tiles[..n].iter_mut().enumerate() {
+        let r0 = t * BQ;
+        let rows = BQ.min(lse.len() - r0);
+        start(head, qt, row0 + r0, &q[r0 * d..(r0 + rows) * d]);
+    }
+    // SAFETY: `applies` checked that AMX is available.
+    let tiles = unsafe { Tiles::configure() };
+    let Scratch { tiles: qts, .. } = sc;
+    let qts = &mut qts[..n];
+    let mut work = Work {
+        s64: &mut sc.s64,
+        s: &mut sc.s,
+        p: &mut sc.p,
+        o: &mut sc.o,
+        bands: &mut sc.bands,
+        v_guarded: &mut sc.v_guarded,
+    };
+    for (tile, kv0) in (0..sk).step_by(BK).enumerate() {
+        for (t, qt) in qts.iter_mut().enumerate() {
+            let out_t = &mut out[t * BQ * d..(t * BQ + qt.rows) * d];
+            step(head, kv, &tiles, qt, tile, kv0, out_t, &mut work);
+        }
+    }
+    drop(tiles);
+    for (t, qt) in qts.iter().enumerate() {
+        let r = t * BQ..t * BQ + qt.rows;
+        finish(qt, &mut out[r.start * d..r.end * d], &mut lse[r]);
+    }
+}
+
+/// The work tiles a task's query tiles share.
+struct Work<'a> {
+    s64: &'a mut [f32],
+    s: &'a mut [f32],
+    p: &'a mut [u16],
+    o: &'a mut [f32],
+    bands: &'a mut Vec<Band>,
+    v_guarded: &'a mut Vec<u32>,
+}
+
+/// Readies query tile `qt` of `q.len() / D` rows from row `row0`.
+fn start<V: HostVariant>(head: &Head<'_, V>, qt: &mut QueryTile, row0: usize, q: &[u16]) {
+    let d = head.p.head_dim;
+    let rows = q.len() / d;
+    qt.q[..q.len()].copy_from_slice(q);
+    qt.q[q.len()..].fill(0);
+    qt.row0 = row0;
+    qt.rows = rows;
+    qt.first = true;
+    qt.pos = head.pos.query_range(row0, rows);
+    let (m, l) = (&mut qt.m[..rows], &mut qt.l[..rows]);
     m.fill(f32::NEG_INFINITY);
     l.fill([0.0; math::LANES]);
-    let (q_lo, q_hi) = head.pos.query_range(row0, rows);
     if V::HAS_SINK {
         for (i, (m, l)) in m.iter_mut().zip(l.iter_mut()).enumerate() {
-            let sink = head.variant.sink(head.b, head.h, q_lo + i as i32);
+            let sink = head.variant.sink(head.b, head.h, qt.pos.0 + i as i32);
             if sink != f32::NEG_INFINITY {
                 *m = sink;
                 l[0] = 1.0;
             }
         }
     }
+}
+
+/// Key tile `tile` (keys from `kv0`) through query tile `qt`, whose output
+/// rows are `out`.
+#[allow(clippy::too_many_arguments)]
+fn step<V: HostVariant>(
+    head: &Head<'_, V>,
+    kv: &Packed,
+    tiles: &Tiles,
+    qt: &mut QueryTile,
+    tile: usize,
+    kv0: usize,
+    out: &mut [f32],
+    w: &mut Work<'_>,
+) {
+    let (d, sk, scale) = (head.p.head_dim, head.p.seq_k, head.p.scale);
+    let rows = qt.rows;
+    let cols = BK.min(sk - kv0);
+    let class = tile_class(head.variant, head.b, head.h, qt.pos, kv0, cols);
+    if class == TileClass::Empty {
+        return;
+    }
     let row_groups = rows.div_ceil(T).next_multiple_of(2);
-    let mut first = true;
-    // SAFETY: `applies` checked that AMX is available.
-    let tiles = unsafe { Tiles::configure() };
-    for (tile, kv0) in (0..sk).step_by(BK).enumerate() {
-        let cols = BK.min(sk - kv0);
-        let class = tile_class(head.variant, head.b, head.h, (q_lo, q_hi), kv0, cols);
-        if class == TileClass::Empty {
-            continue;
-        }
-        let k_t = &kv.k[tile * BK * d / 2..(tile + 1) * BK * d / 2];
-        let v_t = &kv.v[tile * BK * d / 2..(tile + 1) * BK * d / 2];
-        // SAFETY: q holds 64 rows of d, k_t a packed tile, s64 64 × BK;
-        // row_groups ≤ 4 and the column groups ≤ BK / 16.
-        unsafe {
-            scores(
-                &tiles,
-                sc.q.as_ptr(),
-                k_t.as_ptr(),
-                d,
-                sc.s64.as_mut_ptr(),
-                row_groups,
-                cols.div_ceil(T).next_multiple_of(2),
-            );
-        }
-        let s = &mut sc.s[..rows * cols];
-        // SAFETY: `applies` implies AVX-512.
-        unsafe { scaled(&sc.s64, s, cols, scale) };
-        sc.bands.clear();
-        sc.bands.push(Band {
-            rows: 0..rows,
-            cols: 0..cols,
-        });
-        simd::dispatch(OnlineSoftmax {
-            head,
-            class,
-            q_lo,
-            kv_lo: Positions::to_i32(kv0),
-            s: &mut *s,
-            m: &mut sc.m[..rows],
-            l: &mut sc.l[..rows],
-            alpha: &mut sc.alpha[..rows],
-            out: (!first).then_some(&mut *out),
-            bands: &sc.bands,
-        });
-        let chunks = cols.div_ceil(amx::DEPTH);
-        for (row, p) in s.chunks_exact(cols).zip(sc.p.chunks_exact_mut(BK)) {
-            // SAFETY: `applies` implies AVX-512 (every CPU with AMX has it).
-            unsafe { round_row(row, p) };
-        }
-        // On a partial tile a key no row sees has P = 0 in every row, and
-        // must not bring a NaN of its V row into the product (0·NaN).
-        let v_t = if class == TileClass::Partial && kv.v_nonfinite[tile] {
-            sc.v_guarded.clear();
-            sc.v_guarded.extend_from_slice(v_t);
-            for key in 0..cols {
-                if s.chunks_exact(cols).all(|row| row[key] == 0.0) {
-                    let (r, shift) = (key / 2, 16 * (key % 2));
-                    for x in &mut sc.v_guarded[r * d..(r + 1) * d] {
-                        *x &= !(0xffff << shift);
-                    }
+    let k_t = &kv.k[tile * BK * d / 2..(tile + 1) * BK * d / 2];
+    let v_t = &kv.v[tile * BK * d / 2..(tile + 1) * BK * d / 2];
+    // SAFETY: qt.q holds 64 rows of d, k_t a packed tile, s64 64 × BK;
+    // row_groups ≤ 4 and the column groups ≤ BK / 16.
+    unsafe {
+        scores(
+            tiles,
+            qt.q.as_ptr(),
+            k_t.as_ptr(),
+            d,
+            w.s64.as_mut_ptr(),
+            row_groups,
+            cols.div_ceil(T).next_multiple_of(2),
+        );
+    }
+    let s = &mut w.s[..rows * cols];
+    // SAFETY: `applies` implies AVX-512.
+    unsafe { scaled(w.s64, s, cols, scale) };
+    w.bands.clear();
+    w.bands.push(Band {
+        rows: 0..rows,
+        cols: 0..cols,
+    });
+    let first = qt.first;
+    simd::dispatch(OnlineSoftmax {
+        head,
+        class,
+        q_lo: qt.pos.0,
+        kv_lo: Positions::to_i32(kv0),
+        s: &mut *s,
+        m: &mut qt.m[..rows],
+        l: &mut qt.l[..rows],
+        alpha: &mut qt.alpha[..rows],
+        out: (!first).then_some(&mut *out),
+        bands: w.bands,
+    });
+    let chunks = cols.div_ceil(amx::DEPTH);
+    for (row, p) in s.chunks_exact(cols).zip(w.p.chunks_exact_mut(BK)) {
+        // SAFETY: `applies` implies AVX-512 (every CPU with AMX has it).
+        unsafe { round_row(row, p) };
+    }
+    // On a partial tile a key no row sees has P = 0 in every row, and
+    // must not bring a NaN of its V row into the product (0·NaN).
+    let v_t = if class == TileClass::Partial && kv.v_nonfinite[tile] {
+        w.v_guarded.clear();
+        w.v_guarded.extend_from_slice(v_t);
+        for key in 0..cols {
+            if s.chunks_exact(cols).all(|row| row[key] == 0.0) {
+                let (r, shift) = (key / 2, 16 * (key % 2));
+                for x in &mut w.v_guarded[r * d..(r + 1) * d] {
+                    *x &= !(0xffff << shift);
                 }
             }
-            &sc.v_guarded[..]
-        } else {
-            v_t
-        };
-        if rows == BQ {
-            // SAFETY: out holds 64 rows of d; p 64 × BK; v_t a packed tile.
-            unsafe {
-                accumulate(
-                    &tiles,
-                    sc.p.as_ptr(),
-                    v_t.as_ptr(),
-                    d,
-                    out.as_mut_ptr(),
-                    row_groups,
-                    chunks,
-                    first,
-                )
-            };
-        } else {
-            let o = &mut sc.o[..];
-            if !first {
-                o[..rows * d].copy_from_slice(out);
-            }
-            // SAFETY: o holds 64 rows of d; as above.
-            unsafe {
-                accumulate(
-                    &tiles,
-                    sc.p.as_ptr(),
-                    v_t.as_ptr(),
-                    d,
-                    o.as_mut_ptr(),
-                    row_groups,
-                    chunks,
-                    first,
-                )
-            };
-            out.copy_from_slice(&o[..rows * d]);
         }
-        first = false;
+        &w.v_guarded[..]
+    } else {
+        v_t
+    };
+    if rows == BQ {
+        // SAFETY: out holds 64 rows of d; p 64 × BK; v_t a packed tile.
+        unsafe {
+            accumulate(
+                tiles,
+                w.p.as_ptr(),
+                v_t.as_ptr(),
+                d,
+                out.as_mut_ptr(),
+                row_groups,
+                chunks,
+                first,
+            )
+        };
+    } else {
+        if !first {
+            w.o[..rows * d].copy_from_slice(out);
+        }
+        // SAFETY: o holds 64 rows of d; as above.
+        unsafe {
+            accumulate(
+                tiles,
+                w.p.as_ptr(),
+                v_t.as_ptr(),
+                d,
+                w.o.as_mut_ptr(),
+                row_groups,
+                chunks,
+                first,
+            )
+        };
+        out.copy_from_slice(&w.o[..rows * d]);
     }
-    drop(tiles);
-    if first {
+    qt.first = false;
+}
+
+/// Normalises query tile `qt`'s output rows and writes its lse.
+fn finish(qt: &QueryTile, out: &mut [f32], lse: &mut [f32]) {
+    let d = out.len() / qt.rows.max(1);
+    if qt.first {
         out.fill(0.0);
     }
-    for (i, (m, l)) in sc.m[..rows].iter().zip(&sc.l[..rows]).enumerate() {
+    for (i, (m, l)) in qt.m[..qt.rows].iter().zip(&qt.l[..qt.rows]).enumerate() {
         let l = math::sum_lanes(l);
         if l > 0.0 {
             math::scale(&mut out[i * d..(i + 1) * d], 1.0 / l);
