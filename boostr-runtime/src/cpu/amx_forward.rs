@@ -27,7 +27,7 @@
 //! band), since a tile product costs less than the bookkeeping of bands.
 
 use super::amx::{self, Tiles};
-use super::forward::{Head, OnlineSoftmax};
+use super::forward::{Head, OnlineSoftmax, finish_rows, start_rows};
 use super::{Band, Positions, all_finite_bits, math, simd, tile_class};
 use crate::problem::Problem;
 use crate::variant::{HostVariant, TileClass};
@@ -266,7 +266,6 @@ const GROUP_BYTES: usize = 1 << 20;
 /// One query tile of a task: its rows, its Q rows zero-padded to 64, and
 /// its softmax statistics.
 struct QueryTile {
-    row0: usize,
     rows: usize,
     pos: (i32, i32),
     q: Vec<u16>,
@@ -293,7 +292,6 @@ impl Scratch {
         Self {
             tiles: (0..MAX_GROUP)
                 .map(|_| QueryTile {
-                    row0: 0,
                     rows: 0,
                     pos: (0, 0),
                     q: vec![0; BQ * d],
@@ -435,22 +433,10 @@ fn start<V: HostVariant>(head: &Head<'_, V>, qt: &mut QueryTile, row0: usize, q:
     let rows = q.len() / d;
     qt.q[..q.len()].copy_from_slice(q);
     qt.q[q.len()..].fill(0);
-    qt.row0 = row0;
     qt.rows = rows;
     qt.first = true;
     qt.pos = head.pos.query_range(row0, rows);
-    let (m, l) = (&mut qt.m[..rows], &mut qt.l[..rows]);
-    m.fill(f32::NEG_INFINITY);
-    l.fill([0.0; math::LANES]);
-    if V::HAS_SINK {
-        for (i, (m, l)) in m.iter_mut().zip(l.iter_mut()).enumerate() {
-            let sink = head.variant.sink(head.b, head.h, qt.pos.0 + i as i32);
-            if sink != f32::NEG_INFINITY {
-                *m = sink;
-                l[0] = 1.0;
-            }
-        }
-    }
+    start_rows(head, row0, &mut qt.m[..rows], &mut qt.l[..rows]);
 }
 
 /// Key tile `tile` (keys from `kv0`) through query tile `qt`, whose output
@@ -570,18 +556,8 @@ fn step<V: HostVariant>(
 
 /// Normalises query tile `qt`'s output rows and writes its lse.
 fn finish(qt: &QueryTile, out: &mut [f32], lse: &mut [f32]) {
-    let d = out.len() / qt.rows.max(1);
     if qt.first {
         out.fill(0.0);
     }
-    for (i, (m, l)) in qt.m[..qt.rows].iter().zip(&qt.l[..qt.rows]).enumerate() {
-        let l = math::sum_lanes(l);
-        if l > 0.0 {
-            math::scale(&mut out[i * d..(i + 1) * d], 1.0 / l);
-            lse[i] = m + l.ln();
-        } else {
-            out[i * d..(i + 1) * d].fill(0.0);
-            lse[i] = f32::NEG_INFINITY;
-        }
-    }
+    finish_rows(&qt.m[..qt.rows], &qt.l[..qt.rows], out, lse);
 }

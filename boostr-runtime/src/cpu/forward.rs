@@ -245,21 +245,7 @@ fn query_tiles<V: HostVariant>(
 ) {
     let (d, sk, scale) = (head.p.head_dim, head.p.seq_k, head.p.scale);
     let rows = lse.len();
-    let (m, l) = (&mut sc.m[..rows], &mut sc.l[..rows]);
-    m.fill(f32::NEG_INFINITY);
-    l.fill([0.0; math::LANES]);
-    if V::HAS_SINK {
-        // The sink is one more logit of the row, with no value: the running
-        // max and sum start from it.
-        let (q0, _) = head.pos.query_range(row0, rows);
-        for (i, (m, l)) in m.iter_mut().zip(l.iter_mut()).enumerate() {
-            let sink = head.variant.sink(head.b, head.h, q0 + i as i32);
-            if sink != f32::NEG_INFINITY {
-                *m = sink;
-                l[0] = 1.0;
-            }
-        }
-    }
+    start_rows(head, row0, &mut sc.m[..rows], &mut sc.l[..rows]);
     // Each tile's output rows are neither zeroed nor rescaled before its
     // first visible key tile: that tile's `P V` overwrites them. (Rows no
     // tile reaches are zeroed at the end.)
@@ -359,7 +345,35 @@ fn query_tiles<V: HostVariant>(
     for qt in sc.q_tiles.iter().filter(|t| t.first) {
         out[qt.rows.start * d..qt.rows.end * d].fill(0.0);
     }
-    for (i, (m, l)) in sc.m[..rows].iter().zip(&sc.l[..rows]).enumerate() {
+    finish_rows(&sc.m[..rows], &sc.l[..rows], out, lse);
+}
+
+/// The running max `m` and sum `l` of rows `row0 ..` before any key: -inf
+/// and 0, or the sink's, which is one more logit of the row with no value.
+pub(super) fn start_rows<V: HostVariant>(
+    head: &Head<'_, V>,
+    row0: usize,
+    m: &mut [f32],
+    l: &mut [math::Lanes],
+) {
+    m.fill(f32::NEG_INFINITY);
+    l.fill([0.0; math::LANES]);
+    if V::HAS_SINK {
+        let (q0, _) = head.pos.query_range(row0, m.len());
+        for (i, (m, l)) in m.iter_mut().zip(l.iter_mut()).enumerate() {
+            let sink = head.variant.sink(head.b, head.h, q0 + i as i32);
+            if sink != f32::NEG_INFINITY {
+                *m = sink;
+                l[0] = 1.0;
+            }
+        }
+    }
+}
+
+/// Each row of `out` (`lse.len()` rows) divided by its sum, and its lse.
+pub(super) fn finish_rows(m: &[f32], l: &[math::Lanes], out: &mut [f32], lse: &mut [f32]) {
+    let d = out.len() / lse.len().max(1);
+    for (i, (m, l)) in m.iter().zip(l).enumerate() {
         // `l > 0` exactly when some key or the sink was seen (the max
         // contributes 1); with only the sink, `out` is 0 and `lse` the sink.
         let l = math::sum_lanes(l);

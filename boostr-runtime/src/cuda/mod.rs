@@ -522,6 +522,29 @@ impl DeviceArena {
     /// After the call's kernels: the error of a read out of range, if one
     /// was recorded. Only a call whose checked reads may fail reads the
     /// record back (and waits for the stream).
+    /// The kernels' key layout ([`Call::kv`]) for the cache words copied
+    /// into this arena, with `pages` (keys per page, entries per table row)
+    /// for a paged cache.
+    fn kv(&self, pages: Option<(usize, usize)>) -> Result<[i32; 4]> {
+        let values = [
+            ("the arena word of the cache's lengths", self.cache[0]),
+            ("the arena word of the page table", self.cache[1]),
+            ("the page size", pages.map(|t| t.0)),
+            ("the pages per sequence", pages.map(|t| t.1)),
+        ];
+        let mut kv = PLAIN_KV;
+        for (slot, (name, value)) in kv.iter_mut().zip(values) {
+            if let Some(value) = value {
+                *slot = i32::try_from(value).map_err(|_| Error::TooLarge {
+                    name,
+                    value,
+                    max: i32::MAX as usize,
+                })?;
+            }
+        }
+        Ok(kv)
+    }
+
     fn check<V: Variant>(&self) -> Result<()> {
         if !self.plan.report {
             return Ok(());
@@ -579,23 +602,7 @@ fn forward_over<V: Variant>(
     let lse = alloc(&[p.batch, p.heads_q, p.seq_q], DType::F32, &q)?;
     let words = [cache.map(|c| c.0), cache.and_then(|c| c.1.map(|t| t.0))];
     let arena = DeviceArena::new(variant, p, &client, &q, words)?;
-    let pages = cache.and_then(|c| c.1);
-    let values = [
-        ("the arena word of the cache's lengths", arena.cache[0]),
-        ("the arena word of the page table", arena.cache[1]),
-        ("the page size", pages.map(|t| t.1)),
-        ("the pages per sequence", pages.map(|t| t.2)),
-    ];
-    let mut kv = PLAIN_KV;
-    for (slot, (name, value)) in kv.iter_mut().zip(values) {
-        if let Some(value) = value {
-            *slot = i32::try_from(value).map_err(|_| Error::TooLarge {
-                name,
-                value,
-                max: i32::MAX as usize,
-            })?;
-        }
-    }
+    let kv = arena.kv(cache.and_then(|c| c.1).map(|t| (t.1, t.2)))?;
     let splits = forward_splits(&client, p, &compiled.tiles);
     // The splits' rows (f32), or, unsplit, `lse` in their place (not read).
     let (split_out, split_lse) = if splits > 1 {
@@ -711,14 +718,7 @@ impl AttentionRuntime for CudaRuntime {
         let dk = alloc(k.shape(), dtype, &k)?;
         let dv = alloc(v.shape(), dtype, &v)?;
         let arena = DeviceArena::new(variant, p, &client, &q, [t.lengths.map(|l| l.tensor), None])?;
-        let mut kv = PLAIN_KV;
-        if let Some(at) = arena.cache[0] {
-            kv[0] = i32::try_from(at).map_err(|_| Error::TooLarge {
-                name: "the arena word of the cache's lengths",
-                value: at,
-                max: i32::MAX as usize,
-            })?;
-        }
+        let kv = arena.kv(None)?;
         let call = Call {
             problem: p,
             params: Params(variant.param_words()),

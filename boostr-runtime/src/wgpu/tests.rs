@@ -455,39 +455,33 @@ fn cache_backward_matches_the_cpu() {
                 vr.fill(f32::INFINITY);
             }
         }
-        let opts = AttentionOptions::default();
-        let run_cpu = || {
-            let t = |x: &[f32], s: &[usize]| Tensor::<CpuRuntime>::from_slice(x, s, cpu).unwrap();
-            let lengths = Tensor::<CpuRuntime>::from_slice(&lens, &[b], cpu).unwrap();
-            let (kc, vc) = (t(&k, &[b, hkv, cap, d]), t(&v, &[b, hkv, cap, d]));
+        // Forward then backward over the cache on runtime R's `device`.
+        fn grads<R: crate::AttentionRuntime, V: crate::Variant>(
+            variant: &V,
+            device: &R::Device,
+            (q, k, v, dout): (&[f32], &[f32], &[f32], &[f32]),
+            lens: &[i32],
+            (qs, ks): ([usize; 4], [usize; 4]),
+        ) -> [Vec<f32>; 3] {
+            let t = |x: &[f32], s: &[usize]| Tensor::<R>::from_slice(x, s, device).unwrap();
+            let lengths = Tensor::<R>::from_slice(lens, &[lens.len()], device).unwrap();
+            let (kt, vt) = (t(k, &ks), t(v, &ks));
             let cache = KvCache {
-                k: &kc,
-                v: &vc,
+                k: &kt,
+                v: &vt,
                 lengths: &lengths,
             };
-            let (qc, dc) = (t(&q, &[b, hq, sq, d]), t(&dout, &[b, hq, sq, d]));
-            let (out, lse) = attention_fwd_cache(variant, &qc, &cache, &opts).unwrap();
+            let (qt, dt) = (t(q, &qs), t(dout, &qs));
+            let opts = AttentionOptions::default();
+            let (out, lse) = attention_fwd_cache(variant, &qt, &cache, &opts).unwrap();
             let (dq, dk, dv) =
-                attention_bwd_cache(variant, &dc, &qc, &cache, &out, &lse, &opts).unwrap();
+                attention_bwd_cache(variant, &dt, &qt, &cache, &out, &lse, &opts).unwrap();
             [dq.to_vec::<f32>(), dk.to_vec::<f32>(), dv.to_vec::<f32>()]
-        };
-        let run_gpu = || {
-            let t =
-                |x: &[f32], s: &[usize]| Tensor::<WgpuRuntime>::from_slice(x, s, device).unwrap();
-            let lengths = Tensor::<WgpuRuntime>::from_slice(&lens, &[b], device).unwrap();
-            let (kg, vg) = (t(&k, &[b, hkv, cap, d]), t(&v, &[b, hkv, cap, d]));
-            let cache = KvCache {
-                k: &kg,
-                v: &vg,
-                lengths: &lengths,
-            };
-            let (qg, dg) = (t(&q, &[b, hq, sq, d]), t(&dout, &[b, hq, sq, d]));
-            let (out, lse) = attention_fwd_cache(variant, &qg, &cache, &opts).unwrap();
-            let (dq, dk, dv) =
-                attention_bwd_cache(variant, &dg, &qg, &cache, &out, &lse, &opts).unwrap();
-            [dq.to_vec::<f32>(), dk.to_vec::<f32>(), dv.to_vec::<f32>()]
-        };
-        let (want, got) = (run_cpu(), run_gpu());
+        }
+        let x = (&q[..], &k[..], &v[..], &dout[..]);
+        let shapes = ([b, hq, sq, d], [b, hkv, cap, d]);
+        let want = grads::<CpuRuntime, V>(variant, cpu, x, &lens, shapes);
+        let got = grads::<WgpuRuntime, V>(variant, device, x, &lens, shapes);
         // Against the f64 reference too (the CPU's is checked against it).
         let p = crate::Problem {
             batch: b,

@@ -181,6 +181,13 @@ __device__ __forceinline__ float bx_neg_inf() { return __int_as_float(0xff800000
 // *p = x in p's type: f32, or rounded to the 16-bit element type.
 __device__ __forceinline__ void bx_put(float* p, float x) { *p = x; }
 
+// The keys of sequence b: its KV cache length (arena word kv_lens + b, at
+// most seq_k; its spare slots are never read), or seq_k without a cache
+// (kv_lens < 0).
+__device__ __forceinline__ int bx_seq_keys(const unsigned* __restrict__ captures, int kv_lens, int b, int seq_k) {
+    return kv_lens < 0 ? seq_k : min((int)captures[kv_lens + b], seq_k);
+}
+
 // Query heads per kv head (GQA group), never 0.
 __device__ __forceinline__ int bx_group(int heads_q, int heads_kv) {
     const int g = heads_kv > 0 ? heads_q / heads_kv : 1;
@@ -553,9 +560,7 @@ const FORWARD_BODY: &str = r#"    extern __shared__ __align__(16) unsigned char 
     const int hk = blockIdx.y;
     const int b = blockIdx.z;
     const int packed = g * seq_q;
-    // A KV cache: sequence b has sk of its seq_k slots (arena word kv_lens + b),
-    // its rows aligned to them; kv_lens < 0: every sequence has seq_k keys.
-    const int sk = kv_lens < 0 ? seq_k : min((int)captures[kv_lens + b], seq_k);
+    const int sk = bx_seq_keys(captures, kv_lens, b, seq_k); // rows aligned to them
     const int offset = sk - seq_q;
     const size_t q_row0 = ((size_t)b * heads_q + (size_t)hk * g) * (size_t)seq_q + r0;
     const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k;
@@ -758,9 +763,7 @@ const DQ_BODY: &str = r#"    BX_BWD_SMEM
     const int h = blockIdx.y;
     const int b = blockIdx.z;
     const int hk = h / bx_group(heads_q, heads_kv);
-    // A KV cache: sequence b has its first sk keys (arena word kv_lens + b);
-    // its spare slots are never read and get zero gradients.
-    const int sk = kv_lens < 0 ? seq_k : min((int)captures[kv_lens + b], seq_k);
+    const int sk = bx_seq_keys(captures, kv_lens, b, seq_k); // spare slots: zero gradients
     const int offset = sk - seq_q;
     const size_t q_row0 = ((size_t)b * heads_q + h) * (size_t)seq_q + q0;
     const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k;
@@ -807,9 +810,7 @@ const DKDV_BODY: &str = r#"    BX_BWD_SMEM
     const int hk = blockIdx.y;
     const int b = blockIdx.z;
     const int group = bx_group(heads_q, heads_kv);
-    // A KV cache: sequence b has its first sk keys (arena word kv_lens + b);
-    // its spare slots are never read and get zero gradients.
-    const int sk = kv_lens < 0 ? seq_k : min((int)captures[kv_lens + b], seq_k);
+    const int sk = bx_seq_keys(captures, kv_lens, b, seq_k); // spare slots: zero gradients
     const int offset = sk - seq_q;
     const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k + k0;
     const int kv_hi = min(k0 + BBKV, sk) - 1;
@@ -860,9 +861,7 @@ const TENSORS_BODY: &str = r#"    BX_BWD_SMEM
     const int h = blockIdx.y;
     const int b = blockIdx.z;
     const int hk = h / bx_group(heads_q, heads_kv);
-    // A KV cache: sequence b has its first sk keys (arena word kv_lens + b);
-    // its spare slots are never read and get zero gradients.
-    const int sk = kv_lens < 0 ? seq_k : min((int)captures[kv_lens + b], seq_k);
+    const int sk = bx_seq_keys(captures, kv_lens, b, seq_k); // spare slots: zero gradients
     const int offset = sk - seq_q;
     const size_t q_row0 = ((size_t)b * heads_q + h) * (size_t)seq_q + q0;
     const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k;
