@@ -496,6 +496,53 @@ impl AttentionRuntime for CpuRuntime {
         let dtype = q.dtype();
         let device = q.device();
         validate::check_dtype("lse", lse, CPU, &[DType::F32], "f32 for lse")?;
+        let q_shape = [p.batch, p.heads_q, p.seq_q, p.head_dim];
+        let kv_shape = [p.batch, p.heads_kv, p.seq_k, p.head_dim];
+        let mut dq = Output::new(&q_shape, dtype, device)?;
+        let mut dk = Output::new(&kv_shape, dtype, device)?;
+        let mut dv = Output::new(&kv_shape, dtype, device)?;
+        let finish = |dq: Output, dk: Output, dv: Output, tensors: Vec<Option<Vec<f32>>>| {
+            let learnables = variant.learnables();
+            let tensors = tensors
+                .into_iter()
+                .zip(&learnables)
+                .map(|(g, l)| {
+                    let Some(g) = g else { return Ok(None) };
+                    let shape = l.on::<CpuRuntime>()?.shape();
+                    Ok(Some(Tensor::<CpuRuntime>::from_slice(&g, shape, device)?))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok(AttentionGrads {
+                dq: dq.finish(),
+                dk: dk.finish(),
+                dv: dv.finish(),
+                tensors,
+            })
+        };
+        if dtype == DType::BF16 && lengths.is_none() {
+            // bf16 tile products where the CPU has them (AMX), read as stored.
+            let elems = |name, t| HostElems::new(name, t, dtype);
+            let (qe, ke, ve) = (elems("q", q)?, elems("k", k)?, elems("v", v)?);
+            let (oe, de) = (elems("out", out)?, elems("dout", dout)?);
+            let lse = HostF32::new("lse", lse, DType::F32)?;
+            // SAFETY: the tensors are bf16 (checked by `HostElems::new`).
+            let inputs = unsafe {
+                crate::cpu::Bf16BackwardInputs {
+                    q: qe.slice(),
+                    k: ke.slice(),
+                    v: ve.slice(),
+                    out: oe.slice(),
+                    lse: lse.slice(),
+                    dout: de.slice(),
+                }
+            };
+            let (dq_s, dk_s, dv_s) = (dq.slice_mut(), dk.slice_mut(), dv.slice_mut());
+            let ran =
+                crate::cpu::backward_bf16(variant, p, inputs, dq_s, dk_s, dv_s, tensor_grads)?;
+            if let Some(tensors) = ran {
+                return finish(dq, dk, dv, tensors);
+            }
+        }
         let (q, k, v) = (
             HostF32::new("q", q, dtype)?,
             HostF32::new("k", k, dtype)?,
@@ -506,11 +553,6 @@ impl AttentionRuntime for CpuRuntime {
             HostF32::new("lse", lse, DType::F32)?,
         );
         let dout = HostF32::new("dout", dout, dtype)?;
-        let q_shape = [p.batch, p.heads_q, p.seq_q, p.head_dim];
-        let kv_shape = [p.batch, p.heads_kv, p.seq_k, p.head_dim];
-        let mut dq = Output::new(&q_shape, dtype, device)?;
-        let mut dk = Output::new(&kv_shape, dtype, device)?;
-        let mut dv = Output::new(&kv_shape, dtype, device)?;
         let inputs = crate::cpu::BackwardInputs {
             q: q.slice(),
             k: k.slice(),
@@ -533,21 +575,6 @@ impl AttentionRuntime for CpuRuntime {
             )?,
             None => crate::cpu::backward(variant, p, inputs, dq_s, dk_s, dv_s, tensor_grads)?,
         };
-        let learnables = variant.learnables();
-        let tensors = tensors
-            .into_iter()
-            .zip(&learnables)
-            .map(|(g, l)| {
-                let Some(g) = g else { return Ok(None) };
-                let shape = l.on::<CpuRuntime>()?.shape();
-                Ok(Some(Tensor::<CpuRuntime>::from_slice(&g, shape, device)?))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(AttentionGrads {
-            dq: dq.finish(),
-            dk: dk.finish(),
-            dv: dv.finish(),
-            tensors,
-        })
+        finish(dq, dk, dv, tensors)
     }
 }

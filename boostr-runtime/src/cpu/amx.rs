@@ -159,6 +159,68 @@ impl Tiles {
     }
 }
 
+/// `C (=|+=) A · B` on tile registers, for `m × n` of C in blocks of 32 ×
+/// 32 (four accumulator tiles, each A and B tile loaded once per block and
+/// used twice), over `k` (a multiple of [`DEPTH`]):
+/// - `A`: `m × k` bf16, row-major, rows `a_stride` elements apart;
+/// - `B`: `k × n` bf16 in VNNI pairs: `k/2` rows of `n` u32, each holding
+///   `(B[2r][j], B[2r + 1][j])`, rows `b_stride` u32 apart;
+/// - `C`: `m × n` f32, rows `c_stride` apart; loaded and added to where
+///   `accumulate`, else overwritten.
+///
+/// # Safety
+/// `m` and `n` are multiples of 32 and `k` of [`DEPTH`]; the tiles are
+/// configured on this thread; every element named above is in bounds.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn product(
+    t: &Tiles,
+    (a, a_stride): (*const u16, usize),
+    (b, b_stride): (*const u32, usize),
+    (c, c_stride): (*mut f32, usize),
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+) {
+    let (sa, sb, sc) = (2 * a_stride, 4 * b_stride, 4 * c_stride);
+    // SAFETY (whole body): every tile read or written lies in the m × k,
+    // k/2 × n and m × n blocks the caller vouches for.
+    unsafe {
+        for i in (0..m).step_by(2 * TILE) {
+            for j in (0..n).step_by(2 * TILE) {
+                let c = c.add(i * c_stride + j);
+                let c1 = c.add(TILE * c_stride);
+                if accumulate {
+                    t.load::<0>(c.cast(), sc);
+                    t.load::<1>(c.add(TILE).cast(), sc);
+                    t.load::<2>(c1.cast(), sc);
+                    t.load::<3>(c1.add(TILE).cast(), sc);
+                } else {
+                    t.zero::<0>();
+                    t.zero::<1>();
+                    t.zero::<2>();
+                    t.zero::<3>();
+                }
+                for kc in (0..k).step_by(DEPTH) {
+                    let a = a.add(i * a_stride + kc);
+                    let b = b.add(kc / 2 * b_stride + j);
+                    t.load::<4>(a.cast(), sa);
+                    t.load::<5>(a.add(TILE * a_stride).cast(), sa);
+                    t.load::<6>(b.cast(), sb);
+                    t.load::<7>(b.add(TILE).cast(), sb);
+                    t.dot::<0, 4, 6>();
+                    t.dot::<1, 4, 7>();
+                    t.dot::<2, 5, 6>();
+                    t.dot::<3, 5, 7>();
+                }
+                t.store::<0>(c.cast(), sc);
+                t.store::<1>(c.add(TILE).cast(), sc);
+                t.store::<2>(c1.cast(), sc);
+                t.store::<3>(c1.add(TILE).cast(), sc);
+            }
+        }
+    }
+}
+
 /// Seconds for `iters` rounds of four independent `tdpbf16ps` on tile
 /// registers only (no loads), on the calling thread: `iters · 4 · 16384`
 /// flops at the core's bf16 tile peak. `None` without AMX.

@@ -117,111 +117,6 @@ fn pack(k: &[u16], v: &[u16], sk: usize, d: usize) -> Packed {
     }
 }
 
-/// `S (64 × BK f32, stride BK) = Q · Kᵀ` for `row_groups` groups of 16 query
-/// rows and `col_groups` of 16 keys (both even), `Q` 64 zero-padded bf16
-/// rows of `d`, `K` one packed key tile.
-///
-/// # Safety
-/// `q` holds `16·row_groups` rows of `d`, `k` a packed tile (`d/2 × 64`),
-/// `s` 64 × BK.
-#[inline(always)]
-unsafe fn scores(
-    t: &Tiles,
-    q: *const u16,
-    k: *const u32,
-    d: usize,
-    s: *mut f32,
-    row_groups: usize,
-    col_groups: usize,
-) {
-    // SAFETY (whole body): every tile read or written lies in the bounds
-    // the caller vouches for: rows rg·16 .. rg·16 + 32 < 16·row_groups of q,
-    // packed rows < d/2 of k, columns < 64 of s.
-    unsafe {
-        for rg in (0..row_groups).step_by(2) {
-            for cg in (0..col_groups).step_by(2) {
-                t.zero::<0>();
-                t.zero::<1>();
-                t.zero::<2>();
-                t.zero::<3>();
-                for dc in 0..d / amx::DEPTH {
-                    let a = q.add(rg * T * d + dc * amx::DEPTH);
-                    let b = k.add(dc * T * BK + cg * T);
-                    t.load::<4>(a.cast(), 2 * d);
-                    t.load::<5>(a.add(T * d).cast(), 2 * d);
-                    t.load::<6>(b.cast(), 4 * BK);
-                    t.load::<7>(b.add(T).cast(), 4 * BK);
-                    t.dot::<0, 4, 6>();
-                    t.dot::<1, 4, 7>();
-                    t.dot::<2, 5, 6>();
-                    t.dot::<3, 5, 7>();
-                }
-                let c = s.add(rg * T * BK + cg * T);
-                t.store::<0>(c.cast(), 4 * BK);
-                t.store::<1>(c.add(T).cast(), 4 * BK);
-                t.store::<2>(c.add(T * BK).cast(), 4 * BK);
-                t.store::<3>(c.add(T * BK + T).cast(), 4 * BK);
-            }
-        }
-    }
-}
-
-/// `O (=|+=) P · V` for `row_groups` (even) groups of 16 rows of `O`
-/// (`d` f32 apart), `P` 64 × BK bf16 (keys past the tile's zero), `V` one
-/// packed key tile, over `chunks` chunks of 32 keys.
-///
-/// # Safety
-/// `o` holds `16·row_groups` rows of `d`; `p` 64 × BK; `v` a packed tile.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn accumulate(
-    t: &Tiles,
-    p: *const u16,
-    v: *const u32,
-    d: usize,
-    o: *mut f32,
-    row_groups: usize,
-    chunks: usize,
-    first: bool,
-) {
-    // SAFETY (whole body): as for `scores`: rows < 16·row_groups of o and
-    // p, packed rows < 32 of v, columns < d.
-    unsafe {
-        for rg in (0..row_groups).step_by(2) {
-            for dg in (0..d / T).step_by(2) {
-                let c = o.add(rg * T * d + dg * T);
-                if first {
-                    t.zero::<0>();
-                    t.zero::<1>();
-                    t.zero::<2>();
-                    t.zero::<3>();
-                } else {
-                    t.load::<0>(c.cast(), 4 * d);
-                    t.load::<1>(c.add(T).cast(), 4 * d);
-                    t.load::<2>(c.add(T * d).cast(), 4 * d);
-                    t.load::<3>(c.add(T * d + T).cast(), 4 * d);
-                }
-                for kc in 0..chunks {
-                    let a = p.add(rg * T * BK + kc * amx::DEPTH);
-                    let b = v.add(kc * T * d + dg * T);
-                    t.load::<4>(a.cast(), 2 * BK);
-                    t.load::<5>(a.add(T * BK).cast(), 2 * BK);
-                    t.load::<6>(b.cast(), 4 * d);
-                    t.load::<7>(b.add(T).cast(), 4 * d);
-                    t.dot::<0, 4, 6>();
-                    t.dot::<1, 4, 7>();
-                    t.dot::<2, 5, 6>();
-                    t.dot::<3, 5, 7>();
-                }
-                t.store::<0>(c.cast(), 4 * d);
-                t.store::<1>(c.add(T).cast(), 4 * d);
-                t.store::<2>(c.add(T * d).cast(), 4 * d);
-                t.store::<3>(c.add(T * d + T).cast(), 4 * d);
-            }
-        }
-    }
-}
-
 /// `x` rounded to bf16 bits, to nearest, ties to even (for the finite,
 /// non-negative probabilities it rounds).
 #[inline(always)]
@@ -462,17 +357,16 @@ fn step<V: HostVariant>(
     let row_groups = rows.div_ceil(T).next_multiple_of(2);
     let k_t = &kv.k[tile * BK * d / 2..(tile + 1) * BK * d / 2];
     let v_t = &kv.v[tile * BK * d / 2..(tile + 1) * BK * d / 2];
-    // SAFETY: qt.q holds 64 rows of d, k_t a packed tile, s64 64 × BK;
-    // row_groups ≤ 4 and the column groups ≤ BK / 16.
+    // SAFETY: qt.q holds 64 rows of d, k_t a packed tile (d/2 rows of
+    // BK), s64 64 × BK; row_groups ≤ 4 and the columns ≤ BK.
     unsafe {
-        scores(
+        amx::product(
             tiles,
-            qt.q.as_ptr(),
-            k_t.as_ptr(),
-            d,
-            w.s64.as_mut_ptr(),
-            row_groups,
-            cols.div_ceil(T).next_multiple_of(2),
+            (qt.q.as_ptr(), d),
+            (k_t.as_ptr(), BK),
+            (w.s64.as_mut_ptr(), BK),
+            (row_groups * T, cols.div_ceil(2 * T) * 2 * T, d),
+            false,
         );
     }
     let s = &mut w.s[..rows * cols];
@@ -518,37 +412,27 @@ fn step<V: HostVariant>(
     } else {
         v_t
     };
-    if rows == BQ {
-        // SAFETY: out holds 64 rows of d; p 64 × BK; v_t a packed tile.
+    let acc = |o: *mut f32| {
+        // SAFETY: o holds 64 rows of d; p 64 × BK; v_t a packed tile (BK/2
+        // rows of d); the keys ≤ BK.
         unsafe {
-            accumulate(
+            amx::product(
                 tiles,
-                w.p.as_ptr(),
-                v_t.as_ptr(),
-                d,
-                out.as_mut_ptr(),
-                row_groups,
-                chunks,
-                first,
+                (w.p.as_ptr(), BK),
+                (v_t.as_ptr(), d),
+                (o, d),
+                (row_groups * T, d, chunks * amx::DEPTH),
+                !first,
             )
-        };
+        }
+    };
+    if rows == BQ {
+        acc(out.as_mut_ptr());
     } else {
         if !first {
             w.o[..rows * d].copy_from_slice(out);
         }
-        // SAFETY: o holds 64 rows of d; as above.
-        unsafe {
-            accumulate(
-                tiles,
-                w.p.as_ptr(),
-                v_t.as_ptr(),
-                d,
-                w.o.as_mut_ptr(),
-                row_groups,
-                chunks,
-                first,
-            )
-        };
+        acc(w.o.as_mut_ptr());
         out.copy_from_slice(&w.o[..rows * d]);
     }
     qt.first = false;

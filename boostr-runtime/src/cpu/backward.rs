@@ -137,15 +137,15 @@ pub(super) fn key_chunks(p: &Problem, tiles: CpuTiles, threads: usize) -> usize 
 }
 
 /// One task: the keys `key0 .. key0 + dk.len()/D` of one (batch, kv head).
-struct KeyChunk<'a> {
-    b: usize,
-    kvh: usize,
-    key0: usize,
-    dk: &'a mut [f32],
-    dv: &'a mut [f32],
+pub(super) struct KeyChunk<'a> {
+    pub(super) b: usize,
+    pub(super) kvh: usize,
+    pub(super) key0: usize,
+    pub(super) dk: &'a mut [f32],
+    pub(super) dv: &'a mut [f32],
     /// dQ `[group, Sq, D]` of the group's query heads: the real `dq` for the
     /// first chunk, a private partial for the others.
-    dq: &'a mut [f32],
+    pub(super) dq: &'a mut [f32],
 }
 
 /// Per-task scratch: the resident K/V tiles transposed, and three
@@ -248,31 +248,86 @@ pub(super) fn backward<V: HostVariant>(
     dv: &mut [f32],
     tensor_grads: &mut [Vec<f32>],
 ) {
-    let (sq, sk, d, group) = (p.seq_q, p.seq_k, p.head_dim, p.group());
+    let d = p.head_dim;
     let learn = tensor_grads.iter().any(|g| !g.is_empty());
 
-    let mut delta = vec![0.0f32; p.lse_len()];
+    let delta = deltas(x.dout, x.out, d, math::dot);
+    let (chunk_keys, chunks) = chunk_keys(p, tiles, chunks);
+    let mut partials = dq_partials(p, chunks);
+    let tasks = carve(p, chunk_keys, dq, dk, dv, &mut partials);
+
+    let shared = Shared {
+        variant,
+        p,
+        tiles,
+        kv_group,
+        pos: Positions::new(p),
+        x,
+        delta: &delta,
+    };
+    if learn && V::SCORE_READS_LEARNABLE {
+        learnable_tasks(&shared, tasks, tensor_grads);
+    } else {
+        tasks.into_par_iter().for_each_init(
+            || Scratch::new::<V>(tiles, d, kv_group, false),
+            |sc, task| key_chunk(&shared, task, sc, &mut []),
+        );
+    }
+    if V::HAS_SINK {
+        sinks(variant, p, x.lse, &delta, tensor_grads);
+    }
+
+    add_partials(p, chunks, dq, &partials);
+}
+
+/// `D_i = rowsum(dO_i ∘ O_i)` for every row of `d` (`dot` reads the
+/// elements as stored).
+pub(super) fn deltas<E: Sync>(
+    dout: &[E],
+    out: &[E],
+    d: usize,
+    dot: impl Fn(&[E], &[E]) -> f32 + Sync,
+) -> Vec<f32> {
+    let mut delta = vec![0.0f32; out.len() / d.max(1)];
     delta
         .par_chunks_mut(ELEMENTWISE_BLOCK)
         .enumerate()
         .for_each(|(c, block)| {
             for (i, di) in block.iter_mut().enumerate() {
                 let r = (c * ELEMENTWISE_BLOCK + i) * d;
-                *di = math::dot(&x.dout[r..r + d], &x.out[r..r + d]);
+                *di = dot(&dout[r..r + d], &out[r..r + d]);
             }
         });
+    delta
+}
 
-    // Chunks are whole key tiles; recount after rounding up the chunk size.
-    let key_tiles = sk.div_ceil(tiles.kv);
+/// Keys per chunk (whole key tiles), and the chunk count after rounding the
+/// chunk size up.
+pub(super) fn chunk_keys(p: &Problem, tiles: CpuTiles, chunks: usize) -> (usize, usize) {
+    let key_tiles = p.seq_k.div_ceil(tiles.kv);
     let chunk_keys = key_tiles.div_ceil(chunks.clamp(1, key_tiles)) * tiles.kv;
-    let chunks = sk.div_ceil(chunk_keys);
-    let dq_group = group * sq * d;
+    (chunk_keys, p.seq_k.div_ceil(chunk_keys))
+}
 
-    // Carve the outputs into disjoint per-task slices, in (b, kv head, chunk)
-    // order; partial `c ≥ 1` of head `bg` is `partials[bg][c - 1]`.
-    let mut partials = vec![0.0f32; p.batch * p.heads_kv * (chunks - 1) * dq_group];
+/// The dQ partial sums of every (batch, kv head)'s chunks after its first.
+pub(super) fn dq_partials(p: &Problem, chunks: usize) -> Vec<f32> {
+    vec![0.0f32; p.batch * p.heads_kv * (chunks - 1) * p.group() * p.seq_q * p.head_dim]
+}
+
+/// The outputs carved into disjoint per-task slices, in (b, kv head,
+/// chunk) order; partial `c ≥ 1` of head `bg` is `partials[bg][c - 1]`.
+pub(super) fn carve<'a>(
+    p: &Problem,
+    chunk_keys: usize,
+    dq: &'a mut [f32],
+    dk: &'a mut [f32],
+    dv: &'a mut [f32],
+    partials: &'a mut [f32],
+) -> Vec<KeyChunk<'a>> {
+    let (sk, d) = (p.seq_k, p.head_dim);
+    let dq_group = p.group() * p.seq_q * d;
     let mut partial_slots = partials.chunks_mut(dq_group.max(1));
-    let mut tasks = Vec::with_capacity(p.batch * p.heads_kv * chunks);
+    let mut tasks = Vec::with_capacity(p.batch * p.heads_kv * sk.div_ceil(chunk_keys));
     let per_head = dk
         .chunks_mut(sk * d)
         .zip(dv.chunks_mut(sk * d))
@@ -298,44 +353,28 @@ pub(super) fn backward<V: HostVariant>(
             });
         }
     }
+    tasks
+}
 
-    let shared = Shared {
-        variant,
-        p,
-        tiles,
-        kv_group,
-        pos: Positions::new(p),
-        x,
-        delta: &delta,
-    };
-    if learn && V::SCORE_READS_LEARNABLE {
-        learnable_tasks(&shared, tasks, tensor_grads);
-    } else {
-        tasks.into_par_iter().for_each_init(
-            || Scratch::new::<V>(tiles, d, kv_group, false),
-            |sc, task| key_chunk(&shared, task, sc, &mut []),
-        );
+/// `dq += partial_1 + partial_2 + ...` in that order, element by element.
+pub(super) fn add_partials(p: &Problem, chunks: usize, dq: &mut [f32], partials: &[f32]) {
+    if chunks <= 1 {
+        return;
     }
-    if V::HAS_SINK {
-        sinks(&shared, tensor_grads);
-    }
-
-    if chunks > 1 {
-        // dq += partial_1 + partial_2 + ... in that order, element by element.
-        dq.par_chunks_mut(dq_group)
-            .zip(partials.par_chunks(dq_group * (chunks - 1)))
-            .for_each(|(dq_bg, parts)| {
-                dq_bg
-                    .par_chunks_mut(ELEMENTWISE_BLOCK)
-                    .enumerate()
-                    .for_each(|(blk, dst)| {
-                        let at = blk * ELEMENTWISE_BLOCK;
-                        for part in parts.chunks_exact(dq_group) {
-                            math::add_assign(dst, &part[at..at + dst.len()]);
-                        }
-                    });
-            });
-    }
+    let dq_group = p.group() * p.seq_q * p.head_dim;
+    dq.par_chunks_mut(dq_group)
+        .zip(partials.par_chunks(dq_group * (chunks - 1)))
+        .for_each(|(dq_bg, parts)| {
+            dq_bg
+                .par_chunks_mut(ELEMENTWISE_BLOCK)
+                .enumerate()
+                .for_each(|(blk, dst)| {
+                    let at = blk * ELEMENTWISE_BLOCK;
+                    for part in parts.chunks_exact(dq_group) {
+                        math::add_assign(dst, &part[at..at + dst.len()]);
+                    }
+                });
+        });
 }
 
 /// The tasks with learnable tensors' gradients: grouped into partial sums,
@@ -386,8 +425,14 @@ fn learnable_tasks<V: HostVariant>(
 /// the call's `Err`, as in the forward. With learnable gradients wanted,
 /// each row adds its sink term `d loss / d sink = −e^(sink − lse) · D_i`
 /// times the sink's derivatives, after the partials of the pairs.
-fn sinks<V: HostVariant>(sh: &Shared<'_, V>, tensor_grads: &mut [Vec<f32>]) {
-    let p = sh.p;
+pub(super) fn sinks<V: HostVariant>(
+    variant: &V,
+    p: &Problem,
+    lse: &[f32],
+    delta: &[f32],
+    tensor_grads: &mut [Vec<f32>],
+) {
+    let pos = Positions::new(p);
     let learn = tensor_grads.iter().any(|g| !g.is_empty());
     let mut views: Vec<&mut [f32]> = tensor_grads.iter_mut().map(Vec::as_mut_slice).collect();
     for bh in 0..p.batch * p.heads_q {
@@ -396,14 +441,14 @@ fn sinks<V: HostVariant>(sh: &Shared<'_, V>, tensor_grads: &mut [Vec<f32>]) {
             Positions::to_i32(bh % p.heads_q),
         );
         for i in 0..p.seq_q {
-            let (lse, delta) = (sh.x.lse[bh * p.seq_q + i], sh.delta[bh * p.seq_q + i]);
-            let (q_pos, _) = sh.pos.query_range(i, 1);
-            let sink = sh.variant.sink(b, h, q_pos);
+            let (lse, delta) = (lse[bh * p.seq_q + i], delta[bh * p.seq_q + i]);
+            let (q_pos, _) = pos.query_range(i, 1);
+            let sink = variant.sink(b, h, q_pos);
             if !learn || sink == f32::NEG_INFINITY || lse == f32::NEG_INFINITY {
                 continue;
             }
             let dz = -(sink - lse).exp() * delta;
-            sh.variant.sink_tensor_grads(b, h, q_pos, dz, &mut views);
+            variant.sink_tensor_grads(b, h, q_pos, dz, &mut views);
         }
     }
 }
@@ -705,20 +750,20 @@ fn band_tile<'a>(m: &'a [f32], cols: usize, r: &Range<usize>, c: &Range<usize>) 
 /// Recompute the probabilities of one tile from the saved log-sum-exp:
 /// `s` (scaled logits) becomes `P = e^(x − lse)`, 0 where hidden; `g`
 /// receives `score_grad` at the raw logits (untouched for identity scores).
-struct Probabilities<'a, V> {
-    variant: &'a V,
-    b: i32,
-    h: i32,
+pub(super) struct Probabilities<'a, V> {
+    pub(super) variant: &'a V,
+    pub(super) b: i32,
+    pub(super) h: i32,
     /// Position of the tile's first query row and first key.
-    q_lo: i32,
-    kv_lo: i32,
-    class: TileClass,
+    pub(super) q_lo: i32,
+    pub(super) kv_lo: i32,
+    pub(super) class: TileClass,
     /// The tile rows' log-sum-exp.
-    lse: &'a [f32],
-    s: &'a mut [f32],
-    g: &'a mut [f32],
+    pub(super) lse: &'a [f32],
+    pub(super) s: &'a mut [f32],
+    pub(super) g: &'a mut [f32],
     /// Only the bands' elements are read and written.
-    bands: &'a [Band],
+    pub(super) bands: &'a [Band],
 }
 
 impl<V: HostVariant> Elementwise for Probabilities<'_, V> {
@@ -783,19 +828,19 @@ impl<V: HostVariant> Elementwise for Probabilities<'_, V> {
 }
 
 /// `dS = P ∘ (dP − D) ∘ score_grad`, in place over `dp`, for one tile.
-struct ScoreGrads<'a, V> {
-    p: &'a [f32],
+pub(super) struct ScoreGrads<'a, V> {
+    pub(super) p: &'a [f32],
     /// `score_grad` values (empty when the score is the identity).
-    g: &'a [f32],
+    pub(super) g: &'a [f32],
     /// The tile rows' `D_i`.
-    delta: &'a [f32],
-    dp: &'a mut [f32],
+    pub(super) delta: &'a [f32],
+    pub(super) dp: &'a mut [f32],
     /// Only the bands' elements are read and written.
-    bands: &'a [Band],
+    pub(super) bands: &'a [Band],
     /// A `Partial` tile: some pairs are hidden, and their `dP` (from a V
     /// row that may hold NaN) must not reach `dS`.
-    partial: bool,
-    variant: PhantomData<V>,
+    pub(super) partial: bool,
+    pub(super) variant: PhantomData<V>,
 }
 
 impl<V: HostVariant> Elementwise for ScoreGrads<'_, V> {

@@ -55,6 +55,7 @@
 //!   the `gemm` crate elsewhere, which round differently.
 
 mod amx;
+mod amx_backward;
 mod amx_forward;
 mod backward;
 mod cached;
@@ -381,6 +382,108 @@ pub fn backward<V: Variant>(
     Ok(grads)
 }
 
+/// The bf16 tensors [`backward_bf16`] reads, in the layout of
+/// [`BackwardInputs`]; `lse` is the forward's, f32.
+#[derive(Clone, Copy, Debug)]
+pub struct Bf16BackwardInputs<'a> {
+    /// Queries `[B, Hq, Sq, D]`.
+    pub q: &'a [half::bf16],
+    /// Keys `[B, Hkv, Sk, D]`.
+    pub k: &'a [half::bf16],
+    /// Values `[B, Hkv, Sk, D]`.
+    pub v: &'a [half::bf16],
+    /// The forward's output `[B, Hq, Sq, D]`.
+    pub out: &'a [half::bf16],
+    /// The forward's log-sum-exp `[B, Hq, Sq]`.
+    pub lse: &'a [f32],
+    /// Gradient of the loss with respect to `out`.
+    pub dout: &'a [half::bf16],
+}
+
+/// Attention backward over bf16 inputs with its five tile products on AMX
+/// (see `amx_backward`: `P` and `dS` rounded to bf16 before their
+/// products, everything else f32), where [`bf16_tiles`] holds and no
+/// learnable tensor read by `score` wants its gradient. Returns `Ok(None)`,
+/// writing nothing, where that is not so: the caller then widens the inputs
+/// for [`backward`]. Otherwise as [`backward`].
+#[allow(clippy::too_many_arguments)]
+pub fn backward_bf16<V: Variant>(
+    variant: &V,
+    p: &Problem,
+    inputs: Bf16BackwardInputs<'_>,
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+    tensor_grads: &[bool],
+) -> Result<Option<Vec<Option<Vec<f32>>>>> {
+    let i = &inputs;
+    check_backward_lengths(
+        p,
+        (i.q.len(), i.k.len(), i.v.len()),
+        (i.out.len(), i.dout.len(), i.lse.len()),
+        (dq, dk, dv),
+    );
+    if !amx_forward::applies(p) {
+        return Ok(None);
+    }
+    let host = variant.host(p)?;
+    let wanted = |slot: usize| tensor_grads.get(slot).copied().unwrap_or(false);
+    if !amx_backward::applies(&host, p, (0..V::LEARNABLE.len()).any(wanted)) {
+        return Ok(None);
+    }
+    let mut grads: Vec<Vec<f32>> = (0..V::LEARNABLE.len())
+        .map(|slot| {
+            vec![
+                0.0;
+                if wanted(slot) {
+                    host.learnable_numel(slot)
+                } else {
+                    0
+                }
+            ]
+        })
+        .collect();
+    use half::slice::HalfFloatSliceExt as _;
+    let x = amx_backward::Inputs {
+        q: i.q.reinterpret_cast(),
+        k: i.k.reinterpret_cast(),
+        v: i.v.reinterpret_cast(),
+        out: i.out.reinterpret_cast(),
+        dout: i.dout.reinterpret_cast(),
+        lse: i.lse,
+    };
+    let chunks = backward::key_chunks(p, amx_backward::TILES, rayon::current_num_threads());
+    let kv_group = backward::kv_group_size(&host, p, amx_backward::TILES);
+    in_pool(|| amx_backward::backward(&host, p, chunks, kv_group, x, dq, dk, dv, &mut grads));
+    host.out_of_range().map_or(Ok(()), Err)?;
+    Ok(Some(
+        grads
+            .into_iter()
+            .enumerate()
+            .map(|(slot, g)| wanted(slot).then_some(g))
+            .collect(),
+    ))
+}
+
+/// The slices of a backward have the problem's lengths.
+fn check_backward_lengths(
+    p: &Problem,
+    (q, k, v): (usize, usize, usize),
+    (out, dout, lse): (usize, usize, usize),
+    (dq, dk, dv): (&[f32], &[f32], &[f32]),
+) {
+    assert_eq!(q, p.q_len(), "q length");
+    assert_eq!((k, v), (p.kv_len(), p.kv_len()), "k/v length");
+    assert_eq!((out, dout), (p.q_len(), p.q_len()), "out/dout length");
+    assert_eq!(lse, p.lse_len(), "lse length");
+    assert_eq!(dq.len(), p.q_len(), "dq length");
+    assert_eq!(
+        (dk.len(), dv.len()),
+        (p.kv_len(), p.kv_len()),
+        "dk/dv length"
+    );
+}
+
 /// Attention backward over a KV cache (see [`forward_cache`]): `k, v` and
 /// `dk, dv` hold `Sk` slots per sequence, of which sequence `b` has
 /// `lens[b]`; the others get `dk = dv = 0` and are never part of a
@@ -454,23 +557,11 @@ pub fn backward_tiled<V: HostVariant>(
     tensor_grads: &mut [Vec<f32>],
 ) {
     let i = &inputs;
-    assert_eq!(i.q.len(), p.q_len(), "q length");
-    assert_eq!(
-        (i.k.len(), i.v.len()),
-        (p.kv_len(), p.kv_len()),
-        "k/v length"
-    );
-    assert_eq!(
-        (i.out.len(), i.dout.len()),
-        (p.q_len(), p.q_len()),
-        "out/dout length"
-    );
-    assert_eq!(i.lse.len(), p.lse_len(), "lse length");
-    assert_eq!(dq.len(), p.q_len(), "dq length");
-    assert_eq!(
-        (dk.len(), dv.len()),
-        (p.kv_len(), p.kv_len()),
-        "dk/dv length"
+    check_backward_lengths(
+        p,
+        (i.q.len(), i.k.len(), i.v.len()),
+        (i.out.len(), i.dout.len(), i.lse.len()),
+        (dq, dk, dv),
     );
     let tiles = CpuTiles::new(tiles.q, tiles.kv);
     // With learnable tensors read by `score` the chunking is fixed by the

@@ -203,6 +203,20 @@ pub(crate) fn reference_lens<V: HostVariant>(
     x: &Inputs,
     lens: Option<&[usize]>,
 ) -> Reference {
+    reference_rounded(var, p, x, lens, |x| x)
+}
+
+/// [`reference_lens`] with the bf16 kernels' roundings applied by `round`:
+/// to each `O` before `D_i = dO_i · O_i`, to `P` before `dV += Pᵀ dO`, and
+/// to `scale · dS` before `dK` and `dQ` (the identity: the exact
+/// reference).
+fn reference_rounded<V: HostVariant>(
+    var: &V,
+    p: &Problem,
+    x: &Inputs,
+    lens: Option<&[usize]>,
+    round: fn(f64) -> f64,
+) -> Reference {
     let (sq, d) = (p.seq_q, p.head_dim);
     let cap = p.seq_k;
     let scale = p.scale as f64;
@@ -249,7 +263,7 @@ pub(crate) fn reference_lens<V: HostVariant>(
                 }
                 let o = r.out[(bh * sq + i) * d..][..d].to_vec();
                 let dorow = &dout[(bh * sq + i) * d..][..d];
-                let di: f64 = dorow.iter().zip(&o).map(|(a, b)| a * b).sum();
+                let di: f64 = dorow.iter().zip(&o).map(|(a, &b)| a * round(b)).sum();
                 for j in 0..sk {
                     if pr[j] == 0.0 {
                         continue;
@@ -257,10 +271,11 @@ pub(crate) fn reference_lens<V: HostVariant>(
                     let (krow, vrow) = (&k[(kvb + j) * d..][..d], &v[(kvb + j) * d..][..d]);
                     let dp: f64 = dorow.iter().zip(vrow).map(|(a, b)| a * b).sum();
                     let ds = pr[j] * (dp - di) * var.score_grad_f64(s[j], bi, hi, qi, j as i32);
+                    let (pj, ds) = (round(pr[j]), round(scale * ds));
                     for c in 0..d {
-                        r.dv[(kvb + j) * d + c] += pr[j] * dorow[c];
-                        r.dq[(bh * sq + i) * d + c] += scale * ds * krow[c];
-                        r.dk[(kvb + j) * d + c] += scale * ds * qrow[c];
+                        r.dv[(kvb + j) * d + c] += pj * dorow[c];
+                        r.dq[(bh * sq + i) * d + c] += ds * krow[c];
+                        r.dk[(kvb + j) * d + c] += ds * qrow[c];
                     }
                 }
             }
@@ -1246,9 +1261,11 @@ fn naive_bf16<V: HostVariant>(var: &V, p: &Problem, x: &Inputs) -> Vec<f64> {
 /// naive attention in the same roundings as the yardstick:
 /// `max|kernel − ref| ≤ 2·max|naive_bf16 − ref| + 1e-6·(1 + max|ref|)` for
 /// `out`, and `lse` (f32 throughout) within 2e-5. Odd shapes, GQA 4:1, Sq ≠
-/// Sk, a long row (S = 4096), masks, a score, a sink; NaN in K and V rows no
-/// query sees. Capped below AMX, the same call declines, and the caller
-/// widens the inputs for the f32 kernels.
+/// Sk, a long row (S = 4096), masks, a score; NaN in K and V rows no
+/// query sees. The backward likewise, fed the forward's bf16 `out`, for
+/// dq, dk and dv, with the yardstick in its roundings (`O`, `P` and
+/// `scale·dS` in bf16). Capped below AMX, the same calls decline, and the
+/// caller widens the inputs for the f32 kernels.
 #[test]
 fn bf16_tiles_match_the_reference_within_the_bf16_yardstick() {
     use crate::stock::{Causal, CausalSlidingWindow, Full, Softcap};
@@ -1260,7 +1277,7 @@ fn bf16_tiles_match_the_reference_within_the_bf16_yardstick() {
     fn check<V: Variant>(var: &V, p: Problem, hide: bool) {
         let host = var.host(&p).unwrap();
         let mut x = Inputs::new(&p, 0xbf16 ^ (p.seq_q * 7 + p.seq_k) as u64, 1.0);
-        for t in [&mut x.q, &mut x.k, &mut x.v] {
+        for t in [&mut x.q, &mut x.k, &mut x.v, &mut x.dout] {
             t.iter_mut().for_each(|v| *v = bf16_round(*v));
         }
         if hide {
@@ -1305,6 +1322,48 @@ fn bf16_tiles_match_the_reference_within_the_bf16_yardstick() {
             V::NAME
         );
         assert_close(&format!("{} {p:?} lse", V::NAME), &lse, &want.lse, 2e-5);
+
+        // The backward, fed the forward's bf16 out and f32 lse, against
+        // the same reference, with the yardstick in the backward's
+        // roundings (bf16 O, P and scale·dS).
+        let yard_grads =
+            reference_rounded(&host, &p, &x, None, |x| f64::from(bf16_round(x as f32)));
+        let out_bf = bf(&out);
+        let inputs = Bf16BackwardInputs {
+            q: &bf(&x.q),
+            k: &bf(&x.k),
+            v: &bf(&x.v),
+            out: &out_bf,
+            lse: &lse,
+            dout: &bf(&x.dout),
+        };
+        let mut dq = vec![f32::NAN; p.q_len()];
+        let (mut dk, mut dv) = (vec![f32::NAN; p.kv_len()], vec![f32::NAN; p.kv_len()]);
+        let ran = backward_bf16(var, &p, inputs, &mut dq, &mut dk, &mut dv, &[]).unwrap();
+        assert!(ran.is_some(), "{} {p:?}: the AMX backward runs", V::NAME);
+        for (name, got, want, naive) in [
+            ("dq", &dq, &want.dq, &yard_grads.dq),
+            ("dk", &dk, &want.dk, &yard_grads.dk),
+            ("dv", &dv, &want.dv, &yard_grads.dv),
+        ] {
+            assert!(
+                got.iter().all(|x| x.is_finite()),
+                "{} {p:?}: a non-finite {name}",
+                V::NAME
+            );
+            let max_err = |got: &mut dyn Iterator<Item = f64>| {
+                got.zip(want).fold(0.0f64, |m, (g, w)| m.max((g - w).abs()))
+            };
+            let yard = max_err(&mut naive.iter().copied());
+            let err = max_err(&mut got.iter().map(|&x| f64::from(x)));
+            let big = want.iter().fold(0.0f64, |m, w| m.max(w.abs()));
+            let bound = 2.0 * yard + 1e-6 * (1.0 + big);
+            assert!(
+                err <= bound,
+                "{} {p:?}: {name} error {err:e} > {bound:e} (yardstick {yard:e})",
+                V::NAME
+            );
+        }
         // Capped at AVX-512, the call declines without writing.
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(1)
@@ -1312,6 +1371,7 @@ fn bf16_tiles_match_the_reference_within_the_bf16_yardstick() {
             .build()
             .unwrap();
         let mut untouched = vec![f32::NAN; p.q_len()];
+        let mut lse2 = lse.clone();
         let declined = pool.install(|| {
             forward_bf16(
                 var,
@@ -1320,13 +1380,20 @@ fn bf16_tiles_match_the_reference_within_the_bf16_yardstick() {
                 &bf(&x.k),
                 &bf(&x.v),
                 &mut untouched,
-                &mut lse,
+                &mut lse2,
             )
             .unwrap()
         });
         assert!(
             !declined && untouched.iter().all(|x| x.is_nan()),
             "capped, the AMX forward runs"
+        );
+        let declined = pool.install(|| {
+            backward_bf16(var, &p, inputs, &mut untouched, &mut dk, &mut dv, &[]).unwrap()
+        });
+        assert!(
+            declined.is_none() && untouched.iter().all(|x| x.is_nan()),
+            "capped, the AMX backward runs"
         );
     }
     check(&Full, problem(2, 4, 1, 77, 130, 64), false);
