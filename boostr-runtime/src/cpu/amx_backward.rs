@@ -405,7 +405,7 @@ fn step<V: HostVariant>(
     let dkt = sc.dkt[at.acc * d * BK..(at.acc + 1) * d * BK].as_mut_ptr();
     let dvt = sc.dvt[at.acc * d * BK..(at.acc + 1) * d * BK].as_mut_ptr();
 
-    // S = Q Kᵀ (unscaled), then P = e^(score(scale·S) − lse) in place.
+    // S = Q Kᵀ, then P = e^(score(scale·S) − lse) in place.
     // SAFETY (every product below): the packs hold whole tiles of 64 rows
     // and keys (zero past the ends), the scratch tiles are 64 × 64, and
     // m, n ≤ 64, the dims d; AMX is configured.
@@ -420,7 +420,6 @@ fn step<V: HostVariant>(
         );
     }
     let s = &mut sc.s[..rows * BK];
-    s.iter_mut().for_each(|x| *x *= scale);
     sc.bands.clear();
     sc.bands.push(Band {
         rows: 0..rows,
@@ -436,6 +435,7 @@ fn step<V: HostVariant>(
         class,
         lse,
         s: &mut *s,
+        scale,
         g: &mut *g,
         bands: &sc.bands,
     });

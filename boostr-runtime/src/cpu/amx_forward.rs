@@ -17,8 +17,9 @@
 //! `D` pairs), zero past the last key. A task (batch, query head, up to
 //! four tiles of 64 query rows, see [`MAX_GROUP`]) copies each tile's Q
 //! rows into a zero-padded 64 × D block and then streams the key tiles,
-//! each through every query tile in turn: scores into a 64 × 128 f32 block, scaled into
-//! the softmax's tile, `P` rounded into a 64 × 128 bf16 block, and `P V`
+//! each through every query tile in turn: scores into a 64 × 128 f32 block
+//! (the softmax scales them there, row by row), `P` rounded into a 64 ×
+//! 128 bf16 block, and `P V`
 //! added straight into the tile's output rows (through a 64-row block for a
 //! last tile of fewer rows).
 //!
@@ -135,17 +136,6 @@ fn round_row(src: &[f32], dst: &mut [u16]) {
     tail.fill(0);
 }
 
-/// `s` (rows of `cols`) = `scale ·` the first `cols` of each row of `s64`
-/// (rows of `BK`).
-#[target_feature(enable = "avx512f")]
-fn scaled(s64: &[f32], s: &mut [f32], cols: usize, scale: f32) {
-    for (row, s64) in s.chunks_exact_mut(cols).zip(s64.chunks_exact(BK)) {
-        for (x, &y) in row.iter_mut().zip(s64) {
-            *x = y * scale;
-        }
-    }
-}
-
 /// Query tiles per task, at most, where a kv head's packed K and V outgrow
 /// L2: each key tile then visits them all in turn before the next is
 /// loaded, as in the f32 forward (see `forward::MAX_GROUP`). Measured at
@@ -175,7 +165,6 @@ struct QueryTile {
 struct Scratch {
     tiles: Vec<QueryTile>,
     s64: Vec<f32>,
-    s: Vec<f32>,
     p: Vec<u16>,
     o: Vec<f32>,
     bands: Vec<Band>,
@@ -197,7 +186,6 @@ impl Scratch {
                 })
                 .collect(),
             s64: vec![0.0; BQ * BK],
-            s: vec![0.0; BQ * BK],
             p: vec![0; BQ * BK],
             o: vec![0.0; BQ * d],
             bands: Vec::with_capacity(1),
@@ -293,7 +281,6 @@ fn query_tiles<V: HostVariant>(
     let qts = &mut qts[..n];
     let mut work = Work {
         s64: &mut sc.s64,
-        s: &mut sc.s,
         p: &mut sc.p,
         o: &mut sc.o,
         bands: &mut sc.bands,
@@ -315,7 +302,6 @@ fn query_tiles<V: HostVariant>(
 /// The work tiles a task's query tiles share.
 struct Work<'a> {
     s64: &'a mut [f32],
-    s: &'a mut [f32],
     p: &'a mut [u16],
     o: &'a mut [f32],
     bands: &'a mut Vec<Band>,
@@ -369,9 +355,8 @@ fn step<V: HostVariant>(
             false,
         );
     }
-    let s = &mut w.s[..rows * cols];
-    // SAFETY: `applies` implies AVX-512.
-    unsafe { scaled(w.s64, s, cols, scale) };
+    // The scores in place, rows of BK: the softmax scales them.
+    let s = &mut w.s64[..rows * BK];
     w.bands.clear();
     w.bands.push(Band {
         rows: 0..rows,
@@ -384,6 +369,7 @@ fn step<V: HostVariant>(
         q_lo: qt.pos.0,
         kv_lo: Positions::to_i32(kv0),
         s: &mut *s,
+        scale,
         m: &mut qt.m[..rows],
         l: &mut qt.l[..rows],
         alpha: &mut qt.alpha[..rows],
@@ -391,9 +377,9 @@ fn step<V: HostVariant>(
         bands: w.bands,
     });
     let chunks = cols.div_ceil(amx::DEPTH);
-    for (row, p) in s.chunks_exact(cols).zip(w.p.chunks_exact_mut(BK)) {
+    for (row, p) in s.chunks_exact(BK).zip(w.p.chunks_exact_mut(BK)) {
         // SAFETY: `applies` implies AVX-512 (every CPU with AMX has it).
-        unsafe { round_row(row, p) };
+        unsafe { round_row(&row[..cols], p) };
     }
     // On a partial tile a key no row sees has P = 0 in every row, and
     // must not bring a NaN of its V row into the product (0·NaN).
@@ -401,7 +387,7 @@ fn step<V: HostVariant>(
         w.v_guarded.clear();
         w.v_guarded.extend_from_slice(v_t);
         for key in 0..cols {
-            if s.chunks_exact(cols).all(|row| row[key] == 0.0) {
+            if s.chunks_exact(BK).all(|row| row[key] == 0.0) {
                 let (r, shift) = (key / 2, 16 * (key % 2));
                 for x in &mut w.v_guarded[r * d..(r + 1) * d] {
                     *x &= !(0xffff << shift);

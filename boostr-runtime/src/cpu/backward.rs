@@ -587,6 +587,7 @@ fn query_tile<V: HostVariant>(
         class,
         lse,
         s: &mut *s,
+        scale: 1.0,
         g: &mut *g,
         bands,
     });
@@ -760,7 +761,10 @@ pub(super) struct Probabilities<'a, V> {
     pub(super) class: TileClass,
     /// The tile rows' log-sum-exp.
     pub(super) lse: &'a [f32],
+    /// Logits, times `scale` (applied here: 1 where the product scaled
+    /// them already).
     pub(super) s: &'a mut [f32],
+    pub(super) scale: f32,
     pub(super) g: &'a mut [f32],
     /// Only the bands' elements are read and written.
     pub(super) bands: &'a [Band],
@@ -780,6 +784,7 @@ impl<V: HostVariant> Elementwise for Probabilities<'_, V> {
             class,
             lse,
             s,
+            scale,
             g,
             bands,
         } = self;
@@ -789,6 +794,9 @@ impl<V: HostVariant> Elementwise for Probabilities<'_, V> {
             for i in r {
                 let qi = q_lo + i as i32;
                 let row = &mut s[i * cols + c.start..i * cols + c.end];
+                if scale != 1.0 {
+                    math::scale(row, scale);
+                }
                 if V::SCORE_CHECKS_READS && class == TileClass::Partial {
                     // A score with checked reads runs only at visible pairs
                     // (see the forward's `score_and_mask`).

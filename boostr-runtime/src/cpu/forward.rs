@@ -299,6 +299,7 @@ fn query_tiles<V: HostVariant>(
                 q_lo,
                 kv_lo,
                 s: &mut *s,
+                scale: 1.0,
                 m: &mut sc.m[r.clone()],
                 l: &mut sc.l[r.clone()],
                 alpha: &mut sc.alpha[r.clone()],
@@ -397,8 +398,10 @@ pub(super) struct OnlineSoftmax<'a, 'h, V> {
     /// Position of the tile's first query row and first key.
     pub(super) q_lo: i32,
     pub(super) kv_lo: i32,
-    /// `rows × cols` logits, row-major.
+    /// `rows × cols` logits, row-major, times `scale` (applied here: 1
+    /// where the product scaled them already).
     pub(super) s: &'a mut [f32],
+    pub(super) scale: f32,
     pub(super) m: &'a mut [f32],
     pub(super) l: &'a mut [math::Lanes],
     pub(super) alpha: &'a mut [f32],
@@ -421,6 +424,7 @@ impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {
             q_lo,
             kv_lo,
             s,
+            scale,
             m,
             l,
             alpha,
@@ -436,6 +440,9 @@ impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {
             for i in br {
                 let row = &mut s[i * cols + c.start..i * cols + c.end];
                 let (qi, kj) = (q_lo + i as i32, kv_lo + c.start as i32);
+                if scale != 1.0 {
+                    math::scale(row, scale);
+                }
                 score_and_mask(head.variant, head.b, head.h, qi, kj, class, row);
                 alpha[i] = m[i].max(math::max(row));
             }
