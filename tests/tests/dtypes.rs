@@ -245,7 +245,7 @@ fn the_reference_roundings_are_right() {
 }
 
 /// The gradients of a model-like loss, `L = Σ out ∘ W` (W random: `dout =
-/// W`), from bf16 inputs (on a CPU with AMX, the forward on bf16 tiles)
+/// W`), from bf16 inputs (on a CPU with AMX, on bf16 tiles both ways)
 /// point the same way as those of the f32 kernels on the widened inputs:
 /// cosine similarity above 0.999 for dq, dk and dv, at S = 2048.
 #[test]

@@ -4,17 +4,19 @@
 //! `score_grad`, `mask` and `classify_tile` inline into the tile loops.
 //!
 //! Element types: the kernels compute in f32. f16 tensors, and bf16 ones
-//! where the bf16 forward below does not run, are widened to f32 by the CPU
-//! backend (exactly) and the results rounded once. The bf16 forward runs on
-//! AMX tiles (`amx_forward`: `tdpbf16ps` for `Q Kᵀ` and `P V`, `P` rounded
-//! to bf16, the rest f32) where [`bf16_tiles`] says so: the CPU has
-//! AMX-BF16, Linux grants the process its tile state, and the head dim is a
-//! multiple of 32 up to 256. The choice is made per call from CPUID (and
-//! tests cap it to run the widened path too). AVX512-BF16 alone
-//! (`vdpbf16ps`) is not used: on the Sapphire Rapids Xeons measured it
-//! issues at half the rate of f32 FMAs, so it would be slower than the f32
-//! kernels; where it is the fastest bf16 instruction (AMD Zen 4/5, no AMX)
-//! the widened f32 path runs for now. The bf16 backward widens.
+//! where the bf16 kernels below do not run, are widened to f32 by the CPU
+//! backend (exactly) and the results rounded once. The bf16 forward and
+//! backward run on AMX tiles (`amx_forward`: `tdpbf16ps` for `Q Kᵀ` and
+//! `P V`, `P` rounded to bf16; `amx_backward`: its five products, `P` and
+//! `scale·dS` rounded to bf16; the rest f32) where [`bf16_tiles`] says so:
+//! the CPU has AMX-BF16, Linux grants the process its tile state, and the
+//! head dim is a multiple of 32 up to 256 (the backward also not where a
+//! learnable tensor read by `score` wants its gradient). The choice is made
+//! per call from CPUID (and tests cap it to run the widened path too).
+//! AVX512-BF16 alone (`vdpbf16ps`) is not used: on the Sapphire Rapids
+//! Xeons measured it issues at half the rate of f32 FMAs, so it would be
+//! slower than the f32 kernels; where it is the fastest bf16 instruction
+//! (AMD Zen 4/5, no AMX) the widened f32 path runs for now.
 //!
 //! Layout and semantics are those of [`Problem`]: `q, out [B, Hq, Sq, D]`,
 //! `k, v [B, Hkv, Sk, D]`, `lse [B, Hq, Sq]`, query head `h` reads kv head
@@ -118,7 +120,8 @@ pub fn forward<V: Variant>(
     host.out_of_range().map_or(Ok(()), Err)
 }
 
-/// Whether [`forward_bf16`] runs `p` on this CPU: it has AMX-BF16 (and
+/// Whether [`forward_bf16`] (and, without learnable gradients of `score`'s
+/// tensors, [`backward_bf16`]) runs `p` on this CPU: it has AMX-BF16 (and
 /// the OS grants the process its tiles), and the head dim is a multiple of
 /// 32 up to 256.
 pub fn bf16_tiles(p: &Problem) -> bool {
