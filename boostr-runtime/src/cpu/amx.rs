@@ -221,6 +221,79 @@ pub(super) unsafe fn product(
     }
 }
 
+/// Which bf16 products the bf16 kernels run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Kind {
+    /// AMX tiles ([`product`]).
+    Amx,
+    /// AVX512-BF16's `vdpbf16ps` (`bf16_dot::product`).
+    Dot,
+}
+
+/// The bf16 products this thread may run, best first: AMX where the CPU
+/// and OS allow it, else `vdpbf16ps` where it beats the f32 kernels (see
+/// `bf16_dot::pays`), else none (the inputs are widened for the f32
+/// kernels).
+pub(super) fn kind() -> Option<Kind> {
+    use super::{bf16_dot, simd};
+    if simd::amx_allowed() && simd::avx512() && available() {
+        Some(Kind::Amx)
+    } else if simd::bf16_dot_allowed()
+        && simd::avx512()
+        && bf16_dot::present()
+        && (bf16_dot::pays() || simd::bf16_dot_forced())
+    {
+        Some(Kind::Dot)
+    } else {
+        None
+    }
+}
+
+/// One thread's bf16 products of a [`Kind`], from [`Products::start`] to
+/// drop (the AMX tiles configured for that long).
+#[derive(Debug)]
+pub(super) enum Products {
+    Amx(Tiles),
+    Dot,
+}
+
+impl Products {
+    /// Readies `kind`'s products on this thread.
+    ///
+    /// # Safety
+    /// [`kind`] returned `kind` (on this thread or one capped alike).
+    pub(super) unsafe fn start(kind: Kind) -> Self {
+        match kind {
+            // SAFETY: AMX is available (the caller's contract).
+            Kind::Amx => Products::Amx(unsafe { Tiles::configure() }),
+            Kind::Dot => Products::Dot,
+        }
+    }
+
+    /// [`product`] (AMX) or `bf16_dot::product`: the same operands,
+    /// layouts and result (up to the order of the f32 sums).
+    ///
+    /// # Safety
+    /// As [`product`].
+    #[inline(always)]
+    pub(super) unsafe fn product(
+        &self,
+        a: (*const u16, usize),
+        b: (*const u32, usize),
+        c: (*mut f32, usize),
+        mnk: (usize, usize, usize),
+        accumulate: bool,
+    ) {
+        match self {
+            // SAFETY: the caller's contract, as `product` states it.
+            Products::Amx(t) => unsafe { product(t, a, b, c, mnk, accumulate) },
+            // SAFETY: `start(Dot)` means `vdpbf16ps` is present; the
+            // multiples of 32 cover those `bf16_dot::product` needs.
+            Products::Dot => unsafe { super::bf16_dot::product(a, b, c, mnk, accumulate) },
+        }
+    }
+}
+
 /// Seconds for `iters` rounds of four independent `tdpbf16ps` on tile
 /// registers only (no loads), on the calling thread: `iters · 4 · 16384`
 /// flops at the core's bf16 tile peak. `None` without AMX.

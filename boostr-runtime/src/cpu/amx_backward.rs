@@ -2,7 +2,8 @@
 //! (tasks per (batch, kv head, chunk of key tiles), key tiles resident
 //! while every query tile of the GQA group streams past, dQ partials added
 //! in chunk order), with its five products on `tdpbf16ps` (see
-//! [`super::amx`]) and everything between them the f32 kernel's own code
+//! [`super::amx`]; or `vdpbf16ps` as the forward, [`amx::Products`]) and
+//! everything between them the f32 kernel's own code
 //! ([`Probabilities`], [`ScoreGrads`], the tile classifier).
 //!
 //! Roundings, where a GPU FlashAttention makes them: `Q`, `K`, `V`, `O`
@@ -33,7 +34,7 @@
 //! the same row pass as in f32. Partial tiles run the mask over the whole
 //! tile (one band).
 
-use super::amx::{self, Tiles};
+use super::amx::{self, Kind, Products};
 use super::backward::{
     KeyChunk, Probabilities, ScoreGrads, add_partials, carve, chunk_keys, deltas, dq_partials,
     sinks,
@@ -54,7 +55,7 @@ const T: usize = amx::TILE;
 /// The tiles the schedule (chunks, kv groups) is planned with.
 pub(super) const TILES: CpuTiles = CpuTiles { q: BQ, kv: BK };
 
-/// Whether the AMX backward runs `p`: the AMX forward does, and no
+/// Whether the bf16 backward runs `p`: the bf16 forward does, and no
 /// learnable tensor read by `score` wants its gradient (`learn`).
 pub(super) fn applies<V: HostVariant>(_: &V, p: &Problem, learn: bool) -> bool {
     super::amx_forward::applies(p) && !(V::SCORE_READS_LEARNABLE && learn)
@@ -174,6 +175,7 @@ fn pack_kv(k: &[u16], v: &[u16], sk: usize, d: usize) -> KvPack {
 /// Everything a task reads.
 struct Shared<'a, V> {
     variant: &'a V,
+    kind: Kind,
     p: &'a Problem,
     pos: Positions,
     kv_group: usize,
@@ -248,7 +250,8 @@ pub(super) fn backward<V: HostVariant>(
     tensor_grads: &mut [Vec<f32>],
 ) {
     let learn = tensor_grads.iter().any(|g| !g.is_empty());
-    assert!(applies(variant, p, learn), "the AMX backward runs {p:?}");
+    assert!(applies(variant, p, learn), "the bf16 backward runs {p:?}");
+    let kind = amx::kind().expect("applies");
     let (sq, sk, d) = (p.seq_q, p.seq_k, p.head_dim);
     let delta = deltas(x.dout, x.out, d, |a, b| {
         a.iter().zip(b).map(|(&a, &b)| widen(a) * widen(b)).sum()
@@ -273,6 +276,7 @@ pub(super) fn backward<V: HostVariant>(
     let tasks = carve(p, chunk_keys, dq, dk, dv, &mut partials);
     let shared = Shared {
         variant,
+        kind,
         p,
         pos: Positions::new(p),
         kv_group,
@@ -307,8 +311,9 @@ fn key_chunk<V: HostVariant>(sh: &Shared<'_, V>, task: KeyChunk<'_>, sc: &mut Sc
     } = task;
     dq.fill(0.0);
     let kv = &sh.kv[b * p.heads_kv + kvh];
-    // SAFETY: `applies` checked that AMX is available.
-    let tiles = unsafe { Tiles::configure() };
+    // SAFETY: `sh.kind` came from `amx::kind()` on the calling thread,
+    // whose pool's threads are capped alike.
+    let tiles = unsafe { Products::start(sh.kind) };
     let pass_keys = sh.kv_group * BK;
     let per_pass = dk
         .chunks_mut(pass_keys * d)
@@ -372,7 +377,7 @@ struct TileAt {
 /// The contribution of one (query tile × key tile) to dK, dV and dQ.
 fn step<V: HostVariant>(
     sh: &Shared<'_, V>,
-    tiles: &Tiles,
+    tiles: &Products,
     kv: &KvPack,
     at: TileAt,
     dq_t: &mut [f32],
@@ -410,8 +415,7 @@ fn step<V: HostVariant>(
     // and keys (zero past the ends), the scratch tiles are 64 × 64, and
     // m, n ≤ 64, the dims d; AMX is configured.
     unsafe {
-        amx::product(
-            tiles,
+        tiles.product(
             (qp.rows[r0 * d..].as_ptr(), d),
             (kv.k_dims[kv0..].as_ptr(), sk_pad),
             (sc.s.as_mut_ptr(), BK),
@@ -446,8 +450,7 @@ fn step<V: HostVariant>(
     let kq = rows.next_multiple_of(amx::DEPTH);
     // SAFETY: as above.
     unsafe {
-        amx::product(
-            tiles,
+        tiles.product(
             (dop.cols.as_ptr().cast::<u16>().add(r0), sq_pad),
             (sc.p_pairs.as_ptr(), BK),
             (dvt, BK),
@@ -459,8 +462,7 @@ fn step<V: HostVariant>(
     // dP = dO Vᵀ, then dS = P ∘ (dP − D) ∘ score_grad in place.
     // SAFETY: as above.
     unsafe {
-        amx::product(
-            tiles,
+        tiles.product(
             (dop.rows[r0 * d..].as_ptr(), d),
             (kv.v_dims[kv0..].as_ptr(), sk_pad),
             (sc.dp.as_mut_ptr(), BK),
@@ -483,8 +485,7 @@ fn step<V: HostVariant>(
     // dKᵀ += Qᵀ (scale·dS).
     // SAFETY: as above.
     unsafe {
-        amx::product(
-            tiles,
+        tiles.product(
             (qp.cols.as_ptr().cast::<u16>().add(r0), sq_pad),
             (sc.ds_pairs.as_ptr(), BK),
             (dkt, BK),
@@ -519,8 +520,7 @@ fn step<V: HostVariant>(
     };
     // SAFETY: as above; dq_rows holds m rows of d.
     unsafe {
-        amx::product(
-            tiles,
+        tiles.product(
             (sc.ds.as_ptr(), BK),
             (k_keys.as_ptr(), d),
             (dq_rows, d),

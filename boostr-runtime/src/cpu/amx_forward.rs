@@ -1,6 +1,8 @@
 //! The bf16 forward on AMX tiles: FlashAttention-2 as in [`super::forward`],
 //! with both tile products (`S = Q Kᵀ` and `O += P V`) on `tdpbf16ps` (see
-//! [`super::amx`]) and everything between them in f32.
+//! [`super::amx`]), or on AVX512-BF16's `vdpbf16ps` where there is no AMX
+//! and that pays (`super::bf16_dot`: the same operands and layouts), and
+//! everything between them in f32.
 //!
 //! Roundings, where a GPU FlashAttention makes them: `Q`, `K` and `V` are
 //! bf16 already (the call's inputs, read as stored); `P = e^(x − m)` is
@@ -23,11 +25,11 @@
 //! added straight into the tile's output rows (through a 64-row block for a
 //! last tile of fewer rows).
 //!
-//! Scope: head dims that are multiples of 32 up to 256, on CPUs with AMX
-//! (see [`applies`]); partial tiles run the mask over the whole tile (one
+//! Scope: head dims that are multiples of 32 up to 256, on CPUs with AMX or
+//! a `vdpbf16ps` that pays (see [`applies`]); partial tiles run the mask over the whole tile (one
 //! band), since a tile product costs less than the bookkeeping of bands.
 
-use super::amx::{self, Tiles};
+use super::amx::{self, Kind, Products};
 use super::forward::{Head, OnlineSoftmax, finish_rows, start_rows};
 use super::{Band, Positions, all_finite_bits, math, simd, tile_class};
 use crate::problem::Problem;
@@ -42,15 +44,11 @@ const BK: usize = 128;
 /// Rows of a tile register.
 const T: usize = amx::TILE;
 
-/// Whether the AMX forward runs `p`: the head dim is a whole number of
-/// `tdpbf16ps` reductions (32) and at most 256, and the CPU and OS allow
-/// AMX-BF16.
+/// Whether the bf16 forward runs `p`: the head dim is a whole number of
+/// `tdpbf16ps` reductions (32) and at most 256, and this thread has bf16
+/// products ([`amx::kind`]).
 pub(super) fn applies(p: &Problem) -> bool {
-    p.head_dim.is_multiple_of(amx::DEPTH)
-        && p.head_dim <= 256
-        && super::simd::amx_allowed()
-        && super::simd::avx512()
-        && amx::available()
+    p.head_dim.is_multiple_of(amx::DEPTH) && p.head_dim <= 256 && amx::kind().is_some()
 }
 
 /// One kv head's K and V as the tile products read them.
@@ -208,7 +206,8 @@ pub(super) fn forward<V: HostVariant>(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    assert!(applies(p), "the AMX forward runs {p:?}");
+    assert!(applies(p), "the bf16 forward runs {p:?}");
+    let kind = amx::kind().expect("applies");
     let (sq, sk, d, g) = (p.seq_q, p.seq_k, p.head_dim, p.group());
     let pos = Positions::new(p);
     let packed: Vec<Packed> = k
@@ -252,15 +251,17 @@ pub(super) fn forward<V: HostVariant>(
             let (b, h) = (bh / p.heads_q, bh % p.heads_q);
             let kv = &packed[b * p.heads_kv + h / g];
             let q_t = &q[(bh * sq + row0) * d..(bh * sq + row0) * d + out_t.len()];
-            query_tiles(&heads[bh], kv, row0, q_t, out_t, lse_t, sc);
+            query_tiles(&heads[bh], kind, kv, row0, q_t, out_t, lse_t, sc);
         },
     );
 }
 
 /// Consecutive query tiles, `lse.len()` rows from row `row0` in all: start
 /// each, stream every key tile through each of them in turn, finish each.
+#[allow(clippy::too_many_arguments)]
 fn query_tiles<V: HostVariant>(
     head: &Head<'_, V>,
+    kind: Kind,
     kv: &Packed,
     row0: usize,
     q: &[u16],
@@ -275,8 +276,9 @@ fn query_tiles<V: HostVariant>(
         let rows = BQ.min(lse.len() - r0);
         start(head, qt, row0 + r0, &q[r0 * d..(r0 + rows) * d]);
     }
-    // SAFETY: `applies` checked that AMX is available.
-    let tiles = unsafe { Tiles::configure() };
+    // SAFETY: `kind` came from `amx::kind()` on the calling thread, whose
+    // pool's threads are capped alike.
+    let tiles = unsafe { Products::start(kind) };
     let Scratch { tiles: qts, .. } = sc;
     let qts = &mut qts[..n];
     let mut work = Work {
@@ -326,7 +328,7 @@ fn start<V: HostVariant>(head: &Head<'_, V>, qt: &mut QueryTile, row0: usize, q:
 fn step<V: HostVariant>(
     head: &Head<'_, V>,
     kv: &Packed,
-    tiles: &Tiles,
+    tiles: &Products,
     qt: &mut QueryTile,
     tile: usize,
     kv0: usize,
@@ -346,8 +348,7 @@ fn step<V: HostVariant>(
     // SAFETY: qt.q holds 64 rows of d, k_t a packed tile (d/2 rows of
     // BK), s64 64 × BK; row_groups ≤ 4 and the columns ≤ BK.
     unsafe {
-        amx::product(
-            tiles,
+        tiles.product(
             (qt.q.as_ptr(), d),
             (k_t.as_ptr(), BK),
             (w.s64.as_mut_ptr(), BK),
@@ -402,8 +403,7 @@ fn step<V: HostVariant>(
         // SAFETY: o holds 64 rows of d; p 64 × BK; v_t a packed tile (BK/2
         // rows of d); the keys ≤ BK.
         unsafe {
-            amx::product(
-                tiles,
+            tiles.product(
                 (w.p.as_ptr(), BK),
                 (v_t.as_ptr(), d),
                 (o, d),

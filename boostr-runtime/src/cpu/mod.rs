@@ -6,17 +6,18 @@
 //! Element types: the kernels compute in f32. f16 tensors, and bf16 ones
 //! where the bf16 kernels below do not run, are widened to f32 by the CPU
 //! backend (exactly) and the results rounded once. The bf16 forward and
-//! backward run on AMX tiles (`amx_forward`: `tdpbf16ps` for `Q Kᵀ` and
-//! `P V`, `P` rounded to bf16; `amx_backward`: its five products, `P` and
+//! backward run on bf16 tile products (`amx_forward`: `Q Kᵀ` and `P V`,
+//! `P` rounded to bf16; `amx_backward`: its five products, `P` and
 //! `scale·dS` rounded to bf16; the rest f32) where [`bf16_tiles`] says so:
-//! the CPU has AMX-BF16, Linux grants the process its tile state, and the
-//! head dim is a multiple of 32 up to 256 (the backward also not where a
-//! learnable tensor read by `score` wants its gradient). The choice is made
-//! per call from CPUID (and tests cap it to run the widened path too).
-//! AVX512-BF16 alone (`vdpbf16ps`) is not used: on the Sapphire Rapids
-//! Xeons measured it issues at half the rate of f32 FMAs, so it would be
-//! slower than the f32 kernels; where it is the fastest bf16 instruction
-//! (AMD Zen 4/5, no AMX) the widened f32 path runs for now.
+//! the head dim is a multiple of 32 up to 256 (the backward also not where
+//! a learnable tensor read by `score` wants its gradient), and the CPU has
+//! AMX-BF16 with the tile state granted by Linux (`tdpbf16ps`), or, without
+//! AMX, is an AMD CPU with AVX512-BF16 (Zen 4/5: `vdpbf16ps` at the f32
+//! FMA rate, twice the products per cycle; `bf16_dot`). Intel's
+//! `vdpbf16ps` issues at half that rate, no faster than the f32 kernels,
+//! so an Intel CPU without AMX widens. The choice is made per call from
+//! CPUID, and tests cap it to run each path (the `vdpbf16ps` one on any
+//! CPU that has the instruction) and the widened one.
 //!
 //! Layout and semantics are those of [`Problem`]: `q, out [B, Hq, Sq, D]`,
 //! `k, v [B, Hkv, Sk, D]`, `lse [B, Hq, Sq]`, query head `h` reads kv head
@@ -60,6 +61,7 @@ mod amx;
 mod amx_backward;
 mod amx_forward;
 mod backward;
+mod bf16_dot;
 mod cached;
 mod decode;
 mod forward;
@@ -122,17 +124,17 @@ pub fn forward<V: Variant>(
 
 /// Whether [`forward_bf16`] (and, without learnable gradients of `score`'s
 /// tensors, [`backward_bf16`]) runs `p` on this CPU: it has AMX-BF16 (and
-/// the OS grants the process its tiles), and the head dim is a multiple of
-/// 32 up to 256.
+/// the OS grants the process its tiles) or is an AMD CPU with AVX512-BF16,
+/// and the head dim is a multiple of 32 up to 256.
 pub fn bf16_tiles(p: &Problem) -> bool {
     amx_forward::applies(p)
 }
 
-/// Attention forward over bf16 `q, k, v` with bf16 tile products on AMX
-/// (see `amx_forward`: `P` rounded to bf16 before `P V`, everything else
-/// f32), where the CPU and OS allow AMX and the head dim is a multiple of
-/// 32 up to 256. Returns `Ok(false)`, writing nothing, where they do not:
-/// the caller then widens the inputs for [`forward`].
+/// Attention forward over bf16 `q, k, v` with bf16 tile products (AMX, or
+/// `vdpbf16ps`; see `amx_forward`: `P` rounded to bf16 before `P V`,
+/// everything else f32), where [`bf16_tiles`] holds. Returns `Ok(false)`,
+/// writing nothing, where it does not: the caller then widens the inputs
+/// for [`forward`].
 #[allow(clippy::too_many_arguments)]
 pub fn forward_bf16<V: Variant>(
     variant: &V,
@@ -404,7 +406,7 @@ pub struct Bf16BackwardInputs<'a> {
 }
 
 /// Attention backward over bf16 inputs with its five tile products on AMX
-/// (see `amx_backward`: `P` and `dS` rounded to bf16 before their
+/// or `vdpbf16ps` (see `amx_backward`: `P` and `dS` rounded to bf16 before their
 /// products, everything else f32), where [`bf16_tiles`] holds and no
 /// learnable tensor read by `score` wants its gradient. Returns `Ok(None)`,
 /// writing nothing, where that is not so: the caller then widens the inputs

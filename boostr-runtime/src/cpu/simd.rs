@@ -34,7 +34,11 @@ pub(super) enum Level {
     Baseline,
     Avx2,
     Avx512,
-    /// AVX-512 and AMX tiles (bf16 tile products, see `amx_forward`).
+    /// AVX-512 and AVX512-BF16's `vdpbf16ps` for the bf16 kernels, where it
+    /// pays (see `bf16_dot::pays`); capped here in tests, wherever present.
+    #[cfg_attr(not(test), allow(dead_code))]
+    Bf16Dot,
+    /// AVX-512 and AMX tiles (bf16 tile products, see `amx`).
     Amx,
 }
 
@@ -75,6 +79,20 @@ pub(super) fn avx512() -> bool {
 #[inline]
 pub(super) fn amx_allowed() -> bool {
     level_cap() >= Level::Amx
+}
+
+/// Whether the bf16 kernels may run on `vdpbf16ps` (see [`Level::Bf16Dot`]).
+#[inline]
+pub(super) fn bf16_dot_allowed() -> bool {
+    level_cap() >= Level::Bf16Dot
+}
+
+/// Whether a test capped the level at [`Level::Bf16Dot`]: the bf16 kernels
+/// then run on `vdpbf16ps` wherever it is present, so that its path is
+/// tested on CPUs where it does not pay.
+#[inline]
+pub(super) fn bf16_dot_forced() -> bool {
+    cfg!(test) && level_cap() == Level::Bf16Dot
 }
 
 #[cfg(not(test))]

@@ -1256,7 +1256,8 @@ fn naive_bf16<V: HostVariant>(var: &V, p: &Problem, x: &Inputs) -> Vec<f64> {
     out
 }
 
-/// bf16 inputs on AMX tiles, where this CPU has them: against the f64
+/// bf16 inputs on AMX tiles and on `vdpbf16ps` (capped at `Bf16Dot`),
+/// each where this CPU has it: against the f64
 /// reference of the same bf16 values under FlashAttention's rule, with
 /// naive attention in the same roundings as the yardstick:
 /// `max|kernel − ref| ≤ 2·max|naive_bf16 − ref| + 1e-6·(1 + max|ref|)` for
@@ -1264,17 +1265,33 @@ fn naive_bf16<V: HostVariant>(var: &V, p: &Problem, x: &Inputs) -> Vec<f64> {
 /// Sk, a long row (S = 4096), masks, a score; NaN in K and V rows no
 /// query sees. The backward likewise, fed the forward's bf16 `out`, for
 /// dq, dk and dv, with the yardstick in its roundings (`O`, `P` and
-/// `scale·dS` in bf16). Capped below AMX, the same calls decline, and the
+/// `scale·dS` in bf16). Capped at AVX-512, the same calls decline, and the
 /// caller widens the inputs for the f32 kernels.
 #[test]
 fn bf16_tiles_match_the_reference_within_the_bf16_yardstick() {
+    use super::simd::{LEVEL_CAP, Level};
     use crate::stock::{Causal, CausalSlidingWindow, Full, Softcap};
-    let probe = problem(1, 1, 1, 64, 64, 64);
-    if !amx_forward::applies(&probe) {
-        eprintln!("boostr: skipping: no AMX-BF16 on this CPU or OS");
+    // The products each level runs here: AMX tiles where present, and
+    // (capped at Bf16Dot) vdpbf16ps wherever present.
+    let mut levels = Vec::new();
+    if amx::kind() == Some(amx::Kind::Amx) {
+        levels.push(Level::Amx);
+    }
+    if bf16_dot::present() {
+        levels.push(Level::Bf16Dot);
+    }
+    if levels.is_empty() {
+        eprintln!("boostr: skipping: neither AMX-BF16 nor AVX512-BF16 on this CPU or OS");
         return;
     }
-    fn check<V: Variant>(var: &V, p: Problem, hide: bool) {
+    fn capped(level: Level, threads: usize) -> rayon::ThreadPool {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .start_handler(move |_| LEVEL_CAP.with(|c| c.set(level)))
+            .build()
+            .unwrap()
+    }
+    fn check<V: Variant>(var: &V, p: Problem, hide: bool, levels: &[Level]) {
         let host = var.host(&p).unwrap();
         let mut x = Inputs::new(&p, 0xbf16 ^ (p.seq_q * 7 + p.seq_k) as u64, 1.0);
         for t in [&mut x.q, &mut x.k, &mut x.v, &mut x.dout] {
@@ -1294,116 +1311,132 @@ fn bf16_tiles_match_the_reference_within_the_bf16_yardstick() {
         }
         let want = reference_lens(&host, &p, &x, None);
         let naive = naive_bf16(&host, &p, &x);
+        let yard_grads =
+            reference_rounded(&host, &p, &x, None, |x| f64::from(bf16_round(x as f32)));
         let bf = |v: &[f32]| {
             v.iter()
                 .map(|&x| half::bf16::from_f32(x))
                 .collect::<Vec<_>>()
         };
-        let (mut out, mut lse) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
-        let ran =
-            forward_bf16(var, &p, &bf(&x.q), &bf(&x.k), &bf(&x.v), &mut out, &mut lse).unwrap();
-        assert!(ran, "{} {p:?}: the AMX forward runs", V::NAME);
-        let max_err = |got: &mut dyn Iterator<Item = f64>| {
-            got.zip(&want.out)
-                .fold(0.0f64, |m, (g, w)| m.max((g - w).abs()))
-        };
-        let yard = max_err(&mut naive.iter().copied());
-        assert!(
-            out.iter().all(|x| x.is_finite()),
-            "{} {p:?}: a non-finite out",
-            V::NAME
-        );
-        let err = max_err(&mut out.iter().map(|&x| f64::from(x)));
-        let big = want.out.iter().fold(0.0f64, |m, w| m.max(w.abs()));
-        let bound = 2.0 * yard + 1e-6 * (1.0 + big);
-        assert!(
-            err <= bound,
-            "{} {p:?}: out error {err:e} > {bound:e} (yardstick {yard:e})",
-            V::NAME
-        );
-        assert_close(&format!("{} {p:?} lse", V::NAME), &lse, &want.lse, 2e-5);
+        for &level in levels {
+            capped(level, 2).install(|| {
+                let kind = match level {
+                    Level::Amx => amx::Kind::Amx,
+                    _ => amx::Kind::Dot,
+                };
+                assert_eq!(amx::kind(), Some(kind), "capped at {level:?}");
+                let (mut out, mut lse) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
+                let ran =
+                    forward_bf16(var, &p, &bf(&x.q), &bf(&x.k), &bf(&x.v), &mut out, &mut lse)
+                        .unwrap();
+                assert!(ran, "{} {p:?} {level:?}: the bf16 forward runs", V::NAME);
+                let max_err = |got: &mut dyn Iterator<Item = f64>| {
+                    got.zip(&want.out)
+                        .fold(0.0f64, |m, (g, w)| m.max((g - w).abs()))
+                };
+                let yard = max_err(&mut naive.iter().copied());
+                assert!(
+                    out.iter().all(|x| x.is_finite()),
+                    "{} {p:?}: a non-finite out",
+                    V::NAME
+                );
+                let err = max_err(&mut out.iter().map(|&x| f64::from(x)));
+                let big = want.out.iter().fold(0.0f64, |m, w| m.max(w.abs()));
+                let bound = 2.0 * yard + 1e-6 * (1.0 + big);
+                assert!(
+                    err <= bound,
+                    "{} {p:?}: out error {err:e} > {bound:e} (yardstick {yard:e})",
+                    V::NAME
+                );
+                assert_close(&format!("{} {p:?} lse", V::NAME), &lse, &want.lse, 2e-5);
 
-        // The backward, fed the forward's bf16 out and f32 lse, against
-        // the same reference, with the yardstick in the backward's
-        // roundings (bf16 O, P and scale·dS).
-        let yard_grads =
-            reference_rounded(&host, &p, &x, None, |x| f64::from(bf16_round(x as f32)));
-        let out_bf = bf(&out);
-        let inputs = Bf16BackwardInputs {
-            q: &bf(&x.q),
-            k: &bf(&x.k),
-            v: &bf(&x.v),
-            out: &out_bf,
-            lse: &lse,
-            dout: &bf(&x.dout),
-        };
-        let mut dq = vec![f32::NAN; p.q_len()];
-        let (mut dk, mut dv) = (vec![f32::NAN; p.kv_len()], vec![f32::NAN; p.kv_len()]);
-        let ran = backward_bf16(var, &p, inputs, &mut dq, &mut dk, &mut dv, &[]).unwrap();
-        assert!(ran.is_some(), "{} {p:?}: the AMX backward runs", V::NAME);
-        for (name, got, want, naive) in [
-            ("dq", &dq, &want.dq, &yard_grads.dq),
-            ("dk", &dk, &want.dk, &yard_grads.dk),
-            ("dv", &dv, &want.dv, &yard_grads.dv),
-        ] {
-            assert!(
-                got.iter().all(|x| x.is_finite()),
-                "{} {p:?}: a non-finite {name}",
-                V::NAME
-            );
-            let max_err = |got: &mut dyn Iterator<Item = f64>| {
-                got.zip(want).fold(0.0f64, |m, (g, w)| m.max((g - w).abs()))
-            };
-            let yard = max_err(&mut naive.iter().copied());
-            let err = max_err(&mut got.iter().map(|&x| f64::from(x)));
-            let big = want.iter().fold(0.0f64, |m, w| m.max(w.abs()));
-            let bound = 2.0 * yard + 1e-6 * (1.0 + big);
-            assert!(
-                err <= bound,
-                "{} {p:?}: {name} error {err:e} > {bound:e} (yardstick {yard:e})",
-                V::NAME
-            );
+                // The backward, fed the forward's bf16 out and f32 lse, against
+                // the same reference, with the yardstick in the backward's
+                // roundings (bf16 O, P and scale·dS).
+                let out_bf = bf(&out);
+                let inputs = Bf16BackwardInputs {
+                    q: &bf(&x.q),
+                    k: &bf(&x.k),
+                    v: &bf(&x.v),
+                    out: &out_bf,
+                    lse: &lse,
+                    dout: &bf(&x.dout),
+                };
+                let mut dq = vec![f32::NAN; p.q_len()];
+                let (mut dk, mut dv) = (vec![f32::NAN; p.kv_len()], vec![f32::NAN; p.kv_len()]);
+                let ran = backward_bf16(var, &p, inputs, &mut dq, &mut dk, &mut dv, &[]).unwrap();
+                assert!(
+                    ran.is_some(),
+                    "{} {p:?} {level:?}: the bf16 backward runs",
+                    V::NAME
+                );
+                for (name, got, want, naive) in [
+                    ("dq", &dq, &want.dq, &yard_grads.dq),
+                    ("dk", &dk, &want.dk, &yard_grads.dk),
+                    ("dv", &dv, &want.dv, &yard_grads.dv),
+                ] {
+                    assert!(
+                        got.iter().all(|x| x.is_finite()),
+                        "{} {p:?}: a non-finite {name}",
+                        V::NAME
+                    );
+                    let max_err = |got: &mut dyn Iterator<Item = f64>| {
+                        got.zip(want).fold(0.0f64, |m, (g, w)| m.max((g - w).abs()))
+                    };
+                    let yard = max_err(&mut naive.iter().copied());
+                    let err = max_err(&mut got.iter().map(|&x| f64::from(x)));
+                    let big = want.iter().fold(0.0f64, |m, w| m.max(w.abs()));
+                    let bound = 2.0 * yard + 1e-6 * (1.0 + big);
+                    assert!(
+                        err <= bound,
+                        "{} {p:?}: {name} error {err:e} > {bound:e} (yardstick {yard:e})",
+                        V::NAME
+                    );
+                }
+            });
         }
-        // Capped at AVX-512, the call declines without writing.
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(1)
-            .start_handler(|_| super::simd::LEVEL_CAP.with(|c| c.set(super::simd::Level::Avx512)))
-            .build()
-            .unwrap();
-        let mut untouched = vec![f32::NAN; p.q_len()];
-        let mut lse2 = lse.clone();
-        let declined = pool.install(|| {
-            forward_bf16(
-                var,
-                &p,
-                &bf(&x.q),
-                &bf(&x.k),
-                &bf(&x.v),
-                &mut untouched,
-                &mut lse2,
-            )
-            .unwrap()
-        });
+        // Capped at AVX-512, the calls decline without writing.
+        let pool = capped(Level::Avx512, 1);
+        let (mut untouched, mut lse) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
+        let (q, k, v, dout) = (bf(&x.q), bf(&x.k), bf(&x.v), bf(&x.dout));
+        let declined =
+            pool.install(|| forward_bf16(var, &p, &q, &k, &v, &mut untouched, &mut lse).unwrap());
         assert!(
             !declined && untouched.iter().all(|x| x.is_nan()),
-            "capped, the AMX forward runs"
+            "capped, the bf16 forward runs"
         );
+        let inputs = Bf16BackwardInputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            out: &dout,
+            lse: &lse,
+            dout: &dout,
+        };
+        let (mut dk, mut dv) = (vec![f32::NAN; p.kv_len()], vec![f32::NAN; p.kv_len()]);
         let declined = pool.install(|| {
             backward_bf16(var, &p, inputs, &mut untouched, &mut dk, &mut dv, &[]).unwrap()
         });
         assert!(
             declined.is_none() && untouched.iter().all(|x| x.is_nan()),
-            "capped, the AMX backward runs"
+            "capped, the bf16 backward runs"
         );
     }
-    check(&Full, problem(2, 4, 1, 77, 130, 64), false);
-    check(&Causal, problem(1, 4, 2, 200, 200, 128), false);
-    check(&Causal, problem(1, 2, 2, 33, 97, 96), false);
-    check(&Softcap { cap: 20.0 }, problem(1, 2, 1, 64, 64, 32), false);
+    let l = &levels;
+    check(&Full, problem(2, 4, 1, 77, 130, 64), false, l);
+    check(&Causal, problem(1, 4, 2, 200, 200, 128), false, l);
+    check(&Causal, problem(1, 2, 2, 33, 97, 96), false, l);
+    check(
+        &Softcap { cap: 20.0 },
+        problem(1, 2, 1, 64, 64, 32),
+        false,
+        l,
+    );
     check(
         &CausalSlidingWindow { window: 40 },
         problem(1, 2, 1, 150, 150, 64),
         true,
+        l,
     );
-    check(&Causal, problem(1, 1, 1, 4096, 4096, 64), false);
+    check(&Causal, problem(1, 1, 1, 4096, 4096, 64), false, l);
 }

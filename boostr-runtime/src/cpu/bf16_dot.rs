@@ -1,0 +1,193 @@
+//! bf16 tile products on AVX512-BF16's `vdpbf16ps`, for CPUs without AMX:
+//! the operands of [`super::amx::product`], in the same layouts, so the
+//! bf16 kernels run either unchanged (see [`super::amx::Products`]).
+//!
+//! `vdpbf16ps` adds, per f32 lane, the two products of a pair of bf16
+//! lanes; a row of `A` is broadcast one pair at a time against 16 columns'
+//! pairs of `B`. Register blocking: 4 rows × 64 columns (16 accumulators),
+//! or 4 × 32 for the last 32 columns.
+//!
+//! When it runs: on AMD CPUs with AVX512-BF16 and no AMX (Zen 4 and 5),
+//! where `vdpbf16ps` issues at the rate of an f32 FMA and so doubles the
+//! products per cycle. Intel's (Cooper Lake, Sapphire Rapids) issues it at
+//! half that rate, no faster than the f32 kernels, and those CPUs keep the
+//! widened f32 path unless they have AMX (see [`pays`]).
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+use std::sync::OnceLock;
+
+/// Whether the CPU has AVX-512F, AVX-512BW (the kernels' bf16 rounding)
+/// and AVX512-BF16.
+pub(super) fn present() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Whether `vdpbf16ps` beats the f32 kernels here: it is present and the
+/// CPU is AMD's (CPUID vendor "AuthenticAMD"), whose cores issue it at the
+/// f32 FMA rate.
+pub(super) fn pays() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| present() && vendor() == *b"AuthenticAMD")
+}
+
+/// The CPUID vendor string.
+fn vendor() -> [u8; 12] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let r = __cpuid(0);
+        let mut v = [0u8; 12];
+        v[..4].copy_from_slice(&r.ebx.to_le_bytes());
+        v[4..8].copy_from_slice(&r.edx.to_le_bytes());
+        v[8..].copy_from_slice(&r.ecx.to_le_bytes());
+        v
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    [0; 12]
+}
+
+/// [`super::amx::product`] on `vdpbf16ps`: `C (=|+=) A · B`, `A` `m × k`
+/// bf16 row-major, `B` `k/2` rows of `n` bf16 pairs, `C` `m × n` f32.
+///
+/// # Safety
+/// [`present`]; `m` a multiple of 4, `n` of 32, `k` of 2; every element
+/// named is in bounds.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+pub(super) unsafe fn product(
+    a: (*const u16, usize),
+    b: (*const u32, usize),
+    c: (*mut f32, usize),
+    (m, n, k): (usize, usize, usize),
+    accumulate: bool,
+) {
+    for i in (0..m).step_by(ROWS) {
+        let mut j = 0;
+        while j + 64 <= n {
+            // SAFETY: rows i..i+4, columns j..j+64 are in bounds.
+            unsafe { block::<4>(a, b, c, (i, j, k), accumulate) };
+            j += 64;
+        }
+        if j < n {
+            // SAFETY: as above, columns j..j+32.
+            unsafe { block::<2>(a, b, c, (i, j, k), accumulate) };
+        }
+    }
+}
+
+/// Rows of `C` per register block.
+const ROWS: usize = 4;
+
+/// Rows `i .. i + 4` and columns `j .. j + 16·NB` of [`product`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[inline]
+unsafe fn block<const NB: usize>(
+    (a, a_stride): (*const u16, usize),
+    (b, b_stride): (*const u32, usize),
+    (c, c_stride): (*mut f32, usize),
+    (i, j, k): (usize, usize, usize),
+    accumulate: bool,
+) {
+    // SAFETY (whole body): the caller vouches for rows i..i+4 of A and C,
+    // pair rows 0..k/2 and columns j..j+16·NB of B and C.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); NB]; ROWS];
+        if accumulate {
+            for (r, row) in acc.iter_mut().enumerate() {
+                for (t, x) in row.iter_mut().enumerate() {
+                    *x = _mm512_loadu_ps(c.add((i + r) * c_stride + j + 16 * t));
+                }
+            }
+        }
+        for p in 0..k / 2 {
+            let bv: [__m512bh; NB] = std::array::from_fn(|t| {
+                let v = _mm512_loadu_si512(b.add(p * b_stride + j + 16 * t).cast());
+                std::mem::transmute::<__m512i, __m512bh>(v)
+            });
+            for (r, row) in acc.iter_mut().enumerate() {
+                let pair = a
+                    .add((i + r) * a_stride + 2 * p)
+                    .cast::<u32>()
+                    .read_unaligned();
+                let av = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair as i32));
+                for (x, &bt) in row.iter_mut().zip(&bv) {
+                    *x = _mm512_dpbf16_ps(*x, av, bt);
+                }
+            }
+        }
+        for (r, row) in acc.iter().enumerate() {
+            for (t, x) in row.iter().enumerate() {
+                _mm512_storeu_ps(c.add((i + r) * c_stride + j + 16 * t), *x);
+            }
+        }
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+    use half::bf16;
+
+    /// `C += A · B` on `vdpbf16ps` (96 × 64 of C, both column blocks, k =
+    /// 64) against the f64 sums of the same bf16 products.
+    #[test]
+    fn a_dot_product_is_the_sum_of_its_products() {
+        if !present() {
+            eprintln!("boostr: skipping: no AVX512-BF16 on this CPU");
+            return;
+        }
+        let (m, n, k) = (96, 96, 64);
+        let mut rng = crate::testing::Rng::new(5, 0);
+        let mut draw = |len| -> Vec<bf16> {
+            rng.normal_f32(len, 1.0)
+                .into_iter()
+                .map(bf16::from_f32)
+                .collect()
+        };
+        let (a, b) = (draw(m * k), draw(k * n));
+        let c0: Vec<f32> = draw(m * n).iter().map(|x| x.to_f32()).collect();
+        // B as pairs of rows: (B[2r][j], B[2r + 1][j]).
+        let bp: Vec<u32> = (0..k / 2 * n)
+            .map(|at| {
+                let (r, j) = (at / n, at % n);
+                u32::from(b[2 * r * n + j].to_bits())
+                    | (u32::from(b[(2 * r + 1) * n + j].to_bits()) << 16)
+            })
+            .collect();
+        let mut c = c0.clone();
+        let a_bits: Vec<u16> = a.iter().map(|x| x.to_bits()).collect();
+        // SAFETY: present; m, n, k multiples of 4, 32 and 2; all in bounds.
+        unsafe {
+            product(
+                (a_bits.as_ptr(), k),
+                (bp.as_ptr(), n),
+                (c.as_mut_ptr(), n),
+                (m, n, k),
+                true,
+            )
+        };
+        for i in 0..m {
+            for j in 0..n {
+                let want: f64 = f64::from(c0[i * n + j])
+                    + (0..k)
+                        .map(|l| {
+                            f64::from(a[i * k + l].to_f32()) * f64::from(b[l * n + j].to_f32())
+                        })
+                        .sum::<f64>();
+                let got = f64::from(c[i * n + j]);
+                assert!(
+                    (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                    "c[{i}][{j}] = {got}, want {want}"
+                );
+            }
+        }
+    }
+}
