@@ -436,18 +436,7 @@ pub fn backward_bf16<V: Variant>(
     if !amx_backward::applies(&host, p, (0..V::LEARNABLE.len()).any(wanted)) {
         return Ok(None);
     }
-    let mut grads: Vec<Vec<f32>> = (0..V::LEARNABLE.len())
-        .map(|slot| {
-            vec![
-                0.0;
-                if wanted(slot) {
-                    host.learnable_numel(slot)
-                } else {
-                    0
-                }
-            ]
-        })
-        .collect();
+    let mut grads = grad_slots(&host, tensor_grads);
     use half::slice::HalfFloatSliceExt as _;
     let x = amx_backward::Inputs {
         q: i.q.reinterpret_cast(),
@@ -461,13 +450,33 @@ pub fn backward_bf16<V: Variant>(
     let kv_group = backward::kv_group_size(&host, p, amx_backward::TILES);
     in_pool(|| amx_backward::backward(&host, p, chunks, kv_group, x, dq, dk, dv, &mut grads));
     host.out_of_range().map_or(Ok(()), Err)?;
-    Ok(Some(
-        grads
-            .into_iter()
-            .enumerate()
-            .map(|(slot, g)| wanted(slot).then_some(g))
-            .collect(),
-    ))
+    Ok(Some(wanted_grads(grads, tensor_grads)))
+}
+
+/// One zeroed gradient per learnable tensor of `host` that `tensor_grads`
+/// marks, empty for the others.
+fn grad_slots<H: HostVariant>(host: &H, tensor_grads: &[bool]) -> Vec<Vec<f32>> {
+    (0..H::LEARNABLE)
+        .map(|slot| match tensor_grads.get(slot) {
+            Some(true) => vec![0.0; host.learnable_numel(slot)],
+            _ => Vec::new(),
+        })
+        .collect()
+}
+
+/// The gradients `tensor_grads` marks, `None` for the others.
+fn wanted_grads(grads: Vec<Vec<f32>>, tensor_grads: &[bool]) -> Vec<Option<Vec<f32>>> {
+    grads
+        .into_iter()
+        .enumerate()
+        .map(|(slot, g)| {
+            tensor_grads
+                .get(slot)
+                .copied()
+                .unwrap_or(false)
+                .then_some(g)
+        })
+        .collect()
 }
 
 /// The slices of a backward have the problem's lengths.
@@ -526,25 +535,9 @@ fn backward_host<H: HostVariant>(
     dv: &mut [f32],
     tensor_grads: &[bool],
 ) -> Vec<Option<Vec<f32>>> {
-    let wanted = |slot: usize| tensor_grads.get(slot).copied().unwrap_or(false);
-    let mut grads: Vec<Vec<f32>> = (0..H::LEARNABLE)
-        .map(|slot| {
-            vec![
-                0.0;
-                if wanted(slot) {
-                    host.learnable_numel(slot)
-                } else {
-                    0
-                }
-            ]
-        })
-        .collect();
+    let mut grads = grad_slots(host, tensor_grads);
     backward_tiled(host, p, tiles, inputs, dq, dk, dv, &mut grads);
-    grads
-        .into_iter()
-        .enumerate()
-        .map(|(slot, g)| wanted(slot).then_some(g))
-        .collect()
+    wanted_grads(grads, tensor_grads)
 }
 
 /// Attention backward with explicit tile sizes (for tuning and tests);
