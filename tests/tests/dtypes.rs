@@ -100,6 +100,30 @@ fn f32_tensor(data: &[f32], shape: &[usize]) -> Tensor<CpuRuntime> {
     Tensor::<CpuRuntime>::from_slice(data, shape, &CpuDevice::new()).unwrap()
 }
 
+/// Random q, k, v and dout (shapes `qs`, `ks`, `ks`, `qs`) rounded to `h`:
+/// as `h` tensors, and widened exactly to f32 tensors.
+fn random_inputs(
+    h: Half,
+    rng: &mut Rng,
+    qs: [usize; 4],
+    ks: [usize; 4],
+) -> ([Tensor<CpuRuntime>; 4], [Tensor<CpuRuntime>; 4]) {
+    let bits: Vec<(Vec<u16>, [usize; 4])> = [qs, ks, ks, qs]
+        .into_iter()
+        .map(|shape| {
+            let n = shape.iter().product();
+            let x = rng.normal_f32(n, 1.0).iter().map(|&x| h.round(x)).collect();
+            (x, shape)
+        })
+        .collect();
+    let half = std::array::from_fn(|i| half_tensor(h, &bits[i].0, &bits[i].1));
+    let wide = std::array::from_fn(|i| {
+        let x: Vec<f32> = bits[i].0.iter().map(|&b| h.widen(b)).collect();
+        f32_tensor(&x, &bits[i].1)
+    });
+    (half, wide)
+}
+
 fn check<V: Variant>(
     variant: &V,
     h: Half,
@@ -108,30 +132,9 @@ fn check<V: Variant>(
     let mut rng = Rng::new(0xd7e5, (sq * 131 + d) as u64);
     let qs = [b, hq, sq, d];
     let ks = [b, hkv, sk, d];
-    let rounded = |n: usize, rng: &mut Rng| -> Vec<u16> {
-        rng.normal_f32(n, 1.0).iter().map(|&x| h.round(x)).collect()
-    };
-    let (q, k, v, dout) = (
-        rounded(qs.iter().product(), &mut rng),
-        rounded(ks.iter().product(), &mut rng),
-        rounded(ks.iter().product(), &mut rng),
-        rounded(qs.iter().product(), &mut rng),
-    );
     let wide = |x: &[u16]| x.iter().map(|&b| h.widen(b)).collect::<Vec<f32>>();
     let opts = AttentionOptions::default();
-
-    let (qh, kh, vh, doh) = (
-        half_tensor(h, &q, &qs),
-        half_tensor(h, &k, &ks),
-        half_tensor(h, &v, &ks),
-        half_tensor(h, &dout, &qs),
-    );
-    let (qf, kf, vf, dof) = (
-        f32_tensor(&wide(&q), &qs),
-        f32_tensor(&wide(&k), &ks),
-        f32_tensor(&wide(&v), &ks),
-        f32_tensor(&wide(&dout), &qs),
-    );
+    let ([qh, kh, vh, doh], [qf, kf, vf, dof]) = random_inputs(h, &mut rng, qs, ks);
 
     let (out_h, lse_h) = attention_fwd(variant, &qh, &kh, &vh, &opts).unwrap();
     let (out_f, lse_f) = attention_fwd(variant, &qf, &kf, &vf, &opts).unwrap();
@@ -255,15 +258,6 @@ fn bf16_gradients_point_the_way_of_f32() {
     let mut rng = Rng::new(0xc05, 2048);
     let qs = [b, hq, s, d];
     let ks = [b, hkv, s, d];
-    let rounded = |n: usize, rng: &mut Rng| -> Vec<u16> {
-        rng.normal_f32(n, 1.0).iter().map(|&x| h.round(x)).collect()
-    };
-    let (q, k, v, w) = (
-        rounded(qs.iter().product(), &mut rng),
-        rounded(ks.iter().product(), &mut rng),
-        rounded(ks.iter().product(), &mut rng),
-        rounded(qs.iter().product(), &mut rng),
-    );
     let wide = |x: &[u16]| x.iter().map(|&b| h.widen(b)).collect::<Vec<f32>>();
     let opts = AttentionOptions::default();
     let cosine = |a: &[f32], b: &[f32]| {
@@ -276,18 +270,7 @@ fn bf16_gradients_point_the_way_of_f32() {
         let nb: f64 = b.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
         dot / (na * nb)
     };
-    let (qh, kh, vh, wh) = (
-        half_tensor(h, &q, &qs),
-        half_tensor(h, &k, &ks),
-        half_tensor(h, &v, &ks),
-        half_tensor(h, &w, &qs),
-    );
-    let (qf, kf, vf, wf) = (
-        f32_tensor(&wide(&q), &qs),
-        f32_tensor(&wide(&k), &ks),
-        f32_tensor(&wide(&v), &ks),
-        f32_tensor(&wide(&w), &qs),
-    );
+    let ([qh, kh, vh, wh], [qf, kf, vf, wf]) = random_inputs(h, &mut rng, qs, ks);
     let (out_h, lse_h) = attention_fwd(&Causal, &qh, &kh, &vh, &opts).unwrap();
     let (dq_h, dk_h, dv_h) =
         attention_bwd(&Causal, &wh, &qh, &kh, &vh, &out_h, &lse_h, &opts).unwrap();

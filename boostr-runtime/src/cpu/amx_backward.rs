@@ -35,6 +35,7 @@
 //! tile (one band).
 
 use super::amx::{self, Kind, Products};
+use super::amx_forward::{round_bf16, zero_unseen_keys};
 use super::backward::{
     KeyChunk, Probabilities, ScoreGrads, add_partials, carve, chunk_keys, deltas, dq_partials,
     sinks,
@@ -224,7 +225,7 @@ impl Scratch {
             dkt: vec![0.0; kv_group * d * BK],
             dvt: vec![0.0; kv_group * d * BK],
             rows: vec![0.0; BK * d],
-            k_guarded: vec![0; BK / 2 * d],
+            k_guarded: Vec::new(),
             bands: Vec::with_capacity(1),
         }
     }
@@ -498,16 +499,7 @@ fn step<V: HostVariant>(
     // in every row, and must not bring a NaN of its K row into the product.
     let mut k_keys = &kv.k_keys[kv0 / 2 * d..(kv0 + BK) / 2 * d];
     if class == TileClass::Partial && kv.k_nonfinite[kv0 / BK] {
-        sc.k_guarded.copy_from_slice(k_keys);
-        for key in 0..cols {
-            if (0..rows).all(|i| s[i * BK + key] == 0.0) {
-                let (r, shift) = (key / 2, 16 * (key % 2));
-                for x in &mut sc.k_guarded[r * d..(r + 1) * d] {
-                    *x &= !(0xffff << shift);
-                }
-            }
-        }
-        k_keys = &sc.k_guarded;
+        k_keys = zero_unseen_keys(k_keys, d, s, BK, cols, &mut sc.k_guarded);
     }
     let kk = cols.next_multiple_of(amx::DEPTH);
     let direct = rows == m;
@@ -564,10 +556,7 @@ fn pair_round_avx512(
             _ => &ZERO,
         }
     };
-    let round = |x: f32| {
-        let b = (scale * x).to_bits();
-        b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16
-    };
+    let round = |x: f32| u32::from(round_bf16(scale * x));
     for (r, dst) in pairs.chunks_exact_mut(BK).enumerate() {
         let (lo, hi) = (row(2 * r), row(2 * r + 1));
         let dst: &mut [u32; BK] = dst.try_into().expect("a row of BK");

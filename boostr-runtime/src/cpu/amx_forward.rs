@@ -116,12 +116,38 @@ fn pack(k: &[u16], v: &[u16], sk: usize, d: usize) -> Packed {
     }
 }
 
-/// `x` rounded to bf16 bits, to nearest, ties to even (for the finite,
-/// non-negative probabilities it rounds).
+/// `x` rounded to bf16 bits, to nearest, ties to even (for the finite
+/// values the kernels round: probabilities, `dS`).
 #[inline(always)]
-fn round_bf16(x: f32) -> u16 {
+pub(super) fn round_bf16(x: f32) -> u16 {
     let b = x.to_bits();
-    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+    (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+/// `pairs` (rows of key pairs, `d` u32 each, as [`super::amx::product`]'s
+/// right operand) with the keys `0..cols` that no row of `p` (rows of
+/// `p_stride`) sees, `P = 0` in every row, zeroed, in `guarded`: on a
+/// partial tile such a key's row must not bring a NaN into the product
+/// (0·NaN).
+pub(super) fn zero_unseen_keys<'a>(
+    pairs: &[u32],
+    d: usize,
+    p: &[f32],
+    p_stride: usize,
+    cols: usize,
+    guarded: &'a mut Vec<u32>,
+) -> &'a [u32] {
+    guarded.clear();
+    guarded.extend_from_slice(pairs);
+    for key in 0..cols {
+        if p.chunks(p_stride).all(|row| row[key] == 0.0) {
+            let (r, shift) = (key / 2, 16 * (key % 2));
+            for x in &mut guarded[r * d..(r + 1) * d] {
+                *x &= !(0xffff << shift);
+            }
+        }
+    }
+    guarded
 }
 
 /// `dst[j] = bf16(src[j])`, then zeros to the end of `dst`.
@@ -382,20 +408,10 @@ fn step<V: HostVariant>(
         // SAFETY: `applies` implies AVX-512 (every CPU with AMX has it).
         unsafe { round_row(&row[..cols], p) };
     }
-    // On a partial tile a key no row sees has P = 0 in every row, and
-    // must not bring a NaN of its V row into the product (0·NaN).
+    // On a partial tile, keys no row sees must not bring a NaN of their V
+    // rows into the product.
     let v_t = if class == TileClass::Partial && kv.v_nonfinite[tile] {
-        w.v_guarded.clear();
-        w.v_guarded.extend_from_slice(v_t);
-        for key in 0..cols {
-            if s.chunks_exact(BK).all(|row| row[key] == 0.0) {
-                let (r, shift) = (key / 2, 16 * (key % 2));
-                for x in &mut w.v_guarded[r * d..(r + 1) * d] {
-                    *x &= !(0xffff << shift);
-                }
-            }
-        }
-        &w.v_guarded[..]
+        zero_unseen_keys(v_t, d, s, BK, cols, w.v_guarded)
     } else {
         v_t
     };
