@@ -1,6 +1,7 @@
 //! The numr runtimes that attention runs on. Each backend owns its launch:
 //! there is no dispatch table over targets in shared code.
 
+use crate::cpu::aligned::Aligned;
 use crate::error::{Error, Result};
 use crate::problem::Problem;
 use crate::validate;
@@ -200,7 +201,7 @@ fn check_input(name: &'static str, t: &Tensor<CpuRuntime>, dtype: DType) -> Resu
 
 enum HostF32 {
     Tensor(Tensor<CpuRuntime>),
-    Widened(Vec<f32>),
+    Widened(Aligned<f32>),
 }
 
 impl HostF32 {
@@ -212,7 +213,7 @@ impl HostF32 {
         if dtype == DType::F32 {
             return Ok(Self::Tensor(t));
         }
-        let mut wide = vec![0.0f32; t.numel()];
+        let mut wide = Aligned::<f32>::scratch(t.numel());
         // SAFETY: `t` is contiguous with its offset folded into `ptr()` and
         // holds `numel()` 2-byte values (f16 or bf16 bits, checked above);
         // `t` outlives the borrow.
@@ -238,7 +239,7 @@ impl HostF32 {
             Self::Tensor(t) => unsafe {
                 std::slice::from_raw_parts(t.ptr() as *const f32, t.numel())
             },
-            Self::Widened(v) => v,
+            Self::Widened(v) => &v[..],
         }
     }
 }
@@ -362,7 +363,7 @@ fn cpu_cache_call<V: Variant>(
 struct Output {
     tensor: Tensor<CpuRuntime>,
     /// The f32 values when `dtype` is not f32 (narrowed in [`Output::finish`]).
-    wide: Option<Vec<f32>>,
+    wide: Option<Aligned<f32>>,
 }
 
 impl Output {
@@ -372,14 +373,14 @@ impl Output {
         device: &<CpuRuntime as Runtime>::Device,
     ) -> Result<Self> {
         let tensor = Tensor::<CpuRuntime>::empty(shape, dtype, device)?;
-        let wide = (dtype != DType::F32).then(|| vec![0.0f32; tensor.numel()]);
+        let wide = (dtype != DType::F32).then(|| Aligned::scratch(tensor.numel()));
         Ok(Self { tensor, wide })
     }
 
     /// Where the kernel writes.
     fn slice_mut(&mut self) -> &mut [f32] {
         match &mut self.wide {
-            Some(wide) => wide,
+            Some(wide) => &mut wide[..],
             // SAFETY: the tensor was just allocated as f32 and is not shared
             // yet, so this is the only reference to its `numel()` contiguous
             // values.

@@ -34,6 +34,7 @@
 //! the same row pass as in f32. Partial tiles run the mask over the whole
 //! tile (one band).
 
+use super::aligned::Aligned;
 use super::amx::{self, Kind, Products};
 use super::amx_forward::{round_bf16, zero_unseen_keys};
 use super::backward::{
@@ -126,20 +127,20 @@ fn dim_pairs(src: &[u16], rows: usize, d: usize, dst: &mut [u32], dst_rs: usize)
 /// One query head's Q or dO, as the products read it.
 struct RowPack {
     /// `sq_pad × D` bf16, zero past the last row.
-    rows: Vec<u16>,
+    rows: Aligned<u16>,
     /// `D × sq_pad` bf16 (the transpose), zero past the last row: `D` rows
     /// of `sq_pad / 2` query pairs.
-    cols: Vec<u32>,
+    cols: Aligned<u32>,
 }
 
 /// `sq × d` bf16 rows packed for a tile size of [`BQ`].
 fn pack_rows(src: &[u16], sq: usize, d: usize) -> RowPack {
     let sq_pad = sq.next_multiple_of(BQ);
-    let mut rows = vec![0u16; sq_pad * d];
+    let mut rows = Aligned::zeroed(sq_pad * d);
     rows[..sq * d].copy_from_slice(src);
-    let mut pairs = vec![0u32; sq_pad / 2 * d];
+    let mut pairs = Aligned::zeroed(sq_pad / 2 * d);
     pair_rows(src, d, &mut pairs);
-    let mut cols = vec![0u32; d * sq_pad / 2];
+    let mut cols = Aligned::zeroed(d * sq_pad / 2);
     transpose_u32(&pairs, sq_pad / 2, d, &mut cols, sq_pad / 2);
     RowPack { rows, cols }
 }
@@ -148,22 +149,22 @@ fn pack_rows(src: &[u16], sq: usize, d: usize) -> RowPack {
 /// past the last).
 struct KvPack {
     /// `D/2` rows of `sk_pad` u32: `(K[key][2c], K[key][2c + 1])`.
-    k_dims: Vec<u32>,
+    k_dims: Aligned<u32>,
     /// `sk_pad / 2` rows of `D` u32: `(K[2r][c], K[2r + 1][c])`.
-    k_keys: Vec<u32>,
+    k_keys: Aligned<u32>,
     /// As `k_dims`, for V.
-    v_dims: Vec<u32>,
+    v_dims: Aligned<u32>,
     /// Per key tile: K holds a NaN or an infinity.
     k_nonfinite: Vec<bool>,
 }
 
 fn pack_kv(k: &[u16], v: &[u16], sk: usize, d: usize) -> KvPack {
     let sk_pad = sk.next_multiple_of(BK);
-    let mut k_dims = vec![0u32; d / 2 * sk_pad];
-    let mut v_dims = vec![0u32; d / 2 * sk_pad];
+    let mut k_dims = Aligned::zeroed(d / 2 * sk_pad);
+    let mut v_dims = Aligned::zeroed(d / 2 * sk_pad);
     dim_pairs(k, sk, d, &mut k_dims, sk_pad);
     dim_pairs(v, sk, d, &mut v_dims, sk_pad);
-    let mut k_keys = vec![0u32; sk_pad / 2 * d];
+    let mut k_keys = Aligned::zeroed(sk_pad / 2 * d);
     pair_rows(k, d, &mut k_keys);
     KvPack {
         k_dims,
@@ -190,23 +191,23 @@ struct Shared<'a, V> {
 /// Per-thread scratch.
 struct Scratch {
     /// Scores, then P (`BQ × BK` f32).
-    s: Vec<f32>,
+    s: Aligned<f32>,
     /// `score_grad` of the logits (empty for identity scores).
-    g: Vec<f32>,
+    g: Aligned<f32>,
     /// dP, then dS.
-    dp: Vec<f32>,
+    dp: Aligned<f32>,
     /// P as pairs of rows (`BQ/2 × BK`), and `scale · dS` so.
-    p_pairs: Vec<u32>,
-    ds_pairs: Vec<u32>,
+    p_pairs: Aligned<u32>,
+    ds_pairs: Aligned<u32>,
     /// `scale · dS` row-major bf16 (`BQ × BK`).
-    ds: Vec<u16>,
+    ds: Aligned<u16>,
     /// dQ rows of a last query tile of fewer than 64 rows.
-    dq: Vec<f32>,
+    dq: Aligned<f32>,
     /// The transposed dK and dV of a pass's key tiles (`D × BK` each).
-    dkt: Vec<f32>,
-    dvt: Vec<f32>,
+    dkt: Aligned<f32>,
+    dvt: Aligned<f32>,
     /// One key tile's dK or dV rows, transposed back.
-    rows: Vec<f32>,
+    rows: Aligned<f32>,
     /// A key tile's `k_keys` with the keys no row sees zeroed.
     k_guarded: Vec<u32>,
     bands: Vec<Band>,
@@ -215,16 +216,16 @@ struct Scratch {
 impl Scratch {
     fn new<V: HostVariant>(d: usize, kv_group: usize) -> Self {
         Self {
-            s: vec![0.0; BQ * BK],
-            g: vec![0.0; if V::SCORE_IS_IDENTITY { 0 } else { BQ * BK }],
-            dp: vec![0.0; BQ * BK],
-            p_pairs: vec![0; BQ / 2 * BK],
-            ds_pairs: vec![0; BQ / 2 * BK],
-            ds: vec![0; BQ * BK],
-            dq: vec![0.0; BQ * d],
-            dkt: vec![0.0; kv_group * d * BK],
-            dvt: vec![0.0; kv_group * d * BK],
-            rows: vec![0.0; BK * d],
+            s: Aligned::zeroed(BQ * BK),
+            g: Aligned::zeroed(if V::SCORE_IS_IDENTITY { 0 } else { BQ * BK }),
+            dp: Aligned::zeroed(BQ * BK),
+            p_pairs: Aligned::zeroed(BQ / 2 * BK),
+            ds_pairs: Aligned::zeroed(BQ / 2 * BK),
+            ds: Aligned::zeroed(BQ * BK),
+            dq: Aligned::zeroed(BQ * d),
+            dkt: Aligned::zeroed(kv_group * d * BK),
+            dvt: Aligned::zeroed(kv_group * d * BK),
+            rows: Aligned::zeroed(BK * d),
             k_guarded: Vec::new(),
             bands: Vec::with_capacity(1),
         }

@@ -29,6 +29,7 @@
 //! a `vdpbf16ps` that pays (see [`applies`]); partial tiles run the mask over the whole tile (one
 //! band), since a tile product costs less than the bookkeeping of bands.
 
+use super::aligned::Aligned;
 use super::amx::{self, Kind, Products};
 use super::forward::{Head, OnlineSoftmax, finish_rows, start_rows};
 use super::{Band, Positions, all_finite_bits, math, simd, tile_class};
@@ -55,9 +56,9 @@ pub(super) fn applies(p: &Problem) -> bool {
 struct Packed {
     /// Per key tile: `D/2` rows of `BK` u32, each the bf16 pair
     /// `(K[key][2p], K[key][2p + 1])`.
-    k: Vec<u32>,
+    k: Aligned<u32>,
     /// Per key tile: `BK/2` rows of `D` u32, each `(V[2r][d], V[2r + 1][d])`.
-    v: Vec<u32>,
+    v: Aligned<u32>,
     /// Per key tile: V holds a NaN or an infinity.
     v_nonfinite: Vec<bool>,
 }
@@ -66,8 +67,8 @@ struct Packed {
 fn pack(k: &[u16], v: &[u16], sk: usize, d: usize) -> Packed {
     let tiles = sk.div_ceil(BK);
     let per = BK * d / 2;
-    let mut kp = vec![0u32; tiles * per];
-    let mut vp = vec![0u32; tiles * per];
+    let mut kp = Aligned::<u32>::zeroed(tiles * per);
+    let mut vp = Aligned::<u32>::zeroed(tiles * per);
     kp.par_chunks_mut(per)
         .zip(vp.par_chunks_mut(per))
         .enumerate()
@@ -177,7 +178,7 @@ const GROUP_BYTES: usize = 1 << 20;
 struct QueryTile {
     rows: usize,
     pos: (i32, i32),
-    q: Vec<u16>,
+    q: Aligned<u16>,
     m: Vec<f32>,
     l: Vec<math::Lanes>,
     alpha: Vec<f32>,
@@ -188,9 +189,9 @@ struct QueryTile {
 /// Per-task scratch: the query tiles, and the work tiles they share.
 struct Scratch {
     tiles: Vec<QueryTile>,
-    s64: Vec<f32>,
-    p: Vec<u16>,
-    o: Vec<f32>,
+    s64: Aligned<f32>,
+    p: Aligned<u16>,
+    o: Aligned<f32>,
     bands: Vec<Band>,
     v_guarded: Vec<u32>,
 }
@@ -202,16 +203,16 @@ impl Scratch {
                 .map(|_| QueryTile {
                     rows: 0,
                     pos: (0, 0),
-                    q: vec![0; BQ * d],
+                    q: Aligned::zeroed(BQ * d),
                     m: vec![0.0; BQ],
                     l: vec![[0.0; math::LANES]; BQ],
                     alpha: vec![0.0; BQ],
                     first: true,
                 })
                 .collect(),
-            s64: vec![0.0; BQ * BK],
-            p: vec![0; BQ * BK],
-            o: vec![0.0; BQ * d],
+            s64: Aligned::zeroed(BQ * BK),
+            p: Aligned::zeroed(BQ * BK),
+            o: Aligned::zeroed(BQ * d),
             bands: Vec::with_capacity(1),
             v_guarded: Vec::new(),
         }

@@ -49,6 +49,7 @@
 //! per-task tile scratch (the transposes of up to four key tiles and three
 //! score-sized tiles); never anything of size `Sq × Sk`.
 
+use super::aligned::Aligned;
 use super::forward::apply_mask;
 use super::gemm::{self, MatMut, MatRef, Write, matmul};
 use super::math;
@@ -154,19 +155,19 @@ struct Scratch {
     /// Kᵀ and Vᵀ of the current key tiles, `D × Bk` each: transposed once
     /// per key tile so that the products `S = Q Kᵀ` and `dP = dO Vᵀ` stream
     /// contiguous rows, instead of transposing them for every query tile.
-    kt: Vec<f32>,
-    vt: Vec<f32>,
+    kt: Aligned<f32>,
+    vt: Aligned<f32>,
     work: Work,
 }
 
 /// The `Bq × Bk` tiles of one (query tile × key tile) step.
 struct Work {
     /// Scaled logits, then probabilities P.
-    s: Vec<f32>,
+    s: Aligned<f32>,
     /// dP, then dS.
-    dp: Vec<f32>,
+    dp: Aligned<f32>,
     /// `score_grad` of the logits (empty when the score is the identity).
-    g: Vec<f32>,
+    g: Aligned<f32>,
     /// The tile's bands (see [`class_bands`]).
     bands: Vec<Band>,
     /// A band's K rows with the unused ones zeroed (see
@@ -184,9 +185,9 @@ impl Scratch {
     fn new<V: HostVariant>(t: CpuTiles, d: usize, kv_group: usize, learn: bool) -> Self {
         let g = if V::SCORE_IS_IDENTITY { 0 } else { t.q * t.kv };
         let work = Work {
-            s: vec![0.0; t.q * t.kv],
-            dp: vec![0.0; t.q * t.kv],
-            g: vec![0.0; g],
+            s: Aligned::zeroed(t.q * t.kv),
+            dp: Aligned::zeroed(t.q * t.kv),
+            g: Aligned::zeroed(g),
             bands: Vec::with_capacity(t.q.div_ceil(super::BAND_ROWS)),
             k_guarded: Vec::new(),
             raw: if learn && V::SCORE_READS_LEARNABLE && !V::SCORE_GRADS_BY_DIFFERENCE {
@@ -201,8 +202,8 @@ impl Scratch {
             },
         };
         Self {
-            kt: vec![0.0; kv_group * d * t.kv],
-            vt: vec![0.0; kv_group * d * t.kv],
+            kt: Aligned::zeroed(kv_group * d * t.kv),
+            vt: Aligned::zeroed(kv_group * d * t.kv),
             work,
         }
     }
@@ -287,8 +288,9 @@ pub(super) fn deltas<E: Sync>(
     out: &[E],
     d: usize,
     dot: impl Fn(&[E], &[E]) -> f32 + Sync,
-) -> Vec<f32> {
-    let mut delta = vec![0.0f32; out.len() / d.max(1)];
+) -> Aligned<f32> {
+    // Every element is written below.
+    let mut delta = Aligned::scratch(out.len() / d.max(1));
     delta
         .par_chunks_mut(ELEMENTWISE_BLOCK)
         .enumerate()
@@ -310,8 +312,9 @@ pub(super) fn chunk_keys(p: &Problem, tiles: CpuTiles, chunks: usize) -> (usize,
 }
 
 /// The dQ partial sums of every (batch, kv head)'s chunks after its first.
-pub(super) fn dq_partials(p: &Problem, chunks: usize) -> Vec<f32> {
-    vec![0.0f32; p.batch * p.heads_kv * (chunks - 1) * p.group() * p.seq_q * p.head_dim]
+pub(super) fn dq_partials(p: &Problem, chunks: usize) -> Aligned<f32> {
+    // Each partial goes to one task, which zeroes it first (`key_chunk`).
+    Aligned::scratch(p.batch * p.heads_kv * (chunks - 1) * p.group() * p.seq_q * p.head_dim)
 }
 
 /// The outputs carved into disjoint per-task slices, in (b, kv head,

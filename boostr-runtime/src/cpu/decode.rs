@@ -31,6 +31,7 @@
 //! statistics (the partials, `chunks` times the output in all), plus a key
 //! block's `Kᵀ` and `R ×` block scores.
 
+use super::aligned::Aligned;
 use super::gemm::{self, MatMut, MatRef, Write, matmul};
 use super::math;
 use super::simd::{self, Elementwise};
@@ -189,7 +190,7 @@ pub(super) fn forward<V: HostVariant, E: KvElem>(
 
     let mut m = vec![f32::NEG_INFINITY; tasks * rows];
     let mut l = vec![0.0f32; tasks * rows];
-    let mut acc = vec![0.0f32; tasks * rows * d];
+    let mut acc = Aligned::<f32>::zeroed(tasks * rows * d);
     m.par_chunks_mut(rows)
         .zip(l.par_chunks_mut(rows))
         .zip(acc.par_chunks_mut(rows * d))
@@ -263,10 +264,10 @@ pub(super) fn forward<V: HostVariant, E: KvElem>(
 /// rows' running sums per lane and rescale factors, a guarded V block, and
 /// the widened K and V blocks of a 16-bit cache.
 struct Scratch {
-    kt: Vec<f32>,
-    k_wide: Vec<f32>,
-    v_wide: Vec<f32>,
-    s: Vec<f32>,
+    kt: Aligned<f32>,
+    k_wide: Aligned<f32>,
+    v_wide: Aligned<f32>,
+    s: Aligned<f32>,
     l: Vec<math::Lanes>,
     alpha: Vec<f32>,
     classes: Vec<TileClass>,
@@ -276,10 +277,10 @@ struct Scratch {
 impl Scratch {
     fn new(tiles: CpuTiles, rows: usize, d: usize) -> Self {
         Scratch {
-            kt: vec![0.0; d * tiles.kv],
-            k_wide: vec![0.0; d * tiles.kv],
-            v_wide: vec![0.0; d * tiles.kv],
-            s: vec![0.0; rows * tiles.kv],
+            kt: Aligned::zeroed(d * tiles.kv),
+            k_wide: Aligned::zeroed(d * tiles.kv),
+            v_wide: Aligned::zeroed(d * tiles.kv),
+            s: Aligned::zeroed(rows * tiles.kv),
             l: vec![[0.0; math::LANES]; rows],
             alpha: vec![0.0; rows],
             classes: Vec::new(),

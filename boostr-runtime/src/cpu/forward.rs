@@ -19,6 +19,7 @@
 //! never NaN; logits of any finite magnitude are safe because every `exp`
 //! argument is `≤ 0`.
 
+use super::aligned::Aligned;
 use super::gemm::{self, MatMut, MatRef, Write, matmul};
 use super::math;
 use super::simd::{self, Elementwise};
@@ -81,7 +82,7 @@ pub(super) fn group_size<V: HostVariant>(
 /// every row of the task's query tiles.
 struct Scratch {
     /// `Bq × Bk` scores, then probabilities, row-major with stride = tile width.
-    s: Vec<f32>,
+    s: Aligned<f32>,
     /// Running row max of the (masked, modified) logits.
     m: Vec<f32>,
     /// Running row sum of `e^(x − m)`, per lane (reduced once per row at
@@ -102,7 +103,7 @@ impl Scratch {
     fn new(t: CpuTiles, group: usize) -> Self {
         let rows = group * t.q;
         Self {
-            s: vec![0.0; t.q * t.kv],
+            s: Aligned::scratch(t.q * t.kv),
             m: vec![0.0; rows],
             l: vec![[0.0; math::LANES]; rows],
             alpha: vec![0.0; rows],
@@ -170,8 +171,9 @@ pub(super) fn forward<V: HostVariant>(
     // Each kv head's copy is made right before the query tiles that read
     // it start, not all heads' up front: then it is still in the caches
     // when they read it, instead of being written out to memory and read
-    // back. (Uninitialised until then: the transposes write every element.)
-    let mut kt = Vec::<f32>::with_capacity(k.len());
+    // back. Aligned to a cache line, as every tile's rows then are (see
+    // `aligned`).
+    let mut kt = Aligned::<f32>::scratch(k.len());
     let g = p.group();
 
     // Outer: one (batch, kv head) per item; then its query heads; then
@@ -181,7 +183,7 @@ pub(super) fn forward<V: HostVariant>(
     let group_rows = group * tiles.q;
     out.par_chunks_mut(g * sq * d)
         .zip(lse.par_chunks_mut(g * sq))
-        .zip(kt.spare_capacity_mut()[..k.len()].par_chunks_mut(sk * d))
+        .zip(kt.par_chunks_mut(sk * d))
         .zip(k.par_chunks(sk * d))
         .zip(v.par_chunks(sk * d))
         .enumerate()
@@ -190,13 +192,9 @@ pub(super) fn forward<V: HostVariant>(
                 .zip(k.par_chunks(tiles.kv * d))
                 .for_each(|(kt, k)| {
                     let cols = k.len() / d;
-                    gemm::transpose_uninit(k, cols, d, kt, cols);
+                    gemm::transpose(k, cols, d, kt, cols);
                 });
-            // SAFETY: the chunks partition `kt`, and the transpose of a
-            // `cols × D` block into `D` rows of stride `cols` writes all of
-            // its `D · cols` elements, so every element is initialised;
-            // `MaybeUninit<f32>` has the layout of `f32`.
-            let kt = unsafe { &*(kt as *const [std::mem::MaybeUninit<f32>] as *const [f32]) };
+            let kt = &*kt;
             let v_nonfinite: Vec<bool> = v.chunks(tiles.kv * d).map(|t| !all_finite(t)).collect();
             out_g
                 .par_chunks_mut(sq * d)

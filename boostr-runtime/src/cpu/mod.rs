@@ -57,6 +57,7 @@
 //!   use our AVX-512 kernel (`microkernel`) where the CPU has AVX-512 and
 //!   the `gemm` crate elsewhere, which round differently.
 
+pub(crate) mod aligned;
 mod amx;
 mod amx_backward;
 mod amx_forward;
@@ -76,6 +77,7 @@ mod tile;
 #[cfg(test)]
 pub(crate) mod tests;
 
+pub use aligned::release_pool;
 pub use decode::KvElem;
 #[doc(hidden)] // for the benchmark example
 pub use gemm::{time_amx_peak, time_fma_peak, time_tile_products};
