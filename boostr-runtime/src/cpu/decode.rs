@@ -32,11 +32,13 @@
 //! block's `Kᵀ` and `R ×` block scores.
 
 use super::aligned::Aligned;
-use super::gemm::{self, MatMut, MatRef, Write, matmul};
+use super::elem::{self, KvElem, Stored};
+use super::gemm::{MatMut, MatRef, Write, matmul};
+use super::gemv;
 use super::math;
 use super::simd::{self, Elementwise};
 use super::tile::CpuTiles;
-use super::{Band, Positions, all_finite, tile_class, zero_unused_rows};
+use super::{Band, Positions, tile_class, zero_unused_rows};
 use crate::problem::Problem;
 use crate::variant::{HostVariant, TileClass};
 use rayon::prelude::*;
@@ -44,6 +46,11 @@ use rayon::prelude::*;
 /// Query rows per head up to which [`super::forward_tiled`] takes this
 /// kernel: decode (one row), speculative decoding and short appends.
 pub(super) const MAX_ROWS: usize = 32;
+
+/// Packed rows up to which a task runs its products as [`gemv`]'s
+/// matrix-vector kernels (two passes of four rows over each key block, in
+/// L1); more rows amortise a transposed key block over a GEMM.
+const GEMV_ROWS: usize = 8;
 
 /// Keys a chunk holds at least: below this a task's fixed costs (the
 /// partial's merge, scheduling) outweigh the spread.
@@ -67,62 +74,6 @@ pub(super) fn chunks(p: &Problem, tiles: CpuTiles, threads: usize) -> usize {
     let wanted = (TASKS_PER_THREAD * threads.max(1)).div_ceil(heads.max(1));
     let most = p.seq_k.div_ceil(MIN_CHUNK_KEYS.max(tiles.kv)).max(1);
     wanted.clamp(1, most)
-}
-
-/// An element type the kernel reads keys and values in, as stored: f32,
-/// or f16/bf16 widened one key block at a time into scratch (never a copy
-/// of the whole cache).
-pub trait KvElem: Copy + Send + Sync + 'static {
-    /// The slice itself, where it already is f32.
-    fn as_f32(x: &[Self]) -> Option<&[f32]>;
-    /// `dst[i] = src[i]` as f32 (exact: every f16 and bf16 is an f32).
-    fn widen(src: &[Self], dst: &mut [f32]);
-}
-
-impl KvElem for f32 {
-    fn as_f32(x: &[f32]) -> Option<&[f32]> {
-        Some(x)
-    }
-    fn widen(src: &[f32], dst: &mut [f32]) {
-        dst.copy_from_slice(src);
-    }
-}
-
-impl KvElem for half::f16 {
-    fn as_f32(_: &[Self]) -> Option<&[f32]> {
-        None
-    }
-    fn widen(src: &[Self], dst: &mut [f32]) {
-        use half::slice::HalfFloatSliceExt as _;
-        src.convert_to_f32_slice(dst);
-    }
-}
-
-impl KvElem for half::bf16 {
-    fn as_f32(_: &[Self]) -> Option<&[f32]> {
-        None
-    }
-    fn widen(src: &[Self], dst: &mut [f32]) {
-        simd::dispatch(WidenBf16 { src, dst });
-    }
-}
-
-/// bf16 → f32 is the bits shifted up by 16: a vector shift at the CPU's
-/// widest width.
-struct WidenBf16<'a> {
-    src: &'a [half::bf16],
-    dst: &'a mut [f32],
-}
-
-impl Elementwise for WidenBf16<'_> {
-    type Output = ();
-
-    #[inline(always)]
-    fn run(self) {
-        for (d, s) in self.dst.iter_mut().zip(self.src) {
-            *d = f32::from_bits(u32::from(s.to_bits()) << 16);
-        }
-    }
 }
 
 /// Where the keys and values live, in elements `E`.
@@ -262,10 +213,9 @@ pub(super) fn forward<V: HostVariant, E: KvElem>(
 
 /// Per-task scratch: one key block's `Kᵀ` and the block's scores, the
 /// rows' running sums per lane and rescale factors, a guarded V block, and
-/// the widened K and V blocks of a 16-bit cache.
+/// the widened V block of a 16-bit cache.
 struct Scratch {
     kt: Aligned<f32>,
-    k_wide: Aligned<f32>,
     v_wide: Aligned<f32>,
     s: Aligned<f32>,
     l: Vec<math::Lanes>,
@@ -278,7 +228,6 @@ impl Scratch {
     fn new(tiles: CpuTiles, rows: usize, d: usize) -> Self {
         Scratch {
             kt: Aligned::zeroed(d * tiles.kv),
-            k_wide: Aligned::zeroed(d * tiles.kv),
             v_wide: Aligned::zeroed(d * tiles.kv),
             s: Aligned::zeroed(rows * tiles.kv),
             l: vec![[0.0; math::LANES]; rows],
@@ -338,16 +287,20 @@ impl<V: HostVariant, E: KvElem> Task<'_, V, E> {
         let Partial { m, l, acc } = part;
         let lanes = &mut sc.l[..rows];
         lanes.fill([0.0; math::LANES]);
+        let gemv = rows <= GEMV_ROWS && gemv::available();
         let mut kv0 = keys.start;
         while kv0 < keys.end {
             let (k_blk, v_blk, cols) = self.block(kv0, self.tiles.kv.min(keys.end - kv0));
             let next = kv0 + cols;
-            if next < keys.end {
-                // The next block may be on another page, where the hardware
-                // prefetcher has no stream yet: start its loads now.
-                let (k_next, v_next, _) = self.block(next, self.tiles.kv.min(keys.end - next));
-                prefetch(k_next);
-                prefetch(v_next);
+            // The next block, on another page perhaps, where the hardware
+            // prefetcher has no stream yet: its loads start now.
+            let ahead = (next < keys.end).then(|| {
+                let (k, v, _) = self.block(next, self.tiles.kv.min(keys.end - next));
+                (E::stored(k), E::stored(v))
+            });
+            if !gemv && let Some((k, v)) = ahead {
+                prefetch(k.as_bytes());
+                prefetch(v.as_bytes());
             }
             sc.classes.clear();
             sc.classes.extend((0..g).map(|hh| {
@@ -358,23 +311,22 @@ impl<V: HostVariant, E: KvElem> Task<'_, V, E> {
                 kv0 = next;
                 continue;
             }
-            let k_blk = match E::as_f32(k_blk) {
-                Some(k) => k,
-                None => {
-                    E::widen(k_blk, &mut sc.k_wide[..cols * d]);
-                    &sc.k_wide[..cols * d]
-                }
-            };
-            let kt = &mut sc.kt[..d * cols];
-            gemm::transpose(k_blk, cols, d, kt, cols);
+            let (k_blk, v_blk) = (E::stored(k_blk), E::stored(v_blk));
             let s = &mut sc.s[..rows * cols];
-            matmul(
-                MatMut::row_major(s, rows, cols),
-                Write::Overwrite,
-                MatRef::row_major(self.q, rows, d),
-                MatRef::row_major(kt, d, cols),
-                scale,
-            );
+            if gemv {
+                gemv::scores(self.q, d, k_blk, cols, scale, s, ahead);
+            } else {
+                // Kᵀ, widened on the way where the cache is 16-bit.
+                let kt = &mut sc.kt[..d * cols];
+                elem::transpose(k_blk, cols, d, kt, cols);
+                matmul(
+                    MatMut::row_major(s, rows, cols),
+                    Write::Overwrite,
+                    MatRef::row_major(self.q, rows, d),
+                    MatRef::row_major(kt, d, cols),
+                    scale,
+                );
+            }
             simd::dispatch(BlockSoftmax {
                 task: self,
                 classes: &sc.classes,
@@ -386,31 +338,38 @@ impl<V: HostVariant, E: KvElem> Task<'_, V, E> {
                 acc: &mut *acc,
             });
             // O += P V. Where some row hides some key, that key must not
-            // bring a NaN of its V row with it (0 · NaN).
+            // bring a NaN of its V row with it (0 · NaN): such keys' rows
+            // are zeroed in an f32 copy.
             let hides = sc.classes.iter().any(|&c| c != TileClass::Full);
-            let v_blk = match E::as_f32(v_blk) {
-                Some(v) => v,
-                None => {
-                    E::widen(v_blk, &mut sc.v_wide[..cols * d]);
-                    &sc.v_wide[..cols * d]
-                }
-            };
-            let v_blk = if hides && !all_finite(v_blk) {
+            let v_blk = if hides && !v_blk.all_finite() {
+                let wide = &mut sc.v_wide[..cols * d];
+                elem::widen(v_blk, wide);
                 let band = Band {
                     rows: 0..rows,
                     cols: 0..cols,
                 };
-                zero_unused_rows(s, cols, &band, v_blk, d, &mut sc.v_guarded)
+                Stored::F32(zero_unused_rows(s, cols, &band, wide, d, &mut sc.v_guarded))
             } else {
                 v_blk
             };
-            matmul(
-                MatMut::row_major(acc, rows, d),
-                Write::Accumulate,
-                MatRef::row_major(s, rows, cols),
-                MatRef::row_major(v_blk, cols, d),
-                1.0,
-            );
+            if gemv {
+                gemv::accumulate(s, cols, v_blk, d, acc);
+            } else {
+                let v_blk = match v_blk.as_f32() {
+                    Some(v) => v,
+                    None => {
+                        elem::widen(v_blk, &mut sc.v_wide[..cols * d]);
+                        &sc.v_wide[..cols * d]
+                    }
+                };
+                matmul(
+                    MatMut::row_major(acc, rows, d),
+                    Write::Accumulate,
+                    MatRef::row_major(s, rows, cols),
+                    MatRef::row_major(v_blk, cols, d),
+                    1.0,
+                );
+            }
             kv0 = next;
         }
         for (l, lanes) in l.iter_mut().zip(&sc.l[..rows]) {
@@ -486,9 +445,9 @@ impl<V: HostVariant, E: KvElem> Elementwise for BlockSoftmax<'_, '_, V, E> {
 
 /// Ask for every cache line of `x` ahead of its use (nothing off x86-64).
 #[inline(always)]
-fn prefetch<E>(x: &[E]) {
+fn prefetch(x: &[u8]) {
     #[cfg(target_arch = "x86_64")]
-    for line in x.chunks((64 / std::mem::size_of::<E>().max(1)).max(1)) {
+    for line in x.chunks(64) {
         // SAFETY: a prefetch is only a hint; it never faults, and the
         // address is in `x`.
         unsafe {

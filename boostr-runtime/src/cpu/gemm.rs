@@ -347,7 +347,15 @@ pub fn transpose_uninit(
         // SAFETY: AVX-512F detected; the asserts above bound every element
         // read and written; `dst` is a unique borrow, so it does not
         // overlap `src`.
-        unsafe { super::microkernel::transpose(src.as_ptr(), rows, cols, out, dst_rs) };
+        unsafe {
+            super::microkernel::transpose::<super::microkernel::F32s>(
+                src.as_ptr(),
+                rows,
+                cols,
+                out,
+                dst_rs,
+            )
+        };
         return;
     }
     // In bands of 16 source rows, so that the 16 source lines being read

@@ -202,24 +202,75 @@ pub(super) fn fma_loop(iters: usize) -> f32 {
     acc.iter().map(|&a| _mm512_reduce_add_ps(a)).sum()
 }
 
-/// Write the transpose of the row-major `rows × cols` matrix at `src` into
-/// `dst` (`cols × rows`, row stride `dst_rs`): `dst[c·dst_rs + r] =
-/// src[r·cols + c]`. Only those elements of `dst` are written, none read.
+/// How [`transpose`] and [`widen`] read 16 source elements into f32 lanes:
+/// f32 as stored, bf16 and f16 (their bits, `u16`) widened in registers.
+pub(super) trait Load16 {
+    /// The stored element.
+    type Elem: Copy;
+    /// `p[i]` as f32 in lane `i` of the lanes set in `mask`, 0 elsewhere.
+    ///
+    /// # Safety
+    /// AVX-512F, BW and VL are enabled in the caller; the elements of the
+    /// lanes in `mask` are readable.
+    unsafe fn load16(p: *const Self::Elem, mask: __mmask16) -> __m512;
+}
+
+/// f32 elements, read as stored.
+pub(super) struct F32s;
+/// bf16 bits, widened by a shift (exact).
+pub(super) struct Bf16s;
+/// f16 bits, widened by `vcvtph2ps` (exact).
+pub(super) struct F16s;
+
+impl Load16 for F32s {
+    type Elem = f32;
+    #[inline(always)]
+    unsafe fn load16(p: *const f32, mask: __mmask16) -> __m512 {
+        // SAFETY: the caller's contract.
+        unsafe { _mm512_maskz_loadu_ps(mask, p) }
+    }
+}
+
+impl Load16 for Bf16s {
+    type Elem = u16;
+    #[inline(always)]
+    unsafe fn load16(p: *const u16, mask: __mmask16) -> __m512 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let bits = _mm256_maskz_loadu_epi16(mask, p.cast());
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(bits)))
+        }
+    }
+}
+
+impl Load16 for F16s {
+    type Elem = u16;
+    #[inline(always)]
+    unsafe fn load16(p: *const u16, mask: __mmask16) -> __m512 {
+        // SAFETY: the caller's contract.
+        unsafe { _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p.cast())) }
+    }
+}
+
+/// Write the transpose of the row-major `rows × cols` matrix at `src`
+/// (elements of `L`, widened to f32) into `dst` (`cols × rows`, row stride
+/// `dst_rs`): `dst[c·dst_rs + r] = src[r·cols + c]`. Only those elements
+/// of `dst` are written, none read.
 ///
-/// In 16 × 16 blocks held in registers: sixteen (masked) row loads, the
-/// usual four rounds of sixteen shuffles (pairs of rows interleaved by
-/// element, then by element pair, then the 128-bit lanes regrouped twice),
-/// and sixteen (masked) row stores: about 0.3 cycles per element, against
-/// one or more for an element-by-element copy, whose stores also stride
-/// `dst_rs` apart.
+/// In 16 × 16 blocks held in registers: sixteen (masked) row loads (which
+/// widen 16-bit elements on the way), the usual four rounds of sixteen
+/// shuffles (pairs of rows interleaved by element, then by element pair,
+/// then the 128-bit lanes regrouped twice), and sixteen (masked) row
+/// stores: about 0.3 cycles per element, against one or more for an
+/// element-by-element copy, whose stores also stride `dst_rs` apart.
 ///
 /// # Safety
-/// The CPU supports AVX-512F; `src` addresses `rows · cols` readable
-/// floats and every `dst[c·dst_rs + r]` (`r < rows`, `c < cols`) is in
-/// bounds of `dst`'s allocation; the two do not overlap.
-#[target_feature(enable = "avx512f")]
-pub(super) unsafe fn transpose(
-    src: *const f32,
+/// The CPU supports AVX-512F, BW and VL; `src` addresses `rows · cols`
+/// readable elements and every `dst[c·dst_rs + r]` (`r < rows`, `c <
+/// cols`) is in bounds of `dst`'s allocation; the two do not overlap.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub(super) unsafe fn transpose<L: Load16>(
+    src: *const L::Elem,
     rows: usize,
     cols: usize,
     dst: *mut f32,
@@ -239,7 +290,7 @@ pub(super) unsafe fn transpose(
             unsafe {
                 let x: [__m512; 16] = std::array::from_fn(|i| {
                     if i < live_rows {
-                        _mm512_maskz_loadu_ps(col_mask, src.add((r0 + i) * cols + c0))
+                        L::load16(src.add((r0 + i) * cols + c0), col_mask)
                     } else {
                         _mm512_setzero_ps()
                     }
@@ -252,6 +303,22 @@ pub(super) unsafe fn transpose(
             c0 += 16;
         }
         r0 += 16;
+    }
+}
+
+/// `dst[i] = src[i]` widened to f32, for `i < n`.
+///
+/// # Safety
+/// The CPU supports AVX-512F, BW and VL; `src` and `dst` address `n`
+/// elements each and do not overlap.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+pub(super) unsafe fn widen<L: Load16>(src: *const L::Elem, dst: *mut f32, n: usize) {
+    let mut i = 0;
+    while i < n {
+        let mask = tail_mask(n - i, 0);
+        // SAFETY: elements `i .. min(i + 16, n)` are in bounds of both.
+        unsafe { _mm512_mask_storeu_ps(dst.add(i), mask, L::load16(src.add(i), mask)) };
+        i += 16;
     }
 }
 
@@ -405,7 +472,7 @@ mod tests {
                 let mut dst = vec![poison; cols * dst_rs + 7];
                 // SAFETY: AVX-512F checked above; `dst` holds
                 // `(cols − 1)·dst_rs + rows` elements and more.
-                unsafe { transpose(src.as_ptr(), rows, cols, dst.as_mut_ptr(), dst_rs) };
+                unsafe { transpose::<F32s>(src.as_ptr(), rows, cols, dst.as_mut_ptr(), dst_rs) };
                 for (i, &x) in dst.iter().enumerate() {
                     let (c, r) = (i / dst_rs, i % dst_rs);
                     let want = if c < cols && r < rows {

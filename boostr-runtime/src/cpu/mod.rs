@@ -65,8 +65,10 @@ mod backward;
 mod bf16_dot;
 mod cached;
 mod decode;
+mod elem;
 mod forward;
 mod gemm;
+mod gemv;
 #[doc(hidden)] // public for the code `#[attention]` generates (`score` in f32)
 pub mod math;
 #[cfg(target_arch = "x86_64")]
@@ -78,7 +80,7 @@ mod tile;
 pub(crate) mod tests;
 
 pub use aligned::release_pool;
-pub use decode::KvElem;
+pub use elem::KvElem;
 #[doc(hidden)] // for the benchmark example
 pub use gemm::{time_amx_peak, time_fma_peak, time_tile_products};
 pub use tile::CpuTiles;

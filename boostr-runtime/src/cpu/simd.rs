@@ -65,13 +65,17 @@ pub(super) fn dispatch<E: Elementwise>(pass: E) -> E::Output {
     pass.run()
 }
 
-/// Whether the AVX-512 code paths may run: the CPU has AVX-512F (and tests
-/// have not capped the level below it). The tile products use this too, so
-/// that capping the level also exercises the `gemm` crate fallback.
+/// Whether the AVX-512 code paths may run: the CPU has AVX-512F, BW and
+/// VL (every AVX-512 CPU but the Xeon Phi), and tests have not capped the
+/// level below it. The tile products use this too, so that capping the
+/// level also exercises the `gemm` crate fallback.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 pub(super) fn avx512() -> bool {
-    level_cap() >= Level::Avx512 && std::arch::is_x86_feature_detected!("avx512f")
+    level_cap() >= Level::Avx512
+        && std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512vl")
 }
 
 /// Whether the AMX paths may run, as far as tests are concerned (the CPU
@@ -115,7 +119,7 @@ fn level_cap() -> Level {
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 fn run_avx512<E: Elementwise>(pass: E) -> E::Output {
     pass.run()
 }

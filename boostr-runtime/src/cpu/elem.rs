@@ -1,0 +1,241 @@
+//! The element types the CPU kernels read as stored: f32, and bf16 and f16
+//! widened to f32 in registers on the way into a tile (exactly: every bf16
+//! and f16 value is an f32), so that a 16-bit tensor is never copied whole.
+//!
+//! A kernel sees its operands as [`Stored`] slices and moves them into its
+//! f32 tiles through [`transpose`] (keys into `Kᵀ` tiles) and [`widen`]
+//! (rows as they are). On CPUs with AVX-512 both run in registers (16-bit
+//! loads widened by a shift for bf16, `vcvtph2ps` for f16); elsewhere
+//! through the `half` crate's conversions.
+
+use super::gemm;
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
+}
+
+/// An element type the CPU kernels read as stored: `f32`, `half::bf16` or
+/// `half::f16`.
+pub trait KvElem: Copy + Send + Sync + 'static + sealed::Sealed {
+    /// The slice as the kernels read it.
+    #[doc(hidden)]
+    fn stored(x: &[Self]) -> Stored<'_>;
+}
+
+impl KvElem for f32 {
+    fn stored(x: &[f32]) -> Stored<'_> {
+        Stored::F32(x)
+    }
+}
+
+impl KvElem for half::bf16 {
+    fn stored(x: &[Self]) -> Stored<'_> {
+        use half::slice::HalfFloatSliceExt as _;
+        Stored::Bf16(x.reinterpret_cast())
+    }
+}
+
+impl KvElem for half::f16 {
+    fn stored(x: &[Self]) -> Stored<'_> {
+        use half::slice::HalfFloatSliceExt as _;
+        Stored::F16(x.reinterpret_cast())
+    }
+}
+
+/// Elements as stored: f32, or the bits of bf16 or f16.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug)]
+pub enum Stored<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+    F16(&'a [u16]),
+}
+
+impl<'a> Stored<'a> {
+    /// Elements held.
+    pub(super) fn len(self) -> usize {
+        match self {
+            Stored::F32(x) => x.len(),
+            Stored::Bf16(x) | Stored::F16(x) => x.len(),
+        }
+    }
+
+    /// Elements `r`.
+    pub(super) fn slice(self, r: std::ops::Range<usize>) -> Stored<'a> {
+        match self {
+            Stored::F32(x) => Stored::F32(&x[r]),
+            Stored::Bf16(x) => Stored::Bf16(&x[r]),
+            Stored::F16(x) => Stored::F16(&x[r]),
+        }
+    }
+
+    /// The elements, where they are f32 already.
+    pub(super) fn as_f32(self) -> Option<&'a [f32]> {
+        match self {
+            Stored::F32(x) => Some(x),
+            _ => None,
+        }
+    }
+
+    /// Bytes per element.
+    pub(super) fn elem_bytes(self) -> usize {
+        match self {
+            Stored::F32(_) => 4,
+            Stored::Bf16(_) | Stored::F16(_) => 2,
+        }
+    }
+
+    /// The elements' bytes.
+    pub(super) fn as_bytes(self) -> &'a [u8] {
+        // SAFETY: any initialised memory may be read as bytes, and u8 has
+        // alignment 1.
+        unsafe {
+            match self {
+                Stored::F32(x) => std::slice::from_raw_parts(x.as_ptr().cast(), 4 * x.len()),
+                Stored::Bf16(x) | Stored::F16(x) => {
+                    std::slice::from_raw_parts(x.as_ptr().cast(), 2 * x.len())
+                }
+            }
+        }
+    }
+
+    /// Whether every element is finite (no NaN, no infinity).
+    pub(super) fn all_finite(self) -> bool {
+        match self {
+            Stored::F32(x) => super::all_finite(x),
+            Stored::Bf16(x) => super::all_finite_bits(x),
+            // An exponent of all ones: infinity or NaN.
+            Stored::F16(x) => {
+                x.iter()
+                    .fold(0u16, |acc, v| acc | u16::from(v & 0x7c00 == 0x7c00))
+                    == 0
+            }
+        }
+    }
+}
+
+/// The f32 transpose of the row-major `rows × cols` elements `src` into
+/// `dst` (`cols × rows`, row stride `dst_rs`), as [`gemm::transpose`].
+///
+/// # Panics
+/// If either slice is too short.
+pub(super) fn transpose(src: Stored<'_>, rows: usize, cols: usize, dst: &mut [f32], dst_rs: usize) {
+    assert!(src.len() >= rows * cols, "transpose source out of bounds");
+    assert!(
+        rows == 0 || cols == 0 || dst.len() >= (cols - 1) * dst_rs + rows,
+        "transpose destination out of bounds"
+    );
+    if let Some(x) = src.as_f32() {
+        return gemm::transpose(x, rows, cols, dst, dst_rs);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::avx512() {
+        use super::microkernel::{Bf16s, F16s, transpose};
+        let out = dst.as_mut_ptr();
+        // SAFETY: AVX-512F/BW/VL detected; the asserts above bound every
+        // element read and written; `dst` is a unique borrow.
+        unsafe {
+            match src {
+                Stored::Bf16(x) => transpose::<Bf16s>(x.as_ptr(), rows, cols, out, dst_rs),
+                Stored::F16(x) => transpose::<F16s>(x.as_ptr(), rows, cols, out, dst_rs),
+                Stored::F32(_) => unreachable!("f32 returned above"),
+            }
+        }
+        return;
+    }
+    let mut wide = vec![0.0f32; rows * cols];
+    widen(src.slice(0..rows * cols), &mut wide);
+    gemm::transpose(&wide, rows, cols, dst, dst_rs);
+}
+
+/// `dst[i] = src[i]` as f32.
+///
+/// # Panics
+/// If the lengths differ.
+pub(super) fn widen(src: Stored<'_>, dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "widen lengths");
+    #[cfg(target_arch = "x86_64")]
+    if super::simd::avx512() {
+        use super::microkernel::{Bf16s, F16s, F32s, widen};
+        let (out, n) = (dst.as_mut_ptr(), dst.len());
+        // SAFETY: AVX-512F/BW/VL detected; both hold `n` elements, and
+        // `dst` is a unique borrow.
+        unsafe {
+            match src {
+                Stored::F32(x) => widen::<F32s>(x.as_ptr(), out, n),
+                Stored::Bf16(x) => widen::<Bf16s>(x.as_ptr(), out, n),
+                Stored::F16(x) => widen::<F16s>(x.as_ptr(), out, n),
+            }
+        }
+        return;
+    }
+    use half::slice::{HalfBitsSliceExt as _, HalfFloatSliceExt as _};
+    match src {
+        Stored::F32(x) => dst.copy_from_slice(x),
+        Stored::Bf16(x) => x.reinterpret_cast::<half::bf16>().convert_to_f32_slice(dst),
+        Stored::F16(x) => x.reinterpret_cast::<half::f16>().convert_to_f32_slice(dst),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::Rng;
+
+    /// Values every format holds exactly, and their bits in each.
+    fn values(n: usize, rng: &mut Rng) -> (Vec<f32>, Vec<half::bf16>, Vec<half::f16>) {
+        let x: Vec<f32> = rng
+            .normal_f32(n, 3.0)
+            .into_iter()
+            .map(|v| half::f16::from_f32(half::bf16::from_f32(v).to_f32()).to_f32())
+            .collect();
+        let b = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
+        let h = x.iter().map(|&v| half::f16::from_f32(v)).collect();
+        (x, b, h)
+    }
+
+    fn every_level(f: impl Fn() + Sync) {
+        use super::super::simd::{LEVEL_CAP, Level};
+        for level in [Level::Baseline, Level::Amx] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .start_handler(move |_| LEVEL_CAP.with(|c| c.set(level)))
+                .build()
+                .expect("a pool");
+            pool.install(&f);
+        }
+    }
+
+    #[test]
+    fn widening_transposes_and_copies_are_exact_at_every_level() {
+        every_level(|| {
+            let mut rng = Rng::new(0x3e1e, 0);
+            for (rows, cols) in [(1, 1), (5, 17), (16, 16), (64, 128), (37, 40), (70, 33)] {
+                let (x, b, h) = values(rows * cols, &mut rng);
+                let dst_rs = rows + 3;
+                for stored in [
+                    KvElem::stored(&x[..]),
+                    KvElem::stored(&b[..]),
+                    KvElem::stored(&h[..]),
+                ] {
+                    let mut t = vec![f32::NAN; cols * dst_rs];
+                    transpose(stored, rows, cols, &mut t, dst_rs);
+                    for r in 0..rows {
+                        for c in 0..cols {
+                            let (got, want) = (t[c * dst_rs + r], x[r * cols + c]);
+                            assert_eq!(got.to_bits(), want.to_bits(), "{stored:?} ({r}, {c})");
+                        }
+                    }
+                    // Padding between the rows of `t` is untouched.
+                    assert!((0..cols).all(|c| t[c * dst_rs + rows].is_nan()));
+                    let mut w = vec![f32::NAN; rows * cols];
+                    widen(stored, &mut w);
+                    assert!(w.iter().zip(&x).all(|(a, b)| a.to_bits() == b.to_bits()));
+                }
+            }
+        });
+    }
+}

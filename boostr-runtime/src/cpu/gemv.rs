@@ -1,0 +1,504 @@
+//! The decode kernel's two products for a few query rows, reading keys and
+//! values as stored (f32, or bf16/f16 widened in registers): `S = scale ·
+//! Q Kᵀ` and `O += P V`, each with `K` and `V` row-major, as a cache holds
+//! them. Nothing is transposed or widened into memory first.
+//!
+//! Why: decode reads every key once per kv head for only `R = G · Sq` query
+//! rows (4 for Llama's 32/8 heads), so its time should be the time to read
+//! K and V. Through the tile products it was not: transposing each key block
+//! (and widening a 16-bit cache) into scratch, then a 6-row GEMM kernel
+//! running 4 rows, cost about 130–180 cycles per key on a 2-core AVX-512
+//! Xeon even with the cache in L2, more than reading a bf16 key from
+//! memory takes (512 bytes of K and V at 8 GB/s per core: 64 ns).
+//!
+//! `scores`: dims across lanes. Per key, each row's 16-lane partial dot
+//! product accumulates over the head dim; four keys' partials are folded
+//! into one vector (`unpack`, then 64-bit `unpack`: lane group `g` holds
+//! the four keys' sums over lanes `4g..4g+4`), two such into one (128-bit
+//! lane shuffles), and two of those into the 16 keys' dot products in key
+//! order: 45 shuffles and adds per 16 keys and row, against 64 for a
+//! 16 × 16 transpose. Query rows stay in L1 and are loaded once per chunk
+//! of 16 dims for each group of 4 keys.
+//!
+//! `accumulate`: the output rows as registers, 4 vectors (64 dims) per row
+//! at a time for up to 4 rows, across all of the block's keys; each key's V
+//! row chunk is loaded (and widened) once for them all.
+//!
+//! Rows are taken 4 at a time (a fifth row would leave too few registers);
+//! more rows read the block again from L1. Sums run in a fixed order: the
+//! same bits on every run and thread count.
+
+use super::elem::Stored;
+#[cfg(target_arch = "x86_64")]
+use super::microkernel::{Bf16s, F16s, F32s, Load16};
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// Rows per pass of either product.
+const ROWS: usize = 4;
+
+/// Whether [`scores`] and [`accumulate`] run here (AVX-512F/BW/VL).
+pub(super) fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        super::simd::avx512()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// `s[r·cols + j] = scale · Σ_d q[r·d + dd]·k[j·d + dd]` for the `rows =
+/// q.len() / d` rows and `cols` keys of `k` (row-major, `d` per key).
+///
+/// # Panics
+/// Unless [`available`], or if a slice is too short.
+///
+/// `ahead`: the next block's keys and values, whose cache lines are asked
+/// for (prefetched) a key row at a time as this block's keys are read, so
+/// that they arrive while this block computes: one prefetch burst per
+/// block instead would fill the core's line-fill buffers and stall it.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn scores(
+    q: &[f32],
+    d: usize,
+    k: Stored<'_>,
+    cols: usize,
+    scale: f32,
+    s: &mut [f32],
+    ahead: Option<(Stored<'_>, Stored<'_>)>,
+) {
+    let rows = q.len() / d.max(1);
+    assert!(available(), "AVX-512 for the decode products");
+    assert!(
+        k.len() >= cols * d && s.len() >= rows * cols,
+        "scores bounds"
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX-512F/BW/VL checked; the asserts bound every access.
+    unsafe {
+        let ahead = ahead.map_or(Ahead::NONE, |(k, v)| Ahead {
+            k: k.as_bytes(),
+            v: v.as_bytes(),
+            row: d * k.elem_bytes(),
+        });
+        let o = Scores {
+            q: q.as_ptr(),
+            d,
+            cols,
+            scale,
+            s: s.as_mut_ptr(),
+            ahead,
+        };
+        match k {
+            Stored::F32(k) => scores_rows::<F32s>(o, rows, k.as_ptr()),
+            Stored::Bf16(k) => scores_rows::<Bf16s>(o, rows, k.as_ptr()),
+            Stored::F16(k) => scores_rows::<F16s>(o, rows, k.as_ptr()),
+        }
+    }
+}
+
+/// `acc[r·d + dd] += Σ_j p[r·cols + j]·v[j·d + dd]` for the `rows =
+/// acc.len() / d` rows and `cols` keys of `v` (row-major).
+///
+/// # Panics
+/// Unless [`available`], or if a slice is too short.
+pub(super) fn accumulate(p: &[f32], cols: usize, v: Stored<'_>, d: usize, acc: &mut [f32]) {
+    let rows = acc.len() / d.max(1);
+    assert!(available(), "AVX-512 for the decode products");
+    assert!(
+        v.len() >= cols * d && p.len() >= rows * cols,
+        "accumulate bounds"
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX-512F/BW/VL checked; the asserts bound every access.
+    unsafe {
+        let o = Accumulate {
+            p: p.as_ptr(),
+            cols,
+            d,
+            acc: acc.as_mut_ptr(),
+        };
+        match v {
+            Stored::F32(v) => accumulate_rows::<F32s>(o, rows, v.as_ptr()),
+            Stored::Bf16(v) => accumulate_rows::<Bf16s>(o, rows, v.as_ptr()),
+            Stored::F16(v) => accumulate_rows::<F16s>(o, rows, v.as_ptr()),
+        }
+    }
+}
+
+/// The lanes of the 16-wide chunk at `at` that lie below `len`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn mask(len: usize, at: usize) -> __mmask16 {
+    let live = len.saturating_sub(at).min(16);
+    ((1u32 << live) - 1) as __mmask16
+}
+
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Scores<'a> {
+    q: *const f32,
+    d: usize,
+    cols: usize,
+    scale: f32,
+    s: *mut f32,
+    ahead: Ahead<'a>,
+}
+
+/// The bytes of the next block's keys and values, `row` bytes per key.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Ahead<'a> {
+    k: &'a [u8],
+    v: &'a [u8],
+    row: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Ahead<'_> {
+    const NONE: Self = Ahead {
+        k: &[],
+        v: &[],
+        row: 1,
+    };
+
+    /// Prefetch key `j`'s rows of K and V (nothing past their ends).
+    #[inline(always)]
+    fn key(&self, j: usize) {
+        for x in [self.k, self.v] {
+            if let Some(row) = x.get(j * self.row..(j + 1) * self.row) {
+                for line in row.chunks(64) {
+                    // SAFETY: a prefetch is a hint that never faults, of
+                    // an address inside `x`.
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
+                }
+            }
+        }
+    }
+}
+
+/// [`scores`] over every row, `ROWS` at a time.
+///
+/// # Safety
+/// As [`scores`], AVX-512F/BW/VL present.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn scores_rows<L: Load16>(o: Scores<'_>, rows: usize, k: *const L::Elem) {
+    let mut r0 = 0;
+    while r0 < rows {
+        // SAFETY: rows r0 .. r0 + n of q and s are in bounds.
+        unsafe {
+            let o = Scores {
+                q: o.q.add(r0 * o.d),
+                s: o.s.add(r0 * o.cols),
+                // The first pass over the keys asks for the next block.
+                ahead: if r0 == 0 { o.ahead } else { Ahead::NONE },
+                ..o
+            };
+            match (rows - r0).min(ROWS) {
+                4 => score_block::<L, 4>(o, k),
+                3 => score_block::<L, 3>(o, k),
+                2 => score_block::<L, 2>(o, k),
+                _ => score_block::<L, 1>(o, k),
+            }
+        }
+        r0 += ROWS;
+    }
+}
+
+/// Four keys' 16-lane partial sums folded into one vector whose lane group
+/// `g` (lanes `4g..4g+4`) holds each key's sum over lanes `4g..4g+4`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn fold4(x: [__m512; 4]) -> __m512 {
+    // SAFETY: register-only; AVX-512F enabled by every caller.
+    unsafe {
+        // Per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3].
+        let ab = _mm512_add_ps(
+            _mm512_unpacklo_ps(x[0], x[1]),
+            _mm512_unpackhi_ps(x[0], x[1]),
+        );
+        let cd = _mm512_add_ps(
+            _mm512_unpacklo_ps(x[2], x[3]),
+            _mm512_unpackhi_ps(x[2], x[3]),
+        );
+        // Per 128-bit lane: [Σa, Σb, Σc, Σd] over its four lanes.
+        let (ab, cd) = (_mm512_castps_pd(ab), _mm512_castps_pd(cd));
+        _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(ab, cd)),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(ab, cd)),
+        )
+    }
+}
+
+/// Two folded vectors (of keys `0..4` and `4..8` of a group, or of keys
+/// `0..8` and `8..16` once folded again) into one: 128-bit lane `2i + h`
+/// of the result is the sum of lanes `2i` and `2i + 1` of the `h`-th input.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn fold2(u: __m512, w: __m512) -> __m512 {
+    // SAFETY: register-only; AVX-512F enabled by every caller.
+    unsafe {
+        let x = _mm512_shuffle_f32x4::<0b10_00_10_00>(u, w);
+        let y = _mm512_shuffle_f32x4::<0b11_01_11_01>(u, w);
+        _mm512_add_ps(x, y)
+    }
+}
+
+/// [`scores`] for `R ≤ ROWS` rows, over all keys, 16 at a time.
+///
+/// # Safety
+/// As [`scores`] for those rows.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn score_block<L: Load16, const R: usize>(o: Scores<'_>, k: *const L::Elem) {
+    // SAFETY (whole body): AVX-512F/BW/VL are enabled by the caller's
+    // `target_feature`; every access is inside the rows, keys and (masked)
+    // dims the caller vouches for.
+    unsafe {
+        let chunks = o.d.div_ceil(16);
+        let scale = _mm512_set1_ps(o.scale);
+        let mut j0 = 0;
+        while j0 < o.cols {
+            let keys = (o.cols - j0).min(16);
+            // Per row: the folded quads of keys 0..8 (`half`), then all 16.
+            let mut half = [_mm512_setzero_ps(); R];
+            let mut full = [_mm512_setzero_ps(); R];
+            for quad in 0..4 {
+                let mut acc = [[_mm512_setzero_ps(); 4]; R];
+                for key in quad * 4..quad * 4 + 4 {
+                    o.ahead.key(j0 + key);
+                }
+                if quad * 4 < keys {
+                    for c in 0..chunks {
+                        let m = mask(o.d, 16 * c);
+                        let qc: [__m512; R] = std::array::from_fn(|r| {
+                            _mm512_maskz_loadu_ps(m, o.q.add(r * o.d + 16 * c))
+                        });
+                        for (i, key) in (quad * 4..quad * 4 + 4).enumerate() {
+                            if key < keys {
+                                let kc = L::load16(k.add((j0 + key) * o.d + 16 * c), m);
+                                for r in 0..R {
+                                    acc[r][i] = _mm512_fmadd_ps(qc[r], kc, acc[r][i]);
+                                }
+                            }
+                        }
+                    }
+                }
+                for r in 0..R {
+                    let folded = fold4(acc[r]);
+                    match quad {
+                        0 => half[r] = folded,
+                        1 => half[r] = fold2(half[r], folded),
+                        2 => full[r] = folded,
+                        _ => full[r] = fold2(half[r], fold2(full[r], folded)),
+                    }
+                }
+            }
+            let m = mask(keys, 0);
+            for (r, &sum) in full.iter().enumerate() {
+                _mm512_mask_storeu_ps(o.s.add(r * o.cols + j0), m, _mm512_mul_ps(sum, scale));
+            }
+            j0 += 16;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Accumulate {
+    p: *const f32,
+    cols: usize,
+    d: usize,
+    acc: *mut f32,
+}
+
+/// [`accumulate`] over every row, `ROWS` at a time.
+///
+/// # Safety
+/// As [`accumulate`], AVX-512F/BW/VL present.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn accumulate_rows<L: Load16>(o: Accumulate, rows: usize, v: *const L::Elem) {
+    let mut r0 = 0;
+    while r0 < rows {
+        // SAFETY: rows r0 .. r0 + n of p and acc are in bounds.
+        unsafe {
+            let o = Accumulate {
+                p: o.p.add(r0 * o.cols),
+                acc: o.acc.add(r0 * o.d),
+                ..o
+            };
+            match (rows - r0).min(ROWS) {
+                4 => accumulate_block::<L, 4>(o, v),
+                3 => accumulate_block::<L, 3>(o, v),
+                2 => accumulate_block::<L, 2>(o, v),
+                _ => accumulate_block::<L, 1>(o, v),
+            }
+        }
+        r0 += ROWS;
+    }
+}
+
+/// Vectors of 16 dims per row that [`accumulate_block`] keeps in registers.
+const DIM_VECTORS: usize = 4;
+
+/// [`accumulate`] for `R ≤ ROWS` rows: `DIM_VECTORS` vectors of dims at a
+/// time (fewer for the last), each pass through all keys.
+///
+/// # Safety
+/// As [`accumulate`] for those rows.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn accumulate_block<L: Load16, const R: usize>(o: Accumulate, v: *const L::Elem) {
+    let mut d0 = 0;
+    while d0 < o.d {
+        // SAFETY: dims d0 .. min(d0 + 64, d) of the rows.
+        unsafe {
+            match o.d.saturating_sub(d0).div_ceil(16).min(DIM_VECTORS) {
+                4 => accumulate_pass::<L, R, 4>(o, v, d0),
+                3 => accumulate_pass::<L, R, 3>(o, v, d0),
+                2 => accumulate_pass::<L, R, 2>(o, v, d0),
+                _ => accumulate_pass::<L, R, 1>(o, v, d0),
+            }
+        }
+        d0 += 16 * DIM_VECTORS;
+    }
+}
+
+/// One pass of [`accumulate_block`]: dims `d0 .. d0 + 16·C` (masked at
+/// `d`) of `R` rows, in registers through all keys.
+///
+/// # Safety
+/// As [`accumulate`] for those rows and dims.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn accumulate_pass<L: Load16, const R: usize, const C: usize>(
+    o: Accumulate,
+    v: *const L::Elem,
+    d0: usize,
+) {
+    // SAFETY (whole body): AVX-512F/BW/VL are enabled by the caller's
+    // `target_feature`; every load and store is inside the rows (< R),
+    // keys (< cols) and dims (masked to `d`) the caller vouches for.
+    unsafe {
+        let masks: [__mmask16; C] = std::array::from_fn(|c| mask(o.d, d0 + 16 * c));
+        let mut out: [[__m512; C]; R] = std::array::from_fn(|r| {
+            std::array::from_fn(|c| {
+                _mm512_maskz_loadu_ps(masks[c], o.acc.add(r * o.d + d0 + 16 * c))
+            })
+        });
+        for j in 0..o.cols {
+            let vj: [__m512; C] =
+                std::array::from_fn(|c| L::load16(v.add(j * o.d + d0 + 16 * c), masks[c]));
+            for (r, out) in out.iter_mut().enumerate() {
+                let pj = _mm512_set1_ps(*o.p.add(r * o.cols + j));
+                for c in 0..C {
+                    out[c] = _mm512_fmadd_ps(pj, vj[c], out[c]);
+                }
+            }
+        }
+        for (r, out) in out.iter().enumerate() {
+            for (c, &x) in out.iter().enumerate() {
+                _mm512_mask_storeu_ps(o.acc.add(r * o.d + d0 + 16 * c), masks[c], x);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::Rng;
+
+    fn bf16s(x: &[f32]) -> Vec<half::bf16> {
+        x.iter().map(|&v| half::bf16::from_f32(v)).collect()
+    }
+
+    fn f16s(x: &[f32]) -> Vec<half::f16> {
+        x.iter().map(|&v| half::f16::from_f32(v)).collect()
+    }
+
+    /// Both products against f64 sums, for every row count up to past two
+    /// passes, key counts with and without a partial group of 16, head
+    /// dims with partial chunks, and each element type; products of the
+    /// stored values, so that only the order of the sums differs.
+    #[test]
+    fn products_match_f64_for_every_shape_and_element() {
+        if !available() {
+            eprintln!("boostr: skipping: no AVX-512 on this CPU");
+            return;
+        }
+        use crate::cpu::elem::KvElem;
+        let mut rng = Rng::new(0x9e3, 0);
+        for &rows in &[1, 2, 3, 4, 5, 8, 9] {
+            for &cols in &[1, 5, 16, 17, 40, 64] {
+                for &d in &[8, 40, 64, 80, 128, 136] {
+                    let q = rng.normal_f32(rows * d, 1.0);
+                    let k32 = rng.normal_f32(cols * d, 1.0);
+                    let p = rng.normal_f32(rows * cols, 1.0);
+                    let acc0 = rng.normal_f32(rows * d, 1.0);
+                    let (kb, kh) = (bf16s(&k32), f16s(&k32));
+                    let kinds: [(Stored<'_>, Vec<f32>); 3] = [
+                        (KvElem::stored(&k32[..]), k32.clone()),
+                        (
+                            KvElem::stored(&kb[..]),
+                            kb.iter().map(|x| x.to_f32()).collect(),
+                        ),
+                        (
+                            KvElem::stored(&kh[..]),
+                            kh.iter().map(|x| x.to_f32()).collect(),
+                        ),
+                    ];
+                    for (stored, k) in kinds {
+                        let scale = 0.3;
+                        let mut s = vec![f32::NAN; rows * cols + 3];
+                        // Asking for the next block (here: these keys again)
+                        // never changes a result.
+                        let ahead = (rows % 2 == 0).then_some((stored, stored));
+                        scores(&q, d, stored, cols, scale, &mut s, ahead);
+                        for r in 0..rows {
+                            for j in 0..cols {
+                                let (mut want, mut mag) = (0.0f64, 0.0f64);
+                                for x in 0..d {
+                                    let t = f64::from(q[r * d + x]) * f64::from(k[j * d + x]);
+                                    want += t;
+                                    mag += t.abs();
+                                }
+                                let got = f64::from(s[r * cols + j]);
+                                let want = want * f64::from(scale);
+                                let tol = 1e-6 * mag * f64::from(scale) + 1e-30;
+                                assert!(
+                                    (got - want).abs() <= tol,
+                                    "scores {stored:?} rows {rows} cols {cols} d {d} ({r},{j}): {got} vs {want}"
+                                );
+                            }
+                        }
+                        assert!(s[rows * cols..].iter().all(|x| x.is_nan()), "wrote past s");
+                        // The same values as V.
+                        let mut acc = acc0.clone();
+                        acc.extend([f32::NAN; 3]);
+                        accumulate(&p, cols, stored, d, &mut acc[..rows * d]);
+                        for r in 0..rows {
+                            for x in 0..d {
+                                let (mut want, mut mag) = (f64::from(acc0[r * d + x]), 0.0f64);
+                                for j in 0..cols {
+                                    let t = f64::from(p[r * cols + j]) * f64::from(k[j * d + x]);
+                                    want += t;
+                                    mag += t.abs();
+                                }
+                                let got = f64::from(acc[r * d + x]);
+                                let tol = 1e-6 * (mag + want.abs()) + 1e-30;
+                                assert!(
+                                    (got - want).abs() <= tol,
+                                    "accumulate {stored:?} rows {rows} cols {cols} d {d} ({r},{x})"
+                                );
+                            }
+                        }
+                        assert!(acc[rows * d..].iter().all(|x| x.is_nan()), "wrote past acc");
+                    }
+                }
+            }
+        }
+    }
+}
