@@ -1,19 +1,20 @@
 //! Decode on the CPU: one query row per head against long keys, timed as
 //! effective bandwidth (bytes of K and V read ÷ time) against the machine's
-//! memory copy bandwidth, measured in the same run.
+//! read bandwidth, measured in the same run between the decode runs.
 //!
 //! ```text
 //! cargo run --release -p boostr-runtime --example decode [-- reps]
 //! ```
 //!
-//! Shapes: `Hq = 32`, `Hkv = 8`, `D = 128`, f32, `stock::Causal`, for
-//! (B, Sk) in (1, 4k), (1, 16k), (1, 64k), (8, 4k), (8, 16k). Copy
-//! bandwidth: a 1 GiB buffer copied by all threads at once, bytes copied ÷
-//! time. Then, at B = 8, Sk = 16k, the same keys as a KV cache
-//! (`attention_fwd_cache`, every length 16k) against pages of 64 and of 16
-//! keys in shuffled order (`attention_fwd_paged`), and the same cache in
-//! bf16 (read as stored, widened a key block at a time; bandwidth counts
-//! its 2-byte elements). Medians of `reps`
+//! Shapes: `Hq = 32`, `Hkv = 8`, `D = 128`, `stock::Causal`, for (B, Sk) in
+//! (1, 4k), (1, 16k), (1, 64k), (8, 4k), (8, 16k), with f32 tensors
+//! (`attention_fwd`), then bf16 and f16 KV caches (`attention_fwd_cache`,
+//! every length full; read as stored, widened in registers; bandwidth
+//! counts their 2-byte elements). Read bandwidth: a 1 GiB buffer read by
+//! all threads at once, one such read before each decode run; each shape's
+//! share is against the median of the reads taken with its runs. Then, at
+//! B = 8, Sk = 16k, the f32 keys as a KV cache against pages of 64 and of
+//! 16 keys in shuffled order (`attention_fwd_paged`). Medians of `reps`
 //! (default 7) runs. `bench/decode.py` runs this, then PyTorch's SDPA on
 //! the same shapes.
 
@@ -23,6 +24,7 @@ use boostr_runtime::{
     AttentionOptions, KvCache, PagedKvCache, attention_fwd, attention_fwd_cache,
     attention_fwd_paged,
 };
+use numr::dtype::DType;
 use numr::prelude::{CpuDevice, CpuRuntime, Tensor};
 use rayon::prelude::*;
 use std::time::Instant;
@@ -32,92 +34,128 @@ const HKV: usize = 8;
 const D: usize = 128;
 const SHAPES: [(usize, usize); 5] = [(1, 4096), (1, 16384), (1, 65536), (8, 4096), (8, 16384)];
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;
+
+fn main() -> BoxResult<()> {
     let reps: usize = std::env::args()
         .nth(1)
         .and_then(|a| a.parse().ok())
         .unwrap_or(7);
     let threads = rayon::current_num_threads();
-    let copy = copy_bandwidth(reps);
+    let reader = Reader::new();
     println!(
-        "CPU decode, Sq = 1, Hq = {HQ}, Hkv = {HKV}, D = {D}, f32, causal, {threads} threads, \
-         median of {reps}"
+        "CPU decode, Sq = 1, Hq = {HQ}, Hkv = {HKV}, D = {D}, causal, {threads} threads, \
+         median of {reps}; read bandwidth: 1 GiB read by all threads before each run"
     );
-    println!(
-        "memory copy bandwidth: {:.1} GB/s (1 GiB, all threads)",
-        copy / 1e9
-    );
+    println!("| dtype | B | Sk | time | K/V bandwidth | read bandwidth | of read |");
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
     let device = CpuDevice::new();
     let mut rng = Rng::new(23, 0);
-    for (b, sk) in SHAPES {
-        let mut tensor = |shape: &[usize]| -> Tensor<CpuRuntime> {
-            let n = shape.iter().product();
-            Tensor::from_slice(&rng.normal_f32(n, 1.0), shape, &device).expect("a host tensor")
-        };
-        let q = tensor(&[b, HQ, 1, D]);
-        let k = tensor(&[b, HKV, sk, D]);
-        let v = tensor(&[b, HKV, sk, D]);
-        let opts = AttentionOptions::default();
-        let mut times = Vec::with_capacity(reps);
-        attention_fwd(&Causal, &q, &k, &v, &opts)?;
-        for _ in 0..reps {
-            let t = Instant::now();
-            let (out, _) = attention_fwd(&Causal, &q, &k, &v, &opts)?;
-            times.push(t.elapsed().as_secs_f64());
-            std::hint::black_box(out);
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for (b, sk) in SHAPES {
+            let q = tensor(&mut rng, &[b, HQ, 1, D], dtype, &device)?;
+            let k = tensor(&mut rng, &[b, HKV, sk, D], dtype, &device)?;
+            let v = tensor(&mut rng, &[b, HKV, sk, D], dtype, &device)?;
+            let lengths = Tensor::<CpuRuntime>::from_slice(&vec![sk as i32; b], &[b], &device)?;
+            let opts = AttentionOptions::default();
+            let cache = KvCache {
+                k: &k,
+                v: &v,
+                lengths: &lengths,
+            };
+            let mut run = || {
+                let out = if dtype == DType::F32 {
+                    attention_fwd(&Causal, &q, &k, &v, &opts)
+                } else {
+                    attention_fwd_cache(&Causal, &q, &cache, &opts)
+                };
+                std::hint::black_box(out.expect("decode"));
+            };
+            let (t, read) = reader.time_between_reads(reps, &mut run);
+            let bytes = (2 * b * HKV * sk * D * dtype.size_in_bytes()) as f64;
+            println!(
+                "| {dtype:?} | {b} | {sk} | {:.2} ms | {:.1} GB/s | {:.1} GB/s | {:.0}% |",
+                t * 1e3,
+                bytes / t / 1e9,
+                read / 1e9,
+                100.0 * bytes / t / read
+            );
         }
-        let t = median(&mut times);
-        let bytes = (2 * b * HKV * sk * D * 4) as f64;
-        println!(
-            "B = {b}, Sk = {sk}: {:.2} ms, {:.1} GB/s of K and V, {:.0}% of copy",
-            t * 1e3,
-            bytes / t / 1e9,
-            100.0 * bytes / t / copy
-        );
     }
     paged(&device, &mut rng, reps)?;
-    bf16_cache(&device, &mut rng, reps, copy)?;
     Ok(())
 }
 
-/// The KV cache in bf16, every length full.
-fn bf16_cache(
-    device: &CpuDevice,
+/// A tensor of normal values in `dtype` (f32, bf16 or f16).
+fn tensor(
     rng: &mut Rng,
-    reps: usize,
-    copy: f64,
-) -> Result<(), Box<dyn std::error::Error>> {
-    for (b, sk) in [(1usize, 65536usize), (8, 16384)] {
-        let mut tensor = |shape: &[usize]| -> Result<Tensor<CpuRuntime>, numr::error::Error> {
-            let n = shape.iter().product();
-            let bytes: Vec<u8> = rng
-                .normal_f32(n, 1.0)
-                .into_iter()
-                .flat_map(|x| half::bf16::from_f32(x).to_bits().to_le_bytes())
-                .collect();
-            Tensor::from_bytes(&bytes, shape, numr::dtype::DType::BF16, device)
-        };
-        let q = tensor(&[b, HQ, 1, D])?;
-        let (k, v) = (tensor(&[b, HKV, sk, D])?, tensor(&[b, HKV, sk, D])?);
-        let lengths = Tensor::<CpuRuntime>::from_slice(&vec![sk as i32; b], &[b], device)?;
-        let cache = KvCache {
-            k: &k,
-            v: &v,
-            lengths: &lengths,
-        };
-        let opts = AttentionOptions::default();
-        let t = time(reps, &mut || {
-            std::hint::black_box(attention_fwd_cache(&Causal, &q, &cache, &opts).expect("bf16"));
-        });
-        let bytes = (2 * b * HKV * sk * D * 2) as f64;
-        println!(
-            "B = {b}, Sk = {sk}, bf16 KV cache: {:.2} ms, {:.1} GB/s of K and V, {:.0}% of copy",
-            t * 1e3,
-            bytes / t / 1e9,
-            100.0 * bytes / t / copy
-        );
+    shape: &[usize],
+    dtype: DType,
+    device: &CpuDevice,
+) -> BoxResult<Tensor<CpuRuntime>> {
+    let x = rng.normal_f32(shape.iter().product(), 1.0);
+    let bytes: Vec<u8> = match dtype {
+        DType::BF16 => x
+            .iter()
+            .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes())
+            .collect(),
+        DType::F16 => x
+            .iter()
+            .flat_map(|&v| half::f16::from_f32(v).to_bits().to_le_bytes())
+            .collect(),
+        _ => return Ok(Tensor::from_slice(&x, shape, device)?),
+    };
+    Ok(Tensor::from_bytes(&bytes, shape, dtype, device)?)
+}
+
+/// The read-bandwidth probe: 1 GiB that all threads read at once.
+struct Reader {
+    buf: Vec<u32>,
+}
+
+impl Reader {
+    fn new() -> Self {
+        Self {
+            buf: (0..1u32 << 28).collect(),
+        }
     }
-    Ok(())
+
+    /// Bytes per second of one read of the whole buffer.
+    fn read(&self) -> f64 {
+        let t = Instant::now();
+        let x = self
+            .buf
+            .par_chunks(1 << 20)
+            .map(|c| {
+                // Sixteen independent lanes, so that the loads, not a
+                // dependency chain, set the pace.
+                let mut acc = [0u32; 16];
+                for x in c.chunks_exact(16) {
+                    for (a, &x) in acc.iter_mut().zip(x) {
+                        *a ^= x;
+                    }
+                }
+                acc.iter().fold(0, |a, &x| a ^ x)
+            })
+            .reduce(|| 0, |a, b| a ^ b);
+        std::hint::black_box(x);
+        (4 * self.buf.len()) as f64 / t.elapsed().as_secs_f64()
+    }
+
+    /// The median seconds of `reps` runs of `f` after one untimed, each
+    /// after a read of the buffer (which also evicts the caches), and the
+    /// median read bandwidth of those reads.
+    fn time_between_reads(&self, reps: usize, f: &mut dyn FnMut()) -> (f64, f64) {
+        f();
+        let (mut times, mut reads) = (Vec::with_capacity(reps), Vec::with_capacity(reps));
+        for _ in 0..reps {
+            reads.push(self.read());
+            let t = Instant::now();
+            f();
+            times.push(t.elapsed().as_secs_f64());
+        }
+        (median(&mut times), median(&mut reads))
+    }
 }
 
 /// The median seconds of `reps` runs of `f` after one untimed.
@@ -134,7 +172,7 @@ fn time(reps: usize, f: &mut dyn FnMut()) -> f64 {
 }
 
 /// A full cache against the same keys in shuffled pages.
-fn paged(device: &CpuDevice, rng: &mut Rng, reps: usize) -> Result<(), Box<dyn std::error::Error>> {
+fn paged(device: &CpuDevice, rng: &mut Rng, reps: usize) -> BoxResult<()> {
     let (b, sk) = (8, 16384);
     let q = rng.normal_f32(b * HQ * D, 1.0);
     let k = rng.normal_f32(b * HKV * sk * D, 1.0);
@@ -153,7 +191,10 @@ fn paged(device: &CpuDevice, rng: &mut Rng, reps: usize) -> Result<(), Box<dyn s
     let contiguous = time(reps, &mut || {
         std::hint::black_box(attention_fwd_cache(&Causal, &q, &cache, &opts).expect("cache"));
     });
-    println!("B = {b}, Sk = {sk}, KV cache: {:.2} ms", contiguous * 1e3);
+    println!(
+        "B = {b}, Sk = {sk}, f32 KV cache: {:.2} ms",
+        contiguous * 1e3
+    );
     for ps in [64usize, 16] {
         let max_pages = sk / ps;
         let pages = b * max_pages;
@@ -191,25 +232,6 @@ fn paged(device: &CpuDevice, rng: &mut Rng, reps: usize) -> Result<(), Box<dyn s
         );
     }
     Ok(())
-}
-
-/// Bytes per second that all threads together copy, 1 GiB at a time.
-fn copy_bandwidth(reps: usize) -> f64 {
-    let n = 1 << 28;
-    let src = vec![1.0f32; n];
-    let mut dst = vec![0.0f32; n];
-    let chunk = n / (4 * rayon::current_num_threads()).max(1);
-    let mut times = Vec::with_capacity(reps);
-    for _ in 0..reps + 1 {
-        let t = Instant::now();
-        dst.par_chunks_mut(chunk)
-            .zip(src.par_chunks(chunk))
-            .for_each(|(d, s)| d.copy_from_slice(s));
-        times.push(t.elapsed().as_secs_f64());
-        std::hint::black_box(&dst);
-    }
-    times.remove(0);
-    (4 * n) as f64 / median(&mut times)
 }
 
 fn median(times: &mut [f64]) -> f64 {

@@ -422,6 +422,13 @@ impl AttentionRuntime for CpuRuntime {
         v: &Tensor<Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
         let (dtype, device) = (q.dtype(), q.device());
+        if dtype != DType::F32 && crate::cpu::is_decode(p) {
+            // The decode kernel reads 16-bit keys and values as stored (and
+            // packs a GQA group's rows, which the bf16 tile kernels do
+            // not); a plain forward is a cache whose every length is full.
+            let lens = vec![p.seq_k; p.batch];
+            return cpu_cache_call(variant, p, &lens, CacheLayout::Lengths, q, k, v);
+        }
         let mut out = Output::new(&[p.batch, p.heads_q, p.seq_q, p.head_dim], dtype, device)?;
         let mut lse = Output::new(&[p.batch, p.heads_q, p.seq_q], DType::F32, device)?;
         if dtype == DType::BF16 {

@@ -226,6 +226,10 @@ fn half_inputs_give_the_rounded_f32_results() {
         check(&Causal, h, (1, 4, 2, 77, 77, 64));
         check(&Alibi { heads: 4 }, h, (2, 4, 4, 33, 90, 40));
         check(&CausalSoftcap { cap: 5.0 }, h, (1, 2, 1, 130, 65, 128));
+        // Decode shapes read 16-bit keys and values as stored: through the
+        // matrix-vector products (4 packed rows) and the tile products (36).
+        check(&Causal, h, (2, 8, 2, 1, 300, 64));
+        check(&CausalSoftcap { cap: 5.0 }, h, (1, 4, 1, 9, 100, 40));
     }
 }
 

@@ -254,7 +254,7 @@ struct Task<'a, V, E> {
 impl<V: HostVariant, E: KvElem> Task<'_, V, E> {
     /// The keys and values `kv0 ..` of this task's (batch, kv head), at
     /// most `cols` of them and never past a page: `(k, v, count)`.
-    fn block(&self, kv0: usize, cols: usize) -> (&[E], &[E], usize) {
+    fn run_of(&self, kv0: usize, cols: usize) -> (&[E], &[E], usize) {
         let (p, d) = (self.p, self.p.head_dim);
         match self.keys {
             Keys::Contiguous { k, v } => {
@@ -277,100 +277,160 @@ impl<V: HostVariant, E: KvElem> Task<'_, V, E> {
         }
     }
 
+    /// The block of keys from `kv0` (at most a key tile, none past `end`)
+    /// as runs of rows into `k` and `v`: for the matrix-vector products
+    /// (`gemv`) across pages, else within one. Returns its keys.
+    fn gather<'s>(
+        &'s self,
+        kv0: usize,
+        end: usize,
+        gemv: bool,
+        k: &mut Vec<Stored<'s>>,
+        v: &mut Vec<Stored<'s>>,
+    ) -> usize {
+        k.clear();
+        v.clear();
+        let want = self.tiles.kv.min(end.saturating_sub(kv0));
+        let mut cols = 0;
+        while cols < want && k.len() < gemv::MAX_RUNS {
+            let (kr, vr, n) = self.run_of(kv0 + cols, want - cols);
+            k.push(E::stored(kr));
+            v.push(E::stored(vr));
+            cols += n;
+            if !gemv {
+                break;
+            }
+        }
+        cols
+    }
+
+    /// One block that some head sees: keys `kv0 .. kv0 + cols` as runs
+    /// `k` and `v` (one run where `!gemv`), the next block's runs `ahead`.
+    #[allow(clippy::too_many_arguments)]
+    fn block(
+        &self,
+        k: &[Stored<'_>],
+        v: &[Stored<'_>],
+        (kv0, cols): (usize, usize),
+        ahead: [&[Stored<'_>]; 2],
+        gemv: bool,
+        m: &mut [f32],
+        acc: &mut [f32],
+        sc: &mut Scratch,
+    ) {
+        let (p, d, g, sq) = (self.p, self.p.head_dim, self.p.group(), self.p.seq_q);
+        let rows = g * sq;
+        let s = &mut sc.s[..rows * cols];
+        if gemv {
+            gemv::scores(self.q, d, k, p.scale, s, ahead);
+        } else {
+            // Kᵀ, widened on the way where the cache is 16-bit.
+            let kt = &mut sc.kt[..d * cols];
+            elem::transpose(k[0], cols, d, kt, cols);
+            matmul(
+                MatMut::row_major(s, rows, cols),
+                Write::Overwrite,
+                MatRef::row_major(self.q, rows, d),
+                MatRef::row_major(kt, d, cols),
+                p.scale,
+            );
+        }
+        simd::dispatch(BlockSoftmax {
+            task: self,
+            classes: &sc.classes,
+            kv_lo: Positions::to_i32(kv0),
+            s: &mut *s,
+            m,
+            l: &mut sc.l[..rows],
+            alpha: &mut sc.alpha[..rows],
+            acc: &mut *acc,
+        });
+        // O += P V. Where some row hides some key, that key must not bring
+        // a NaN of its V row with it (0 · NaN): such keys' rows are zeroed
+        // in an f32 copy of the block.
+        let hides = sc.classes.iter().any(|&c| c != TileClass::Full);
+        let guarded;
+        let v = if hides && !v.iter().all(|run| run.all_finite()) {
+            let wide = &mut sc.v_wide[..cols * d];
+            let mut at = 0;
+            for run in v {
+                elem::widen(*run, &mut wide[at..at + run.len()]);
+                at += run.len();
+            }
+            let band = Band {
+                rows: 0..rows,
+                cols: 0..cols,
+            };
+            guarded = [Stored::F32(zero_unused_rows(
+                s,
+                cols,
+                &band,
+                wide,
+                d,
+                &mut sc.v_guarded,
+            ))];
+            &guarded[..]
+        } else {
+            v
+        };
+        if gemv {
+            gemv::accumulate(s, v, d, acc);
+        } else {
+            let v = match v[0].as_f32() {
+                Some(v) => v,
+                None => {
+                    elem::widen(v[0], &mut sc.v_wide[..cols * d]);
+                    &sc.v_wide[..cols * d]
+                }
+            };
+            matmul(
+                MatMut::row_major(acc, rows, d),
+                Write::Accumulate,
+                MatRef::row_major(s, rows, cols),
+                MatRef::row_major(v, cols, d),
+                1.0,
+            );
+        }
+    }
+
     /// Stream the key blocks of `keys` through the packed rows into `part`
     /// (statistics and unnormalised output of this chunk).
     fn run(&self, keys: std::ops::Range<usize>, part: Partial<'_>, sc: &mut Scratch) {
-        let (p, d, g, sq) = (self.p, self.p.head_dim, self.p.group(), self.p.seq_q);
+        let (g, sq) = (self.p.group(), self.p.seq_q);
         let rows = g * sq;
-        let (b, scale) = (Positions::to_i32(self.b), p.scale);
+        let b = Positions::to_i32(self.b);
         let (q_lo, q_hi) = self.pos.query_range(0, sq);
         let Partial { m, l, acc } = part;
-        let lanes = &mut sc.l[..rows];
-        lanes.fill([0.0; math::LANES]);
+        sc.l[..rows].fill([0.0; math::LANES]);
         let gemv = rows <= GEMV_ROWS && gemv::available();
+        // The current and the next block, as runs of rows (pages).
+        let (mut k_runs, mut v_runs) = (Vec::new(), Vec::new());
+        let (mut k_next, mut v_next) = (Vec::new(), Vec::new());
         let mut kv0 = keys.start;
+        let mut cols = self.gather(kv0, keys.end, gemv, &mut k_runs, &mut v_runs);
         while kv0 < keys.end {
-            let (k_blk, v_blk, cols) = self.block(kv0, self.tiles.kv.min(keys.end - kv0));
             let next = kv0 + cols;
-            // The next block, on another page perhaps, where the hardware
-            // prefetcher has no stream yet: its loads start now.
-            let ahead = (next < keys.end).then(|| {
-                let (k, v, _) = self.block(next, self.tiles.kv.min(keys.end - next));
-                (E::stored(k), E::stored(v))
-            });
-            if !gemv && let Some((k, v)) = ahead {
-                prefetch(k.as_bytes());
-                prefetch(v.as_bytes());
+            let next_cols = self.gather(next, keys.end, gemv, &mut k_next, &mut v_next);
+            if !gemv {
+                // The next block may be on another page, where the hardware
+                // prefetcher has no stream yet: start its loads now. (The
+                // matrix-vector products ask for it a key at a time.)
+                for run in k_next.iter().chain(&v_next) {
+                    prefetch(run.as_bytes());
+                }
             }
             sc.classes.clear();
             sc.classes.extend((0..g).map(|hh| {
                 let h = Positions::to_i32(self.hkv * g + hh);
                 tile_class(self.variant, b, h, (q_lo, q_hi), kv0, cols)
             }));
-            if sc.classes.iter().all(|&c| c == TileClass::Empty) {
-                kv0 = next;
-                continue;
+            if !sc.classes.iter().all(|&c| c == TileClass::Empty) {
+                let next = [&k_next[..], &v_next[..]];
+                self.block(&k_runs, &v_runs, (kv0, cols), next, gemv, m, acc, sc);
             }
-            let (k_blk, v_blk) = (E::stored(k_blk), E::stored(v_blk));
-            let s = &mut sc.s[..rows * cols];
-            if gemv {
-                gemv::scores(self.q, d, k_blk, cols, scale, s, ahead);
-            } else {
-                // Kᵀ, widened on the way where the cache is 16-bit.
-                let kt = &mut sc.kt[..d * cols];
-                elem::transpose(k_blk, cols, d, kt, cols);
-                matmul(
-                    MatMut::row_major(s, rows, cols),
-                    Write::Overwrite,
-                    MatRef::row_major(self.q, rows, d),
-                    MatRef::row_major(kt, d, cols),
-                    scale,
-                );
-            }
-            simd::dispatch(BlockSoftmax {
-                task: self,
-                classes: &sc.classes,
-                kv_lo: Positions::to_i32(kv0),
-                s: &mut *s,
-                m: &mut *m,
-                l: &mut *lanes,
-                alpha: &mut sc.alpha[..rows],
-                acc: &mut *acc,
-            });
-            // O += P V. Where some row hides some key, that key must not
-            // bring a NaN of its V row with it (0 · NaN): such keys' rows
-            // are zeroed in an f32 copy.
-            let hides = sc.classes.iter().any(|&c| c != TileClass::Full);
-            let v_blk = if hides && !v_blk.all_finite() {
-                let wide = &mut sc.v_wide[..cols * d];
-                elem::widen(v_blk, wide);
-                let band = Band {
-                    rows: 0..rows,
-                    cols: 0..cols,
-                };
-                Stored::F32(zero_unused_rows(s, cols, &band, wide, d, &mut sc.v_guarded))
-            } else {
-                v_blk
-            };
-            if gemv {
-                gemv::accumulate(s, cols, v_blk, d, acc);
-            } else {
-                let v_blk = match v_blk.as_f32() {
-                    Some(v) => v,
-                    None => {
-                        elem::widen(v_blk, &mut sc.v_wide[..cols * d]);
-                        &sc.v_wide[..cols * d]
-                    }
-                };
-                matmul(
-                    MatMut::row_major(acc, rows, d),
-                    Write::Accumulate,
-                    MatRef::row_major(s, rows, cols),
-                    MatRef::row_major(v_blk, cols, d),
-                    1.0,
-                );
-            }
-            kv0 = next;
+            std::mem::swap(&mut k_runs, &mut k_next);
+            std::mem::swap(&mut v_runs, &mut v_next);
+            (kv0, cols) = (next, next_cols);
         }
         for (l, lanes) in l.iter_mut().zip(&sc.l[..rows]) {
             *l = math::sum_lanes(lanes);

@@ -47,81 +47,152 @@ pub(super) fn available() -> bool {
     false
 }
 
-/// `s[r·cols + j] = scale · Σ_d q[r·d + dd]·k[j·d + dd]` for the `rows =
-/// q.len() / d` rows and `cols` keys of `k` (row-major, `d` per key).
+/// One run of a block's rows: its first element and its rows.
+#[cfg(target_arch = "x86_64")]
+struct Run<E> {
+    at: *const E,
+    rows: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<E> Clone for Run<E> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<E> Copy for Run<E> {}
+
+/// The most runs a block may have.
+pub(super) const MAX_RUNS: usize = 64;
+
+/// `runs` (whole rows of `d` elements each, one element type) as raw runs
+/// of `E`, and their total rows.
 ///
 /// # Panics
-/// Unless [`available`], or if a slice is too short.
+/// If the runs mix element types, a run is not whole rows, or there are
+/// more than [`MAX_RUNS`].
+#[cfg(target_arch = "x86_64")]
+fn raw_runs<E>(runs: &[Stored<'_>], d: usize) -> ([Run<E>; MAX_RUNS], usize) {
+    assert!(runs.len() <= MAX_RUNS, "at most {MAX_RUNS} runs per block");
+    let mut raw = [Run {
+        at: std::ptr::null(),
+        rows: 0,
+    }; MAX_RUNS];
+    let mut total = 0;
+    for (r, run) in raw.iter_mut().zip(runs) {
+        assert_eq!(
+            run.elem_bytes(),
+            std::mem::size_of::<E>(),
+            "one element type"
+        );
+        assert!(run.len().is_multiple_of(d.max(1)), "whole rows");
+        *r = Run {
+            at: run.as_bytes().as_ptr().cast(),
+            rows: run.len() / d.max(1),
+        };
+        total += r.rows;
+    }
+    (raw, total)
+}
+
+/// `s[r·cols + j] = scale · Σ_d q[r·d + dd]·k_j[dd]` for the `rows =
+/// q.len() / d` rows and the `cols` keys of `keys`: consecutive runs of
+/// key rows (`d` elements each, one element type), such as the pages a
+/// block spans.
 ///
-/// `ahead`: the next block's keys and values, whose cache lines are asked
-/// for (prefetched) a key row at a time as this block's keys are read, so
-/// that they arrive while this block computes: one prefetch burst per
-/// block instead would fill the core's line-fill buffers and stall it.
-#[allow(clippy::too_many_arguments)]
+/// `ahead`: the next block's runs of keys and of values, whose cache lines
+/// are asked for (prefetched) a key row at a time as this block's keys
+/// are read, so that they arrive while this block computes. One prefetch
+/// burst per block instead fills the core's line-fill buffers and stalls
+/// it: with a whole block asked for at once, a bf16 decode read its keys
+/// at 45–50% of the machine's read bandwidth, with this 75–95%.
+///
+/// # Panics
+/// Unless [`available`], if `s` is too short, or as [`MAX_RUNS`] says.
 pub(super) fn scores(
     q: &[f32],
     d: usize,
-    k: Stored<'_>,
-    cols: usize,
+    keys: &[Stored<'_>],
     scale: f32,
     s: &mut [f32],
-    ahead: Option<(Stored<'_>, Stored<'_>)>,
+    ahead: [&[Stored<'_>]; 2],
 ) {
     let rows = q.len() / d.max(1);
     assert!(available(), "AVX-512 for the decode products");
-    assert!(
-        k.len() >= cols * d && s.len() >= rows * cols,
-        "scores bounds"
-    );
+    let Some(&first) = keys.first() else { return };
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: AVX-512F/BW/VL checked; the asserts bound every access.
-    unsafe {
-        let ahead = ahead.map_or(Ahead::NONE, |(k, v)| Ahead {
-            k: k.as_bytes(),
-            v: v.as_bytes(),
-            row: d * k.elem_bytes(),
-        });
-        let o = Scores {
-            q: q.as_ptr(),
-            d,
-            cols,
-            scale,
-            s: s.as_mut_ptr(),
-            ahead,
-        };
-        match k {
-            Stored::F32(k) => scores_rows::<F32s>(o, rows, k.as_ptr()),
-            Stored::Bf16(k) => scores_rows::<Bf16s>(o, rows, k.as_ptr()),
-            Stored::F16(k) => scores_rows::<F16s>(o, rows, k.as_ptr()),
+    {
+        fn run<L: Load16>(
+            q: &[f32],
+            rows: usize,
+            d: usize,
+            keys: &[Stored<'_>],
+            scale: f32,
+            s: &mut [f32],
+            ahead: [&[Stored<'_>]; 2],
+        ) {
+            let (runs, cols) = raw_runs::<L::Elem>(keys, d);
+            assert!(s.len() >= rows * cols, "scores bounds");
+            let o = Scores {
+                q: q.as_ptr(),
+                d,
+                cols,
+                scale,
+                s: s.as_mut_ptr(),
+                ahead: Ahead {
+                    runs: ahead,
+                    row: d * std::mem::size_of::<L::Elem>(),
+                },
+            };
+            // SAFETY: AVX-512F/BW/VL checked by the caller; the runs are
+            // whole rows of live slices and `s` holds rows × cols.
+            unsafe { scores_rows::<L>(o, rows, &runs[..keys.len()]) };
+        }
+        match first {
+            Stored::F32(_) => run::<F32s>(q, rows, d, keys, scale, s, ahead),
+            Stored::Bf16(_) => run::<Bf16s>(q, rows, d, keys, scale, s, ahead),
+            Stored::F16(_) => run::<F16s>(q, rows, d, keys, scale, s, ahead),
         }
     }
 }
 
-/// `acc[r·d + dd] += Σ_j p[r·cols + j]·v[j·d + dd]` for the `rows =
-/// acc.len() / d` rows and `cols` keys of `v` (row-major).
+/// `acc[r·d + dd] += Σ_j p[r·cols + j]·v_j[dd]` for the `rows = acc.len() /
+/// d` rows and the `cols` value rows of `values` (runs as in [`scores`]).
 ///
 /// # Panics
-/// Unless [`available`], or if a slice is too short.
-pub(super) fn accumulate(p: &[f32], cols: usize, v: Stored<'_>, d: usize, acc: &mut [f32]) {
+/// Unless [`available`], if `p` is too short, or as [`MAX_RUNS`] says.
+pub(super) fn accumulate(p: &[f32], values: &[Stored<'_>], d: usize, acc: &mut [f32]) {
     let rows = acc.len() / d.max(1);
     assert!(available(), "AVX-512 for the decode products");
-    assert!(
-        v.len() >= cols * d && p.len() >= rows * cols,
-        "accumulate bounds"
-    );
+    let Some(&first) = values.first() else { return };
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: AVX-512F/BW/VL checked; the asserts bound every access.
-    unsafe {
-        let o = Accumulate {
-            p: p.as_ptr(),
-            cols,
-            d,
-            acc: acc.as_mut_ptr(),
-        };
-        match v {
-            Stored::F32(v) => accumulate_rows::<F32s>(o, rows, v.as_ptr()),
-            Stored::Bf16(v) => accumulate_rows::<Bf16s>(o, rows, v.as_ptr()),
-            Stored::F16(v) => accumulate_rows::<F16s>(o, rows, v.as_ptr()),
+    {
+        fn run<L: Load16>(
+            p: &[f32],
+            rows: usize,
+            values: &[Stored<'_>],
+            d: usize,
+            acc: &mut [f32],
+        ) {
+            let (runs, cols) = raw_runs::<L::Elem>(values, d);
+            assert!(p.len() >= rows * cols, "accumulate bounds");
+            let o = Accumulate {
+                p: p.as_ptr(),
+                cols,
+                d,
+                acc: acc.as_mut_ptr(),
+            };
+            // SAFETY: AVX-512F/BW/VL checked by the caller; the runs are
+            // whole rows of live slices, `p` holds rows × cols and `acc`
+            // rows × d.
+            unsafe { accumulate_rows::<L>(o, rows, &runs[..values.len()]) };
+        }
+        match first {
+            Stored::F32(_) => run::<F32s>(p, rows, values, d, acc),
+            Stored::Bf16(_) => run::<Bf16s>(p, rows, values, d, acc),
+            Stored::F16(_) => run::<F16s>(p, rows, values, d, acc),
         }
     }
 }
@@ -139,39 +210,45 @@ fn mask(len: usize, at: usize) -> __mmask16 {
 struct Scores<'a> {
     q: *const f32,
     d: usize,
+    /// Keys of the block: the row stride of `s`.
     cols: usize,
     scale: f32,
     s: *mut f32,
     ahead: Ahead<'a>,
 }
 
-/// The bytes of the next block's keys and values, `row` bytes per key.
+/// The next block's runs of keys and of values, `row` bytes per key.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 struct Ahead<'a> {
-    k: &'a [u8],
-    v: &'a [u8],
+    runs: [&'a [Stored<'a>]; 2],
     row: usize,
 }
 
 #[cfg(target_arch = "x86_64")]
 impl Ahead<'_> {
     const NONE: Self = Ahead {
-        k: &[],
-        v: &[],
+        runs: [&[], &[]],
         row: 1,
     };
 
     /// Prefetch key `j`'s rows of K and V (nothing past their ends).
     #[inline(always)]
     fn key(&self, j: usize) {
-        for x in [self.k, self.v] {
-            if let Some(row) = x.get(j * self.row..(j + 1) * self.row) {
-                for line in row.chunks(64) {
-                    // SAFETY: a prefetch is a hint that never faults, of
-                    // an address inside `x`.
-                    unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
+        for runs in self.runs {
+            let mut j = j;
+            for run in runs {
+                let bytes = run.as_bytes();
+                let rows = bytes.len() / self.row;
+                if j < rows {
+                    for line in bytes[j * self.row..(j + 1) * self.row].chunks(64) {
+                        // SAFETY: a prefetch is a hint that never faults,
+                        // of an address inside the run.
+                        unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
+                    }
+                    break;
                 }
+                j -= rows;
             }
         }
     }
@@ -183,24 +260,30 @@ impl Ahead<'_> {
 /// As [`scores`], AVX-512F/BW/VL present.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn scores_rows<L: Load16>(o: Scores<'_>, rows: usize, k: *const L::Elem) {
+unsafe fn scores_rows<L: Load16>(o: Scores<'_>, rows: usize, runs: &[Run<L::Elem>]) {
     let mut r0 = 0;
     while r0 < rows {
-        // SAFETY: rows r0 .. r0 + n of q and s are in bounds.
-        unsafe {
-            let o = Scores {
-                q: o.q.add(r0 * o.d),
-                s: o.s.add(r0 * o.cols),
-                // The first pass over the keys asks for the next block.
-                ahead: if r0 == 0 { o.ahead } else { Ahead::NONE },
-                ..o
-            };
-            match (rows - r0).min(ROWS) {
-                4 => score_block::<L, 4>(o, k),
-                3 => score_block::<L, 3>(o, k),
-                2 => score_block::<L, 2>(o, k),
-                _ => score_block::<L, 1>(o, k),
+        let mut j0 = 0;
+        for run in runs {
+            // SAFETY: rows r0 .. r0 + n of q and s, columns j0 .. j0 +
+            // run.rows of s, are in bounds.
+            unsafe {
+                let o = Scores {
+                    q: o.q.add(r0 * o.d),
+                    s: o.s.add(r0 * o.cols + j0),
+                    // The first pass over the keys asks for the next block.
+                    ahead: if r0 == 0 { o.ahead } else { Ahead::NONE },
+                    ..o
+                };
+                let run = *run;
+                match (rows - r0).min(ROWS) {
+                    4 => score_run::<L, 4>(o, run, j0),
+                    3 => score_run::<L, 3>(o, run, j0),
+                    2 => score_run::<L, 2>(o, run, j0),
+                    _ => score_run::<L, 1>(o, run, j0),
+                }
             }
+            j0 += run.rows;
         }
         r0 += ROWS;
     }
@@ -245,29 +328,32 @@ fn fold2(u: __m512, w: __m512) -> __m512 {
     }
 }
 
-/// [`scores`] for `R ≤ ROWS` rows, over all keys, 16 at a time.
+/// [`scores`] for `R ≤ ROWS` rows and one run of keys (the block's keys
+/// `j0 ..`; `o.s` at the run's first column), 16 keys at a time. Asks for
+/// the next block's keys `j0 ..` as it goes (`o.ahead`).
 ///
 /// # Safety
-/// As [`scores`] for those rows.
+/// As [`scores`] for those rows and keys.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn score_block<L: Load16, const R: usize>(o: Scores<'_>, k: *const L::Elem) {
+unsafe fn score_run<L: Load16, const R: usize>(o: Scores<'_>, run: Run<L::Elem>, j0: usize) {
+    let (k, n) = (run.at, run.rows);
     // SAFETY (whole body): AVX-512F/BW/VL are enabled by the caller's
     // `target_feature`; every access is inside the rows, keys and (masked)
     // dims the caller vouches for.
     unsafe {
         let chunks = o.d.div_ceil(16);
         let scale = _mm512_set1_ps(o.scale);
-        let mut j0 = 0;
-        while j0 < o.cols {
-            let keys = (o.cols - j0).min(16);
+        let mut g0 = 0;
+        while g0 < n {
+            let keys = (n - g0).min(16);
             // Per row: the folded quads of keys 0..8 (`half`), then all 16.
             let mut half = [_mm512_setzero_ps(); R];
             let mut full = [_mm512_setzero_ps(); R];
             for quad in 0..4 {
                 let mut acc = [[_mm512_setzero_ps(); 4]; R];
-                for key in quad * 4..quad * 4 + 4 {
-                    o.ahead.key(j0 + key);
+                for key in quad * 4..(quad * 4 + 4).min(keys) {
+                    o.ahead.key(j0 + g0 + key);
                 }
                 if quad * 4 < keys {
                     for c in 0..chunks {
@@ -277,7 +363,7 @@ unsafe fn score_block<L: Load16, const R: usize>(o: Scores<'_>, k: *const L::Ele
                         });
                         for (i, key) in (quad * 4..quad * 4 + 4).enumerate() {
                             if key < keys {
-                                let kc = L::load16(k.add((j0 + key) * o.d + 16 * c), m);
+                                let kc = L::load16(k.add((g0 + key) * o.d + 16 * c), m);
                                 for r in 0..R {
                                     acc[r][i] = _mm512_fmadd_ps(qc[r], kc, acc[r][i]);
                                 }
@@ -297,9 +383,9 @@ unsafe fn score_block<L: Load16, const R: usize>(o: Scores<'_>, k: *const L::Ele
             }
             let m = mask(keys, 0);
             for (r, &sum) in full.iter().enumerate() {
-                _mm512_mask_storeu_ps(o.s.add(r * o.cols + j0), m, _mm512_mul_ps(sum, scale));
+                _mm512_mask_storeu_ps(o.s.add(r * o.cols + g0), m, _mm512_mul_ps(sum, scale));
             }
-            j0 += 16;
+            g0 += 16;
         }
     }
 }
@@ -319,7 +405,7 @@ struct Accumulate {
 /// As [`accumulate`], AVX-512F/BW/VL present.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn accumulate_rows<L: Load16>(o: Accumulate, rows: usize, v: *const L::Elem) {
+unsafe fn accumulate_rows<L: Load16>(o: Accumulate, rows: usize, v: &[Run<L::Elem>]) {
     let mut r0 = 0;
     while r0 < rows {
         // SAFETY: rows r0 .. r0 + n of p and acc are in bounds.
@@ -350,7 +436,7 @@ const DIM_VECTORS: usize = 4;
 /// As [`accumulate`] for those rows.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn accumulate_block<L: Load16, const R: usize>(o: Accumulate, v: *const L::Elem) {
+unsafe fn accumulate_block<L: Load16, const R: usize>(o: Accumulate, v: &[Run<L::Elem>]) {
     let mut d0 = 0;
     while d0 < o.d {
         // SAFETY: dims d0 .. min(d0 + 64, d) of the rows.
@@ -375,7 +461,7 @@ unsafe fn accumulate_block<L: Load16, const R: usize>(o: Accumulate, v: *const L
 #[inline(always)]
 unsafe fn accumulate_pass<L: Load16, const R: usize, const C: usize>(
     o: Accumulate,
-    v: *const L::Elem,
+    v: &[Run<L::Elem>],
     d0: usize,
 ) {
     // SAFETY (whole body): AVX-512F/BW/VL are enabled by the caller's
@@ -388,14 +474,18 @@ unsafe fn accumulate_pass<L: Load16, const R: usize, const C: usize>(
                 _mm512_maskz_loadu_ps(masks[c], o.acc.add(r * o.d + d0 + 16 * c))
             })
         });
-        for j in 0..o.cols {
-            let vj: [__m512; C] =
-                std::array::from_fn(|c| L::load16(v.add(j * o.d + d0 + 16 * c), masks[c]));
-            for (r, out) in out.iter_mut().enumerate() {
-                let pj = _mm512_set1_ps(*o.p.add(r * o.cols + j));
-                for c in 0..C {
-                    out[c] = _mm512_fmadd_ps(pj, vj[c], out[c]);
+        let mut j = 0;
+        for run in v {
+            for i in 0..run.rows {
+                let vj: [__m512; C] =
+                    std::array::from_fn(|c| L::load16(run.at.add(i * o.d + d0 + 16 * c), masks[c]));
+                for (r, out) in out.iter_mut().enumerate() {
+                    let pj = _mm512_set1_ps(*o.p.add(r * o.cols + j));
+                    for c in 0..C {
+                        out[c] = _mm512_fmadd_ps(pj, vj[c], out[c]);
+                    }
                 }
+                j += 1;
             }
         }
         for (r, out) in out.iter().enumerate() {
@@ -453,10 +543,31 @@ mod tests {
                     for (stored, k) in kinds {
                         let scale = 0.3;
                         let mut s = vec![f32::NAN; rows * cols + 3];
+                        // The keys as one run, or cut into runs of 1, 5 and
+                        // 11 rows and the rest (pages).
+                        let runs: Vec<Stored<'_>> = if rows % 2 == 0 {
+                            vec![stored]
+                        } else {
+                            let mut runs = Vec::new();
+                            let mut at = 0;
+                            for n in [1, 5, 11, cols].into_iter().cycle() {
+                                let n = n.min(cols - at);
+                                runs.push(stored.slice(at * d..(at + n) * d));
+                                at += n;
+                                if at == cols {
+                                    break;
+                                }
+                            }
+                            runs
+                        };
                         // Asking for the next block (here: these keys again)
                         // never changes a result.
-                        let ahead = (rows % 2 == 0).then_some((stored, stored));
-                        scores(&q, d, stored, cols, scale, &mut s, ahead);
+                        let ahead: [&[Stored<'_>]; 2] = if rows % 3 == 0 {
+                            [&runs, &runs]
+                        } else {
+                            [&[], &[]]
+                        };
+                        scores(&q, d, &runs, scale, &mut s, ahead);
                         for r in 0..rows {
                             for j in 0..cols {
                                 let (mut want, mut mag) = (0.0f64, 0.0f64);
@@ -478,7 +589,7 @@ mod tests {
                         // The same values as V.
                         let mut acc = acc0.clone();
                         acc.extend([f32::NAN; 3]);
-                        accumulate(&p, cols, stored, d, &mut acc[..rows * d]);
+                        accumulate(&p, &runs, d, &mut acc[..rows * d]);
                         for r in 0..rows {
                             for x in 0..d {
                                 let (mut want, mut mag) = (f64::from(acc0[r * d + x]), 0.0f64);

@@ -126,6 +126,13 @@ pub fn forward<V: Variant>(
     host.out_of_range().map_or(Ok(()), Err)
 }
 
+/// Whether [`forward`] runs `p` on the decode kernel (at most 32 query rows
+/// per head; split-KV, GQA packed), which also reads 16-bit keys and values
+/// as stored ([`forward_cache`]).
+pub fn is_decode(p: &Problem) -> bool {
+    decode::applies(p)
+}
+
 /// Whether [`forward_bf16`] (and, without learnable gradients of `score`'s
 /// tensors, [`backward_bf16`]) runs `p` on this CPU: it has AMX-BF16 (and
 /// the OS grants the process its tiles) or is an AMD CPU with AVX512-BF16,
