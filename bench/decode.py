@@ -5,16 +5,16 @@
     python3 bench/decode.py            # the shapes of examples/decode.rs
     python3 bench/decode.py --reps 15
 
-Sq = 1, Hq = 32, Hkv = 8, D = 128, f32, causal, for (B, Sk) in (1, 4k),
-(1, 16k), (1, 64k), (8, 4k), (8, 16k):
+Sq = 1, Hq = 32, Hkv = 8, D = 128, causal, for (B, Sk) in (1, 4k),
+(1, 16k), (1, 64k), (8, 4k), (8, 16k), in f32, bf16 and f16:
 
   - boostr: `cargo run --release -p boostr-runtime --example decode`, which
-    also measures the machine's memory copy bandwidth in the same run;
+    also measures the machine's read bandwidth in the same run;
   - torch.nn.functional.scaled_dot_product_attention with `enable_gqa=True`
     (the query row is the last position, so causal is every key), on as
-    many threads as boostr's rayon pool;
+    many threads as boostr's rayon pool, in each dtype;
   - torch.compile(flex_attention) with `enable_gqa=True` and no mask (the
-    same pairs), where it runs.
+    same pairs), f32, where it runs.
 
 Effective bandwidth is bytes of K and V read / time; medians of --reps after
 a warm-up.
@@ -35,21 +35,24 @@ def torch_decode(reps):
 
     torch.manual_seed(0)
     rows = []
-    for b, sk in SHAPES:
-        q = torch.randn(b, HQ, 1, D)
-        k = torch.randn(b, HKV, sk, D)
-        v = torch.randn(b, HKV, sk, D)
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        sdpa(q, k, v, enable_gqa=True)
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        size = torch.tensor([], dtype=dtype).element_size()
+        for b, sk in SHAPES:
+            q = torch.randn(b, HQ, 1, D).to(dtype)
+            k = torch.randn(b, HKV, sk, D).to(dtype)
+            v = torch.randn(b, HKV, sk, D).to(dtype)
+            sdpa = torch.nn.functional.scaled_dot_product_attention
             sdpa(q, k, v, enable_gqa=True)
-            times.append(time.perf_counter() - t)
-        times.sort()
-        t = times[len(times) // 2]
-        gb = 2 * b * HKV * sk * D * 4 / t / 1e9
-        rows.append(f"B = {b}, Sk = {sk}: {t * 1e3:.2f} ms, {gb:.1f} GB/s of K and V")
+            times = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                sdpa(q, k, v, enable_gqa=True)
+                times.append(time.perf_counter() - t)
+            times.sort()
+            t = times[len(times) // 2]
+            gb = 2 * b * HKV * sk * D * size / t / 1e9
+            rows.append(f"{str(dtype)[6:]} B = {b}, Sk = {sk}: {t * 1e3:.2f} ms, {gb:.1f} GB/s of K and V")
+            del q, k, v
     return rows
 
 

@@ -527,7 +527,7 @@ impl AttentionRuntime for CpuRuntime {
                 tensors,
             })
         };
-        if dtype == DType::BF16 && lengths.is_none() {
+        if dtype == DType::BF16 {
             // bf16 tile products where the CPU has them (AMX), read as stored.
             let elems = |name, t| HostElems::new(name, t, dtype);
             let (qe, ke, ve) = (elems("q", q)?, elems("k", k)?, elems("v", v)?);
@@ -545,8 +545,21 @@ impl AttentionRuntime for CpuRuntime {
                 }
             };
             let (dq_s, dk_s, dv_s) = (dq.slice_mut(), dk.slice_mut(), dv.slice_mut());
-            let ran =
-                crate::cpu::backward_bf16(variant, p, inputs, dq_s, dk_s, dv_s, tensor_grads)?;
+            let ran = match lengths {
+                Some(l) => crate::cpu::backward_bf16_cache(
+                    variant,
+                    p,
+                    l.host,
+                    inputs,
+                    dq_s,
+                    dk_s,
+                    dv_s,
+                    tensor_grads,
+                )?,
+                None => {
+                    crate::cpu::backward_bf16(variant, p, inputs, dq_s, dk_s, dv_s, tensor_grads)?
+                }
+            };
             if let Some(tensors) = ran {
                 return finish(dq, dk, dv, tensors);
             }

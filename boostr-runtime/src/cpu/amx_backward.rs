@@ -28,18 +28,23 @@
 //! rows (two rows interleaved, no transpose); `dS` goes row-major into
 //! `dQ`. A task transposes its dK and dV once per key tile at the end.
 //!
-//! Scope: as the AMX forward (head dims that are multiples of 32 up to
-//! 256), and no learnable tensor read by `score` whose gradient is wanted
-//! (those run the f32 kernel on widened inputs); sinks' gradients come from
-//! the same row pass as in f32. Partial tiles run the mask over the whole
-//! tile (one band).
+//! Scope: as the AMX forward (head dims up to 256, padded inside to a
+//! multiple of 32: the pad columns of Q, dO, K and V are zeros, and only
+//! the first `D` columns of dQ, dK and dV are kept); any variant the tile
+//! kernels run, a KV cache's lengths included (through `cached::Cached`).
+//! Learnable tensors read by `score` get their gradients pair by pair (or
+//! by diagonal) from the tile's f32 `P` and `dP`, exactly as in the f32
+//! backward, grouped into partial sums in a fixed order (see
+//! `backward::learnable_tasks`); sinks' gradients come from the same row
+//! pass as in f32. Partial tiles run the mask over the whole tile (one
+//! band).
 
 use super::aligned::Aligned;
 use super::amx::{self, Kind, Products};
-use super::amx_forward::{round_bf16, zero_unseen_keys};
+use super::amx_forward::{padded_dim, round_bf16, zero_unseen_keys};
 use super::backward::{
-    KeyChunk, Probabilities, ScoreGrads, add_partials, carve, chunk_keys, deltas, dq_partials,
-    sinks,
+    KeyChunk, Probabilities, ScoreGrads, add_partials, carve, chunk_keys, deltas,
+    diagonal_tensor_grads, dq_partials, learnable_tasks, sinks, tensor_grads,
 };
 use super::tile::CpuTiles;
 use super::{Band, Positions, all_finite_bits, gemm, simd, tile_class};
@@ -57,10 +62,9 @@ const T: usize = amx::TILE;
 /// The tiles the schedule (chunks, kv groups) is planned with.
 pub(super) const TILES: CpuTiles = CpuTiles { q: BQ, kv: BK };
 
-/// Whether the bf16 backward runs `p`: the bf16 forward does, and no
-/// learnable tensor read by `score` wants its gradient (`learn`).
-pub(super) fn applies<V: HostVariant>(_: &V, p: &Problem, learn: bool) -> bool {
-    super::amx_forward::applies(p) && !(V::SCORE_READS_LEARNABLE && learn)
+/// Whether the bf16 backward runs `p`: where the bf16 forward does.
+pub(super) fn applies(p: &Problem) -> bool {
+    super::amx_forward::applies(p)
 }
 
 /// The backward's bf16 inputs (bits), in the layout of [`Problem`], and the
@@ -124,33 +128,48 @@ fn dim_pairs(src: &[u16], rows: usize, d: usize, dst: &mut [u32], dst_rs: usize)
     transpose_u32(&pairs, rows, d / 2, dst, dst_rs);
 }
 
-/// One query head's Q or dO, as the products read it.
+/// `rows × d` bf16 rows with each row zero-padded to `dp` (borrowed as
+/// they are when `dp == d`).
+fn padded(src: &[u16], d: usize, dp: usize) -> std::borrow::Cow<'_, [u16]> {
+    if dp == d {
+        return std::borrow::Cow::Borrowed(src);
+    }
+    let mut out = vec![0u16; src.len() / d.max(1) * dp];
+    for (dst, row) in out.chunks_exact_mut(dp).zip(src.chunks_exact(d)) {
+        dst[..d].copy_from_slice(row);
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// One query head's Q or dO, as the products read it (`Dp` the padded
+/// head dim, see [`padded_dim`]).
 struct RowPack {
-    /// `sq_pad × D` bf16, zero past the last row.
+    /// `sq_pad × Dp` bf16, zero past the last row and dim.
     rows: Aligned<u16>,
-    /// `D × sq_pad` bf16 (the transpose), zero past the last row: `D` rows
-    /// of `sq_pad / 2` query pairs.
+    /// `Dp × sq_pad` bf16 (the transpose), zero past the last row: `Dp`
+    /// rows of `sq_pad / 2` query pairs.
     cols: Aligned<u32>,
 }
 
-/// `sq × d` bf16 rows packed for a tile size of [`BQ`].
-fn pack_rows(src: &[u16], sq: usize, d: usize) -> RowPack {
+/// `sq × d` bf16 rows packed for a tile size of [`BQ`], over `dp` dims.
+fn pack_rows(src: &[u16], sq: usize, d: usize, dp: usize) -> RowPack {
+    let src = padded(src, d, dp);
     let sq_pad = sq.next_multiple_of(BQ);
-    let mut rows = Aligned::zeroed(sq_pad * d);
-    rows[..sq * d].copy_from_slice(src);
-    let mut pairs = Aligned::zeroed(sq_pad / 2 * d);
-    pair_rows(src, d, &mut pairs);
-    let mut cols = Aligned::zeroed(d * sq_pad / 2);
-    transpose_u32(&pairs, sq_pad / 2, d, &mut cols, sq_pad / 2);
+    let mut rows = Aligned::zeroed(sq_pad * dp);
+    rows[..sq * dp].copy_from_slice(&src);
+    let mut pairs = Aligned::zeroed(sq_pad / 2 * dp);
+    pair_rows(&src, dp, &mut pairs);
+    let mut cols = Aligned::zeroed(dp * sq_pad / 2);
+    transpose_u32(&pairs, sq_pad / 2, dp, &mut cols, sq_pad / 2);
     RowPack { rows, cols }
 }
 
 /// One kv head's K and V, as the products read them (`sk_pad` keys, zero
-/// past the last).
+/// past the last, and `Dp` dims, zero past the last).
 struct KvPack {
-    /// `D/2` rows of `sk_pad` u32: `(K[key][2c], K[key][2c + 1])`.
+    /// `Dp/2` rows of `sk_pad` u32: `(K[key][2c], K[key][2c + 1])`.
     k_dims: Aligned<u32>,
-    /// `sk_pad / 2` rows of `D` u32: `(K[2r][c], K[2r + 1][c])`.
+    /// `sk_pad / 2` rows of `Dp` u32: `(K[2r][c], K[2r + 1][c])`.
     k_keys: Aligned<u32>,
     /// As `k_dims`, for V.
     v_dims: Aligned<u32>,
@@ -158,19 +177,21 @@ struct KvPack {
     k_nonfinite: Vec<bool>,
 }
 
-fn pack_kv(k: &[u16], v: &[u16], sk: usize, d: usize) -> KvPack {
+fn pack_kv(k: &[u16], v: &[u16], sk: usize, d: usize, dp: usize) -> KvPack {
+    let k_nonfinite = k.chunks(BK * d).map(|t| !all_finite_bits(t)).collect();
+    let (k, v) = (padded(k, d, dp), padded(v, d, dp));
     let sk_pad = sk.next_multiple_of(BK);
-    let mut k_dims = Aligned::zeroed(d / 2 * sk_pad);
-    let mut v_dims = Aligned::zeroed(d / 2 * sk_pad);
-    dim_pairs(k, sk, d, &mut k_dims, sk_pad);
-    dim_pairs(v, sk, d, &mut v_dims, sk_pad);
-    let mut k_keys = Aligned::zeroed(sk_pad / 2 * d);
-    pair_rows(k, d, &mut k_keys);
+    let mut k_dims = Aligned::zeroed(dp / 2 * sk_pad);
+    let mut v_dims = Aligned::zeroed(dp / 2 * sk_pad);
+    dim_pairs(&k, sk, dp, &mut k_dims, sk_pad);
+    dim_pairs(&v, sk, dp, &mut v_dims, sk_pad);
+    let mut k_keys = Aligned::zeroed(sk_pad / 2 * dp);
+    pair_rows(&k, dp, &mut k_keys);
     KvPack {
         k_dims,
         k_keys,
         v_dims,
-        k_nonfinite: k.chunks(BK * d).map(|t| !all_finite_bits(t)).collect(),
+        k_nonfinite,
     }
 }
 
@@ -201,20 +222,28 @@ struct Scratch {
     ds_pairs: Aligned<u32>,
     /// `scale · dS` row-major bf16 (`BQ × BK`).
     ds: Aligned<u16>,
-    /// dQ rows of a last query tile of fewer than 64 rows.
+    /// dQ rows of a query tile whose rows the product cannot take in
+    /// place (fewer than 64, or a padded head dim): `BQ × Dp`.
     dq: Aligned<f32>,
-    /// The transposed dK and dV of a pass's key tiles (`D × BK` each).
+    /// The transposed dK and dV of a pass's key tiles (`Dp × BK` each).
     dkt: Aligned<f32>,
     dvt: Aligned<f32>,
-    /// One key tile's dK or dV rows, transposed back.
+    /// One key tile's dK or dV rows, transposed back (`BK × Dp`).
     rows: Aligned<f32>,
     /// A key tile's `k_keys` with the keys no row sees zeroed.
     k_guarded: Vec<u32>,
     bands: Vec<Band>,
+    /// The scaled logits before `score`, for the derivatives of learnable
+    /// reads (empty without them, or where they go by diagonal).
+    raw: Vec<f32>,
+    /// Per diagonal of a tile, the sum of its pairs' `dz` (learnable reads
+    /// by position difference only).
+    diag: Vec<f32>,
 }
 
 impl Scratch {
-    fn new<V: HostVariant>(d: usize, kv_group: usize) -> Self {
+    fn new<V: HostVariant>(dp: usize, kv_group: usize, learn: bool) -> Self {
+        let learn = learn && V::SCORE_READS_LEARNABLE;
         Self {
             s: Aligned::zeroed(BQ * BK),
             g: Aligned::zeroed(if V::SCORE_IS_IDENTITY { 0 } else { BQ * BK }),
@@ -222,12 +251,22 @@ impl Scratch {
             p_pairs: Aligned::zeroed(BQ / 2 * BK),
             ds_pairs: Aligned::zeroed(BQ / 2 * BK),
             ds: Aligned::zeroed(BQ * BK),
-            dq: Aligned::zeroed(BQ * d),
-            dkt: Aligned::zeroed(kv_group * d * BK),
-            dvt: Aligned::zeroed(kv_group * d * BK),
-            rows: Aligned::zeroed(BK * d),
+            dq: Aligned::zeroed(BQ * dp),
+            dkt: Aligned::zeroed(kv_group * dp * BK),
+            dvt: Aligned::zeroed(kv_group * dp * BK),
+            rows: Aligned::zeroed(BK * dp),
             k_guarded: Vec::new(),
             bands: Vec::with_capacity(1),
+            raw: if learn && !V::SCORE_GRADS_BY_DIFFERENCE {
+                vec![0.0; BQ * BK]
+            } else {
+                Vec::new()
+            },
+            diag: if learn && V::SCORE_GRADS_BY_DIFFERENCE {
+                vec![0.0; BQ + BK]
+            } else {
+                Vec::new()
+            },
         }
     }
 }
@@ -251,26 +290,26 @@ pub(super) fn backward<V: HostVariant>(
     dv: &mut [f32],
     tensor_grads: &mut [Vec<f32>],
 ) {
-    let learn = tensor_grads.iter().any(|g| !g.is_empty());
-    assert!(applies(variant, p, learn), "the bf16 backward runs {p:?}");
+    assert!(applies(p), "the bf16 backward runs {p:?}");
     let kind = amx::kind().expect("applies");
     let (sq, sk, d) = (p.seq_q, p.seq_k, p.head_dim);
+    let dp = padded_dim(d);
     let delta = deltas(x.dout, x.out, d, |a, b| {
         a.iter().zip(b).map(|(&a, &b)| widen(a) * widen(b)).sum()
     });
     let q: Vec<RowPack> =
         x.q.par_chunks(sq * d)
-            .map(|q| pack_rows(q, sq, d))
+            .map(|q| pack_rows(q, sq, d, dp))
             .collect();
     let dout: Vec<RowPack> = x
         .dout
         .par_chunks(sq * d)
-        .map(|o| pack_rows(o, sq, d))
+        .map(|o| pack_rows(o, sq, d, dp))
         .collect();
     let kv: Vec<KvPack> =
         x.k.par_chunks(sk * d)
             .zip(x.v.par_chunks(sk * d))
-            .map(|(k, v)| pack_kv(k, v, sk, d))
+            .map(|(k, v)| pack_kv(k, v, sk, d, dp))
             .collect();
 
     let (chunk_keys, chunks) = chunk_keys(p, TILES, chunks);
@@ -288,10 +327,19 @@ pub(super) fn backward<V: HostVariant>(
         lse: x.lse,
         delta: &delta,
     };
-    tasks.into_par_iter().for_each_init(
-        || Scratch::new::<V>(d, kv_group),
-        |sc, task| key_chunk(&shared, task, sc),
-    );
+    if V::SCORE_READS_LEARNABLE && tensor_grads.iter().any(|g| !g.is_empty()) {
+        learnable_tasks(
+            tasks,
+            tensor_grads,
+            || Scratch::new::<V>(dp, kv_group, true),
+            |task, sc, grads| key_chunk(&shared, task, sc, grads),
+        );
+    } else {
+        tasks.into_par_iter().for_each_init(
+            || Scratch::new::<V>(dp, kv_group, false),
+            |sc, task| key_chunk(&shared, task, sc, &mut []),
+        );
+    }
     if V::HAS_SINK {
         sinks(variant, p, x.lse, &delta, tensor_grads);
     }
@@ -300,9 +348,15 @@ pub(super) fn backward<V: HostVariant>(
 
 /// One task: the chunk's key tiles, `kv_group` at a time, against every
 /// query tile of every query head of the group.
-fn key_chunk<V: HostVariant>(sh: &Shared<'_, V>, task: KeyChunk<'_>, sc: &mut Scratch) {
+fn key_chunk<V: HostVariant>(
+    sh: &Shared<'_, V>,
+    task: KeyChunk<'_>,
+    sc: &mut Scratch,
+    grads: &mut [&mut [f32]],
+) {
     let p = sh.p;
     let (sq, d, group) = (p.seq_q, p.head_dim, p.group());
+    let dp = padded_dim(d);
     let KeyChunk {
         b,
         kvh,
@@ -324,8 +378,8 @@ fn key_chunk<V: HostVariant>(sh: &Shared<'_, V>, task: KeyChunk<'_>, sc: &mut Sc
         let kv0 = key0 + n * pass_keys;
         let keys = dk.len() / d;
         let n_tiles = keys.div_ceil(BK);
-        sc.dkt[..n_tiles * d * BK].fill(0.0);
-        sc.dvt[..n_tiles * d * BK].fill(0.0);
+        sc.dkt[..n_tiles * dp * BK].fill(0.0);
+        sc.dvt[..n_tiles * dp * BK].fill(0.0);
         for hl in 0..group {
             let h = kvh * group + hl;
             let bh = b * p.heads_q + h;
@@ -344,17 +398,25 @@ fn key_chunk<V: HostVariant>(sh: &Shared<'_, V>, task: KeyChunk<'_>, sc: &mut Sc
                         cols: BK.min(kv0 + keys - k0),
                         acc: t,
                     };
-                    step(sh, &tiles, kv, at, dq_t, sc);
+                    step(sh, &tiles, kv, at, dq_t, sc, grads);
                 }
             }
         }
-        // dK and dV rows, transposed back.
+        // dK and dV rows, transposed back, their first `d` dims.
         for t in 0..n_tiles {
             let cols = BK.min(keys - t * BK);
             let out = t * BK * d..(t * BK + cols) * d;
             for (acc, dst) in [(&sc.dkt, &mut dk[out.clone()]), (&sc.dvt, &mut dv[out])] {
-                gemm::transpose(&acc[t * d * BK..(t + 1) * d * BK], d, BK, &mut sc.rows, d);
-                dst.copy_from_slice(&sc.rows[..cols * d]);
+                gemm::transpose(
+                    &acc[t * dp * BK..(t + 1) * dp * BK],
+                    dp,
+                    BK,
+                    &mut sc.rows,
+                    dp,
+                );
+                for (dst, src) in dst.chunks_exact_mut(d).zip(sc.rows.chunks_exact(dp)) {
+                    dst.copy_from_slice(&src[..d]);
+                }
             }
         }
     }
@@ -376,7 +438,8 @@ struct TileAt {
     acc: usize,
 }
 
-/// The contribution of one (query tile × key tile) to dK, dV and dQ.
+/// The contribution of one (query tile × key tile) to dK, dV and dQ, and
+/// to the learnable tensors' gradients in `grads` (empty: none wanted).
 fn step<V: HostVariant>(
     sh: &Shared<'_, V>,
     tiles: &Products,
@@ -384,9 +447,11 @@ fn step<V: HostVariant>(
     at: TileAt,
     dq_t: &mut [f32],
     sc: &mut Scratch,
+    grads: &mut [&mut [f32]],
 ) {
     let p = sh.p;
     let (sq, d, scale) = (p.seq_q, p.head_dim, p.scale);
+    let dp = padded_dim(d);
     let TileAt {
         rows,
         cols,
@@ -409,19 +474,20 @@ fn step<V: HostVariant>(
         &sh.lse[at.bh * sq + r0..][..rows],
         &sh.delta[at.bh * sq + r0..][..rows],
     );
-    let dkt = sc.dkt[at.acc * d * BK..(at.acc + 1) * d * BK].as_mut_ptr();
-    let dvt = sc.dvt[at.acc * d * BK..(at.acc + 1) * d * BK].as_mut_ptr();
+    let dkt = sc.dkt[at.acc * dp * BK..(at.acc + 1) * dp * BK].as_mut_ptr();
+    let dvt = sc.dvt[at.acc * dp * BK..(at.acc + 1) * dp * BK].as_mut_ptr();
+    let kv_lo = Positions::to_i32(kv0);
 
     // S = Q Kᵀ, then P = e^(score(scale·S) − lse) in place.
     // SAFETY (every product below): the packs hold whole tiles of 64 rows
-    // and keys (zero past the ends), the scratch tiles are 64 × 64, and
-    // m, n ≤ 64, the dims d; AMX is configured.
+    // and keys (zero past the ends) over dp dims, the scratch tiles are
+    // 64 × 64, and m, n ≤ 64; AMX is configured.
     unsafe {
         tiles.product(
-            (qp.rows[r0 * d..].as_ptr(), d),
+            (qp.rows[r0 * dp..].as_ptr(), dp),
             (kv.k_dims[kv0..].as_ptr(), sk_pad),
             (sc.s.as_mut_ptr(), BK),
-            (m, n, d),
+            (m, n, dp),
             false,
         );
     }
@@ -431,13 +497,20 @@ fn step<V: HostVariant>(
         rows: 0..rows,
         cols: 0..cols,
     });
+    let learn = V::SCORE_READS_LEARNABLE && !grads.is_empty();
+    if learn && !V::SCORE_GRADS_BY_DIFFERENCE {
+        // The raw logits, scaled as `score` sees them.
+        for (raw, &x) in sc.raw[..rows * BK].iter_mut().zip(s.iter()) {
+            *raw = x * scale;
+        }
+    }
     let g = &mut sc.g[..if V::SCORE_IS_IDENTITY { 0 } else { rows * BK }];
     simd::dispatch(Probabilities {
         variant: sh.variant,
         b,
         h,
         q_lo,
-        kv_lo: Positions::to_i32(kv0),
+        kv_lo,
         class,
         lse,
         s: &mut *s,
@@ -456,7 +529,7 @@ fn step<V: HostVariant>(
             (dop.cols.as_ptr().cast::<u16>().add(r0), sq_pad),
             (sc.p_pairs.as_ptr(), BK),
             (dvt, BK),
-            (d, n, kq),
+            (dp, n, kq),
             true,
         );
     }
@@ -465,24 +538,42 @@ fn step<V: HostVariant>(
     // SAFETY: as above.
     unsafe {
         tiles.product(
-            (dop.rows[r0 * d..].as_ptr(), d),
+            (dop.rows[r0 * dp..].as_ptr(), dp),
             (kv.v_dims[kv0..].as_ptr(), sk_pad),
             (sc.dp.as_mut_ptr(), BK),
-            (m, n, d),
+            (m, n, dp),
             false,
         );
     }
-    let dp = &mut sc.dp[..rows * BK];
+    let dp_t = &mut sc.dp[..rows * BK];
+    if learn {
+        let at = (b, h, q_lo, kv_lo);
+        if V::SCORE_GRADS_BY_DIFFERENCE {
+            diagonal_tensor_grads(
+                sh.variant,
+                at,
+                &sc.bands,
+                s,
+                dp_t,
+                delta,
+                &mut sc.diag,
+                grads,
+            );
+        } else {
+            let raw = &sc.raw[..rows * BK];
+            tensor_grads(sh.variant, at, &sc.bands, s, raw, dp_t, delta, grads);
+        }
+    }
     simd::dispatch(ScoreGrads::<V> {
         p: s,
         g,
         delta,
-        dp: &mut *dp,
+        dp: &mut *dp_t,
         bands: &sc.bands,
         partial: class == TileClass::Partial,
         variant: PhantomData,
     });
-    pair_round(dp, rows, cols, scale, &mut sc.ds_pairs, Some(&mut sc.ds));
+    pair_round(dp_t, rows, cols, scale, &mut sc.ds_pairs, Some(&mut sc.ds));
 
     // dKᵀ += Qᵀ (scale·dS).
     // SAFETY: as above.
@@ -491,38 +582,44 @@ fn step<V: HostVariant>(
             (qp.cols.as_ptr().cast::<u16>().add(r0), sq_pad),
             (sc.ds_pairs.as_ptr(), BK),
             (dkt, BK),
-            (d, n, kq),
+            (dp, n, kq),
             true,
         );
     }
 
     // dQ += (scale·dS) K. On a partial tile a key no row sees has dS = 0
     // in every row, and must not bring a NaN of its K row into the product.
-    let mut k_keys = &kv.k_keys[kv0 / 2 * d..(kv0 + BK) / 2 * d];
+    let mut k_keys = &kv.k_keys[kv0 / 2 * dp..(kv0 + BK) / 2 * dp];
     if class == TileClass::Partial && kv.k_nonfinite[kv0 / BK] {
-        k_keys = zero_unseen_keys(k_keys, d, s, BK, cols, &mut sc.k_guarded);
+        k_keys = zero_unseen_keys(k_keys, dp, s, BK, cols, &mut sc.k_guarded);
     }
     let kk = cols.next_multiple_of(amx::DEPTH);
-    let direct = rows == m;
+    // In place where the tile's rows are whole tiles of the head dim;
+    // else through 64 rows of scratch.
+    let direct = rows == m && dp == d;
     let dq_rows = if direct {
         dq_t.as_mut_ptr()
     } else {
-        sc.dq[..rows * d].copy_from_slice(dq_t);
-        sc.dq[rows * d..].fill(0.0);
+        sc.dq.fill(0.0);
+        for (dst, src) in sc.dq.chunks_exact_mut(dp).zip(dq_t.chunks_exact(d)) {
+            dst[..d].copy_from_slice(src);
+        }
         sc.dq.as_mut_ptr()
     };
-    // SAFETY: as above; dq_rows holds m rows of d.
+    // SAFETY: as above; dq_rows holds m rows of dp.
     unsafe {
         tiles.product(
             (sc.ds.as_ptr(), BK),
-            (k_keys.as_ptr(), d),
-            (dq_rows, d),
-            (m, d, kk),
+            (k_keys.as_ptr(), dp),
+            (dq_rows, dp),
+            (m, dp, kk),
             true,
         );
     }
     if !direct {
-        dq_t.copy_from_slice(&sc.dq[..rows * d]);
+        for (dst, src) in dq_t.chunks_exact_mut(d).zip(sc.dq.chunks_exact(dp)) {
+            dst.copy_from_slice(&src[..d]);
+        }
     }
 }
 

@@ -14,19 +14,19 @@
 //! and the lse.
 //!
 //! Layout: every kv head's K is packed once per call, tile by tile, as the
-//! right-hand operand of `Q Kᵀ` wants it (`D/2` rows of 128 keys' bf16
-//! pairs), and V as that of `P V` wants it (64 rows of key pairs, each
-//! `D` pairs), zero past the last key. A task (batch, query head, up to
-//! four tiles of 64 query rows, see [`MAX_GROUP`]) copies each tile's Q
-//! rows into a zero-padded 64 × D block and then streams the key tiles,
-//! each through every query tile in turn: scores into a 64 × 128 f32 block
-//! (the softmax scales them there, row by row), `P` rounded into a 64 ×
-//! 128 bf16 block, and `P V`
-//! added straight into the tile's output rows (through a 64-row block for a
-//! last tile of fewer rows).
+//! right-hand operand of `Q Kᵀ` wants it (`Dp/2` rows of 128 keys' bf16
+//! pairs, `Dp` the head dim rounded up to 32, see [`padded_dim`]), and V as
+//! that of `P V` wants it (64 rows of key pairs, each `Dp` pairs), zero
+//! past the last key and dim. A task (batch, query head, up to four tiles
+//! of 64 query rows, see [`MAX_GROUP`]) copies each tile's Q rows into a
+//! zero-padded 64 × Dp block and then streams the key tiles, each through
+//! every query tile in turn: scores into a 64 × 128 f32 block (the softmax
+//! scales them there, row by row), `P` rounded into a 64 × 128 bf16 block,
+//! and `P V` added into the tile's own 64 × Dp f32 accumulator, whose
+//! first `D` columns are normalised into `out` at the end.
 //!
-//! Scope: head dims that are multiples of 32 up to 256, on CPUs with AMX or
-//! a `vdpbf16ps` that pays (see [`applies`]); partial tiles run the mask over the whole tile (one
+//! Scope: head dims up to 256, on CPUs with AMX or a `vdpbf16ps` that pays
+//! (see [`applies`]); partial tiles run the mask over the whole tile (one
 //! band), since a tile product costs less than the bookkeeping of bands.
 
 use super::aligned::Aligned;
@@ -45,28 +45,37 @@ const BK: usize = 128;
 /// Rows of a tile register.
 const T: usize = amx::TILE;
 
-/// Whether the bf16 forward runs `p`: the head dim is a whole number of
-/// `tdpbf16ps` reductions (32) and at most 256, and this thread has bf16
-/// products ([`amx::kind`]).
+/// Whether the bf16 forward runs `p`: the head dim is at most 256 (padded
+/// inside to whole `tdpbf16ps` reductions, see [`padded_dim`]), and this
+/// thread has bf16 products ([`amx::kind`]).
 pub(super) fn applies(p: &Problem) -> bool {
-    p.head_dim.is_multiple_of(amx::DEPTH) && p.head_dim <= 256 && amx::kind().is_some()
+    p.head_dim <= 256 && amx::kind().is_some()
+}
+
+/// The head dim the products run over: `d` rounded up to a whole number of
+/// `tdpbf16ps` reductions (32). The pad columns of Q, K and V are zeros, so
+/// they add nothing to `Q Kᵀ`, and the pad columns of `P V` are dropped:
+/// head dims of 40, 80 or 72 cost what 64, 96 or 96 do, not a widening.
+pub(super) fn padded_dim(d: usize) -> usize {
+    d.next_multiple_of(amx::DEPTH)
 }
 
 /// One kv head's K and V as the tile products read them.
 struct Packed {
-    /// Per key tile: `D/2` rows of `BK` u32, each the bf16 pair
-    /// `(K[key][2p], K[key][2p + 1])`.
+    /// Per key tile: `Dp/2` rows of `BK` u32, each the bf16 pair
+    /// `(K[key][2p], K[key][2p + 1])` (`Dp` the padded head dim).
     k: Aligned<u32>,
-    /// Per key tile: `BK/2` rows of `D` u32, each `(V[2r][d], V[2r + 1][d])`.
+    /// Per key tile: `BK/2` rows of `Dp` u32, each `(V[2r][d], V[2r + 1][d])`.
     v: Aligned<u32>,
     /// Per key tile: V holds a NaN or an infinity.
     v_nonfinite: Vec<bool>,
 }
 
-/// The packed K and V of one kv head (`sk × D` each, bf16 bits).
-fn pack(k: &[u16], v: &[u16], sk: usize, d: usize) -> Packed {
+/// The packed K and V of one kv head (`sk × d` each, bf16 bits), over the
+/// padded head dim `dp`.
+fn pack(k: &[u16], v: &[u16], sk: usize, d: usize, dp: usize) -> Packed {
     let tiles = sk.div_ceil(BK);
-    let per = BK * d / 2;
+    let per = BK * dp / 2;
     let mut kp = Aligned::<u32>::zeroed(tiles * per);
     let mut vp = Aligned::<u32>::zeroed(tiles * per);
     kp.par_chunks_mut(per)
@@ -83,18 +92,21 @@ fn pack(k: &[u16], v: &[u16], sk: usize, d: usize) -> Packed {
             let (pre, pairs, _) = unsafe { keys.align_to::<f32>() };
             let dst =
                 unsafe { std::slice::from_raw_parts_mut(kp.as_mut_ptr().cast::<f32>(), kp.len()) };
-            if pre.is_empty() && pairs.len() == cols * d / 2 {
+            if d == dp && pre.is_empty() && pairs.len() == cols * d / 2 {
                 super::gemm::transpose(pairs, cols, d / 2, dst, BK);
             } else {
+                // Odd or padded dims: the pad pairs stay zero.
                 for (n, row) in keys.chunks_exact(d).enumerate() {
-                    for (p, pair) in row.chunks_exact(2).enumerate() {
-                        kp[p * BK + n] = u32::from(pair[0]) | (u32::from(pair[1]) << 16);
+                    for (p, pair) in row.chunks(2).enumerate() {
+                        let hi = pair.get(1).copied().unwrap_or(0);
+                        kp[p * BK + n] = u32::from(pair[0]) | (u32::from(hi) << 16);
                     }
                 }
             }
-            // V: rows 2r and 2r + 1 interleaved, element by element.
+            // V: rows 2r and 2r + 1 interleaved, element by element, in
+            // rows of `dp` pairs (the pad pairs zero).
             let values = &v[k0 * d..(k0 + cols) * d];
-            for (r, dst) in values.chunks(2 * d).zip(vp.chunks_exact_mut(d)) {
+            for (r, dst) in values.chunks(2 * d).zip(vp.chunks_exact_mut(dp)) {
                 let (lo, hi) = r.split_at(d);
                 if hi.is_empty() {
                     dst.iter_mut().zip(lo).for_each(|(o, &l)| *o = u32::from(l));
@@ -173,16 +185,17 @@ const MAX_GROUP: usize = 4;
 /// tile: they stay in a core's L2 from one query tile to the next.
 const GROUP_BYTES: usize = 1 << 20;
 
-/// One query tile of a task: its rows, its Q rows zero-padded to 64, and
-/// its softmax statistics.
+/// One query tile of a task: its rows, its Q rows zero-padded to 64 × Dp,
+/// its output accumulator (64 × Dp f32) and its softmax statistics.
 struct QueryTile {
     rows: usize,
     pos: (i32, i32),
     q: Aligned<u16>,
+    o: Aligned<f32>,
     m: Vec<f32>,
     l: Vec<math::Lanes>,
     alpha: Vec<f32>,
-    /// No key tile has been accumulated into its output rows yet.
+    /// No key tile has been accumulated into `o` yet.
     first: bool,
 }
 
@@ -191,19 +204,19 @@ struct Scratch {
     tiles: Vec<QueryTile>,
     s64: Aligned<f32>,
     p: Aligned<u16>,
-    o: Aligned<f32>,
     bands: Vec<Band>,
     v_guarded: Vec<u32>,
 }
 
 impl Scratch {
-    fn new(d: usize) -> Self {
+    fn new(dp: usize) -> Self {
         Self {
             tiles: (0..MAX_GROUP)
                 .map(|_| QueryTile {
                     rows: 0,
                     pos: (0, 0),
-                    q: Aligned::zeroed(BQ * d),
+                    q: Aligned::zeroed(BQ * dp),
+                    o: Aligned::zeroed(BQ * dp),
                     m: vec![0.0; BQ],
                     l: vec![[0.0; math::LANES]; BQ],
                     alpha: vec![0.0; BQ],
@@ -212,7 +225,6 @@ impl Scratch {
                 .collect(),
             s64: Aligned::zeroed(BQ * BK),
             p: Aligned::zeroed(BQ * BK),
-            o: Aligned::zeroed(BQ * d),
             bands: Vec::with_capacity(1),
             v_guarded: Vec::new(),
         }
@@ -236,11 +248,12 @@ pub(super) fn forward<V: HostVariant>(
     assert!(applies(p), "the bf16 forward runs {p:?}");
     let kind = amx::kind().expect("applies");
     let (sq, sk, d, g) = (p.seq_q, p.seq_k, p.head_dim, p.group());
+    let dp = padded_dim(d);
     let pos = Positions::new(p);
     let packed: Vec<Packed> = k
         .par_chunks(sk * d)
         .zip(v.par_chunks(sk * d))
-        .map(|(k, v)| pack(k, v, sk, d))
+        .map(|(k, v)| pack(k, v, sk, d, dp))
         .collect();
     let heads: Vec<Head<'_, V>> = (0..p.batch * p.heads_q)
         .map(|bh| Head {
@@ -256,7 +269,7 @@ pub(super) fn forward<V: HostVariant>(
         .collect();
     // One task per (batch, query head, tile of query rows), in one flat
     // list: each thread makes its scratch once, not once per head.
-    let group = if 4 * sk * d > GROUP_BYTES {
+    let group = if 4 * sk * dp > GROUP_BYTES {
         MAX_GROUP
     } else {
         1
@@ -273,7 +286,7 @@ pub(super) fn forward<V: HostVariant>(
         }
     }
     tasks.into_par_iter().for_each_init(
-        || Scratch::new(d),
+        || Scratch::new(dp),
         |sc, (bh, row0, out_t, lse_t)| {
             let (b, h) = (bh / p.heads_q, bh % p.heads_q);
             let kv = &packed[b * p.heads_kv + h / g];
@@ -311,20 +324,18 @@ fn query_tiles<V: HostVariant>(
     let mut work = Work {
         s64: &mut sc.s64,
         p: &mut sc.p,
-        o: &mut sc.o,
         bands: &mut sc.bands,
         v_guarded: &mut sc.v_guarded,
     };
     for (tile, kv0) in (0..sk).step_by(BK).enumerate() {
-        for (t, qt) in qts.iter_mut().enumerate() {
-            let out_t = &mut out[t * BQ * d..(t * BQ + qt.rows) * d];
-            step(head, kv, &tiles, qt, tile, kv0, out_t, &mut work);
+        for qt in qts.iter_mut() {
+            step(head, kv, &tiles, qt, tile, kv0, &mut work);
         }
     }
     drop(tiles);
     for (t, qt) in qts.iter().enumerate() {
         let r = t * BQ..t * BQ + qt.rows;
-        finish(qt, &mut out[r.start * d..r.end * d], &mut lse[r]);
+        finish(qt, d, &mut out[r.start * d..r.end * d], &mut lse[r]);
     }
 }
 
@@ -332,26 +343,27 @@ fn query_tiles<V: HostVariant>(
 struct Work<'a> {
     s64: &'a mut [f32],
     p: &'a mut [u16],
-    o: &'a mut [f32],
     bands: &'a mut Vec<Band>,
     v_guarded: &'a mut Vec<u32>,
 }
 
-/// Readies query tile `qt` of `q.len() / D` rows from row `row0`.
+/// Readies query tile `qt` of `q.len() / D` rows from row `row0`: its Q
+/// rows into the zero-padded 64 × Dp block.
 fn start<V: HostVariant>(head: &Head<'_, V>, qt: &mut QueryTile, row0: usize, q: &[u16]) {
     let d = head.p.head_dim;
+    let dp = padded_dim(d);
     let rows = q.len() / d;
-    qt.q[..q.len()].copy_from_slice(q);
-    qt.q[q.len()..].fill(0);
+    qt.q.fill(0);
+    for (dst, src) in qt.q.chunks_exact_mut(dp).zip(q.chunks_exact(d)) {
+        dst[..d].copy_from_slice(src);
+    }
     qt.rows = rows;
     qt.first = true;
     qt.pos = head.pos.query_range(row0, rows);
     start_rows(head, row0, &mut qt.m[..rows], &mut qt.l[..rows]);
 }
 
-/// Key tile `tile` (keys from `kv0`) through query tile `qt`, whose output
-/// rows are `out`.
-#[allow(clippy::too_many_arguments)]
+/// Key tile `tile` (keys from `kv0`) through query tile `qt`.
 fn step<V: HostVariant>(
     head: &Head<'_, V>,
     kv: &Packed,
@@ -359,10 +371,10 @@ fn step<V: HostVariant>(
     qt: &mut QueryTile,
     tile: usize,
     kv0: usize,
-    out: &mut [f32],
     w: &mut Work<'_>,
 ) {
-    let (d, sk, scale) = (head.p.head_dim, head.p.seq_k, head.p.scale);
+    let (sk, scale) = (head.p.seq_k, head.p.scale);
+    let dp = padded_dim(head.p.head_dim);
     let rows = qt.rows;
     let cols = BK.min(sk - kv0);
     let class = tile_class(head.variant, head.b, head.h, qt.pos, kv0, cols);
@@ -370,16 +382,16 @@ fn step<V: HostVariant>(
         return;
     }
     let row_groups = rows.div_ceil(T).next_multiple_of(2);
-    let k_t = &kv.k[tile * BK * d / 2..(tile + 1) * BK * d / 2];
-    let v_t = &kv.v[tile * BK * d / 2..(tile + 1) * BK * d / 2];
-    // SAFETY: qt.q holds 64 rows of d, k_t a packed tile (d/2 rows of
+    let k_t = &kv.k[tile * BK * dp / 2..(tile + 1) * BK * dp / 2];
+    let v_t = &kv.v[tile * BK * dp / 2..(tile + 1) * BK * dp / 2];
+    // SAFETY: qt.q holds 64 rows of dp, k_t a packed tile (dp/2 rows of
     // BK), s64 64 × BK; row_groups ≤ 4 and the columns ≤ BK.
     unsafe {
         tiles.product(
-            (qt.q.as_ptr(), d),
+            (qt.q.as_ptr(), dp),
             (k_t.as_ptr(), BK),
             (w.s64.as_mut_ptr(), BK),
-            (row_groups * T, cols.div_ceil(2 * T) * 2 * T, d),
+            (row_groups * T, cols.div_ceil(2 * T) * 2 * T, dp),
             false,
         );
     }
@@ -401,7 +413,7 @@ fn step<V: HostVariant>(
         m: &mut qt.m[..rows],
         l: &mut qt.l[..rows],
         alpha: &mut qt.alpha[..rows],
-        out: (!first).then_some(&mut *out),
+        out: (!first).then_some(&mut qt.o[..rows * dp]),
         bands: w.bands,
     });
     let chunks = cols.div_ceil(amx::DEPTH);
@@ -412,39 +424,34 @@ fn step<V: HostVariant>(
     // On a partial tile, keys no row sees must not bring a NaN of their V
     // rows into the product.
     let v_t = if class == TileClass::Partial && kv.v_nonfinite[tile] {
-        zero_unseen_keys(v_t, d, s, BK, cols, w.v_guarded)
+        zero_unseen_keys(v_t, dp, s, BK, cols, w.v_guarded)
     } else {
         v_t
     };
-    let acc = |o: *mut f32| {
-        // SAFETY: o holds 64 rows of d; p 64 × BK; v_t a packed tile (BK/2
-        // rows of d); the keys ≤ BK.
-        unsafe {
-            tiles.product(
-                (w.p.as_ptr(), BK),
-                (v_t.as_ptr(), d),
-                (o, d),
-                (row_groups * T, d, chunks * amx::DEPTH),
-                !first,
-            )
-        }
+    // SAFETY: qt.o holds 64 rows of dp; p 64 × BK; v_t a packed tile
+    // (BK/2 rows of dp); the keys ≤ BK.
+    unsafe {
+        tiles.product(
+            (w.p.as_ptr(), BK),
+            (v_t.as_ptr(), dp),
+            (qt.o.as_mut_ptr(), dp),
+            (row_groups * T, dp, chunks * amx::DEPTH),
+            !first,
+        )
     };
-    if rows == BQ {
-        acc(out.as_mut_ptr());
-    } else {
-        if !first {
-            w.o[..rows * d].copy_from_slice(out);
-        }
-        acc(w.o.as_mut_ptr());
-        out.copy_from_slice(&w.o[..rows * d]);
-    }
     qt.first = false;
 }
 
-/// Normalises query tile `qt`'s output rows and writes its lse.
-fn finish(qt: &QueryTile, out: &mut [f32], lse: &mut [f32]) {
+/// Query tile `qt`'s output rows (the first `d` columns of its
+/// accumulator), normalised, and its lse.
+fn finish(qt: &QueryTile, d: usize, out: &mut [f32], lse: &mut [f32]) {
+    let dp = padded_dim(d);
     if qt.first {
         out.fill(0.0);
+    } else {
+        for (dst, src) in out.chunks_exact_mut(d).zip(qt.o.chunks_exact(dp)) {
+            dst.copy_from_slice(&src[..d]);
+        }
     }
     finish_rows(&qt.m[..qt.rows], &qt.l[..qt.rows], out, lse);
 }

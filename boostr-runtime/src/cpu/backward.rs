@@ -267,7 +267,12 @@ pub(super) fn backward<V: HostVariant>(
         delta: &delta,
     };
     if learn && V::SCORE_READS_LEARNABLE {
-        learnable_tasks(&shared, tasks, tensor_grads);
+        learnable_tasks(
+            tasks,
+            tensor_grads,
+            || Scratch::new::<V>(tiles, d, kv_group, true),
+            |task, sc, grads| key_chunk(&shared, task, sc, grads),
+        );
     } else {
         tasks.into_par_iter().for_each_init(
             || Scratch::new::<V>(tiles, d, kv_group, false),
@@ -381,12 +386,14 @@ pub(super) fn add_partials(p: &Problem, chunks: usize, dq: &mut [f32], partials:
 }
 
 /// The tasks with learnable tensors' gradients: grouped into partial sums,
-/// each group run in task order, the partials then added in group order
-/// (see the module docs).
-fn learnable_tasks<V: HostVariant>(
-    sh: &Shared<'_, V>,
+/// each group run in task order by `run` (with scratch from `scratch`,
+/// one per rayon job), the partials then added in group order (see the
+/// module docs). Shared by the f32 and the bf16 backward.
+pub(super) fn learnable_tasks<S>(
     tasks: Vec<KeyChunk<'_>>,
     tensor_grads: &mut [Vec<f32>],
+    scratch: impl Fn() -> S + Sync + Send,
+    run: impl Fn(KeyChunk<'_>, &mut S, &mut [&mut [f32]]) + Sync + Send,
 ) {
     let floats: usize = tensor_grads.iter().map(Vec::len).sum();
     let n = tasks.len();
@@ -401,16 +408,12 @@ fn learnable_tasks<V: HostVariant>(
     groups
         .into_par_iter()
         .zip(partials.par_iter_mut())
-        .for_each_init(
-            || Scratch::new::<V>(sh.tiles, sh.p.head_dim, sh.kv_group, true),
-            |sc, (group, partial)| {
-                let mut views: Vec<&mut [f32]> =
-                    partial.iter_mut().map(Vec::as_mut_slice).collect();
-                for task in group {
-                    key_chunk(sh, task, sc, &mut views);
-                }
-            },
-        );
+        .for_each_init(scratch, |sc, (group, partial)| {
+            let mut views: Vec<&mut [f32]> = partial.iter_mut().map(Vec::as_mut_slice).collect();
+            for task in group {
+                run(task, sc, &mut views);
+            }
+        });
     for (k, grad) in tensor_grads.iter_mut().enumerate() {
         grad.par_chunks_mut(ELEMENTWISE_BLOCK)
             .enumerate()
@@ -669,7 +672,7 @@ fn query_tile<V: HostVariant>(
 /// Learnable reads of `score` over one tile: every visible pair adds
 /// `dz · ∂score/∂read` with `dz = P (dP − D_i)`, in row-major order.
 #[allow(clippy::too_many_arguments)]
-fn tensor_grads<V: HostVariant>(
+pub(super) fn tensor_grads<V: HostVariant>(
     variant: &V,
     (b, h, q_lo, kv_lo): (i32, i32, i32, i32),
     bands: &[Band],
@@ -703,7 +706,7 @@ fn tensor_grads<V: HostVariant>(
 /// row), and the reads are evaluated once per diagonal, at its first pair
 /// in the tile (the logit is not read).
 #[allow(clippy::too_many_arguments)]
-fn diagonal_tensor_grads<V: HostVariant>(
+pub(super) fn diagonal_tensor_grads<V: HostVariant>(
     variant: &V,
     (b, h, q_lo, kv_lo): (i32, i32, i32, i32),
     bands: &[Band],

@@ -403,8 +403,9 @@ pub(super) struct OnlineSoftmax<'a, 'h, V> {
     pub(super) m: &'a mut [f32],
     pub(super) l: &'a mut [math::Lanes],
     pub(super) alpha: &'a mut [f32],
-    /// The `rows × D` accumulator to rescale; `None` on the first visible
-    /// tile, before anything has been accumulated.
+    /// The `rows × D` accumulator to rescale (rows may be padded past
+    /// `D`); `None` on the first visible tile, before anything has been
+    /// accumulated.
     pub(super) out: Option<&'a mut [f32]>,
     /// The tile's bands (see [`class_bands`]): each row's logits are those of
     /// its band's keys; the rest of the row is neither read nor written.
@@ -429,8 +430,10 @@ impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {
             mut out,
             bands,
         } = self;
-        let (rows, d) = (m.len(), head.p.head_dim);
+        let rows = m.len();
         let cols = s.len() / rows;
+        // The accumulator's row width: the head dim, or a padded one.
+        let d = out.as_deref().map_or(0, |o| o.len() / rows);
 
         // Logits of every row, and each row's new running max (in `alpha`
         // for now).

@@ -9,8 +9,7 @@
 //! backward run on bf16 tile products (`amx_forward`: `Q Kᵀ` and `P V`,
 //! `P` rounded to bf16; `amx_backward`: its five products, `P` and
 //! `scale·dS` rounded to bf16; the rest f32) where [`bf16_tiles`] says so:
-//! the head dim is a multiple of 32 up to 256 (the backward also not where
-//! a learnable tensor read by `score` wants its gradient), and the CPU has
+//! the head dim is at most 256 (padded inside to a multiple of 32), and the CPU has
 //! AMX-BF16 with the tile state granted by Linux (`tdpbf16ps`), or, without
 //! AMX, is an AMD CPU with AVX512-BF16 (Zen 4/5: `vdpbf16ps` at the f32
 //! FMA rate, twice the products per cycle; `bf16_dot`). Intel's
@@ -136,7 +135,7 @@ pub fn is_decode(p: &Problem) -> bool {
 /// Whether [`forward_bf16`] (and, without learnable gradients of `score`'s
 /// tensors, [`backward_bf16`]) runs `p` on this CPU: it has AMX-BF16 (and
 /// the OS grants the process its tiles) or is an AMD CPU with AVX512-BF16,
-/// and the head dim is a multiple of 32 up to 256.
+/// and the head dim is at most 256.
 pub fn bf16_tiles(p: &Problem) -> bool {
     amx_forward::applies(p)
 }
@@ -417,11 +416,11 @@ pub struct Bf16BackwardInputs<'a> {
 }
 
 /// Attention backward over bf16 inputs with its five tile products on AMX
-/// or `vdpbf16ps` (see `amx_backward`: `P` and `dS` rounded to bf16 before their
-/// products, everything else f32), where [`bf16_tiles`] holds and no
-/// learnable tensor read by `score` wants its gradient. Returns `Ok(None)`,
-/// writing nothing, where that is not so: the caller then widens the inputs
-/// for [`backward`]. Otherwise as [`backward`].
+/// or `vdpbf16ps` (see `amx_backward`: `P` and `dS` rounded to bf16 before
+/// their products, everything else f32), where [`bf16_tiles`] holds.
+/// Returns `Ok(None)`, writing nothing, where it does not: the caller then
+/// widens the inputs for [`backward`]. Otherwise as [`backward`], learnable
+/// tensors' gradients included.
 #[allow(clippy::too_many_arguments)]
 pub fn backward_bf16<V: Variant>(
     variant: &V,
@@ -432,22 +431,65 @@ pub fn backward_bf16<V: Variant>(
     dv: &mut [f32],
     tensor_grads: &[bool],
 ) -> Result<Option<Vec<Option<Vec<f32>>>>> {
-    let i = &inputs;
+    check_bf16_backward(p, &inputs, (dq, dk, dv));
+    if !amx_backward::applies(p) {
+        return Ok(None);
+    }
+    let host = variant.host(p)?;
+    let grads = backward_bf16_host(&host, p, inputs, (dq, dk, dv), tensor_grads);
+    host.out_of_range().map_or(Ok(()), Err)?;
+    Ok(Some(grads))
+}
+
+/// [`backward_bf16`] over a KV cache (see [`backward_cache`]): sequence
+/// `b` holds `lens[b]` of the `Sk` slots; the others get `dk = dv = 0`.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_bf16_cache<V: Variant>(
+    variant: &V,
+    p: &Problem,
+    lens: &[usize],
+    inputs: Bf16BackwardInputs<'_>,
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+    tensor_grads: &[bool],
+) -> Result<Option<Vec<Option<Vec<f32>>>>> {
+    assert_eq!(lens.len(), p.batch, "one length per sequence");
+    check_bf16_backward(p, &inputs, (dq, dk, dv));
+    if !amx_backward::applies(p) {
+        return Ok(None);
+    }
+    let host = variant.host(p)?;
+    let cached = cached::Cached::new(&host, p.seq_k, lens);
+    let grads = backward_bf16_host(&cached, p, inputs, (dq, dk, dv), tensor_grads);
+    host.out_of_range().map_or(Ok(()), Err)?;
+    Ok(Some(grads))
+}
+
+/// The slices of a bf16 backward have the problem's lengths.
+fn check_bf16_backward(
+    p: &Problem,
+    i: &Bf16BackwardInputs<'_>,
+    (dq, dk, dv): (&[f32], &[f32], &[f32]),
+) {
     check_backward_lengths(
         p,
         (i.q.len(), i.k.len(), i.v.len()),
         (i.out.len(), i.dout.len(), i.lse.len()),
         (dq, dk, dv),
     );
-    if !amx_forward::applies(p) {
-        return Ok(None);
-    }
-    let host = variant.host(p)?;
-    let wanted = |slot: usize| tensor_grads.get(slot).copied().unwrap_or(false);
-    if !amx_backward::applies(&host, p, (0..V::LEARNABLE.len()).any(wanted)) {
-        return Ok(None);
-    }
-    let mut grads = grad_slots(&host, tensor_grads);
+}
+
+/// The bf16 backward of `host` with the slots `tensor_grads` marks
+/// computed; the chunking as in [`backward_tiled`].
+fn backward_bf16_host<H: HostVariant>(
+    host: &H,
+    p: &Problem,
+    i: Bf16BackwardInputs<'_>,
+    (dq, dk, dv): (&mut [f32], &mut [f32], &mut [f32]),
+    tensor_grads: &[bool],
+) -> Vec<Option<Vec<f32>>> {
+    let mut grads = grad_slots(host, tensor_grads);
     use half::slice::HalfFloatSliceExt as _;
     let x = amx_backward::Inputs {
         q: i.q.reinterpret_cast(),
@@ -457,11 +499,23 @@ pub fn backward_bf16<V: Variant>(
         dout: i.dout.reinterpret_cast(),
         lse: i.lse,
     };
-    let chunks = backward::key_chunks(p, amx_backward::TILES, rayon::current_num_threads());
-    let kv_group = backward::kv_group_size(&host, p, amx_backward::TILES);
-    in_pool(|| amx_backward::backward(&host, p, chunks, kv_group, x, dq, dk, dv, &mut grads));
-    host.out_of_range().map_or(Ok(()), Err)?;
-    Ok(Some(wanted_grads(grads, tensor_grads)))
+    let learn = H::SCORE_READS_LEARNABLE && grads.iter().any(|g| !g.is_empty());
+    let chunks = backward::key_chunks(p, amx_backward::TILES, chunk_threads(learn));
+    let kv_group = backward::kv_group_size(host, p, amx_backward::TILES);
+    in_pool(|| amx_backward::backward(host, p, chunks, kv_group, x, dq, dk, dv, &mut grads));
+    wanted_grads(grads, tensor_grads)
+}
+
+/// The thread count the backward's key chunking assumes: the pool's, or,
+/// with gradients of learnable tensors read by `score` (`learn`), a fixed
+/// one, so that every gradient is the same for any thread count (the
+/// sinks' gradients come from a row pass in row order).
+fn chunk_threads(learn: bool) -> usize {
+    if learn {
+        backward::GRAD_CHUNK_THREADS
+    } else {
+        rayon::current_num_threads()
+    }
 }
 
 /// One zeroed gradient per learnable tensor of `host` that `tensor_grads`
@@ -573,16 +627,8 @@ pub fn backward_tiled<V: HostVariant>(
         (dq, dk, dv),
     );
     let tiles = CpuTiles::new(tiles.q, tiles.kv);
-    // With learnable tensors read by `score` the chunking is fixed by the
-    // shape, so that every gradient is the same for any thread count (the
-    // sinks' gradients come from a row pass in row order).
     let learn = V::SCORE_READS_LEARNABLE && tensor_grads.iter().any(|g| !g.is_empty());
-    let threads = if learn {
-        backward::GRAD_CHUNK_THREADS
-    } else {
-        rayon::current_num_threads()
-    };
-    let chunks = backward::key_chunks(p, tiles, threads);
+    let chunks = backward::key_chunks(p, tiles, chunk_threads(learn));
     let kv_group = backward::kv_group_size(variant, p, tiles);
     in_pool(|| {
         backward::backward(

@@ -1439,4 +1439,269 @@ fn bf16_tiles_match_the_reference_within_the_bf16_yardstick() {
         l,
     );
     check(&Causal, problem(1, 1, 1, 4096, 4096, 64), false, l);
+    // Head dims that are no multiple of 32, padded inside.
+    check(&Full, problem(1, 4, 2, 70, 90, 40), false, l);
+    check(&Causal, problem(1, 2, 1, 129, 129, 80), false, l);
+    check(
+        &CausalSlidingWindow { window: 33 },
+        problem(1, 2, 2, 100, 100, 72),
+        true,
+        l,
+    );
+}
+
+/// `got`'s largest error against `want` is within twice `yard`'s (and a
+/// millionth of the largest magnitude).
+#[track_caller]
+fn within(what: &str, got: &[f32], want: &[f64], yard: &[f64]) {
+    assert!(
+        got.iter().all(|x| x.is_finite()),
+        "{what}: a non-finite value"
+    );
+    let err = |x: &mut dyn Iterator<Item = f64>| {
+        x.zip(want).fold(0.0f64, |m, (g, w)| m.max((g - w).abs()))
+    };
+    let yard = err(&mut yard.iter().copied());
+    let got = err(&mut got.iter().map(|&x| f64::from(x)));
+    let big = want.iter().fold(0.0f64, |m, w| m.max(w.abs()));
+    let bound = 2.0 * yard + 1e-6 * (1.0 + big);
+    assert!(
+        got <= bound,
+        "{what}: error {got:e} > {bound:e} (yardstick {yard:e})"
+    );
+}
+
+/// A learnable bias per (query head, key), causal: a read of `score`
+/// whose element depends on the key itself, not on `kv − q`, so its
+/// gradient goes pair by pair (not by diagonal).
+#[crate::attention(
+    score = |s, _b, h, _q, kv| s + self.bias[h][kv],
+    mask = |_b, _h, q, kv| kv <= q,
+)]
+#[derive(Clone, Debug)]
+struct KeyBias<R: numr::runtime::Runtime> {
+    #[tensor(f32, [Hq, Sk])]
+    bias: numr::autograd::Var<R>,
+}
+
+/// The bf16 products (each kind this CPU has, the level capped to it)
+/// with a head dim that is no multiple of 32, learnable tensors read by
+/// `score` (pair by pair and by diagonal), and over a KV cache whose
+/// spare slots hold NaN: out, dq, dk, dv and the tensors' gradients
+/// against the f64 reference, within twice the error of the yardstick
+/// (the reference with the bf16 kernels' roundings for out, dq, dk and
+/// dv; the widened f32 backward, fed the same bf16 out, for the tensors,
+/// whose gradients the bf16 kernels compute from f32 `P` and `dP`).
+#[test]
+fn bf16_tiles_cover_padded_dims_learnable_tensors_and_caches() {
+    use super::simd::{LEVEL_CAP, Level};
+    use crate::stock::AlibiSlopes;
+    use numr::autograd::Var;
+    use numr::runtime::cpu::{CpuDevice, CpuRuntime};
+    use numr::tensor::Tensor;
+    let mut levels = Vec::new();
+    if amx::kind() == Some(amx::Kind::Amx) {
+        levels.push(Level::Amx);
+    }
+    if bf16_dot::present() {
+        levels.push(Level::Bf16Dot);
+    }
+    if levels.is_empty() {
+        eprintln!("boostr: skipping: neither AMX-BF16 nor AVX512-BF16 on this CPU or OS");
+        return;
+    }
+    let bf = |v: &[f32]| {
+        v.iter()
+            .map(|&x| half::bf16::from_f32(x))
+            .collect::<Vec<_>>()
+    };
+    let device = CpuDevice::new();
+    let mut rng = crate::testing::Rng::new(0xbf1e, 0);
+
+    // Learnable tensors, with padded head dims (40, 80).
+    fn learnable<V: Variant>(var: &V, p: Problem, levels: &[Level]) {
+        let host = var.host(&p).unwrap();
+        let mut x = Inputs::new(&p, 0x1ea ^ p.head_dim as u64, 1.0);
+        for t in [&mut x.q, &mut x.k, &mut x.v, &mut x.dout] {
+            t.iter_mut().for_each(|v| *v = bf16_round(*v));
+        }
+        let f = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
+        let want = crate::testing::reference_backward(
+            &host,
+            &p,
+            &f(&x.q),
+            &f(&x.k),
+            &f(&x.v),
+            &f(&x.dout),
+        );
+        let bf = |v: &[f32]| {
+            v.iter()
+                .map(|&x| half::bf16::from_f32(x))
+                .collect::<Vec<_>>()
+        };
+        let (mut out, mut lse) = (vec![0.0f32; p.q_len()], vec![0.0f32; p.lse_len()]);
+        forward(var, &p, &x.q, &x.k, &x.v, &mut out, &mut lse).unwrap();
+        let out: Vec<f32> = out.iter().map(|&o| bf16_round(o)).collect();
+        // The yardstick: the f32 backward on the same inputs and bf16 out.
+        let inputs = BackwardInputs {
+            q: &x.q,
+            k: &x.k,
+            v: &x.v,
+            out: &out,
+            lse: &lse,
+            dout: &x.dout,
+        };
+        let mut g = (
+            vec![0.0; p.q_len()],
+            vec![0.0; p.kv_len()],
+            vec![0.0; p.kv_len()],
+        );
+        let yard = backward(var, &p, inputs, &mut g.0, &mut g.1, &mut g.2, &[true]).unwrap();
+        let yard: Vec<f64> = f(yard[0].as_ref().unwrap());
+        for &level in levels {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(2)
+                .start_handler(move |_| LEVEL_CAP.with(|c| c.set(level)))
+                .build()
+                .unwrap();
+            let (q, k, v, o, dout) = (bf(&x.q), bf(&x.k), bf(&x.v), bf(&out), bf(&x.dout));
+            let inputs = Bf16BackwardInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                out: &o,
+                lse: &lse,
+                dout: &dout,
+            };
+            let mut g = (
+                vec![f32::NAN; p.q_len()],
+                vec![f32::NAN; p.kv_len()],
+                vec![f32::NAN; p.kv_len()],
+            );
+            let grads = pool.install(|| {
+                backward_bf16(var, &p, inputs, &mut g.0, &mut g.1, &mut g.2, &[true]).unwrap()
+            });
+            let grads = grads.expect("the bf16 backward runs");
+            let got = grads[0].as_ref().expect("the tensor's gradient");
+            within(
+                &format!("{} {p:?} {level:?} tensor", V::NAME),
+                got,
+                &want.tensors[0],
+                &yard,
+            );
+            // Every thread count gives the same bits (fixed chunking).
+            let one = rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .start_handler(move |_| LEVEL_CAP.with(|c| c.set(level)))
+                .build()
+                .unwrap();
+            let mut h = (
+                vec![0.0; p.q_len()],
+                vec![0.0; p.kv_len()],
+                vec![0.0; p.kv_len()],
+            );
+            let again = one.install(|| {
+                backward_bf16(var, &p, inputs, &mut h.0, &mut h.1, &mut h.2, &[true]).unwrap()
+            });
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(again.unwrap()[0].as_ref().unwrap()),
+                bits(got),
+                "thread counts"
+            );
+            assert_eq!(
+                (bits(&h.0), bits(&h.1)),
+                (bits(&g.0), bits(&g.1)),
+                "dq, dk bits"
+            );
+        }
+    }
+    let p = problem(1, 4, 2, 100, 100, 40);
+    let bias: Vec<f32> = (0..p.heads_q * p.seq_k)
+        .map(|_| rng.uniform() as f32 - 0.5)
+        .collect();
+    let bias = Tensor::<CpuRuntime>::from_slice(&bias, &[p.heads_q, p.seq_k], &device).unwrap();
+    learnable(
+        &KeyBias {
+            bias: Var::new(bias, true),
+        },
+        p,
+        &levels,
+    );
+    let p = problem(1, 2, 1, 77, 130, 80);
+    let slopes = Tensor::<CpuRuntime>::from_slice(&[0.05f32, 0.3], &[2], &device).unwrap();
+    learnable(
+        &AlibiSlopes {
+            slopes: Var::new(slopes, true),
+        },
+        p,
+        &levels,
+    );
+
+    // The backward over a KV cache, NaN in the spare slots, D = 40.
+    let lens = [0usize, 37, 128, 90];
+    let p = problem(lens.len(), 4, 2, 40, 128, 40);
+    let mut x = Inputs::new(&p, 0xcac7e, 1.0);
+    for t in [&mut x.q, &mut x.k, &mut x.v, &mut x.dout] {
+        t.iter_mut().for_each(|v| *v = bf16_round(*v));
+    }
+    for (row, (k, v)) in
+        x.k.chunks_mut(p.head_dim)
+            .zip(x.v.chunks_mut(p.head_dim))
+            .enumerate()
+    {
+        if row % p.seq_k >= lens[row / (p.heads_kv * p.seq_k)] {
+            k.fill(f32::NAN);
+            v.fill(f32::NAN);
+        }
+    }
+    let var = crate::stock::CausalSoftcap { cap: 20.0 };
+    let host = var.host(&p).unwrap();
+    let want = reference_lens(&host, &p, &x, Some(&lens));
+    let yard = reference_rounded(&host, &p, &x, Some(&lens), |x| {
+        f64::from(bf16_round(x as f32))
+    });
+    let (mut out, mut lse) = (vec![0.0f32; p.q_len()], vec![0.0f32; p.lse_len()]);
+    forward_cache(&var, &p, &lens, &x.q, &x.k, &x.v, &mut out, &mut lse).unwrap();
+    let (q, k, v, o, dout) = (bf(&x.q), bf(&x.k), bf(&x.v), bf(&out), bf(&x.dout));
+    for &level in &levels {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .start_handler(move |_| LEVEL_CAP.with(|c| c.set(level)))
+            .build()
+            .unwrap();
+        let inputs = Bf16BackwardInputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            out: &o,
+            lse: &lse,
+            dout: &dout,
+        };
+        let mut g = (
+            vec![f32::NAN; p.q_len()],
+            vec![f32::NAN; p.kv_len()],
+            vec![f32::NAN; p.kv_len()],
+        );
+        let ran = pool.install(|| {
+            backward_bf16_cache(&var, &p, &lens, inputs, &mut g.0, &mut g.1, &mut g.2, &[]).unwrap()
+        });
+        assert!(ran.is_some(), "{level:?}: the bf16 cache backward runs");
+        let ctx = format!("cache {p:?} {level:?}");
+        within(&format!("{ctx} dq"), &g.0, &want.dq, &yard.dq);
+        within(&format!("{ctx} dk"), &g.1, &want.dk, &yard.dk);
+        within(&format!("{ctx} dv"), &g.2, &want.dv, &yard.dv);
+        for (row, (dk, dv)) in
+            g.1.chunks(p.head_dim)
+                .zip(g.2.chunks(p.head_dim))
+                .enumerate()
+        {
+            if row % p.seq_k >= lens[row / (p.heads_kv * p.seq_k)] {
+                assert!(
+                    dk.iter().chain(dv).all(|&x| x == 0.0),
+                    "{ctx}: spare slot {row}"
+                );
+            }
+        }
+    }
 }
