@@ -20,7 +20,9 @@ Sections:
           products on one thread: boostr's AVX-512 tile kernel and the gemm crate,
           and the core's FMA peak (register-only FMAs), their ceiling.
   plain   full and causal attention, forward and forward+backward: boostr against
-          torch.nn.functional.scaled_dot_product_attention.
+          torch.nn.functional.scaled_dot_product_attention; each cell also as a share
+          of the FMA peak of all threads (`peak ... all` of the server, 24 register
+          FMAs per round), measured right before and after the cell.
   custom  ALiBi (causal), softcap 30 (causal), causal sliding window 256, prefix-LM
           (prefix S/4), forward: boostr against torch.compile(flex_attention) on the
           CPU (which has no CPU backward); boostr's forward+backward too, and each
@@ -120,6 +122,13 @@ class Server:
         """`interleaved`'s side for a server command: n + 1 runs back to back
         in the server (no round trip between them), the last n returned."""
         return lambda n: [float(t) for t in self.ask(f"repeat {n + 1} {command}").split()][1:]
+
+    def fma_peak(self, threads):
+        """GFLOP/s of the FMA peak loop on every thread at once (`peak ... all`),
+        or None without AVX-512F."""
+        iters = 2_000_000
+        reply = self.ask(f"peak {iters} all")
+        return None if reply == "none" else threads * iters * 768 / float(reply) / 1e9
 
     def close(self):
         self.proc.stdin.write("quit\n")
@@ -390,17 +399,21 @@ def main():
                         for s in args.seq:
                             x = th.inputs(args.hq, hkv, s, d, dtype)
                             cmd = f"attn {variant} {pass_} {args.hq} {hkv} {s} {d} {dtype}"
+                            peak0 = server.fma_peak(args.threads)
                             try:
                                 tb, tt = interleaved(args.reps, server.burst(cmd), burst(th.sdpa(variant, pass_, x)))
                             except RuntimeError as e:
                                 print(f"boostr: {e}", file=sys.stderr)
                                 [tt] = interleaved(args.reps, burst(th.sdpa(variant, pass_, x)))
                                 tb = None
+                            peak = (peak0 + server.fma_peak(args.threads)) / 2 if peak0 else None
                             f = flops(variant, pass_, args.hq, s, d)
                             gb, gt = (gflops(f, tb) if tb else None), gflops(f, tt)
                             row = [variant, "fwd" if pass_ == "fwd" else "fwd+bwd", str(hkv), str(s), str(d),
                                    fmt_ms(tb), fmt_gf(gb), fmt_ms(tt), fmt_gf(gt),
                                    fmt_ratio(tt / tb if tb else None)]
+                            if peak:
+                                row.append(f"{100 * gb / peak:.0f}%" if gb else "")
                             if gemm_gf and section == "plain":
                                 row.append(f"{100 * gb / gemm_gf:.0f}%" if (gb and variant == "full" and pass_ == "fwd") else "")
                             if amx_gf and section == "bf16":
@@ -408,9 +421,11 @@ def main():
                             rows.append(row)
                             print("  " + " ".join(row), file=sys.stderr, flush=True)
                             results.append(dict(section=section, variant=variant, pass_=pass_, hq=args.hq, hkv=hkv,
-                                                s=s, d=d,
-                                                dtype=dtype, boostr=tb, torch=tt, flops=f))
+                                                s=s, d=d, dtype=dtype, boostr=tb, torch=tt, flops=f,
+                                                fma_peak_gflops=peak))
         header = ["variant", "pass", "Hkv", "S", "D", "boostr ms", "boostr GF/s", "SDPA ms", "SDPA GF/s", "ratio"]
+        if rows and len(rows[0]) > len(header):
+            header.append("of FMA peak")
         if gemm_gf and section == "plain":
             header.append("of gemm")
         if amx_gf and section == "bf16":

@@ -422,42 +422,42 @@ impl AttentionRuntime for CpuRuntime {
         v: &Tensor<Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
         let (dtype, device) = (q.dtype(), q.device());
-        if dtype != DType::F32 && crate::cpu::is_decode(p) {
-            // The decode kernel reads 16-bit keys and values as stored (and
-            // packs a GQA group's rows, which the bf16 tile kernels do
-            // not); a plain forward is a cache whose every length is full.
-            let lens = vec![p.seq_k; p.batch];
-            return cpu_cache_call(variant, p, &lens, CacheLayout::Lengths, q, k, v);
-        }
         let mut out = Output::new(&[p.batch, p.heads_q, p.seq_q, p.head_dim], dtype, device)?;
         let mut lse = Output::new(&[p.batch, p.heads_q, p.seq_q], DType::F32, device)?;
-        if dtype == DType::BF16 {
-            // bf16 tile products where the CPU has them (AMX), read as stored.
-            let (qe, ke, ve) = (
-                HostElems::new("q", q, dtype)?,
-                HostElems::new("k", k, dtype)?,
-                HostElems::new("v", v, dtype)?,
+        if dtype == DType::F32 {
+            let (q, k, v) = (
+                HostF32::new("q", q, dtype)?,
+                HostF32::new("k", k, dtype)?,
+                HostF32::new("v", v, dtype)?,
             );
-            // SAFETY: the tensors are bf16 (checked by `HostElems::new`).
-            let (qs, ks, vs) = unsafe { (qe.slice(), ke.slice(), ve.slice()) };
-            if crate::cpu::forward_bf16(variant, p, qs, ks, vs, out.slice_mut(), lse.slice_mut())? {
-                return Ok((out.finish(), lse.finish()));
+            let (q, k, v) = (q.slice(), k.slice(), v.slice());
+            crate::cpu::forward(variant, p, q, k, v, out.slice_mut(), lse.slice_mut())?;
+            return Ok((out.finish(), lse.finish()));
+        }
+        // 16-bit inputs, read as stored.
+        let (qe, ke, ve) = (
+            HostElems::new("q", q, dtype)?,
+            HostElems::new("k", k, dtype)?,
+            HostElems::new("v", v, dtype)?,
+        );
+        let (o, l) = (out.slice_mut(), lse.slice_mut());
+        // SAFETY (each arm): the tensors are of the dtype matched (checked
+        // by `HostElems::new`).
+        unsafe {
+            if dtype == DType::F16 {
+                let (q, k, v) = (qe.slice(), ke.slice(), ve.slice());
+                crate::cpu::forward_stored::<V, half::f16>(variant, p, q, k, v, o, l)?;
+            } else {
+                let (q, k, v) = (qe.slice(), ke.slice(), ve.slice());
+                // bf16 tile products where the CPU has them (AMX), except for
+                // decode shapes, whose kernel packs a GQA group's rows.
+                let tiles = !crate::cpu::is_decode(p)
+                    && crate::cpu::forward_bf16(variant, p, q, k, v, &mut *o, &mut *l)?;
+                if !tiles {
+                    crate::cpu::forward_stored::<V, half::bf16>(variant, p, q, k, v, o, l)?;
+                }
             }
         }
-        let (q, k, v) = (
-            HostF32::new("q", q, dtype)?,
-            HostF32::new("k", k, dtype)?,
-            HostF32::new("v", v, dtype)?,
-        );
-        crate::cpu::forward(
-            variant,
-            p,
-            q.slice(),
-            k.slice(),
-            v.slice(),
-            out.slice_mut(),
-            lse.slice_mut(),
-        )?;
         Ok((out.finish(), lse.finish()))
     }
 

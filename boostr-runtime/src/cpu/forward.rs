@@ -20,7 +20,8 @@
 //! argument is `≤ 0`.
 
 use super::aligned::Aligned;
-use super::gemm::{self, MatMut, MatRef, Write, matmul};
+use super::elem::{self, Stored};
+use super::gemm::{MatMut, MatRef, Write, matmul};
 use super::math;
 use super::simd::{self, Elementwise};
 use super::tile::CpuTiles;
@@ -78,9 +79,25 @@ pub(super) fn group_size<V: HostVariant>(
     g
 }
 
-/// Per-task scratch: the score tile and the running softmax statistics of
-/// every row of the task's query tiles.
+/// Per-task scratch: the task's query rows widened from 16 bits (empty
+/// for f32), and the rest of its work tiles.
 struct Scratch {
+    q: Aligned<f32>,
+    work: Work,
+}
+
+impl Scratch {
+    fn new(t: CpuTiles, group: usize, d: usize, widen_q: bool) -> Self {
+        Self {
+            q: Aligned::scratch(if widen_q { group * t.q * d } else { 0 }),
+            work: Work::new(t, group),
+        }
+    }
+}
+
+/// A task's score tile and the running softmax statistics of every row of
+/// its query tiles.
+struct Work {
     /// `Bq × Bk` scores, then probabilities, row-major with stride = tile width.
     s: Aligned<f32>,
     /// Running row max of the (masked, modified) logits.
@@ -99,7 +116,7 @@ struct Scratch {
     v_guarded: Vec<f32>,
 }
 
-impl Scratch {
+impl Work {
     fn new(t: CpuTiles, group: usize) -> Self {
         let rows = group * t.q;
         Self {
@@ -141,15 +158,18 @@ pub(super) struct Head<'a, V> {
     pub(super) v_nonfinite: &'a [bool],
 }
 
+/// The forward over `q`, `k` and `v` as stored (f32, or bf16/f16 read as
+/// stored: `K` widened as it is transposed, `V` into an f32 copy per kv head
+/// made right before its query tiles, `Q` a task's rows at a time).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn forward<V: HostVariant>(
     variant: &V,
     p: &Problem,
     tiles: CpuTiles,
     group: usize,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    q: Stored<'_>,
+    k: Stored<'_>,
+    v: Stored<'_>,
     out: &mut [f32],
     lse: &mut [f32],
 ) {
@@ -172,8 +192,14 @@ pub(super) fn forward<V: HostVariant>(
     // it start, not all heads' up front: then it is still in the caches
     // when they read it, instead of being written out to memory and read
     // back. Aligned to a cache line, as every tile's rows then are (see
-    // `aligned`).
+    // `aligned`). A 16-bit V is widened per kv head likewise.
     let mut kt = Aligned::<f32>::scratch(k.len());
+    let mut v_wide = Aligned::<f32>::scratch(if v.as_f32().is_some() { 0 } else { v.len() });
+    let mut v_heads: Vec<Option<&mut [f32]>> = if v_wide.is_empty() {
+        (0..p.batch * p.heads_kv).map(|_| None).collect()
+    } else {
+        v_wide.chunks_mut(sk * d).map(Some).collect()
+    };
     let g = p.group();
 
     // Outer: one (batch, kv head) per item; then its query heads; then
@@ -184,17 +210,32 @@ pub(super) fn forward<V: HostVariant>(
     out.par_chunks_mut(g * sq * d)
         .zip(lse.par_chunks_mut(g * sq))
         .zip(kt.par_chunks_mut(sk * d))
-        .zip(k.par_chunks(sk * d))
-        .zip(v.par_chunks(sk * d))
+        .zip(v_heads.par_iter_mut())
         .enumerate()
-        .for_each(|(bkv, ((((out_g, lse_g), kt), k), v))| {
+        .for_each(|(bkv, (((out_g, lse_g), kt), v_wide))| {
+            let head_kv = bkv * sk * d..(bkv + 1) * sk * d;
+            let (k, v) = (k.slice(head_kv.clone()), v.slice(head_kv));
             kt.par_chunks_mut(tiles.kv * d)
-                .zip(k.par_chunks(tiles.kv * d))
-                .for_each(|(kt, k)| {
-                    let cols = k.len() / d;
-                    gemm::transpose(k, cols, d, kt, cols);
+                .enumerate()
+                .for_each(|(t, kt)| {
+                    let cols = kt.len() / d;
+                    let at = t * tiles.kv * d;
+                    elem::transpose(k.slice(at..at + cols * d), cols, d, kt, cols);
                 });
             let kt = &*kt;
+            let v: &[f32] = match (v.as_f32(), v_wide.take()) {
+                (Some(v), _) => v,
+                (None, Some(wide)) => {
+                    wide.par_chunks_mut(tiles.kv * d)
+                        .enumerate()
+                        .for_each(|(t, w)| {
+                            let at = t * tiles.kv * d;
+                            elem::widen(v.slice(at..at + w.len()), w);
+                        });
+                    wide
+                }
+                (None, None) => unreachable!("a 16-bit V has a widened copy"),
+            };
             let v_nonfinite: Vec<bool> = v.chunks(tiles.kv * d).map(|t| !all_finite(t)).collect();
             out_g
                 .par_chunks_mut(sq * d)
@@ -213,17 +254,33 @@ pub(super) fn forward<V: HostVariant>(
                         v,
                         v_nonfinite: &v_nonfinite,
                     };
-                    let q_bh = &q[bh * sq * d..(bh + 1) * sq * d];
+                    let q_bh = q.slice(bh * sq * d..(bh + 1) * sq * d);
                     out_bh
                         .par_chunks_mut(group_rows * d)
                         .zip(lse_bh.par_chunks_mut(group_rows))
                         .enumerate()
                         .for_each_init(
-                            || Scratch::new(tiles, group),
+                            || Scratch::new(tiles, group, d, q_bh.as_f32().is_none()),
                             |scratch, (t, (out_g, lse_g))| {
                                 let row0 = t * group_rows;
-                                let q_g = &q_bh[row0 * d..row0 * d + out_g.len()];
-                                query_tiles(&head, tiles, row0, q_g, out_g, lse_g, scratch);
+                                let q_g = q_bh.slice(row0 * d..row0 * d + out_g.len());
+                                let q_g = match q_g.as_f32() {
+                                    Some(q) => q,
+                                    None => {
+                                        let wide = &mut scratch.q[..out_g.len()];
+                                        elem::widen(q_g, wide);
+                                        &*wide
+                                    }
+                                };
+                                query_tiles(
+                                    &head,
+                                    tiles,
+                                    row0,
+                                    q_g,
+                                    out_g,
+                                    lse_g,
+                                    &mut scratch.work,
+                                );
                             },
                         );
                 });
@@ -239,7 +296,7 @@ fn query_tiles<V: HostVariant>(
     q: &[f32],
     out: &mut [f32],
     lse: &mut [f32],
-    sc: &mut Scratch,
+    sc: &mut Work,
 ) {
     let (d, sk, scale) = (head.p.head_dim, head.p.seq_k, head.p.scale);
     let rows = lse.len();

@@ -87,6 +87,8 @@ pub use tile::CpuTiles;
 use crate::error::Result;
 use crate::problem::Problem;
 use crate::variant::{HostVariant, TileClass, Variant};
+use aligned::Aligned;
+use elem::Stored;
 
 /// The tensors the backward reads; all contiguous f32 in the layout of
 /// [`Problem`] (`out`, `dout` like `q`; `lse` as the forward wrote it).
@@ -207,7 +209,41 @@ pub fn forward_tiled<V: HostVariant>(
         return forward_decode(variant, p, tiles, chunks, q, k, v, out, lse);
     }
     let group = forward::group_size(variant, p, tiles, threads);
+    let (q, k, v) = (Stored::F32(q), Stored::F32(k), Stored::F32(v));
     in_pool(|| forward::forward(variant, p, tiles, group, q, k, v, out, lse));
+}
+
+/// [`forward`] over `q`, `k` and `v` in one element type, read as stored:
+/// a 16-bit tensor is widened a tile (or a kv head of V) at a time inside
+/// the kernels, never copied whole (the decode kernel widens only the
+/// query rows).
+#[allow(clippy::too_many_arguments)]
+pub fn forward_stored<V: Variant, E: KvElem>(
+    variant: &V,
+    p: &Problem,
+    q: &[E],
+    k: &[E],
+    v: &[E],
+    out: &mut [f32],
+    lse: &mut [f32],
+) -> Result<()> {
+    check_forward_lengths(p, q.len(), (k.len(), v.len()), p.kv_len(), out, lse);
+    let (qs, ks, vs) = (E::stored(q), E::stored(k), E::stored(v));
+    let host = variant.host(p)?;
+    let tiles = CpuTiles::for_variant::<V>();
+    if let (Some(q), Some(k), Some(v)) = (qs.as_f32(), ks.as_f32(), vs.as_f32()) {
+        forward_tiled(&host, p, tiles, q, k, v, out, lse);
+    } else if decode::applies(p) {
+        let mut wide = Aligned::<f32>::scratch(q.len());
+        elem::widen(qs, &mut wide);
+        let chunks = decode::chunks(p, tiles, rayon::current_num_threads());
+        let keys = decode::Keys::Contiguous { k, v };
+        in_pool(|| decode::forward(&host, p, tiles, chunks, None, &wide, keys, out, lse));
+    } else {
+        let group = forward::group_size(&host, p, tiles, rayon::current_num_threads());
+        in_pool(|| forward::forward(&host, p, tiles, group, qs, ks, vs, out, lse));
+    }
+    host.out_of_range().map_or(Ok(()), Err)
 }
 
 /// The decode kernel (query rows per head up to 32; see `decode`) with the

@@ -495,10 +495,60 @@ fn check_forward_grouped<V: HostVariant>(
     let want = reference(v, p, x);
     let mut out = vec![f32::NAN; p.q_len()];
     let mut lse = vec![f32::NAN; p.lse_len()];
-    forward::forward(v, p, t, group, &x.q, &x.k, &x.v, &mut out, &mut lse);
+    let f32s = Stored::F32;
+    forward::forward(
+        v,
+        p,
+        t,
+        group,
+        f32s(&x.q),
+        f32s(&x.k),
+        f32s(&x.v),
+        &mut out,
+        &mut lse,
+    );
     let ctx = format!("{} {p:?} {t:?} group {group}", V::NAME);
     assert_close(&format!("out {ctx}"), &out, &want.out, 2e-5);
     assert_close(&format!("lse {ctx}"), &lse, &want.lse, 2e-5);
+    // 16-bit inputs, read as stored (widened a tile or a kv head at a
+    // time): the same bits as f32 inputs of the same values.
+    let (q, k, vv) = (bf16s(&x.q), bf16s(&x.k), bf16s(&x.v));
+    let wide = |x: &[half::bf16]| x.iter().map(|y| y.to_f32()).collect::<Vec<f32>>();
+    let (qw, kw, vw) = (wide(&q), wide(&k), wide(&vv));
+    let mut want = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
+    forward::forward(
+        v,
+        p,
+        t,
+        group,
+        f32s(&qw),
+        f32s(&kw),
+        f32s(&vw),
+        &mut want.0,
+        &mut want.1,
+    );
+    let bits = <half::bf16 as KvElem>::stored;
+    let mut got = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
+    forward::forward(
+        v,
+        p,
+        t,
+        group,
+        bits(&q),
+        bits(&k),
+        bits(&vv),
+        &mut got.0,
+        &mut got.1,
+    );
+    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    assert!(
+        same(&got.0, &want.0) && same(&got.1, &want.1),
+        "bf16 as stored {ctx}"
+    );
+}
+
+fn bf16s(x: &[f32]) -> Vec<half::bf16> {
+    x.iter().map(|&y| half::bf16::from_f32(y)).collect()
 }
 
 #[test]
