@@ -41,13 +41,13 @@
 
 use super::aligned::Aligned;
 use super::amx::{self, Kind, Products};
-use super::amx_forward::{padded_dim, round_bf16, zero_unseen_keys};
+use super::amx_forward::{padded_dim, zero_unseen_keys};
 use super::backward::{
     KeyChunk, Probabilities, ScoreGrads, add_partials, carve, chunk_keys, deltas,
     diagonal_tensor_grads, dq_partials, learnable_tasks, sinks, tensor_grads,
 };
 use super::tile::CpuTiles;
-use super::{Band, Positions, all_finite_bits, gemm, simd, tile_class};
+use super::{Band, Positions, all_finite_bits, gemm, math, simd, tile_class};
 use crate::problem::Problem;
 use crate::variant::{HostVariant, TileClass};
 use rayon::prelude::*;
@@ -654,7 +654,7 @@ fn pair_round_avx512(
             _ => &ZERO,
         }
     };
-    let round = |x: f32| u32::from(round_bf16(scale * x));
+    let round = |x: f32| u32::from(math::bf16_bits(scale * x));
     for (r, dst) in pairs.chunks_exact_mut(BK).enumerate() {
         let (lo, hi) = (row(2 * r), row(2 * r + 1));
         let dst: &mut [u32; BK] = dst.try_into().expect("a row of BK");

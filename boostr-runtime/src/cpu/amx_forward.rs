@@ -129,23 +129,15 @@ fn pack(k: &[u16], v: &[u16], sk: usize, d: usize, dp: usize) -> Packed {
     }
 }
 
-/// `x` rounded to bf16 bits, to nearest, ties to even (for the finite
-/// values the kernels round: probabilities, `dS`).
-#[inline(always)]
-pub(super) fn round_bf16(x: f32) -> u16 {
-    let b = x.to_bits();
-    (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16
-}
-
 /// `pairs` (rows of key pairs, `d` u32 each, as [`super::amx::product`]'s
 /// right operand) with the keys `0..cols` that no row of `p` (rows of
-/// `p_stride`) sees, `P = 0` in every row, zeroed, in `guarded`: on a
-/// partial tile such a key's row must not bring a NaN into the product
-/// (0·NaN).
-pub(super) fn zero_unseen_keys<'a>(
+/// `p_stride`; f32, or bf16 bits) sees, `P = 0` in every row, zeroed, in
+/// `guarded`: on a partial tile such a key's row must not bring a NaN into
+/// the product (0·NaN).
+pub(super) fn zero_unseen_keys<'a, T: Copy + PartialEq + Default>(
     pairs: &[u32],
     d: usize,
-    p: &[f32],
+    p: &[T],
     p_stride: usize,
     cols: usize,
     guarded: &'a mut Vec<u32>,
@@ -153,7 +145,7 @@ pub(super) fn zero_unseen_keys<'a>(
     guarded.clear();
     guarded.extend_from_slice(pairs);
     for key in 0..cols {
-        if p.chunks(p_stride).all(|row| row[key] == 0.0) {
+        if p.chunks(p_stride).all(|row| row[key] == T::default()) {
             let (r, shift) = (key / 2, 16 * (key % 2));
             for x in &mut guarded[r * d..(r + 1) * d] {
                 *x &= !(0xffff << shift);
@@ -161,16 +153,6 @@ pub(super) fn zero_unseen_keys<'a>(
         }
     }
     guarded
-}
-
-/// `dst[j] = bf16(src[j])`, then zeros to the end of `dst`.
-#[target_feature(enable = "avx512f,avx512bw")]
-fn round_row(src: &[f32], dst: &mut [u16]) {
-    let (head, tail) = dst.split_at_mut(src.len());
-    for (d, &s) in head.iter_mut().zip(src) {
-        *d = round_bf16(s);
-    }
-    tail.fill(0);
 }
 
 /// Query tiles per task, at most, where a kv head's packed K and V outgrow
@@ -414,17 +396,15 @@ fn step<V: HostVariant>(
         l: &mut qt.l[..rows],
         alpha: &mut qt.alpha[..rows],
         out: (!first).then_some(&mut qt.o[..rows * dp]),
+        p_bf16: Some(&mut w.p[..rows * BK]),
         bands: w.bands,
     });
     let chunks = cols.div_ceil(amx::DEPTH);
-    for (row, p) in s.chunks_exact(BK).zip(w.p.chunks_exact_mut(BK)) {
-        // SAFETY: `applies` implies AVX-512 (every CPU with AMX has it).
-        unsafe { round_row(&row[..cols], p) };
-    }
+    let p = &w.p[..rows * BK];
     // On a partial tile, keys no row sees must not bring a NaN of their V
     // rows into the product.
     let v_t = if class == TileClass::Partial && kv.v_nonfinite[tile] {
-        zero_unseen_keys(v_t, dp, s, BK, cols, w.v_guarded)
+        zero_unseen_keys(v_t, dp, p, BK, cols, w.v_guarded)
     } else {
         v_t
     };

@@ -359,6 +359,7 @@ fn query_tiles<V: HostVariant>(
                 l: &mut sc.l[r.clone()],
                 alpha: &mut sc.alpha[r.clone()],
                 out: (!first).then_some(&mut *out_t),
+                p_bf16: None,
                 bands: &sc.bands,
             });
 
@@ -464,6 +465,10 @@ pub(super) struct OnlineSoftmax<'a, 'h, V> {
     /// `D`); `None` on the first visible tile, before anything has been
     /// accumulated.
     pub(super) out: Option<&'a mut [f32]>,
+    /// Where the bf16 kernels want `P`: rounded to bf16 (bits), in rows of
+    /// the tile's width, zero outside each row's band, instead of in `s`
+    /// (which then keeps the logits). `None`: `P` in `s`, in f32.
+    pub(super) p_bf16: Option<&'a mut [u16]>,
     /// The tile's bands (see [`class_bands`]): each row's logits are those of
     /// its band's keys; the rest of the row is neither read nor written.
     pub(super) bands: &'a [Band],
@@ -485,6 +490,7 @@ impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {
             l,
             alpha,
             mut out,
+            mut p_bf16,
             bands,
         } = self;
         let rows = m.len();
@@ -523,10 +529,19 @@ impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {
         for Band { rows: br, cols: c } in bands.iter().cloned() {
             for i in br {
                 let row = &mut s[i * cols + c.start..i * cols + c.end];
+                let mut p16 = p_bf16.as_deref_mut().map(|p| {
+                    let p = &mut p[i * cols..(i + 1) * cols];
+                    p[..c.start].fill(0);
+                    p[c.end..].fill(0);
+                    &mut p[c.clone()]
+                });
                 if m[i] == f32::NEG_INFINITY {
                     // Nothing visible in this row yet: `e^(x − m)` would be
                     // `e^(-inf + inf)` = NaN. The row contributes nothing.
-                    row.fill(0.0);
+                    match p16 {
+                        Some(p16) => p16.fill(0),
+                        None => row.fill(0.0),
+                    }
                     continue;
                 }
                 if alpha[i] != 1.0 {
@@ -535,7 +550,10 @@ impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {
                         math::scale(&mut out[i * d..(i + 1) * d], alpha[i]);
                     }
                 }
-                l[i] = math::exp_sub_lanes(row, m[i], l[i]);
+                l[i] = match p16.take() {
+                    Some(p16) => math::exp_sub_lanes_bf16(row, m[i], l[i], p16),
+                    None => math::exp_sub_lanes(row, m[i], l[i]),
+                };
             }
         }
     }

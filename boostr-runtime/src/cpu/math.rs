@@ -356,6 +356,38 @@ pub fn exp_sub_lanes(xs: &mut [f32], shift: f32, mut sums: Lanes) -> Lanes {
     sums
 }
 
+/// [`exp_sub_lanes`] that writes the new values rounded to bf16 into `out`
+/// (bits, to nearest, ties to even; `out.len() == xs.len()`) instead of
+/// back into `xs`; the lane sums are of the unrounded values. For the bf16
+/// kernels, whose `P V` product takes `P` in bf16: one pass from the
+/// scores to the rounded probabilities.
+#[inline(always)]
+pub fn exp_sub_lanes_bf16(xs: &[f32], shift: f32, mut sums: Lanes, out: &mut [u16]) -> Lanes {
+    let (chunks, tail) = xs.as_chunks::<LANES>();
+    let (outs, out_tail) = out.as_chunks_mut::<LANES>();
+    for (c, o) in chunks.iter().zip(outs) {
+        for k in 0..LANES {
+            let e = exp_softmax(c[k] - shift);
+            o[k] = bf16_bits(e);
+            sums[k] += e;
+        }
+    }
+    for ((a, x), o) in sums.iter_mut().zip(tail).zip(out_tail) {
+        let e = exp_softmax(*x - shift);
+        *o = bf16_bits(e);
+        *a += e;
+    }
+    sums
+}
+
+/// `x` rounded to bf16 bits, to nearest, ties to even (for the finite
+/// values the bf16 kernels round: probabilities, `dS`).
+#[inline(always)]
+pub fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
 /// `xs[i] = e^(xs[i] - shift)` in place, `shift` finite (see [`exp_sub_sum`]).
 #[inline(always)]
 pub fn exp_sub(xs: &mut [f32], shift: f32) {
