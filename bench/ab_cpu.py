@@ -28,11 +28,12 @@ import subprocess
 
 
 class Server:
-    def __init__(self, path, threads=None):
+    def __init__(self, path, threads=None, pin=True):
         env = dict(os.environ)
         if threads is not None:
             env["RAYON_NUM_THREADS"] = str(threads)
-        self.proc = subprocess.Popen([path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        # `--pin`: rayon's workers bound one per CPU (`cpu::pin_threads`).
+        self.proc = subprocess.Popen([path] + (["--pin"] if pin else []), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, bufsize=1, env=env)
         ready = self.proc.stdout.readline()
         if not ready.startswith("ready"):
@@ -58,6 +59,7 @@ def main():
     ap.add_argument("a", help="timing server binary A (the baseline)")
     ap.add_argument("b", help="timing server binary B")
     ap.add_argument("commands", nargs="+", help="server commands, e.g. 'attn full fwd 8 8 1024 64'")
+    ap.add_argument("--no-pin", action="store_true", help="leave the servers' threads unbound")
     ap.add_argument("--pairs", type=int, default=16, help="paired turns per command (default 16)")
     ap.add_argument("--threads", type=int, nargs=2, metavar=("A", "B"),
                     help="rayon threads of each server (default: the environment's); with the same "
@@ -65,7 +67,7 @@ def main():
     args = ap.parse_args()
 
     ta, tb = args.threads or (None, None)
-    a, b = Server(args.a, ta), Server(args.b, tb)
+    a, b = Server(args.a, ta, not args.no_pin), Server(args.b, tb, not args.no_pin)
     try:
         for command in args.commands:
             once = max(a.run(command), b.run(command), 1e-4)

@@ -33,7 +33,10 @@ Sections:
 
 FLOPs count useful work: 4 * B * Hq * D * (attended (query, key) pairs) for a
 forward; the backward counts 2.5 times that. Threads: both sides use --threads
-(default: every core; rayon and torch.set_num_threads).
+(default: every core; rayon and torch.set_num_threads), each thread bound to its
+own CPU (the server's --pin, OpenMP's OMP_PROC_BIND=true OMP_PLACES=cores) unless
+--no-pin: unbound workers woken together can share one CPU for tens of
+milliseconds, which made the S = 1024 cells vary up to 2x on a 2-core VM.
 """
 
 import argparse
@@ -67,6 +70,8 @@ def parse_args():
     p.add_argument("--quick", action="store_true", help="S = 1024 only")
     p.add_argument("--section", default=",".join(s for s in SECTIONS if s != "mem"),
                    help="comma-separated subset of " + ",".join(SECTIONS) + " (default: all but mem)")
+    p.add_argument("--no-pin", action="store_true",
+                   help="leave both sides' threads unbound (by default each binds one thread per CPU)")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     p.add_argument("--json", help="also write every measurement to this file")
     p.add_argument("--server", help="path of a prebuilt cpu_vs_torch example binary")
@@ -80,7 +85,12 @@ def parse_args():
     return a
 
 
-def import_torch():
+def import_torch(pin=True):
+    # OpenMP reads its binding when torch loads: one thread per core, each
+    # bound, as the Rust server's `--pin` binds rayon's workers.
+    if pin:
+        os.environ.setdefault("OMP_PROC_BIND", "true")
+        os.environ.setdefault("OMP_PLACES", "cores")
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -102,9 +112,14 @@ def server_binary(args):
 class Server:
     """The Rust timing server: one command per line, one answer per line."""
 
-    def __init__(self, path, threads):
+    def __init__(self, path, threads, pin):
         env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
-        self.proc = subprocess.Popen([path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        argv = [path] + (["--pin"] if pin else [])
+        # Started after torch, whose OpenMP binding narrowed this process's
+        # affinity mask: the server gets every CPU back.
+        cpus = range(os.cpu_count())
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                     preexec_fn=lambda: os.sched_setaffinity(0, cpus))
         self.banner = self.proc.stdout.readline().strip()
 
     def ask(self, command):
@@ -317,7 +332,7 @@ def fmt_ratio(x):
 
 def main():
     args = parse_args()
-    torch = import_torch()
+    torch = import_torch(not args.no_pin)
     results = []
     binary = server_binary(args)
 
@@ -326,7 +341,7 @@ def main():
     run_sections = [s for s in args.section if s != "mem"]
     if not run_sections:
         return
-    server = Server(binary, args.threads)
+    server = Server(binary, args.threads, not args.no_pin)
     th = Torch(torch, args.threads, not args.no_flex)
     print(f"boostr CPU vs PyTorch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), "
           f"{args.threads} threads (boostr: {server.banner}); B=1, Hq={args.hq}; "
@@ -505,7 +520,7 @@ def mem(binary, args):
     s, d, hq = 16384, 128, args.hq
     rows = []
     for hkv in args.hkv:
-        server = Server(binary, args.threads)
+        server = Server(binary, args.threads, not args.no_pin)
         reply = json.loads(server.ask(f"mem causal {hq} {hkv} {s} {d}"))
         server.close()
         extra = reply["peak_rss"] - reply["rss_before_inputs"]

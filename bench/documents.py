@@ -40,6 +40,7 @@ def parse_args():
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
+    p.add_argument("--no-pin", action="store_true", help="leave both sides' threads unbound")
     p.add_argument("--server", help="path of a prebuilt cpu_vs_torch example binary")
     a = p.parse_args()
     if a.seq % a.docs:
@@ -59,9 +60,9 @@ def pairs(lens):
 
 def main():
     args = parse_args()
-    torch = base.import_torch()
+    torch = base.import_torch(not args.no_pin)
     binary = base.server_binary(args)
-    server = base.Server(binary, args.threads)
+    server = base.Server(binary, args.threads, not args.no_pin)
     th = base.Torch(torch, args.threads, not args.no_flex)
     hq, s, d = args.hq, args.seq, args.dim
     x = th.inputs(hq, hq, s, d, "f32")

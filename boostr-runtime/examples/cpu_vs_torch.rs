@@ -17,6 +17,9 @@
 //! quit
 //! ```
 //!
+//! With `--pin`, the rayon workers are bound one per CPU
+//! (`cpu::pin_threads`) before the first command.
+//!
 //! Variants: `full`, `causal`, `alibi` (causal), `softcap` (causal, cap 30),
 //! `window` (causal sliding window of 256), `prefix` (prefix-LM, prefix S/4),
 //! `docs` (causal packed documents, ids from a tensor: the lengths of the
@@ -385,6 +388,15 @@ fn peak_rss() -> BoxResult<u64> {
 }
 
 fn main() -> BoxResult<()> {
+    // `--pin`: one worker per CPU, each bound to its own (see
+    // `cpu::pin_threads`), as many as RAYON_NUM_THREADS asks.
+    if std::env::args().any(|a| a == "--pin") {
+        let threads = std::env::var("RAYON_NUM_THREADS")
+            .ok()
+            .map(|t| t.parse())
+            .transpose()?;
+        boostr_runtime::cpu::pin_threads(threads)?;
+    }
     let mut server = Server {
         device: CpuDevice::new(),
         rng: Rng::new(0x5eed_70c4, 0),

@@ -202,6 +202,12 @@ pub enum Error {
     /// An error from numr (allocation, device).
     #[error(transparent)]
     Numr(#[from] numr::error::Error),
+    /// The CPU kernels' threads could not be pinned (see `cpu::pin_threads`).
+    #[error("pinning the CPU threads: {reason}")]
+    Threads {
+        /// Why.
+        reason: String,
+    },
 }
 
 /// Why a GPU backend could not build or launch a kernel. `Clone`, so a

@@ -73,6 +73,7 @@ pub mod math;
 #[cfg(target_arch = "x86_64")]
 mod microkernel;
 mod simd;
+mod threads;
 mod tile;
 
 #[cfg(test)]
@@ -82,6 +83,7 @@ pub use aligned::release_pool;
 pub use elem::KvElem;
 #[doc(hidden)] // for the benchmark example
 pub use gemm::{time_amx_peak, time_fma_peak, time_tile_products};
+pub use threads::pin_threads;
 pub use tile::CpuTiles;
 
 use crate::error::Result;
