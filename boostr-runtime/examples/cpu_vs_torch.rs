@@ -391,11 +391,7 @@ fn main() -> BoxResult<()> {
     // `--pin`: one worker per CPU, each bound to its own (see
     // `cpu::pin_threads`), as many as RAYON_NUM_THREADS asks.
     if std::env::args().any(|a| a == "--pin") {
-        let threads = std::env::var("RAYON_NUM_THREADS")
-            .ok()
-            .map(|t| t.parse())
-            .transpose()?;
-        boostr_runtime::cpu::pin_threads(threads)?;
+        boostr_runtime::cpu::pin_threads(None)?;
     }
     let mut server = Server {
         device: CpuDevice::new(),

@@ -15,8 +15,8 @@
 //! share is against the median of the reads taken with its runs. Then, at
 //! B = 8, Sk = 16k, the f32 keys as a KV cache against pages of 64 and of
 //! 16 keys in shuffled order (`attention_fwd_paged`). Medians of `reps`
-//! (default 7) runs. `bench/decode.py` runs this, then PyTorch's SDPA on
-//! the same shapes.
+//! (default 7) runs, rayon's workers bound one per CPU. `bench/decode.py`
+//! runs this, then PyTorch's SDPA on the same shapes.
 
 use boostr_runtime::stock::Causal;
 use boostr_runtime::testing::Rng;
@@ -41,10 +41,12 @@ fn main() -> BoxResult<()> {
         .nth(1)
         .and_then(|a| a.parse().ok())
         .unwrap_or(7);
-    let threads = rayon::current_num_threads();
+    // One worker per CPU, each bound to its own: the runs are short, and
+    // unbound workers woken together can share a CPU for a while.
+    let threads = boostr_runtime::cpu::pin_threads(None)?;
     let reader = Reader::new();
     println!(
-        "CPU decode, Sq = 1, Hq = {HQ}, Hkv = {HKV}, D = {D}, causal, {threads} threads, \
+        "CPU decode, Sq = 1, Hq = {HQ}, Hkv = {HKV}, D = {D}, causal, {threads} threads (bound), \
          median of {reps}; read bandwidth: 1 GiB read by all threads before each run"
     );
     println!("| dtype | B | Sk | time | K/V bandwidth | read bandwidth | of read |");

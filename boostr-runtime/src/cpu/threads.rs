@@ -12,9 +12,10 @@
 
 use crate::error::{Error, Result};
 
-/// Builds rayon's global pool with `threads` workers (`None`: one per CPU
-/// this process may run on, its affinity mask), worker `i` bound to the
-/// `i`-th CPU of that mask. Returns the number of workers.
+/// Builds rayon's global pool with `threads` workers (`None`: as many as
+/// `RAYON_NUM_THREADS` asks, as rayon would, else one per CPU this
+/// process may run on, its affinity mask), worker `i` bound to the `i`-th
+/// CPU of that mask. Returns the number of workers.
 ///
 /// # Errors
 /// [`Error::Threads`] where `threads` is zero or more than the CPUs in
@@ -22,7 +23,11 @@ use crate::error::{Error, Result};
 /// use), where the mask cannot be read, or on systems other than Linux.
 pub fn pin_threads(threads: Option<usize>) -> Result<usize> {
     let mut cpus = allowed_cpus()?;
-    let n = threads.unwrap_or(cpus.len());
+    let from_env = std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|t| t.parse::<usize>().ok())
+        .filter(|&t| t > 0);
+    let n = threads.or(from_env).unwrap_or(cpus.len());
     if n == 0 || n > cpus.len() {
         return Err(Error::Threads {
             reason: format!(
