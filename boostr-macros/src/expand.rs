@@ -310,6 +310,7 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
     let (impl_generics, ty_generics, where_clause) = item.generics.split_for_impl();
     let name = ident.to_string();
     let text = explain(program);
+    let summary = kernels_spec::summary(program);
     let some = |size: Option<u32>| match size {
         Some(v) => quote!(::core::option::Option::Some(#v)),
         None => quote!(::core::option::Option::None),
@@ -375,6 +376,7 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
             ::boostr_runtime::CompiledStages {
                 name: #name,
                 text: #text,
+                summary: #summary,
                 lowerings: &[#(#lowerings),*],
                 classify_loop_iterations: #classify_loops,
             }

@@ -3,9 +3,12 @@
 //! against the f64 reference, and time it.
 //!
 //! ```text
-//! cargo run --release -p boostr-runtime --example quickstart
+//! cargo run --release -p boostr-runtime --example quickstart [-- --explain]
 //! ```
 //!
+//! It prints what the compiler derived in a few lines; `--explain` prints
+//! every stage in full (the IR, the emitted Rust, the WGSL and CUDA
+//! sections; the `explain` example does this for every stock variant).
 //! Exits with status 1 if any result is further from the reference than the
 //! tolerance.
 
@@ -55,8 +58,15 @@ fn main() -> ExitCode {
 fn run() -> Result<bool, Box<dyn std::error::Error>> {
     let variant = Gemma2 { cap: 50.0 };
 
-    // 1. What the compiler made: IR, derivative, tile classifier, emitted code.
-    println!("{}", Gemma2::compiled().text);
+    // 1. What the compiler made: the derivative, the tile classifier, the
+    //    targets (`--explain`: every stage in full).
+    let stages = Gemma2::compiled();
+    println!("declared: score = cap * tanh(s / cap), mask = kv <= q");
+    if std::env::args().any(|a| a == "--explain") {
+        println!("{}", stages.text);
+    } else {
+        print!("compiled: {}", stages.summary);
+    }
 
     // 2. Inputs: q [B, Hq, S, D], k and v [B, Hkv, S, D], and an output gradient.
     let device = CpuDevice::new();
@@ -162,19 +172,37 @@ fn run() -> Result<bool, Box<dyn std::error::Error>> {
     let fwd_flops = 4.0 * (B * HQ * S * S * D) as f64 * visible;
     let bwd_flops = 2.5 * fwd_flops;
     let (tf, tb) = (median(&mut fwd_times), median(&mut bwd_times));
+    let peak = fma_peak();
     println!(
-        "speed ({} threads, {visible:.3} of pairs visible, median of {REPS}):",
-        rayon::current_num_threads()
+        "speed ({} threads, {visible:.3} of pairs visible, median of {REPS}{}):",
+        rayon::current_num_threads(),
+        peak.map_or(String::new(), |p| format!(
+            "; FMA peak of these threads {p:.0} GFLOP/s"
+        ))
     );
     for (name, t, flops) in [("forward", tf, fwd_flops), ("backward", tb, bwd_flops)] {
         let secs = t.as_secs_f64();
+        let rate = flops / secs / 1e9;
+        let share = peak.map_or(String::new(), |p| {
+            format!("  {:3.0}% of peak", 100.0 * rate / p)
+        });
         println!(
-            "  {name:<8}  {:8.2} ms  {:7.1} GFLOP/s",
-            secs * 1e3,
-            flops / secs / 1e9
+            "  {name:<8}  {:8.2} ms  {rate:7.1} GFLOP/s{share}",
+            secs * 1e3
         );
     }
     Ok(ok)
+}
+
+/// The FMA peak of every rayon thread at once, in GFLOP/s (16-lane FMAs on
+/// registers only, the ceiling of the f32 kernels); `None` without
+/// AVX-512.
+fn fma_peak() -> Option<f64> {
+    const ITERS: usize = 2_000_000;
+    let times = rayon::broadcast(|_| boostr_runtime::cpu::time_fma_peak(ITERS));
+    let slowest = times.iter().copied().collect::<Option<Vec<f64>>>()?;
+    let t = slowest.into_iter().fold(0.0, f64::max);
+    Some((times.len() * ITERS * 24 * 32) as f64 / t / 1e9)
 }
 
 fn median(times: &mut [Duration]) -> Duration {

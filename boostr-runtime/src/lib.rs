@@ -70,7 +70,8 @@ pub use kernels_spec::emit::Target;
 pub use kernels_spec::params::ParamWords;
 pub use op::{
     AttentionOptions, KvCache, PagedKvCache, attention_bwd, attention_bwd_cache,
-    attention_bwd_tensors, attention_fwd, attention_fwd_cache, attention_fwd_paged, var_attention,
+    attention_bwd_tensors, attention_fwd, attention_fwd_cache, attention_fwd_paged,
+    learnable_grads, var_attention,
 };
 pub use problem::Problem;
 pub use variant::{CompiledStages, HostVariant, Lowering, TileClass, Variant};

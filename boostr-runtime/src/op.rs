@@ -340,3 +340,70 @@ impl<V: Variant, R: AttentionRuntime> GradFn<R> for AttentionBackward<V, R> {
         "AttentionBackward"
     }
 }
+
+/// One learnable tensor's field name and its gradient, if any (see
+/// [`learnable_grads`]).
+pub type LearnableGrad<'g, R> = (&'static str, Option<&'g Tensor<R>>);
+
+/// The gradients of `variant`'s learnable tensors (its `Var<R>` fields) in
+/// `grads`, the result of numr's `backward`, by field name, in slot order
+/// ([`Variant::LEARNABLE`]): `None` for a field whose `Var` does not
+/// require grad (or that the loss does not depend on).
+///
+/// numr keys a gradient by its `Var`'s id, and a cloned `Var` gets an id of
+/// its own: after `AlibiSlopes { slopes: v.clone() }`, `grads.get(v.id())`
+/// is `None`, and the gradient is under the field's id. This reads the
+/// fields themselves, so no id is needed:
+///
+/// ```
+/// # use boostr_runtime::{AttentionOptions, learnable_grads, stock::AlibiSlopes, var_attention};
+/// # use numr::autograd::{Var, backward, var_sum};
+/// # use numr::prelude::{CpuDevice, CpuRuntime, Runtime, Tensor};
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let device = CpuDevice::new();
+/// let client = CpuRuntime::default_client(&device);
+/// let x = |shape: &[usize]| {
+///     let n: usize = shape.iter().product();
+///     let data: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+///     Tensor::<CpuRuntime>::from_slice(&data, shape, &device)
+/// };
+/// let (q, k, v) = (x(&[1, 2, 8, 16])?, x(&[1, 2, 8, 16])?, x(&[1, 2, 8, 16])?);
+/// let slopes = Var::new(x(&[2])?, true);
+/// let variant = AlibiSlopes { slopes: slopes.clone() };
+/// let out = var_attention(
+///     &variant,
+///     &Var::new(q, false),
+///     &Var::new(k, false),
+///     &Var::new(v, false),
+///     &AttentionOptions::default(),
+/// )?;
+/// let grads = backward(&var_sum(&out, &[0, 1, 2, 3], false, &client)?, &client)?;
+/// assert!(grads.get(slopes.id()).is_none()); // the clone's id, not ours
+/// let by_name = learnable_grads(&variant, &grads)?;
+/// assert_eq!(by_name[0].0, "slopes");
+/// assert_eq!(by_name[0].1.expect("slopes require grad").shape(), &[2]);
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+/// [`Error::CaptureRuntime`](crate::Error::CaptureRuntime) for a field
+/// that is a `Var` of another runtime than `grads`.
+pub fn learnable_grads<'g, V: Variant, R: numr::runtime::Runtime>(
+    variant: &V,
+    grads: &'g numr::autograd::GradStore<R>,
+) -> Result<Vec<LearnableGrad<'g, R>>> {
+    variant
+        .learnables()
+        .iter()
+        .map(|l| {
+            let var = l.on::<R>()?;
+            let grad = if var.requires_grad() {
+                grads.get(var.id())
+            } else {
+                None
+            };
+            Ok((l.decl.name, grad))
+        })
+        .collect()
+}

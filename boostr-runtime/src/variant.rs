@@ -23,6 +23,9 @@ pub struct CompiledStages {
     /// A printout of every stage: IR, derivative, tile classifier, and the
     /// source emitted for each target.
     pub text: &'static str,
+    /// The short form of `text`: the declaration, the derived `d score /
+    /// d s` and tile classifier on one line each, and the targets emitted.
+    pub summary: &'static str,
     /// The lowered variant section of each GPU target it was lowered to.
     pub lowerings: &'static [Lowering],
     /// Loop iterations one evaluation of the tile classifier may run on a
@@ -49,6 +52,7 @@ impl CompiledStages {
         CompiledStages {
             name,
             text: "",
+            summary: "",
             lowerings: &[],
             classify_loop_iterations: 0,
         }

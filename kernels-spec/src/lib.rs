@@ -80,7 +80,56 @@ pub fn compile_str(source: &str) -> Result<Compiled, Diagnostics> {
     compile(tokens, &item)
 }
 
-/// Everything the compiler made of a program, stage by stage, as text.
+/// What the compiler made of a program, in a few lines: its declaration
+/// (name, parameters, captured tensors), the derivative of `score` and the
+/// tile classifier it derived (each on one line, cut at 96 characters), and
+/// the targets it emitted ([`explain`] prints them whole).
+pub fn summary(program: &ir::Program) -> String {
+    let mut out = String::new();
+    let head = print::program(program);
+    out.push_str(head.lines().next().unwrap_or_default());
+    out.push('\n');
+    let one_line = |f: &ir::Function| {
+        let text = print::function(program, f);
+        let body: Vec<&str> = text
+            .lines()
+            .skip(1)
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && *l != "}")
+            .collect();
+        let joined = body.join(" ");
+        const WIDTH: usize = 96;
+        if joined.chars().count() > WIDTH {
+            let cut: String = joined.chars().take(WIDTH - 1).collect();
+            format!("{cut}…")
+        } else {
+            joined
+        }
+    };
+    let derivative = if program.score_is_identity {
+        "1 (score is the identity)".to_string()
+    } else {
+        one_line(&program.score_grad)
+    };
+    out.push_str(&format!("  d score / d s : {derivative}\n"));
+    out.push_str(&format!(
+        "  tile classifier: {}\n",
+        one_line(&program.classify)
+    ));
+    let gpu: Vec<String> = emit::gpu_lowerings(program)
+        .iter()
+        .map(|(target, section)| format!("{target} ({} lines)", section.lines().count()))
+        .collect();
+    out.push_str(&format!(
+        "  targets: cpu (Rust, f32 and bf16), {}\n",
+        gpu.join(", ")
+    ));
+    out
+}
+
+/// Every stage of `program` in full: the IR after analysis, the Rust
+/// functions emitted for the CPU, each GPU target's variant section, and
+/// the kernel interfaces ([`summary`] is the short form).
 pub fn explain(program: &ir::Program) -> String {
     let mut out = String::new();
     out.push_str("== stage: ir (after analysis) ==\n");
