@@ -98,35 +98,6 @@ macro_rules! __backend_test_module {
     };
 }
 
-/// One module of generated tests: every instance on backend `$b` against
-/// backend `$a`.
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __parity_test_module {
-    ($module:ident, $a:ident, $b:ident; $($name:ident,)*) => {
-        mod $module {
-            $(
-                #[test]
-                fn $name() {
-                    $crate::testing::check_parity_built::<
-                        $crate::testing::$a,
-                        $crate::testing::$b,
-                        _,
-                        _,
-                    >(
-                        super::$name::<
-                            <$crate::testing::$a as $crate::testing::TestBackend>::Runtime,
-                        >,
-                        super::$name::<
-                            <$crate::testing::$b as $crate::testing::TestBackend>::Runtime,
-                        >,
-                    );
-                }
-            )*
-        }
-    };
-}
-
 /// Generated per-variant tests on every backend compiled in; used by the code
 /// that `#[attention(tests = [..])]` expands to.
 #[doc(hidden)]
@@ -142,14 +113,14 @@ macro_rules! __backend_tests {
 // The per-feature parts are defined once per feature state because `cfg`
 // inside a macro's expansion is evaluated in the caller's crate.
 
-/// The wgpu part of [`__backend_tests`]: against the reference and the CPU.
+/// The wgpu part of [`__backend_tests`]: against the reference, on the
+/// shapes the CPU is checked on too (`testing::CPU_CASES`).
 #[cfg(feature = "wgpu")]
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __wgpu_tests {
     ($($name:ident,)*) => {
         $crate::__backend_test_module! { wgpu, Wgpu; $($name,)* }
-        $crate::__parity_test_module! { wgpu_vs_cpu, Cpu, Wgpu; $($name,)* }
     };
 }
 
@@ -161,14 +132,14 @@ macro_rules! __wgpu_tests {
     ($($tt:tt)*) => {};
 }
 
-/// The CUDA part of [`__backend_tests`]: against the reference and the CPU.
+/// The CUDA part of [`__backend_tests`]: against the reference, on the
+/// shapes the CPU is checked on too (`testing::CPU_CASES`).
 #[cfg(feature = "cuda")]
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __cuda_tests {
     ($($name:ident,)*) => {
         $crate::__backend_test_module! { cuda, Cuda; $($name,)* }
-        $crate::__parity_test_module! { cuda_vs_cpu, Cpu, Cuda; $($name,)* }
     };
 }
 

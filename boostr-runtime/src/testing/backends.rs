@@ -41,6 +41,9 @@ impl TestBackend for Cpu {
     fn device() -> Option<CpuDevice> {
         Some(CpuDevice::new())
     }
+    fn cases() -> &'static [Case] {
+        super::cases::CPU_CASES
+    }
 }
 
 /// numr's WebGPU runtime, on its default adapter. Checked on

@@ -256,3 +256,29 @@ pub const SMALL_CASES: &[Case] = &[
         ..CASES[6]
     },
 ];
+
+/// The CPU's cases: [`CASES`] and the shapes of [`SMALL_CASES`] that
+/// `CASES` lacks (its first two are `CASES`' own). Every shape a GPU
+/// backend is checked on is then one the CPU is checked on too, each
+/// against the f64 reference, so a GPU backend agrees with the CPU on all
+/// of them to within the sum of their two tolerances without a check of
+/// its own against the CPU.
+pub const CPU_CASES: &[Case] =
+    &concat::<{ CASES.len() + SMALL_CASES.len() - 2 }>(CASES, SMALL_CASES.split_at(2).1);
+
+/// `a` then `b`, as one array of `N = a.len() + b.len()` cases.
+const fn concat<const N: usize>(a: &[Case], b: &[Case]) -> [Case; N] {
+    assert!(a.len() + b.len() == N);
+    let mut out = [a[0]; N];
+    let mut i = 0;
+    while i < a.len() {
+        out[i] = a[i];
+        i += 1;
+    }
+    let mut j = 0;
+    while j < b.len() {
+        out[a.len() + j] = b[j];
+        j += 1;
+    }
+    out
+}
