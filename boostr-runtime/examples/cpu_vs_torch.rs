@@ -61,18 +61,6 @@ use std::time::Instant;
 
 type BoxResult<T> = Result<T, Box<dyn Error>>;
 
-/// Seconds for `iters` rounds of the FMA peak loop on every rayon thread at
-/// once, from a common start until the last thread is done; `None` without
-/// AVX-512F.
-fn time_fma_peak_all(iters: usize) -> Option<f64> {
-    let start = Instant::now();
-    let done = rayon::broadcast(|_| {
-        boostr_runtime::cpu::time_fma_peak(iters).map(|_| start.elapsed().as_secs_f64())
-    });
-    done.into_iter()
-        .try_fold(0.0, |latest, t| t.map(|t| f64::max(latest, t)))
-}
-
 /// Inputs of the current attention shape.
 struct Inputs {
     key: (usize, usize, usize, usize, DType),
@@ -211,7 +199,7 @@ impl Server {
                 let iters = num(1)?;
                 let t = match words.get(2).copied() {
                     None => boostr_runtime::cpu::time_fma_peak(iters),
-                    Some("all") => time_fma_peak_all(iters),
+                    Some("all") => boostr_runtime::cpu::time_fma_peak_all(iters),
                     Some(other) => return Err(format!("peak {other:?}: all or nothing").into()),
                 };
                 Ok(Some(

@@ -396,14 +396,6 @@ pub fn learnable_grads<'g, V: Variant, R: numr::runtime::Runtime>(
     variant
         .learnables()
         .iter()
-        .map(|l| {
-            let var = l.on::<R>()?;
-            let grad = if var.requires_grad() {
-                grads.get(var.id())
-            } else {
-                None
-            };
-            Ok((l.decl.name, grad))
-        })
+        .map(|l| Ok((l.decl.name, grads.get(l.on::<R>()?.id()))))
         .collect()
 }

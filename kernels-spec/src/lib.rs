@@ -85,9 +85,7 @@ pub fn compile_str(source: &str) -> Result<Compiled, Diagnostics> {
 /// tile classifier it derived (each on one line, cut at 96 characters), and
 /// the targets it emitted ([`explain`] prints them whole).
 pub fn summary(program: &ir::Program) -> String {
-    let mut out = String::new();
-    let head = print::program(program);
-    out.push_str(head.lines().next().unwrap_or_default());
+    let mut out = print::declaration(program);
     out.push('\n');
     let one_line = |f: &ir::Function| {
         let text = print::function(program, f);

@@ -22,8 +22,10 @@ pub fn function(program: &Program, f: &Function) -> String {
     out
 }
 
-/// Print every function of a program.
-pub fn program(program: &Program) -> String {
+/// The program's declaration on one line: `variant Name { fields }`, each
+/// parameter with its type and each captured tensor with its element type
+/// and shape.
+pub fn declaration(program: &Program) -> String {
     let params: Vec<String> = program
         .params
         .iter()
@@ -39,10 +41,14 @@ pub fn program(program: &Program) -> String {
             )
         }))
         .collect();
+    format!("variant {} {{ {} }}", program.name, params.join(", "))
+}
+
+/// Print every function of a program.
+pub fn program(program: &Program) -> String {
     let mut out = format!(
-        "variant {} {{ {} }}\n  score is identity: {}\n  has mask: {}\n  has sink: {}\n  tile: q = {}, kv = {}\n\n",
-        program.name,
-        params.join(", "),
+        "{}\n  score is identity: {}\n  has mask: {}\n  has sink: {}\n  tile: q = {}, kv = {}\n\n",
+        declaration(program),
         program.score_is_identity,
         program.has_mask,
         program.has_sink,

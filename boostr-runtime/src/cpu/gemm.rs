@@ -222,6 +222,19 @@ fn crate_gemm(dst: &mut MatMut<'_>, write: Write, lhs: MatRef<'_>, rhs: MatRef<'
     }
 }
 
+/// Seconds for `iters` rounds of [`time_fma_peak`]'s loop on every rayon
+/// thread at once, from a common start until the last thread is done
+/// (`threads · iters · 24 · 32` flops at the FMA peak of all threads);
+/// `None` without AVX-512F. For the examples' peak shares; not part of
+/// the API.
+#[doc(hidden)]
+pub fn time_fma_peak_all(iters: usize) -> Option<f64> {
+    let start = std::time::Instant::now();
+    let done = rayon::broadcast(|_| time_fma_peak(iters).map(|_| start.elapsed().as_secs_f64()));
+    done.into_iter()
+        .try_fold(0.0, |latest, t| t.map(|t| f64::max(latest, t)))
+}
+
 /// Seconds for `iters` rounds of 24 16-lane FMAs on registers only, on the
 /// calling thread (`None` without AVX-512F): `iters · 24 · 32` flops at the
 /// core's FMA peak, against which the tile kernel's rate can be read. For

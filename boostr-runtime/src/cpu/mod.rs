@@ -81,8 +81,8 @@ pub(crate) mod tests;
 
 pub use aligned::release_pool;
 pub use elem::KvElem;
-#[doc(hidden)] // for the benchmark example
-pub use gemm::{time_amx_peak, time_fma_peak, time_tile_products};
+#[doc(hidden)] // for the benchmark examples
+pub use gemm::{time_amx_peak, time_fma_peak, time_fma_peak_all, time_tile_products};
 pub use threads::pin_threads;
 pub use tile::CpuTiles;
 
