@@ -7,6 +7,8 @@
 //!
 //! See the `boostr-runtime` crate for the language and the semantics.
 
+#![warn(missing_docs)]
+
 mod expand;
 
 use proc_macro::TokenStream;

@@ -2,25 +2,37 @@
 //! exposed as tensor ops and as one autograd op on numr's [`Var`](numr::autograd::Var).
 //!
 //! ```
-//! use boostr_runtime::{attention, attention_fwd, AttentionOptions};
+//! use boostr_runtime::{AttentionOptions, attention, var_attention};
+//! use numr::autograd::{Var, backward, var_sum};
 //! use numr::prelude::*;
 //!
-//! /// Causal attention with tanh soft-capping of the logits.
+//! /// Gemma-2 style: causal attention with tanh soft-capping of the logits.
 //! #[attention(
 //!     score = |s, _b, _h, _q, _kv| self.cap * tanh(s / self.cap),
-//!     mask = |_b, _h, q, kv| kv <= q,
+//!     mask  = |_b, _h, q, kv| kv <= q,
+//!     tests = [CausalSoftcap { cap: 30.0 }, CausalSoftcap { cap: 2.0 }],
 //! )]
 //! #[derive(Clone, Debug)]
-//! struct CausalSoftcap {
-//!     cap: f32,
+//! pub struct CausalSoftcap {
+//!     pub cap: f32,
 //! }
 //!
-//! let device = CpuDevice::new();
-//! let q = Tensor::<CpuRuntime>::from_slice(&[0.5f32; 2 * 3 * 8], &[1, 2, 3, 8], &device)?;
-//! let (out, lse) = attention_fwd(&CausalSoftcap { cap: 30.0 }, &q, &q, &q, &AttentionOptions::default())?;
-//! assert_eq!(out.shape(), &[1, 2, 3, 8]);
-//! assert_eq!(lse.shape(), &[1, 2, 3]);
-//! # Ok::<(), boostr_runtime::Error>(())
+//! fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     let device = CpuDevice::new();
+//!     let client = CpuRuntime::default_client(&device);
+//!     // q, k, v [batch 2, heads 4, sequence 64, head dim 32]
+//!     let input = |seed: f32| -> numr::error::Result<Var<CpuRuntime>> {
+//!         let data: Vec<f32> = (0..2 * 4 * 64 * 32).map(|i| (i as f32 * seed).sin()).collect();
+//!         let tensor = Tensor::<CpuRuntime>::from_slice(&data, &[2, 4, 64, 32], &device)?;
+//!         Ok(Var::new(tensor, true))
+//!     };
+//!     let (q, k, v) = (input(0.37)?, input(0.73)?, input(1.31)?);
+//!     let out = var_attention(&CausalSoftcap { cap: 30.0 }, &q, &k, &v, &AttentionOptions::default())?;
+//!     let loss = var_sum(&out, &[0, 1, 2, 3], false, &client)?;
+//!     let grads = backward(&loss, &client)?; // dq, dk, dv from one fused backward
+//!     assert_eq!(grads.get(q.id()).map(|dq| dq.shape()), Some(&[2, 4, 64, 32][..]));
+//!     Ok(())
+//! }
 //! ```
 //!
 //! - `score` (default: identity) maps the scaled logit `s = q·k * scale` of
@@ -42,6 +54,8 @@
 //! with the `wgpu` cargo feature, numr's `WgpuRuntime` too (the WGSL kernels,
 //! f32 only); with the `cuda` feature, numr's `CudaRuntime` (f32, f16, bf16).
 
+#![warn(missing_docs)]
+
 extern crate self as boostr_runtime;
 
 pub mod backend;
@@ -62,7 +76,9 @@ mod variant;
 #[cfg(feature = "wgpu")]
 mod wgpu;
 
-pub use backend::{AttentionGrads, AttentionRuntime, BackwardTensors, CacheLengths, Pages};
+pub use backend::{
+    AttentionGrads, AttentionRuntime, BackwardTensors, CacheLengths, KeyLayout, Keys, PageTable,
+};
 pub use boostr_macros::attention;
 pub use error::{BackendError, Error, Result};
 pub use flash::var_flash_attention;
@@ -149,4 +165,29 @@ macro_rules! __cuda_tests {
 #[macro_export]
 macro_rules! __cuda_tests {
     ($($tt:tt)*) => {};
+}
+
+#[cfg(test)]
+mod readme {
+    /// The first code block of `text` (its lines, without `prefix`).
+    fn first_block(text: &str, prefix: &str, fence: &str) -> String {
+        let lines: Vec<&str> = text
+            .lines()
+            .map(|l| l.strip_prefix(prefix).unwrap_or(l.trim_end_matches(' ')))
+            .collect();
+        let start = lines.iter().position(|l| *l == fence).expect("a block") + 1;
+        let len = lines[start..]
+            .iter()
+            .position(|l| *l == "```")
+            .expect("its end");
+        lines[start..start + len].join("\n")
+    }
+
+    #[test]
+    fn crate_docs_open_with_the_readme_example() {
+        let readme = first_block(include_str!("../../README.md"), "", "```rust");
+        let docs = first_block(include_str!("lib.rs"), "//! ", "```");
+        let docs = docs.replace("//!", "");
+        assert_eq!(docs, readme, "the crate docs' example is the README's");
+    }
 }

@@ -1,7 +1,9 @@
 //! The attention ops: forward and backward on tensors, and the autograd op on
 //! [`Var`] whose [`GradFn`] calls the fused backward.
 
-use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, CacheLengths, Pages};
+use crate::backend::{
+    AttentionGrads, AttentionRuntime, BackwardTensors, CacheLengths, KeyLayout, Keys, PageTable,
+};
 use crate::error::Result;
 use crate::problem::Problem;
 use crate::validate;
@@ -30,7 +32,8 @@ pub fn attention_fwd<V: Variant, R: AttentionRuntime>(
     opts: &AttentionOptions,
 ) -> Result<(Tensor<R>, Tensor<R>)> {
     let problem = validate::problem(q, k, v, opts.scale)?;
-    R::attention_forward(variant, &problem, q, k, v)
+    let layout = KeyLayout::Dense;
+    R::attention_forward(variant, &problem, q, Keys { k, v, layout })
 }
 
 /// Keys and values in a cache with spare capacity: `k, v [B, Hkv, capacity,
@@ -45,6 +48,24 @@ pub struct KvCache<'a, R: numr::runtime::Runtime> {
     pub v: &'a Tensor<R>,
     /// `lengths [B]` (`i32`), each in `0 ..= capacity`.
     pub lengths: &'a Tensor<R>,
+}
+
+impl<'a, R: numr::runtime::Runtime> KvCache<'a, R> {
+    /// The cache as a call's keys, with its lengths' values `host`.
+    fn keys<'k>(&self, host: &'k [usize]) -> Keys<'k, R>
+    where
+        'a: 'k,
+    {
+        let lengths = CacheLengths {
+            tensor: self.lengths,
+            host,
+        };
+        Keys {
+            k: self.k,
+            v: self.v,
+            layout: KeyLayout::Cache(lengths),
+        }
+    }
 }
 
 /// Fused attention forward over a KV cache: as [`attention_fwd`], but
@@ -63,11 +84,8 @@ pub fn attention_fwd_cache<V: Variant, R: AttentionRuntime>(
 ) -> Result<(Tensor<R>, Tensor<R>)> {
     let problem = validate::problem(q, cache.k, cache.v, opts.scale)?;
     let host = validate::cache_lengths(cache.lengths, &problem)?;
-    let lengths = CacheLengths {
-        tensor: cache.lengths,
-        host: &host,
-    };
-    R::attention_forward_cache(variant, &problem, q, cache.k, cache.v, lengths)
+    let keys = cache.keys(&host);
+    R::attention_forward(variant, &problem, q, keys)
 }
 
 /// Keys and values in pages: `k_pages, v_pages [pages, Hkv, page_size, D]`
@@ -110,22 +128,19 @@ pub fn attention_fwd_paged<V: Variant, R: AttentionRuntime>(
     let lengths = validate::cache_lengths(cache.lengths, &problem)?;
     let pages = cache.k_pages.shape()[0];
     let table = validate::page_table(cache.page_table, &lengths, page_size, pages)?;
-    R::attention_forward_paged(
-        variant,
-        &problem,
-        q,
-        Pages {
-            k: cache.k_pages,
-            v: cache.v_pages,
-            page_size,
-            table: cache.page_table,
-            host: &table,
-        },
+    let layout = KeyLayout::Paged(
         CacheLengths {
             tensor: cache.lengths,
             host: &lengths,
         },
-    )
+        PageTable {
+            tensor: cache.page_table,
+            host: &table,
+            page_size,
+        },
+    );
+    let (k, v) = (cache.k_pages, cache.v_pages);
+    R::attention_forward(variant, &problem, q, Keys { k, v, layout })
 }
 
 /// Fused attention backward: returns `(dq, dk, dv)` given the forward's
@@ -142,7 +157,7 @@ pub fn attention_bwd<V: Variant, R: AttentionRuntime>(
     lse: &Tensor<R>,
     opts: &AttentionOptions,
 ) -> Result<(Tensor<R>, Tensor<R>, Tensor<R>)> {
-    let g = backward(variant, [dout, q, k, v, out, lse], opts, &[])?;
+    let g = dense_backward(variant, [dout, q, k, v, out, lse], opts, &[])?;
     Ok((g.dq, g.dk, g.dv))
 }
 
@@ -161,31 +176,49 @@ pub fn attention_bwd_tensors<V: Variant, R: AttentionRuntime>(
     opts: &AttentionOptions,
 ) -> Result<AttentionGrads<R>> {
     let all = vec![true; V::LEARNABLE.len()];
-    backward(variant, [dout, q, k, v, out, lse], opts, &all)
+    dense_backward(variant, [dout, q, k, v, out, lse], opts, &all)
 }
 
-/// The backward on validated tensors, with the tensor gradients `wanted`.
-fn backward<V: Variant, R: AttentionRuntime>(
+/// The backward over dense `k, v`, with the tensor gradients `wanted`.
+fn dense_backward<V: Variant, R: AttentionRuntime>(
     variant: &V,
     [dout, q, k, v, out, lse]: [&Tensor<R>; 6],
     opts: &AttentionOptions,
     wanted: &[bool],
 ) -> Result<AttentionGrads<R>> {
     let problem = validate::problem(q, k, v, opts.scale)?;
+    let layout = KeyLayout::Dense;
+    backward(
+        variant,
+        &problem,
+        [dout, q, out, lse],
+        Keys { k, v, layout },
+        wanted,
+    )
+}
+
+/// The backward of `q` against `keys` (their problem already validated),
+/// with the tensor gradients `wanted`, after checking `out`, `dout` and
+/// `lse` against the problem.
+fn backward<V: Variant, R: AttentionRuntime>(
+    variant: &V,
+    problem: &Problem,
+    [dout, q, out, lse]: [&Tensor<R>; 4],
+    keys: Keys<'_, R>,
+    wanted: &[bool],
+) -> Result<AttentionGrads<R>> {
     validate::shape_of("out", out, q.shape())?;
     validate::shape_of("dout", dout, q.shape())?;
     validate::shape_of("lse", lse, &[problem.batch, problem.heads_q, problem.seq_q])?;
     let tensors = BackwardTensors {
         q,
-        k,
-        v,
+        keys,
         out,
         lse,
         dout,
         tensor_grads: wanted,
-        lengths: None,
     };
-    R::attention_backward(variant, &problem, tensors)
+    R::attention_backward(variant, problem, tensors)
 }
 
 /// The backward of [`attention_fwd_cache`]: `(dq, dk, dv)` given its `out`
@@ -205,24 +238,9 @@ pub fn attention_bwd_cache<V: Variant, R: AttentionRuntime>(
     opts: &AttentionOptions,
 ) -> Result<(Tensor<R>, Tensor<R>, Tensor<R>)> {
     let problem = validate::problem(q, cache.k, cache.v, opts.scale)?;
-    validate::shape_of("out", out, q.shape())?;
-    validate::shape_of("dout", dout, q.shape())?;
-    validate::shape_of("lse", lse, &[problem.batch, problem.heads_q, problem.seq_q])?;
     let host = validate::cache_lengths(cache.lengths, &problem)?;
-    let tensors = BackwardTensors {
-        q,
-        k: cache.k,
-        v: cache.v,
-        out,
-        lse,
-        dout,
-        tensor_grads: &[],
-        lengths: Some(CacheLengths {
-            tensor: cache.lengths,
-            host: &host,
-        }),
-    };
-    let g = R::attention_backward(variant, &problem, tensors)?;
+    let keys = cache.keys(&host);
+    let g = backward(variant, &problem, [dout, q, out, lse], keys, &[])?;
     Ok((g.dq, g.dk, g.dv))
 }
 
@@ -246,7 +264,13 @@ pub fn var_attention<V: Variant, R: AttentionRuntime>(
         .iter()
         .map(|l| l.on::<R>())
         .collect::<Result<Vec<&Var<R>>>>()?;
-    let (out, lse) = R::attention_forward(variant, &problem, q.tensor(), k.tensor(), v.tensor())?;
+    let (k_t, v_t) = (k.tensor(), v.tensor());
+    let keys = Keys {
+        k: k_t,
+        v: v_t,
+        layout: KeyLayout::Dense,
+    };
+    let (out, lse) = R::attention_forward(variant, &problem, q.tensor(), keys)?;
     let tensor_grads: Vec<bool> = learnables.iter().map(|t| t.requires_grad()).collect();
     let any_tensor = tensor_grads.iter().any(|&w| w);
     if !(q.requires_grad() || k.requires_grad() || v.requires_grad() || any_tensor) {
@@ -303,15 +327,14 @@ impl<V: Variant, R: AttentionRuntime> GradFn<R> for AttentionBackward<V, R> {
         }
         // dq, dk and dv fall out of the same recomputed P and dS, so one fused
         // kernel computes all three; unneeded ones are dropped, not skipped.
+        let layout = KeyLayout::Dense;
         let tensors = BackwardTensors {
             q,
-            k,
-            v,
+            keys: Keys { k, v, layout },
             out,
             lse,
             dout: grad_output,
             tensor_grads: &wanted,
-            lengths: None,
         };
         let g = R::attention_backward(&self.variant, &self.problem, tensors)?;
         let keep = |i: usize, t: Tensor<R>| need(i).then_some(t);

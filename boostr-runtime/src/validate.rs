@@ -47,7 +47,6 @@ pub(crate) fn check_dtype<R: Runtime<DType = DType>>(
     }
 }
 
-/// Validate `q, k, v` and derive the [`Problem`].
 /// The values of a KV cache's `lengths`: a `[B]` `i32` tensor, each in
 /// `0 ..= Sk` (the capacity). Reads them back to the host.
 pub fn cache_lengths<R: Runtime<DType = DType>>(
@@ -154,13 +153,27 @@ fn check_pages<R: Runtime<DType = DType>>(
             v: pages.shape().to_vec(),
         });
     }
-    if hq % hk != 0 {
-        return Err(Error::Heads {
-            heads_q: hq,
-            heads_kv: hk,
-        });
+    problem_of([b, hq, sq, dq], (hk, sk), scale)
+}
+
+/// The problem of `q [B, Hq, Sq, D]` against keys of `Hkv` heads and `Sk`
+/// slots, the shapes already agreeing: the heads group, every size fits
+/// the kernels' indices, and the scale (default `1/sqrt(D)`) is finite.
+fn problem_of(
+    [batch, heads_q, seq_q, head_dim]: [usize; 4],
+    (heads_kv, seq_k): (usize, usize),
+    scale: Option<f32>,
+) -> Result<Problem> {
+    if heads_q % heads_kv != 0 {
+        return Err(Error::Heads { heads_q, heads_kv });
     }
-    for (name, value) in [("batch", b), ("Hq", hq), ("Sq", sq)] {
+    let sizes = [
+        ("batch", batch),
+        ("Hq", heads_q),
+        ("Sq", seq_q),
+        ("Sk", seq_k),
+    ];
+    for (name, value) in sizes {
         if value > MAX_INDEX {
             return Err(Error::TooLarge {
                 name,
@@ -169,17 +182,17 @@ fn check_pages<R: Runtime<DType = DType>>(
             });
         }
     }
-    let scale = scale.unwrap_or(1.0 / (dq as f32).sqrt());
+    let scale = scale.unwrap_or(1.0 / (head_dim as f32).sqrt());
     if !scale.is_finite() {
         return Err(Error::Scale(scale));
     }
     Ok(Problem {
-        batch: b,
-        heads_q: hq,
-        heads_kv: hk,
-        seq_q: sq,
-        seq_k: sk,
-        head_dim: dq,
+        batch,
+        heads_q,
+        heads_kv,
+        seq_q,
+        seq_k,
+        head_dim,
         scale,
     })
 }
@@ -212,6 +225,7 @@ pub fn page_table<R: Runtime<DType = DType>>(
     Ok(out)
 }
 
+/// Validate `q, k, v` and derive the [`Problem`].
 pub fn problem<R: Runtime<DType = DType>>(
     q: &Tensor<R>,
     k: &Tensor<R>,
@@ -239,34 +253,7 @@ pub fn problem<R: Runtime<DType = DType>>(
     if dq != dk || dq != dv {
         return Err(shapes("q, k and v must have the same head dim (dim 3)"));
     }
-    if hq % hk != 0 {
-        return Err(Error::Heads {
-            heads_q: hq,
-            heads_kv: hk,
-        });
-    }
-    for (name, value) in [("batch", bq), ("Hq", hq), ("Sq", sq), ("Sk", sk)] {
-        if value > MAX_INDEX {
-            return Err(Error::TooLarge {
-                name,
-                value,
-                max: MAX_INDEX,
-            });
-        }
-    }
-    let scale = scale.unwrap_or(1.0 / (dq as f32).sqrt());
-    if !scale.is_finite() {
-        return Err(Error::Scale(scale));
-    }
-    Ok(Problem {
-        batch: bq,
-        heads_q: hq,
-        heads_kv: hk,
-        seq_q: sq,
-        seq_k: sk,
-        head_dim: dq,
-        scale,
-    })
+    problem_of([bq, hq, sq, dq], (hk, sk), scale)
 }
 
 /// Check that `t` has exactly `expected` as its shape.

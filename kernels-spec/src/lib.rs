@@ -18,6 +18,8 @@
 //! The `#[attention]` macro is a thin shell over [`compile`]; this crate is an
 //! ordinary library so each stage can be tested directly.
 
+#![warn(missing_docs)]
+
 pub mod analysis;
 pub mod ast;
 pub mod check;

@@ -878,7 +878,7 @@ where
         &host,
         &p,
         boostr_runtime::cpu::CpuTiles::DEFAULT,
-        &host_lens,
+        boostr_runtime::cpu::CacheLayout::lengths(&host_lens),
         &q,
         &k,
         &v,
@@ -933,10 +933,10 @@ where
             lse: &lse,
             dout: &dout,
         };
-        boostr_runtime::cpu::backward_cache(
+        boostr_runtime::cpu::backward(
             &variant,
             &p,
-            &host_lens,
+            Some(&host_lens),
             inputs,
             &mut dq,
             &mut dk,

@@ -22,12 +22,13 @@ pub(super) struct Cached<'a, V> {
 }
 
 impl<'a, V> Cached<'a, V> {
-    /// `inner` over sequences of `lens` keys in `capacity` slots.
-    pub(super) fn new(inner: &'a V, capacity: usize, lens: &[usize]) -> Self {
+    /// `inner` over `p.batch` sequences of `lens` keys in `p.seq_k` slots.
+    pub(super) fn new(inner: &'a V, p: &crate::Problem, lens: &[usize]) -> Self {
+        assert_eq!(lens.len(), p.batch, "one length per sequence");
         let i32_of = |x: usize| i32::try_from(x).expect("lengths fit i32");
         Cached {
             inner,
-            shift: lens.iter().map(|&l| i32_of(capacity - l)).collect(),
+            shift: lens.iter().map(|&l| i32_of(p.seq_k - l)).collect(),
             len: lens.iter().map(|&l| i32_of(l)).collect(),
         }
     }

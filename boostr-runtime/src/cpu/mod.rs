@@ -72,6 +72,7 @@ mod gemv;
 pub mod math;
 #[cfg(target_arch = "x86_64")]
 mod microkernel;
+mod runtime;
 mod simd;
 mod threads;
 mod tile;
@@ -92,22 +93,23 @@ use crate::variant::{HostVariant, TileClass, Variant};
 use aligned::Aligned;
 use elem::Stored;
 
-/// The tensors the backward reads; all contiguous f32 in the layout of
-/// [`Problem`] (`out`, `dout` like `q`; `lse` as the forward wrote it).
+/// The tensors the backward reads; all contiguous, in the layout of
+/// [`Problem`] (`out`, `dout` like `q`; `lse` as the forward wrote it), of
+/// element type `E` but `lse` (f32).
 #[derive(Clone, Copy, Debug)]
-pub struct BackwardInputs<'a> {
+pub struct BackwardInputs<'a, E = f32> {
     /// Queries `[B, Hq, Sq, D]`.
-    pub q: &'a [f32],
+    pub q: &'a [E],
     /// Keys `[B, Hkv, Sk, D]`.
-    pub k: &'a [f32],
+    pub k: &'a [E],
     /// Values `[B, Hkv, Sk, D]`.
-    pub v: &'a [f32],
+    pub v: &'a [E],
     /// The forward's output `[B, Hq, Sq, D]`.
-    pub out: &'a [f32],
+    pub out: &'a [E],
     /// The forward's log-sum-exp `[B, Hq, Sq]` (`-inf` for fully masked rows).
     pub lse: &'a [f32],
     /// Gradient of the loss with respect to `out`, `[B, Hq, Sq, D]`.
-    pub dout: &'a [f32],
+    pub dout: &'a [E],
 }
 
 /// Attention forward with the variant's [`CpuTiles`]: writes `out` and `lse`.
@@ -281,51 +283,84 @@ pub fn forward_decode<V: HostVariant>(
     });
 }
 
-/// Attention forward over a KV cache with spare capacity: `k, v [B, Hkv,
-/// Sk, D]` where sequence `b` holds keys `0 .. lens[b]` (each at most
-/// `Sk`; the other slots are never read) and its query row `i` sits at
-/// position `i + lens[b] − Sq`. Runs the decode kernel (split-KV, GQA
-/// packed) whatever `Sq`. Captured tensors and out-of-range reads as in
-/// [`forward`].
+/// Where a KV cache's keys are, for [`forward_cache`] and [`backward`].
+#[derive(Clone, Copy, Debug)]
+pub struct CacheLayout<'a> {
+    /// Keys per sequence, each at most `Sk`: sequence `b` holds keys `0 ..
+    /// lens[b]`, and its query row `i` sits at position `i + lens[b] − Sq`.
+    pub lens: &'a [usize],
+    /// `None`: `k, v [B, Hkv, Sk, D]`, key `j` of sequence `b` in its slot
+    /// `j` (the other slots are never read). Paged: `k, v [pages, Hkv,
+    /// page_size, D]` (see [`PageTable`]).
+    pub pages: Option<PageTable<'a>>,
+}
+
+/// A paged cache's page table: logical key `j` of sequence `b` is in slot
+/// `j % page_size` of page `table[b · max_pages + j / page_size]`, with
+/// `p.seq_k = max_pages · page_size`.
+#[derive(Clone, Copy, Debug)]
+pub struct PageTable<'a> {
+    /// `[B, max_pages]` page indices.
+    pub table: &'a [usize],
+    /// Keys per page.
+    pub page_size: usize,
+}
+
+impl<'a> CacheLayout<'a> {
+    /// Sequence `b` holds keys `0 .. lens[b]` of its `Sk` slots of `k, v
+    /// [B, Hkv, Sk, D]`.
+    pub fn lengths(lens: &'a [usize]) -> Self {
+        Self { lens, pages: None }
+    }
+
+    /// The keys of `k, v` for the decode kernel, checked against `p`:
+    /// one length per sequence, each within the keys; every page a length
+    /// reaches a valid page (the op checks; here it is a panic).
+    fn keys<'k, E>(&self, p: &Problem, k: &'k [E], v: &'k [E]) -> decode::Keys<'k, E>
+    where
+        'a: 'k,
+    {
+        assert_eq!(self.lens.len(), p.batch, "one length per sequence");
+        assert!(self.lens.iter().all(|&l| l <= p.seq_k), "lengths within Sk");
+        let Some(PageTable { table, page_size }) = self.pages else {
+            assert_eq!((k.len(), v.len()), (p.kv_len(), p.kv_len()), "k/v length");
+            return decode::Keys::Contiguous { k, v };
+        };
+        assert_eq!(k.len(), v.len(), "k/v length");
+        assert!(
+            page_size > 0 && p.seq_k.is_multiple_of(page_size),
+            "whole pages"
+        );
+        let max_pages = p.seq_k / page_size;
+        assert_eq!(
+            table.len(),
+            p.batch * max_pages,
+            "a page table row per sequence"
+        );
+        let pages = k.len() / (p.heads_kv * page_size * p.head_dim).max(1);
+        for (b, &len) in self.lens.iter().enumerate() {
+            let used = &table[b * max_pages..b * max_pages + len.div_ceil(page_size)];
+            assert!(used.iter().all(|&page| page < pages), "valid pages");
+        }
+        decode::Keys::Paged {
+            k,
+            v,
+            table,
+            max_pages,
+            page_size,
+        }
+    }
+}
+
+/// Attention forward over a KV cache with spare capacity, or paged, as
+/// `cache` says. Runs the decode kernel (split-KV, GQA packed) whatever
+/// `Sq`, reading 16-bit keys as stored. Captured tensors and out-of-range
+/// reads as in [`forward`].
 #[allow(clippy::too_many_arguments)]
 pub fn forward_cache<V: Variant, E: KvElem>(
     variant: &V,
     p: &Problem,
-    lens: &[usize],
-    q: &[f32],
-    k: &[E],
-    v: &[E],
-    out: &mut [f32],
-    lse: &mut [f32],
-) -> Result<()> {
-    let host = variant.host(p)?;
-    forward_cache_tiled(
-        &host,
-        p,
-        CpuTiles::for_variant::<V>(),
-        lens,
-        q,
-        k,
-        v,
-        out,
-        lse,
-    );
-    host.out_of_range().map_or(Ok(()), Err)
-}
-
-/// Attention forward over a paged KV cache: `k, v [pages, Hkv, page_size,
-/// D]`, logical key `j` of sequence `b` in slot `j % page_size` of page
-/// `table[b · max_pages + j / page_size]`, sequence `b` holding `lens[b]`
-/// keys (`p.seq_k = max_pages · page_size`); otherwise as
-/// [`forward_cache`]. Every page a length reaches must be a valid page
-/// (the op checks; here it is a panic).
-#[allow(clippy::too_many_arguments)]
-pub fn forward_paged<V: Variant, E: KvElem>(
-    variant: &V,
-    p: &Problem,
-    lens: &[usize],
-    table: &[usize],
-    page_size: usize,
+    cache: CacheLayout<'_>,
     q: &[f32],
     k: &[E],
     v: &[E],
@@ -334,53 +369,8 @@ pub fn forward_paged<V: Variant, E: KvElem>(
 ) -> Result<()> {
     let host = variant.host(p)?;
     let tiles = CpuTiles::for_variant::<V>();
-    forward_paged_tiled(&host, p, tiles, lens, table, page_size, q, k, v, out, lse);
+    forward_cache_tiled(&host, p, tiles, cache, q, k, v, out, lse);
     host.out_of_range().map_or(Ok(()), Err)
-}
-
-/// [`forward_paged`] with explicit tile sizes (for tuning and tests).
-#[allow(clippy::too_many_arguments)]
-pub fn forward_paged_tiled<V: HostVariant, E: KvElem>(
-    variant: &V,
-    p: &Problem,
-    tiles: CpuTiles,
-    lens: &[usize],
-    table: &[usize],
-    page_size: usize,
-    q: &[f32],
-    k: &[E],
-    v: &[E],
-    out: &mut [f32],
-    lse: &mut [f32],
-) {
-    check_forward_lengths(p, q.len(), (k.len(), v.len()), k.len(), out, lse);
-    assert_eq!(lens.len(), p.batch, "one length per sequence");
-    assert!(
-        page_size > 0 && p.seq_k.is_multiple_of(page_size),
-        "whole pages"
-    );
-    let max_pages = p.seq_k / page_size;
-    assert_eq!(
-        table.len(),
-        p.batch * max_pages,
-        "a page table row per sequence"
-    );
-    let pages = k.len() / (p.heads_kv * page_size * p.head_dim).max(1);
-    for (b, &len) in lens.iter().enumerate() {
-        assert!(len <= p.seq_k, "length within the table");
-        let used = &table[b * max_pages..b * max_pages + len.div_ceil(page_size)];
-        assert!(used.iter().all(|&page| page < pages), "valid pages");
-    }
-    let tiles = CpuTiles::new(tiles.q, tiles.kv);
-    let chunks = decode::chunks(p, tiles, rayon::current_num_threads());
-    let keys = decode::Keys::Paged {
-        k,
-        v,
-        table,
-        max_pages,
-        page_size,
-    };
-    in_pool(|| decode::forward(variant, p, tiles, chunks, Some(lens), q, keys, out, lse));
 }
 
 /// [`forward_cache`] with explicit tile sizes (for tuning and tests).
@@ -389,39 +379,35 @@ pub fn forward_cache_tiled<V: HostVariant, E: KvElem>(
     variant: &V,
     p: &Problem,
     tiles: CpuTiles,
-    lens: &[usize],
+    cache: CacheLayout<'_>,
     q: &[f32],
     k: &[E],
     v: &[E],
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    check_forward_lengths(p, q.len(), (k.len(), v.len()), p.kv_len(), out, lse);
-    assert_eq!(lens.len(), p.batch, "one length per sequence");
+    let keys = cache.keys(p, k, v);
+    check_forward_lengths(p, q.len(), (k.len(), v.len()), k.len(), out, lse);
     let tiles = CpuTiles::new(tiles.q, tiles.kv);
     let chunks = decode::chunks(p, tiles, rayon::current_num_threads());
-    in_pool(|| {
-        decode::forward(
-            variant,
-            p,
-            tiles,
-            chunks,
-            Some(lens),
-            q,
-            decode::Keys::Contiguous { k, v },
-            out,
-            lse,
-        )
-    });
+    let lens = Some(cache.lens);
+    in_pool(|| decode::forward(variant, p, tiles, chunks, lens, q, keys, out, lse));
 }
 
 /// Attention backward with the variant's [`CpuTiles`]: writes `dq`, `dk`, `dv`,
 /// and returns the gradient of each learnable tensor whose slot
 /// `tensor_grads` marks (`None` for the others). Captured tensors and
 /// out-of-range reads as in [`forward`].
+///
+/// Over a KV cache (`lens`: sequence `b` has `lens[b]` of the `Sk` slots,
+/// as in [`CacheLayout::lengths`]), the other slots get `dk = dv = 0` and
+/// are never part of a product: the tile kernels run unchanged over the
+/// cache's positions and mask (`cached::Cached`), so every variant works.
+#[allow(clippy::too_many_arguments)]
 pub fn backward<V: Variant>(
     variant: &V,
     p: &Problem,
+    lens: Option<&[usize]>,
     inputs: BackwardInputs<'_>,
     dq: &mut [f32],
     dk: &mut [f32],
@@ -430,92 +416,58 @@ pub fn backward<V: Variant>(
 ) -> Result<Vec<Option<Vec<f32>>>> {
     let host = variant.host(p)?;
     let tiles = CpuTiles::for_variant::<V>();
-    let grads = backward_host(&host, p, tiles, inputs, dq, dk, dv, tensor_grads);
+    let out = (dq, dk, dv);
+    let grads = match lens {
+        None => backward_host(&host, p, tiles, inputs, out, tensor_grads),
+        Some(lens) => {
+            let cached = cached::Cached::new(&host, p, lens);
+            backward_host(&cached, p, tiles, inputs, out, tensor_grads)
+        }
+    };
     host.out_of_range().map_or(Ok(()), Err)?;
     Ok(grads)
 }
 
-/// The bf16 tensors [`backward_bf16`] reads, in the layout of
-/// [`BackwardInputs`]; `lse` is the forward's, f32.
-#[derive(Clone, Copy, Debug)]
-pub struct Bf16BackwardInputs<'a> {
-    /// Queries `[B, Hq, Sq, D]`.
-    pub q: &'a [half::bf16],
-    /// Keys `[B, Hkv, Sk, D]`.
-    pub k: &'a [half::bf16],
-    /// Values `[B, Hkv, Sk, D]`.
-    pub v: &'a [half::bf16],
-    /// The forward's output `[B, Hq, Sq, D]`.
-    pub out: &'a [half::bf16],
-    /// The forward's log-sum-exp `[B, Hq, Sq]`.
-    pub lse: &'a [f32],
-    /// Gradient of the loss with respect to `out`.
-    pub dout: &'a [half::bf16],
-}
+/// The bf16 tensors [`backward_bf16`] reads; `lse` is the forward's, f32.
+pub type Bf16BackwardInputs<'a> = BackwardInputs<'a, half::bf16>;
 
 /// Attention backward over bf16 inputs with its five tile products on AMX
 /// or `vdpbf16ps` (see `amx_backward`: `P` and `dS` rounded to bf16 before
 /// their products, everything else f32), where [`bf16_tiles`] holds.
 /// Returns `Ok(None)`, writing nothing, where it does not: the caller then
-/// widens the inputs for [`backward`]. Otherwise as [`backward`], learnable
-/// tensors' gradients included.
+/// widens the inputs for [`backward`]. Otherwise as [`backward`], KV
+/// caches and learnable tensors' gradients included.
 #[allow(clippy::too_many_arguments)]
 pub fn backward_bf16<V: Variant>(
     variant: &V,
     p: &Problem,
-    inputs: Bf16BackwardInputs<'_>,
+    lens: Option<&[usize]>,
+    i: Bf16BackwardInputs<'_>,
     dq: &mut [f32],
     dk: &mut [f32],
     dv: &mut [f32],
     tensor_grads: &[bool],
 ) -> Result<Option<Vec<Option<Vec<f32>>>>> {
-    check_bf16_backward(p, &inputs, (dq, dk, dv));
-    if !amx_backward::applies(p) {
-        return Ok(None);
-    }
-    let host = variant.host(p)?;
-    let grads = backward_bf16_host(&host, p, inputs, (dq, dk, dv), tensor_grads);
-    host.out_of_range().map_or(Ok(()), Err)?;
-    Ok(Some(grads))
-}
-
-/// [`backward_bf16`] over a KV cache (see [`backward_cache`]): sequence
-/// `b` holds `lens[b]` of the `Sk` slots; the others get `dk = dv = 0`.
-#[allow(clippy::too_many_arguments)]
-pub fn backward_bf16_cache<V: Variant>(
-    variant: &V,
-    p: &Problem,
-    lens: &[usize],
-    inputs: Bf16BackwardInputs<'_>,
-    dq: &mut [f32],
-    dk: &mut [f32],
-    dv: &mut [f32],
-    tensor_grads: &[bool],
-) -> Result<Option<Vec<Option<Vec<f32>>>>> {
-    assert_eq!(lens.len(), p.batch, "one length per sequence");
-    check_bf16_backward(p, &inputs, (dq, dk, dv));
-    if !amx_backward::applies(p) {
-        return Ok(None);
-    }
-    let host = variant.host(p)?;
-    let cached = cached::Cached::new(&host, p.seq_k, lens);
-    let grads = backward_bf16_host(&cached, p, inputs, (dq, dk, dv), tensor_grads);
-    host.out_of_range().map_or(Ok(()), Err)?;
-    Ok(Some(grads))
-}
-
-/// The slices of a bf16 backward have the problem's lengths.
-fn check_bf16_backward(
-    p: &Problem,
-    i: &Bf16BackwardInputs<'_>,
-    (dq, dk, dv): (&[f32], &[f32], &[f32]),
-) {
     check_backward_lengths(
         p,
         (i.q.len(), i.k.len(), i.v.len()),
         (i.out.len(), i.dout.len(), i.lse.len()),
         (dq, dk, dv),
     );
+    if !amx_backward::applies(p) {
+        return Ok(None);
+    }
+    let host = variant.host(p)?;
+    let out = (dq, dk, dv);
+    let grads = match lens {
+        None => backward_bf16_host(&host, p, i, out, tensor_grads),
+        Some(lens) => {
+            let cached = cached::Cached::new(&host, p, lens);
+            backward_bf16_host(&cached, p, i, out, tensor_grads)
+        }
+    };
+    host.out_of_range().map_or(Ok(()), Err)?;
+    Ok(Some(grads))
 }
 
 /// The bf16 backward of `host` with the slots `tensor_grads` marks
@@ -601,41 +553,13 @@ fn check_backward_lengths(
     );
 }
 
-/// Attention backward over a KV cache (see [`forward_cache`]): `k, v` and
-/// `dk, dv` hold `Sk` slots per sequence, of which sequence `b` has
-/// `lens[b]`; the others get `dk = dv = 0` and are never part of a
-/// product. The tile kernels run unchanged over the cache's positions and
-/// mask (`cached::Cached`), so every variant works.
-#[allow(clippy::too_many_arguments)]
-pub fn backward_cache<V: Variant>(
-    variant: &V,
-    p: &Problem,
-    lens: &[usize],
-    inputs: BackwardInputs<'_>,
-    dq: &mut [f32],
-    dk: &mut [f32],
-    dv: &mut [f32],
-    tensor_grads: &[bool],
-) -> Result<Vec<Option<Vec<f32>>>> {
-    assert_eq!(lens.len(), p.batch, "one length per sequence");
-    let host = variant.host(p)?;
-    let cached = cached::Cached::new(&host, p.seq_k, lens);
-    let tiles = CpuTiles::for_variant::<V>();
-    let grads = backward_host(&cached, p, tiles, inputs, dq, dk, dv, tensor_grads);
-    host.out_of_range().map_or(Ok(()), Err)?;
-    Ok(grads)
-}
-
 /// The backward of `host` with the slots `tensor_grads` marks computed.
-#[allow(clippy::too_many_arguments)]
 fn backward_host<H: HostVariant>(
     host: &H,
     p: &Problem,
     tiles: CpuTiles,
     inputs: BackwardInputs<'_>,
-    dq: &mut [f32],
-    dk: &mut [f32],
-    dv: &mut [f32],
+    (dq, dk, dv): (&mut [f32], &mut [f32], &mut [f32]),
     tensor_grads: &[bool],
 ) -> Vec<Option<Vec<f32>>> {
     let mut grads = grad_slots(host, tensor_grads);

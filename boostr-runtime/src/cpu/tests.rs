@@ -180,6 +180,13 @@ impl Inputs {
             dout: random(p.q_len(), seed + 3, 1.0),
         }
     }
+
+    /// Every input rounded to bf16 (so that bf16 kernels see them exactly).
+    fn round_to_bf16(&mut self) {
+        for t in [&mut self.q, &mut self.k, &mut self.v, &mut self.dout] {
+            t.iter_mut().for_each(|v| *v = bf16_round(*v));
+        }
+    }
 }
 
 /// Forward and backward of attention in f64, straight from the definition.
@@ -698,7 +705,7 @@ fn backward_is_bitwise_deterministic() {
 
 #[test]
 fn every_instruction_set_agrees() {
-    use super::simd::{LEVEL_CAP, Level};
+    use super::simd::Level;
     fn all_paths<V: HostVariant>(var: &V) {
         let p = problem(2, 4, 2, 97, 70, 40);
         let x = Inputs::new(&p, 12, 1.0);
@@ -708,11 +715,7 @@ fn every_instruction_set_agrees() {
                 .map(|g| g.iter().map(|x| x.to_bits()).collect::<Vec<u32>>())
         };
         let [baseline, avx2, avx512] = [Level::Baseline, Level::Avx2, Level::Avx512].map(|level| {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(2)
-                .start_handler(move |_| LEVEL_CAP.with(|cap| cap.set(level)))
-                .build()
-                .unwrap();
+            let pool = capped(level, 2);
             bits(pool.install(|| run(var, &p, tiles, None, &x)))
         });
         // The elementwise passes give the same bits on every path, and the
@@ -976,7 +979,17 @@ fn check_cache<V: HostVariant>(v: &V, p: &Problem, t: CpuTiles, lens: &[usize]) 
     let want = reference_lens(v, p, &x, Some(lens));
     let mut out = vec![f32::NAN; p.q_len()];
     let mut lse = vec![f32::NAN; p.lse_len()];
-    forward_cache_tiled(v, p, t, lens, &x.q, &x.k, &x.v, &mut out, &mut lse);
+    forward_cache_tiled(
+        v,
+        p,
+        t,
+        CacheLayout::lengths(lens),
+        &x.q,
+        &x.k,
+        &x.v,
+        &mut out,
+        &mut lse,
+    );
     let ctx = format!("{} {p:?} lens {lens:?}", V::NAME);
     assert_close(&format!("out {ctx}"), &out, &want.out, 2e-5);
     assert_close(&format!("lse {ctx}"), &lse, &want.lse, 2e-5);
@@ -1009,10 +1022,58 @@ fn a_full_cache_is_the_plain_forward() {
     let (mut out, mut lse) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
     forward_tiled(&v, &p, t, &x.q, &x.k, &x.v, &mut out, &mut lse);
     let (mut out2, mut lse2) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
-    forward_cache_tiled(&v, &p, t, &[333; 3], &x.q, &x.k, &x.v, &mut out2, &mut lse2);
+    forward_cache_tiled(
+        &v,
+        &p,
+        t,
+        CacheLayout::lengths(&[333; 3]),
+        &x.q,
+        &x.k,
+        &x.v,
+        &mut out2,
+        &mut lse2,
+    );
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&out), bits(&out2));
     assert_eq!(bits(&lse), bits(&lse2));
+}
+
+/// The bf16 tile-product levels this CPU has (AMX tiles, and capped at
+/// `Bf16Dot`, `vdpbf16ps`); none, with a skip message, where it has neither.
+fn bf16_levels() -> Vec<super::simd::Level> {
+    use super::simd::Level;
+    let mut levels = Vec::new();
+    if amx::kind() == Some(amx::Kind::Amx) {
+        levels.push(Level::Amx);
+    }
+    if bf16_dot::present() {
+        levels.push(Level::Bf16Dot);
+    }
+    if levels.is_empty() {
+        eprintln!("boostr: skipping: neither AMX-BF16 nor AVX512-BF16 on this CPU or OS");
+    }
+    levels
+}
+
+/// A pool of `threads` whose workers run at most `level`.
+fn capped(level: super::simd::Level, threads: usize) -> rayon::ThreadPool {
+    use super::simd::LEVEL_CAP;
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .start_handler(move |_| LEVEL_CAP.with(|c| c.set(level)))
+        .build()
+        .unwrap()
+}
+
+/// `v` rounded to bf16.
+fn bf(v: &[f32]) -> Vec<half::bf16> {
+    v.iter().map(|&x| half::bf16::from_f32(x)).collect()
+}
+
+/// The paged layout of `lens` over `table`.
+fn paging<'a>(lens: &'a [usize], table: &'a [usize], page_size: usize) -> CacheLayout<'a> {
+    let pages = Some(PageTable { table, page_size });
+    CacheLayout { lens, pages }
 }
 
 /// The cache of `x` (`[B, Hkv, Sk, D]`, lengths `lens`) scattered into
@@ -1071,15 +1132,33 @@ fn paged_caches_match_the_contiguous_cache() {
     let v = CausalSoftcap::new(20.0);
     let want = reference_lens(&v, &p, &x, Some(&lens));
     let (mut out, mut lse) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
-    forward_cache_tiled(&v, &p, t, &lens, &x.q, &x.k, &x.v, &mut out, &mut lse);
+    forward_cache_tiled(
+        &v,
+        &p,
+        t,
+        CacheLayout::lengths(&lens),
+        &x.q,
+        &x.k,
+        &x.v,
+        &mut out,
+        &mut lse,
+    );
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     // Pages of whole key tiles: the same blocks, bit for bit; other sizes
     // cut blocks at page boundaries: within rounding.
     for page_size in [64, 192, 48, 16, 96] {
         let (kp, vp, table) = paged(&p, &x, &lens, page_size);
         let (mut po, mut pl) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
-        forward_paged_tiled(
-            &v, &p, t, &lens, &table, page_size, &x.q, &kp, &vp, &mut po, &mut pl,
+        forward_cache_tiled(
+            &v,
+            &p,
+            t,
+            paging(&lens, &table, page_size),
+            &x.q,
+            &kp,
+            &vp,
+            &mut po,
+            &mut pl,
         );
         let ctx = format!("page size {page_size}");
         assert_close(&format!("out {ctx}"), &po, &want.out, 2e-5);
@@ -1133,7 +1212,17 @@ where
     let want = reference_lens(&host, p, x, Some(lens));
     let mut out = vec![f32::NAN; p.q_len()];
     let mut lse = vec![f32::NAN; p.lse_len()];
-    forward_cache(v, p, lens, &x.q, &x.k, &x.v, &mut out, &mut lse).expect("forward");
+    forward_cache(
+        v,
+        p,
+        CacheLayout::lengths(lens),
+        &x.q,
+        &x.k,
+        &x.v,
+        &mut out,
+        &mut lse,
+    )
+    .expect("forward");
     let (mut dq, mut dk, mut dv) = (
         vec![f32::NAN; p.q_len()],
         vec![f32::NAN; p.kv_len()],
@@ -1147,7 +1236,7 @@ where
         lse: &lse,
         dout: &x.dout,
     };
-    backward_cache(v, p, lens, inputs, &mut dq, &mut dk, &mut dv, &[]).expect("backward");
+    backward(v, p, Some(lens), inputs, &mut dq, &mut dk, &mut dv, &[]).expect("backward");
     let ctx = format!("{} {p:?} lens {lens:?}", V::NAME);
     assert_close(&format!("out {ctx}"), &out, &want.out, 2e-5);
     assert_close(&format!("dq {ctx}"), &dq, &want.dq, 5e-5);
@@ -1183,7 +1272,17 @@ fn a_16_bit_cache_reads_as_its_widened_copy() {
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     let run = |k: &[f32], vv: &[f32]| {
         let (mut out, mut lse) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
-        forward_cache_tiled(&v, &p, t, &lens, &x.q, k, vv, &mut out, &mut lse);
+        forward_cache_tiled(
+            &v,
+            &p,
+            t,
+            CacheLayout::lengths(&lens),
+            &x.q,
+            k,
+            vv,
+            &mut out,
+            &mut lse,
+        );
         (bits(&out), bits(&lse))
     };
     let wide_bf: (Vec<f32>, Vec<f32>) = (
@@ -1191,7 +1290,17 @@ fn a_16_bit_cache_reads_as_its_widened_copy() {
         bf.1.iter().map(|y| y.to_f32()).collect(),
     );
     let (mut out, mut lse) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
-    forward_cache_tiled(&v, &p, t, &lens, &x.q, &bf.0, &bf.1, &mut out, &mut lse);
+    forward_cache_tiled(
+        &v,
+        &p,
+        t,
+        CacheLayout::lengths(&lens),
+        &x.q,
+        &bf.0,
+        &bf.1,
+        &mut out,
+        &mut lse,
+    );
     assert_eq!(
         (bits(&out), bits(&lse)),
         run(&wide_bf.0, &wide_bf.1),
@@ -1226,11 +1335,27 @@ fn a_16_bit_cache_reads_as_its_widened_copy() {
     let (kp, vp) = (paged_of(&wide_hf.0), paged_of(&wide_hf.1));
     let kp16: Vec<half::f16> = kp.iter().map(|&y| half::f16::from_f32(y)).collect();
     let vp16: Vec<half::f16> = vp.iter().map(|&y| half::f16::from_f32(y)).collect();
-    forward_paged_tiled(
-        &v, &p, t, &lens, &table, ps, &x.q, &kp16, &vp16, &mut out, &mut lse,
+    forward_cache_tiled(
+        &v,
+        &p,
+        t,
+        paging(&lens, &table, ps),
+        &x.q,
+        &kp16,
+        &vp16,
+        &mut out,
+        &mut lse,
     );
-    forward_paged_tiled(
-        &v, &p, t, &lens, &table, ps, &x.q, &kp, &vp, &mut wout, &mut wlse,
+    forward_cache_tiled(
+        &v,
+        &p,
+        t,
+        paging(&lens, &table, ps),
+        &x.q,
+        &kp,
+        &vp,
+        &mut wout,
+        &mut wlse,
     );
     assert_eq!(
         (bits(&out), bits(&lse)),
@@ -1319,34 +1444,18 @@ fn naive_bf16<V: HostVariant>(var: &V, p: &Problem, x: &Inputs) -> Vec<f64> {
 /// caller widens the inputs for the f32 kernels.
 #[test]
 fn bf16_tiles_match_the_reference_within_the_bf16_yardstick() {
-    use super::simd::{LEVEL_CAP, Level};
+    use super::simd::Level;
     use crate::stock::{Causal, CausalSlidingWindow, Full, Softcap};
     // The products each level runs here: AMX tiles where present, and
     // (capped at Bf16Dot) vdpbf16ps wherever present.
-    let mut levels = Vec::new();
-    if amx::kind() == Some(amx::Kind::Amx) {
-        levels.push(Level::Amx);
-    }
-    if bf16_dot::present() {
-        levels.push(Level::Bf16Dot);
-    }
+    let levels = bf16_levels();
     if levels.is_empty() {
-        eprintln!("boostr: skipping: neither AMX-BF16 nor AVX512-BF16 on this CPU or OS");
         return;
-    }
-    fn capped(level: Level, threads: usize) -> rayon::ThreadPool {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .start_handler(move |_| LEVEL_CAP.with(|c| c.set(level)))
-            .build()
-            .unwrap()
     }
     fn check<V: Variant>(var: &V, p: Problem, hide: bool, levels: &[Level]) {
         let host = var.host(&p).unwrap();
         let mut x = Inputs::new(&p, 0xbf16 ^ (p.seq_q * 7 + p.seq_k) as u64, 1.0);
-        for t in [&mut x.q, &mut x.k, &mut x.v, &mut x.dout] {
-            t.iter_mut().for_each(|v| *v = bf16_round(*v));
-        }
+        x.round_to_bf16();
         if hide {
             // Keys that no query sees (a causal mask with Sq < Sk hides
             // none; a window hides the oldest): NaN in K and V.
@@ -1363,11 +1472,6 @@ fn bf16_tiles_match_the_reference_within_the_bf16_yardstick() {
         let naive = naive_bf16(&host, &p, &x);
         let yard_grads =
             reference_rounded(&host, &p, &x, None, |x| f64::from(bf16_round(x as f32)));
-        let bf = |v: &[f32]| {
-            v.iter()
-                .map(|&x| half::bf16::from_f32(x))
-                .collect::<Vec<_>>()
-        };
         for &level in levels {
             capped(level, 2).install(|| {
                 let kind = match level {
@@ -1414,7 +1518,8 @@ fn bf16_tiles_match_the_reference_within_the_bf16_yardstick() {
                 };
                 let mut dq = vec![f32::NAN; p.q_len()];
                 let (mut dk, mut dv) = (vec![f32::NAN; p.kv_len()], vec![f32::NAN; p.kv_len()]);
-                let ran = backward_bf16(var, &p, inputs, &mut dq, &mut dk, &mut dv, &[]).unwrap();
+                let ran =
+                    backward_bf16(var, &p, None, inputs, &mut dq, &mut dk, &mut dv, &[]).unwrap();
                 assert!(
                     ran.is_some(),
                     "{} {p:?} {level:?}: the bf16 backward runs",
@@ -1465,7 +1570,7 @@ fn bf16_tiles_match_the_reference_within_the_bf16_yardstick() {
         };
         let (mut dk, mut dv) = (vec![f32::NAN; p.kv_len()], vec![f32::NAN; p.kv_len()]);
         let declined = pool.install(|| {
-            backward_bf16(var, &p, inputs, &mut untouched, &mut dk, &mut dv, &[]).unwrap()
+            backward_bf16(var, &p, None, inputs, &mut untouched, &mut dk, &mut dv, &[]).unwrap()
         });
         assert!(
             declined.is_none() && untouched.iter().all(|x| x.is_nan()),
@@ -1544,27 +1649,15 @@ struct KeyBias<R: numr::runtime::Runtime> {
 /// whose gradients the bf16 kernels compute from f32 `P` and `dP`).
 #[test]
 fn bf16_tiles_cover_padded_dims_learnable_tensors_and_caches() {
-    use super::simd::{LEVEL_CAP, Level};
+    use super::simd::Level;
     use crate::stock::AlibiSlopes;
     use numr::autograd::Var;
     use numr::runtime::cpu::{CpuDevice, CpuRuntime};
     use numr::tensor::Tensor;
-    let mut levels = Vec::new();
-    if amx::kind() == Some(amx::Kind::Amx) {
-        levels.push(Level::Amx);
-    }
-    if bf16_dot::present() {
-        levels.push(Level::Bf16Dot);
-    }
+    let levels = bf16_levels();
     if levels.is_empty() {
-        eprintln!("boostr: skipping: neither AMX-BF16 nor AVX512-BF16 on this CPU or OS");
         return;
     }
-    let bf = |v: &[f32]| {
-        v.iter()
-            .map(|&x| half::bf16::from_f32(x))
-            .collect::<Vec<_>>()
-    };
     let device = CpuDevice::new();
     let mut rng = crate::testing::Rng::new(0xbf1e, 0);
 
@@ -1572,9 +1665,7 @@ fn bf16_tiles_cover_padded_dims_learnable_tensors_and_caches() {
     fn learnable<V: Variant>(var: &V, p: Problem, levels: &[Level]) {
         let host = var.host(&p).unwrap();
         let mut x = Inputs::new(&p, 0x1ea ^ p.head_dim as u64, 1.0);
-        for t in [&mut x.q, &mut x.k, &mut x.v, &mut x.dout] {
-            t.iter_mut().for_each(|v| *v = bf16_round(*v));
-        }
+        x.round_to_bf16();
         let f = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
         let want = crate::testing::reference_backward(
             &host,
@@ -1584,11 +1675,6 @@ fn bf16_tiles_cover_padded_dims_learnable_tensors_and_caches() {
             &f(&x.v),
             &f(&x.dout),
         );
-        let bf = |v: &[f32]| {
-            v.iter()
-                .map(|&x| half::bf16::from_f32(x))
-                .collect::<Vec<_>>()
-        };
         let (mut out, mut lse) = (vec![0.0f32; p.q_len()], vec![0.0f32; p.lse_len()]);
         forward(var, &p, &x.q, &x.k, &x.v, &mut out, &mut lse).unwrap();
         let out: Vec<f32> = out.iter().map(|&o| bf16_round(o)).collect();
@@ -1606,14 +1692,10 @@ fn bf16_tiles_cover_padded_dims_learnable_tensors_and_caches() {
             vec![0.0; p.kv_len()],
             vec![0.0; p.kv_len()],
         );
-        let yard = backward(var, &p, inputs, &mut g.0, &mut g.1, &mut g.2, &[true]).unwrap();
+        let yard = backward(var, &p, None, inputs, &mut g.0, &mut g.1, &mut g.2, &[true]).unwrap();
         let yard: Vec<f64> = f(yard[0].as_ref().unwrap());
         for &level in levels {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(2)
-                .start_handler(move |_| LEVEL_CAP.with(|c| c.set(level)))
-                .build()
-                .unwrap();
+            let pool = capped(level, 2);
             let (q, k, v, o, dout) = (bf(&x.q), bf(&x.k), bf(&x.v), bf(&out), bf(&x.dout));
             let inputs = Bf16BackwardInputs {
                 q: &q,
@@ -1629,7 +1711,7 @@ fn bf16_tiles_cover_padded_dims_learnable_tensors_and_caches() {
                 vec![f32::NAN; p.kv_len()],
             );
             let grads = pool.install(|| {
-                backward_bf16(var, &p, inputs, &mut g.0, &mut g.1, &mut g.2, &[true]).unwrap()
+                backward_bf16(var, &p, None, inputs, &mut g.0, &mut g.1, &mut g.2, &[true]).unwrap()
             });
             let grads = grads.expect("the bf16 backward runs");
             let got = grads[0].as_ref().expect("the tensor's gradient");
@@ -1640,18 +1722,14 @@ fn bf16_tiles_cover_padded_dims_learnable_tensors_and_caches() {
                 &yard,
             );
             // Every thread count gives the same bits (fixed chunking).
-            let one = rayon::ThreadPoolBuilder::new()
-                .num_threads(1)
-                .start_handler(move |_| LEVEL_CAP.with(|c| c.set(level)))
-                .build()
-                .unwrap();
+            let one = capped(level, 1);
             let mut h = (
                 vec![0.0; p.q_len()],
                 vec![0.0; p.kv_len()],
                 vec![0.0; p.kv_len()],
             );
             let again = one.install(|| {
-                backward_bf16(var, &p, inputs, &mut h.0, &mut h.1, &mut h.2, &[true]).unwrap()
+                backward_bf16(var, &p, None, inputs, &mut h.0, &mut h.1, &mut h.2, &[true]).unwrap()
             });
             let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             assert_eq!(
@@ -1692,9 +1770,7 @@ fn bf16_tiles_cover_padded_dims_learnable_tensors_and_caches() {
     let lens = [0usize, 37, 128, 90];
     let p = problem(lens.len(), 4, 2, 40, 128, 40);
     let mut x = Inputs::new(&p, 0xcac7e, 1.0);
-    for t in [&mut x.q, &mut x.k, &mut x.v, &mut x.dout] {
-        t.iter_mut().for_each(|v| *v = bf16_round(*v));
-    }
+    x.round_to_bf16();
     for (row, (k, v)) in
         x.k.chunks_mut(p.head_dim)
             .zip(x.v.chunks_mut(p.head_dim))
@@ -1712,14 +1788,20 @@ fn bf16_tiles_cover_padded_dims_learnable_tensors_and_caches() {
         f64::from(bf16_round(x as f32))
     });
     let (mut out, mut lse) = (vec![0.0f32; p.q_len()], vec![0.0f32; p.lse_len()]);
-    forward_cache(&var, &p, &lens, &x.q, &x.k, &x.v, &mut out, &mut lse).unwrap();
+    forward_cache(
+        &var,
+        &p,
+        CacheLayout::lengths(&lens),
+        &x.q,
+        &x.k,
+        &x.v,
+        &mut out,
+        &mut lse,
+    )
+    .unwrap();
     let (q, k, v, o, dout) = (bf(&x.q), bf(&x.k), bf(&x.v), bf(&out), bf(&x.dout));
     for &level in &levels {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .start_handler(move |_| LEVEL_CAP.with(|c| c.set(level)))
-            .build()
-            .unwrap();
+        let pool = capped(level, 2);
         let inputs = Bf16BackwardInputs {
             q: &q,
             k: &k,
@@ -1734,7 +1816,17 @@ fn bf16_tiles_cover_padded_dims_learnable_tensors_and_caches() {
             vec![f32::NAN; p.kv_len()],
         );
         let ran = pool.install(|| {
-            backward_bf16_cache(&var, &p, &lens, inputs, &mut g.0, &mut g.1, &mut g.2, &[]).unwrap()
+            backward_bf16(
+                &var,
+                &p,
+                Some(&lens),
+                inputs,
+                &mut g.0,
+                &mut g.1,
+                &mut g.2,
+                &[],
+            )
+            .unwrap()
         });
         assert!(ran.is_some(), "{level:?}: the bf16 cache backward runs");
         let ctx = format!("cache {p:?} {level:?}");

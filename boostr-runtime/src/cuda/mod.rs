@@ -15,7 +15,7 @@
 //! dQ kernel over query tiles and a dK/dV kernel over key tiles, each
 //! recomputing `P` from the lse (no float atomics).
 
-use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, CacheLengths, Pages};
+use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, KeyLayout, Keys};
 use crate::error::{BackendError, Error, Result};
 use crate::gpu::{self, ArenaPlan, KernelCache};
 use crate::problem::Problem;
@@ -576,34 +576,56 @@ impl DeviceArena {
     }
 }
 
-/// A KV cache: its lengths, and its page table with the keys per page and
-/// entries per row when paged.
-type CacheTensors<'a> = (
-    &'a Tensor<CudaRuntime>,
-    Option<(&'a Tensor<CudaRuntime>, usize, usize)>,
-);
+/// Fills the arena of `variant` for `p` (its captures, and the cache
+/// words of `layout`) and launches `modules` in order on `like`'s stream
+/// with `buffers` bound, the forward in `splits` key splits; then reports
+/// a read out of range, if the call may have one. Returns the arena, whose
+/// gradient accumulators a backward reads back.
+#[allow(clippy::too_many_arguments)]
+fn launch<V: Variant>(
+    variant: &V,
+    p: &Problem,
+    like: &Tensor<CudaRuntime>,
+    dtype: DType,
+    layout: &KeyLayout<'_, CudaRuntime>,
+    modules: &[&'static Module],
+    buffers: &[(Buffer, &Tensor<CudaRuntime>)],
+    splits: u32,
+) -> Result<DeviceArena> {
+    let client = CudaRuntime::default_client(like.device());
+    let arena = DeviceArena::new(variant, p, &client, like, layout.index_tensors())?;
+    let call = Call {
+        problem: p,
+        params: Params(variant.param_words()),
+        captures: arena.words.ptr(),
+        buffers,
+        kv: arena.kv(layout.page_geometry(p))?,
+        splits,
+    };
+    for module in modules {
+        let compiled = compiled::<V>(&client, like.device().id(), p, dtype, module)?;
+        launch_module(&client, module, &compiled, &call)?;
+    }
+    arena.check::<V>()?;
+    Ok(arena)
+}
 
-/// The forward kernel, over plain `k, v` or a KV cache (its lengths and
+/// The forward kernel, over keys of any layout (a cache's lengths and
 /// page table copied into the arena).
 fn forward_over<V: Variant>(
     variant: &V,
     p: &Problem,
     q: &Tensor<CudaRuntime>,
-    k: &Tensor<CudaRuntime>,
-    v: &Tensor<CudaRuntime>,
-    cache: Option<CacheTensors<'_>>,
+    keys: Keys<'_, CudaRuntime>,
 ) -> Result<(Tensor<CudaRuntime>, Tensor<CudaRuntime>)> {
-    let (q, k, v) = (input("q", q)?, input("k", k)?, input("v", v)?);
+    let (q, k, v) = (input("q", q)?, input("k", keys.k)?, input("v", keys.v)?);
     let dtype = same_dtype(&[("q", &q), ("k", &k), ("v", &v)])?;
     let client = CudaRuntime::default_client(q.device());
     let module = &kernels::FORWARD_MODULE;
-    let compiled = compiled::<V>(&client, q.device().id(), p, dtype, module)?;
+    let tiles = compiled::<V>(&client, q.device().id(), p, dtype, module)?.tiles;
+    let splits = forward_splits(&client, p, &tiles);
     let out = alloc(q.shape(), dtype, &q)?;
     let lse = alloc(&[p.batch, p.heads_q, p.seq_q], DType::F32, &q)?;
-    let words = [cache.map(|c| c.0), cache.and_then(|c| c.1.map(|t| t.0))];
-    let arena = DeviceArena::new(variant, p, &client, &q, words)?;
-    let kv = arena.kv(cache.and_then(|c| c.1).map(|t| (t.1, t.2)))?;
-    let splits = forward_splits(&client, p, &compiled.tiles);
     // The splits' rows (f32), or, unsplit, `lse` in their place (not read).
     let (split_out, split_lse) = if splits > 1 {
         let rows = p.batch * p.heads_q * p.seq_q;
@@ -615,24 +637,25 @@ fn forward_over<V: Variant>(
     } else {
         (lse.clone(), lse.clone())
     };
-    let call = Call {
-        problem: p,
-        params: Params(variant.param_words()),
-        captures: arena.words.ptr(),
-        buffers: &[
-            (Buffer::Q, &q),
-            (Buffer::K, &k),
-            (Buffer::V, &v),
-            (Buffer::Out, &out),
-            (Buffer::Lse, &lse),
-            (Buffer::SplitOut, &split_out),
-            (Buffer::SplitLse, &split_lse),
-        ],
-        kv,
+    let buffers = [
+        (Buffer::Q, &q),
+        (Buffer::K, &k),
+        (Buffer::V, &v),
+        (Buffer::Out, &out),
+        (Buffer::Lse, &lse),
+        (Buffer::SplitOut, &split_out),
+        (Buffer::SplitLse, &split_lse),
+    ];
+    launch(
+        variant,
+        p,
+        &q,
+        dtype,
+        &keys.layout,
+        &[module],
+        &buffers,
         splits,
-    };
-    launch_module(&client, module, &compiled, &call)?;
-    arena.check::<V>()?;
+    )?;
     Ok((out, lse))
 }
 
@@ -658,40 +681,9 @@ impl AttentionRuntime for CudaRuntime {
         variant: &V,
         p: &Problem,
         q: &Tensor<Self>,
-        k: &Tensor<Self>,
-        v: &Tensor<Self>,
+        keys: Keys<'_, Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
-        forward_over(variant, p, q, k, v, None)
-    }
-
-    fn attention_forward_cache<V: Variant>(
-        variant: &V,
-        p: &Problem,
-        q: &Tensor<Self>,
-        k: &Tensor<Self>,
-        v: &Tensor<Self>,
-        lengths: CacheLengths<'_, Self>,
-    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
-        forward_over(variant, p, q, k, v, Some((lengths.tensor, None)))
-    }
-
-    fn attention_forward_paged<V: Variant>(
-        variant: &V,
-        p: &Problem,
-        q: &Tensor<Self>,
-        pages: Pages<'_, Self>,
-        lengths: CacheLengths<'_, Self>,
-    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
-        let max_pages = p.seq_k / pages.page_size.max(1);
-        let table = Some((pages.table, pages.page_size, max_pages));
-        forward_over(
-            variant,
-            p,
-            q,
-            pages.k,
-            pages.v,
-            Some((lengths.tensor, table)),
-        )
+        forward_over(variant, p, q, keys)
     }
 
     fn attention_backward<V: Variant>(
@@ -699,7 +691,12 @@ impl AttentionRuntime for CudaRuntime {
         p: &Problem,
         t: BackwardTensors<'_, Self>,
     ) -> Result<AttentionGrads<Self>> {
-        let (q, k, v) = (input("q", t.q)?, input("k", t.k)?, input("v", t.v)?);
+        t.keys.layout.unpaged(CUDA)?;
+        let (q, k, v) = (
+            input("q", t.q)?,
+            input("k", t.keys.k)?,
+            input("v", t.keys.v)?,
+        );
         let (out, dout) = (input("out", t.out)?, input("dout", t.dout)?);
         validate::check_dtype("lse", t.lse, CUDA, &[DType::F32], "f32")?;
         let lse = t.lse.contiguous()?;
@@ -710,42 +707,29 @@ impl AttentionRuntime for CudaRuntime {
             ("out", &out),
             ("dout", &dout),
         ])?;
-        let client = CudaRuntime::default_client(q.device());
-        let module = &kernels::BACKWARD_MODULE;
-        let compiled = compiled::<V>(&client, q.device().id(), p, dtype, module)?;
         let delta = alloc(&[p.batch, p.heads_q, p.seq_q], DType::F32, &q)?;
         let dq = alloc(q.shape(), dtype, &q)?;
         let dk = alloc(k.shape(), dtype, &k)?;
         let dv = alloc(v.shape(), dtype, &v)?;
-        let arena = DeviceArena::new(variant, p, &client, &q, [t.lengths.map(|l| l.tensor), None])?;
-        let kv = arena.kv(None)?;
-        let call = Call {
-            problem: p,
-            params: Params(variant.param_words()),
-            captures: arena.words.ptr(),
-            buffers: &[
-                (Buffer::Q, &q),
-                (Buffer::K, &k),
-                (Buffer::V, &v),
-                (Buffer::Out, &out),
-                (Buffer::Dout, &dout),
-                (Buffer::Lse, &lse),
-                (Buffer::Delta, &delta),
-                (Buffer::Dq, &dq),
-                (Buffer::Dk, &dk),
-                (Buffer::Dv, &dv),
-            ],
-            kv,
-            splits: 1,
+        let buffers = [
+            (Buffer::Q, &q),
+            (Buffer::K, &k),
+            (Buffer::V, &v),
+            (Buffer::Out, &out),
+            (Buffer::Dout, &dout),
+            (Buffer::Lse, &lse),
+            (Buffer::Delta, &delta),
+            (Buffer::Dq, &dq),
+            (Buffer::Dk, &dk),
+            (Buffer::Dv, &dv),
+        ];
+        // The tensor gradients after `delta`, on the same stream.
+        let modules: &[&'static Module] = if gpu::learns::<V>(t.tensor_grads) {
+            &[&kernels::BACKWARD_MODULE, &kernels::TENSORS_MODULE]
+        } else {
+            &[&kernels::BACKWARD_MODULE]
         };
-        launch_module(&client, module, &compiled, &call)?;
-        if gpu::learns::<V>(t.tensor_grads) {
-            // After `delta`, on the same stream.
-            let module = &kernels::TENSORS_MODULE;
-            let learning = self::compiled::<V>(&client, q.device().id(), p, dtype, module)?;
-            launch_module(&client, module, &learning, &call)?;
-        }
-        arena.check::<V>()?;
+        let arena = launch(variant, p, &q, dtype, &t.keys.layout, modules, &buffers, 1)?;
         let tensors = arena.grads::<V>(t.tensor_grads)?;
         Ok(AttentionGrads {
             dq,

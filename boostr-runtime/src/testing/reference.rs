@@ -106,23 +106,30 @@ pub trait Real:
     );
 }
 
+/// The arithmetic of [`Real`] for a float type: its own.
+macro_rules! float_arithmetic {
+    ($t:ident) => {
+        const ZERO: Self = 0.0;
+        const NEG_INFINITY: Self = $t::NEG_INFINITY;
+        fn exp(self) -> Self {
+            $t::exp(self)
+        }
+        fn ln(self) -> Self {
+            $t::ln(self)
+        }
+        fn abs(self) -> Self {
+            $t::abs(self)
+        }
+    };
+}
+
 impl Real for f32 {
-    const ZERO: Self = 0.0;
-    const NEG_INFINITY: Self = f32::NEG_INFINITY;
+    float_arithmetic!(f32);
     fn from_f32(x: f32) -> Self {
         x
     }
     fn to_f64(self) -> f64 {
         f64::from(self)
-    }
-    fn exp(self) -> Self {
-        f32::exp(self)
-    }
-    fn ln(self) -> Self {
-        f32::ln(self)
-    }
-    fn abs(self) -> Self {
-        f32::abs(self)
     }
     fn score<V: HostVariant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self {
         variant.score(s, b, h, q, kv)
@@ -159,22 +166,12 @@ impl Real for f32 {
 }
 
 impl Real for f64 {
-    const ZERO: Self = 0.0;
-    const NEG_INFINITY: Self = f64::NEG_INFINITY;
+    float_arithmetic!(f64);
     fn from_f32(x: f32) -> Self {
         f64::from(x)
     }
     fn to_f64(self) -> f64 {
         self
-    }
-    fn exp(self) -> Self {
-        f64::exp(self)
-    }
-    fn ln(self) -> Self {
-        f64::ln(self)
-    }
-    fn abs(self) -> Self {
-        f64::abs(self)
     }
     fn score<V: HostVariant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self {
         variant.score_f64(s, b, h, q, kv)

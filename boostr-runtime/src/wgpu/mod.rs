@@ -9,7 +9,7 @@
 //! and each entry point's workgroups and tile loop from the tiles and the
 //! problem. f32 only.
 
-use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, CacheLengths, Pages};
+use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, KeyLayout, Keys};
 use crate::error::{BackendError, Result};
 use crate::gpu::{self, ArenaPlan, KernelCache};
 use crate::problem::Problem;
@@ -253,15 +253,6 @@ impl KvShape {
     };
 }
 
-/// A KV cache's lengths and page table, which the call copies into its
-/// arena after the captures (lengths at word `words`, the table after them).
-#[derive(Clone, Copy, Debug)]
-struct CacheWords<'a> {
-    lengths: &'a Tensor<WgpuRuntime>,
-    /// The page table, keys per page and entries per row.
-    pages: Option<(&'a Tensor<WgpuRuntime>, usize, usize)>,
-}
-
 fn shape_words(
     p: &Problem,
     (begin, end, flags): (u32, u32, u32),
@@ -335,18 +326,16 @@ impl DeviceArena {
         p: &Problem,
         device: &WgpuDevice,
         learn: bool,
-        cache: Option<CacheWords<'_>>,
+        layout: &KeyLayout<'_, WgpuRuntime>,
     ) -> Result<Self> {
         let plan = ArenaPlan::new(variant, p)?;
         let mut extra = Vec::new();
         let mut end = plan.arena.words;
-        if let Some(c) = cache {
-            for t in std::iter::once(c.lengths).chain(c.pages.map(|(t, ..)| t)) {
-                let t = t.contiguous()?;
-                let n = t.numel();
-                extra.push((t, end));
-                end += n;
-            }
+        for t in layout.index_tensors().into_iter().flatten() {
+            let t = t.contiguous()?;
+            let n = t.numel();
+            extra.push((t, end));
+            end += n;
         }
         if end > gpu::MAX_ARENA_WORDS {
             return Err(crate::Error::TooLarge {
@@ -585,7 +574,7 @@ struct Step<'a> {
 /// submits it all as one command buffer; then reports a read out of range,
 /// if the call may have one. Returns the arena, whose gradient
 /// accumulators a call that `learn`s reads back; a call over a KV cache
-/// copies its `cache` words in; a split-KV forward runs in `splits`.
+/// copies the words of its `layout` in; a split-KV forward runs in `splits`.
 #[allow(clippy::too_many_arguments)]
 fn run<V: Variant>(
     client: &WgpuClient,
@@ -594,16 +583,17 @@ fn run<V: Variant>(
     cfg: &WgslTiles,
     steps: &[Step<'_>],
     learn: bool,
-    cache: Option<CacheWords<'_>>,
+    layout: &KeyLayout<'_, WgpuRuntime>,
     splits: u32,
 ) -> Result<DeviceArena> {
-    let arena = DeviceArena::new(variant, p, client.device(), learn, cache)?;
-    let kv = match (cache, arena.cache.as_slice()) {
-        (Some(c), [(_, lens), rest @ ..]) => KvShape {
+    let arena = DeviceArena::new(variant, p, client.device(), learn, layout)?;
+    let pages = layout.page_geometry(p);
+    let kv = match arena.cache.as_slice() {
+        [(_, lens), rest @ ..] => KvShape {
             lens: *lens as u32,
             pages: rest.first().map_or(NO_WORD, |(_, at)| *at as u32),
-            page_size: c.pages.map_or(0, |(_, ps, _)| ps as u32),
-            max_pages: c.pages.map_or(0, |(.., mp)| mp as u32),
+            page_size: pages.map_or(0, |(ps, _)| ps as u32),
+            max_pages: pages.map_or(0, |(_, mp)| mp as u32),
         },
         _ => KvShape::PLAIN,
     };
@@ -751,19 +741,17 @@ fn forward_splits(client: &WgpuClient, p: &Problem, cfg: &WgslTiles) -> u32 {
     )
 }
 
-/// The forward, over plain `k, v` or a KV cache (lengths, and pages if
-/// any; its words in the arena, `k, v` as the cache holds them), in
-/// `splits` key splits (chosen from the shape and the device if `None`).
+/// The forward, over keys of any layout (a cache's lengths and page table
+/// copied into the arena), in `splits` key splits (chosen from the shape
+/// and the device if `None`).
 fn forward_split<V: Variant>(
     variant: &V,
     p: &Problem,
     q: &Tensor<WgpuRuntime>,
-    k: &Tensor<WgpuRuntime>,
-    v: &Tensor<WgpuRuntime>,
-    cache: Option<CacheWords<'_>>,
+    keys: Keys<'_, WgpuRuntime>,
     splits: Option<u32>,
 ) -> Result<(Tensor<WgpuRuntime>, Tensor<WgpuRuntime>)> {
-    let (q, k, v) = (input("q", q)?, input("k", k)?, input("v", v)?);
+    let (q, k, v) = (input("q", q)?, input("k", keys.k)?, input("v", keys.v)?);
     let client = WgpuRuntime::default_client(q.device());
     let fwd = pass::<V>(&client, p, &kernels::FORWARD)?;
     let cfg = tiles::<V>(p)?;
@@ -789,7 +777,7 @@ fn forward_split<V: Variant>(
             pass: &fwd,
             tensors: &tensors,
         }];
-        run(&client, variant, p, &cfg, &steps, false, cache, 1)?;
+        run(&client, variant, p, &cfg, &steps, false, &keys.layout, 1)?;
         return Ok((out, lse));
     }
     let merge = pass::<V>(&client, p, &kernels::MERGE)?;
@@ -822,7 +810,16 @@ fn forward_split<V: Variant>(
             tensors: &merged,
         },
     ];
-    run(&client, variant, p, &cfg, &steps, false, cache, splits)?;
+    run(
+        &client,
+        variant,
+        p,
+        &cfg,
+        &steps,
+        false,
+        &keys.layout,
+        splits,
+    )?;
     Ok((out, lse))
 }
 
@@ -838,12 +835,16 @@ pub fn forward_cache_in_splits<V: Variant>(
     splits: u32,
 ) -> Result<(Tensor<WgpuRuntime>, Tensor<WgpuRuntime>)> {
     let p = validate::problem(q, cache.k, cache.v, opts.scale)?;
-    validate::cache_lengths(cache.lengths, &p)?;
-    let words = CacheWords {
-        lengths: cache.lengths,
-        pages: None,
+    let host = validate::cache_lengths(cache.lengths, &p)?;
+    let keys = Keys {
+        k: cache.k,
+        v: cache.v,
+        layout: KeyLayout::Cache(crate::CacheLengths {
+            tensor: cache.lengths,
+            host: &host,
+        }),
     };
-    forward_split(variant, &p, q, cache.k, cache.v, Some(words), Some(splits))
+    forward_split(variant, &p, q, keys, Some(splits))
 }
 
 /// The key splits [`attention_fwd_cache`](crate::attention_fwd_cache)
@@ -863,40 +864,9 @@ impl AttentionRuntime for WgpuRuntime {
         variant: &V,
         p: &Problem,
         q: &Tensor<Self>,
-        k: &Tensor<Self>,
-        v: &Tensor<Self>,
+        keys: Keys<'_, Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
-        forward_split(variant, p, q, k, v, None, None)
-    }
-
-    fn attention_forward_cache<V: Variant>(
-        variant: &V,
-        p: &Problem,
-        q: &Tensor<Self>,
-        k: &Tensor<Self>,
-        v: &Tensor<Self>,
-        lengths: CacheLengths<'_, Self>,
-    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
-        let cache = CacheWords {
-            lengths: lengths.tensor,
-            pages: None,
-        };
-        forward_split(variant, p, q, k, v, Some(cache), None)
-    }
-
-    fn attention_forward_paged<V: Variant>(
-        variant: &V,
-        p: &Problem,
-        q: &Tensor<Self>,
-        pages: Pages<'_, Self>,
-        lengths: CacheLengths<'_, Self>,
-    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
-        let max_pages = p.seq_k / pages.page_size.max(1);
-        let cache = CacheWords {
-            lengths: lengths.tensor,
-            pages: Some((pages.table, pages.page_size, max_pages)),
-        };
-        forward_split(variant, p, q, pages.k, pages.v, Some(cache), None)
+        forward_split(variant, p, q, keys, None)
     }
 
     fn attention_backward<V: Variant>(
@@ -904,7 +874,12 @@ impl AttentionRuntime for WgpuRuntime {
         p: &Problem,
         t: BackwardTensors<'_, Self>,
     ) -> Result<AttentionGrads<Self>> {
-        let (q, k, v) = (input("q", t.q)?, input("k", t.k)?, input("v", t.v)?);
+        t.keys.layout.unpaged(WGPU)?;
+        let (q, k, v) = (
+            input("q", t.q)?,
+            input("k", t.keys.k)?,
+            input("v", t.keys.v)?,
+        );
         // `out` is not read: D_i comes from the recomputed P (see
         // `kernels::BACKWARD_DQ`).
         let lse = input("lse", t.lse)?;
@@ -946,11 +921,7 @@ impl AttentionRuntime for WgpuRuntime {
                 tensors: &tensors,
             })
             .collect();
-        let cache = t.lengths.map(|l| CacheWords {
-            lengths: l.tensor,
-            pages: None,
-        });
-        let arena = run(&client, variant, p, &cfg, &steps, learn, cache, 1)?;
+        let arena = run(&client, variant, p, &cfg, &steps, learn, &t.keys.layout, 1)?;
         let tensors = arena.grads::<V>(t.tensor_grads)?;
         Ok(AttentionGrads {
             dq,

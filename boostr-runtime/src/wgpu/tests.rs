@@ -327,7 +327,8 @@ fn kv_caches_and_pages_match_the_cpu() {
 /// forward gives the same bits on every run.
 #[test]
 fn split_kv_decode_matches_the_unsplit_kernel() {
-    use super::{CacheWords, forward_split};
+    use super::forward_split;
+    use crate::backend::{CacheLengths, KeyLayout, Keys};
     use crate::stock::{SlidingWindow, Softcap};
     use crate::testing::{CpuRuntime, Rng};
     use crate::{KvCache, Problem, attention_fwd_cache};
@@ -382,11 +383,15 @@ fn split_kv_decode_matches_the_unsplit_kernel() {
             on_gpu(&v, &[b, hkv, cap, d]),
         );
         let lens_gpu = Tensor::<WgpuRuntime>::from_slice(&lens, &[b], device).unwrap();
-        let words = || {
-            Some(CacheWords {
-                lengths: &lens_gpu,
-                pages: None,
-            })
+        let host_lens: Vec<usize> = lens.iter().map(|&l| l as usize).collect();
+        let lengths = CacheLengths {
+            tensor: &lens_gpu,
+            host: &host_lens,
+        };
+        let keys = Keys {
+            k: &kg,
+            v: &vg,
+            layout: KeyLayout::Cache(lengths),
         };
         // The f64 reference, from the same inputs.
         let host = variant.host(&p).unwrap();
@@ -396,11 +401,10 @@ fn split_kv_decode_matches_the_unsplit_kernel() {
             v: v.clone(),
             dout: vec![0.0; q.len()],
         };
-        let host_lens: Vec<usize> = lens.iter().map(|&l| l as usize).collect();
         let reference = crate::cpu::tests::reference_lens(&host, &p, &inputs, Some(&host_lens));
         let mut results = Vec::new();
         for splits in [Some(3), Some(1), Some(7), None, Some(3)] {
-            let (out, lse) = forward_split(variant, &p, &qg, &kg, &vg, words(), splits).unwrap();
+            let (out, lse) = forward_split(variant, &p, &qg, keys, splits).unwrap();
             let (out, lse) = (out.to_vec::<f32>(), lse.to_vec::<f32>());
             let ctx = format!("{} Sq={sq} splits {splits:?}", V::NAME);
             crate::cpu::tests::assert_close(&format!("{ctx}: out"), &out, &reference.out, 2e-5);

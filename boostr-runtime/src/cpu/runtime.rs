@@ -1,0 +1,320 @@
+//! [`AttentionRuntime`] for numr's [`CpuRuntime`]: the tensors of a call
+//! as host slices, in the element types the kernels read, and the kernel
+//! each key layout and dtype runs.
+
+use super::aligned::Aligned;
+use super::{BackwardInputs, Bf16BackwardInputs, CacheLayout, PageTable};
+use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, KeyLayout, Keys};
+use crate::error::{Error, Result};
+use crate::problem::Problem;
+use crate::validate;
+use crate::variant::Variant;
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+use numr::dtype::DType;
+use numr::runtime::Runtime;
+use numr::runtime::cpu::CpuRuntime;
+use numr::tensor::Tensor;
+use rayon::prelude::*;
+
+const CPU: &str = "cpu";
+const CPU_DTYPES: &str = "f32, f16 and bf16 (f16/bf16 computed in f32)";
+
+/// Elements per parallel task of the dtype conversions (memory-bound).
+const CONVERT_BLOCK: usize = 1 << 16;
+
+/// `$body` with `$elem` the element type of `$dtype` (f32, `half::f16` or
+/// `half::bf16`; the dtype is one of the CPU's, checked before).
+macro_rules! with_elem {
+    ($dtype:expr, $elem:ident => $body:expr) => {
+        match $dtype {
+            DType::F16 => {
+                type $elem = half::f16;
+                $body
+            }
+            DType::BF16 => {
+                type $elem = half::bf16;
+                $body
+            }
+            _ => {
+                type $elem = f32;
+                $body
+            }
+        }
+    };
+}
+
+/// An input of a CPU call: f32, f16 or bf16, and `dtype` (all tensors of
+/// one call share q's dtype).
+fn check_input(name: &'static str, t: &Tensor<CpuRuntime>, dtype: DType) -> Result<()> {
+    validate::check_dtype(
+        name,
+        t,
+        CPU,
+        &[DType::F32, DType::F16, DType::BF16],
+        CPU_DTYPES,
+    )?;
+    if t.dtype() != dtype {
+        return Err(Error::DType {
+            name,
+            dtype: t.dtype(),
+            backend: CPU,
+            supported: "the dtype of q (q, k, v, out and dout share one dtype)",
+        });
+    }
+    Ok(())
+}
+
+/// An input of the f32 kernels: contiguous f32 on the host. An f32 tensor
+/// is used in place; f16 and bf16 are widened into a copy (exactly: every
+/// f16 and bf16 value is an f32).
+enum HostF32 {
+    Tensor(Tensor<CpuRuntime>),
+    Widened(Aligned<f32>),
+}
+
+impl HostF32 {
+    /// `t` as f32; its dtype must be f32, f16 or bf16 and equal `dtype`.
+    fn new(name: &'static str, t: &Tensor<CpuRuntime>, dtype: DType) -> Result<Self> {
+        check_input(name, t, dtype)?;
+        let t = t.contiguous()?;
+        if dtype == DType::F32 {
+            return Ok(Self::Tensor(t));
+        }
+        let mut wide = Aligned::<f32>::scratch(t.numel());
+        // SAFETY: `t` is contiguous with its offset folded into `ptr()` and
+        // holds `numel()` 2-byte values (f16 or bf16 bits, checked above);
+        // `t` outlives the borrow.
+        let bits = unsafe { std::slice::from_raw_parts(t.ptr() as *const u16, t.numel()) };
+        wide.par_chunks_mut(CONVERT_BLOCK)
+            .zip(bits.par_chunks(CONVERT_BLOCK))
+            .for_each(|(dst, src)| match dtype {
+                DType::F16 => src
+                    .reinterpret_cast::<half::f16>()
+                    .convert_to_f32_slice(dst),
+                _ => src
+                    .reinterpret_cast::<half::bf16>()
+                    .convert_to_f32_slice(dst),
+            });
+        Ok(Self::Widened(wide))
+    }
+
+    fn slice(&self) -> &[f32] {
+        match self {
+            // SAFETY: the tensor is contiguous f32 with its offset folded
+            // into `ptr()`, holds `numel()` values on the host, and `self`
+            // keeps its storage alive for the borrow.
+            Self::Tensor(t) => unsafe {
+                std::slice::from_raw_parts(t.ptr() as *const f32, t.numel())
+            },
+            Self::Widened(v) => &v[..],
+        }
+    }
+}
+
+/// A tensor as stored on the host, f32, f16 or bf16: the kernels that take
+/// 16-bit inputs widen them a block at a time, so they are never copied
+/// whole.
+struct HostElems(Tensor<CpuRuntime>);
+
+impl HostElems {
+    /// `t`, of `dtype` (one of the CPU's), contiguous.
+    fn new(name: &'static str, t: &Tensor<CpuRuntime>, dtype: DType) -> Result<Self> {
+        check_input(name, t, dtype)?;
+        Ok(Self(t.contiguous()?))
+    }
+
+    /// The elements as `E`.
+    ///
+    /// # Safety
+    /// `E` must be the tensor's element type (f32, `half::f16` or
+    /// `half::bf16` for its dtype).
+    unsafe fn slice<E>(&self) -> &[E] {
+        // SAFETY: contiguous, offset folded into `ptr()`, `numel()` values
+        // of `E` (the caller's promise), alive as long as `self`.
+        unsafe { std::slice::from_raw_parts(self.0.ptr() as *const E, self.0.numel()) }
+    }
+}
+
+/// An output of the CPU kernels: written as f32, delivered in `dtype`.
+struct Output {
+    tensor: Tensor<CpuRuntime>,
+    /// The f32 values when `dtype` is not f32 (narrowed in [`Output::finish`]).
+    wide: Option<Aligned<f32>>,
+}
+
+impl Output {
+    fn new(
+        shape: &[usize],
+        dtype: DType,
+        device: &<CpuRuntime as Runtime>::Device,
+    ) -> Result<Self> {
+        let tensor = Tensor::<CpuRuntime>::empty(shape, dtype, device)?;
+        let wide = (dtype != DType::F32).then(|| Aligned::scratch(tensor.numel()));
+        Ok(Self { tensor, wide })
+    }
+
+    /// Where the kernel writes.
+    fn slice_mut(&mut self) -> &mut [f32] {
+        match &mut self.wide {
+            Some(wide) => &mut wide[..],
+            // SAFETY: the tensor was just allocated as f32 and is not shared
+            // yet, so this is the only reference to its `numel()` contiguous
+            // values.
+            None => unsafe {
+                std::slice::from_raw_parts_mut(self.tensor.ptr() as *mut f32, self.tensor.numel())
+            },
+        }
+    }
+
+    /// The tensor, rounded to its dtype (to nearest, ties to even).
+    fn finish(self) -> Tensor<CpuRuntime> {
+        if let Some(wide) = &self.wide {
+            let n = self.tensor.numel();
+            // SAFETY: the tensor was allocated with 2-byte elements (f16 or
+            // bf16), is contiguous and not shared yet.
+            let bits = unsafe { std::slice::from_raw_parts_mut(self.tensor.ptr() as *mut u16, n) };
+            let dtype = self.tensor.dtype();
+            bits.par_chunks_mut(CONVERT_BLOCK)
+                .zip(wide.par_chunks(CONVERT_BLOCK))
+                .for_each(|(dst, src)| match dtype {
+                    DType::F16 => dst
+                        .reinterpret_cast_mut::<half::f16>()
+                        .convert_from_f32_slice(src),
+                    _ => dst
+                        .reinterpret_cast_mut::<half::bf16>()
+                        .convert_from_f32_slice(src),
+                });
+        }
+        self.tensor
+    }
+}
+
+/// The CPU kernels' description of a cache layout (`None`: dense keys).
+fn cache_layout<'a>(layout: &KeyLayout<'a, CpuRuntime>) -> Option<CacheLayout<'a>> {
+    let lens = layout.lengths()?.host;
+    let pages = layout.pages().map(|t| PageTable {
+        table: t.host,
+        page_size: t.page_size,
+    });
+    Some(CacheLayout { lens, pages })
+}
+
+impl AttentionRuntime for CpuRuntime {
+    fn attention_forward<V: Variant>(
+        variant: &V,
+        p: &Problem,
+        q: &Tensor<Self>,
+        keys: Keys<'_, Self>,
+    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+        let (dtype, device) = (q.dtype(), q.device());
+        let mut out = Output::new(&[p.batch, p.heads_q, p.seq_q, p.head_dim], dtype, device)?;
+        let mut lse = Output::new(&[p.batch, p.heads_q, p.seq_q], DType::F32, device)?;
+        let (o, l) = (out.slice_mut(), lse.slice_mut());
+        // Keys and values are read as stored (16-bit ones widened per block
+        // inside the kernels); so are queries, except over a cache, whose
+        // decode kernel widens a call's few query rows first.
+        let (k, v) = (
+            HostElems::new("k", keys.k, dtype)?,
+            HostElems::new("v", keys.v, dtype)?,
+        );
+        if let Some(cache) = cache_layout(&keys.layout) {
+            let q = HostF32::new("q", q, dtype)?;
+            // SAFETY: `E` is the dtype's element type, checked by `HostElems::new`.
+            with_elem!(dtype, E => unsafe {
+                super::forward_cache::<V, E>(variant, p, cache, q.slice(), k.slice(), v.slice(), o, l)
+            })?;
+            return Ok((out.finish(), lse.finish()));
+        }
+        let q = HostElems::new("q", q, dtype)?;
+        // SAFETY (both): `E`, and bf16 in the first, are the dtype's
+        // element type, checked by `HostElems::new`.
+        // bf16 tile products where the CPU has them (AMX, `vdpbf16ps`),
+        // except for decode shapes, whose kernel packs a GQA group's rows.
+        let tiles = dtype == DType::BF16
+            && !super::is_decode(p)
+            && unsafe { super::forward_bf16(variant, p, q.slice(), k.slice(), v.slice(), o, l) }?;
+        if !tiles {
+            with_elem!(dtype, E => unsafe {
+                super::forward_stored::<V, E>(variant, p, q.slice(), k.slice(), v.slice(), o, l)
+            })?;
+        }
+        Ok((out.finish(), lse.finish()))
+    }
+
+    fn attention_backward<V: Variant>(
+        variant: &V,
+        p: &Problem,
+        t: BackwardTensors<'_, Self>,
+    ) -> Result<AttentionGrads<Self>> {
+        let lens = t.keys.layout.unpaged(CPU)?.map(|l| l.host);
+        let (dtype, device) = (t.q.dtype(), t.q.device());
+        validate::check_dtype("lse", t.lse, CPU, &[DType::F32], "f32 for lse")?;
+        let q_shape = [p.batch, p.heads_q, p.seq_q, p.head_dim];
+        let kv_shape = [p.batch, p.heads_kv, p.seq_k, p.head_dim];
+        let mut dq = Output::new(&q_shape, dtype, device)?;
+        let mut dk = Output::new(&kv_shape, dtype, device)?;
+        let mut dv = Output::new(&kv_shape, dtype, device)?;
+        let grads = (dq.slice_mut(), dk.slice_mut(), dv.slice_mut());
+        let lse = HostF32::new("lse", t.lse, DType::F32)?;
+        let wanted = t.tensor_grads;
+        let mut tensors = None;
+        if dtype == DType::BF16 {
+            // bf16 tile products where the CPU has them (AMX, `vdpbf16ps`),
+            // read as stored.
+            let elems = |name, t| HostElems::new(name, t, dtype);
+            let (q, k, v) = (
+                elems("q", t.q)?,
+                elems("k", t.keys.k)?,
+                elems("v", t.keys.v)?,
+            );
+            let (out, dout) = (elems("out", t.out)?, elems("dout", t.dout)?);
+            // SAFETY: the tensors are bf16 (checked by `HostElems::new`).
+            let inputs = unsafe {
+                Bf16BackwardInputs {
+                    q: q.slice(),
+                    k: k.slice(),
+                    v: v.slice(),
+                    out: out.slice(),
+                    lse: lse.slice(),
+                    dout: dout.slice(),
+                }
+            };
+            let (dq, dk, dv) = (&mut *grads.0, &mut *grads.1, &mut *grads.2);
+            tensors = super::backward_bf16(variant, p, lens, inputs, dq, dk, dv, wanted)?;
+        }
+        let tensors = match tensors {
+            Some(tensors) => tensors,
+            None => {
+                let wide = |name, t| HostF32::new(name, t, dtype);
+                let (q, k, v) = (wide("q", t.q)?, wide("k", t.keys.k)?, wide("v", t.keys.v)?);
+                let (out, dout) = (wide("out", t.out)?, wide("dout", t.dout)?);
+                let inputs = BackwardInputs {
+                    q: q.slice(),
+                    k: k.slice(),
+                    v: v.slice(),
+                    out: out.slice(),
+                    lse: lse.slice(),
+                    dout: dout.slice(),
+                };
+                let (dq, dk, dv) = grads;
+                super::backward(variant, p, lens, inputs, dq, dk, dv, wanted)?
+            }
+        };
+        let learnables = variant.learnables();
+        let tensors = tensors
+            .into_iter()
+            .zip(&learnables)
+            .map(|(g, l)| {
+                let Some(g) = g else { return Ok(None) };
+                let shape = l.on::<CpuRuntime>()?.shape();
+                Ok(Some(Tensor::<CpuRuntime>::from_slice(&g, shape, device)?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(AttentionGrads {
+            dq: dq.finish(),
+            dk: dk.finish(),
+            dv: dv.finish(),
+            tensors,
+        })
+    }
+}
