@@ -207,6 +207,9 @@ impl AttentionRuntime for CpuRuntime {
         keys: Keys<'_, Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
         let (dtype, device) = (q.dtype(), q.device());
+        // q first: its dtype is the call's, so an unsupported one is named
+        // as q's rather than as a mismatch of k.
+        check_input("q", q, dtype)?;
         let mut out = Output::new(&[p.batch, p.heads_q, p.seq_q, p.head_dim], dtype, device)?;
         let mut lse = Output::new(&[p.batch, p.heads_q, p.seq_q], DType::F32, device)?;
         let (o, l) = (out.slice_mut(), lse.slice_mut());
@@ -248,6 +251,7 @@ impl AttentionRuntime for CpuRuntime {
     ) -> Result<AttentionGrads<Self>> {
         let lens = t.keys.layout.unpaged(CPU)?.map(|l| l.host);
         let (dtype, device) = (t.q.dtype(), t.q.device());
+        check_input("q", t.q, dtype)?;
         validate::check_dtype("lse", t.lse, CPU, &[DType::F32], "f32 for lse")?;
         let q_shape = [p.batch, p.heads_q, p.seq_q, p.head_dim];
         let kv_shape = [p.batch, p.heads_kv, p.seq_k, p.head_dim];

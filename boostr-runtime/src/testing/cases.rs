@@ -224,13 +224,30 @@ pub const CASES: &[Case] = &[
 ];
 
 /// A smaller set for slow backends (software GPU adapters): the same kinds of
-/// shapes as [`CASES`] — odd lengths below and across tiles, `D ∈ {40, 64,
-/// 80, 128}`, batch 2, MQA, GQA 4:1, `Sq < Sk`, `Sq > Sk` (rows with no
-/// visible key under a causal mask), peaked and ~1e4 logits — at a few
-/// percent of the work. The largest is `B·Hq·Sq·Sk·D = 1·8·7·23·64`.
+/// shapes as [`CASES`] — odd lengths below and across tiles, batch 2, MQA,
+/// GQA 4:1, `Sq < Sk`, `Sq > Sk` (rows with no visible key under a causal
+/// mask), peaked and ~1e4 logits, an explicit scale — at a few percent of
+/// the work, all at one head dim, 80.
+///
+/// Why one: each head dim of a variant is a set of pipelines that a
+/// software adapter compiles one at a time (Mesa's lavapipe holds one lock
+/// per device while it compiles), and compiling is most of what such a
+/// check costs. The code that depends on the head dim (the head-dim
+/// loops, the staged rows per tile) is the same for every variant, so the
+/// other head dims are checked once per backend, on one variant
+/// ([`HEAD_DIM_CASES`]). Why 80: it is not a power of two, the WGSL
+/// kernels roll its head-dim loops (the cheaper compile), and it stages
+/// 25 keys per tile, so tile edges fall off every power of two. The
+/// largest is `B·Hq·Sq·Sk·D = 1·8·7·23·80`.
 pub const SMALL_CASES: &[Case] = &[
-    CASES[0],
-    CASES[1],
+    Case {
+        head_dim: 80,
+        ..CASES[0]
+    },
+    Case {
+        head_dim: 80,
+        ..CASES[1]
+    },
     Case {
         seq_k: 33,
         ..CASES[2]
@@ -238,6 +255,7 @@ pub const SMALL_CASES: &[Case] = &[
     Case {
         seq_q: 7,
         seq_k: 23,
+        head_dim: 80,
         ..CASES[3]
     },
     Case {
@@ -248,23 +266,46 @@ pub const SMALL_CASES: &[Case] = &[
     Case {
         seq_q: 19,
         seq_k: 19,
+        head_dim: 80,
         ..CASES[5]
     },
     Case {
         seq_q: 19,
         seq_k: 19,
+        head_dim: 80,
         ..CASES[6]
     },
 ];
 
-/// The CPU's cases: [`CASES`] and the shapes of [`SMALL_CASES`] that
-/// `CASES` lacks (its first two are `CASES`' own). Every shape a GPU
-/// backend is checked on is then one the CPU is checked on too, each
-/// against the f64 reference, so a GPU backend agrees with the CPU on all
-/// of them to within the sum of their two tolerances without a check of
-/// its own against the CPU.
+/// The other head dims of the backends that run [`SMALL_CASES`]: 40 (not
+/// a power of two, batch 2, odd lengths, an explicit scale), 64 (GQA 4:1,
+/// `Sq < Sk`) and 128 (peaked logits), on both sides of the WGSL kernels'
+/// unrolling limit (`kernels_spec::emit::wgsl::UNROLL_MAX_HEAD_DIM`).
+pub const HEAD_DIM_CASES: &[Case] = &[
+    CASES[1],
+    Case {
+        seq_q: 7,
+        seq_k: 23,
+        ..CASES[3]
+    },
+    Case {
+        seq_q: 19,
+        seq_k: 19,
+        ..CASES[5]
+    },
+];
+
+/// The CPU's cases: [`CASES`], [`SMALL_CASES`], and the shapes of
+/// [`HEAD_DIM_CASES`] that `CASES` lacks (its first is `CASES`' own).
+/// Every shape a GPU backend is checked on is then one the CPU is checked
+/// on too, each against the f64 reference, so a GPU backend agrees with
+/// the CPU on all of them to within the sum of their two tolerances
+/// without a check of its own against the CPU.
 pub const CPU_CASES: &[Case] =
-    &concat::<{ CASES.len() + SMALL_CASES.len() - 2 }>(CASES, SMALL_CASES.split_at(2).1);
+    &concat::<{ CASES.len() + SMALL_CASES.len() + HEAD_DIM_CASES.len() - 1 }>(
+        &concat::<{ CASES.len() + SMALL_CASES.len() }>(CASES, SMALL_CASES),
+        HEAD_DIM_CASES.split_at(1).1,
+    );
 
 /// `a` then `b`, as one array of `N = a.len() + b.len()` cases.
 const fn concat<const N: usize>(a: &[Case], b: &[Case]) -> [Case; N] {

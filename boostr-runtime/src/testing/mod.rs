@@ -61,7 +61,7 @@ pub use backends::Cuda;
 #[cfg(feature = "wgpu")]
 pub use backends::Wgpu;
 pub use backends::{Cpu, REQUIRE_DEVICE_ENV, TestBackend};
-pub use cases::{CASES, CPU_CASES, Case, Logits, SMALL_CASES};
+pub use cases::{CASES, CPU_CASES, Case, HEAD_DIM_CASES, Logits, SMALL_CASES};
 pub use check_variant::{
     check_variant, check_variant_built, check_variant_built_on, check_variant_on,
 };

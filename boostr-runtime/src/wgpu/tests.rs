@@ -2,10 +2,11 @@
 //! and concurrent first use of the pipeline cache. (Every variant's numerics
 //! are checked by the generated tests.)
 
-use crate::stock::{Causal, CausalSlidingWindow, Documents, Full};
+use crate::stock::{Causal, CausalSlidingWindow, CausalSoftcap, Documents, Full};
 use crate::testing::fixtures::Plain;
 use crate::testing::{
-    Case, Logits, REQUIRE_DEVICE_ENV, Wgpu, check_variant_built_on, check_variant_on,
+    Case, HEAD_DIM_CASES, Logits, REQUIRE_DEVICE_ENV, Wgpu, check_variant_built_on,
+    check_variant_on,
 };
 use crate::{AttentionOptions, BackendError, Error, Target, attention, attention_fwd};
 use numr::dtype::DType;
@@ -47,6 +48,14 @@ fn offset_views_and_dtypes() {
     let ints = Tensor::<WgpuRuntime>::zeros(&[1, 2, 5, 8], DType::I32, &device).unwrap();
     let err = attention_fwd(&Causal, &ints, &ints, &ints, &opts).unwrap_err();
     assert!(matches!(err, Error::DType { .. }), "{err}");
+}
+
+/// The head dims the generated tests leave out on wgpu (they run at 80,
+/// `testing::SMALL_CASES`): 40, 64 and 128, unrolled and rolled head-dim
+/// loops, on a variant with a score and a mask.
+#[test]
+fn other_head_dims_match_the_reference() {
+    check_variant_on::<Wgpu, _>(&CausalSoftcap { cap: 2.0 }, HEAD_DIM_CASES);
 }
 
 const fn long_case(seq_q: usize, seq_k: usize, heads_q: usize, name: &'static str) -> Case {
