@@ -17,7 +17,7 @@
 //!     pub cap: f32,
 //! }
 //!
-//! fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
 //!     let device = CpuDevice::new();
 //!     let client = CpuRuntime::default_client(&device);
 //!     // q, k, v [batch 2, heads 4, sequence 64, head dim 32]
