@@ -46,6 +46,7 @@ use super::backward::{
     KeyChunk, Probabilities, ScoreGrads, add_partials, carve, chunk_keys, deltas,
     diagonal_tensor_grads, dq_partials, learnable_tasks, sinks, tensor_grads,
 };
+use super::par::ForEachDyn as _;
 use super::tile::CpuTiles;
 use super::{Band, Positions, all_finite_bits, gemm, math, simd, tile_class};
 use crate::problem::Problem;
@@ -292,25 +293,12 @@ pub(super) fn backward<V: HostVariant>(
 ) {
     assert!(applies(p), "the bf16 backward runs {p:?}");
     let kind = amx::kind().expect("applies");
-    let (sq, sk, d) = (p.seq_q, p.seq_k, p.head_dim);
+    let d = p.head_dim;
     let dp = padded_dim(d);
     let delta = deltas(x.dout, x.out, d, |a, b| {
         a.iter().zip(b).map(|(&a, &b)| widen(a) * widen(b)).sum()
     });
-    let q: Vec<RowPack> =
-        x.q.par_chunks(sq * d)
-            .map(|q| pack_rows(q, sq, d, dp))
-            .collect();
-    let dout: Vec<RowPack> = x
-        .dout
-        .par_chunks(sq * d)
-        .map(|o| pack_rows(o, sq, d, dp))
-        .collect();
-    let kv: Vec<KvPack> =
-        x.k.par_chunks(sk * d)
-            .zip(x.v.par_chunks(sk * d))
-            .map(|(k, v)| pack_kv(k, v, sk, d, dp))
-            .collect();
+    let Packs { q, dout, kv } = Packs::new(p, &x);
 
     let (chunk_keys, chunks) = chunk_keys(p, TILES, chunks);
     let mut partials = dq_partials(p, chunks);
@@ -331,19 +319,51 @@ pub(super) fn backward<V: HostVariant>(
         learnable_tasks(
             tasks,
             tensor_grads,
-            || Scratch::new::<V>(dp, kv_group, true),
-            |task, sc, grads| key_chunk(&shared, task, sc, grads),
+            &|| Scratch::new::<V>(dp, kv_group, true),
+            &|task, sc, grads| key_chunk(&shared, task, sc, grads),
         );
     } else {
-        tasks.into_par_iter().for_each_init(
-            || Scratch::new::<V>(dp, kv_group, false),
-            |sc, task| key_chunk(&shared, task, sc, &mut []),
-        );
+        tasks
+            .into_par_iter()
+            .for_each_init_dyn(&|| Scratch::new::<V>(dp, kv_group, false), &|sc, task| {
+                key_chunk(&shared, task, sc, &mut [])
+            });
     }
     if V::HAS_SINK {
         sinks(variant, p, x.lse, &delta, tensor_grads);
     }
     add_partials(p, chunks, dq, &partials);
+}
+
+/// Q, dO, K and V packed for the tile products, per head: made once per
+/// call (not generic over the variant, so its parallel loops are compiled
+/// once).
+struct Packs {
+    q: Vec<RowPack>,
+    dout: Vec<RowPack>,
+    kv: Vec<KvPack>,
+}
+
+impl Packs {
+    fn new(p: &Problem, x: &Inputs<'_>) -> Self {
+        let (sq, sk, d) = (p.seq_q, p.seq_k, p.head_dim);
+        let dp = padded_dim(d);
+        let rows = |t: &[u16]| -> Vec<RowPack> {
+            t.par_chunks(sq * d)
+                .map(|h| pack_rows(h, sq, d, dp))
+                .collect()
+        };
+        let kv =
+            x.k.par_chunks(sk * d)
+                .zip(x.v.par_chunks(sk * d))
+                .map(|(k, v)| pack_kv(k, v, sk, d, dp))
+                .collect();
+        Self {
+            q: rows(x.q),
+            dout: rows(x.dout),
+            kv,
+        }
+    }
 }
 
 /// One task: the chunk's key tiles, `kv_group` at a time, against every

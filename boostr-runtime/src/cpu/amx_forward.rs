@@ -32,6 +32,7 @@
 use super::aligned::Aligned;
 use super::amx::{self, Kind, Products};
 use super::forward::{Head, OnlineSoftmax, finish_rows, start_rows};
+use super::par::ForEachDyn as _;
 use super::{Band, Positions, all_finite_bits, math, simd, tile_class};
 use crate::problem::Problem;
 use crate::variant::{HostVariant, TileClass};
@@ -69,6 +70,15 @@ struct Packed {
     v: Aligned<u32>,
     /// Per key tile: V holds a NaN or an infinity.
     v_nonfinite: Vec<bool>,
+}
+
+/// [`pack`] for every kv head, in parallel (not generic over the variant,
+/// so its loop is compiled once).
+fn pack_heads(k: &[u16], v: &[u16], sk: usize, d: usize, dp: usize) -> Vec<Packed> {
+    k.par_chunks(sk * d)
+        .zip(v.par_chunks(sk * d))
+        .map(|(k, v)| pack(k, v, sk, d, dp))
+        .collect()
 }
 
 /// The packed K and V of one kv head (`sk × d` each, bf16 bits), over the
@@ -232,11 +242,7 @@ pub(super) fn forward<V: HostVariant>(
     let (sq, sk, d, g) = (p.seq_q, p.seq_k, p.head_dim, p.group());
     let dp = padded_dim(d);
     let pos = Positions::new(p);
-    let packed: Vec<Packed> = k
-        .par_chunks(sk * d)
-        .zip(v.par_chunks(sk * d))
-        .map(|(k, v)| pack(k, v, sk, d, dp))
-        .collect();
+    let packed = pack_heads(k, v, sk, d, dp);
     let heads: Vec<Head<'_, V>> = (0..p.batch * p.heads_q)
         .map(|bh| Head {
             variant,
@@ -267,9 +273,9 @@ pub(super) fn forward<V: HostVariant>(
             tasks.push((bh, t * rows, out_t, lse_t));
         }
     }
-    tasks.into_par_iter().for_each_init(
-        || Scratch::new(dp),
-        |sc, (bh, row0, out_t, lse_t)| {
+    tasks.into_par_iter().for_each_init_dyn(
+        &|| Scratch::new(dp),
+        &|sc, (bh, row0, out_t, lse_t)| {
             let (b, h) = (bh / p.heads_q, bh % p.heads_q);
             let kv = &packed[b * p.heads_kv + h / g];
             let q_t = &q[(bh * sq + row0) * d..(bh * sq + row0) * d + out_t.len()];

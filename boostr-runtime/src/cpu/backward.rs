@@ -53,6 +53,7 @@ use super::aligned::Aligned;
 use super::forward::apply_mask;
 use super::gemm::{self, MatMut, MatRef, Write, matmul};
 use super::math;
+use super::par::ForEachDyn as _;
 use super::simd::{self, Elementwise};
 use super::tile::CpuTiles;
 use super::{
@@ -270,13 +271,13 @@ pub(super) fn backward<V: HostVariant>(
         learnable_tasks(
             tasks,
             tensor_grads,
-            || Scratch::new::<V>(tiles, d, kv_group, true),
-            |task, sc, grads| key_chunk(&shared, task, sc, grads),
+            &|| Scratch::new::<V>(tiles, d, kv_group, true),
+            &|task, sc, grads| key_chunk(&shared, task, sc, grads),
         );
     } else {
-        tasks.into_par_iter().for_each_init(
-            || Scratch::new::<V>(tiles, d, kv_group, false),
-            |sc, task| key_chunk(&shared, task, sc, &mut []),
+        tasks.into_par_iter().for_each_init_dyn(
+            &|| Scratch::new::<V>(tiles, d, kv_group, false),
+            &|sc, task| key_chunk(&shared, task, sc, &mut []),
         );
     }
     if V::HAS_SINK {
@@ -292,7 +293,7 @@ pub(super) fn deltas<E: Sync>(
     dout: &[E],
     out: &[E],
     d: usize,
-    dot: impl Fn(&[E], &[E]) -> f32 + Sync,
+    dot: fn(&[E], &[E]) -> f32,
 ) -> Aligned<f32> {
     // Every element is written below.
     let mut delta = Aligned::scratch(out.len() / d.max(1));
@@ -392,8 +393,8 @@ pub(super) fn add_partials(p: &Problem, chunks: usize, dq: &mut [f32], partials:
 pub(super) fn learnable_tasks<S>(
     tasks: Vec<KeyChunk<'_>>,
     tensor_grads: &mut [Vec<f32>],
-    scratch: impl Fn() -> S + Sync + Send,
-    run: impl Fn(KeyChunk<'_>, &mut S, &mut [&mut [f32]]) + Sync + Send,
+    scratch: &(dyn Fn() -> S + Sync),
+    run: &(dyn Fn(KeyChunk<'_>, &mut S, &mut [&mut [f32]]) + Sync),
 ) {
     let floats: usize = tensor_grads.iter().map(Vec::len).sum();
     let n = tasks.len();
@@ -408,7 +409,7 @@ pub(super) fn learnable_tasks<S>(
     groups
         .into_par_iter()
         .zip(partials.par_iter_mut())
-        .for_each_init(scratch, |sc, (group, partial)| {
+        .for_each_init_dyn(scratch, &|sc, (group, partial)| {
             let mut views: Vec<&mut [f32]> = partial.iter_mut().map(Vec::as_mut_slice).collect();
             for task in group {
                 run(task, sc, &mut views);

@@ -36,6 +36,7 @@ use super::elem::{self, KvElem, Stored};
 use super::gemm::{MatMut, MatRef, Write, matmul};
 use super::gemv;
 use super::math;
+use super::par::ForEachDyn as _;
 use super::simd::{self, Elementwise};
 use super::tile::CpuTiles;
 use super::{Band, Positions, tile_class, zero_unused_rows};
@@ -146,9 +147,9 @@ pub(super) fn forward<V: HostVariant, E: KvElem>(
         .zip(l.par_chunks_mut(rows))
         .zip(acc.par_chunks_mut(rows * d))
         .enumerate()
-        .for_each_init(
-            || Scratch::new(tiles, rows, d),
-            |sc, (t, ((m, l), acc))| {
+        .for_each_init_dyn(
+            &|| Scratch::new(tiles, rows, d),
+            &|sc, (t, ((m, l), acc))| {
                 let (bkv, c) = (t / chunks, t % chunks);
                 let b = bkv / p.heads_kv;
                 let end = len(b);
@@ -171,7 +172,7 @@ pub(super) fn forward<V: HostVariant, E: KvElem>(
     out.par_chunks_mut(rows * d)
         .zip(lse.par_chunks_mut(rows))
         .enumerate()
-        .for_each(|(bkv, (out_g, lse_g))| {
+        .for_each_dyn(&|(bkv, (out_g, lse_g))| {
             let pos = pos(bkv / p.heads_kv);
             let b = Positions::to_i32(bkv / p.heads_kv);
             for (r, (out_r, lse_r)) in out_g.chunks_mut(d).zip(lse_g.iter_mut()).enumerate() {

@@ -23,6 +23,7 @@ use super::aligned::Aligned;
 use super::elem::{self, Stored};
 use super::gemm::{MatMut, MatRef, Write, matmul};
 use super::math;
+use super::par::ForEachDyn as _;
 use super::simd::{self, Elementwise};
 use super::tile::CpuTiles;
 use super::{
@@ -212,12 +213,12 @@ pub(super) fn forward<V: HostVariant>(
         .zip(kt.par_chunks_mut(sk * d))
         .zip(v_heads.par_iter_mut())
         .enumerate()
-        .for_each(|(bkv, (((out_g, lse_g), kt), v_wide))| {
+        .for_each_dyn(&|(bkv, (((out_g, lse_g), kt), v_wide))| {
             let head_kv = bkv * sk * d..(bkv + 1) * sk * d;
             let (k, v) = (k.slice(head_kv.clone()), v.slice(head_kv));
             kt.par_chunks_mut(tiles.kv * d)
                 .enumerate()
-                .for_each(|(t, kt)| {
+                .for_each_dyn(&|(t, kt)| {
                     let cols = kt.len() / d;
                     let at = t * tiles.kv * d;
                     elem::transpose(k.slice(at..at + cols * d), cols, d, kt, cols);
@@ -228,7 +229,7 @@ pub(super) fn forward<V: HostVariant>(
                 (None, Some(wide)) => {
                     wide.par_chunks_mut(tiles.kv * d)
                         .enumerate()
-                        .for_each(|(t, w)| {
+                        .for_each_dyn(&|(t, w)| {
                             let at = t * tiles.kv * d;
                             elem::widen(v.slice(at..at + w.len()), w);
                         });
@@ -241,7 +242,7 @@ pub(super) fn forward<V: HostVariant>(
                 .par_chunks_mut(sq * d)
                 .zip(lse_g.par_chunks_mut(sq))
                 .enumerate()
-                .for_each(|(i, (out_bh, lse_bh))| {
+                .for_each_dyn(&|(i, (out_bh, lse_bh))| {
                     let bh = bkv * g + i;
                     let (b, h) = (bh / p.heads_q, bh % p.heads_q);
                     let head = Head {
@@ -259,9 +260,9 @@ pub(super) fn forward<V: HostVariant>(
                         .par_chunks_mut(group_rows * d)
                         .zip(lse_bh.par_chunks_mut(group_rows))
                         .enumerate()
-                        .for_each_init(
-                            || Scratch::new(tiles, group, d, q_bh.as_f32().is_none()),
-                            |scratch, (t, (out_g, lse_g))| {
+                        .for_each_init_dyn(
+                            &|| Scratch::new(tiles, group, d, q_bh.as_f32().is_none()),
+                            &|scratch, (t, (out_g, lse_g))| {
                                 let row0 = t * group_rows;
                                 let q_g = q_bh.slice(row0 * d..row0 * d + out_g.len());
                                 let q_g = match q_g.as_f32() {

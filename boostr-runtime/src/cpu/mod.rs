@@ -72,6 +72,7 @@ mod gemv;
 pub mod math;
 #[cfg(target_arch = "x86_64")]
 mod microkernel;
+pub(crate) mod par;
 mod runtime;
 mod simd;
 mod threads;
@@ -92,6 +93,7 @@ use crate::problem::Problem;
 use crate::variant::{HostVariant, TileClass, Variant};
 use aligned::Aligned;
 use elem::Stored;
+use par::in_pool;
 
 /// The tensors the backward reads; all contiguous, in the layout of
 /// [`Problem`] (`out`, `dout` like `q`; `lse` as the forward wrote it), of
@@ -606,20 +608,6 @@ pub fn backward_tiled<V: HostVariant>(
             tensor_grads,
         )
     });
-}
-
-/// Run `f` on a thread of rayon's pool (inline when already on one).
-///
-/// Why: each kernel runs several parallel loops in a row (in the forward,
-/// per kv head, the transpose of its K, then its query tiles; the
-/// backward's three phases).
-/// Started from a thread outside the pool, each loop hands its work over to
-/// the pool and puts the caller to sleep until it is done; inside the pool
-/// the loops follow one another without a hand-over. Measured on a 2-core
-/// virtual machine: a causal forward+backward at B = 1, H = 8, S = 256,
-/// D = 64 ran 1.2× faster this way; long runs did not change.
-fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    rayon::scope(|_| f())
 }
 
 /// Positions of rows and keys as the variant sees them (bottom-right aligned).

@@ -36,6 +36,7 @@
 //! Query rows run in parallel over `(batch, query head)`; every sum runs in a
 //! fixed order, so results do not depend on the thread count.
 
+use crate::cpu::par::ForEachDyn as _;
 use crate::problem::Problem;
 use crate::variant::HostVariant;
 use rayon::prelude::*;
@@ -383,7 +384,7 @@ pub fn reference_forward<T: Real, V: HostVariant>(
     out.par_chunks_mut(p.seq_q * d)
         .zip(lse.par_chunks_mut(p.seq_q))
         .enumerate()
-        .for_each(|(bh, (out_bh, lse_bh))| {
+        .for_each_dyn(&|(bh, (out_bh, lse_bh))| {
             let (b, h) = (bh / p.heads_q, bh % p.heads_q);
             let hk = h / p.group();
             let mut row = Row::new(p.seq_k);
@@ -478,86 +479,86 @@ fn backward<T: Real, V: HostVariant>(
         .collect();
     // Per (batch, query head): its dk, dv and tensor gradients.
     type Partial<T> = (Vec<T>, Vec<T>, Vec<Vec<T>>);
-    let partials: Vec<Partial<T>> = dq
-        .par_chunks_mut(p.seq_q * d)
-        .enumerate()
-        .map(|(bh, dq_bh)| {
-            let (b, h) = (bh / p.heads_q, bh % p.heads_q);
-            let hk = h / p.group();
-            let (bi, hi) = (b as i32, h as i32);
-            let mut dk_h = vec![T::ZERO; p.seq_k * d];
-            let mut dv_h = vec![T::ZERO; p.seq_k * d];
-            let mut tensors_h: Vec<Vec<T>> = numel.iter().map(|&n| vec![T::ZERO; n]).collect();
-            let mut views: Vec<&mut [T]> = tensors_h.iter_mut().map(Vec::as_mut_slice).collect();
-            let mut row = Row::new(p.seq_k);
-            let mut o = vec![T::ZERO; d];
-            for i in 0..p.seq_q {
-                if !row.compute(variant, p, q, k, b, h, i) {
-                    continue;
-                }
-                let qi = q_pos(p, i);
-                let base = ((b * p.heads_q + h) * p.seq_q + i) * d;
-                let (qr, dor) = (&qf[base..][..d], &df[base..][..d]);
-                let kv_row = |j: usize| ((b * p.heads_kv + hk) * p.seq_k + j) * d;
-                o.fill(T::ZERO);
-                for (j, &pj) in row.p.iter().enumerate() {
-                    if pj != T::ZERO {
-                        for (ox, &vx) in o.iter_mut().zip(&v[kv_row(j)..][..d]) {
-                            *ox += pj * vx;
+    let partials: Vec<Partial<T>> =
+        dq.par_chunks_mut(p.seq_q * d)
+            .enumerate()
+            .map_collect_dyn(&|(bh, dq_bh)| {
+                let (b, h) = (bh / p.heads_q, bh % p.heads_q);
+                let hk = h / p.group();
+                let (bi, hi) = (b as i32, h as i32);
+                let mut dk_h = vec![T::ZERO; p.seq_k * d];
+                let mut dv_h = vec![T::ZERO; p.seq_k * d];
+                let mut tensors_h: Vec<Vec<T>> = numel.iter().map(|&n| vec![T::ZERO; n]).collect();
+                let mut views: Vec<&mut [T]> =
+                    tensors_h.iter_mut().map(Vec::as_mut_slice).collect();
+                let mut row = Row::new(p.seq_k);
+                let mut o = vec![T::ZERO; d];
+                for i in 0..p.seq_q {
+                    if !row.compute(variant, p, q, k, b, h, i) {
+                        continue;
+                    }
+                    let qi = q_pos(p, i);
+                    let base = ((b * p.heads_q + h) * p.seq_q + i) * d;
+                    let (qr, dor) = (&qf[base..][..d], &df[base..][..d]);
+                    let kv_row = |j: usize| ((b * p.heads_kv + hk) * p.seq_k + j) * d;
+                    o.fill(T::ZERO);
+                    for (j, &pj) in row.p.iter().enumerate() {
+                        if pj != T::ZERO {
+                            for (ox, &vx) in o.iter_mut().zip(&v[kv_row(j)..][..d]) {
+                                *ox += pj * vx;
+                            }
+                        }
+                    }
+                    if magnitudes {
+                        o.iter_mut().for_each(|x| *x = x.abs());
+                    }
+                    // Summed in the opposite order from `dP` below: in a one-hot
+                    // row `O = v_j` exactly, and summing both alike would cancel
+                    // `dP_ij − D_i` exactly, which no kernel does (its `D` comes
+                    // from its forward's `out`); the naive f32 error must include
+                    // that rounding.
+                    let d_i = dot_rev(dor, &o);
+                    let sink = T::sink(variant, bi, hi, qi);
+                    if V::LEARNABLE > 0 && sink != T::NEG_INFINITY {
+                        let p_sink = (sink - row.lse).exp();
+                        let dz = if magnitudes {
+                            p_sink * d_i
+                        } else {
+                            -(p_sink * d_i)
+                        };
+                        T::sink_tensor_grads(variant, (bi, hi, qi), dz, magnitudes, &mut views);
+                    }
+                    let dq_r = &mut dq_bh[i * d..][..d];
+                    for (j, &s) in row.s.iter().enumerate() {
+                        let pj = row.p_from_lse(j);
+                        if pj == T::ZERO {
+                            continue;
+                        }
+                        let (kr, vr) = (&kf[kv_row(j)..][..d], &vf[kv_row(j)..][..d]);
+                        let dp = dot(dor, vr);
+                        let g = T::score_grad(variant, s, bi, hi, qi, j as i32);
+                        let dz = if magnitudes {
+                            pj * (dp + d_i)
+                        } else {
+                            pj * (dp - d_i)
+                        };
+                        let ds = if magnitudes { dz * g.abs() } else { dz * g };
+                        if V::LEARNABLE > 0 {
+                            let at = (s, bi, hi, qi, j as i32);
+                            T::score_tensor_grads(variant, at, dz, magnitudes, &mut views);
+                        }
+                        let sds = scale * ds;
+                        let (dk_j, dv_j) = (&mut dk_h[j * d..][..d], &mut dv_h[j * d..][..d]);
+                        for x in 0..d {
+                            dq_r[x] += sds * kr[x];
+                            dk_j[x] += sds * qr[x];
+                            dv_j[x] += pj * dor[x];
                         }
                     }
                 }
-                if magnitudes {
-                    o.iter_mut().for_each(|x| *x = x.abs());
-                }
-                // Summed in the opposite order from `dP` below: in a one-hot
-                // row `O = v_j` exactly, and summing both alike would cancel
-                // `dP_ij − D_i` exactly, which no kernel does (its `D` comes
-                // from its forward's `out`); the naive f32 error must include
-                // that rounding.
-                let d_i = dot_rev(dor, &o);
-                let sink = T::sink(variant, bi, hi, qi);
-                if V::LEARNABLE > 0 && sink != T::NEG_INFINITY {
-                    let p_sink = (sink - row.lse).exp();
-                    let dz = if magnitudes {
-                        p_sink * d_i
-                    } else {
-                        -(p_sink * d_i)
-                    };
-                    T::sink_tensor_grads(variant, (bi, hi, qi), dz, magnitudes, &mut views);
-                }
-                let dq_r = &mut dq_bh[i * d..][..d];
-                for (j, &s) in row.s.iter().enumerate() {
-                    let pj = row.p_from_lse(j);
-                    if pj == T::ZERO {
-                        continue;
-                    }
-                    let (kr, vr) = (&kf[kv_row(j)..][..d], &vf[kv_row(j)..][..d]);
-                    let dp = dot(dor, vr);
-                    let g = T::score_grad(variant, s, bi, hi, qi, j as i32);
-                    let dz = if magnitudes {
-                        pj * (dp + d_i)
-                    } else {
-                        pj * (dp - d_i)
-                    };
-                    let ds = if magnitudes { dz * g.abs() } else { dz * g };
-                    if V::LEARNABLE > 0 {
-                        let at = (s, bi, hi, qi, j as i32);
-                        T::score_tensor_grads(variant, at, dz, magnitudes, &mut views);
-                    }
-                    let sds = scale * ds;
-                    let (dk_j, dv_j) = (&mut dk_h[j * d..][..d], &mut dv_h[j * d..][..d]);
-                    for x in 0..d {
-                        dq_r[x] += sds * kr[x];
-                        dk_j[x] += sds * qr[x];
-                        dv_j[x] += pj * dor[x];
-                    }
-                }
-            }
-            drop(views);
-            (dk_h, dv_h, tensors_h)
-        })
-        .collect();
+                drop(views);
+                (dk_h, dv_h, tensors_h)
+            });
     let mut dk = vec![T::ZERO; p.kv_len()];
     let mut dv = vec![T::ZERO; p.kv_len()];
     let mut tensors: Vec<Vec<T>> = numel.iter().map(|&n| vec![T::ZERO; n]).collect();
