@@ -664,6 +664,10 @@ fn run<V: Variant>(
                 label: Some("boostr attention"),
             });
             arena.fill(device, &mut encoder, summaries.as_deref())?;
+            let mut cpass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("boostr attention"),
+                timestamp_writes: None,
+            });
             for (module, pass, bound, entry, grid, ranges) in &plans {
                 for &range in ranges {
                     let words = shape_words(p, range, kv, splits);
@@ -685,15 +689,12 @@ fn run<V: Variant>(
                         layout: &pass.layout,
                         entries: &entries,
                     });
-                    let mut cpass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                        label: Some(module.entries[*entry].name),
-                        timestamp_writes: None,
-                    });
                     cpass.set_pipeline(&pass.pipelines[*entry]);
                     cpass.set_bind_group(0, &bind_group, &[]);
                     cpass.dispatch_workgroups(grid.0, grid.1, 1);
                 }
             }
+            drop(cpass);
             arena.copy_record(&mut encoder)?;
             client
                 .wgpu_queue()
