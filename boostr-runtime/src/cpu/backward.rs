@@ -386,6 +386,10 @@ pub(super) fn add_partials(p: &Problem, chunks: usize, dq: &mut [f32], partials:
         });
 }
 
+/// What runs one key chunk of a backward with learnable tensors'
+/// gradients: the task, its scratch, and the gradient partials it adds to.
+pub(super) type ChunkBody<'a, S> = dyn Fn(KeyChunk<'_>, &mut S, &mut [&mut [f32]]) + Sync + 'a;
+
 /// The tasks with learnable tensors' gradients: grouped into partial sums,
 /// each group run in task order by `run` (with scratch from `scratch`,
 /// one per rayon job), the partials then added in group order (see the
@@ -394,7 +398,7 @@ pub(super) fn learnable_tasks<S>(
     tasks: Vec<KeyChunk<'_>>,
     tensor_grads: &mut [Vec<f32>],
     scratch: &(dyn Fn() -> S + Sync),
-    run: &(dyn Fn(KeyChunk<'_>, &mut S, &mut [&mut [f32]]) + Sync),
+    run: &ChunkBody<'_, S>,
 ) {
     let floats: usize = tensor_grads.iter().map(Vec::len).sum();
     let n = tasks.len();
