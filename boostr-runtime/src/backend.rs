@@ -127,23 +127,6 @@ impl<'a, R: Runtime> KeyLayout<'a, R> {
             _ => Ok(self.lengths()),
         }
     }
-
-    /// The `i32` tensors a GPU kernel reads the layout from, copied next
-    /// to the captures: the lengths, then the page table.
-    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
-    pub(crate) fn index_tensors(&self) -> [Option<&'a Tensor<R>>; 2] {
-        [
-            self.lengths().map(|l| l.tensor),
-            self.pages().map(|t| t.tensor),
-        ]
-    }
-
-    /// Keys per page and page table entries per sequence, when paged.
-    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
-    pub(crate) fn page_geometry(&self, p: &Problem) -> Option<(usize, usize)> {
-        self.pages()
-            .map(|t| (t.page_size, p.seq_k / t.page_size.max(1)))
-    }
 }
 
 /// What the backward returns: the gradients of the loss with respect to

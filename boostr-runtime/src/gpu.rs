@@ -1,11 +1,12 @@
 //! What the GPU backends (wgpu, CUDA) share: the kernel cache, the choice
 //! of tiles, and the problem's sizes as the kernel descriptions read them.
 
+use crate::backend::KeyLayout;
 use crate::capture;
 use crate::error::{BackendError, Error, Result};
 use crate::problem::Problem;
 use crate::variant::Variant;
-use kernels_spec::emit::interface::Sizes;
+use kernels_spec::emit::interface::{NO_WORD, Scalar, Sizes};
 use kernels_spec::emit::{Target, Tiling, choose_tiles};
 use kernels_spec::params::{
     Arena, GRAD_FLAG_WORD, GRAD_MAX_CONTRIBUTION, GRAD_NON_FINITE, GRAD_RANGE, SummaryJob,
@@ -83,7 +84,8 @@ pub(crate) fn tiles<V: Variant, T: Tiling>(
 /// The capture arena of one call, planned on the host: the captured
 /// tensors checked against their declarations (contiguous, on the call's
 /// runtime), where each goes, the summaries the device computes from them,
-/// and whether the call must read the error record back.
+/// where the key layout's `i32` tensors go after them, and whether the
+/// call must read the error record back.
 pub(crate) struct ArenaPlan<R: Runtime> {
     /// The captured tensors, in field order.
     pub tensors: Vec<Tensor<R>>,
@@ -94,6 +96,49 @@ pub(crate) struct ArenaPlan<R: Runtime> {
     /// Some checked read may be out of range for this call: read the
     /// record back after it ([`capture::checks_hold`]).
     pub report: bool,
+    /// The key layout's lengths and page table (contiguous), each with the
+    /// arena word it is copied to, after the arena's own words.
+    pub cache: Vec<(Tensor<R>, usize)>,
+    /// Words of the whole arena, the cache's tensors included.
+    pub words: usize,
+    /// Where the call's keys are, as the kernels read it.
+    pub keys: KeyWords,
+}
+
+/// Where a call's keys are, as the GPU kernels take it (the scalars
+/// `kv_lens`, `kv_pages`, `page_size` and `max_pages`): the arena words of
+/// a cache's lengths and of its page table, or [`NO_WORD`] where there is
+/// none, then keys per page and page table entries per sequence (0 for
+/// keys in place).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct KeyWords {
+    pub lens: u32,
+    pub pages: u32,
+    pub page_size: u32,
+    pub max_pages: u32,
+}
+
+impl KeyWords {
+    /// Where the keys of `layout` are, its tensors at arena words `at`.
+    fn new<R: Runtime>(p: &Problem, layout: &KeyLayout<'_, R>, at: [u32; 2]) -> Result<Self> {
+        let word = |name, value: usize| {
+            u32::try_from(value).map_err(|_| Error::TooLarge {
+                name,
+                value,
+                max: u32::MAX as usize,
+            })
+        };
+        let (page_size, max_pages) = match layout.pages() {
+            Some(t) => (t.page_size, p.seq_k / t.page_size.max(1)),
+            None => (0, 0),
+        };
+        Ok(KeyWords {
+            lens: at[0],
+            pages: at[1],
+            page_size: word("the page size", page_size)?,
+            max_pages: word("the pages per sequence", max_pages)?,
+        })
+    }
 }
 
 /// Words an arena may hold: every index into it is a `u32`, and a WGSL
@@ -102,8 +147,13 @@ pub(crate) struct ArenaPlan<R: Runtime> {
 pub(crate) const MAX_ARENA_WORDS: usize = 1 << 25;
 
 impl<R: Runtime<DType = DType>> ArenaPlan<R> {
-    /// The plan for `variant`'s captures on problem `p`.
-    pub(crate) fn new<V: Variant>(variant: &V, p: &Problem) -> Result<Self> {
+    /// The plan for `variant`'s captures on problem `p`, with keys laid
+    /// out as `layout` says.
+    pub(crate) fn new<V: Variant>(
+        variant: &V,
+        p: &Problem,
+        layout: &KeyLayout<'_, R>,
+    ) -> Result<Self> {
         let tensors = variant
             .captures()
             .iter()
@@ -122,12 +172,47 @@ impl<R: Runtime<DType = DType>> ArenaPlan<R> {
             .map(|s| arena.job(s, &shapes, V::SUMMARIES))
             .collect();
         let report = !capture::checks_hold(V::READ_CHECKS, p, &shapes);
+        // The lengths, then the page table, after the arena's words.
+        let mut words = arena.words;
+        let mut cache = Vec::new();
+        let mut at = [NO_WORD; 2];
+        let index_tensors = [
+            layout.lengths().map(|l| l.tensor),
+            layout.pages().map(|t| t.tensor),
+        ];
+        for (slot, t) in at.iter_mut().zip(index_tensors) {
+            if let Some(t) = t {
+                let t = t.contiguous()?;
+                *slot = u32::try_from(words).unwrap_or(NO_WORD);
+                let n = t.numel();
+                cache.push((t, words));
+                words += n;
+            }
+        }
+        if words > MAX_ARENA_WORDS {
+            return Err(Error::TooLarge {
+                name: "the capture arena with the cache's lengths and page table (32-bit words)",
+                value: words,
+                max: MAX_ARENA_WORDS,
+            });
+        }
+        let keys = KeyWords::new(p, layout, at)?;
         Ok(ArenaPlan {
             tensors,
             arena,
             jobs,
             report,
+            cache,
+            words,
+            keys,
         })
+    }
+
+    /// The tensors copied into the arena before the kernels, each with its
+    /// first word: the captured tensors, then the cache's.
+    pub(crate) fn copies(&self) -> impl Iterator<Item = (&Tensor<R>, usize)> {
+        let captured = self.tensors.iter().zip(self.arena.tensors.iter().copied());
+        captured.chain(self.cache.iter().map(|(t, at)| (t, *at)))
     }
 
     /// The captured tensors' shapes.
@@ -215,6 +300,27 @@ impl<R: Runtime<DType = DType>> ArenaPlan<R> {
         }
         Ok(out)
     }
+}
+
+/// The word of a launch scalar that depends only on the call: the
+/// problem's sizes, its scale (f32 bits), where its keys are, and its key
+/// splits; `None` for the scalars of one dispatch (its tile range and
+/// flags). Sizes fit in `u32`: validation bounds them by 2^30.
+pub(crate) fn scalar_word(p: &Problem, s: Scalar, keys: KeyWords, splits: u32) -> Option<u32> {
+    Some(match s {
+        Scalar::Batch => p.batch as u32,
+        Scalar::HeadsQ => p.heads_q as u32,
+        Scalar::HeadsKv => p.heads_kv as u32,
+        Scalar::SeqQ => p.seq_q as u32,
+        Scalar::SeqK => p.seq_k as u32,
+        Scalar::Scale => p.scale.to_bits(),
+        Scalar::KvLens => keys.lens,
+        Scalar::KvPages => keys.pages,
+        Scalar::PageSize => keys.page_size,
+        Scalar::MaxPages => keys.max_pages,
+        Scalar::Splits => splits,
+        Scalar::TileBegin | Scalar::TileEnd | Scalar::Flags => return None,
+    })
 }
 
 /// The head dim as the tile configurations take it (a head dim past

@@ -17,7 +17,7 @@
 
 use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, KeyLayout, Keys};
 use crate::error::{BackendError, Error, Result};
-use crate::gpu::{self, ArenaPlan, KernelCache};
+use crate::gpu::{self, ArenaPlan, KernelCache, KeyWords};
 use crate::problem::Problem;
 use crate::validate;
 use crate::variant::Variant;
@@ -27,7 +27,7 @@ use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 use kernels_spec::emit::Target;
 use kernels_spec::emit::cuda::interface::{Kernel, Module};
 use kernels_spec::emit::cuda::{CudaDType, CudaTiles, kernels, source};
-use kernels_spec::emit::interface::{Arg, Buffer, Scalar};
+use kernels_spec::emit::interface::{Arg, Buffer, NO_WORD, Scalar};
 use kernels_spec::params::{ERROR_WORDS, ParamWords};
 use numr::dtype::DType;
 use numr::runtime::cuda::{CudaClient, CudaRuntime};
@@ -258,15 +258,12 @@ struct Call<'a> {
     params: Params,
     captures: u64,
     buffers: &'a [(Buffer, &'a Tensor<CudaRuntime>)],
-    /// The key layout: (arena word of the lengths, of the page table,
-    /// keys per page, entries per table row); -1, -1, 0, 0 for plain K/V.
-    kv: [i32; 4],
+    /// Where the keys are (the arena words of a cache's lengths and page
+    /// table, `-1` as `i32` where there is none).
+    keys: KeyWords,
     /// Key splits of the forward (1: unsplit, and every other kernel).
     splits: u32,
 }
-
-/// The `kv` of a call with plain `[B, Hkv, Sk, D]` keys and values.
-const PLAIN_KV: [i32; 4] = [-1, -1, 0, 0];
 
 impl Call<'_> {
     fn value(&self, kernel: &Kernel, arg: Arg) -> std::result::Result<Value, BackendError> {
@@ -275,12 +272,6 @@ impl Call<'_> {
             kernel: kernel.entry,
             reason,
         };
-        let p = self.problem;
-        let int = |n: usize| {
-            i32::try_from(n)
-                .map(Value::Int)
-                .map_err(|_| launch_error(format!("{} = {n} does not fit in i32", arg.name())))
-        };
         match arg {
             Arg::Buffer(b, _) => self
                 .buffers
@@ -288,20 +279,20 @@ impl Call<'_> {
                 .find(|(role, _)| *role == b)
                 .map(|(_, t)| Value::Ptr(t.ptr()))
                 .ok_or_else(|| launch_error(format!("no tensor is bound to `{}`", b.name()))),
-            Arg::Scalar(Scalar::Batch) => int(p.batch),
-            Arg::Scalar(Scalar::HeadsQ) => int(p.heads_q),
-            Arg::Scalar(Scalar::HeadsKv) => int(p.heads_kv),
-            Arg::Scalar(Scalar::SeqQ) => int(p.seq_q),
-            Arg::Scalar(Scalar::SeqK) => int(p.seq_k),
-            Arg::Scalar(Scalar::Scale) => Ok(Value::Float(p.scale)),
-            Arg::Scalar(Scalar::KvLens) => Ok(Value::Int(self.kv[0])),
-            Arg::Scalar(Scalar::KvPages) => Ok(Value::Int(self.kv[1])),
-            Arg::Scalar(Scalar::PageSize) => Ok(Value::Int(self.kv[2])),
-            Arg::Scalar(Scalar::MaxPages) => Ok(Value::Int(self.kv[3])),
-            Arg::Scalar(Scalar::Splits) => int(self.splits as usize),
-            Arg::Scalar(s @ (Scalar::TileBegin | Scalar::TileEnd | Scalar::Flags)) => Err(
-                launch_error(format!("`{}` has no value in a CUDA launch", s.name())),
-            ),
+            Arg::Scalar(s) => {
+                let word =
+                    gpu::scalar_word(self.problem, s, self.keys, self.splits).ok_or_else(|| {
+                        launch_error(format!("`{}` has no value in a CUDA launch", s.name()))
+                    })?;
+                match s {
+                    Scalar::Scale => Ok(Value::Float(f32::from_bits(word))),
+                    // `NO_WORD` is -1 to the kernels.
+                    Scalar::KvLens | Scalar::KvPages if word == NO_WORD => Ok(Value::Int(-1)),
+                    _ => i32::try_from(word).map(Value::Int).map_err(|_| {
+                        launch_error(format!("{} = {word} does not fit in i32", s.name()))
+                    }),
+                }
+            }
             Arg::Params => Ok(Value::Params(self.params)),
             Arg::Captures => Ok(Value::Ptr(self.captures)),
         }
@@ -391,48 +382,22 @@ fn summary_kernel(client: &CudaClient, device: usize) -> Result<Arc<SummaryKerne
     })?)
 }
 
-/// A call's capture arena on the device: its plan and its words (`u32`),
-/// and where a KV cache's lengths and page table were copied in.
+/// A call's capture arena on the device: its plan and its words (`u32`).
 struct DeviceArena {
     plan: ArenaPlan<CudaRuntime>,
     words: Tensor<CudaRuntime>,
-    /// The arena words of the cache's lengths and page table, if any.
-    cache: [Option<usize>; 2],
 }
 
 impl DeviceArena {
-    /// The arena of `variant`'s captures for problem `p`, filled on
-    /// `client`'s stream before anything else runs there: the error words
-    /// and the gradient accumulators zeroed, each tensor copied to its
-    /// place, then the summaries.
-    fn new<V: Variant>(
-        variant: &V,
-        p: &Problem,
+    /// The arena of `plan` on `client`'s stream, filled before anything
+    /// else runs there: the error words and the gradient accumulators
+    /// zeroed, each tensor copied to its place, then the summaries.
+    fn new(
+        plan: ArenaPlan<CudaRuntime>,
         client: &CudaClient,
         like: &Tensor<CudaRuntime>,
-        cache: [Option<&Tensor<CudaRuntime>>; 2],
     ) -> Result<Self> {
-        let plan = ArenaPlan::new(variant, p)?;
-        let cache: Vec<Option<Tensor<CudaRuntime>>> = cache
-            .iter()
-            .map(|t| t.map(|t| t.contiguous()).transpose())
-            .collect::<std::result::Result<_, _>>()?;
-        let mut end = plan.arena.words;
-        let mut at = [None, None];
-        for (slot, t) in at.iter_mut().zip(&cache) {
-            if let Some(t) = t {
-                *slot = Some(end);
-                end += t.numel();
-            }
-        }
-        if end > gpu::MAX_ARENA_WORDS {
-            return Err(Error::TooLarge {
-                name: "the capture arena with the cache's lengths and page table (32-bit words)",
-                value: end,
-                max: gpu::MAX_ARENA_WORDS,
-            });
-        }
-        let words = Tensor::<CudaRuntime>::empty(&[end], DType::U32, like.device())?;
+        let words = Tensor::<CudaRuntime>::empty(&[plan.words], DType::U32, like.device())?;
         let stream = client.stream();
         let fill_error = |reason: String| BackendError::Launch {
             target: TARGET,
@@ -446,11 +411,11 @@ impl DeviceArena {
                 .enqueue_permit()
                 .map_err(|e| fill_error(format!("the stream's context: {e}")))?;
             let raw = stream.raw().cu_stream();
-            // SAFETY: `words` holds `arena.words` u32 (at least
-            // ERROR_WORDS), each captured tensor is a live contiguous numr
+            // SAFETY: `words` holds `plan.words` u32 (at least
+            // ERROR_WORDS), each copied tensor is a live contiguous numr
             // allocation of `numel` 4-byte elements (dtype checked against
-            // its declaration), and the arena places it inside `words`; all
-            // on numr's stream.
+            // its declaration or the cache's rules), and the plan places it
+            // inside `words`; all on numr's stream.
             unsafe {
                 cudarc::driver::result::memset_d8_async(words.ptr(), 0, 4 * ERROR_WORDS, raw)
                     .map_err(|e| fill_error(format!("zeroing the error record: {e}")))?;
@@ -464,27 +429,14 @@ impl DeviceArena {
                     )
                     .map_err(|e| fill_error(format!("zeroing the gradient accumulators: {e}")))?;
                 }
-                for (t, &at) in plan.tensors.iter().zip(&plan.arena.tensors) {
+                for (t, at) in plan.copies() {
                     cudarc::driver::result::memcpy_dtod_async(
                         words.ptr() + 4 * at as u64,
                         t.ptr(),
                         4 * t.numel(),
                         raw,
                     )
-                    .map_err(|e| fill_error(format!("copying a captured tensor: {e}")))?;
-                }
-                for (t, at) in cache.iter().zip(at) {
-                    if let (Some(t), Some(at)) = (t, at) {
-                        cudarc::driver::result::memcpy_dtod_async(
-                            words.ptr() + 4 * at as u64,
-                            t.ptr(),
-                            4 * t.numel(),
-                            raw,
-                        )
-                        .map_err(|e| {
-                            fill_error(format!("copying a cache's lengths or pages: {e}"))
-                        })?;
-                    }
+                    .map_err(|e| fill_error(format!("copying a tensor into the arena: {e}")))?;
                 }
             }
         }
@@ -512,39 +464,12 @@ impl DeviceArena {
                 unsafe { builder.launch(config) }.map_err(|e| fill_error(e.to_string()))?;
             }
         }
-        Ok(DeviceArena {
-            plan,
-            words,
-            cache: at,
-        })
+        Ok(DeviceArena { plan, words })
     }
 
     /// After the call's kernels: the error of a read out of range, if one
     /// was recorded. Only a call whose checked reads may fail reads the
     /// record back (and waits for the stream).
-    /// The kernels' key layout ([`Call::kv`]) for the cache words copied
-    /// into this arena, with `pages` (keys per page, entries per table row)
-    /// for a paged cache.
-    fn kv(&self, pages: Option<(usize, usize)>) -> Result<[i32; 4]> {
-        let values = [
-            ("the arena word of the cache's lengths", self.cache[0]),
-            ("the arena word of the page table", self.cache[1]),
-            ("the page size", pages.map(|t| t.0)),
-            ("the pages per sequence", pages.map(|t| t.1)),
-        ];
-        let mut kv = PLAIN_KV;
-        for (slot, (name, value)) in kv.iter_mut().zip(values) {
-            if let Some(value) = value {
-                *slot = i32::try_from(value).map_err(|_| Error::TooLarge {
-                    name,
-                    value,
-                    max: i32::MAX as usize,
-                })?;
-            }
-        }
-        Ok(kv)
-    }
-
     fn check<V: Variant>(&self) -> Result<()> {
         if !self.plan.report {
             return Ok(());
@@ -593,13 +518,13 @@ fn launch<V: Variant>(
     splits: u32,
 ) -> Result<DeviceArena> {
     let client = CudaRuntime::default_client(like.device());
-    let arena = DeviceArena::new(variant, p, &client, like, layout.index_tensors())?;
+    let arena = DeviceArena::new(ArenaPlan::new(variant, p, layout)?, &client, like)?;
     let call = Call {
         problem: p,
         params: Params(variant.param_words()),
         captures: arena.words.ptr(),
         buffers,
-        kv: arena.kv(layout.page_geometry(p))?,
+        keys: arena.plan.keys,
         splits,
     };
     for module in modules {

@@ -11,12 +11,12 @@
 
 use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, KeyLayout, Keys};
 use crate::error::{BackendError, Result};
-use crate::gpu::{self, ArenaPlan, KernelCache};
+use crate::gpu::{self, ArenaPlan, KernelCache, KeyWords};
 use crate::problem::Problem;
 use crate::validate;
 use crate::variant::Variant;
 use kernels_spec::emit::Target;
-use kernels_spec::emit::interface::{Access, Buffer, Dim, NO_WORD, Scalar};
+use kernels_spec::emit::interface::{Access, Buffer, Dim, Scalar};
 use kernels_spec::emit::wgsl::interface::{Binding, MAX_WORKGROUPS, Module, SHAPE, SHAPE_WORDS};
 use kernels_spec::emit::wgsl::{FLAG_FIRST, FLAG_LAST, WgslTiles, kernels, module_source};
 use kernels_spec::params::ERROR_WORDS;
@@ -232,51 +232,21 @@ fn ranges(n: u64, per: u32) -> Vec<(u32, u32, u32)> {
     }
 }
 
-/// The `shape` uniform of one dispatch, in [`SHAPE`]'s order. Sizes fit in
-/// u32: validation bounds them by 2^30.
-/// Where a call's keys live, as the `shape` uniform tells the kernels.
-#[derive(Clone, Copy, Debug)]
-struct KvShape {
-    lens: u32,
-    pages: u32,
-    page_size: u32,
-    max_pages: u32,
-}
-
-impl KvShape {
-    /// `k, v [B, Hkv, Sk, D]`, every sequence `Sk` keys.
-    const PLAIN: KvShape = KvShape {
-        lens: NO_WORD,
-        pages: NO_WORD,
-        page_size: 0,
-        max_pages: 0,
-    };
-}
-
+/// The `shape` uniform of one dispatch, in [`SHAPE`]'s order: the call's
+/// scalars, and the dispatch's range of the tile loop with its flags.
 fn shape_words(
     p: &Problem,
     (begin, end, flags): (u32, u32, u32),
-    kv: KvShape,
+    keys: KeyWords,
     splits: u32,
 ) -> [u32; SHAPE_WORDS] {
     let mut words = [0u32; SHAPE_WORDS];
-    for (w, s) in words.iter_mut().zip(SHAPE) {
-        *w = match s {
-            Scalar::Batch => p.batch as u32,
-            Scalar::HeadsQ => p.heads_q as u32,
-            Scalar::HeadsKv => p.heads_kv as u32,
-            Scalar::SeqQ => p.seq_q as u32,
-            Scalar::SeqK => p.seq_k as u32,
-            Scalar::Scale => p.scale.to_bits(),
+    for (w, &s) in words.iter_mut().zip(SHAPE) {
+        *w = gpu::scalar_word(p, s, keys, splits).unwrap_or(match s {
             Scalar::TileBegin => begin,
             Scalar::TileEnd => end,
-            Scalar::Flags => flags,
-            Scalar::KvLens => kv.lens,
-            Scalar::KvPages => kv.pages,
-            Scalar::PageSize => kv.page_size,
-            Scalar::MaxPages => kv.max_pages,
-            Scalar::Splits => splits,
-        };
+            _ => flags,
+        });
     }
     words
 }
@@ -314,37 +284,13 @@ struct DeviceArena {
     /// record and the gradient accumulators (the arena from
     /// `grad_start` on), in that order.
     learned: Option<Tensor<WgpuRuntime>>,
-    /// `i32` tensors copied in after the plan's words, at these words.
-    cache: Vec<(Tensor<WgpuRuntime>, usize)>,
 }
 
 impl DeviceArena {
-    /// The arena of `variant`'s captures for problem `p`, on `device`; a
-    /// call that `learn`s reads its gradient accumulators back.
-    fn new<V: Variant>(
-        variant: &V,
-        p: &Problem,
-        device: &WgpuDevice,
-        learn: bool,
-        layout: &KeyLayout<'_, WgpuRuntime>,
-    ) -> Result<Self> {
-        let plan = ArenaPlan::new(variant, p)?;
-        let mut extra = Vec::new();
-        let mut end = plan.arena.words;
-        for t in layout.index_tensors().into_iter().flatten() {
-            let t = t.contiguous()?;
-            let n = t.numel();
-            extra.push((t, end));
-            end += n;
-        }
-        if end > gpu::MAX_ARENA_WORDS {
-            return Err(crate::Error::TooLarge {
-                name: "the capture arena with the cache's lengths and page table (32-bit words)",
-                value: end,
-                max: gpu::MAX_ARENA_WORDS,
-            });
-        }
-        let words = Tensor::<WgpuRuntime>::empty(&[end], DType::U32, device)?;
+    /// The arena of `plan` on `device`; a call that `learn`s reads its
+    /// gradient accumulators back.
+    fn new(plan: ArenaPlan<WgpuRuntime>, device: &WgpuDevice, learn: bool) -> Result<Self> {
+        let words = Tensor::<WgpuRuntime>::empty(&[plan.words], DType::U32, device)?;
         let record = if plan.report {
             Some(Tensor::<WgpuRuntime>::empty(
                 &[ERROR_WORDS],
@@ -369,7 +315,6 @@ impl DeviceArena {
             words,
             record,
             learned,
-            cache: extra,
         })
     }
 
@@ -389,23 +334,13 @@ impl DeviceArena {
         if end > start {
             encoder.clear_buffer(&arena, 4 * start as u64, Some(4 * (end - start) as u64));
         }
-        for (t, &at) in self.plan.tensors.iter().zip(&self.plan.arena.tensors) {
-            let src = buffer_of(KERNEL, "a captured tensor", t)?;
+        for (t, at) in self.plan.copies() {
+            let src = buffer_of(KERNEL, "a tensor copied into the arena", t)?;
             encoder.copy_buffer_to_buffer(
                 &src,
                 4 * t.offset() as u64,
                 &arena,
                 4 * at as u64,
-                Some(4 * t.numel() as u64),
-            );
-        }
-        for (t, at) in &self.cache {
-            let src = buffer_of(KERNEL, "a KV cache's lengths or page table", t)?;
-            encoder.copy_buffer_to_buffer(
-                &src,
-                4 * t.offset() as u64,
-                &arena,
-                4 * *at as u64,
                 Some(4 * t.numel() as u64),
             );
         }
@@ -586,17 +521,8 @@ fn run<V: Variant>(
     layout: &KeyLayout<'_, WgpuRuntime>,
     splits: u32,
 ) -> Result<DeviceArena> {
-    let arena = DeviceArena::new(variant, p, client.device(), learn, layout)?;
-    let pages = layout.page_geometry(p);
-    let kv = match arena.cache.as_slice() {
-        [(_, lens), rest @ ..] => KvShape {
-            lens: *lens as u32,
-            pages: rest.first().map_or(NO_WORD, |(_, at)| *at as u32),
-            page_size: pages.map_or(0, |(ps, _)| ps as u32),
-            max_pages: pages.map_or(0, |(_, mp)| mp as u32),
-        },
-        _ => KvShape::PLAIN,
-    };
+    let arena = DeviceArena::new(ArenaPlan::new(variant, p, layout)?, client.device(), learn)?;
+    let keys = arena.plan.keys;
     let summaries = if arena.plan.jobs.is_empty() {
         None
     } else {
@@ -670,7 +596,7 @@ fn run<V: Variant>(
             });
             for (module, pass, bound, entry, grid, ranges) in &plans {
                 for &range in ranges {
-                    let words = shape_words(p, range, kv, splits);
+                    let words = shape_words(p, range, keys, splits);
                     let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
                     let shape = uniform("boostr shape", &bytes);
                     let entries: Vec<_> = (0u32..)
