@@ -64,6 +64,14 @@ fn check_input(name: &'static str, t: &Tensor<CpuRuntime>, dtype: DType) -> Resu
     Ok(())
 }
 
+/// `f` on each pair of [`CONVERT_BLOCK`]-element blocks of `dst` and
+/// `src`, in parallel.
+fn in_blocks<A: Send, B: Sync>(dst: &mut [A], src: &[B], f: impl Fn(&mut [A], &[B]) + Sync) {
+    dst.par_chunks_mut(CONVERT_BLOCK)
+        .zip(src.par_chunks(CONVERT_BLOCK))
+        .for_each(|(dst, src)| f(dst, src));
+}
+
 /// An input of the f32 kernels: contiguous f32 on the host. An f32 tensor
 /// is used in place; f16 and bf16 are widened into a copy (exactly: every
 /// f16 and bf16 value is an f32).
@@ -85,16 +93,14 @@ impl HostF32 {
         // holds `numel()` 2-byte values (f16 or bf16 bits, checked above);
         // `t` outlives the borrow.
         let bits = unsafe { std::slice::from_raw_parts(t.ptr() as *const u16, t.numel()) };
-        wide.par_chunks_mut(CONVERT_BLOCK)
-            .zip(bits.par_chunks(CONVERT_BLOCK))
-            .for_each(|(dst, src)| match dtype {
-                DType::F16 => src
-                    .reinterpret_cast::<half::f16>()
-                    .convert_to_f32_slice(dst),
-                _ => src
-                    .reinterpret_cast::<half::bf16>()
-                    .convert_to_f32_slice(dst),
-            });
+        in_blocks(&mut wide, bits, |dst, src| match dtype {
+            DType::F16 => src
+                .reinterpret_cast::<half::f16>()
+                .convert_to_f32_slice(dst),
+            _ => src
+                .reinterpret_cast::<half::bf16>()
+                .convert_to_f32_slice(dst),
+        });
         Ok(Self::Widened(wide))
     }
 
@@ -174,16 +180,14 @@ impl Output {
             // bf16), is contiguous and not shared yet.
             let bits = unsafe { std::slice::from_raw_parts_mut(self.tensor.ptr() as *mut u16, n) };
             let dtype = self.tensor.dtype();
-            bits.par_chunks_mut(CONVERT_BLOCK)
-                .zip(wide.par_chunks(CONVERT_BLOCK))
-                .for_each(|(dst, src)| match dtype {
-                    DType::F16 => dst
-                        .reinterpret_cast_mut::<half::f16>()
-                        .convert_from_f32_slice(src),
-                    _ => dst
-                        .reinterpret_cast_mut::<half::bf16>()
-                        .convert_from_f32_slice(src),
-                });
+            in_blocks(bits, wide, |dst, src| match dtype {
+                DType::F16 => dst
+                    .reinterpret_cast_mut::<half::f16>()
+                    .convert_from_f32_slice(src),
+                _ => dst
+                    .reinterpret_cast_mut::<half::bf16>()
+                    .convert_from_f32_slice(src),
+            });
         }
         self.tensor
     }

@@ -2,7 +2,9 @@
 
 use super::backward::{self, key_chunks};
 use super::*;
-use crate::testing::fixtures::{CausalSoftcap, Unmasked, causal_class};
+use crate::testing::fixtures::{
+    CausalSoftcap, Unmasked, causal_class, identity_score, no_mask_to_call,
+};
 use crate::variant::HostVariant;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -20,12 +22,7 @@ impl HostVariant for SlidingWindow {
     const NAME: &'static str = "SlidingWindow";
     const SCORE_IS_IDENTITY: bool = true;
     const HAS_MASK: bool = true;
-    fn score(&self, s: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
-        s
-    }
-    fn score_grad(&self, _: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
-        1.0
-    }
+    identity_score!();
     fn mask(&self, _: i32, _: i32, q: i32, kv: i32) -> bool {
         kv <= q && q - kv < self.window
     }
@@ -39,12 +36,6 @@ impl HostVariant for SlidingWindow {
         } else {
             TileClass::Partial
         }
-    }
-    fn score_f64(&self, s: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
-        s
-    }
-    fn score_grad_f64(&self, _: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
-        1.0
     }
     fn mask_f64(&self, _: i32, _: i32, q: i32, kv: i32) -> bool {
         kv <= q && q - kv < self.window
@@ -70,20 +61,12 @@ impl HostVariant for Alibi {
     fn score_grad(&self, _: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
         1.0
     }
-    fn mask(&self, _: i32, _: i32, _: i32, _: i32) -> bool {
-        panic!("mask called on a variant without one")
-    }
-    fn classify_tile(&self, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32) -> TileClass {
-        panic!("classify_tile called on a variant without a mask")
-    }
+    no_mask_to_call!();
     fn score_f64(&self, s: f64, b: i32, h: i32, q: i32, kv: i32) -> f64 {
         s - self.slope as f64 * (h + 1) as f64 * (q - kv).abs() as f64 + 0.25 * b as f64
     }
     fn score_grad_f64(&self, _: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
         1.0
-    }
-    fn mask_f64(&self, _: i32, _: i32, _: i32, _: i32) -> bool {
-        true
     }
 }
 

@@ -2,6 +2,51 @@
 
 use crate::variant::{HostVariant, TileClass};
 
+/// The [`HostVariant`] functions of an identity `score`, in f32 and f64.
+macro_rules! identity_score {
+    () => {
+        fn score(&self, s: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
+            s
+        }
+        fn score_grad(&self, _: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
+            1.0
+        }
+        fn score_f64(&self, s: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
+            s
+        }
+        fn score_grad_f64(&self, _: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
+            1.0
+        }
+    };
+}
+pub(crate) use identity_score;
+
+/// The mask functions of a variant without a mask (`HAS_MASK = false`):
+/// the kernels must never call `mask` or `classify_tile`, which panic; the
+/// reference's `mask_f64` sees every key.
+macro_rules! no_mask_to_call {
+    () => {
+        fn mask(&self, _: i32, _: i32, _: i32, _: i32) -> bool {
+            panic!("mask called on a variant without one")
+        }
+        fn classify_tile(
+            &self,
+            _: i32,
+            _: i32,
+            _: i32,
+            _: i32,
+            _: i32,
+            _: i32,
+        ) -> $crate::variant::TileClass {
+            panic!("classify_tile called on a variant without a mask")
+        }
+        fn mask_f64(&self, _: i32, _: i32, _: i32, _: i32) -> bool {
+            true
+        }
+    };
+}
+pub(crate) use no_mask_to_call;
+
 /// Plain attention: no mask, identity score.
 #[derive(Clone, Debug)]
 pub(crate) struct Plain;
@@ -10,23 +55,12 @@ impl HostVariant for Plain {
     const NAME: &'static str = "Plain";
     const SCORE_IS_IDENTITY: bool = true;
     const HAS_MASK: bool = false;
-    fn score(&self, s: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
-        s
-    }
-    fn score_grad(&self, _: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
-        1.0
-    }
+    crate::testing::fixtures::identity_score!();
     fn mask(&self, _: i32, _: i32, _: i32, _: i32) -> bool {
         true
     }
     fn classify_tile(&self, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32) -> TileClass {
         TileClass::Full
-    }
-    fn score_f64(&self, s: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
-        s
-    }
-    fn score_grad_f64(&self, _: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
-        1.0
     }
     fn mask_f64(&self, _: i32, _: i32, _: i32, _: i32) -> bool {
         true
@@ -44,27 +78,8 @@ impl HostVariant for Unmasked {
     const NAME: &'static str = "Unmasked";
     const SCORE_IS_IDENTITY: bool = true;
     const HAS_MASK: bool = false;
-    fn score(&self, s: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
-        s
-    }
-    fn score_grad(&self, _: f32, _: i32, _: i32, _: i32, _: i32) -> f32 {
-        1.0
-    }
-    fn mask(&self, _: i32, _: i32, _: i32, _: i32) -> bool {
-        panic!("mask called on a variant without one")
-    }
-    fn classify_tile(&self, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32) -> TileClass {
-        panic!("classify_tile called on a variant without a mask")
-    }
-    fn score_f64(&self, s: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
-        s
-    }
-    fn score_grad_f64(&self, _: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
-        1.0
-    }
-    fn mask_f64(&self, _: i32, _: i32, _: i32, _: i32) -> bool {
-        true
-    }
+    crate::testing::fixtures::identity_score!();
+    crate::testing::fixtures::no_mask_to_call!();
 }
 
 crate::hand_written_variant!(Unmasked);
