@@ -1,7 +1,7 @@
 //! What the GPU backends (wgpu, CUDA) share: the kernel cache, the choice
 //! of tiles, and the problem's sizes as the kernel descriptions read them.
 
-use crate::backend::KeyLayout;
+use crate::backend::{BackwardTensors, KeyLayout};
 use crate::capture;
 use crate::error::{BackendError, Error, Result};
 use crate::problem::Problem;
@@ -232,6 +232,38 @@ impl<R: Runtime<DType = DType>> ArenaPlan<R> {
 /// bit short of the ±2³¹ where the 64-bit fixed point wraps) are an
 /// error rather than a value that may have wrapped.
 const GRAD_MAX_SUM: f64 = 1_073_741_824.0;
+
+/// The tensors a GPU backward reads, each checked and made contiguous by
+/// the backend's `input` (`lse`: f32); a paged layout is an `Err`.
+pub(crate) struct BackwardOperands<R: Runtime> {
+    pub(crate) q: Tensor<R>,
+    pub(crate) k: Tensor<R>,
+    pub(crate) v: Tensor<R>,
+    /// Read by CUDA's backward (wgpu's recomputes `D_i` from `P`).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) out: Tensor<R>,
+    pub(crate) dout: Tensor<R>,
+    pub(crate) lse: Tensor<R>,
+}
+
+impl<R: Runtime<DType = DType>> BackwardOperands<R> {
+    pub(crate) fn new(
+        t: &BackwardTensors<'_, R>,
+        backend: &'static str,
+        input: impl Fn(&'static str, &Tensor<R>) -> Result<Tensor<R>>,
+    ) -> Result<Self> {
+        t.keys.layout.unpaged(backend)?;
+        crate::validate::check_dtype("lse", t.lse, backend, &[DType::F32], "f32")?;
+        Ok(Self {
+            q: input("q", t.q)?,
+            k: input("k", t.keys.k)?,
+            v: input("v", t.keys.v)?,
+            out: input("out", t.out)?,
+            dout: input("dout", t.dout)?,
+            lse: t.lse.contiguous()?,
+        })
+    }
+}
 
 /// Whether a backward computes the gradient of some learnable tensor.
 pub(crate) fn learns<V: Variant>(wanted: &[bool]) -> bool {

@@ -386,6 +386,28 @@ fn assemble_and_check(
     Ok(reports)
 }
 
+/// Every construct of the variant language at once (`let` blocks, typed
+/// and untyped, `if`/`else`, `as` casts, every function, f32, i32, u32 and
+/// bool parameters) expands, and its host functions mean what they say.
+#[test]
+fn the_full_language_runs_on_the_host() {
+    use boostr_runtime::HostVariant;
+    let v = Everything {
+        cap: 30.0,
+        slope: 0.25,
+        window: 4,
+        causal: true,
+        alibi: true,
+    };
+    assert!(v.mask(0, 0, 5, 5));
+    assert!(v.mask(0, 0, 5, 2));
+    assert!(!v.mask(0, 0, 5, 1));
+    assert!(!v.mask(0, 0, 5, 6));
+    let s = v.score(1.5, 0, 1, 3, 1);
+    assert!(s.is_finite() && s.abs() <= 30.0, "{s}");
+    assert!(Everything::compiled().text.contains("score"));
+}
+
 #[test]
 fn param_words_follow_the_layout() {
     let everything = Everything {

@@ -412,25 +412,15 @@ mod tests {
         let want = naive(lhs, rhs);
 
         let mut c = vec![f32::NAN; m * n];
-        matmul(
-            MatMut::row_major(&mut c, m, n),
-            Write::Overwrite,
-            lhs,
-            rhs,
-            1.0,
-        );
-        for (x, y) in c.iter().zip(&want) {
-            assert!((x - y).abs() < 1e-5, "{x} vs {y}");
-        }
-        matmul(
-            MatMut::row_major(&mut c, m, n),
-            Write::Accumulate,
-            lhs,
-            rhs,
-            0.5,
-        );
-        for (x, y) in c.iter().zip(&want) {
-            assert!((x - 1.5 * y).abs() < 1e-5, "{x} vs {}", 1.5 * y);
+        for (write, beta, total) in [(Write::Overwrite, 1.0, 1.0), (Write::Accumulate, 0.5, 1.5)] {
+            matmul(MatMut::row_major(&mut c, m, n), write, lhs, rhs, beta);
+            for (x, y) in c.iter().zip(&want) {
+                assert!(
+                    (x - total * y).abs() < 1e-5,
+                    "{write:?}: {x} vs {}",
+                    total * y
+                );
+            }
         }
     }
 

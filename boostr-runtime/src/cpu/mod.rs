@@ -128,9 +128,18 @@ pub fn forward<V: Variant>(
     out: &mut [f32],
     lse: &mut [f32],
 ) -> Result<()> {
+    on_host(variant, p, |host| {
+        forward_tiled(host, p, CpuTiles::for_variant::<V>(), q, k, v, out, lse)
+    })
+}
+
+/// `run` on the variant's tensors read on the host for `p`
+/// ([`Variant::host`]); an index out of range in one of `run`'s checked
+/// reads is the `Err`.
+fn on_host<V: Variant, R>(variant: &V, p: &Problem, run: impl FnOnce(&V::Host) -> R) -> Result<R> {
     let host = variant.host(p)?;
-    forward_tiled(&host, p, CpuTiles::for_variant::<V>(), q, k, v, out, lse);
-    host.out_of_range().map_or(Ok(()), Err)
+    let ran = run(&host);
+    host.out_of_range().map_or(Ok(ran), Err)
 }
 
 /// Whether [`forward`] runs `p` on the decode kernel (at most 32 query rows
@@ -167,15 +176,15 @@ pub fn forward_bf16<V: Variant>(
     if !amx_forward::applies(p) {
         return Ok(false);
     }
-    let host = variant.host(p)?;
     use half::slice::HalfFloatSliceExt as _;
     let (q, k, v) = (
         q.reinterpret_cast(),
         k.reinterpret_cast(),
         v.reinterpret_cast(),
     );
-    in_pool(|| amx_forward::forward(&host, p, q, k, v, out, lse));
-    host.out_of_range().map_or(Ok(()), Err)?;
+    on_host(variant, p, |host| {
+        in_pool(|| amx_forward::forward(host, p, q, k, v, out, lse))
+    })?;
     Ok(true)
 }
 
@@ -235,21 +244,21 @@ pub fn forward_stored<V: Variant, E: KvElem>(
 ) -> Result<()> {
     check_forward_lengths(p, q.len(), (k.len(), v.len()), p.kv_len(), out, lse);
     let (qs, ks, vs) = (E::stored(q), E::stored(k), E::stored(v));
-    let host = variant.host(p)?;
     let tiles = CpuTiles::for_variant::<V>();
-    if let (Some(q), Some(k), Some(v)) = (qs.as_f32(), ks.as_f32(), vs.as_f32()) {
-        forward_tiled(&host, p, tiles, q, k, v, out, lse);
-    } else if decode::applies(p) {
-        let mut wide = Aligned::<f32>::scratch(q.len());
-        elem::widen(qs, &mut wide);
-        let chunks = decode::chunks(p, tiles, rayon::current_num_threads());
-        let keys = decode::Keys::Contiguous { k, v };
-        in_pool(|| decode::forward(&host, p, tiles, chunks, None, &wide, keys, out, lse));
-    } else {
-        let group = forward::group_size(&host, p, tiles, rayon::current_num_threads());
-        in_pool(|| forward::forward(&host, p, tiles, group, qs, ks, vs, out, lse));
-    }
-    host.out_of_range().map_or(Ok(()), Err)
+    on_host(variant, p, |host| {
+        if let (Some(q), Some(k), Some(v)) = (qs.as_f32(), ks.as_f32(), vs.as_f32()) {
+            forward_tiled(host, p, tiles, q, k, v, out, lse);
+        } else if decode::applies(p) {
+            let mut wide = Aligned::<f32>::scratch(q.len());
+            elem::widen(qs, &mut wide);
+            let chunks = decode::chunks(p, tiles, rayon::current_num_threads());
+            let keys = decode::Keys::Contiguous { k, v };
+            in_pool(|| decode::forward(host, p, tiles, chunks, None, &wide, keys, out, lse));
+        } else {
+            let group = forward::group_size(host, p, tiles, rayon::current_num_threads());
+            in_pool(|| forward::forward(host, p, tiles, group, qs, ks, vs, out, lse));
+        }
+    })
 }
 
 /// The decode kernel (query rows per head up to 32; see `decode`) with the
@@ -369,10 +378,10 @@ pub fn forward_cache<V: Variant, E: KvElem>(
     out: &mut [f32],
     lse: &mut [f32],
 ) -> Result<()> {
-    let host = variant.host(p)?;
     let tiles = CpuTiles::for_variant::<V>();
-    forward_cache_tiled(&host, p, tiles, cache, q, k, v, out, lse);
-    host.out_of_range().map_or(Ok(()), Err)
+    on_host(variant, p, |host| {
+        forward_cache_tiled(host, p, tiles, cache, q, k, v, out, lse)
+    })
 }
 
 /// [`forward_cache`] with explicit tile sizes (for tuning and tests).
@@ -416,18 +425,8 @@ pub fn backward<V: Variant>(
     dv: &mut [f32],
     tensor_grads: &[bool],
 ) -> Result<Vec<Option<Vec<f32>>>> {
-    let host = variant.host(p)?;
-    let tiles = CpuTiles::for_variant::<V>();
-    let out = (dq, dk, dv);
-    let grads = match lens {
-        None => backward_host(&host, p, tiles, inputs, out, tensor_grads),
-        Some(lens) => {
-            let cached = cached::Cached::new(&host, p, lens);
-            backward_host(&cached, p, tiles, inputs, out, tensor_grads)
-        }
-    };
-    host.out_of_range().map_or(Ok(()), Err)?;
-    Ok(grads)
+    let grads = backward_stored(variant, p, lens, inputs, (dq, dk, dv), tensor_grads)?;
+    Ok(grads.expect("the f32 backward runs on every CPU"))
 }
 
 /// The bf16 tensors [`backward_bf16`] reads; `lse` is the forward's, f32.
@@ -444,58 +443,112 @@ pub fn backward_bf16<V: Variant>(
     variant: &V,
     p: &Problem,
     lens: Option<&[usize]>,
-    i: Bf16BackwardInputs<'_>,
+    inputs: Bf16BackwardInputs<'_>,
     dq: &mut [f32],
     dk: &mut [f32],
     dv: &mut [f32],
+    tensor_grads: &[bool],
+) -> Result<Option<Vec<Option<Vec<f32>>>>> {
+    backward_stored(variant, p, lens, inputs, (dq, dk, dv), tensor_grads)
+}
+
+/// The gradients a backward writes: `dq`, `dk`, `dv`.
+type GradSlices<'g> = (&'g mut [f32], &'g mut [f32], &'g mut [f32]);
+
+/// An element type the backward reads as stored, with the kernels that
+/// read it.
+trait BackwardElem: Copy {
+    /// Whether [`Self::backward`] runs `p` on this CPU.
+    fn runs(p: &Problem) -> bool;
+
+    /// The backward of `host`, the tile sizes the variant's `V`, with the
+    /// slots `tensor_grads` marks computed.
+    fn backward<V: Variant, H: HostVariant>(
+        host: &H,
+        p: &Problem,
+        inputs: BackwardInputs<'_, Self>,
+        grads: GradSlices<'_>,
+        tensor_grads: &[bool],
+    ) -> Vec<Option<Vec<f32>>>;
+}
+
+impl BackwardElem for f32 {
+    fn runs(_: &Problem) -> bool {
+        true
+    }
+
+    fn backward<V: Variant, H: HostVariant>(
+        host: &H,
+        p: &Problem,
+        inputs: BackwardInputs<'_>,
+        (dq, dk, dv): GradSlices<'_>,
+        tensor_grads: &[bool],
+    ) -> Vec<Option<Vec<f32>>> {
+        let mut grads = grad_slots(host, tensor_grads);
+        let tiles = CpuTiles::for_variant::<V>();
+        backward_tiled(host, p, tiles, inputs, dq, dk, dv, &mut grads);
+        wanted_grads(grads, tensor_grads)
+    }
+}
+
+impl BackwardElem for half::bf16 {
+    fn runs(p: &Problem) -> bool {
+        amx_backward::applies(p)
+    }
+
+    /// The chunking as in [`backward_tiled`].
+    fn backward<V: Variant, H: HostVariant>(
+        host: &H,
+        p: &Problem,
+        i: Bf16BackwardInputs<'_>,
+        (dq, dk, dv): GradSlices<'_>,
+        tensor_grads: &[bool],
+    ) -> Vec<Option<Vec<f32>>> {
+        let mut grads = grad_slots(host, tensor_grads);
+        use half::slice::HalfFloatSliceExt as _;
+        let x = amx_backward::Inputs {
+            q: i.q.reinterpret_cast(),
+            k: i.k.reinterpret_cast(),
+            v: i.v.reinterpret_cast(),
+            out: i.out.reinterpret_cast(),
+            dout: i.dout.reinterpret_cast(),
+            lse: i.lse,
+        };
+        let learn = H::SCORE_READS_LEARNABLE && grads.iter().any(|g| !g.is_empty());
+        let chunks = backward::key_chunks(p, amx_backward::TILES, chunk_threads(learn));
+        let kv_group = backward::kv_group_size(host, p, amx_backward::TILES);
+        in_pool(|| amx_backward::backward(host, p, chunks, kv_group, x, dq, dk, dv, &mut grads));
+        wanted_grads(grads, tensor_grads)
+    }
+}
+
+/// [`backward`] and [`backward_bf16`]: `None`, writing nothing, where
+/// `E`'s kernels do not run `p`; the lengths checked, the variant's
+/// tensors read on the host and wrapped for a cache's `lens`.
+fn backward_stored<V: Variant, E: BackwardElem>(
+    variant: &V,
+    p: &Problem,
+    lens: Option<&[usize]>,
+    i: BackwardInputs<'_, E>,
+    grads: GradSlices<'_>,
     tensor_grads: &[bool],
 ) -> Result<Option<Vec<Option<Vec<f32>>>>> {
     check_backward_lengths(
         p,
         (i.q.len(), i.k.len(), i.v.len()),
         (i.out.len(), i.dout.len(), i.lse.len()),
-        (dq, dk, dv),
+        (&*grads.0, &*grads.1, &*grads.2),
     );
-    if !amx_backward::applies(p) {
+    if !E::runs(p) {
         return Ok(None);
     }
-    let host = variant.host(p)?;
-    let out = (dq, dk, dv);
-    let grads = match lens {
-        None => backward_bf16_host(&host, p, i, out, tensor_grads),
+    on_host(variant, p, |host| match lens {
+        None => Some(E::backward::<V, _>(host, p, i, grads, tensor_grads)),
         Some(lens) => {
-            let cached = cached::Cached::new(&host, p, lens);
-            backward_bf16_host(&cached, p, i, out, tensor_grads)
+            let cached = cached::Cached::new(host, p, lens);
+            Some(E::backward::<V, _>(&cached, p, i, grads, tensor_grads))
         }
-    };
-    host.out_of_range().map_or(Ok(()), Err)?;
-    Ok(Some(grads))
-}
-
-/// The bf16 backward of `host` with the slots `tensor_grads` marks
-/// computed; the chunking as in [`backward_tiled`].
-fn backward_bf16_host<H: HostVariant>(
-    host: &H,
-    p: &Problem,
-    i: Bf16BackwardInputs<'_>,
-    (dq, dk, dv): (&mut [f32], &mut [f32], &mut [f32]),
-    tensor_grads: &[bool],
-) -> Vec<Option<Vec<f32>>> {
-    let mut grads = grad_slots(host, tensor_grads);
-    use half::slice::HalfFloatSliceExt as _;
-    let x = amx_backward::Inputs {
-        q: i.q.reinterpret_cast(),
-        k: i.k.reinterpret_cast(),
-        v: i.v.reinterpret_cast(),
-        out: i.out.reinterpret_cast(),
-        dout: i.dout.reinterpret_cast(),
-        lse: i.lse,
-    };
-    let learn = H::SCORE_READS_LEARNABLE && grads.iter().any(|g| !g.is_empty());
-    let chunks = backward::key_chunks(p, amx_backward::TILES, chunk_threads(learn));
-    let kv_group = backward::kv_group_size(host, p, amx_backward::TILES);
-    in_pool(|| amx_backward::backward(host, p, chunks, kv_group, x, dq, dk, dv, &mut grads));
-    wanted_grads(grads, tensor_grads)
+    })
 }
 
 /// The thread count the backward's key chunking assumes: the pool's, or,
@@ -553,20 +606,6 @@ fn check_backward_lengths(
         (p.kv_len(), p.kv_len()),
         "dk/dv length"
     );
-}
-
-/// The backward of `host` with the slots `tensor_grads` marks computed.
-fn backward_host<H: HostVariant>(
-    host: &H,
-    p: &Problem,
-    tiles: CpuTiles,
-    inputs: BackwardInputs<'_>,
-    (dq, dk, dv): (&mut [f32], &mut [f32], &mut [f32]),
-    tensor_grads: &[bool],
-) -> Vec<Option<Vec<f32>>> {
-    let mut grads = grad_slots(host, tensor_grads);
-    backward_tiled(host, p, tiles, inputs, dq, dk, dv, &mut grads);
-    wanted_grads(grads, tensor_grads)
 }
 
 /// Attention backward with explicit tile sizes (for tuning and tests);

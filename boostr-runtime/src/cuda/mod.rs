@@ -616,33 +616,26 @@ impl AttentionRuntime for CudaRuntime {
         p: &Problem,
         t: BackwardTensors<'_, Self>,
     ) -> Result<AttentionGrads<Self>> {
-        t.keys.layout.unpaged(CUDA)?;
-        let (q, k, v) = (
-            input("q", t.q)?,
-            input("k", t.keys.k)?,
-            input("v", t.keys.v)?,
-        );
-        let (out, dout) = (input("out", t.out)?, input("dout", t.dout)?);
-        validate::check_dtype("lse", t.lse, CUDA, &[DType::F32], "f32")?;
-        let lse = t.lse.contiguous()?;
+        let x = gpu::BackwardOperands::new(&t, CUDA, input)?;
+        let (q, k, v) = (&x.q, &x.k, &x.v);
         let dtype = same_dtype(&[
-            ("q", &q),
-            ("k", &k),
-            ("v", &v),
-            ("out", &out),
-            ("dout", &dout),
+            ("q", q),
+            ("k", k),
+            ("v", v),
+            ("out", &x.out),
+            ("dout", &x.dout),
         ])?;
-        let delta = alloc(&[p.batch, p.heads_q, p.seq_q], DType::F32, &q)?;
-        let dq = alloc(q.shape(), dtype, &q)?;
-        let dk = alloc(k.shape(), dtype, &k)?;
-        let dv = alloc(v.shape(), dtype, &v)?;
+        let delta = alloc(&[p.batch, p.heads_q, p.seq_q], DType::F32, q)?;
+        let dq = alloc(q.shape(), dtype, q)?;
+        let dk = alloc(k.shape(), dtype, k)?;
+        let dv = alloc(v.shape(), dtype, v)?;
         let buffers = [
-            (Buffer::Q, &q),
-            (Buffer::K, &k),
-            (Buffer::V, &v),
-            (Buffer::Out, &out),
-            (Buffer::Dout, &dout),
-            (Buffer::Lse, &lse),
+            (Buffer::Q, q),
+            (Buffer::K, k),
+            (Buffer::V, v),
+            (Buffer::Out, &x.out),
+            (Buffer::Dout, &x.dout),
+            (Buffer::Lse, &x.lse),
             (Buffer::Delta, &delta),
             (Buffer::Dq, &dq),
             (Buffer::Dk, &dk),
@@ -654,7 +647,7 @@ impl AttentionRuntime for CudaRuntime {
         } else {
             &[&kernels::BACKWARD_MODULE]
         };
-        let arena = launch(variant, p, &q, dtype, &t.keys.layout, modules, &buffers, 1)?;
+        let arena = launch(variant, p, q, dtype, &t.keys.layout, modules, &buffers, 1)?;
         let tensors = arena.grads::<V>(t.tensor_grads)?;
         Ok(AttentionGrads {
             dq,

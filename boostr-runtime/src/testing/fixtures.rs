@@ -1,4 +1,5 @@
-//! Hand-written variants the runtime's own tests share, each declared once.
+//! Hand-written variants and test data the runtime's own tests share, each
+//! declared once.
 
 use crate::variant::{HostVariant, TileClass};
 
@@ -164,3 +165,20 @@ impl HostVariant for CausalSoftcap {
 }
 
 crate::hand_written_variant!(CausalSoftcap);
+
+/// Every key row of `k` and `v` (`[B, Hkv, cap, d]`) past its sequence's
+/// length (`len(b)`) filled with `fills` (K, V): cache slots that no kernel
+/// may read.
+pub(crate) fn fill_spare_slots(
+    (k, v): (&mut [f32], &mut [f32]),
+    (hkv, cap, d): (usize, usize, usize),
+    len: impl Fn(usize) -> usize,
+    fills: (f32, f32),
+) {
+    for (row, (k, v)) in k.chunks_mut(d).zip(v.chunks_mut(d)).enumerate() {
+        if row % cap >= len(row / (hkv * cap)) {
+            k.fill(fills.0);
+            v.fill(fills.1);
+        }
+    }
+}

@@ -156,7 +156,7 @@ fn check_shape<V: HostVariant>(
     let l0 = loss(&variant, p, &inputs, &g);
     for (slot, analytic) in grads.tensors.iter().enumerate() {
         let gmax = analytic.iter().fold(0.0f64, |m, x| m.max(x.abs()));
-        let mut worst: Option<(f64, String)> = None;
+        let mut worst = Worst::default();
         for (e, &an) in analytic.iter().enumerate() {
             let hp = f64::from(variant.perturb_learnable(slot, e, TENSOR_STEP));
             let lp = loss(&variant, p, &inputs, &g);
@@ -168,25 +168,15 @@ fn check_shape<V: HostVariant>(
             let err = (fd - an).abs();
             let tol = RTOL * an.abs() + TENSOR_ATOL * (1.0 + gmax);
             if err.is_nan() || err > tol {
-                let ratio = if err.is_nan() {
-                    f64::INFINITY
-                } else {
-                    err / tol
-                };
-                if worst.as_ref().is_none_or(|(r, _)| ratio > *r) {
-                    worst = Some((
-                        ratio,
-                        format!(
-                            "  shape `{name}` ({p:?}): learnable tensor {slot} [{e}]: analytic \
-                             {an:e}, finite difference {fd:e}, |diff| {err:.3e} > tol {tol:.3e}"
-                        ),
-                    ));
-                }
+                worst.note(err, tol, || {
+                    format!(
+                        "  shape `{name}` ({p:?}): learnable tensor {slot} [{e}]: analytic \
+                         {an:e}, finite difference {fd:e}, |diff| {err:.3e} > tol {tol:.3e}"
+                    )
+                });
             }
         }
-        if let Some((_, line)) = worst {
-            failures.push(line);
-        }
+        failures.extend(worst.line);
     }
     let shape_of = |t: usize| {
         if t == 0 {
@@ -201,7 +191,7 @@ fn check_shape<V: HostVariant>(
     {
         let gmax = analytic.iter().fold(0.0f64, |m, x| m.max(x.abs()));
         let mut kinks = 0;
-        let mut worst: Option<(f64, String)> = None;
+        let mut worst = Worst::default();
         for e in 0..analytic.len() {
             let x0 = inputs[t][e];
             inputs[t][e] = x0 + STEP;
@@ -220,32 +210,45 @@ fn check_shape<V: HostVariant>(
                     kinks += 1;
                     continue;
                 }
-                let ratio = if err.is_nan() {
-                    f64::INFINITY
-                } else {
-                    err / tol
-                };
-                if worst.as_ref().is_none_or(|(r, _)| ratio > *r) {
-                    worst = Some((
-                        ratio,
-                        format!(
-                            "  shape `{name}` ({p:?}): {tname}{:?}: analytic {an:e}, \
-                             finite difference {fd:e}, |diff| {err:.3e} > tol {tol:.3e}",
-                            unravel(&shape_of(t), e)
-                        ),
-                    ));
-                }
+                worst.note(err, tol, || {
+                    format!(
+                        "  shape `{name}` ({p:?}): {tname}{:?}: analytic {an:e}, \
+                         finite difference {fd:e}, |diff| {err:.3e} > tol {tol:.3e}",
+                        unravel(&shape_of(t), e)
+                    )
+                });
             }
         }
-        if let Some((_, line)) = worst {
-            failures.push(line);
-        }
+        failures.extend(worst.line);
         if kinks * KINK_BUDGET > analytic.len().max(KINK_BUDGET) {
             failures.push(format!(
                 "  shape `{name}` ({p:?}): {tname}: {kinks} of {} elements lie on a kink of \
                  the score (one-sided differences disagree); at most 1 in {KINK_BUDGET} may",
                 analytic.len()
             ));
+        }
+    }
+}
+
+/// The failure with the largest error to tolerance ratio (a NaN error the
+/// largest of all), of one gradient.
+#[derive(Default)]
+struct Worst {
+    ratio: f64,
+    line: Option<String>,
+}
+
+impl Worst {
+    /// Keep the failure `line` describes if its `err / tol` is the worst yet.
+    fn note(&mut self, err: f64, tol: f64, line: impl FnOnce() -> String) {
+        let ratio = if err.is_nan() {
+            f64::INFINITY
+        } else {
+            err / tol
+        };
+        if self.line.is_none() || ratio > self.ratio {
+            self.ratio = ratio;
+            self.line = Some(line());
         }
     }
 }

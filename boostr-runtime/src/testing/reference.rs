@@ -124,6 +124,32 @@ macro_rules! float_arithmetic {
     };
 }
 
+/// The [`Real`] functions that call the variant's functions of one
+/// precision, by name.
+macro_rules! host_functions {
+    ($score:ident, $score_grad:ident, $mask:ident, $sink:ident) => {
+        fn score<V: HostVariant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self {
+            variant.$score(s, b, h, q, kv)
+        }
+        fn score_grad<V: HostVariant>(
+            variant: &V,
+            s: Self,
+            b: i32,
+            h: i32,
+            q: i32,
+            kv: i32,
+        ) -> Self {
+            variant.$score_grad(s, b, h, q, kv)
+        }
+        fn mask<V: HostVariant>(variant: &V, b: i32, h: i32, q: i32, kv: i32) -> bool {
+            variant.$mask(b, h, q, kv)
+        }
+        fn sink<V: HostVariant>(variant: &V, b: i32, h: i32, q: i32) -> Self {
+            variant.$sink(b, h, q)
+        }
+    };
+}
+
 impl Real for f32 {
     float_arithmetic!(f32);
     fn from_f32(x: f32) -> Self {
@@ -132,18 +158,7 @@ impl Real for f32 {
     fn to_f64(self) -> f64 {
         f64::from(self)
     }
-    fn score<V: HostVariant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self {
-        variant.score(s, b, h, q, kv)
-    }
-    fn score_grad<V: HostVariant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self {
-        variant.score_grad(s, b, h, q, kv)
-    }
-    fn mask<V: HostVariant>(variant: &V, b: i32, h: i32, q: i32, kv: i32) -> bool {
-        variant.mask(b, h, q, kv)
-    }
-    fn sink<V: HostVariant>(variant: &V, b: i32, h: i32, q: i32) -> Self {
-        variant.sink(b, h, q)
-    }
+    host_functions!(score, score_grad, mask, sink);
     fn score_tensor_grads<V: HostVariant>(
         variant: &V,
         (s, b, h, q, kv): (Self, i32, i32, i32, i32),
@@ -174,18 +189,7 @@ impl Real for f64 {
     fn to_f64(self) -> f64 {
         self
     }
-    fn score<V: HostVariant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self {
-        variant.score_f64(s, b, h, q, kv)
-    }
-    fn score_grad<V: HostVariant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self {
-        variant.score_grad_f64(s, b, h, q, kv)
-    }
-    fn mask<V: HostVariant>(variant: &V, b: i32, h: i32, q: i32, kv: i32) -> bool {
-        variant.mask_f64(b, h, q, kv)
-    }
-    fn sink<V: HostVariant>(variant: &V, b: i32, h: i32, q: i32) -> Self {
-        variant.sink_f64(b, h, q)
-    }
+    host_functions!(score_f64, score_grad_f64, mask_f64, sink_f64);
     fn score_tensor_grads<V: HostVariant>(
         variant: &V,
         (s, b, h, q, kv): (Self, i32, i32, i32, i32),

@@ -801,16 +801,10 @@ impl AttentionRuntime for WgpuRuntime {
         p: &Problem,
         t: BackwardTensors<'_, Self>,
     ) -> Result<AttentionGrads<Self>> {
-        t.keys.layout.unpaged(WGPU)?;
-        let (q, k, v) = (
-            input("q", t.q)?,
-            input("k", t.keys.k)?,
-            input("v", t.keys.v)?,
-        );
         // `out` is not read: D_i comes from the recomputed P (see
         // `kernels::BACKWARD_DQ`).
-        let lse = input("lse", t.lse)?;
-        let dout = input("dout", t.dout)?;
+        let x = gpu::BackwardOperands::new(&t, WGPU, input)?;
+        let (q, k, v) = (&x.q, &x.k, &x.v);
         let client = WgpuRuntime::default_client(q.device());
         let learn = gpu::learns::<V>(t.tensor_grads);
         let tensors_module: &[&'static Module] = if learn {
@@ -825,16 +819,16 @@ impl AttentionRuntime for WgpuRuntime {
             .collect::<Result<Vec<_>>>()?;
         let cfg = tiles::<V>(p)?;
         // Per query row: running sums between dispatches, then lse and D_i.
-        let rows = alloc(&[p.batch, p.heads_q, p.seq_q, 4], &q)?;
-        let dq = alloc(q.shape(), &q)?;
-        let dk = alloc(k.shape(), &k)?;
-        let dv = alloc(v.shape(), &v)?;
+        let rows = alloc(&[p.batch, p.heads_q, p.seq_q, 4], q)?;
+        let dq = alloc(q.shape(), q)?;
+        let dk = alloc(k.shape(), k)?;
+        let dv = alloc(v.shape(), v)?;
         let tensors = [
-            (Buffer::Q, &q),
-            (Buffer::K, &k),
-            (Buffer::V, &v),
-            (Buffer::Dout, &dout),
-            (Buffer::Lse, &lse),
+            (Buffer::Q, q),
+            (Buffer::K, k),
+            (Buffer::V, v),
+            (Buffer::Dout, &x.dout),
+            (Buffer::Lse, &x.lse),
             (Buffer::Rows, &rows),
             (Buffer::Dq, &dq),
             (Buffer::Dk, &dk),

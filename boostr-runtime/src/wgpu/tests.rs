@@ -3,7 +3,7 @@
 //! are checked by the generated tests.)
 
 use crate::stock::{Causal, CausalSlidingWindow, CausalSoftcap, Documents, Full};
-use crate::testing::fixtures::Plain;
+use crate::testing::fixtures::{Plain, fill_spare_slots};
 use crate::testing::{
     Case, HEAD_DIM_CASES, Logits, REQUIRE_DEVICE_ENV, Wgpu, check_variant_built_on,
     check_variant_on,
@@ -248,12 +248,13 @@ fn kv_caches_and_pages_match_the_cpu() {
     let q = rng.normal_f32(b * hq * sq * d, 1.0);
     let mut k = rng.normal_f32(b * hkv * cap * d, 1.0);
     let mut v = rng.normal_f32(b * hkv * cap * d, 1.0);
-    for (row, (kr, vr)) in k.chunks_mut(d).zip(v.chunks_mut(d)).enumerate() {
-        if row % cap >= lens[row / (hkv * cap)] as usize {
-            kr.fill(f32::NAN);
-            vr.fill(f32::INFINITY);
-        }
-    }
+    let len = |b: usize| lens[b] as usize;
+    fill_spare_slots(
+        (&mut k, &mut v),
+        (hkv, cap, d),
+        len,
+        (f32::NAN, f32::INFINITY),
+    );
     let cpu = CpuDevice::new();
     let variant = CausalSlidingWindow { window: 40 };
     let opts = AttentionOptions::default();
@@ -361,12 +362,13 @@ fn split_kv_decode_matches_the_unsplit_kernel() {
         let q = rng.normal_f32(b * hq * sq * d, 1.0);
         let mut k = rng.normal_f32(b * hkv * cap * d, 1.0);
         let mut v = rng.normal_f32(b * hkv * cap * d, 1.0);
-        for (row, (kr, vr)) in k.chunks_mut(d).zip(v.chunks_mut(d)).enumerate() {
-            if row % cap >= lens[row / (hkv * cap)] as usize {
-                kr.fill(f32::NAN);
-                vr.fill(f32::INFINITY);
-            }
-        }
+        let len = |b: usize| lens[b] as usize;
+        fill_spare_slots(
+            (&mut k, &mut v),
+            (hkv, cap, d),
+            len,
+            (f32::NAN, f32::INFINITY),
+        );
         let opts = AttentionOptions::default();
         let on_cpu = |x: &[f32], s: &[usize]| Tensor::<CpuRuntime>::from_slice(x, s, cpu).unwrap();
         let on_gpu =
