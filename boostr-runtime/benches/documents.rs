@@ -157,15 +157,7 @@ fn run<R: AttentionRuntime>(a: &Args, device: &R::Device, what: &str) -> BoxResu
         len: (s / a.docs) as i32,
     };
     let (docs_equal, docs_random) = (tensor(&equal)?, tensor(&random)?);
-    let p = Problem {
-        batch: 1,
-        heads_q: h,
-        heads_kv: h,
-        seq_q: s,
-        seq_k: s,
-        head_dim: d,
-        scale: 1.0 / (d as f32).sqrt(),
-    };
+    let p = Problem::new(1, (h, h), (s, s), d);
     // Warm up (compiles the GPU kernels), then take turns.
     forward(&closed, &x)?;
     forward(&docs_equal, &x)?;

@@ -168,15 +168,7 @@ impl Server {
             Some("host") => {
                 let (hq, hkv, seq, dim) = (num(1)?, num(2)?, num(3)?, num(4)?);
                 let variant = documents(&self.docs, seq, &self.device)?;
-                let p = Problem {
-                    batch: 1,
-                    heads_q: hq,
-                    heads_kv: hkv,
-                    seq_q: seq,
-                    seq_k: seq,
-                    head_dim: dim,
-                    scale: 1.0,
-                };
+                let p = Problem::new(1, (hq, hkv), (seq, seq), dim).with_scale(1.0);
                 let start = Instant::now();
                 let host = variant.host(&p)?;
                 let secs = start.elapsed().as_secs_f64();
@@ -264,29 +256,31 @@ impl Server {
         let (_, [a, b, c]) = self.gemm.as_mut().expect("just made");
         let s = n as isize;
         let start = Instant::now();
-        // SAFETY: a, b, c are n × n row-major (row stride n, column stride
-        // 1), so every access is in bounds; c does not alias a or b.
+        // C = A B, row-major, as its transpose Cᵀ = Bᵀ Aᵀ in column-major
+        // (the layout the kernels want; `gemm::gemm` does the same).
+        // SAFETY: a, b, c are n × n (strides n and 1 either way), so every
+        // access is in bounds; c does not alias a or b.
         unsafe {
-            gemm::gemm(
+            gemm_f32::gemm::f32::get_gemm_fn()(
                 n,
                 n,
                 n,
                 c.as_mut_ptr(),
-                1,
                 s,
+                1,
                 false,
-                a.as_ptr(),
-                1,
-                s,
                 b.as_ptr(),
-                1,
                 s,
+                1,
+                a.as_ptr(),
+                s,
+                1,
                 0.0,
                 1.0,
                 false,
                 false,
                 false,
-                gemm::Parallelism::Rayon(rayon::current_num_threads()),
+                gemm_common::Parallelism::Rayon(rayon::current_num_threads()),
             );
         }
         start.elapsed().as_secs_f64()

@@ -116,15 +116,7 @@ fn run() -> Result<bool, Box<dyn std::error::Error>> {
     let grads = backward(&loss, &client)?;
 
     // Against the f64 reference (which skips hidden pairs, NaN and all).
-    let p = Problem {
-        batch: b,
-        heads_q: HQ,
-        heads_kv: HKV,
-        seq_q: S,
-        seq_k: S,
-        head_dim: D,
-        scale: 1.0 / (D as f32).sqrt(),
-    };
+    let p = Problem::new(b, (HQ, HKV), (S, S), D);
     let wide = |x: &[f32]| x.iter().map(|&v| f64::from(v)).collect::<Vec<_>>();
     let host = variant.host(&p)?;
     let want = reference_forward::<f64, _>(&host, &p, &wide(&q), &wide(&k), &wide(&v));

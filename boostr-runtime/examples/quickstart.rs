@@ -124,15 +124,7 @@ fn run() -> Result<bool, Box<dyn std::error::Error>> {
     ];
 
     // 4. The f64 reference: naive attention over the variant's f64 closures.
-    let problem = Problem {
-        batch: B,
-        heads_q: HQ,
-        heads_kv: HKV,
-        seq_q: S,
-        seq_k: S,
-        head_dim: D,
-        scale: 1.0 / (D as f32).sqrt(),
-    };
+    let problem = Problem::new(B, (HQ, HKV), (S, S), D);
     let wide = |x: &[f32]| x.iter().map(|&x| f64::from(x)).collect::<Vec<f64>>();
     let (q64, k64, v64) = (wide(&q), wide(&k), wide(&v));
     let want_f = reference_forward(&variant, &problem, &q64, &k64, &v64);

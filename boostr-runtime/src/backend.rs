@@ -42,7 +42,7 @@ pub trait AttentionRuntime: Runtime<DType = DType> + std::fmt::Debug {
 pub struct Keys<'a, R: Runtime> {
     /// `k [B, Hkv, Sk, D]`, or `[pages, Hkv, page_size, D]` when paged.
     pub k: &'a Tensor<R>,
-    /// `v`, laid out as `k`.
+    /// `v`, laid out as `k` but for its last dim, `Dv`.
     pub v: &'a Tensor<R>,
     /// Where sequence `b`'s key `j` is.
     pub layout: KeyLayout<'a, R>,
@@ -156,11 +156,11 @@ pub struct BackwardTensors<'a, R: Runtime> {
     /// or a cache on a backend without a cache backward, is
     /// [`Error::LayoutUnsupported`](crate::Error::LayoutUnsupported).
     pub keys: Keys<'a, R>,
-    /// The forward's `out [B, Hq, Sq, D]`.
+    /// The forward's `out [B, Hq, Sq, Dv]`.
     pub out: &'a Tensor<R>,
     /// The forward's `lse [B, Hq, Sq]` (f32).
     pub lse: &'a Tensor<R>,
-    /// `d loss / d out [B, Hq, Sq, D]`.
+    /// `d loss / d out [B, Hq, Sq, Dv]`.
     pub dout: &'a Tensor<R>,
     /// Which learnable tensors' gradients to compute, by slot
     /// ([`Variant::LEARNABLE`]); missing slots are not computed (`&[]`: no

@@ -719,15 +719,7 @@ mod tests {
 
     #[test]
     fn checks_hold_from_the_sizes_alone() {
-        let p = Problem {
-            batch: 1,
-            heads_q: 2,
-            heads_kv: 1,
-            seq_q: 5,
-            seq_k: 9,
-            head_dim: 8,
-            scale: 1.0,
-        };
+        let p = Problem::new(1, (2, 1), (5, 9), 8);
         // `Sk - Sq >= 0`: holds for Sq <= Sk.
         const HOLDS: &[Holds] = &[Holds::NonNegative(SizeForm {
             constant: 0,

@@ -248,11 +248,13 @@ pub(crate) struct BackwardOperands<R: Runtime> {
 
 impl<R: Runtime<DType = DType>> BackwardOperands<R> {
     pub(crate) fn new(
+        p: &Problem,
         t: &BackwardTensors<'_, R>,
         backend: &'static str,
         input: impl Fn(&'static str, &Tensor<R>) -> Result<Tensor<R>>,
     ) -> Result<Self> {
         t.keys.layout.unpaged(backend)?;
+        same_value_dim(p, backend)?;
         crate::validate::check_dtype("lse", t.lse, backend, &[DType::F32], "f32")?;
         Ok(Self {
             q: input("q", t.q)?,
@@ -261,6 +263,19 @@ impl<R: Runtime<DType = DType>> BackwardOperands<R> {
             out: input("out", t.out)?,
             dout: input("dout", t.dout)?,
             lse: t.lse.contiguous()?,
+        })
+    }
+}
+
+/// The GPU kernels read values of the keys' head dim: `Dv ≠ D` is
+/// [`Error::LayoutUnsupported`] (the CPU runs it).
+pub(crate) fn same_value_dim(p: &Problem, backend: &'static str) -> Result<()> {
+    if p.head_dim_v == p.head_dim {
+        Ok(())
+    } else {
+        Err(Error::LayoutUnsupported {
+            backend,
+            layout: "values of another head dim than the keys (Dv ≠ D)",
         })
     }
 }
@@ -444,15 +459,7 @@ mod tests {
             "{err}"
         );
         assert!(err.to_string().contains("multiple of 8"), "{err}");
-        let huge = Problem {
-            batch: 1,
-            heads_q: 1,
-            heads_kv: 1,
-            seq_q: 1,
-            seq_k: 1,
-            head_dim: 1 << 40,
-            scale: 1.0,
-        };
+        let huge = Problem::new(1, (1, 1), (1, 1), 1 << 40);
         let default = WgslTiles::for_head_dim(head_dim(&huge));
         let err = tiles::<Tiled, _>(Target::Wgsl, default, huge.head_dim, DType::F32);
         assert!(

@@ -19,7 +19,10 @@ pub struct AttentionOptions {
     pub scale: Option<f32>,
 }
 
-/// Fused attention forward: returns `(out [B, Hq, Sq, D], lse [B, Hq, Sq])`.
+/// Fused attention forward of `q [B, Hq, Sq, D]` against `k [B, Hkv, Sk,
+/// D]` and `v [B, Hkv, Sk, Dv]`: returns `(out [B, Hq, Sq, Dv], lse [B, Hq,
+/// Sq])`. `Dv` may differ from `D` (on the CPU; the GPU backends return
+/// [`Error::LayoutUnsupported`](crate::Error::LayoutUnsupported)).
 ///
 /// `lse` is the natural log-sum-exp of each query row's masked, modified,
 /// scaled logits (and its sink, if the variant declares one); a row with no
@@ -44,7 +47,7 @@ pub fn attention_fwd<V: Variant, R: AttentionRuntime>(
 pub struct KvCache<'a, R: numr::runtime::Runtime> {
     /// `k [B, Hkv, capacity, D]`.
     pub k: &'a Tensor<R>,
-    /// `v [B, Hkv, capacity, D]`.
+    /// `v [B, Hkv, capacity, Dv]`.
     pub v: &'a Tensor<R>,
     /// `lengths [B]` (`i32`), each in `0 ..= capacity`.
     pub lengths: &'a Tensor<R>,
@@ -88,8 +91,8 @@ pub fn attention_fwd_cache<V: Variant, R: AttentionRuntime>(
     R::attention_forward(variant, &problem, q, keys)
 }
 
-/// Keys and values in pages: `k_pages, v_pages [pages, Hkv, page_size, D]`
-/// and a page table `[B, max_pages]` (`i32`): logical key `j` of sequence
+/// Keys and values in pages: `k_pages [pages, Hkv, page_size, D]`,
+/// `v_pages [pages, Hkv, page_size, Dv]` and a page table `[B, max_pages]` (`i32`): logical key `j` of sequence
 /// `b` is slot `j % page_size` of page `page_table[b][j / page_size]`.
 /// Sequence `b` holds `lengths[b]` keys (`[B]` `i32`, each at most
 /// `max_pages · page_size`); page table entries past a sequence's length
@@ -98,7 +101,7 @@ pub fn attention_fwd_cache<V: Variant, R: AttentionRuntime>(
 pub struct PagedKvCache<'a, R: numr::runtime::Runtime> {
     /// `k_pages [pages, Hkv, page_size, D]`.
     pub k_pages: &'a Tensor<R>,
-    /// `v_pages [pages, Hkv, page_size, D]`.
+    /// `v_pages [pages, Hkv, page_size, Dv]`.
     pub v_pages: &'a Tensor<R>,
     /// `page_table [B, max_pages]` (`i32`).
     pub page_table: &'a Tensor<R>,
@@ -207,9 +210,9 @@ fn backward<V: Variant, R: AttentionRuntime>(
     keys: Keys<'_, R>,
     wanted: &[bool],
 ) -> Result<AttentionGrads<R>> {
-    validate::shape_of("out", out, q.shape())?;
-    validate::shape_of("dout", dout, q.shape())?;
-    validate::shape_of("lse", lse, &[problem.batch, problem.heads_q, problem.seq_q])?;
+    validate::shape_of("out", out, &problem.out_shape())?;
+    validate::shape_of("dout", dout, &problem.out_shape())?;
+    validate::shape_of("lse", lse, &problem.lse_shape())?;
     let tensors = BackwardTensors {
         q,
         keys,
@@ -222,8 +225,8 @@ fn backward<V: Variant, R: AttentionRuntime>(
 }
 
 /// The backward of [`attention_fwd_cache`]: `(dq, dk, dv)` given its `out`
-/// and `lse`, with `dk, dv` shaped as the cache (`[B, Hkv, capacity, D]`)
-/// and zero in every slot past a sequence's length. For training on
+/// and `lse`, with `dk, dv` shaped as the cache (`[B, Hkv, capacity, D]`
+/// and `[.., Dv]`) and zero in every slot past a sequence's length. For training on
 /// sequences of different lengths in one padded batch. Every backend runs
 /// it (the tile kernels at each sequence's own positions; the spare slots
 /// are never read).
@@ -317,7 +320,7 @@ impl<V: Variant, R: AttentionRuntime> GradFn<R> for AttentionBackward<V, R> {
         needed: &[bool],
     ) -> numr::error::Result<Vec<Option<Tensor<R>>>> {
         let [q, k, v, out, lse] = &self.saved;
-        validate::shape_of("grad_output", grad_output, q.shape())?;
+        validate::shape_of("grad_output", grad_output, &self.problem.out_shape())?;
         let need = |i: usize| needed.get(i).copied().unwrap_or(true);
         // The learnable inputs follow q, k, v: input 3 + n is the n-th
         // learnable slot that requires grad.

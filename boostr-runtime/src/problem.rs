@@ -1,12 +1,19 @@
 //! The validated shape of one attention call, shared by every backend.
 
 /// Sizes of one attention call. Layout (all contiguous, row-major):
-/// `q [batch, heads_q, seq_q, head_dim]`, `k, v [batch, heads_kv, seq_k, head_dim]`,
-/// `out [batch, heads_q, seq_q, head_dim]`, `lse [batch, heads_q, seq_q]`.
+/// `q [batch, heads_q, seq_q, head_dim]`, `k [batch, heads_kv, seq_k,
+/// head_dim]`, `v [batch, heads_kv, seq_k, head_dim_v]`, `out [batch,
+/// heads_q, seq_q, head_dim_v]`, `lse [batch, heads_q, seq_q]`.
 ///
-/// Built only by validation (see `validate`), so every field is non-zero and
-/// `heads_q % heads_kv == 0`.
+/// The value head dim `Dv` may differ from the query/key head dim `D`
+/// (DeepSeek's MLA: 192/128 in prefill, 576/512 in absorbed decode); the
+/// default scale stays `1/sqrt(D)`.
+///
+/// Validation (see `validate`) builds it from the tensors, so every field is
+/// non-zero and `heads_q % heads_kv == 0`; [`Problem::new`] builds one by
+/// hand (kernel tests, benchmarks).
 #[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct Problem {
     /// Batch size `B`.
     pub batch: usize,
@@ -18,13 +25,50 @@ pub struct Problem {
     pub seq_q: usize,
     /// Key length `Sk`.
     pub seq_k: usize,
-    /// Head dimension `D`.
+    /// Head dimension `D` of queries and keys.
     pub head_dim: usize,
+    /// Head dimension `Dv` of values and the output.
+    pub head_dim_v: usize,
     /// Multiplier of `q·k` before `score` (default `1/sqrt(D)`).
     pub scale: f32,
 }
 
 impl Problem {
+    /// `q [batch, heads_q, seq_q, head_dim]` against `k, v [batch,
+    /// heads_kv, seq_k, head_dim]`, with `Dv = D` and the default scale
+    /// `1/sqrt(D)`. Unchecked: the ops validate their tensors; this is for
+    /// calling the kernels directly.
+    pub fn new(
+        batch: usize,
+        (heads_q, heads_kv): (usize, usize),
+        (seq_q, seq_k): (usize, usize),
+        head_dim: usize,
+    ) -> Self {
+        Self {
+            batch,
+            heads_q,
+            heads_kv,
+            seq_q,
+            seq_k,
+            head_dim,
+            head_dim_v: head_dim,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+        }
+    }
+
+    /// The same problem with values (and the output) of head dim `dv`.
+    pub fn with_head_dim_v(self, dv: usize) -> Self {
+        Self {
+            head_dim_v: dv,
+            ..self
+        }
+    }
+
+    /// The same problem with `q·k` multiplied by `scale`.
+    pub fn with_scale(self, scale: f32) -> Self {
+        Self { scale, ..self }
+    }
+
     /// Query heads per kv head.
     pub fn group(&self) -> usize {
         self.heads_q / self.heads_kv
@@ -35,18 +79,53 @@ impl Problem {
         self.seq_k as i64 - self.seq_q as i64
     }
 
-    /// Elements in `q` and `out`.
+    /// Elements in `q`.
     pub fn q_len(&self) -> usize {
         self.batch * self.heads_q * self.seq_q * self.head_dim
     }
 
-    /// Elements in `k` and `v`.
-    pub fn kv_len(&self) -> usize {
+    /// Elements in `out` (and `dout`).
+    pub fn out_len(&self) -> usize {
+        self.batch * self.heads_q * self.seq_q * self.head_dim_v
+    }
+
+    /// Elements in `k`.
+    pub fn k_len(&self) -> usize {
         self.batch * self.heads_kv * self.seq_k * self.head_dim
+    }
+
+    /// Elements in `v`.
+    pub fn v_len(&self) -> usize {
+        self.batch * self.heads_kv * self.seq_k * self.head_dim_v
     }
 
     /// Elements in `lse`.
     pub fn lse_len(&self) -> usize {
         self.batch * self.heads_q * self.seq_q
+    }
+
+    /// `[B, Hq, Sq, D]`.
+    pub fn q_shape(&self) -> [usize; 4] {
+        [self.batch, self.heads_q, self.seq_q, self.head_dim]
+    }
+
+    /// `[B, Hq, Sq, Dv]`.
+    pub fn out_shape(&self) -> [usize; 4] {
+        [self.batch, self.heads_q, self.seq_q, self.head_dim_v]
+    }
+
+    /// `[B, Hkv, Sk, D]`.
+    pub fn k_shape(&self) -> [usize; 4] {
+        [self.batch, self.heads_kv, self.seq_k, self.head_dim]
+    }
+
+    /// `[B, Hkv, Sk, Dv]`.
+    pub fn v_shape(&self) -> [usize; 4] {
+        [self.batch, self.heads_kv, self.seq_k, self.head_dim_v]
+    }
+
+    /// `[B, Hq, Sq]`.
+    pub fn lse_shape(&self) -> [usize; 3] {
+        [self.batch, self.heads_q, self.seq_q]
     }
 }

@@ -325,15 +325,7 @@ mod tests {
     use numr::runtime::cpu::CpuDevice;
 
     fn problem(batch: usize, s: usize) -> Problem {
-        Problem {
-            batch,
-            heads_q: 2,
-            heads_kv: 1,
-            seq_q: s,
-            seq_k: s,
-            head_dim: 8,
-            scale: 1.0,
-        }
+        Problem::new(batch, (2, 1), (s, s), 8).with_scale(1.0)
     }
 
     /// The class of a tile from every pair of it.

@@ -83,9 +83,10 @@ pub fn cache_lengths<R: Runtime<DType = DType>>(
         .collect()
 }
 
-/// The problem of a paged KV cache: `q [B, Hq, Sq, D]`, `k_pages, v_pages
-/// [pages, Hkv, page_size, D]`, `page_table [B, max_pages]` (`i32`), with
-/// `Sk = max_pages · page_size`; and the page size.
+/// The problem of a paged KV cache: `q [B, Hq, Sq, D]`, `k_pages [pages,
+/// Hkv, page_size, D]`, `v_pages [pages, Hkv, page_size, Dv]`, `page_table
+/// [B, max_pages]` (`i32`), with `Sk = max_pages · page_size`; and the page
+/// size.
 pub fn paged_problem<R: Runtime<DType = DType>>(
     q: &Tensor<R>,
     k_pages: &Tensor<R>,
@@ -95,9 +96,10 @@ pub fn paged_problem<R: Runtime<DType = DType>>(
 ) -> Result<(Problem, usize)> {
     let [b, _, _, _] = dims4("q", q)?;
     let [_, _, page_size, _] = dims4("k", k_pages)?;
-    if k_pages.shape() != v_pages.shape() {
+    let [_, _, _, dv] = dims4("v", v_pages)?;
+    if k_pages.shape()[..3] != v_pages.shape()[..3] {
         return Err(Error::Shapes {
-            rule: "k and v pages must have the same shape",
+            rule: "k and v pages must agree in every dim but the last (pages, heads, page size)",
             q: q.shape().to_vec(),
             k: k_pages.shape().to_vec(),
             v: v_pages.shape().to_vec(),
@@ -123,7 +125,7 @@ pub fn paged_problem<R: Runtime<DType = DType>>(
             got: page_table.shape().to_vec(),
         });
     }
-    let mut p = check_pages(q, k_pages, scale)?;
+    let mut p = check_pages(q, k_pages, scale)?.with_head_dim_v(dv);
     let capacity = max_pages
         .checked_mul(page_size)
         .filter(|&c| c <= MAX_INDEX)
@@ -147,7 +149,7 @@ fn check_pages<R: Runtime<DType = DType>>(
     let [_, hk, sk, dk] = dims4("k", pages)?;
     if dq != dk {
         return Err(Error::Shapes {
-            rule: "q, k and v must have the same head dim (dim 3)",
+            rule: "q and k must have the same head dim (dim 3)",
             q: q.shape().to_vec(),
             k: pages.shape().to_vec(),
             v: pages.shape().to_vec(),
@@ -186,15 +188,7 @@ fn problem_of(
     if !scale.is_finite() {
         return Err(Error::Scale(scale));
     }
-    Ok(Problem {
-        batch,
-        heads_q,
-        heads_kv,
-        seq_q,
-        seq_k,
-        head_dim,
-        scale,
-    })
+    Ok(Problem::new(batch, (heads_q, heads_kv), (seq_q, seq_k), head_dim).with_scale(scale))
 }
 
 /// The page table's values, each entry that sequence `b`'s length reaches
@@ -225,7 +219,8 @@ pub fn page_table<R: Runtime<DType = DType>>(
     Ok(out)
 }
 
-/// Validate `q, k, v` and derive the [`Problem`].
+/// Validate `q [B, Hq, Sq, D]`, `k [B, Hkv, Sk, D]` and `v [B, Hkv, Sk, Dv]`
+/// and derive the [`Problem`].
 pub fn problem<R: Runtime<DType = DType>>(
     q: &Tensor<R>,
     k: &Tensor<R>,
@@ -250,10 +245,10 @@ pub fn problem<R: Runtime<DType = DType>>(
     if sk != sv {
         return Err(shapes("k and v must have the same sequence length (dim 2)"));
     }
-    if dq != dk || dq != dv {
-        return Err(shapes("q, k and v must have the same head dim (dim 3)"));
+    if dq != dk {
+        return Err(shapes("q and k must have the same head dim (dim 3)"));
     }
-    problem_of([bq, hq, sq, dq], (hk, sk), scale)
+    Ok(problem_of([bq, hq, sq, dq], (hk, sk), scale)?.with_head_dim_v(dv))
 }
 
 /// Check that `t` has exactly `expected` as its shape.

@@ -885,8 +885,8 @@ where
     let (d, cap) = (p.head_dim, p.seq_k);
     let mut rng = Rng::new(0xcac4e, lens.len() as u64);
     let q = rng.normal_f32(p.q_len(), 1.0);
-    let mut k = rng.normal_f32(p.kv_len(), 1.0);
-    let mut v = rng.normal_f32(p.kv_len(), 1.0);
+    let mut k = rng.normal_f32(p.k_len(), 1.0);
+    let mut v = rng.normal_f32(p.v_len(), 1.0);
     for (row, (kr, vr)) in k.chunks_mut(d).zip(v.chunks_mut(d)).enumerate() {
         if row % cap >= lens[row / (p.heads_kv * cap)] as usize {
             kr.fill(f32::NAN);
@@ -944,8 +944,8 @@ where
     if page_size.is_none() {
         let (mut dq, mut dk, mut dv) = (
             vec![0.0f32; p.q_len()],
-            vec![0.0f32; p.kv_len()],
-            vec![0.0f32; p.kv_len()],
+            vec![0.0f32; p.k_len()],
+            vec![0.0f32; p.v_len()],
         );
         let inputs = boostr_runtime::cpu::BackwardInputs {
             q: &q,
@@ -1108,8 +1108,8 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
         ],
         None => [
             ("q", rng.normal_f32(p.q_len(), 1.0)),
-            ("k", rng.normal_f32(p.kv_len(), 1.0)),
-            ("v", rng.normal_f32(p.kv_len(), 1.0)),
+            ("k", rng.normal_f32(p.k_len(), 1.0)),
+            ("v", rng.normal_f32(p.v_len(), 1.0)),
             ("dout", rng.normal_f32(p.q_len(), 1.0)),
         ],
     };
@@ -1276,15 +1276,7 @@ fn host_emulation_matches_the_reference() {
         eprintln!("SKIPPED cuda host emulation: no C++ compiler (BOOSTR_CXX, c++ or g++ on PATH)");
         return;
     };
-    let problem = |seq_q, seq_k, head_dim| Problem {
-        batch: 2,
-        heads_q: 4,
-        heads_kv: 2,
-        seq_q,
-        seq_k,
-        head_dim,
-        scale: 1.0 / (head_dim as f32).sqrt(),
-    };
+    let problem = |seq_q, seq_k, head_dim| Problem::new(2, (4, 2), (seq_q, seq_k), head_dim);
     let device = CpuDevice::new();
     let data = |p: Problem, stream| TestData::<CpuRuntime>::new(p, &device, 0x5eed, stream);
     let everything = Everything {
@@ -1306,33 +1298,20 @@ fn host_emulation_matches_the_reference() {
         host_case(
             CausalSlidingWindow { window: 3 },
             CudaDType::F16,
-            Problem {
-                batch: 1,
-                heads_q: 3,
-                heads_kv: 1,
-                ..problem(1, 129, 128)
-            },
+            Problem::new(1, (3, 1), (1, 129), 128),
         ),
         split(
             host_case(
                 Softcap { cap: 4.0 },
                 CudaDType::Bf16,
-                Problem {
-                    batch: 1,
-                    heads_q: 3,
-                    heads_kv: 1,
-                    ..problem(1, 129, 128)
-                },
+                Problem::new(1, (3, 1), (1, 129), 128),
             ),
             3,
         ),
         host_case(
             SlidingWindow { window: 16 },
             CudaDType::F32,
-            Problem {
-                heads_kv: 4,
-                ..problem(77, 77, 96)
-            },
+            Problem::new(2, (4, 4), (77, 77), 96),
         ),
         misaligned(host_case(
             Softcap { cap: 5.0 },
@@ -1373,12 +1352,7 @@ fn host_emulation_matches_the_reference() {
         // of whole and of partial key tiles (BKV is 64 at D = 64).
         host_cache_case(
             CausalSlidingWindow { window: 50 },
-            Problem {
-                batch: 5,
-                heads_q: 4,
-                heads_kv: 1,
-                ..problem(3, 192, 64)
-            },
+            Problem::new(5, (4, 1), (3, 192), 64),
             &[0, 1, 64, 192, 100],
             None,
         ),
@@ -1386,12 +1360,7 @@ fn host_emulation_matches_the_reference() {
         split(
             host_cache_case(
                 CausalSlidingWindow { window: 50 },
-                Problem {
-                    batch: 5,
-                    heads_q: 4,
-                    heads_kv: 1,
-                    ..problem(3, 192, 64)
-                },
+                Problem::new(5, (4, 1), (3, 192), 64),
                 &[0, 1, 64, 192, 100],
                 None,
             ),
@@ -1399,29 +1368,20 @@ fn host_emulation_matches_the_reference() {
         ),
         host_cache_case(
             Softcap { cap: 10.0 },
-            Problem {
-                batch: 3,
-                ..problem(17, 192, 64)
-            },
+            Problem::new(3, (4, 2), (17, 192), 64),
             &[192, 37, 130],
             Some(64),
         ),
         host_cache_case(
             Causal,
-            Problem {
-                batch: 3,
-                ..problem(4, 192, 64)
-            },
+            Problem::new(3, (4, 2), (4, 192), 64),
             &[5, 192, 77],
             Some(24),
         ),
         split(
             host_cache_case(
                 Causal,
-                Problem {
-                    batch: 3,
-                    ..problem(1, 192, 64)
-                },
+                Problem::new(3, (4, 2), (1, 192), 64),
                 &[5, 192, 77],
                 Some(24),
             ),

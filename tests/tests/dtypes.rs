@@ -100,15 +100,14 @@ fn f32_tensor(data: &[f32], shape: &[usize]) -> Tensor<CpuRuntime> {
     Tensor::<CpuRuntime>::from_slice(data, shape, &CpuDevice::new()).unwrap()
 }
 
-/// Random q, k, v and dout (shapes `qs`, `ks`, `ks`, `qs`) rounded to `h`:
-/// as `h` tensors, and widened exactly to f32 tensors.
+/// Random q, k, v and dout of the shapes `shapes` rounded to `h`: as `h`
+/// tensors, and widened exactly to f32 tensors.
 fn random_inputs(
     h: Half,
     rng: &mut Rng,
-    qs: [usize; 4],
-    ks: [usize; 4],
+    shapes: [[usize; 4]; 4],
 ) -> ([Tensor<CpuRuntime>; 4], [Tensor<CpuRuntime>; 4]) {
-    let bits: Vec<(Vec<u16>, [usize; 4])> = [qs, ks, ks, qs]
+    let bits: Vec<(Vec<u16>, [usize; 4])> = shapes
         .into_iter()
         .map(|shape| {
             let n = shape.iter().product();
@@ -124,30 +123,21 @@ fn random_inputs(
     (half, wide)
 }
 
-fn check<V: Variant>(
-    variant: &V,
-    h: Half,
-    (b, hq, hkv, sq, sk, d): (usize, usize, usize, usize, usize, usize),
-) {
+/// `(B, Hq, Hkv, Sq, Sk, D, Dv)`.
+type Shape = (usize, usize, usize, usize, usize, usize, usize);
+
+fn check<V: Variant>(variant: &V, h: Half, (b, hq, hkv, sq, sk, d, dv): Shape) {
     let mut rng = Rng::new(0xd7e5, (sq * 131 + d) as u64);
-    let qs = [b, hq, sq, d];
-    let ks = [b, hkv, sk, d];
+    let problem = boostr_runtime::Problem::new(b, (hq, hkv), (sq, sk), d).with_head_dim_v(dv);
+    let os = problem.out_shape();
+    let shapes = [problem.q_shape(), problem.k_shape(), problem.v_shape(), os];
     let wide = |x: &[u16]| x.iter().map(|&b| h.widen(b)).collect::<Vec<f32>>();
     let opts = AttentionOptions::default();
-    let ([qh, kh, vh, doh], [qf, kf, vf, dof]) = random_inputs(h, &mut rng, qs, ks);
+    let ([qh, kh, vh, doh], [qf, kf, vf, dof]) = random_inputs(h, &mut rng, shapes);
 
     let (out_h, lse_h) = attention_fwd(variant, &qh, &kh, &vh, &opts).unwrap();
     let (out_f, lse_f) = attention_fwd(variant, &qf, &kf, &vf, &opts).unwrap();
     assert_eq!((out_h.dtype(), lse_h.dtype()), (h.dtype(), DType::F32));
-    let problem = boostr_runtime::Problem {
-        batch: b,
-        heads_q: hq,
-        heads_kv: hkv,
-        seq_q: sq,
-        seq_k: sk,
-        head_dim: d,
-        scale: 1.0 / (d as f32).sqrt(),
-    };
     if h == Half::Bf16 && boostr_runtime::cpu::bf16_tiles(&problem) {
         // bf16 tile products (AMX) round P to bf16: not the widened f32
         // forward's bits (their own test is in the CPU kernels'), but
@@ -172,7 +162,7 @@ fn check<V: Variant>(
         // The backward on bf16 tiles rounds P and dS to bf16 too: within
         // bf16 rounding of the widened backward (against the reference in
         // the CPU kernels' tests), relative to each gradient's largest.
-        let out_rounded = f32_tensor(&wide(&out_h.to_vec::<u16>()), &qs);
+        let out_rounded = f32_tensor(&wide(&out_h.to_vec::<u16>()), &os);
         let (dq_h, dk_h, dv_h) =
             attention_bwd(variant, &doh, &qh, &kh, &vh, &out_h, &lse_h, &opts).unwrap();
         let (dq_f, dk_f, dv_f) =
@@ -210,7 +200,7 @@ fn check<V: Variant>(
     same("out", &out_h, &out_f);
 
     // The backward reads `out` in the inputs' dtype, as autograd hands it back.
-    let out_f_rounded = f32_tensor(&wide(&out_h.to_vec::<u16>()), &qs);
+    let out_f_rounded = f32_tensor(&wide(&out_h.to_vec::<u16>()), &os);
     let (dq_h, dk_h, dv_h) =
         attention_bwd(variant, &doh, &qh, &kh, &vh, &out_h, &lse_h, &opts).unwrap();
     let (dq_f, dk_f, dv_f) =
@@ -223,13 +213,16 @@ fn check<V: Variant>(
 #[test]
 fn half_inputs_give_the_rounded_f32_results() {
     for h in [Half::Bf16, Half::F16] {
-        check(&Causal, h, (1, 4, 2, 77, 77, 64));
-        check(&Alibi { heads: 4 }, h, (2, 4, 4, 33, 90, 40));
-        check(&CausalSoftcap { cap: 5.0 }, h, (1, 2, 1, 130, 65, 128));
+        check(&Causal, h, (1, 4, 2, 77, 77, 64, 64));
+        check(&Alibi { heads: 4 }, h, (2, 4, 4, 33, 90, 40, 40));
+        check(&CausalSoftcap { cap: 5.0 }, h, (1, 2, 1, 130, 65, 128, 128));
         // Decode shapes read 16-bit keys and values as stored: through the
         // matrix-vector products (4 packed rows) and the tile products (36).
-        check(&Causal, h, (2, 8, 2, 1, 300, 64));
-        check(&CausalSoftcap { cap: 5.0 }, h, (1, 4, 1, 9, 100, 40));
+        check(&Causal, h, (2, 8, 2, 1, 300, 64, 64));
+        check(&CausalSoftcap { cap: 5.0 }, h, (1, 4, 1, 9, 100, 40, 40));
+        // Values of another head dim (the bf16 tile kernels decline them).
+        check(&Causal, h, (1, 4, 2, 77, 90, 96, 64));
+        check(&Causal, h, (1, 8, 1, 2, 200, 192, 128));
     }
 }
 
@@ -274,7 +267,7 @@ fn bf16_gradients_point_the_way_of_f32() {
         let nb: f64 = b.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
         dot / (na * nb)
     };
-    let ([qh, kh, vh, wh], [qf, kf, vf, wf]) = random_inputs(h, &mut rng, qs, ks);
+    let ([qh, kh, vh, wh], [qf, kf, vf, wf]) = random_inputs(h, &mut rng, [qs, ks, ks, qs]);
     let (out_h, lse_h) = attention_fwd(&Causal, &qh, &kh, &vh, &opts).unwrap();
     let (dq_h, dk_h, dv_h) =
         attention_bwd(&Causal, &wh, &qh, &kh, &vh, &out_h, &lse_h, &opts).unwrap();

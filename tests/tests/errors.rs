@@ -55,6 +55,45 @@ fn batch_heads_lengths_and_dims_must_agree() {
 }
 
 #[test]
+fn values_may_have_their_own_head_dim_which_out_and_dout_follow() {
+    // q, k [.., D = 8]; v [.., Dv = 4]: out [.., Dv], default scale 1/sqrt(D).
+    let (q, k, v) = (
+        tensor(&[1, 2, 3, 8]),
+        tensor(&[1, 1, 5, 8]),
+        tensor(&[1, 1, 5, 4]),
+    );
+    let opts = AttentionOptions::default();
+    let (out, lse) = attention_fwd(&Causal, &q, &k, &v, &opts).unwrap();
+    assert_eq!(out.shape(), &[1, 2, 3, 4]);
+    let explicit = AttentionOptions {
+        scale: Some(1.0 / 8f32.sqrt()),
+    };
+    let (same, _) = attention_fwd(&Causal, &q, &k, &v, &explicit).unwrap();
+    assert_eq!(
+        out.to_vec::<f32>(),
+        same.to_vec::<f32>(),
+        "the default scale"
+    );
+    // A dout shaped with D instead of Dv.
+    let e = attention_bwd(&Causal, &q, &q, &k, &v, &out, &lse, &opts).unwrap_err();
+    assert!(matches!(e, Error::ShapeOf { name: "dout", .. }), "{e}");
+    assert!(e.to_string().contains("[1, 2, 3, 4]"), "{e}");
+    // An out shaped with D.
+    let e = attention_bwd(&Causal, &out, &q, &k, &v, &q, &lse, &opts).unwrap_err();
+    assert!(matches!(e, Error::ShapeOf { name: "out", .. }), "{e}");
+    // k and v that disagree in anything but the last dim.
+    for (bad, rule) in [
+        (&[2, 1, 5, 4][..], "batch"),
+        (&[1, 2, 5, 4][..], "heads"),
+        (&[1, 1, 6, 4][..], "sequence length"),
+    ] {
+        let e = attention_fwd(&Causal, &q, &k, &tensor(bad), &opts).unwrap_err();
+        assert!(matches!(e, Error::Shapes { .. }), "{rule}: {e}");
+        assert!(e.to_string().contains(rule), "{rule}: {e}");
+    }
+}
+
+#[test]
 fn query_heads_must_be_a_multiple_of_kv_heads() {
     let e = fwd_err(&[1, 3, 4, 8], &[1, 2, 4, 8], &[1, 2, 4, 8]);
     assert!(

@@ -123,15 +123,7 @@ fn t5_backward(threads: usize, p: Problem, seed: u64) -> Vec<Vec<u32>> {
 #[test]
 fn tensor_gradients_have_the_same_bits_for_any_thread_count() {
     // Several key chunks per head and more tasks than threads.
-    let p = Problem {
-        batch: 1,
-        heads_q: 4,
-        heads_kv: 2,
-        seq_q: 333,
-        seq_k: 517,
-        head_dim: 64,
-        scale: 0.125,
-    };
+    let p = Problem::new(1, (4, 2), (333, 517), 64).with_scale(0.125);
     let seed = 0x5eed;
     let one = t5_backward(1, p, seed);
     assert!(
@@ -176,15 +168,7 @@ fn sinks_backward(threads: usize, p: Problem, seed: u64) -> Vec<u32> {
 
 #[test]
 fn sink_gradients_have_the_same_bits_for_any_thread_count() {
-    let p = Problem {
-        batch: 2,
-        heads_q: 4,
-        heads_kv: 1,
-        seq_q: 301,
-        seq_k: 389,
-        head_dim: 32,
-        scale: 0.2,
-    };
+    let p = Problem::new(2, (4, 1), (301, 389), 32).with_scale(0.2);
     let one = sinks_backward(1, p, 0x51);
     assert!(
         one.iter().any(|&b| f32::from_bits(b) != 0.0),
@@ -201,15 +185,7 @@ fn sink_gradients_have_the_same_bits_for_any_thread_count() {
 #[test]
 fn a_var_that_requires_no_grad_is_read_only() {
     let device = CpuDevice::new();
-    let p = Problem {
-        batch: 1,
-        heads_q: 2,
-        heads_kv: 1,
-        seq_q: 9,
-        seq_k: 9,
-        head_dim: 8,
-        scale: 0.35,
-    };
+    let p = Problem::new(1, (2, 1), (9, 9), 8).with_scale(0.35);
     let mut data = TestData::<CpuRuntime>::new(p, &device, 3, 0);
     let table = data.f32s(&[2, 32], -1.0, 1.0);
     let variant = CausalT5Bias {

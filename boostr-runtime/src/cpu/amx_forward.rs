@@ -47,10 +47,11 @@ const BK: usize = 128;
 const T: usize = amx::TILE;
 
 /// Whether the bf16 forward runs `p`: the head dim is at most 256 (padded
-/// inside to whole `tdpbf16ps` reductions, see [`padded_dim`]), and this
-/// thread has bf16 products ([`amx::kind`]).
+/// inside to whole `tdpbf16ps` reductions, see [`padded_dim`]), values
+/// have it too (`Dv = D`; other value dims widen to the f32 kernels), and
+/// this thread has bf16 products ([`amx::kind`]).
 pub(super) fn applies(p: &Problem) -> bool {
-    p.head_dim <= 256 && amx::kind().is_some()
+    p.head_dim <= 256 && p.head_dim_v == p.head_dim && amx::kind().is_some()
 }
 
 /// The head dim the products run over: `d` rounded up to a whole number of

@@ -113,7 +113,7 @@ const MAX_KV_GROUP: usize = 4;
 /// Key tiles per pass over the query tiles: 1 while a key tile's pass
 /// reads at most [`L2_BUDGET`] of Q, dO and dQ, else [`MAX_KV_GROUP`].
 pub(super) fn kv_group_size<V: HostVariant>(variant: &V, p: &Problem, tiles: CpuTiles) -> usize {
-    let q_tile_bytes = 3 * tiles.q * p.head_dim * std::mem::size_of::<f32>();
+    let q_tile_bytes = tiles.q * (2 * p.head_dim + p.head_dim_v) * std::mem::size_of::<f32>();
     let bytes = mean_visits(variant, p, tiles, Axis::Key) * (p.group() * q_tile_bytes) as f64;
     if bytes <= L2_BUDGET as f64 {
         1
@@ -132,8 +132,9 @@ pub(super) fn key_chunks(p: &Problem, tiles: CpuTiles, threads: usize) -> usize 
     let key_tiles = p.seq_k.div_ceil(tiles.kv);
     let heads = p.batch * p.heads_kv;
     let wanted = (2 * threads.max(1)).div_ceil(heads);
-    // Five GEMMs of 2 flops per (query, key, dim) each.
-    let flops = 10 * p.group() * p.seq_q * p.seq_k * p.head_dim;
+    // Five GEMMs of 2 flops per (query, key, dim) each: three over D
+    // (S, dK, dQ), two over Dv (dV, dP).
+    let flops = 2 * p.group() * p.seq_q * p.seq_k * (3 * p.head_dim + 2 * p.head_dim_v);
     let affordable = (flops / MIN_CHUNK_FLOPS).max(1);
     wanted.min(key_tiles).min(affordable).max(1)
 }
@@ -183,7 +184,12 @@ struct Work {
 }
 
 impl Scratch {
-    fn new<V: HostVariant>(t: CpuTiles, d: usize, kv_group: usize, learn: bool) -> Self {
+    fn new<V: HostVariant>(
+        t: CpuTiles,
+        (d, dv): (usize, usize),
+        kv_group: usize,
+        learn: bool,
+    ) -> Self {
         let g = if V::SCORE_IS_IDENTITY { 0 } else { t.q * t.kv };
         let work = Work {
             s: Aligned::zeroed(t.q * t.kv),
@@ -204,14 +210,15 @@ impl Scratch {
         };
         Self {
             kt: Aligned::zeroed(kv_group * d * t.kv),
-            vt: Aligned::zeroed(kv_group * d * t.kv),
+            vt: Aligned::zeroed(kv_group * dv * t.kv),
             work,
         }
     }
 }
 
-/// A task's resident key tile: its K rows (`cols × D`), Kᵀ and Vᵀ
-/// (`D × cols`), and its rows of dK and dV (`cols × D`).
+/// A task's resident key tile: its K rows (`cols × D`), Kᵀ (`D × cols`)
+/// and Vᵀ (`Dv × cols`), and its rows of dK (`cols × D`) and dV (`cols ×
+/// Dv`).
 struct KvTile<'a> {
     kv0: usize,
     cols: usize,
@@ -250,10 +257,10 @@ pub(super) fn backward<V: HostVariant>(
     dv: &mut [f32],
     tensor_grads: &mut [Vec<f32>],
 ) {
-    let d = p.head_dim;
+    let dims = (p.head_dim, p.head_dim_v);
     let learn = tensor_grads.iter().any(|g| !g.is_empty());
 
-    let delta = deltas(x.dout, x.out, d, math::dot);
+    let delta = deltas(x.dout, x.out, p.head_dim_v, math::dot);
     let (chunk_keys, chunks) = chunk_keys(p, tiles, chunks);
     let mut partials = dq_partials(p, chunks);
     let tasks = carve(p, chunk_keys, dq, dk, dv, &mut partials);
@@ -271,12 +278,12 @@ pub(super) fn backward<V: HostVariant>(
         learnable_tasks(
             tasks,
             tensor_grads,
-            &|| Scratch::new::<V>(tiles, d, kv_group, true),
+            &|| Scratch::new::<V>(tiles, dims, kv_group, true),
             &|task, sc, grads| key_chunk(&shared, task, sc, grads),
         );
     } else {
         tasks.into_par_iter().for_each_init_dyn(
-            &|| Scratch::new::<V>(tiles, d, kv_group, false),
+            &|| Scratch::new::<V>(tiles, dims, kv_group, false),
             &|sc, task| key_chunk(&shared, task, sc, &mut []),
         );
     }
@@ -287,8 +294,8 @@ pub(super) fn backward<V: HostVariant>(
     add_partials(p, chunks, dq, &partials);
 }
 
-/// `D_i = rowsum(dO_i ∘ O_i)` for every row of `d` (`dot` reads the
-/// elements as stored).
+/// `D_i = rowsum(dO_i ∘ O_i)` for every row of `d` (the value head dim;
+/// `dot` reads the elements as stored).
 pub(super) fn deltas<E: Sync>(
     dout: &[E],
     out: &[E],
@@ -333,19 +340,19 @@ pub(super) fn carve<'a>(
     dv: &'a mut [f32],
     partials: &'a mut [f32],
 ) -> Vec<KeyChunk<'a>> {
-    let (sk, d) = (p.seq_k, p.head_dim);
+    let (sk, d, d_v) = (p.seq_k, p.head_dim, p.head_dim_v);
     let dq_group = p.group() * p.seq_q * d;
     let mut partial_slots = partials.chunks_mut(dq_group.max(1));
     let mut tasks = Vec::with_capacity(p.batch * p.heads_kv * sk.div_ceil(chunk_keys));
     let per_head = dk
         .chunks_mut(sk * d)
-        .zip(dv.chunks_mut(sk * d))
+        .zip(dv.chunks_mut(sk * d_v))
         .zip(dq.chunks_mut(dq_group));
     for (bg, ((dk_bg, dv_bg), dq_bg)) in per_head.enumerate() {
         let mut dq_first = Some(dq_bg);
         let per_chunk = dk_bg
             .chunks_mut(chunk_keys * d)
-            .zip(dv_bg.chunks_mut(chunk_keys * d));
+            .zip(dv_bg.chunks_mut(chunk_keys * d_v));
         for (c, (dk, dv)) in per_chunk.enumerate() {
             let dq = match dq_first.take() {
                 Some(dq_bg) => dq_bg,
@@ -474,7 +481,8 @@ fn key_chunk<V: HostVariant>(
     grads: &mut [&mut [f32]],
 ) {
     let p = sh.p;
-    let (sq, sk, d, group) = (p.seq_q, p.seq_k, p.head_dim, p.group());
+    let (sq, sk, group) = (p.seq_q, p.seq_k, p.group());
+    let (d, d_v) = (p.head_dim, p.head_dim_v);
     let KeyChunk {
         b,
         kvh,
@@ -486,25 +494,28 @@ fn key_chunk<V: HostVariant>(
     dk.fill(0.0);
     dv.fill(0.0);
     dq.fill(0.0);
-    let kv_bh = (b * p.heads_kv + kvh) * sk * d;
+    let bkv = b * p.heads_kv + kvh;
     let pass_keys = sh.kv_group * sh.tiles.kv;
-    let (tile, pass) = (sh.tiles.kv * d, pass_keys * d);
+    let (tile, tile_v) = (sh.tiles.kv * d, sh.tiles.kv * d_v);
 
     // Passes of up to `kv_group` key tiles: their rows of dK and dV, and
     // scratch for their transposes.
-    let per_pass = dk.chunks_mut(pass).zip(dv.chunks_mut(pass));
+    let per_pass = dk
+        .chunks_mut(pass_keys * d)
+        .zip(dv.chunks_mut(pass_keys * d_v));
     for (n, (dk, dv)) in per_pass.enumerate() {
         let mut kvs = Vec::with_capacity(sh.kv_group);
-        let scratch = sc.kt.chunks_mut(tile).zip(sc.vt.chunks_mut(tile));
-        let per_tile = dk.chunks_mut(tile).zip(dv.chunks_mut(tile));
+        let scratch = sc.kt.chunks_mut(tile).zip(sc.vt.chunks_mut(tile_v));
+        let per_tile = dk.chunks_mut(tile).zip(dv.chunks_mut(tile_v));
         for (i, ((dk, dv), (kt, vt))) in per_tile.zip(scratch).enumerate() {
             let cols = dk.len() / d;
             let kv0 = key0 + n * pass_keys + i * sh.tiles.kv;
-            let at = kv_bh + kv0 * d..kv_bh + (kv0 + cols) * d;
-            let (k, v) = (&sh.x.k[at.clone()], &sh.x.v[at]);
-            let (kt, vt) = (&mut kt[..d * cols], &mut vt[..d * cols]);
+            let key = bkv * sk + kv0;
+            let k = &sh.x.k[key * d..(key + cols) * d];
+            let v = &sh.x.v[key * d_v..(key + cols) * d_v];
+            let (kt, vt) = (&mut kt[..d * cols], &mut vt[..d_v * cols]);
             gemm::transpose(k, cols, d, kt, cols);
-            gemm::transpose(v, cols, d, vt, cols);
+            gemm::transpose(v, cols, d_v, vt, cols);
             kvs.push(KvTile {
                 kv0,
                 cols,
@@ -553,7 +564,7 @@ fn query_tile<V: HostVariant>(
     grads: &mut [&mut [f32]],
 ) {
     let p = sh.p;
-    let (d, sq, scale) = (p.head_dim, p.seq_q, p.scale);
+    let (d, d_v, sq, scale) = (p.head_dim, p.head_dim_v, p.seq_q, p.scale);
     let (b, h) = (Positions::to_i32(t.b), Positions::to_i32(t.h));
     let (rows, cols) = (t.rows, kv.cols);
     let (q_lo, q_hi) = sh.pos.query_range(t.r0, rows);
@@ -562,7 +573,11 @@ fn query_tile<V: HostVariant>(
         return;
     }
     let kv_lo = Positions::to_i32(kv.kv0);
-    let rows_at = (t.bh * sq + t.r0) * d..(t.bh * sq + t.r0 + rows) * d;
+    let row0 = t.bh * sq + t.r0;
+    let (q_t, dout_t) = (
+        &sh.x.q[row0 * d..(row0 + rows) * d],
+        &sh.x.dout[row0 * d_v..(row0 + rows) * d_v],
+    );
     let lse = &sh.x.lse[t.bh * sq + t.r0..][..rows];
     let delta = &sh.delta[t.bh * sq + t.r0..][..rows];
 
@@ -582,7 +597,7 @@ fn query_tile<V: HostVariant>(
 
     // Recompute P from the saved log-sum-exp.
     let s = &mut w.s[..rows * cols];
-    band_products(s, cols, bands, &sh.x.q[rows_at.clone()], kv.kt, d, scale);
+    band_products(s, cols, bands, q_t, kv.kt, d, scale);
     let g = &mut w.g[..if V::SCORE_IS_IDENTITY { 0 } else { rows * cols }];
     let learn = V::SCORE_READS_LEARNABLE && !grads.is_empty();
     if learn && !V::SCORE_GRADS_BY_DIFFERENCE {
@@ -607,17 +622,17 @@ fn query_tile<V: HostVariant>(
     // dV += Pᵀ dO.
     for Band { rows: r, cols: c } in bands.iter().filter(|b| !b.cols.is_empty()) {
         matmul(
-            MatMut::row_major(&mut kv.dv[c.start * d..c.end * d], c.len(), d),
+            MatMut::row_major(&mut kv.dv[c.start * d_v..c.end * d_v], c.len(), d_v),
             Write::Accumulate,
             band_tile(s, cols, r, c).t(),
-            band_rows(&sh.x.dout[rows_at.clone()], d, r),
+            band_rows(dout_t, d_v, r),
             1.0,
         );
     }
 
     // dP = dO Vᵀ, then dS = P ∘ (dP − D) ∘ score_grad, in place.
     let dp = &mut w.dp[..rows * cols];
-    band_products(dp, cols, bands, &sh.x.dout[rows_at.clone()], kv.vt, d, 1.0);
+    band_products(dp, cols, bands, dout_t, kv.vt, d_v, 1.0);
     if learn {
         let at = (b, h, q_lo, kv_lo);
         if V::SCORE_GRADS_BY_DIFFERENCE {
@@ -655,7 +670,7 @@ fn query_tile<V: HostVariant>(
             MatMut::row_major(&mut kv.dk[c.start * d..c.end * d], c.len(), d),
             Write::Accumulate,
             band_tile(ds, cols, r, c).t(),
-            band_rows(&sh.x.q[rows_at.clone()], d, r),
+            band_rows(q_t, d, r),
             scale,
         );
         let k_b = &kv.k[c.start * d..c.end * d];

@@ -127,7 +127,8 @@ pub(super) fn forward<V: HostVariant, E: KvElem>(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    let (sq, sk, d, g) = (p.seq_q, p.seq_k, p.head_dim, p.group());
+    let (sq, sk, g) = (p.seq_q, p.seq_k, p.group());
+    let (d, dv) = (p.head_dim, p.head_dim_v);
     let rows = g * sq;
     Positions::new(p);
     let len = |b: usize| lens.map_or(sk, |l| l[b].min(sk));
@@ -142,40 +143,41 @@ pub(super) fn forward<V: HostVariant, E: KvElem>(
 
     let mut m = vec![f32::NEG_INFINITY; tasks * rows];
     let mut l = vec![0.0f32; tasks * rows];
-    let mut acc = Aligned::<f32>::zeroed(tasks * rows * d);
+    let mut acc = Aligned::<f32>::zeroed(tasks * rows * dv);
     m.par_chunks_mut(rows)
         .zip(l.par_chunks_mut(rows))
-        .zip(acc.par_chunks_mut(rows * d))
+        .zip(acc.par_chunks_mut(rows * dv))
         .enumerate()
-        .for_each_init_dyn(
-            &|| Scratch::new(tiles, rows, d),
-            &|sc, (t, ((m, l), acc))| {
-                let (bkv, c) = (t / chunks, t % chunks);
-                let b = bkv / p.heads_kv;
-                let end = len(b);
-                let range = (c * chunk_keys).min(end)..end.min((c + 1) * chunk_keys);
-                let task = Task {
-                    variant,
-                    p,
-                    pos: pos(b),
-                    tiles,
-                    b,
-                    hkv: bkv % p.heads_kv,
-                    q: &q[bkv * rows * d..(bkv + 1) * rows * d],
-                    keys,
-                };
-                task.run(range, Partial { m, l, acc }, sc);
-            },
-        );
+        .for_each_init_dyn(&|| Scratch::new(tiles, rows, (d, dv)), &|sc,
+                                                                     (
+            t,
+            ((m, l), acc),
+        )| {
+            let (bkv, c) = (t / chunks, t % chunks);
+            let b = bkv / p.heads_kv;
+            let end = len(b);
+            let range = (c * chunk_keys).min(end)..end.min((c + 1) * chunk_keys);
+            let task = Task {
+                variant,
+                p,
+                pos: pos(b),
+                tiles,
+                b,
+                hkv: bkv % p.heads_kv,
+                q: &q[bkv * rows * d..(bkv + 1) * rows * d],
+                keys,
+            };
+            task.run(range, Partial { m, l, acc }, sc);
+        });
 
     // Merge each row's chunks in chunk order (the sink first).
-    out.par_chunks_mut(rows * d)
+    out.par_chunks_mut(rows * dv)
         .zip(lse.par_chunks_mut(rows))
         .enumerate()
         .for_each_dyn(&|(bkv, (out_g, lse_g))| {
             let pos = pos(bkv / p.heads_kv);
             let b = Positions::to_i32(bkv / p.heads_kv);
-            for (r, (out_r, lse_r)) in out_g.chunks_mut(d).zip(lse_g.iter_mut()).enumerate() {
+            for (r, (out_r, lse_r)) in out_g.chunks_mut(dv).zip(lse_g.iter_mut()).enumerate() {
                 let h = Positions::to_i32((bkv % p.heads_kv) * g + r / sq);
                 let (qi, _) = pos.query_range(r % sq, 1);
                 let sink = if V::HAS_SINK {
@@ -203,7 +205,7 @@ pub(super) fn forward<V: HostVariant, E: KvElem>(
                     if l[i] > 0.0 {
                         let w = math::exp(m[i] - mx);
                         total += w * l[i];
-                        math::axpy(out_r, w, &acc[i * d..(i + 1) * d]);
+                        math::axpy(out_r, w, &acc[i * dv..(i + 1) * dv]);
                     }
                 }
                 math::scale(out_r, 1.0 / total);
@@ -226,10 +228,10 @@ struct Scratch {
 }
 
 impl Scratch {
-    fn new(tiles: CpuTiles, rows: usize, d: usize) -> Self {
+    fn new(tiles: CpuTiles, rows: usize, (d, dv): (usize, usize)) -> Self {
         Scratch {
             kt: Aligned::zeroed(d * tiles.kv),
-            v_wide: Aligned::zeroed(d * tiles.kv),
+            v_wide: Aligned::zeroed(dv * tiles.kv),
             s: Aligned::zeroed(rows * tiles.kv),
             l: vec![[0.0; math::LANES]; rows],
             alpha: vec![0.0; rows],
@@ -256,11 +258,15 @@ impl<V: HostVariant, E: KvElem> Task<'_, V, E> {
     /// The keys and values `kv0 ..` of this task's (batch, kv head), at
     /// most `cols` of them and never past a page: `(k, v, count)`.
     fn run_of(&self, kv0: usize, cols: usize) -> (&[E], &[E], usize) {
-        let (p, d) = (self.p, self.p.head_dim);
+        let (p, d, dv) = (self.p, self.p.head_dim, self.p.head_dim_v);
         match self.keys {
             Keys::Contiguous { k, v } => {
-                let at = ((self.b * p.heads_kv + self.hkv) * p.seq_k + kv0) * d;
-                (&k[at..at + cols * d], &v[at..at + cols * d], cols)
+                let key = (self.b * p.heads_kv + self.hkv) * p.seq_k + kv0;
+                (
+                    &k[key * d..(key + cols) * d],
+                    &v[key * dv..(key + cols) * dv],
+                    cols,
+                )
             }
             Keys::Paged {
                 k,
@@ -272,8 +278,12 @@ impl<V: HostVariant, E: KvElem> Task<'_, V, E> {
                 let (page, slot) = (kv0 / page_size, kv0 % page_size);
                 let cols = cols.min(page_size - slot);
                 let page = table[self.b * max_pages + page];
-                let at = ((page * p.heads_kv + self.hkv) * page_size + slot) * d;
-                (&k[at..at + cols * d], &v[at..at + cols * d], cols)
+                let key = (page * p.heads_kv + self.hkv) * page_size + slot;
+                (
+                    &k[key * d..(key + cols) * d],
+                    &v[key * dv..(key + cols) * dv],
+                    cols,
+                )
             }
         }
     }
@@ -320,6 +330,7 @@ impl<V: HostVariant, E: KvElem> Task<'_, V, E> {
         sc: &mut Scratch,
     ) {
         let (p, d, g, sq) = (self.p, self.p.head_dim, self.p.group(), self.p.seq_q);
+        let dv = p.head_dim_v;
         let rows = g * sq;
         let s = &mut sc.s[..rows * cols];
         if gemv {
@@ -352,7 +363,7 @@ impl<V: HostVariant, E: KvElem> Task<'_, V, E> {
         let hides = sc.classes.iter().any(|&c| c != TileClass::Full);
         let guarded;
         let v = if hides && !v.iter().all(|run| run.all_finite()) {
-            let wide = &mut sc.v_wide[..cols * d];
+            let wide = &mut sc.v_wide[..cols * dv];
             let mut at = 0;
             for run in v {
                 elem::widen(*run, &mut wide[at..at + run.len()]);
@@ -367,7 +378,7 @@ impl<V: HostVariant, E: KvElem> Task<'_, V, E> {
                 cols,
                 &band,
                 wide,
-                d,
+                dv,
                 &mut sc.v_guarded,
             ))];
             &guarded[..]
@@ -375,20 +386,20 @@ impl<V: HostVariant, E: KvElem> Task<'_, V, E> {
             v
         };
         if gemv {
-            gemv::accumulate(s, v, d, acc);
+            gemv::accumulate(s, v, dv, acc);
         } else {
             let v = match v[0].as_f32() {
                 Some(v) => v,
                 None => {
-                    elem::widen(v[0], &mut sc.v_wide[..cols * d]);
-                    &sc.v_wide[..cols * d]
+                    elem::widen(v[0], &mut sc.v_wide[..cols * dv]);
+                    &sc.v_wide[..cols * dv]
                 }
             };
             matmul(
-                MatMut::row_major(acc, rows, d),
+                MatMut::row_major(acc, rows, dv),
                 Write::Accumulate,
                 MatRef::row_major(s, rows, cols),
-                MatRef::row_major(v, cols, d),
+                MatRef::row_major(v, cols, dv),
                 1.0,
             );
         }
@@ -469,7 +480,7 @@ impl<V: HostVariant, E: KvElem> Elementwise for BlockSoftmax<'_, '_, V, E> {
             alpha,
             acc,
         } = self;
-        let (d, g, sq) = (task.p.head_dim, task.p.group(), task.p.seq_q);
+        let (dv, g, sq) = (task.p.head_dim_v, task.p.group(), task.p.seq_q);
         let rows = g * sq;
         let cols = s.len() / rows;
         let b = Positions::to_i32(task.b);
@@ -497,7 +508,7 @@ impl<V: HostVariant, E: KvElem> Elementwise for BlockSoftmax<'_, '_, V, E> {
             }
             if alpha[r] != 1.0 {
                 l[r].iter_mut().for_each(|x| *x *= alpha[r]);
-                math::scale(&mut acc[r * d..(r + 1) * d], alpha[r]);
+                math::scale(&mut acc[r * dv..(r + 1) * dv], alpha[r]);
             }
             l[r] = math::exp_sub_lanes(row, m[r], l[r]);
         }

@@ -68,7 +68,7 @@ pub(super) fn group_size<V: HostVariant>(
     threads: usize,
 ) -> usize {
     let q_tiles = p.seq_q.div_ceil(tiles.q);
-    let kv_tile_bytes = 2 * tiles.kv * p.head_dim * std::mem::size_of::<f32>();
+    let kv_tile_bytes = tiles.kv * (p.head_dim + p.head_dim_v) * std::mem::size_of::<f32>();
     if mean_visits(variant, p, tiles, Axis::Query) * kv_tile_bytes as f64 <= L2_BUDGET as f64 {
         return 1;
     }
@@ -151,7 +151,7 @@ pub(super) struct Head<'a, V> {
     pub(super) b: i32,
     pub(super) h: i32,
     /// This head's K transposed tile by tile (the `D × cols` block of the
-    /// tile at key `kv0` starts at `kv0·D`), and V (`Sk × D`).
+    /// tile at key `kv0` starts at `kv0·D`), and V (`Sk × Dv`).
     pub(super) kt: &'a [f32],
     pub(super) v: &'a [f32],
     /// Per key tile of V: it holds a NaN or an infinity (see
@@ -174,10 +174,10 @@ pub(super) fn forward<V: HostVariant>(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    let (sq, sk, d) = (p.seq_q, p.seq_k, p.head_dim);
+    let (sq, sk, d, dv) = (p.seq_q, p.seq_k, p.head_dim, p.head_dim_v);
     debug_assert_eq!(q.len(), p.q_len());
-    debug_assert_eq!((k.len(), v.len()), (p.kv_len(), p.kv_len()));
-    debug_assert_eq!((out.len(), lse.len()), (p.q_len(), p.lse_len()));
+    debug_assert_eq!((k.len(), v.len()), (p.k_len(), p.v_len()));
+    debug_assert_eq!((out.len(), lse.len()), (p.out_len(), p.lse_len()));
     debug_assert!(group > 0);
     let pos = Positions::new(p);
 
@@ -199,7 +199,7 @@ pub(super) fn forward<V: HostVariant>(
     let mut v_heads: Vec<Option<&mut [f32]>> = if v_wide.is_empty() {
         (0..p.batch * p.heads_kv).map(|_| None).collect()
     } else {
-        v_wide.chunks_mut(sk * d).map(Some).collect()
+        v_wide.chunks_mut(sk * dv).map(Some).collect()
     };
     let g = p.group();
 
@@ -208,14 +208,14 @@ pub(super) fn forward<V: HostVariant>(
     // stealing, so B = H = 1 still uses every thread when there are enough
     // query tiles.
     let group_rows = group * tiles.q;
-    out.par_chunks_mut(g * sq * d)
+    out.par_chunks_mut(g * sq * dv)
         .zip(lse.par_chunks_mut(g * sq))
         .zip(kt.par_chunks_mut(sk * d))
         .zip(v_heads.par_iter_mut())
         .enumerate()
         .for_each_dyn(&|(bkv, (((out_g, lse_g), kt), v_wide))| {
-            let head_kv = bkv * sk * d..(bkv + 1) * sk * d;
-            let (k, v) = (k.slice(head_kv.clone()), v.slice(head_kv));
+            let k = k.slice(bkv * sk * d..(bkv + 1) * sk * d);
+            let v = v.slice(bkv * sk * dv..(bkv + 1) * sk * dv);
             kt.par_chunks_mut(tiles.kv * d)
                 .enumerate()
                 .for_each_dyn(&|(t, kt)| {
@@ -227,19 +227,19 @@ pub(super) fn forward<V: HostVariant>(
             let v: &[f32] = match (v.as_f32(), v_wide.take()) {
                 (Some(v), _) => v,
                 (None, Some(wide)) => {
-                    wide.par_chunks_mut(tiles.kv * d)
+                    wide.par_chunks_mut(tiles.kv * dv)
                         .enumerate()
                         .for_each_dyn(&|(t, w)| {
-                            let at = t * tiles.kv * d;
+                            let at = t * tiles.kv * dv;
                             elem::widen(v.slice(at..at + w.len()), w);
                         });
                     wide
                 }
                 (None, None) => unreachable!("a 16-bit V has a widened copy"),
             };
-            let v_nonfinite: Vec<bool> = v.chunks(tiles.kv * d).map(|t| !all_finite(t)).collect();
+            let v_nonfinite: Vec<bool> = v.chunks(tiles.kv * dv).map(|t| !all_finite(t)).collect();
             out_g
-                .par_chunks_mut(sq * d)
+                .par_chunks_mut(sq * dv)
                 .zip(lse_g.par_chunks_mut(sq))
                 .enumerate()
                 .for_each_dyn(&|(i, (out_bh, lse_bh))| {
@@ -257,18 +257,18 @@ pub(super) fn forward<V: HostVariant>(
                     };
                     let q_bh = q.slice(bh * sq * d..(bh + 1) * sq * d);
                     out_bh
-                        .par_chunks_mut(group_rows * d)
+                        .par_chunks_mut(group_rows * dv)
                         .zip(lse_bh.par_chunks_mut(group_rows))
                         .enumerate()
                         .for_each_init_dyn(
                             &|| Scratch::new(tiles, group, d, q_bh.as_f32().is_none()),
                             &|scratch, (t, (out_g, lse_g))| {
-                                let row0 = t * group_rows;
-                                let q_g = q_bh.slice(row0 * d..row0 * d + out_g.len());
+                                let (row0, rows) = (t * group_rows, lse_g.len());
+                                let q_g = q_bh.slice(row0 * d..(row0 + rows) * d);
                                 let q_g = match q_g.as_f32() {
                                     Some(q) => q,
                                     None => {
-                                        let wide = &mut scratch.q[..out_g.len()];
+                                        let wide = &mut scratch.q[..rows * d];
                                         elem::widen(q_g, wide);
                                         &*wide
                                     }
@@ -299,7 +299,8 @@ fn query_tiles<V: HostVariant>(
     lse: &mut [f32],
     sc: &mut Work,
 ) {
-    let (d, sk, scale) = (head.p.head_dim, head.p.seq_k, head.p.scale);
+    let (d, dv) = (head.p.head_dim, head.p.head_dim_v);
+    let (sk, scale) = (head.p.seq_k, head.p.scale);
     let rows = lse.len();
     start_rows(head, row0, &mut sc.m[..rows], &mut sc.l[..rows]);
     // Each tile's output rows are neither zeroed nor rescaled before its
@@ -348,7 +349,7 @@ fn query_tiles<V: HostVariant>(
                 d,
                 scale,
             );
-            let out_t = &mut out[r.start * d..r.end * d];
+            let out_t = &mut out[r.start * dv..r.end * dv];
             simd::dispatch(OnlineSoftmax {
                 head,
                 class,
@@ -367,32 +368,32 @@ fn query_tiles<V: HostVariant>(
             // O += P V, band by band over the keys computed (the others'
             // probabilities are 0). On a partial tile, keys the band does
             // not see must not bring a NaN of their V rows with them.
-            let v_t = &head.v[kv0 * d..(kv0 + cols) * d];
+            let v_t = &head.v[kv0 * dv..(kv0 + cols) * dv];
             let guard = class == TileClass::Partial && head.v_nonfinite[kv0 / tiles.kv];
             for band in sc.bands.iter() {
                 let Band { rows: br, cols: c } = band.clone();
-                let out_b = &mut out_t[br.start * d..br.end * d];
+                let out_b = &mut out_t[br.start * dv..br.end * dv];
                 if c.is_empty() {
                     if first {
                         out_b.fill(0.0);
                     }
                     continue;
                 }
-                let v_b = &v_t[c.start * d..c.end * d];
+                let v_b = &v_t[c.start * dv..c.end * dv];
                 let v_b = if guard {
-                    zero_unused_rows(s, cols, band, v_b, d, &mut sc.v_guarded)
+                    zero_unused_rows(s, cols, band, v_b, dv, &mut sc.v_guarded)
                 } else {
                     v_b
                 };
                 matmul(
-                    MatMut::row_major(out_b, br.len(), d),
+                    MatMut::row_major(out_b, br.len(), dv),
                     if first {
                         Write::Overwrite
                     } else {
                         Write::Accumulate
                     },
                     MatRef::strided(&s[br.start * cols + c.start..], br.len(), c.len(), cols),
-                    MatRef::row_major(v_b, c.len(), d),
+                    MatRef::row_major(v_b, c.len(), dv),
                     1.0,
                 );
             }
@@ -401,7 +402,7 @@ fn query_tiles<V: HostVariant>(
 
     // Rows of a tile that no key tile reached were never written.
     for qt in sc.q_tiles.iter().filter(|t| t.first) {
-        out[qt.rows.start * d..qt.rows.end * d].fill(0.0);
+        out[qt.rows.start * dv..qt.rows.end * dv].fill(0.0);
     }
     finish_rows(&sc.m[..rows], &sc.l[..rows], out, lse);
 }

@@ -1,7 +1,7 @@
 //! Safe, bounds-checked matrix views over f32 slices, and the one GEMM entry
 //! point the kernels use: our AVX-512 tile kernel (`microkernel`) when the
 //! CPU has AVX-512 and the right-hand side has contiguous rows, otherwise
-//! `gemm::gemm` from the `gemm` crate, single-threaded.
+//! the `gemm` crate's f32 kernels, single-threaded.
 //!
 //! Every tile product of the attention kernels is `dst (=|+=) beta · lhs · rhs`
 //! on row-major tiles, some of them transposed. A transpose is a view (swap
@@ -128,7 +128,7 @@ pub enum Write {
 }
 
 /// `dst (=|+=) beta · lhs · rhs`, single-threaded: the AVX-512 tile kernel
-/// where it applies, else `gemm::gemm`.
+/// where it applies, else the `gemm` crate's f32 kernels.
 ///
 /// Panics if the shapes disagree.
 #[inline]
@@ -183,28 +183,39 @@ fn tile_kernel(
     true
 }
 
-/// [`matmul`] on `gemm::gemm`. Shapes already checked by the caller.
+/// [`matmul`] on the `gemm` crate's f32 kernels. Shapes already checked by
+/// the caller.
 fn crate_gemm(dst: &mut MatMut<'_>, write: Write, lhs: MatRef<'_>, rhs: MatRef<'_>, beta: f32) {
     let (m, n, k) = (dst.rows, dst.cols, lhs.cols);
-    // Views over slices shorter than their extent cannot be built, and a
-    // zero-sized inner dimension makes `gemm` touch only `dst`.
     let s = |x: usize| x as isize;
+    // As `gemm::gemm` does for f32: the kernels want a column-major
+    // destination, so a row-major product is computed transposed, `Cᵀ =
+    // Bᵀ Aᵀ` (every stride here is non-negative).
+    let (dst_rs, dst_ptr) = (s(dst.rs), dst.data.as_mut_ptr());
+    let transposed = 1 < dst_rs;
+    let (m, n, lhs, rhs) = if transposed {
+        (n, m, rhs.t(), lhs.t())
+    } else {
+        (m, n, lhs, rhs)
+    };
+    let (dst_cs, dst_rs) = if transposed { (dst_rs, 1) } else { (1, dst_rs) };
     // SAFETY: the constructors of `MatRef`/`MatMut` checked that every
     // `(i, j)` with `i < rows`, `j < cols` lies inside the viewed slice for
     // their strides, and `t()` only permutes (rows, rs) with (cols, cs), so
-    // the extent `(rows-1)*rs + (cols-1)*cs` is unchanged. The caller checked
-    // the shapes, so `gemm` accesses `dst` at `m × n`, `lhs` at `m × k`,
-    // `rhs` at `k × n`, all in bounds. `dst` is borrowed mutably, so it does
-    // not overlap `lhs` or `rhs` (shared borrows). With `read_dst = false`
-    // `gemm` sets alpha to zero and never reads `dst`.
+    // the extent `(rows-1)*rs + (cols-1)*cs` is unchanged; the transposed
+    // call reads the same elements. The caller checked the shapes, so the
+    // kernel accesses `dst` at `m × n`, `lhs` at `m × k`, `rhs` at `k × n`
+    // (after the swap), all in bounds. `dst` is borrowed mutably, so it
+    // does not overlap `lhs` or `rhs` (shared borrows). With `read_dst =
+    // false` the kernel sets alpha to zero and never reads `dst`.
     unsafe {
-        gemm::gemm(
+        gemm_f32::gemm::f32::get_gemm_fn()(
             m,
             n,
             k,
-            dst.data.as_mut_ptr(),
-            1,
-            s(dst.rs),
+            dst_ptr,
+            dst_cs,
+            dst_rs,
             write == Write::Accumulate,
             lhs.data.as_ptr(),
             s(lhs.cs),
@@ -217,7 +228,7 @@ fn crate_gemm(dst: &mut MatMut<'_>, write: Write, lhs: MatRef<'_>, rhs: MatRef<'
             false,
             false,
             false,
-            gemm::Parallelism::None,
+            gemm_common::Parallelism::None,
         );
     }
 }

@@ -30,7 +30,7 @@
 //! - `backward`: one task per (batch, kv head, chunk of key tiles), query
 //!   tiles streamed through; dQ reduced in a fixed order for determinism.
 //! - `gemm`: the tile products: bounds-checked views, and `microkernel` (an
-//!   AVX-512 register-blocked kernel that needs no packing) or `gemm::gemm`
+//!   AVX-512 register-blocked kernel that needs no packing) or the `gemm` crate
 //!   where AVX-512 is missing; single-threaded per task.
 //! - `math`: vectorizable `exp` and row reductions for the softmax.
 //! - `simd`: runtime AVX2/AVX-512 dispatch of the softmax passes.
@@ -172,7 +172,14 @@ pub fn forward_bf16<V: Variant>(
     out: &mut [f32],
     lse: &mut [f32],
 ) -> Result<bool> {
-    check_forward_lengths(p, q.len(), (k.len(), v.len()), p.kv_len(), out, lse);
+    check_forward_lengths(
+        p,
+        q.len(),
+        (k.len(), v.len()),
+        (p.k_len(), p.v_len()),
+        out,
+        lse,
+    );
     if !amx_forward::applies(p) {
         return Ok(false);
     }
@@ -194,13 +201,13 @@ fn check_forward_lengths(
     p: &Problem,
     q: usize,
     (k, v): (usize, usize),
-    kv: usize,
+    kv: (usize, usize),
     out: &[f32],
     lse: &[f32],
 ) {
     assert_eq!(q, p.q_len(), "q length");
-    assert_eq!((k, v), (kv, kv), "k/v length");
-    assert_eq!(out.len(), p.q_len(), "out length");
+    assert_eq!((k, v), kv, "k/v length");
+    assert_eq!(out.len(), p.out_len(), "out length");
     assert_eq!(lse.len(), p.lse_len(), "lse length");
 }
 
@@ -216,7 +223,14 @@ pub fn forward_tiled<V: HostVariant>(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    check_forward_lengths(p, q.len(), (k.len(), v.len()), p.kv_len(), out, lse);
+    check_forward_lengths(
+        p,
+        q.len(),
+        (k.len(), v.len()),
+        (p.k_len(), p.v_len()),
+        out,
+        lse,
+    );
     let tiles = CpuTiles::new(tiles.q, tiles.kv);
     let threads = rayon::current_num_threads();
     if decode::applies(p) {
@@ -242,7 +256,14 @@ pub fn forward_stored<V: Variant, E: KvElem>(
     out: &mut [f32],
     lse: &mut [f32],
 ) -> Result<()> {
-    check_forward_lengths(p, q.len(), (k.len(), v.len()), p.kv_len(), out, lse);
+    check_forward_lengths(
+        p,
+        q.len(),
+        (k.len(), v.len()),
+        (p.k_len(), p.v_len()),
+        out,
+        lse,
+    );
     let (qs, ks, vs) = (E::stored(q), E::stored(k), E::stored(v));
     let tiles = CpuTiles::for_variant::<V>();
     on_host(variant, p, |host| {
@@ -277,7 +298,14 @@ pub fn forward_decode<V: HostVariant>(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    check_forward_lengths(p, q.len(), (k.len(), v.len()), p.kv_len(), out, lse);
+    check_forward_lengths(
+        p,
+        q.len(),
+        (k.len(), v.len()),
+        (p.k_len(), p.v_len()),
+        out,
+        lse,
+    );
     let tiles = CpuTiles::new(tiles.q, tiles.kv);
     in_pool(|| {
         decode::forward(
@@ -334,10 +362,11 @@ impl<'a> CacheLayout<'a> {
         assert_eq!(self.lens.len(), p.batch, "one length per sequence");
         assert!(self.lens.iter().all(|&l| l <= p.seq_k), "lengths within Sk");
         let Some(PageTable { table, page_size }) = self.pages else {
-            assert_eq!((k.len(), v.len()), (p.kv_len(), p.kv_len()), "k/v length");
+            assert_eq!((k.len(), v.len()), (p.k_len(), p.v_len()), "k/v length");
             return decode::Keys::Contiguous { k, v };
         };
-        assert_eq!(k.len(), v.len(), "k/v length");
+        let slots = |x: &[E], d: usize| x.len() / d.max(1);
+        assert_eq!(slots(k, p.head_dim), slots(v, p.head_dim_v), "k/v pages");
         assert!(
             page_size > 0 && p.seq_k.is_multiple_of(page_size),
             "whole pages"
@@ -398,7 +427,7 @@ pub fn forward_cache_tiled<V: HostVariant, E: KvElem>(
     lse: &mut [f32],
 ) {
     let keys = cache.keys(p, k, v);
-    check_forward_lengths(p, q.len(), (k.len(), v.len()), k.len(), out, lse);
+    check_forward_lengths(p, q.len(), (k.len(), v.len()), (k.len(), v.len()), out, lse);
     let tiles = CpuTiles::new(tiles.q, tiles.kv);
     let chunks = decode::chunks(p, tiles, rayon::current_num_threads());
     let lens = Some(cache.lens);
@@ -597,15 +626,11 @@ fn check_backward_lengths(
     (dq, dk, dv): (&[f32], &[f32], &[f32]),
 ) {
     assert_eq!(q, p.q_len(), "q length");
-    assert_eq!((k, v), (p.kv_len(), p.kv_len()), "k/v length");
-    assert_eq!((out, dout), (p.q_len(), p.q_len()), "out/dout length");
+    assert_eq!((k, v), (p.k_len(), p.v_len()), "k/v length");
+    assert_eq!((out, dout), (p.out_len(), p.out_len()), "out/dout length");
     assert_eq!(lse, p.lse_len(), "lse length");
     assert_eq!(dq.len(), p.q_len(), "dq length");
-    assert_eq!(
-        (dk.len(), dv.len()),
-        (p.kv_len(), p.kv_len()),
-        "dk/dv length"
-    );
+    assert_eq!((dk.len(), dv.len()), (p.k_len(), p.v_len()), "dk/dv length");
 }
 
 /// Attention backward with explicit tile sizes (for tuning and tests);

@@ -214,8 +214,8 @@ impl AttentionRuntime for CpuRuntime {
         // q first: its dtype is the call's, so an unsupported one is named
         // as q's rather than as a mismatch of k.
         check_input("q", q, dtype)?;
-        let mut out = Output::new(&[p.batch, p.heads_q, p.seq_q, p.head_dim], dtype, device)?;
-        let mut lse = Output::new(&[p.batch, p.heads_q, p.seq_q], DType::F32, device)?;
+        let mut out = Output::new(&p.out_shape(), dtype, device)?;
+        let mut lse = Output::new(&p.lse_shape(), DType::F32, device)?;
         let (o, l) = (out.slice_mut(), lse.slice_mut());
         // Keys and values are read as stored (16-bit ones widened per block
         // inside the kernels); so are queries, except over a cache, whose
@@ -257,11 +257,9 @@ impl AttentionRuntime for CpuRuntime {
         let (dtype, device) = (t.q.dtype(), t.q.device());
         check_input("q", t.q, dtype)?;
         validate::check_dtype("lse", t.lse, CPU, &[DType::F32], "f32 for lse")?;
-        let q_shape = [p.batch, p.heads_q, p.seq_q, p.head_dim];
-        let kv_shape = [p.batch, p.heads_kv, p.seq_k, p.head_dim];
-        let mut dq = Output::new(&q_shape, dtype, device)?;
-        let mut dk = Output::new(&kv_shape, dtype, device)?;
-        let mut dv = Output::new(&kv_shape, dtype, device)?;
+        let mut dq = Output::new(&p.q_shape(), dtype, device)?;
+        let mut dk = Output::new(&p.k_shape(), dtype, device)?;
+        let mut dv = Output::new(&p.v_shape(), dtype, device)?;
         let grads = (dq.slice_mut(), dk.slice_mut(), dv.slice_mut());
         let lse = HostF32::new("lse", t.lse, DType::F32)?;
         let wanted = t.tensor_grads;

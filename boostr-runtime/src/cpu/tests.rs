@@ -120,16 +120,7 @@ fn problem(
     seq_k: usize,
     head_dim: usize,
 ) -> Problem {
-    let scale = 1.0 / (head_dim as f32).sqrt();
-    Problem {
-        batch,
-        heads_q,
-        heads_kv,
-        seq_q,
-        seq_k,
-        head_dim,
-        scale,
-    }
+    Problem::new(batch, (heads_q, heads_kv), (seq_q, seq_k), head_dim)
 }
 
 /// Deterministic uniform values in `[-amp, amp)` (SplitMix64).
@@ -158,9 +149,9 @@ impl Inputs {
     fn new(p: &Problem, seed: u64, qk_amp: f32) -> Self {
         Self {
             q: random(p.q_len(), seed, qk_amp),
-            k: random(p.kv_len(), seed + 1, qk_amp),
-            v: random(p.kv_len(), seed + 2, 1.0),
-            dout: random(p.q_len(), seed + 3, 1.0),
+            k: random(p.k_len(), seed + 1, qk_amp),
+            v: random(p.v_len(), seed + 2, 1.0),
+            dout: random(p.out_len(), seed + 3, 1.0),
         }
     }
 
@@ -189,7 +180,7 @@ impl Inputs {
     fn poison_spare_slots(&mut self, p: &Problem, lens: &[usize], v_fill: f32) {
         fill_spare_slots(
             (&mut self.k, &mut self.v),
-            (p.heads_kv, p.seq_k, p.head_dim),
+            (p.heads_kv, p.seq_k, (p.head_dim, p.head_dim_v)),
             |b| lens[b],
             (f32::NAN, v_fill),
         );
@@ -245,8 +236,8 @@ impl Grads {
     fn poisoned(p: &Problem) -> Self {
         Self {
             dq: vec![f32::NAN; p.q_len()],
-            dk: vec![f32::NAN; p.kv_len()],
-            dv: vec![f32::NAN; p.kv_len()],
+            dk: vec![f32::NAN; p.k_len()],
+            dv: vec![f32::NAN; p.v_len()],
         }
     }
 
@@ -280,8 +271,8 @@ impl Grads {
     /// zero in `dk` and `dv`.
     #[track_caller]
     fn assert_spare_slots_zero(&self, p: &Problem, lens: &[usize], ctx: &str) {
-        let d = p.head_dim;
-        for (row, (k, v)) in self.dk.chunks(d).zip(self.dv.chunks(d)).enumerate() {
+        let (d, d_v) = (p.head_dim, p.head_dim_v);
+        for (row, (k, v)) in self.dk.chunks(d).zip(self.dv.chunks(d_v)).enumerate() {
             if row % p.seq_k >= lens[row / (p.heads_kv * p.seq_k)] {
                 assert!(
                     k.iter().chain(v).all(|&g| g == 0.0),
@@ -333,11 +324,11 @@ fn reference_rounded<V: HostVariant>(
     let f = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
     let (q, k, v, dout) = (f(&x.q), f(&x.k), f(&x.v), f(&x.dout));
     let mut r = Reference {
-        out: vec![0.0; p.q_len()],
+        out: vec![0.0; p.out_len()],
         lse: vec![f64::NEG_INFINITY; p.lse_len()],
         dq: vec![0.0; p.q_len()],
-        dk: vec![0.0; p.kv_len()],
-        dv: vec![0.0; p.kv_len()],
+        dk: vec![0.0; p.k_len()],
+        dv: vec![0.0; p.v_len()],
     };
     for b in 0..p.batch {
         for h in 0..p.heads_q {
@@ -433,11 +424,11 @@ fn run<V: HostVariant>(
     x: &Inputs,
 ) -> Outputs {
     let mut o = Outputs {
-        out: vec![f32::NAN; p.q_len()],
+        out: vec![f32::NAN; p.out_len()],
         lse: vec![f32::NAN; p.lse_len()],
         dq: vec![f32::NAN; p.q_len()],
-        dk: vec![f32::NAN; p.kv_len()],
-        dv: vec![f32::NAN; p.kv_len()],
+        dk: vec![f32::NAN; p.k_len()],
+        dv: vec![f32::NAN; p.v_len()],
     };
     forward_tiled(var, p, tiles, &x.q, &x.k, &x.v, &mut o.out, &mut o.lse);
     let inputs = x.backward(&o.out, &o.lse);
@@ -596,7 +587,7 @@ fn check_forward_grouped<V: HostVariant>(
     x: &Inputs,
 ) {
     let want = reference(v, p, x);
-    let mut out = vec![f32::NAN; p.q_len()];
+    let mut out = vec![f32::NAN; p.out_len()];
     let mut lse = vec![f32::NAN; p.lse_len()];
     let f32s = Stored::F32;
     forward::forward(
@@ -618,7 +609,7 @@ fn check_forward_grouped<V: HostVariant>(
     let (q, k, vv) = (bf16s(&x.q), bf16s(&x.k), bf16s(&x.v));
     let wide = |x: &[half::bf16]| x.iter().map(|y| y.to_f32()).collect::<Vec<f32>>();
     let (qw, kw, vw) = (wide(&q), wide(&k), wide(&vv));
-    let mut want = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
+    let mut want = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
     forward::forward(
         v,
         p,
@@ -631,7 +622,7 @@ fn check_forward_grouped<V: HostVariant>(
         &mut want.1,
     );
     let bits = <half::bf16 as KvElem>::stored;
-    let mut got = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
+    let mut got = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
     forward::forward(
         v,
         p,
@@ -858,7 +849,7 @@ fn empty_tiles_and_chunks_are_skipped_and_full_tiles_unmasked() {
     let tiles = CpuTiles::new(16, 32);
     let x = Inputs::new(&p, 11, 1.0);
     let var = CountingCausal::default();
-    let mut out = vec![f32::NAN; p.q_len()];
+    let mut out = vec![f32::NAN; p.out_len()];
     let mut lse = vec![f32::NAN; p.lse_len()];
     forward_tiled(&var, &p, tiles, &x.q, &x.k, &x.v, &mut out, &mut lse);
 
@@ -975,7 +966,7 @@ fn decode<V: HostVariant>(
     chunks: usize,
     x: &Inputs,
 ) -> (Vec<f32>, Vec<f32>) {
-    let mut out = vec![f32::NAN; p.q_len()];
+    let mut out = vec![f32::NAN; p.out_len()];
     let mut lse = vec![f32::NAN; p.lse_len()];
     forward_decode(v, p, t, chunks, &x.q, &x.k, &x.v, &mut out, &mut lse);
     (out, lse)
@@ -1062,8 +1053,8 @@ fn decode_splits_only_when_the_heads_leave_threads_idle() {
 #[track_caller]
 fn check_cache<V: HostVariant>(v: &V, p: &Problem, t: CpuTiles, lens: &[usize]) {
     let mut x = Inputs::new(p, 0xcac4e ^ p.seq_k as u64, 1.0);
-    let (cap, d) = (p.seq_k, p.head_dim);
-    for (row, (k, v)) in x.k.chunks_mut(d).zip(x.v.chunks_mut(d)).enumerate() {
+    let (cap, d, d_v) = (p.seq_k, p.head_dim, p.head_dim_v);
+    for (row, (k, v)) in x.k.chunks_mut(d).zip(x.v.chunks_mut(d_v)).enumerate() {
         let b = row / (p.heads_kv * cap);
         if row % cap >= lens[b] {
             k.fill(f32::NAN);
@@ -1073,7 +1064,7 @@ fn check_cache<V: HostVariant>(v: &V, p: &Problem, t: CpuTiles, lens: &[usize]) 
         }
     }
     let want = reference_lens(v, p, &x, Some(lens));
-    let mut out = vec![f32::NAN; p.q_len()];
+    let mut out = vec![f32::NAN; p.out_len()];
     let mut lse = vec![f32::NAN; p.lse_len()];
     forward_cache_tiled(
         v,
@@ -1115,9 +1106,9 @@ fn a_full_cache_is_the_plain_forward() {
     let x = Inputs::new(&p, 7, 1.0);
     let v = CausalSoftcap::new(30.0);
     let t = CpuTiles::new(64, 64);
-    let (mut out, mut lse) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
+    let (mut out, mut lse) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
     forward_tiled(&v, &p, t, &x.q, &x.k, &x.v, &mut out, &mut lse);
-    let (mut out2, mut lse2) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
+    let (mut out2, mut lse2) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
     forward_cache_tiled(
         &v,
         &p,
@@ -1181,7 +1172,7 @@ fn paged(
     lens: &[usize],
     page_size: usize,
 ) -> (Vec<f32>, Vec<f32>, Vec<usize>) {
-    let (d, hkv, cap) = (p.head_dim, p.heads_kv, p.seq_k);
+    let (d, d_v, hkv, cap) = (p.head_dim, p.head_dim_v, p.heads_kv, p.seq_k);
     let max_pages = cap / page_size;
     let pages = p.batch * max_pages + 1;
     // Page `n` of the shuffled order holds (sequence, page) `order[n]`.
@@ -1197,7 +1188,7 @@ fn paged(
         .unwrap_or(1);
     let order: Vec<usize> = (0..pages).map(|n| (n * m + 3) % pages).collect();
     let mut kp = vec![f32::NAN; pages * hkv * page_size * d];
-    let mut vp = vec![f32::NAN; pages * hkv * page_size * d];
+    let mut vp = vec![f32::NAN; pages * hkv * page_size * d_v];
     let mut table = vec![usize::MAX; p.batch * max_pages];
     for (page, &logical) in order.iter().enumerate() {
         if logical == pages - 1 {
@@ -1209,10 +1200,11 @@ fn paged(
         }
         for h in 0..hkv {
             for slot in 0..page_size {
-                let from = ((b * hkv + h) * cap + lp * page_size + slot) * d;
-                let to = ((page * hkv + h) * page_size + slot) * d;
-                kp[to..to + d].copy_from_slice(&x.k[from..from + d]);
-                vp[to..to + d].copy_from_slice(&x.v[from..from + d]);
+                let from = (b * hkv + h) * cap + lp * page_size + slot;
+                let to = (page * hkv + h) * page_size + slot;
+                kp[to * d..(to + 1) * d].copy_from_slice(&x.k[from * d..(from + 1) * d]);
+                let v = &x.v[from * d_v..(from + 1) * d_v];
+                vp[to * d_v..(to + 1) * d_v].copy_from_slice(v);
             }
         }
     }
@@ -1227,7 +1219,7 @@ fn paged_caches_match_the_contiguous_cache() {
     let x = Inputs::new(&p, 0x9a9e, 1.0);
     let v = CausalSoftcap::new(20.0);
     let want = reference_lens(&v, &p, &x, Some(&lens));
-    let (mut out, mut lse) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
+    let (mut out, mut lse) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
     forward_cache_tiled(
         &v,
         &p,
@@ -1244,7 +1236,7 @@ fn paged_caches_match_the_contiguous_cache() {
     // cut blocks at page boundaries: within rounding.
     for page_size in [64, 192, 48, 16, 96] {
         let (kp, vp, table) = paged(&p, &x, &lens, page_size);
-        let (mut po, mut pl) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
+        let (mut po, mut pl) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
         forward_cache_tiled(
             &v,
             &p,
@@ -1274,6 +1266,67 @@ fn paged_caches_match_the_contiguous_cache() {
     }
 }
 
+/// Values of another head dim than queries and keys (`Dv ≠ D`, as in
+/// DeepSeek's MLA: 192/128 in prefill, 576/512 in absorbed decode, and the
+/// pairs 128/64, 64/32 and a wider odd one) through every f32 kernel: the
+/// tile forward and backward over several tilings and key chunkings, the
+/// decode kernel over key chunks, and KV caches (lengths, pages, the cache
+/// backward) with NaN in the spare slots.
+#[test]
+fn value_head_dims_apart_from_key_head_dims_match_the_reference() {
+    // (B, Hq, Hkv, Sq, Sk, D, Dv)
+    let shapes = [
+        (1, 2, 2, 97, 130, 192, 128),
+        (1, 4, 1, 17, 97, 128, 64),
+        (2, 2, 1, 130, 33, 64, 32),
+        (1, 3, 1, 40, 61, 40, 72),
+    ];
+    for (n, &(b, hq, hkv, sq, sk, d, dv)) in shapes.iter().enumerate() {
+        let p = problem(b, hq, hkv, sq, sk, d).with_head_dim_v(dv);
+        let seed = 0xd5 + n as u64;
+        check(&CausalSoftcap::new(20.0), &p, CpuTiles::DEFAULT, None, seed);
+        check(
+            &Alibi { slope: 0.03 },
+            &p,
+            CpuTiles { q: 7, kv: 13 },
+            Some((3, 2)),
+            seed,
+        );
+        check(
+            &SlidingWindow { window: 30 },
+            &p,
+            CpuTiles { q: 16, kv: 32 },
+            None,
+            seed,
+        );
+    }
+    // Absorbed decode: one query row per head against a latent cache.
+    let p = problem(2, 16, 1, 1, 300, 576).with_head_dim_v(512);
+    check_decode(&CausalSoftcap::new(20.0), &p, CpuTiles::new(64, 64));
+    let p = problem(1, 8, 2, 4, 150, 64).with_head_dim_v(32);
+    check_decode(&Alibi { slope: 0.03 }, &p, CpuTiles::new(32, 32));
+
+    let lens = [0usize, 1, 64, 150, 97];
+    for (hq, hkv, sq, d, dv) in [(8, 1, 1, 576, 512), (4, 2, 4, 64, 32), (2, 2, 70, 48, 80)] {
+        let p = problem(lens.len(), hq, hkv, sq, 150, d).with_head_dim_v(dv);
+        check_cache(&CausalSoftcap::new(20.0), &p, CpuTiles::new(64, 64), &lens);
+        let mut x = Inputs::new(&p, 0xdcac ^ sq as u64, 1.0);
+        x.poison_spare_slots(&p, &lens, f32::NEG_INFINITY);
+        check_cache_backward(&SlidingWindow { window: 30 }, &p, &lens, &x);
+        // Pages of 16 and of 50 keys (not a tile's multiple), shuffled.
+        let want = reference_lens(&Unmasked, &p, &x, Some(&lens));
+        for page_size in [16, 50] {
+            let (kp, vp, table) = paged(&p, &x, &lens, page_size);
+            let (mut out, mut lse) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
+            let cache = paging(&lens, &table, page_size);
+            forward_cache(&Unmasked, &p, cache, &x.q, &kp, &vp, &mut out, &mut lse).unwrap();
+            let ctx = format!("{p:?} pages of {page_size}");
+            assert_close(&format!("out {ctx}"), &out, &want.out, 2e-5);
+            assert_close(&format!("lse {ctx}"), &lse, &want.lse, 2e-5);
+        }
+    }
+}
+
 #[test]
 fn cache_backward_matches_reference_and_spare_slots_get_zero() {
     // Forward over the cache, then the backward from its out and lse, for
@@ -1297,7 +1350,7 @@ where
 {
     let host = v.host(p).expect("host");
     let want = reference_lens(&host, p, x, Some(lens));
-    let mut out = vec![f32::NAN; p.q_len()];
+    let mut out = vec![f32::NAN; p.out_len()];
     let mut lse = vec![f32::NAN; p.lse_len()];
     forward_cache(
         v,
@@ -1339,7 +1392,7 @@ fn a_16_bit_cache_reads_as_its_widened_copy() {
     );
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     let run = |k: &[f32], vv: &[f32]| {
-        let (mut out, mut lse) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
+        let (mut out, mut lse) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
         forward_cache_tiled(
             &v,
             &p,
@@ -1357,7 +1410,7 @@ fn a_16_bit_cache_reads_as_its_widened_copy() {
         bf.0.iter().map(|y| y.to_f32()).collect(),
         bf.1.iter().map(|y| y.to_f32()).collect(),
     );
-    let (mut out, mut lse) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
+    let (mut out, mut lse) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
     forward_cache_tiled(
         &v,
         &p,
@@ -1382,8 +1435,8 @@ fn a_16_bit_cache_reads_as_its_widened_copy() {
     // Pages of 32 (half a key tile) holding the f16 cache in order.
     let (max_pages, ps) = (192 / 32, 32);
     let table: Vec<usize> = (0..lens.len() * max_pages).collect();
-    let (mut out, mut lse) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
-    let (mut wout, mut wlse) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
+    let (mut out, mut lse) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
+    let (mut wout, mut wlse) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
     // Pages [pages, Hkv, ps, D] from [B, Hkv, Sk, D]: page n of sequence s
     // is its keys n·ps .. for every kv head.
     let paged_of = |src: &[f32]| -> Vec<f32> {
@@ -1455,7 +1508,7 @@ fn bf16_round(x: f32) -> f32 {
 fn naive_bf16<V: HostVariant>(var: &V, p: &Problem, x: &Inputs) -> Vec<f64> {
     let (sq, sk, d) = (p.seq_q, p.seq_k, p.head_dim);
     let scale = p.scale as f64;
-    let mut out = vec![0.0f64; p.q_len()];
+    let mut out = vec![0.0f64; p.out_len()];
     for b in 0..p.batch {
         for h in 0..p.heads_q {
             let bh = b * p.heads_q + h;
@@ -1547,7 +1600,7 @@ fn bf16_tiles_match_the_reference_within_the_bf16_yardstick() {
                     _ => amx::Kind::Dot,
                 };
                 assert_eq!(amx::kind(), Some(kind), "capped at {level:?}");
-                let (mut out, mut lse) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
+                let (mut out, mut lse) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
                 let ran =
                     forward_bf16(var, &p, &bf(&x.q), &bf(&x.k), &bf(&x.v), &mut out, &mut lse)
                         .unwrap();
@@ -1574,7 +1627,7 @@ fn bf16_tiles_match_the_reference_within_the_bf16_yardstick() {
         }
         // Capped at AVX-512, the calls decline without writing.
         let pool = capped(Level::Avx512, 1);
-        let (mut untouched, mut lse) = (vec![f32::NAN; p.q_len()], vec![f32::NAN; p.lse_len()]);
+        let (mut untouched, mut lse) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
         let bf16 = Bf16Backward::new(&x, &x.dout);
         let declined = pool.install(|| {
             forward_bf16(var, &p, &bf16.q, &bf16.k, &bf16.v, &mut untouched, &mut lse).unwrap()
@@ -1688,7 +1741,7 @@ fn bf16_tiles_cover_padded_dims_learnable_tensors_and_caches() {
             &f(&x.v),
             &f(&x.dout),
         );
-        let (mut out, mut lse) = (vec![0.0f32; p.q_len()], vec![0.0f32; p.lse_len()]);
+        let (mut out, mut lse) = (vec![0.0f32; p.out_len()], vec![0.0f32; p.lse_len()]);
         forward(var, &p, &x.q, &x.k, &x.v, &mut out, &mut lse).unwrap();
         let out: Vec<f32> = out.iter().map(|&o| bf16_round(o)).collect();
         // The yardstick: the f32 backward on the same inputs and bf16 out.
@@ -1758,7 +1811,7 @@ fn bf16_tiles_cover_padded_dims_learnable_tensors_and_caches() {
     let yard = reference_rounded(&host, &p, &x, Some(&lens), |x| {
         f64::from(bf16_round(x as f32))
     });
-    let (mut out, mut lse) = (vec![0.0f32; p.q_len()], vec![0.0f32; p.lse_len()]);
+    let (mut out, mut lse) = (vec![0.0f32; p.out_len()], vec![0.0f32; p.lse_len()]);
     forward_cache(
         &var,
         &p,

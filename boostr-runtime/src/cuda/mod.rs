@@ -543,6 +543,7 @@ fn forward_over<V: Variant>(
     q: &Tensor<CudaRuntime>,
     keys: Keys<'_, CudaRuntime>,
 ) -> Result<(Tensor<CudaRuntime>, Tensor<CudaRuntime>)> {
+    gpu::same_value_dim(p, CUDA)?;
     let (q, k, v) = (input("q", q)?, input("k", keys.k)?, input("v", keys.v)?);
     let dtype = same_dtype(&[("q", &q), ("k", &k), ("v", &v)])?;
     let client = CudaRuntime::default_client(q.device());
@@ -616,7 +617,7 @@ impl AttentionRuntime for CudaRuntime {
         p: &Problem,
         t: BackwardTensors<'_, Self>,
     ) -> Result<AttentionGrads<Self>> {
-        let x = gpu::BackwardOperands::new(&t, CUDA, input)?;
+        let x = gpu::BackwardOperands::new(p, &t, CUDA, input)?;
         let (q, k, v) = (&x.q, &x.k, &x.v);
         let dtype = same_dtype(&[
             ("q", q),

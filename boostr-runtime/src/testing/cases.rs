@@ -43,8 +43,10 @@ pub struct Case {
     pub seq_q: usize,
     /// Key length `Sk`.
     pub seq_k: usize,
-    /// Head dimension `D`.
+    /// Head dimension `D` of queries and keys.
     pub head_dim: usize,
+    /// Head dimension `Dv` of values and the output.
+    pub head_dim_v: usize,
     /// Magnitude of `q` and `k` (each); see [`Logits`] for its exact use.
     pub logit_scale: f32,
     /// How `q` and `k` are drawn.
@@ -57,26 +59,19 @@ pub struct Case {
 }
 
 impl Case {
-    /// `[B, Hq, Sq, D]`.
-    pub fn q_shape(&self) -> [usize; 4] {
-        [self.batch, self.heads_q, self.seq_q, self.head_dim]
-    }
-
-    /// `[B, Hkv, Sk, D]`.
-    pub fn kv_shape(&self) -> [usize; 4] {
-        [self.batch, self.heads_kv, self.seq_k, self.head_dim]
-    }
-
-    /// The problem of the case, as validation makes it from its tensors.
+    /// The problem of the case, as validation makes it from its tensors
+    /// (its shapes: [`Problem::q_shape`] and the others).
     pub fn problem(&self) -> Problem {
-        Problem {
-            batch: self.batch,
-            heads_q: self.heads_q,
-            heads_kv: self.heads_kv,
-            seq_q: self.seq_q,
-            seq_k: self.seq_k,
-            head_dim: self.head_dim,
-            scale: self.scale.unwrap_or(1.0 / (self.head_dim as f32).sqrt()),
+        let p = Problem::new(
+            self.batch,
+            (self.heads_q, self.heads_kv),
+            (self.seq_q, self.seq_k),
+            self.head_dim,
+        )
+        .with_head_dim_v(self.head_dim_v);
+        match self.scale {
+            Some(scale) => p.with_scale(scale),
+            None => p,
         }
     }
 }
@@ -85,7 +80,7 @@ impl fmt::Display for Case {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "`{}` (B={} Hq={} Hkv={} Sq={} Sk={} D={} logit_scale={} {:?} scale={:?})",
+            "`{}` (B={} Hq={} Hkv={} Sq={} Sk={} D={} Dv={} logit_scale={} {:?} scale={:?})",
             self.name,
             self.batch,
             self.heads_q,
@@ -93,6 +88,7 @@ impl fmt::Display for Case {
             self.seq_q,
             self.seq_k,
             self.head_dim,
+            self.head_dim_v,
             self.logit_scale,
             self.logits,
             self.scale
@@ -101,7 +97,8 @@ impl fmt::Display for Case {
 }
 
 /// The standard cases, smallest first. Together they cover `S ∈ {1, 17, 97,
-/// 257}`, `D ∈ {40, 64, 80, 128}`, `Sq < Sk`, `Sq > Sk`, GQA 4:1, MQA,
+/// 257}`, `D ∈ {40, 64, 80, 128}`, value head dims below and above `D`
+/// (64/32, 80/104), `Sq < Sk`, `Sq > Sk`, GQA 4:1, MQA,
 /// batch 2 and logits of magnitude ~1e4. No length is a multiple of a
 /// power-of-two tile, so every kernel runs its remainder paths. The largest
 /// is `B·Hq·Sq·Sk·D = 1·4·257·257·128`.
@@ -115,6 +112,7 @@ pub const CASES: &[Case] = &[
         seq_q: 1,
         seq_k: 1,
         head_dim: 64,
+        head_dim_v: 64,
         logit_scale: 1.0,
         logits: Logits::Random,
         scale: None,
@@ -130,6 +128,7 @@ pub const CASES: &[Case] = &[
         seq_q: 17,
         seq_k: 17,
         head_dim: 40,
+        head_dim_v: 40,
         logit_scale: 1.0,
         logits: Logits::Random,
         scale: Some(0.3),
@@ -145,6 +144,7 @@ pub const CASES: &[Case] = &[
         seq_q: 1,
         seq_k: 257,
         head_dim: 80,
+        head_dim_v: 80,
         logit_scale: 1.0,
         logits: Logits::Random,
         scale: None,
@@ -152,6 +152,7 @@ pub const CASES: &[Case] = &[
     },
     // Chunked prefill with GQA 4:1 (Hq = 8, Hkv = 2): Sq < Sk, so query
     // positions start at Sk − Sq = 80 and dk/dv sum over four query heads.
+    // Values half as wide as keys (MLA-like, Dv < D).
     Case {
         batch: 1,
         heads_q: 8,
@@ -159,6 +160,7 @@ pub const CASES: &[Case] = &[
         seq_q: 17,
         seq_k: 97,
         head_dim: 64,
+        head_dim_v: 32,
         logit_scale: 1.0,
         logits: Logits::Random,
         scale: None,
@@ -166,6 +168,7 @@ pub const CASES: &[Case] = &[
     },
     // Sq > Sk: query positions start at Sk − Sq = −80, so under a causal
     // mask the first 80 rows see no key (out 0, lse −inf, zero gradients).
+    // Values wider than keys (Dv > D), an odd width.
     Case {
         batch: 1,
         heads_q: 2,
@@ -173,6 +176,7 @@ pub const CASES: &[Case] = &[
         seq_q: 97,
         seq_k: 17,
         head_dim: 80,
+        head_dim_v: 104,
         logit_scale: 1.0,
         logits: Logits::Random,
         scale: None,
@@ -187,6 +191,7 @@ pub const CASES: &[Case] = &[
         seq_q: 97,
         seq_k: 97,
         head_dim: 128,
+        head_dim_v: 128,
         logit_scale: 2.0,
         logits: Logits::Random,
         scale: None,
@@ -202,6 +207,7 @@ pub const CASES: &[Case] = &[
         seq_q: 97,
         seq_k: 97,
         head_dim: 64,
+        head_dim_v: 64,
         logit_scale: 283.0,
         logits: Logits::RowOffset,
         scale: None,
@@ -216,6 +222,7 @@ pub const CASES: &[Case] = &[
         seq_q: 257,
         seq_k: 257,
         head_dim: 128,
+        head_dim_v: 128,
         logit_scale: 1.0,
         logits: Logits::Random,
         scale: None,
@@ -242,10 +249,12 @@ pub const CASES: &[Case] = &[
 pub const SMALL_CASES: &[Case] = &[
     Case {
         head_dim: 80,
+        head_dim_v: 80,
         ..CASES[0]
     },
     Case {
         head_dim: 80,
+        head_dim_v: 80,
         ..CASES[1]
     },
     Case {
@@ -256,23 +265,27 @@ pub const SMALL_CASES: &[Case] = &[
         seq_q: 7,
         seq_k: 23,
         head_dim: 80,
+        head_dim_v: 80,
         ..CASES[3]
     },
     Case {
         seq_q: 23,
         seq_k: 7,
+        head_dim_v: 80,
         ..CASES[4]
     },
     Case {
         seq_q: 19,
         seq_k: 19,
         head_dim: 80,
+        head_dim_v: 80,
         ..CASES[5]
     },
     Case {
         seq_q: 19,
         seq_k: 19,
         head_dim: 80,
+        head_dim_v: 80,
         ..CASES[6]
     },
 ];
@@ -286,6 +299,7 @@ pub const HEAD_DIM_CASES: &[Case] = &[
     Case {
         seq_q: 7,
         seq_k: 23,
+        head_dim_v: 64,
         ..CASES[3]
     },
     Case {

@@ -7,7 +7,9 @@ use crate::variant::HostVariant;
 
 /// Rows with no visible key must give exactly 0 in `out` and `dq` (with a
 /// sink too: their `lse` is the sink); keys that no query sees (under
-/// `mask_f64`) exactly 0 in `dk` and `dv`.
+/// `mask_f64`) exactly 0 in `dk` and `dv`. `rows` are two `out`s and two
+/// `dq`s, `keys` a `dk`, a `dv`, a `dk` and a `dv`, in that order (their
+/// rows are `Dv` and `D` wide).
 pub(crate) fn exact_zeros<V: HostVariant>(
     variant: &V,
     p: &Problem,
@@ -16,7 +18,7 @@ pub(crate) fn exact_zeros<V: HostVariant>(
     keys: [(&str, &Vec<f32>); 4],
     failures: &mut Vec<String>,
 ) {
-    let d = p.head_dim;
+    let (d, d_v) = (p.head_dim, p.head_dim_v);
     // Rows that see no key: lse −inf, or, with a sink, lse = sink and no
     // key visible under the mask.
     let empty: Vec<bool> = want_lse
@@ -31,34 +33,34 @@ pub(crate) fn exact_zeros<V: HostVariant>(
                 }
         })
         .collect();
-    for (label, t) in rows {
+    for ((label, t), width) in rows.into_iter().zip([d_v, d_v, d, d]) {
         let bad = empty
             .iter()
             .enumerate()
             .filter(|&(_, &e)| e)
-            .flat_map(|(r, _)| r * d..(r + 1) * d)
+            .flat_map(|(r, _)| r * width..(r + 1) * width)
             .find(|&e| t.get(e).is_none_or(|&x| x != 0.0));
         if let Some(e) = bad {
             failures.push(format!(
                 "{label}: a row with no visible key must be exactly 0, got {:?} at {}",
                 t.get(e),
-                locate(Layout::Query, p, e)
+                locate(Layout::Query(width), p, e)
             ));
         }
     }
     let seen = seen_keys(variant, p);
-    for (label, t) in keys {
+    for ((label, t), width) in keys.into_iter().zip([d, d_v, d, d_v]) {
         let bad = seen
             .iter()
             .enumerate()
             .filter(|&(_, &s)| !s)
-            .flat_map(|(r, _)| r * d..(r + 1) * d)
+            .flat_map(|(r, _)| r * width..(r + 1) * width)
             .find(|&e| t.get(e).is_none_or(|&x| x != 0.0));
         if let Some(e) = bad {
             failures.push(format!(
                 "{label}: a key no query sees must have exactly 0 gradient, got {:?} at {}",
                 t.get(e),
-                locate(Layout::Key, p, e)
+                locate(Layout::Key(width), p, e)
             ));
         }
     }

@@ -166,16 +166,16 @@ impl HostVariant for CausalSoftcap {
 
 crate::hand_written_variant!(CausalSoftcap);
 
-/// Every key row of `k` and `v` (`[B, Hkv, cap, d]`) past its sequence's
-/// length (`len(b)`) filled with `fills` (K, V): cache slots that no kernel
-/// may read.
+/// Every key row of `k` and `v` (`[B, Hkv, cap, d]` and `[B, Hkv, cap,
+/// d_v]`) past its sequence's length (`len(b)`) filled with `fills` (K, V):
+/// cache slots that no kernel may read.
 pub(crate) fn fill_spare_slots(
     (k, v): (&mut [f32], &mut [f32]),
-    (hkv, cap, d): (usize, usize, usize),
+    (hkv, cap, (d, d_v)): (usize, usize, (usize, usize)),
     len: impl Fn(usize) -> usize,
     fills: (f32, f32),
 ) {
-    for (row, (k, v)) in k.chunks_mut(d).zip(v.chunks_mut(d)).enumerate() {
+    for (row, (k, v)) in k.chunks_mut(d).zip(v.chunks_mut(d_v)).enumerate() {
         if row % cap >= len(row / (hkv * cap)) {
             k.fill(fills.0);
             v.fill(fills.1);

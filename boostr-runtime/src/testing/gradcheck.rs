@@ -8,47 +8,27 @@ use crate::problem::Problem;
 use crate::variant::{HostVariant, Variant};
 use numr::runtime::cpu::{CpuDevice, CpuRuntime};
 
-/// Tiny shapes: a GQA group with `Sq < Sk`, then `Sq > Sk` (under a causal
-/// mask its first two rows see no key), then batch 2 with one kv head per
-/// query head (variants that depend on `b` or `h`).
-const FD_SHAPES: &[(&str, Problem)] = &[
-    (
-        "gqa_sq<sk",
-        Problem {
-            batch: 1,
-            heads_q: 2,
-            heads_kv: 1,
-            seq_q: 3,
-            seq_k: 5,
-            head_dim: 4,
-            scale: 0.5,
-        },
-    ),
-    (
-        "sq>sk",
-        Problem {
-            batch: 1,
-            heads_q: 2,
-            heads_kv: 1,
-            seq_q: 5,
-            seq_k: 3,
-            head_dim: 4,
-            scale: 0.5,
-        },
-    ),
-    (
-        "batch2",
-        Problem {
-            batch: 2,
-            heads_q: 2,
-            heads_kv: 2,
-            seq_q: 4,
-            seq_k: 4,
-            head_dim: 3,
-            scale: 0.577_350_26,
-        },
-    ),
-];
+/// Tiny shapes: a GQA group with `Sq < Sk` and values narrower than keys
+/// (`Dv < D`), then `Sq > Sk` (under a causal mask its first two rows see
+/// no key) with wider values, then batch 2 with one kv head per query head
+/// (variants that depend on `b` or `h`).
+fn fd_shapes() -> [(&'static str, Problem); 3] {
+    [
+        (
+            "gqa_sq<sk_dv<d",
+            Problem::new(1, (2, 1), (3, 5), 4)
+                .with_head_dim_v(3)
+                .with_scale(0.5),
+        ),
+        (
+            "sq>sk_dv>d",
+            Problem::new(1, (2, 1), (5, 3), 4)
+                .with_head_dim_v(5)
+                .with_scale(0.5),
+        ),
+        ("batch2", Problem::new(2, (2, 2), (4, 4), 3)),
+    ]
+}
 
 /// Standard deviation of `q` and `k`: logits of std ~2, so saturating scores
 /// (softcap, clamps) leave their linear region.
@@ -114,7 +94,7 @@ pub fn check_reference_gradients_built<V: Variant>(
     let seed = choose_seed();
     let device = CpuDevice::new();
     let mut failures = Vec::new();
-    for (n, (name, p)) in FD_SHAPES.iter().enumerate() {
+    for (n, (name, p)) in fd_shapes().iter().enumerate() {
         let variant = build(&mut TestData::new(*p, &device, seed, n as u64));
         match variant.host_copy(p) {
             Ok(host) => check_shape(host, name, p, seed, n as u64, &mut failures),
@@ -148,10 +128,10 @@ fn check_shape<V: HostVariant>(
     let mut rng = Rng::new(seed, stream);
     let mut inputs = [
         rng.normal_f64(p.q_len(), QK_STD),
-        rng.normal_f64(p.kv_len(), QK_STD),
-        rng.normal_f64(p.kv_len(), 1.0),
+        rng.normal_f64(p.k_len(), QK_STD),
+        rng.normal_f64(p.v_len(), 1.0),
     ];
-    let g = rng.normal_f64(p.q_len(), 1.0);
+    let g = rng.normal_f64(p.out_len(), 1.0);
     let grads = reference_backward(&variant, p, &inputs[0], &inputs[1], &inputs[2], &g);
     let l0 = loss(&variant, p, &inputs, &g);
     for (slot, analytic) in grads.tensors.iter().enumerate() {
@@ -178,13 +158,7 @@ fn check_shape<V: HostVariant>(
         }
         failures.extend(worst.line);
     }
-    let shape_of = |t: usize| {
-        if t == 0 {
-            [p.batch, p.heads_q, p.seq_q, p.head_dim]
-        } else {
-            [p.batch, p.heads_kv, p.seq_k, p.head_dim]
-        }
-    };
+    let shape_of = |t: usize| [p.q_shape(), p.k_shape(), p.v_shape()][t];
     for (t, (tname, analytic)) in [("dq", &grads.dq), ("dk", &grads.dk), ("dv", &grads.dv)]
         .into_iter()
         .enumerate()

@@ -15,10 +15,7 @@ use crate::variant::HostVariant;
 
 /// `q` and `k` of `case`, as its [`Logits`] says.
 fn draw_qk(case: &Case, rng: &mut Rng) -> (Vec<f32>, Vec<f32>) {
-    let (q_len, kv_len) = (
-        case.q_shape().iter().product(),
-        case.kv_shape().iter().product(),
-    );
+    let (q_len, kv_len) = (case.problem().q_len(), case.problem().k_len());
     match case.logits {
         Logits::Random => (
             rng.normal_f32(q_len, case.logit_scale),
@@ -61,8 +58,8 @@ impl Inputs {
     pub(crate) fn draw(case: &Case, seed: u64, stream: u64) -> Inputs {
         let mut rng = Rng::new(seed, stream);
         let (q, k) = draw_qk(case, &mut rng);
-        let v = rng.normal_f32(case.kv_shape().iter().product(), 1.0);
-        let dout = rng.normal_f32(case.q_shape().iter().product(), 1.0);
+        let v = rng.normal_f32(case.problem().v_len(), 1.0);
+        let dout = rng.normal_f32(case.problem().out_len(), 1.0);
         let opts = AttentionOptions { scale: case.scale };
         Inputs {
             q,
@@ -85,7 +82,6 @@ impl Inputs {
         if !V::HAS_MASK {
             return 0;
         }
-        let d = p.head_dim;
         let poison = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY];
         let mut n = 0;
         for (key, _) in seen_keys(variant, p)
@@ -93,7 +89,7 @@ impl Inputs {
             .enumerate()
             .filter(|(_, s)| !**s)
         {
-            for t in [&mut self.k, &mut self.v] {
+            for (t, d) in [(&mut self.k, p.head_dim), (&mut self.v, p.head_dim_v)] {
                 for (x, &bad) in t[key * d..(key + 1) * d]
                     .iter_mut()
                     .zip(poison.iter().cycle())

@@ -19,21 +19,21 @@ pub(crate) fn naive_f32<V: HostVariant>(
     want_f: &Forward<f64>,
     want_g: &Gradients<f64>,
 ) -> (Forward<f32>, Gradients<f32>) {
-    let d = p.head_dim;
-    // Rotate the head dim by half: the second run sums from the middle. (A
+    // Rotate the head dims by half: the second run sums from the middle. (A
     // reversal would not do: `dP − D` summed forwards/backwards is exactly
     // the negation of the same pair summed backwards/forwards.)
-    let (there, back) = (d / 2, d - d / 2);
-    let rotate = |x: &[f32], by: usize| -> Vec<f32> {
+    let rotate = |x: &[f32], d: usize, by: usize| -> Vec<f32> {
         x.chunks_exact(d)
             .flat_map(|row| row[by..].iter().chain(&row[..by]).copied())
             .collect()
     };
-    let flip = |x: &[f32]| rotate(x, there);
-    let unflip = |x: &[f32]| rotate(x, back);
+    // Rows of `D` (q, k, dq, dk) or of `Dv` (v, dout, out, dv).
+    let (d, d_v) = (p.head_dim, p.head_dim_v);
+    let flip = |x: &[f32], d: usize| rotate(x, d, d / 2);
+    let unflip = |x: &[f32], d: usize| rotate(x, d, d - d / 2);
     let f = reference_forward(variant, p, q, k, v);
     let g = reference_backward(variant, p, q, k, v, dout);
-    let (qr, kr, vr, dr) = (flip(q), flip(k), flip(v), flip(dout));
+    let (qr, kr, vr, dr) = (flip(q, d), flip(k, d), flip(v, d_v), flip(dout, d_v));
     let fr = reference_forward(variant, p, &qr, &kr, &vr);
     let gr = reference_backward(variant, p, &qr, &kr, &vr, &dr);
     // Keep, per element, whichever is further from `want` (NaN counts as
@@ -50,13 +50,13 @@ pub(crate) fn naive_f32<V: HostVariant>(
     };
     (
         Forward {
-            out: worse(f.out, &unflip(&fr.out), &want_f.out),
+            out: worse(f.out, &unflip(&fr.out, d_v), &want_f.out),
             lse: worse(f.lse, &fr.lse, &want_f.lse),
         },
         Gradients {
-            dq: worse(g.dq, &unflip(&gr.dq), &want_g.dq),
-            dk: worse(g.dk, &unflip(&gr.dk), &want_g.dk),
-            dv: worse(g.dv, &unflip(&gr.dv), &want_g.dv),
+            dq: worse(g.dq, &unflip(&gr.dq, d), &want_g.dq),
+            dk: worse(g.dk, &unflip(&gr.dk, d), &want_g.dk),
+            dv: worse(g.dv, &unflip(&gr.dv, d_v), &want_g.dv),
             tensors: g
                 .tensors
                 .into_iter()

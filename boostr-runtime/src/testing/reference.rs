@@ -210,7 +210,7 @@ impl Real for f64 {
     }
 }
 
-/// Forward results: `out [B, Hq, Sq, D]` and `lse [B, Hq, Sq]`, row-major.
+/// Forward results: `out [B, Hq, Sq, Dv]` and `lse [B, Hq, Sq]`, row-major.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Forward<T> {
     /// Attention output.
@@ -220,7 +220,8 @@ pub struct Forward<T> {
     pub lse: Vec<T>,
 }
 
-/// Backward results: `dq [B, Hq, Sq, D]`, `dk, dv [B, Hkv, Sk, D]`, row-major.
+/// Backward results: `dq [B, Hq, Sq, D]`, `dk [B, Hkv, Sk, D]`, `dv [B,
+/// Hkv, Sk, Dv]`, row-major.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Gradients<T> {
     /// Gradient of the loss with respect to `q`.
@@ -380,12 +381,12 @@ pub fn reference_forward<T: Real, V: HostVariant>(
 ) -> Forward<T> {
     let p = problem;
     check_len("q", q.len(), p.q_len(), p);
-    check_len("k", k.len(), p.kv_len(), p);
-    check_len("v", v.len(), p.kv_len(), p);
-    let d = p.head_dim;
-    let mut out = vec![T::ZERO; p.q_len()];
+    check_len("k", k.len(), p.k_len(), p);
+    check_len("v", v.len(), p.v_len(), p);
+    let dv = p.head_dim_v;
+    let mut out = vec![T::ZERO; p.out_len()];
     let mut lse = vec![T::NEG_INFINITY; p.lse_len()];
-    out.par_chunks_mut(p.seq_q * d)
+    out.par_chunks_mut(p.seq_q * dv)
         .zip(lse.par_chunks_mut(p.seq_q))
         .enumerate()
         .for_each_dyn(&|(bh, (out_bh, lse_bh))| {
@@ -398,12 +399,12 @@ pub fn reference_forward<T: Real, V: HostVariant>(
                 if !any {
                     continue;
                 }
-                let o = &mut out_bh[i * d..][..d];
+                let o = &mut out_bh[i * dv..][..dv];
                 for (j, &pj) in row.p.iter().enumerate() {
                     if pj == T::ZERO {
                         continue;
                     }
-                    let vr = &v[((b * p.heads_kv + hk) * p.seq_k + j) * d..][..d];
+                    let vr = &v[((b * p.heads_kv + hk) * p.seq_k + j) * dv..][..dv];
                     for (ox, &vx) in o.iter_mut().zip(vr) {
                         *ox += pj * vx;
                     }
@@ -463,10 +464,10 @@ fn backward<T: Real, V: HostVariant>(
 ) -> Gradients<T> {
     let p = problem;
     check_len("q", q.len(), p.q_len(), p);
-    check_len("k", k.len(), p.kv_len(), p);
-    check_len("v", v.len(), p.kv_len(), p);
-    check_len("dout", dout.len(), p.q_len(), p);
-    let d = p.head_dim;
+    check_len("k", k.len(), p.k_len(), p);
+    check_len("v", v.len(), p.v_len(), p);
+    check_len("dout", dout.len(), p.out_len(), p);
+    let (d, d_v) = (p.head_dim, p.head_dim_v);
     let scale = T::from_f32(p.scale);
     // The factors multiplied into the sums: signed, or their magnitudes.
     let abs_of = |x: &[T]| -> Vec<T> { x.iter().map(|a| a.abs()).collect() };
@@ -491,24 +492,24 @@ fn backward<T: Real, V: HostVariant>(
                 let hk = h / p.group();
                 let (bi, hi) = (b as i32, h as i32);
                 let mut dk_h = vec![T::ZERO; p.seq_k * d];
-                let mut dv_h = vec![T::ZERO; p.seq_k * d];
+                let mut dv_h = vec![T::ZERO; p.seq_k * d_v];
                 let mut tensors_h: Vec<Vec<T>> = numel.iter().map(|&n| vec![T::ZERO; n]).collect();
                 let mut views: Vec<&mut [T]> =
                     tensors_h.iter_mut().map(Vec::as_mut_slice).collect();
                 let mut row = Row::new(p.seq_k);
-                let mut o = vec![T::ZERO; d];
+                let mut o = vec![T::ZERO; d_v];
                 for i in 0..p.seq_q {
                     if !row.compute(variant, p, q, k, b, h, i) {
                         continue;
                     }
                     let qi = q_pos(p, i);
-                    let base = ((b * p.heads_q + h) * p.seq_q + i) * d;
-                    let (qr, dor) = (&qf[base..][..d], &df[base..][..d]);
-                    let kv_row = |j: usize| ((b * p.heads_kv + hk) * p.seq_k + j) * d;
+                    let row_i = (b * p.heads_q + h) * p.seq_q + i;
+                    let (qr, dor) = (&qf[row_i * d..][..d], &df[row_i * d_v..][..d_v]);
+                    let key = |j: usize| (b * p.heads_kv + hk) * p.seq_k + j;
                     o.fill(T::ZERO);
                     for (j, &pj) in row.p.iter().enumerate() {
                         if pj != T::ZERO {
-                            for (ox, &vx) in o.iter_mut().zip(&v[kv_row(j)..][..d]) {
+                            for (ox, &vx) in o.iter_mut().zip(&v[key(j) * d_v..][..d_v]) {
                                 *ox += pj * vx;
                             }
                         }
@@ -538,7 +539,7 @@ fn backward<T: Real, V: HostVariant>(
                         if pj == T::ZERO {
                             continue;
                         }
-                        let (kr, vr) = (&kf[kv_row(j)..][..d], &vf[kv_row(j)..][..d]);
+                        let (kr, vr) = (&kf[key(j) * d..][..d], &vf[key(j) * d_v..][..d_v]);
                         let dp = dot(dor, vr);
                         let g = T::score_grad(variant, s, bi, hi, qi, j as i32);
                         let dz = if magnitudes {
@@ -552,19 +553,21 @@ fn backward<T: Real, V: HostVariant>(
                             T::score_tensor_grads(variant, at, dz, magnitudes, &mut views);
                         }
                         let sds = scale * ds;
-                        let (dk_j, dv_j) = (&mut dk_h[j * d..][..d], &mut dv_h[j * d..][..d]);
+                        let (dk_j, dv_j) = (&mut dk_h[j * d..][..d], &mut dv_h[j * d_v..][..d_v]);
                         for x in 0..d {
                             dq_r[x] += sds * kr[x];
                             dk_j[x] += sds * qr[x];
-                            dv_j[x] += pj * dor[x];
+                        }
+                        for (dv_x, &do_x) in dv_j.iter_mut().zip(dor) {
+                            *dv_x += pj * do_x;
                         }
                     }
                 }
                 drop(views);
                 (dk_h, dv_h, tensors_h)
             });
-    let mut dk = vec![T::ZERO; p.kv_len()];
-    let mut dv = vec![T::ZERO; p.kv_len()];
+    let mut dk = vec![T::ZERO; p.k_len()];
+    let mut dv = vec![T::ZERO; p.v_len()];
     let mut tensors: Vec<Vec<T>> = numel.iter().map(|&n| vec![T::ZERO; n]).collect();
     for (bh, (dk_h, dv_h, tensors_h)) in partials.into_iter().enumerate() {
         for (acc, part) in tensors.iter_mut().zip(tensors_h) {
@@ -573,11 +576,11 @@ fn backward<T: Real, V: HostVariant>(
             }
         }
         let (b, h) = (bh / p.heads_q, bh % p.heads_q);
-        let base = (b * p.heads_kv + h / p.group()) * p.seq_k * d;
-        for (acc, x) in dk[base..][..p.seq_k * d].iter_mut().zip(dk_h) {
+        let head = (b * p.heads_kv + h / p.group()) * p.seq_k;
+        for (acc, x) in dk[head * d..][..p.seq_k * d].iter_mut().zip(dk_h) {
             *acc += x;
         }
-        for (acc, x) in dv[base..][..p.seq_k * d].iter_mut().zip(dv_h) {
+        for (acc, x) in dv[head * d_v..][..p.seq_k * d_v].iter_mut().zip(dv_h) {
             *acc += x;
         }
     }

@@ -41,10 +41,11 @@ pub(crate) fn run_backend<R: TestBackend, V: Variant>(
         Tensor::<R::Runtime>::from_slice(data, shape, device)
             .map_err(|e| format!("uploading {name}: {e}"))
     };
-    let qt = upload("q", q, &case.q_shape())?;
-    let kt = upload("k", k, &case.kv_shape())?;
-    let vt = upload("v", v, &case.kv_shape())?;
-    let dt = upload("dout", dout, &case.q_shape())?;
+    let shapes = case.problem();
+    let qt = upload("q", q, &shapes.q_shape())?;
+    let kt = upload("k", k, &shapes.k_shape())?;
+    let vt = upload("v", v, &shapes.v_shape())?;
+    let dt = upload("dout", dout, &shapes.out_shape())?;
     let p = validate::problem(&qt, &kt, &vt, opts.scale).map_err(|e| format!("validation: {e}"))?;
 
     let (out, lse) =
@@ -159,17 +160,15 @@ pub(crate) fn expect_out_of_range<R: TestBackend, V: Variant>(
     let upload = |data: &[f32], shape: &[usize]| {
         Tensor::<R::Runtime>::from_slice(data, shape, device).map_err(|e| e.to_string())
     };
+    let p = case.problem();
     let tensors = (|| {
         Ok::<_, String>((
-            upload(q, &case.q_shape())?,
-            upload(k, &case.kv_shape())?,
-            upload(v, &case.kv_shape())?,
-            upload(dout, &case.q_shape())?,
-            upload(&vec![0.0; case.q_shape().iter().product()], &case.q_shape())?,
-            upload(
-                &vec![0.0; case.batch * case.heads_q * case.seq_q],
-                &[case.batch, case.heads_q, case.seq_q],
-            )?,
+            upload(q, &p.q_shape())?,
+            upload(k, &p.k_shape())?,
+            upload(v, &p.v_shape())?,
+            upload(dout, &p.out_shape())?,
+            upload(&vec![0.0; p.out_len()], &p.out_shape())?,
+            upload(&vec![0.0; p.lse_len()], &p.lse_shape())?,
         ))
     })();
     let (qt, kt, vt, dt, out, lse) = match tensors {

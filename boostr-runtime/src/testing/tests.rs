@@ -43,15 +43,7 @@ impl HostVariant for ClampPerHead {
 crate::hand_written_variant!(ClampPerHead);
 
 fn problem(b: usize, hq: usize, hkv: usize, sq: usize, sk: usize, d: usize, scale: f32) -> Problem {
-    Problem {
-        batch: b,
-        heads_q: hq,
-        heads_kv: hkv,
-        seq_q: sq,
-        seq_k: sk,
-        head_dim: d,
-        scale,
-    }
+    Problem::new(b, (hq, hkv), (sq, sk), d).with_scale(scale)
 }
 
 fn close(a: f64, b: f64) -> bool {
@@ -138,8 +130,8 @@ fn naive_f32_is_close_to_the_f64_reference() {
     let p = problem(1, 2, 1, 9, 13, 8, 0.35);
     let mut rng = rng::Rng::new(5, 0);
     let q = rng.normal_f32(p.q_len(), 1.0);
-    let k = rng.normal_f32(p.kv_len(), 1.0);
-    let v = rng.normal_f32(p.kv_len(), 1.0);
+    let k = rng.normal_f32(p.k_len(), 1.0);
+    let v = rng.normal_f32(p.v_len(), 1.0);
     let widen = |x: &[f32]| x.iter().map(|&a| f64::from(a)).collect::<Vec<_>>();
     let variant = CausalSoftcap::new(3.0);
     let f32_out = reference_forward(&variant, &p, &q, &k, &v);
@@ -191,7 +183,16 @@ fn compare_applies_the_tolerance_rule() {
     let naive = [1.000_001f32, -2.0, 0.5, 3.0]; // naive err 9.537e-7 at [0]
     let eps = f64::from(f32::EPSILON);
     let query = |got: &[f32], naive: &[f32], m| {
-        compare(NAIVE_FACTOR, "t", Layout::Query, &p, got, &want, naive, m)
+        compare(
+            NAIVE_FACTOR,
+            "t",
+            Layout::Query(2),
+            &p,
+            got,
+            &want,
+            naive,
+            m,
+        )
     };
     // bound = 2·naive err + 1e-6·(1 + max|want|) + ε·M.
     let bound = |m: f64| 2.0 * 9.536_743e-7 + 1e-6 * 4.0 + eps * m;
@@ -256,9 +257,9 @@ fn magnitudes_bound_the_results_and_see_through_cancellation() {
     let p = problem(1, 2, 1, 6, 5, 4, 0.5);
     let x = [
         rng.normal_f64(p.q_len(), 1.0),
-        rng.normal_f64(p.kv_len(), 1.0),
-        rng.normal_f64(p.kv_len(), 1.0),
-        rng.normal_f64(p.q_len(), 1.0),
+        rng.normal_f64(p.k_len(), 1.0),
+        rng.normal_f64(p.v_len(), 1.0),
+        rng.normal_f64(p.out_len(), 1.0),
     ];
     let variant = CausalSoftcap::new(2.0);
     let f = reference_forward(&variant, &p, &x[0], &x[1], &x[2]);

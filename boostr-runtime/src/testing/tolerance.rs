@@ -35,10 +35,10 @@ const NAIVE_SANITY: f64 = 1e-2;
 /// Which index space a tensor lives in, for messages.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Layout {
-    /// `[B, Hq, Sq, D]`: q, out, dq.
-    Query,
-    /// `[B, Hkv, Sk, D]`: k, v, dk, dv.
-    Key,
+    /// `[B, Hq, Sq, width]`: q and dq (`D`), out (`Dv`).
+    Query(usize),
+    /// `[B, Hkv, Sk, width]`: k and dk (`D`), v and dv (`Dv`).
+    Key(usize),
     /// `[B, Hq, Sq]`.
     Lse,
     /// A learnable tensor's gradient, by linear position.
@@ -48,16 +48,14 @@ pub(crate) enum Layout {
 /// The position of element `index` of a `layout` tensor, in words.
 pub(crate) fn locate(layout: Layout, p: &Problem, index: usize) -> String {
     match layout {
-        Layout::Query => {
-            let [b, h, i, d] = unravel(&[p.batch, p.heads_q, p.seq_q, p.head_dim], index)[..]
-            else {
+        Layout::Query(width) => {
+            let [b, h, i, d] = unravel(&[p.batch, p.heads_q, p.seq_q, width], index)[..] else {
                 unreachable!()
             };
             format!("[b={b}, h={h}, i={i} (q_pos {}), d={d}]", q_pos(p, i))
         }
-        Layout::Key => {
-            let [b, h, j, d] = unravel(&[p.batch, p.heads_kv, p.seq_k, p.head_dim], index)[..]
-            else {
+        Layout::Key(width) => {
+            let [b, h, j, d] = unravel(&[p.batch, p.heads_kv, p.seq_k, width], index)[..] else {
                 unreachable!()
             };
             format!("[b={b}, h_kv={h}, j={j} (kv_pos {j}), d={d}]")
@@ -231,18 +229,19 @@ pub(crate) fn compare_results(
         }
     };
     let (wf, wg, nf, ng) = (&want.fwd, &want.grads, &want.naive_fwd, &want.naive_grads);
-    let (q_, k_) = (Layout::Query, Layout::Key);
+    let (q_, o_) = (Layout::Query(p.head_dim), Layout::Query(p.head_dim_v));
+    let (k_, v_) = (Layout::Key(p.head_dim), Layout::Key(p.head_dim_v));
     let (fo, fl, vo) = (&got.fwd.out, &got.fwd.lse, &got.var_out);
-    check("attention_fwd out", q_, fo, &wf.out, &nf.out, m_out);
+    check("attention_fwd out", o_, fo, &wf.out, &nf.out, m_out);
     // lse's magnitude is |lse| itself (taken inside `compare`).
     check("attention_fwd lse", Layout::Lse, fl, &wf.lse, &nf.lse, 0.0);
     check("attention_bwd dq", q_, &got.grads.dq, &wg.dq, &ng.dq, m_dq);
     check("attention_bwd dk", k_, &got.grads.dk, &wg.dk, &ng.dk, m_dk);
-    check("attention_bwd dv", k_, &got.grads.dv, &wg.dv, &ng.dv, m_dv);
-    check("var_attention out", q_, vo, &wf.out, &nf.out, m_out);
+    check("attention_bwd dv", v_, &got.grads.dv, &wg.dv, &ng.dv, m_dv);
+    check("var_attention out", o_, vo, &wf.out, &nf.out, m_out);
     check("GradFn dq", q_, &got.var_grads.dq, &wg.dq, &ng.dq, m_dq);
     check("GradFn dk", k_, &got.var_grads.dk, &wg.dk, &ng.dk, m_dk);
-    check("GradFn dv", k_, &got.var_grads.dv, &wg.dv, &ng.dv, m_dv);
+    check("GradFn dv", v_, &got.var_grads.dv, &wg.dv, &ng.dv, m_dv);
     for (slot, want_t) in wg.tensors.iter().enumerate() {
         let (naive, m) = (&ng.tensors[slot], want.tensor_magnitudes[slot]);
         let label = format!("attention_bwd_tensors d{}", want.tensor_names[slot]);

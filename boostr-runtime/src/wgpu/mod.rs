@@ -678,6 +678,7 @@ fn forward_split<V: Variant>(
     keys: Keys<'_, WgpuRuntime>,
     splits: Option<u32>,
 ) -> Result<(Tensor<WgpuRuntime>, Tensor<WgpuRuntime>)> {
+    gpu::same_value_dim(p, WGPU)?;
     let (q, k, v) = (input("q", q)?, input("k", keys.k)?, input("v", keys.v)?);
     let client = WgpuRuntime::default_client(q.device());
     let fwd = pass::<V>(&client, p, &kernels::FORWARD)?;
@@ -803,7 +804,7 @@ impl AttentionRuntime for WgpuRuntime {
     ) -> Result<AttentionGrads<Self>> {
         // `out` is not read: D_i comes from the recomputed P (see
         // `kernels::BACKWARD_DQ`).
-        let x = gpu::BackwardOperands::new(&t, WGPU, input)?;
+        let x = gpu::BackwardOperands::new(p, &t, WGPU, input)?;
         let (q, k, v) = (&x.q, &x.k, &x.v);
         let client = WgpuRuntime::default_client(q.device());
         let learn = gpu::learns::<V>(t.tensor_grads);

@@ -66,6 +66,7 @@ const fn long_case(seq_q: usize, seq_k: usize, heads_q: usize, name: &'static st
         seq_q,
         seq_k,
         head_dim: 128,
+        head_dim_v: 128,
         logit_scale: 1.0,
         logits: Logits::Random,
         scale: None,
@@ -251,7 +252,7 @@ fn kv_caches_and_pages_match_the_cpu() {
     let len = |b: usize| lens[b] as usize;
     fill_spare_slots(
         (&mut k, &mut v),
-        (hkv, cap, d),
+        (hkv, cap, (d, d)),
         len,
         (f32::NAN, f32::INFINITY),
     );
@@ -365,7 +366,7 @@ fn split_kv_decode_matches_the_unsplit_kernel() {
         let len = |b: usize| lens[b] as usize;
         fill_spare_slots(
             (&mut k, &mut v),
-            (hkv, cap, d),
+            (hkv, cap, (d, d)),
             len,
             (f32::NAN, f32::INFINITY),
         );
@@ -383,15 +384,7 @@ fn split_kv_decode_matches_the_unsplit_kernel() {
         let qc = on_cpu(&q, &[b, hq, sq, d]);
         let (want, want_lse) = attention_fwd_cache(variant, &qc, &cache, &opts).unwrap();
         let (want, want_lse) = (want.to_vec::<f32>(), want_lse.to_vec::<f32>());
-        let p = Problem {
-            batch: b,
-            heads_q: hq,
-            heads_kv: hkv,
-            seq_q: sq,
-            seq_k: cap,
-            head_dim: d,
-            scale: 1.0 / (d as f32).sqrt(),
-        };
+        let p = Problem::new(b, (hq, hkv), (sq, cap), d);
         let (qg, kg, vg) = (
             on_gpu(&q, &[b, hq, sq, d]),
             on_gpu(&k, &[b, hkv, cap, d]),
@@ -502,15 +495,7 @@ fn cache_backward_matches_the_cpu() {
         let want = grads::<CpuRuntime, V>(variant, cpu, x, &lens, shapes);
         let got = grads::<WgpuRuntime, V>(variant, device, x, &lens, shapes);
         // Against the f64 reference too (the CPU's is checked against it).
-        let p = crate::Problem {
-            batch: b,
-            heads_q: hq,
-            heads_kv: hkv,
-            seq_q: sq,
-            seq_k: cap,
-            head_dim: d,
-            scale: 1.0 / (d as f32).sqrt(),
-        };
+        let p = crate::Problem::new(b, (hq, hkv), (sq, cap), d);
         let inputs = crate::cpu::tests::Inputs {
             q: q.clone(),
             k: k.clone(),
@@ -560,4 +545,34 @@ fn cache_backward_matches_the_cpu() {
     }
     check(&CausalSoftcap { cap: 20.0 }, 3, &device, &cpu);
     check(&SlidingWindow { window: 9 }, 12, &device, &cpu);
+}
+
+/// Values of another head dim than the keys are an `Err` naming the
+/// layout, forward and backward, before any kernel is built.
+#[test]
+fn value_head_dims_apart_from_the_keys_are_an_error() {
+    let Some(device) = device() else { return };
+    let t = |shape: &[usize]| {
+        let n = shape.iter().product();
+        Tensor::<WgpuRuntime>::from_slice(&vec![0.5f32; n], shape, &device).unwrap()
+    };
+    let (q, k, v) = (t(&[1, 2, 3, 8]), t(&[1, 1, 5, 8]), t(&[1, 1, 5, 4]));
+    let opts = AttentionOptions::default();
+    let unsupported = |e: Error| {
+        assert!(
+            matches!(
+                e,
+                Error::LayoutUnsupported {
+                    backend: "wgpu",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("Dv ≠ D"), "{e}");
+    };
+    unsupported(attention_fwd(&Causal, &q, &k, &v, &opts).unwrap_err());
+    let (out, lse) = (t(&[1, 2, 3, 4]), t(&[1, 2, 3]));
+    let e = crate::attention_bwd(&Causal, &out, &q, &k, &v, &out, &lse, &opts).unwrap_err();
+    unsupported(e);
 }
