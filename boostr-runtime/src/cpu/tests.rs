@@ -318,7 +318,7 @@ fn reference_rounded<V: HostVariant>(
     lens: Option<&[usize]>,
     round: fn(f64) -> f64,
 ) -> Reference {
-    let (sq, d) = (p.seq_q, p.head_dim);
+    let (sq, d, dv) = (p.seq_q, p.head_dim, p.head_dim_v);
     let cap = p.seq_k;
     let scale = p.scale as f64;
     let f = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
@@ -356,25 +356,27 @@ fn reference_rounded<V: HostVariant>(
                 let lse = m + l.ln();
                 r.lse[bh * sq + i] = lse;
                 let pr: Vec<f64> = x.iter().map(|&x| (x - lse).exp()).collect();
-                let o = &mut r.out[(bh * sq + i) * d..][..d];
+                let o = &mut r.out[(bh * sq + i) * dv..][..dv];
                 for j in 0..sk {
-                    for (o, &vv) in o.iter_mut().zip(&v[(kvb + j) * d..][..d]) {
+                    for (o, &vv) in o.iter_mut().zip(&v[(kvb + j) * dv..][..dv]) {
                         *o += pr[j] * vv;
                     }
                 }
-                let o = r.out[(bh * sq + i) * d..][..d].to_vec();
-                let dorow = &dout[(bh * sq + i) * d..][..d];
+                let o = r.out[(bh * sq + i) * dv..][..dv].to_vec();
+                let dorow = &dout[(bh * sq + i) * dv..][..dv];
                 let di: f64 = dorow.iter().zip(&o).map(|(a, &b)| a * round(b)).sum();
                 for j in 0..sk {
                     if pr[j] == 0.0 {
                         continue;
                     }
-                    let (krow, vrow) = (&k[(kvb + j) * d..][..d], &v[(kvb + j) * d..][..d]);
+                    let (krow, vrow) = (&k[(kvb + j) * d..][..d], &v[(kvb + j) * dv..][..dv]);
                     let dp: f64 = dorow.iter().zip(vrow).map(|(a, b)| a * b).sum();
                     let ds = pr[j] * (dp - di) * var.score_grad_f64(s[j], bi, hi, qi, j as i32);
                     let (pj, ds) = (round(pr[j]), round(scale * ds));
+                    for (c, &g) in dorow.iter().enumerate() {
+                        r.dv[(kvb + j) * dv + c] += pj * g;
+                    }
                     for c in 0..d {
-                        r.dv[(kvb + j) * d + c] += pj * dorow[c];
                         r.dq[(bh * sq + i) * d + c] += ds * krow[c];
                         r.dk[(kvb + j) * d + c] += ds * qrow[c];
                     }
@@ -1313,9 +1315,9 @@ fn value_head_dims_apart_from_key_head_dims_match_the_reference() {
         let mut x = Inputs::new(&p, 0xdcac ^ sq as u64, 1.0);
         x.poison_spare_slots(&p, &lens, f32::NEG_INFINITY);
         check_cache_backward(&SlidingWindow { window: 30 }, &p, &lens, &x);
-        // Pages of 16 and of 50 keys (not a tile's multiple), shuffled.
+        // Pages of 30 and of 50 keys (no tile's multiple), shuffled.
         let want = reference_lens(&Unmasked, &p, &x, Some(&lens));
-        for page_size in [16, 50] {
+        for page_size in [30, 50] {
             let (kp, vp, table) = paged(&p, &x, &lens, page_size);
             let (mut out, mut lse) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
             let cache = paging(&lens, &table, page_size);
@@ -1506,7 +1508,7 @@ fn bf16_round(x: f32) -> f32 {
 /// of the unrounded `p_j`, as the kernel keeps it); the yardstick of the
 /// bf16 rule.
 fn naive_bf16<V: HostVariant>(var: &V, p: &Problem, x: &Inputs) -> Vec<f64> {
-    let (sq, sk, d) = (p.seq_q, p.seq_k, p.head_dim);
+    let (sq, sk, d, dv) = (p.seq_q, p.seq_k, p.head_dim, p.head_dim_v);
     let scale = p.scale as f64;
     let mut out = vec![0.0f64; p.out_len()];
     for b in 0..p.batch {
@@ -1538,10 +1540,10 @@ fn naive_bf16<V: HostVariant>(var: &V, p: &Problem, x: &Inputs) -> Vec<f64> {
                     continue;
                 }
                 let l = xs.iter().map(|&x| (x - m).exp()).sum::<f64>() + (sink - m).exp();
-                let o = &mut out[(bh * sq + i) * d..][..d];
+                let o = &mut out[(bh * sq + i) * dv..][..dv];
                 for (j, &xj) in xs.iter().enumerate() {
                     let pj = f64::from(bf16_round((xj - m).exp() as f32));
-                    for (o, &v) in o.iter_mut().zip(&x.v[(kvb + j) * d..][..d]) {
+                    for (o, &v) in o.iter_mut().zip(&x.v[(kvb + j) * dv..][..dv]) {
                         *o += pj * f64::from(v);
                     }
                 }
