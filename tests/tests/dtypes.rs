@@ -220,7 +220,8 @@ fn half_inputs_give_the_rounded_f32_results() {
         // matrix-vector products (4 packed rows) and the tile products (36).
         check(&Causal, h, (2, 8, 2, 1, 300, 64, 64));
         check(&CausalSoftcap { cap: 5.0 }, h, (1, 4, 1, 9, 100, 40, 40));
-        // Values of another head dim (the bf16 tile kernels decline them).
+        // Values of another head dim (on bf16 tiles where the CPU has
+        // them, and widened through the decode kernel).
         check(&Causal, h, (1, 4, 2, 77, 90, 96, 64));
         check(&Causal, h, (1, 8, 1, 2, 200, 192, 128));
     }

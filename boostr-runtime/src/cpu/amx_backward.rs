@@ -41,7 +41,7 @@
 
 use super::aligned::Aligned;
 use super::amx::{self, Kind, Products};
-use super::amx_forward::{padded_dim, zero_unseen_keys};
+use super::amx_forward::{Dims, dims, zero_unseen_keys};
 use super::backward::{
     KeyChunk, Probabilities, ScoreGrads, add_partials, carve, chunk_keys, deltas,
     diagonal_tensor_grads, dq_partials, learnable_tasks, sinks, tensor_grads,
@@ -63,7 +63,8 @@ const T: usize = amx::TILE;
 /// The tiles the schedule (chunks, kv groups) is planned with.
 pub(super) const TILES: CpuTiles = CpuTiles { q: BQ, kv: BK };
 
-/// Whether the bf16 backward runs `p`: where the bf16 forward does.
+/// Whether the bf16 backward runs `p`: where the bf16 forward does (both
+/// head dims at most 256).
 pub(super) fn applies(p: &Problem) -> bool {
     super::amx_forward::applies(p)
 }
@@ -143,7 +144,8 @@ fn padded(src: &[u16], d: usize, dp: usize) -> std::borrow::Cow<'_, [u16]> {
 }
 
 /// One query head's Q or dO, as the products read it (`Dp` the padded
-/// head dim, see [`padded_dim`]).
+/// head dim, see [`super::amx_forward::padded_dim`]: of `D` for Q, of
+/// `Dv` for dO).
 struct RowPack {
     /// `sq_pad × Dp` bf16, zero past the last row and dim.
     rows: Aligned<u16>,
@@ -166,26 +168,26 @@ fn pack_rows(src: &[u16], sq: usize, d: usize, dp: usize) -> RowPack {
 }
 
 /// One kv head's K and V, as the products read them (`sk_pad` keys, zero
-/// past the last, and `Dp` dims, zero past the last).
+/// past the last, and `Dp` dims for K, `Dvp` for V, zero past the last).
 struct KvPack {
     /// `Dp/2` rows of `sk_pad` u32: `(K[key][2c], K[key][2c + 1])`.
     k_dims: Aligned<u32>,
     /// `sk_pad / 2` rows of `Dp` u32: `(K[2r][c], K[2r + 1][c])`.
     k_keys: Aligned<u32>,
-    /// As `k_dims`, for V.
+    /// As `k_dims`, for V: `Dvp/2` rows.
     v_dims: Aligned<u32>,
     /// Per key tile: K holds a NaN or an infinity.
     k_nonfinite: Vec<bool>,
 }
 
-fn pack_kv(k: &[u16], v: &[u16], sk: usize, d: usize, dp: usize) -> KvPack {
+fn pack_kv(k: &[u16], v: &[u16], sk: usize, ((d, dp), (dv, dvp)): Dims) -> KvPack {
     let k_nonfinite = k.chunks(BK * d).map(|t| !all_finite_bits(t)).collect();
-    let (k, v) = (padded(k, d, dp), padded(v, d, dp));
+    let (k, v) = (padded(k, d, dp), padded(v, dv, dvp));
     let sk_pad = sk.next_multiple_of(BK);
     let mut k_dims = Aligned::zeroed(dp / 2 * sk_pad);
-    let mut v_dims = Aligned::zeroed(dp / 2 * sk_pad);
+    let mut v_dims = Aligned::zeroed(dvp / 2 * sk_pad);
     dim_pairs(&k, sk, dp, &mut k_dims, sk_pad);
-    dim_pairs(&v, sk, dp, &mut v_dims, sk_pad);
+    dim_pairs(&v, sk, dvp, &mut v_dims, sk_pad);
     let mut k_keys = Aligned::zeroed(sk_pad / 2 * dp);
     pair_rows(&k, dp, &mut k_keys);
     KvPack {
@@ -226,10 +228,12 @@ struct Scratch {
     /// dQ rows of a query tile whose rows the product cannot take in
     /// place (fewer than 64, or a padded head dim): `BQ × Dp`.
     dq: Aligned<f32>,
-    /// The transposed dK and dV of a pass's key tiles (`Dp × BK` each).
+    /// The transposed dK and dV of a pass's key tiles (`Dp × BK` and
+    /// `Dvp × BK` each).
     dkt: Aligned<f32>,
     dvt: Aligned<f32>,
-    /// One key tile's dK or dV rows, transposed back (`BK × Dp`).
+    /// One key tile's dK or dV rows, transposed back (`BK × Dp` or `BK ×
+    /// Dvp`).
     rows: Aligned<f32>,
     /// A key tile's `k_keys` with the keys no row sees zeroed.
     k_guarded: Vec<u32>,
@@ -243,7 +247,7 @@ struct Scratch {
 }
 
 impl Scratch {
-    fn new<V: HostVariant>(dp: usize, kv_group: usize, learn: bool) -> Self {
+    fn new<V: HostVariant>(((_, dp), (_, dvp)): Dims, kv_group: usize, learn: bool) -> Self {
         let learn = learn && V::SCORE_READS_LEARNABLE;
         Self {
             s: Aligned::zeroed(BQ * BK),
@@ -254,8 +258,8 @@ impl Scratch {
             ds: Aligned::zeroed(BQ * BK),
             dq: Aligned::zeroed(BQ * dp),
             dkt: Aligned::zeroed(kv_group * dp * BK),
-            dvt: Aligned::zeroed(kv_group * dp * BK),
-            rows: Aligned::zeroed(BK * dp),
+            dvt: Aligned::zeroed(kv_group * dvp * BK),
+            rows: Aligned::zeroed(BK * dp.max(dvp)),
             k_guarded: Vec::new(),
             bands: Vec::with_capacity(1),
             raw: if learn && !V::SCORE_GRADS_BY_DIFFERENCE {
@@ -293,9 +297,8 @@ pub(super) fn backward<V: HostVariant>(
 ) {
     assert!(applies(p), "the bf16 backward runs {p:?}");
     let kind = amx::kind().expect("applies");
-    let d = p.head_dim;
-    let dp = padded_dim(d);
-    let delta = deltas(x.dout, x.out, d, |a, b| {
+    let sizes = dims(p);
+    let delta = deltas(x.dout, x.out, p.head_dim_v, |a, b| {
         a.iter().zip(b).map(|(&a, &b)| widen(a) * widen(b)).sum()
     });
     let Packs { q, dout, kv } = Packs::new(p, &x);
@@ -319,15 +322,14 @@ pub(super) fn backward<V: HostVariant>(
         learnable_tasks(
             tasks,
             tensor_grads,
-            &|| Scratch::new::<V>(dp, kv_group, true),
+            &|| Scratch::new::<V>(sizes, kv_group, true),
             &|task, sc, grads| key_chunk(&shared, task, sc, grads),
         );
     } else {
-        tasks
-            .into_par_iter()
-            .for_each_init_dyn(&|| Scratch::new::<V>(dp, kv_group, false), &|sc, task| {
-                key_chunk(&shared, task, sc, &mut [])
-            });
+        tasks.into_par_iter().for_each_init_dyn(
+            &|| Scratch::new::<V>(sizes, kv_group, false),
+            &|sc, task| key_chunk(&shared, task, sc, &mut []),
+        );
     }
     if V::HAS_SINK {
         sinks(variant, p, x.lse, &delta, tensor_grads);
@@ -346,21 +348,21 @@ struct Packs {
 
 impl Packs {
     fn new(p: &Problem, x: &Inputs<'_>) -> Self {
-        let (sq, sk, d) = (p.seq_q, p.seq_k, p.head_dim);
-        let dp = padded_dim(d);
-        let rows = |t: &[u16]| -> Vec<RowPack> {
+        let (sq, sk) = (p.seq_q, p.seq_k);
+        let sizes @ ((d, dp), (dv, dvp)) = dims(p);
+        let rows = |t: &[u16], d: usize, dp: usize| -> Vec<RowPack> {
             t.par_chunks(sq * d)
                 .map(|h| pack_rows(h, sq, d, dp))
                 .collect()
         };
         let kv =
             x.k.par_chunks(sk * d)
-                .zip(x.v.par_chunks(sk * d))
-                .map(|(k, v)| pack_kv(k, v, sk, d, dp))
+                .zip(x.v.par_chunks(sk * dv))
+                .map(|(k, v)| pack_kv(k, v, sk, sizes))
                 .collect();
         Self {
-            q: rows(x.q),
-            dout: rows(x.dout),
+            q: rows(x.q, d, dp),
+            dout: rows(x.dout, dv, dvp),
             kv,
         }
     }
@@ -375,8 +377,8 @@ fn key_chunk<V: HostVariant>(
     grads: &mut [&mut [f32]],
 ) {
     let p = sh.p;
-    let (sq, d, group) = (p.seq_q, p.head_dim, p.group());
-    let dp = padded_dim(d);
+    let (sq, group) = (p.seq_q, p.group());
+    let ((d, dp), (d_v, dvp)) = dims(p);
     let KeyChunk {
         b,
         kvh,
@@ -393,13 +395,13 @@ fn key_chunk<V: HostVariant>(
     let pass_keys = sh.kv_group * BK;
     let per_pass = dk
         .chunks_mut(pass_keys * d)
-        .zip(dv.chunks_mut(pass_keys * d));
+        .zip(dv.chunks_mut(pass_keys * d_v));
     for (n, (dk, dv)) in per_pass.enumerate() {
         let kv0 = key0 + n * pass_keys;
         let keys = dk.len() / d;
         let n_tiles = keys.div_ceil(BK);
         sc.dkt[..n_tiles * dp * BK].fill(0.0);
-        sc.dvt[..n_tiles * dp * BK].fill(0.0);
+        sc.dvt[..n_tiles * dvp * BK].fill(0.0);
         for hl in 0..group {
             let h = kvh * group + hl;
             let bh = b * p.heads_q + h;
@@ -422,19 +424,15 @@ fn key_chunk<V: HostVariant>(
                 }
             }
         }
-        // dK and dV rows, transposed back, their first `d` dims.
+        // dK and dV rows, transposed back, their first `d` (`dv`) dims.
         for t in 0..n_tiles {
-            let cols = BK.min(keys - t * BK);
-            let out = t * BK * d..(t * BK + cols) * d;
-            for (acc, dst) in [(&sc.dkt, &mut dk[out.clone()]), (&sc.dvt, &mut dv[out])] {
-                gemm::transpose(
-                    &acc[t * dp * BK..(t + 1) * dp * BK],
-                    dp,
-                    BK,
-                    &mut sc.rows,
-                    dp,
-                );
-                for (dst, src) in dst.chunks_exact_mut(d).zip(sc.rows.chunks_exact(dp)) {
+            let keys = t * BK..t * BK + BK.min(keys - t * BK);
+            let dk = &mut dk[keys.start * d..keys.end * d];
+            let dv = &mut dv[keys.start * d_v..keys.end * d_v];
+            for (acc, dst, (d, dp)) in [(&sc.dkt, dk, (d, dp)), (&sc.dvt, dv, (d_v, dvp))] {
+                let rows = &mut sc.rows[..BK * dp];
+                gemm::transpose(&acc[t * dp * BK..(t + 1) * dp * BK], dp, BK, rows, dp);
+                for (dst, src) in dst.chunks_exact_mut(d).zip(rows.chunks_exact(dp)) {
                     dst.copy_from_slice(&src[..d]);
                 }
             }
@@ -470,8 +468,8 @@ fn step<V: HostVariant>(
     grads: &mut [&mut [f32]],
 ) {
     let p = sh.p;
-    let (sq, d, scale) = (p.seq_q, p.head_dim, p.scale);
-    let dp = padded_dim(d);
+    let (sq, scale) = (p.seq_q, p.scale);
+    let ((d, dp), (_, dvp)) = dims(p);
     let TileAt {
         rows,
         cols,
@@ -495,13 +493,13 @@ fn step<V: HostVariant>(
         &sh.delta[at.bh * sq + r0..][..rows],
     );
     let dkt = sc.dkt[at.acc * dp * BK..(at.acc + 1) * dp * BK].as_mut_ptr();
-    let dvt = sc.dvt[at.acc * dp * BK..(at.acc + 1) * dp * BK].as_mut_ptr();
+    let dvt = sc.dvt[at.acc * dvp * BK..(at.acc + 1) * dvp * BK].as_mut_ptr();
     let kv_lo = Positions::to_i32(kv0);
 
     // S = Q Kᵀ, then P = e^(score(scale·S) − lse) in place.
     // SAFETY (every product below): the packs hold whole tiles of 64 rows
-    // and keys (zero past the ends) over dp dims, the scratch tiles are
-    // 64 × 64, and m, n ≤ 64; AMX is configured.
+    // and keys (zero past the ends) over dp (dvp for dO and V) dims, the
+    // scratch tiles are 64 × 64, and m, n ≤ 64; AMX is configured.
     unsafe {
         tiles.product(
             (qp.rows[r0 * dp..].as_ptr(), dp),
@@ -549,7 +547,7 @@ fn step<V: HostVariant>(
             (dop.cols.as_ptr().cast::<u16>().add(r0), sq_pad),
             (sc.p_pairs.as_ptr(), BK),
             (dvt, BK),
-            (dp, n, kq),
+            (dvp, n, kq),
             true,
         );
     }
@@ -558,10 +556,10 @@ fn step<V: HostVariant>(
     // SAFETY: as above.
     unsafe {
         tiles.product(
-            (dop.rows[r0 * dp..].as_ptr(), dp),
+            (dop.rows[r0 * dvp..].as_ptr(), dvp),
             (kv.v_dims[kv0..].as_ptr(), sk_pad),
             (sc.dp.as_mut_ptr(), BK),
-            (m, n, dp),
+            (m, n, dvp),
             false,
         );
     }

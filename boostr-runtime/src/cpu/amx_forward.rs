@@ -16,16 +16,17 @@
 //! Layout: every kv head's K is packed once per call, tile by tile, as the
 //! right-hand operand of `Q Kᵀ` wants it (`Dp/2` rows of 128 keys' bf16
 //! pairs, `Dp` the head dim rounded up to 32, see [`padded_dim`]), and V as
-//! that of `P V` wants it (64 rows of key pairs, each `Dp` pairs), zero
-//! past the last key and dim. A task (batch, query head, up to four tiles
+//! that of `P V` wants it (64 rows of key pairs, each `Dvp` pairs, `Dvp`
+//! the value head dim rounded up likewise), zero past the last key and
+//! dim. A task (batch, query head, up to four tiles
 //! of 64 query rows, see [`MAX_GROUP`]) copies each tile's Q rows into a
 //! zero-padded 64 × Dp block and then streams the key tiles, each through
 //! every query tile in turn: scores into a 64 × 128 f32 block (the softmax
 //! scales them there, row by row), `P` rounded into a 64 × 128 bf16 block,
-//! and `P V` added into the tile's own 64 × Dp f32 accumulator, whose
-//! first `D` columns are normalised into `out` at the end.
+//! and `P V` added into the tile's own 64 × Dvp f32 accumulator, whose
+//! first `Dv` columns are normalised into `out` at the end.
 //!
-//! Scope: head dims up to 256, on CPUs with AMX or a `vdpbf16ps` that pays
+//! Scope: head dims (`D` and `Dv`) up to 256, on CPUs with AMX or a `vdpbf16ps` that pays
 //! (see [`applies`]); partial tiles run the mask over the whole tile (one
 //! band), since a tile product costs less than the bookkeeping of bands.
 
@@ -46,12 +47,11 @@ const BK: usize = 128;
 /// Rows of a tile register.
 const T: usize = amx::TILE;
 
-/// Whether the bf16 forward runs `p`: the head dim is at most 256 (padded
-/// inside to whole `tdpbf16ps` reductions, see [`padded_dim`]), values
-/// have it too (`Dv = D`; other value dims widen to the f32 kernels), and
-/// this thread has bf16 products ([`amx::kind`]).
+/// Whether the bf16 forward runs `p`: both head dims are at most 256
+/// (padded inside to whole `tdpbf16ps` reductions, see [`padded_dim`]),
+/// and this thread has bf16 products ([`amx::kind`]).
 pub(super) fn applies(p: &Problem) -> bool {
-    p.head_dim <= 256 && p.head_dim_v == p.head_dim && amx::kind().is_some()
+    p.head_dim.max(p.head_dim_v) <= 256 && amx::kind().is_some()
 }
 
 /// The head dim the products run over: `d` rounded up to a whole number of
@@ -67,30 +67,41 @@ struct Packed {
     /// Per key tile: `Dp/2` rows of `BK` u32, each the bf16 pair
     /// `(K[key][2p], K[key][2p + 1])` (`Dp` the padded head dim).
     k: Aligned<u32>,
-    /// Per key tile: `BK/2` rows of `Dp` u32, each `(V[2r][d], V[2r + 1][d])`.
+    /// Per key tile: `BK/2` rows of `Dvp` u32, each `(V[2r][d], V[2r + 1][d])`.
     v: Aligned<u32>,
     /// Per key tile: V holds a NaN or an infinity.
     v_nonfinite: Vec<bool>,
 }
 
+/// The head dims of K and of V, each with its padded dim (see
+/// [`padded_dim`]): `((D, Dp), (Dv, Dvp))`.
+pub(super) type Dims = ((usize, usize), (usize, usize));
+
+/// [`Dims`] of `p`.
+pub(super) fn dims(p: &Problem) -> Dims {
+    let (d, dv) = (p.head_dim, p.head_dim_v);
+    ((d, padded_dim(d)), (dv, padded_dim(dv)))
+}
+
 /// [`pack`] for every kv head, in parallel (not generic over the variant,
 /// so its loop is compiled once).
-fn pack_heads(k: &[u16], v: &[u16], sk: usize, d: usize, dp: usize) -> Vec<Packed> {
+fn pack_heads(k: &[u16], v: &[u16], sk: usize, dims: Dims) -> Vec<Packed> {
+    let ((d, _), (dv, _)) = dims;
     k.par_chunks(sk * d)
-        .zip(v.par_chunks(sk * d))
-        .map(|(k, v)| pack(k, v, sk, d, dp))
+        .zip(v.par_chunks(sk * dv))
+        .map(|(k, v)| pack(k, v, sk, dims))
         .collect()
 }
 
-/// The packed K and V of one kv head (`sk × d` each, bf16 bits), over the
-/// padded head dim `dp`.
-fn pack(k: &[u16], v: &[u16], sk: usize, d: usize, dp: usize) -> Packed {
+/// The packed K (`sk × d`) and V (`sk × dv`) of one kv head (bf16 bits),
+/// over the padded head dims.
+fn pack(k: &[u16], v: &[u16], sk: usize, ((d, dp), (dv, dvp)): Dims) -> Packed {
     let tiles = sk.div_ceil(BK);
-    let per = BK * dp / 2;
-    let mut kp = Aligned::<u32>::zeroed(tiles * per);
-    let mut vp = Aligned::<u32>::zeroed(tiles * per);
-    kp.par_chunks_mut(per)
-        .zip(vp.par_chunks_mut(per))
+    let (per_k, per_v) = (BK * dp / 2, BK * dvp / 2);
+    let mut kp = Aligned::<u32>::zeroed(tiles * per_k);
+    let mut vp = Aligned::<u32>::zeroed(tiles * per_v);
+    kp.par_chunks_mut(per_k)
+        .zip(vp.par_chunks_mut(per_v))
         .enumerate()
         .for_each(|(t, (kp, vp))| {
             let k0 = t * BK;
@@ -115,10 +126,10 @@ fn pack(k: &[u16], v: &[u16], sk: usize, d: usize, dp: usize) -> Packed {
                 }
             }
             // V: rows 2r and 2r + 1 interleaved, element by element, in
-            // rows of `dp` pairs (the pad pairs zero).
-            let values = &v[k0 * d..(k0 + cols) * d];
-            for (r, dst) in values.chunks(2 * d).zip(vp.chunks_exact_mut(dp)) {
-                let (lo, hi) = r.split_at(d);
+            // rows of `dvp` pairs (the pad pairs zero).
+            let values = &v[k0 * dv..(k0 + cols) * dv];
+            for (r, dst) in values.chunks(2 * dv).zip(vp.chunks_exact_mut(dvp)) {
+                let (lo, hi) = r.split_at(dv);
                 if hi.is_empty() {
                     dst.iter_mut().zip(lo).for_each(|(o, &l)| *o = u32::from(l));
                 } else {
@@ -129,7 +140,7 @@ fn pack(k: &[u16], v: &[u16], sk: usize, d: usize, dp: usize) -> Packed {
             }
         });
     let v_nonfinite = v
-        .par_chunks(BK * d)
+        .par_chunks(BK * dv)
         .map(all_finite_bits)
         .map(|f| !f)
         .collect();
@@ -179,7 +190,7 @@ const MAX_GROUP: usize = 4;
 const GROUP_BYTES: usize = 1 << 20;
 
 /// One query tile of a task: its rows, its Q rows zero-padded to 64 × Dp,
-/// its output accumulator (64 × Dp f32) and its softmax statistics.
+/// its output accumulator (64 × Dvp f32) and its softmax statistics.
 struct QueryTile {
     rows: usize,
     pos: (i32, i32),
@@ -202,14 +213,14 @@ struct Scratch {
 }
 
 impl Scratch {
-    fn new(dp: usize) -> Self {
+    fn new(((_, dp), (_, dvp)): Dims) -> Self {
         Self {
             tiles: (0..MAX_GROUP)
                 .map(|_| QueryTile {
                     rows: 0,
                     pos: (0, 0),
                     q: Aligned::zeroed(BQ * dp),
-                    o: Aligned::zeroed(BQ * dp),
+                    o: Aligned::zeroed(BQ * dvp),
                     m: vec![0.0; BQ],
                     l: vec![[0.0; math::LANES]; BQ],
                     alpha: vec![0.0; BQ],
@@ -240,10 +251,10 @@ pub(super) fn forward<V: HostVariant>(
 ) {
     assert!(applies(p), "the bf16 forward runs {p:?}");
     let kind = amx::kind().expect("applies");
-    let (sq, sk, d, g) = (p.seq_q, p.seq_k, p.head_dim, p.group());
-    let dp = padded_dim(d);
+    let (sq, sk, g) = (p.seq_q, p.seq_k, p.group());
+    let sizes @ ((d, dp), (dv, dvp)) = dims(p);
     let pos = Positions::new(p);
-    let packed = pack_heads(k, v, sk, d, dp);
+    let packed = pack_heads(k, v, sk, sizes);
     let heads: Vec<Head<'_, V>> = (0..p.batch * p.heads_q)
         .map(|bh| Head {
             variant,
@@ -258,31 +269,31 @@ pub(super) fn forward<V: HostVariant>(
         .collect();
     // One task per (batch, query head, tile of query rows), in one flat
     // list: each thread makes its scratch once, not once per head.
-    let group = if 4 * sk * dp > GROUP_BYTES {
+    let group = if 2 * sk * (dp + dvp) > GROUP_BYTES {
         MAX_GROUP
     } else {
         1
     };
     let rows = group * BQ;
     let mut tasks = Vec::with_capacity(heads.len() * sq.div_ceil(rows));
-    for (bh, (out_bh, lse_bh)) in out.chunks_mut(sq * d).zip(lse.chunks_mut(sq)).enumerate() {
+    for (bh, (out_bh, lse_bh)) in out.chunks_mut(sq * dv).zip(lse.chunks_mut(sq)).enumerate() {
         for (t, (out_t, lse_t)) in out_bh
-            .chunks_mut(rows * d)
+            .chunks_mut(rows * dv)
             .zip(lse_bh.chunks_mut(rows))
             .enumerate()
         {
             tasks.push((bh, t * rows, out_t, lse_t));
         }
     }
-    tasks.into_par_iter().for_each_init_dyn(
-        &|| Scratch::new(dp),
-        &|sc, (bh, row0, out_t, lse_t)| {
+    tasks
+        .into_par_iter()
+        .for_each_init_dyn(&|| Scratch::new(sizes), &|sc, (bh, row0, out_t, lse_t)| {
             let (b, h) = (bh / p.heads_q, bh % p.heads_q);
             let kv = &packed[b * p.heads_kv + h / g];
-            let q_t = &q[(bh * sq + row0) * d..(bh * sq + row0) * d + out_t.len()];
+            let row = bh * sq + row0;
+            let q_t = &q[row * d..(row + lse_t.len()) * d];
             query_tiles(&heads[bh], kind, kv, row0, q_t, out_t, lse_t, sc);
-        },
-    );
+        });
 }
 
 /// Consecutive query tiles, `lse.len()` rows from row `row0` in all: start
@@ -298,7 +309,7 @@ fn query_tiles<V: HostVariant>(
     lse: &mut [f32],
     sc: &mut Scratch,
 ) {
-    let (d, sk) = (head.p.head_dim, head.p.seq_k);
+    let (d, dv, sk) = (head.p.head_dim, head.p.head_dim_v, head.p.seq_k);
     let n = lse.len().div_ceil(BQ);
     for (t, qt) in sc.tiles[..n].iter_mut().enumerate() {
         let r0 = t * BQ;
@@ -324,7 +335,7 @@ fn query_tiles<V: HostVariant>(
     drop(tiles);
     for (t, qt) in qts.iter().enumerate() {
         let r = t * BQ..t * BQ + qt.rows;
-        finish(qt, d, &mut out[r.start * d..r.end * d], &mut lse[r]);
+        finish(qt, dv, &mut out[r.start * dv..r.end * dv], &mut lse[r]);
     }
 }
 
@@ -363,7 +374,7 @@ fn step<V: HostVariant>(
     w: &mut Work<'_>,
 ) {
     let (sk, scale) = (head.p.seq_k, head.p.scale);
-    let dp = padded_dim(head.p.head_dim);
+    let ((_, dp), (_, dvp)) = dims(head.p);
     let rows = qt.rows;
     let cols = BK.min(sk - kv0);
     let class = tile_class(head.variant, head.b, head.h, qt.pos, kv0, cols);
@@ -372,7 +383,7 @@ fn step<V: HostVariant>(
     }
     let row_groups = rows.div_ceil(T).next_multiple_of(2);
     let k_t = &kv.k[tile * BK * dp / 2..(tile + 1) * BK * dp / 2];
-    let v_t = &kv.v[tile * BK * dp / 2..(tile + 1) * BK * dp / 2];
+    let v_t = &kv.v[tile * BK * dvp / 2..(tile + 1) * BK * dvp / 2];
     // SAFETY: qt.q holds 64 rows of dp, k_t a packed tile (dp/2 rows of
     // BK), s64 64 × BK; row_groups ≤ 4 and the columns ≤ BK.
     unsafe {
@@ -402,7 +413,7 @@ fn step<V: HostVariant>(
         m: &mut qt.m[..rows],
         l: &mut qt.l[..rows],
         alpha: &mut qt.alpha[..rows],
-        out: (!first).then_some(&mut qt.o[..rows * dp]),
+        out: (!first).then_some(&mut qt.o[..rows * dvp]),
         p_bf16: Some(&mut w.p[..rows * BK]),
         bands: w.bands,
     });
@@ -411,33 +422,33 @@ fn step<V: HostVariant>(
     // On a partial tile, keys no row sees must not bring a NaN of their V
     // rows into the product.
     let v_t = if class == TileClass::Partial && kv.v_nonfinite[tile] {
-        zero_unseen_keys(v_t, dp, p, BK, cols, w.v_guarded)
+        zero_unseen_keys(v_t, dvp, p, BK, cols, w.v_guarded)
     } else {
         v_t
     };
-    // SAFETY: qt.o holds 64 rows of dp; p 64 × BK; v_t a packed tile
-    // (BK/2 rows of dp); the keys ≤ BK.
+    // SAFETY: qt.o holds 64 rows of dvp; p 64 × BK; v_t a packed tile
+    // (BK/2 rows of dvp); the keys ≤ BK.
     unsafe {
         tiles.product(
             (w.p.as_ptr(), BK),
-            (v_t.as_ptr(), dp),
-            (qt.o.as_mut_ptr(), dp),
-            (row_groups * T, dp, chunks * amx::DEPTH),
+            (v_t.as_ptr(), dvp),
+            (qt.o.as_mut_ptr(), dvp),
+            (row_groups * T, dvp, chunks * amx::DEPTH),
             !first,
         )
     };
     qt.first = false;
 }
 
-/// Query tile `qt`'s output rows (the first `d` columns of its
+/// Query tile `qt`'s output rows (the first `dv` columns of its
 /// accumulator), normalised, and its lse.
-fn finish(qt: &QueryTile, d: usize, out: &mut [f32], lse: &mut [f32]) {
-    let dp = padded_dim(d);
+fn finish(qt: &QueryTile, dv: usize, out: &mut [f32], lse: &mut [f32]) {
+    let dvp = padded_dim(dv);
     if qt.first {
         out.fill(0.0);
     } else {
-        for (dst, src) in out.chunks_exact_mut(d).zip(qt.o.chunks_exact(dp)) {
-            dst.copy_from_slice(&src[..d]);
+        for (dst, src) in out.chunks_exact_mut(dv).zip(qt.o.chunks_exact(dvp)) {
+            dst.copy_from_slice(&src[..dv]);
         }
     }
     finish_rows(&qt.m[..qt.rows], &qt.l[..qt.rows], out, lse);

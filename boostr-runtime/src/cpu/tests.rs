@@ -1585,9 +1585,9 @@ fn bf16_tiles_match_the_reference_within_the_bf16_yardstick() {
             let seen = crate::testing::seen_keys(&host, &p);
             for (key, seen) in seen.iter().enumerate() {
                 if !seen {
-                    let d = p.head_dim;
+                    let (d, dv) = (p.head_dim, p.head_dim_v);
                     x.k[key * d..(key + 1) * d].fill(f32::NAN);
-                    x.v[key * d..(key + 1) * d].fill(f32::NAN);
+                    x.v[key * dv..(key + 1) * dv].fill(f32::NAN);
                 }
             }
         }
@@ -1662,6 +1662,26 @@ fn bf16_tiles_match_the_reference_within_the_bf16_yardstick() {
         l,
     );
     check(&Causal, problem(1, 1, 1, 4096, 4096, 64), false, l);
+    // Values of their own head dim: MLA's prefill (192/128), a padded
+    // value dim, and values wider than keys with hidden keys.
+    check(
+        &Causal,
+        problem(1, 2, 2, 130, 130, 192).with_head_dim_v(128),
+        false,
+        l,
+    );
+    check(
+        &Full,
+        problem(1, 4, 2, 70, 90, 64).with_head_dim_v(40),
+        false,
+        l,
+    );
+    check(
+        &CausalSlidingWindow { window: 33 },
+        problem(1, 2, 1, 100, 100, 40).with_head_dim_v(96),
+        true,
+        l,
+    );
     // Head dims that are no multiple of 32, padded inside.
     check(&Full, problem(1, 4, 2, 70, 90, 40), false, l);
     check(&Causal, problem(1, 2, 1, 129, 129, 80), false, l);
@@ -1791,15 +1811,20 @@ fn bf16_tiles_cover_padded_dims_learnable_tensors_and_caches() {
         p,
         &levels,
     );
-    let p = problem(1, 2, 1, 77, 130, 80);
-    let slopes = Tensor::<CpuRuntime>::from_slice(&[0.05f32, 0.3], &[2], &device).unwrap();
-    learnable(
-        &AlibiSlopes {
-            slopes: Var::new(slopes, true),
-        },
-        p,
-        &levels,
-    );
+    // Values of their own (padded) head dim.
+    for p in [
+        problem(1, 2, 1, 77, 130, 80),
+        problem(1, 2, 1, 77, 130, 64).with_head_dim_v(40),
+    ] {
+        let slopes = Tensor::<CpuRuntime>::from_slice(&[0.05f32, 0.3], &[2], &device).unwrap();
+        learnable(
+            &AlibiSlopes {
+                slopes: Var::new(slopes, true),
+            },
+            p,
+            &levels,
+        );
+    }
 
     // The backward over a KV cache, NaN in the spare slots, D = 40.
     let lens = [0usize, 37, 128, 90];
