@@ -40,6 +40,7 @@ milliseconds, which made the S = 1024 cells vary up to 2x on a 2-core VM.
 """
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -58,11 +59,26 @@ SHORT = 0.05
 CAP = 30.0
 
 
+class Dims(collections.namedtuple("Dims", "d dv")):
+    """A head dim `D`, or `D/Dv` for values of their own head dim (MLA's
+    prefill: 192/128); prints as the server reads it."""
+
+    @classmethod
+    def parse(cls, text):
+        d, _, dv = text.partition("/")
+        return cls(int(d), int(dv or d))
+
+    def __str__(self):
+        return str(self.d) if self.d == self.dv else f"{self.d}/{self.dv}"
+
+
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ints = lambda s: [int(x) for x in s.split(",")]
     p.add_argument("--seq", type=ints, default=[1024, 2048, 4096])
-    p.add_argument("--dim", type=ints, default=[64, 128])
+    p.add_argument("--dim", type=lambda s: [Dims.parse(x) for x in s.split(",")],
+                   default=[Dims(64, 64), Dims(128, 128)],
+                   help="head dims, comma-separated; D/Dv for values of their own head dim (e.g. 192/128)")
     p.add_argument("--hkv", type=ints, default=[8, 2])
     p.add_argument("--hq", type=int, default=8)
     p.add_argument("--reps", type=int, default=6)
@@ -168,8 +184,12 @@ def pairs(variant, s):
 
 
 def flops(variant, pass_, hq, s, d):
-    fwd = 4 * hq * d * pairs(variant, s)
-    return fwd * (3.5 if pass_ == "fwdbwd" else 1.0)
+    """Two products of the forward (`Q Kᵀ` over D, `P V` over Dv), five of
+    the backward (S, dK, dQ over D; dP, dV over Dv), 2 flops per term."""
+    d = d if isinstance(d, Dims) else Dims(d, d)
+    n = pairs(variant, s) * hq
+    fwd = 2 * n * (d.d + d.dv)
+    return fwd + (2 * n * (3 * d.d + 2 * d.dv) if pass_ == "fwdbwd" else 0)
 
 
 def interleaved(reps, *sides):
@@ -250,9 +270,9 @@ class Torch:
     def inputs(self, hq, hkv, s, d, dtype):
         t = self.torch
         dt = {"f32": t.float32, "bf16": t.bfloat16}[dtype]
-        g = t.Generator().manual_seed(hq * 1_000_003 + hkv * 10_007 + s * 101 + d)
-        mk = lambda h: t.randn(1, h, s, d, generator=g).to(dt)
-        return mk(hq), mk(hkv), mk(hkv), mk(hq)
+        g = t.Generator().manual_seed(hq * 1_000_003 + hkv * 10_007 + s * 101 + d.d * 7 + d.dv)
+        mk = lambda h, d: t.randn(1, h, s, d, generator=g).to(dt)
+        return mk(hq, d.d), mk(hkv, d.d), mk(hkv, d.dv), mk(hq, d.dv)
 
     def sdpa(self, variant, pass_, x):
         t, F = self.torch, self.F

@@ -5,7 +5,7 @@
 //! It reads one command per line on stdin and answers one line on stdout:
 //!
 //! ```text
-//! attn <variant> <fwd|fwdbwd> <hq> <hkv> <seq> <dim> [f32|bf16]   -> ok <seconds>
+//! attn <variant> <fwd|fwdbwd> <hq> <hkv> <seq> <dims> [f32|bf16]  -> ok <seconds>
 //! gemm <n> <f32>                                                   -> ok <seconds>
 //! tile <m> <n> <k> <n|t> <iters>                  -> ok <tile kernel seconds|none> <gemm crate seconds>
 //! peak <iters> [all]                                               -> ok <seconds|none>
@@ -19,6 +19,9 @@
 //!
 //! With `--pin`, the rayon workers are bound one per CPU
 //! (`cpu::pin_threads`) before the first command.
+//!
+//! `<dims>` is the head dim `D`, or `D/Dv` for values of their own head dim
+//! (MLA: `192/128`).
 //!
 //! Variants: `full`, `causal`, `alibi` (causal), `softcap` (causal, cap 30),
 //! `window` (causal sliding window of 256), `prefix` (prefix-LM, prefix S/4),
@@ -63,7 +66,7 @@ type BoxResult<T> = Result<T, Box<dyn Error>>;
 
 /// Inputs of the current attention shape.
 struct Inputs {
-    key: (usize, usize, usize, usize, DType),
+    key: (usize, usize, usize, (usize, usize), DType),
     q: Tensor<CpuRuntime>,
     k: Tensor<CpuRuntime>,
     v: Tensor<CpuRuntime>,
@@ -92,14 +95,14 @@ impl Server {
         hq: usize,
         hkv: usize,
         seq: usize,
-        dim: usize,
+        (dim, dim_v): (usize, usize),
         dtype: DType,
     ) -> BoxResult<&Inputs> {
-        let key = (hq, hkv, seq, dim, dtype);
+        let key = (hq, hkv, seq, (dim, dim_v), dtype);
         if self.inputs.as_ref().is_none_or(|i| i.key != key) {
             self.inputs = None; // free the old shape first
-            let qs = [1, hq, seq, dim];
-            let ks = [1, hkv, seq, dim];
+            let p = Problem::new(1, (hq, hkv), (seq, seq), dim).with_head_dim_v(dim_v);
+            let (qs, ks, vs, os) = (p.q_shape(), p.k_shape(), p.v_shape(), p.out_shape());
             let mut make = |shape: &[usize; 4]| {
                 let data = self.rng.normal_f32(shape.iter().product(), 1.0);
                 match dtype {
@@ -117,8 +120,8 @@ impl Server {
                 key,
                 q: make(&qs)?,
                 k: make(&ks)?,
-                v: make(&ks)?,
-                dout: make(&qs)?,
+                v: make(&vs)?,
+                dout: make(&os)?,
             });
         }
         Ok(self.inputs.as_ref().expect("just made"))
@@ -131,10 +134,20 @@ impl Server {
             Ok(w.parse::<usize>()
                 .map_err(|_| format!("bad number {w:?}"))?)
         };
+        // `D` or `D/Dv`.
+        let dims = |i: usize| -> BoxResult<(usize, usize)> {
+            let w = words.get(i).ok_or("missing argument")?;
+            let (d, dv) = w.split_once('/').unwrap_or((w, w));
+            let n = |x: &str| {
+                x.parse::<usize>()
+                    .map_err(|_| format!("bad head dims {w:?}"))
+            };
+            Ok((n(d)?, n(dv)?))
+        };
         match words.first().copied() {
             Some("attn") => {
                 let (variant, pass) = (words.get(1), words.get(2));
-                let (hq, hkv, seq, dim) = (num(3)?, num(4)?, num(5)?, num(6)?);
+                let (hq, hkv, seq, dim) = (num(3)?, num(4)?, num(5)?, dims(6)?);
                 let dtype = match words.get(7).copied() {
                     None | Some("f32") => DType::F32,
                     Some("bf16") => DType::BF16,
@@ -214,7 +227,7 @@ impl Server {
                 let (hq, hkv, seq, dim) = (num(2)?, num(3)?, num(4)?, num(5)?);
                 let before = peak_rss()?;
                 let (docs, device) = (self.docs.clone(), self.device.clone());
-                let x = self.inputs(hq, hkv, seq, dim, DType::F32)?;
+                let x = self.inputs(hq, hkv, seq, (dim, dim), DType::F32)?;
                 let t = time_named(name, x, true, &docs, &device)?;
                 let peak = peak_rss()?;
                 // q, k, v, out and their gradients (dout is out's gradient).
