@@ -12,9 +12,11 @@
 //! every length full; read as stored, widened in registers; bandwidth
 //! counts their 2-byte elements). Read bandwidth: a 1 GiB buffer read by
 //! all threads at once, one such read before each decode run; each shape's
-//! share is against the median of the reads taken with its runs. Then, at
-//! B = 8, Sk = 16k, the f32 keys as a KV cache against pages of 64 and of
-//! 16 keys in shuffled order (`attention_fwd_paged`). Medians of `reps`
+//! share is against the median of the reads taken with its runs. Then
+//! DeepSeek-V3's absorbed decode (Hq = 16, Hkv = 1, D = 576, Dv = 512,
+//! bf16 cache, Sk 4k–32k) against the same read bandwidth. Then, at B = 8,
+//! Sk = 16k, the f32 keys as a KV cache against pages of 64 and of 16 keys
+//! in shuffled order (`attention_fwd_paged`). Medians of `reps`
 //! (default 7) runs, rayon's workers bound one per CPU. `bench/decode.py`
 //! runs this, then PyTorch's SDPA on the same shapes.
 
@@ -84,7 +86,42 @@ fn main() -> BoxResult<()> {
             );
         }
     }
+    mla(&device, &mut rng, &reader, reps)?;
     paged(&device, &mut rng, reps)?;
+    Ok(())
+}
+
+/// DeepSeek-V3's absorbed decode: 16 query heads on one latent kv head,
+/// keys of 576 (512 latent + 64 rotary) and values of 512, a bf16 cache.
+/// (V is a tensor of its own here; the bandwidth counts K and V.)
+fn mla(device: &CpuDevice, rng: &mut Rng, reader: &Reader, reps: usize) -> BoxResult<()> {
+    let (hq, d, dv) = (16, 576, 512);
+    println!("\nabsorbed MLA decode, Sq = 1, Hq = {hq}, Hkv = 1, D = {d}, Dv = {dv}, bf16 cache");
+    println!("| Sk | time | K/V bandwidth | read bandwidth | of read |");
+    println!("| ---: | ---: | ---: | ---: | ---: |");
+    for sk in [4096, 16384, 32768] {
+        let q = tensor(rng, &[1, hq, 1, d], DType::BF16, device)?;
+        let k = tensor(rng, &[1, 1, sk, d], DType::BF16, device)?;
+        let v = tensor(rng, &[1, 1, sk, dv], DType::BF16, device)?;
+        let lengths = Tensor::<CpuRuntime>::from_slice(&[sk as i32], &[1], device)?;
+        let cache = KvCache {
+            k: &k,
+            v: &v,
+            lengths: &lengths,
+        };
+        let opts = AttentionOptions::default();
+        let (t, read) = reader.time_between_reads(reps, &mut || {
+            std::hint::black_box(attention_fwd_cache(&Causal, &q, &cache, &opts).expect("mla"));
+        });
+        let bytes = (sk * (d + dv) * 2) as f64;
+        println!(
+            "| {sk} | {:.2} ms | {:.1} GB/s | {:.1} GB/s | {:.0}% |",
+            t * 1e3,
+            bytes / t / 1e9,
+            read / 1e9,
+            100.0 * bytes / t / read
+        );
+    }
     Ok(())
 }
 
