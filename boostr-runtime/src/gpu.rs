@@ -233,15 +233,13 @@ impl<R: Runtime<DType = DType>> ArenaPlan<R> {
 /// error rather than a value that may have wrapped.
 const GRAD_MAX_SUM: f64 = 1_073_741_824.0;
 
-/// The tensors a GPU backward reads, each checked and made contiguous by
-/// the backend's `input` (`lse`: f32); a paged layout is an `Err`.
+/// The tensors every GPU backward reads, each checked and made contiguous
+/// by the backend's `input` (`lse`: f32); a paged layout is an `Err`.
+/// (`out` is left to the backends that read it.)
 pub(crate) struct BackwardOperands<R: Runtime> {
     pub(crate) q: Tensor<R>,
     pub(crate) k: Tensor<R>,
     pub(crate) v: Tensor<R>,
-    /// Read by CUDA's backward (wgpu's recomputes `D_i` from `P`).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) out: Tensor<R>,
     pub(crate) dout: Tensor<R>,
     pub(crate) lse: Tensor<R>,
 }
@@ -260,7 +258,6 @@ impl<R: Runtime<DType = DType>> BackwardOperands<R> {
             q: input("q", t.q)?,
             k: input("k", t.keys.k)?,
             v: input("v", t.keys.v)?,
-            out: input("out", t.out)?,
             dout: input("dout", t.dout)?,
             lse: t.lse.contiguous()?,
         })

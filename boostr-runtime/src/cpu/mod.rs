@@ -490,15 +490,16 @@ trait BackwardElem: Copy {
     /// Whether [`Self::backward`] runs `p` on this CPU.
     fn runs(p: &Problem) -> bool;
 
-    /// The backward of `host`, the tile sizes the variant's `V`, with the
-    /// slots `tensor_grads` marks computed.
+    /// The backward of `host`, the tile sizes the variant's `V`, into
+    /// `grads` and the learnable tensors' gradients `tensor_grads` (one
+    /// zeroed slice per wanted slot, empty for the others).
     fn backward<V: Variant, H: HostVariant>(
         host: &H,
         p: &Problem,
         inputs: BackwardInputs<'_, Self>,
         grads: GradSlices<'_>,
-        tensor_grads: &[bool],
-    ) -> Vec<Option<Vec<f32>>>;
+        tensor_grads: &mut [Vec<f32>],
+    );
 }
 
 impl BackwardElem for f32 {
@@ -511,12 +512,10 @@ impl BackwardElem for f32 {
         p: &Problem,
         inputs: BackwardInputs<'_>,
         (dq, dk, dv): GradSlices<'_>,
-        tensor_grads: &[bool],
-    ) -> Vec<Option<Vec<f32>>> {
-        let mut grads = grad_slots(host, tensor_grads);
+        tensor_grads: &mut [Vec<f32>],
+    ) {
         let tiles = CpuTiles::for_variant::<V>();
-        backward_tiled(host, p, tiles, inputs, dq, dk, dv, &mut grads);
-        wanted_grads(grads, tensor_grads)
+        backward_tiled(host, p, tiles, inputs, dq, dk, dv, tensor_grads);
     }
 }
 
@@ -531,9 +530,8 @@ impl BackwardElem for half::bf16 {
         p: &Problem,
         i: Bf16BackwardInputs<'_>,
         (dq, dk, dv): GradSlices<'_>,
-        tensor_grads: &[bool],
-    ) -> Vec<Option<Vec<f32>>> {
-        let mut grads = grad_slots(host, tensor_grads);
+        grads: &mut [Vec<f32>],
+    ) {
         use half::slice::HalfFloatSliceExt as _;
         let x = amx_backward::Inputs {
             q: i.q.reinterpret_cast(),
@@ -546,8 +544,7 @@ impl BackwardElem for half::bf16 {
         let learn = H::SCORE_READS_LEARNABLE && grads.iter().any(|g| !g.is_empty());
         let chunks = backward::key_chunks(p, amx_backward::TILES, chunk_threads(learn));
         let kv_group = backward::kv_group_size(host, p, amx_backward::TILES);
-        in_pool(|| amx_backward::backward(host, p, chunks, kv_group, x, dq, dk, dv, &mut grads));
-        wanted_grads(grads, tensor_grads)
+        in_pool(|| amx_backward::backward(host, p, chunks, kv_group, x, dq, dk, dv, grads));
     }
 }
 
@@ -571,12 +568,16 @@ fn backward_stored<V: Variant, E: BackwardElem>(
     if !E::runs(p) {
         return Ok(None);
     }
-    on_host(variant, p, |host| match lens {
-        None => Some(E::backward::<V, _>(host, p, i, grads, tensor_grads)),
-        Some(lens) => {
-            let cached = cached::Cached::new(host, p, lens);
-            Some(E::backward::<V, _>(&cached, p, i, grads, tensor_grads))
+    on_host(variant, p, |host| {
+        let mut slots = grad_slots(host, tensor_grads);
+        match lens {
+            None => E::backward::<V, _>(host, p, i, grads, &mut slots),
+            Some(lens) => {
+                let cached = cached::Cached::new(host, p, lens);
+                E::backward::<V, _>(&cached, p, i, grads, &mut slots);
+            }
         }
+        Some(wanted_grads(slots, tensor_grads))
     })
 }
 

@@ -619,11 +619,12 @@ impl AttentionRuntime for CudaRuntime {
     ) -> Result<AttentionGrads<Self>> {
         let x = gpu::BackwardOperands::new(p, &t, CUDA, input)?;
         let (q, k, v) = (&x.q, &x.k, &x.v);
+        let out = input("out", t.out)?;
         let dtype = same_dtype(&[
             ("q", q),
             ("k", k),
             ("v", v),
-            ("out", &x.out),
+            ("out", &out),
             ("dout", &x.dout),
         ])?;
         let delta = alloc(&[p.batch, p.heads_q, p.seq_q], DType::F32, q)?;
@@ -634,7 +635,7 @@ impl AttentionRuntime for CudaRuntime {
             (Buffer::Q, q),
             (Buffer::K, k),
             (Buffer::V, v),
-            (Buffer::Out, &x.out),
+            (Buffer::Out, &out),
             (Buffer::Dout, &x.dout),
             (Buffer::Lse, &x.lse),
             (Buffer::Delta, &delta),

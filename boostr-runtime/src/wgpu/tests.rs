@@ -233,6 +233,26 @@ fn a_variant_without_a_lowering_is_refused() {
     }
 }
 
+/// Random `q [B, Hq, Sq, D]` and `k, v [B, Hkv, cap, D]` of a KV cache of
+/// `lens`, every slot past a length NaN in K and infinite in V.
+fn cache_inputs(
+    rng: &mut crate::testing::Rng,
+    (b, hq, hkv, sq, cap, d): (usize, usize, usize, usize, usize, usize),
+    lens: &[i32],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let q = rng.normal_f32(b * hq * sq * d, 1.0);
+    let mut k = rng.normal_f32(b * hkv * cap * d, 1.0);
+    let mut v = rng.normal_f32(b * hkv * cap * d, 1.0);
+    let len = |b: usize| lens[b] as usize;
+    fill_spare_slots(
+        (&mut k, &mut v),
+        (hkv, cap, (d, d)),
+        len,
+        (f32::NAN, f32::INFINITY),
+    );
+    (q, k, v)
+}
+
 /// A KV cache and the same keys in pages, on wgpu against the CPU: mixed
 /// lengths (0, 1, a key-tile boundary, the capacity), GQA 4:1, a sliding
 /// window, NaN in the spare slots and in a spare page; pages of 16 and of
@@ -246,16 +266,7 @@ fn kv_caches_and_pages_match_the_cpu() {
     let (b, hq, hkv, sq, cap, d) = (4usize, 4usize, 1usize, 3usize, 96usize, 64usize);
     let lens = [0i32, 1, 32, 96];
     let mut rng = Rng::new(5, 0);
-    let q = rng.normal_f32(b * hq * sq * d, 1.0);
-    let mut k = rng.normal_f32(b * hkv * cap * d, 1.0);
-    let mut v = rng.normal_f32(b * hkv * cap * d, 1.0);
-    let len = |b: usize| lens[b] as usize;
-    fill_spare_slots(
-        (&mut k, &mut v),
-        (hkv, cap, (d, d)),
-        len,
-        (f32::NAN, f32::INFINITY),
-    );
+    let (q, k, v) = cache_inputs(&mut rng, (b, hq, hkv, sq, cap, d), &lens);
     let cpu = CpuDevice::new();
     let variant = CausalSlidingWindow { window: 40 };
     let opts = AttentionOptions::default();
@@ -360,16 +371,7 @@ fn split_kv_decode_matches_the_unsplit_kernel() {
         let (b, hq, hkv, cap, d) = (5usize, 8usize, 1usize, 1040usize, 32usize);
         let lens = [0i32, 1, 32, 700, 1040];
         let mut rng = Rng::new(seed, sq as u64);
-        let q = rng.normal_f32(b * hq * sq * d, 1.0);
-        let mut k = rng.normal_f32(b * hkv * cap * d, 1.0);
-        let mut v = rng.normal_f32(b * hkv * cap * d, 1.0);
-        let len = |b: usize| lens[b] as usize;
-        fill_spare_slots(
-            (&mut k, &mut v),
-            (hkv, cap, (d, d)),
-            len,
-            (f32::NAN, f32::INFINITY),
-        );
+        let (q, k, v) = cache_inputs(&mut rng, (b, hq, hkv, sq, cap, d), &lens);
         let opts = AttentionOptions::default();
         let on_cpu = |x: &[f32], s: &[usize]| Tensor::<CpuRuntime>::from_slice(x, s, cpu).unwrap();
         let on_gpu =
