@@ -28,6 +28,10 @@ Sections:
           CPU (which has no CPU backward); boostr's forward+backward too, and each
           variant's throughput per attended pair relative to boostr's plain causal.
   bf16    full and causal forward and forward+backward with bf16 inputs.
+  layout  causal forward and forward+backward, f32 and bf16, on inputs made as
+          [B, S, H, D] and permuted to [B, H, S, D] (`bshd`), against the
+          same call on contiguous [B, H, S, D] inputs, for boostr (which reads
+          them in place) and for SDPA.
   mem     peak resident set of one forward+backward (S = 16384, D = 128, Hq = 8),
           in a fresh process, against the bytes of q, k, v, out and their gradients.
 
@@ -51,7 +55,7 @@ import time
 import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SECTIONS = ["gemm", "plain", "custom", "bf16", "mem"]
+SECTIONS = ["gemm", "plain", "custom", "bf16", "layout", "mem"]
 CUSTOM = ["alibi", "softcap", "window", "prefix"]
 WINDOW = 256
 PAUSE = 0.1
@@ -84,8 +88,8 @@ def parse_args():
     p.add_argument("--reps", type=int, default=6)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--quick", action="store_true", help="S = 1024 only")
-    p.add_argument("--section", default=",".join(s for s in SECTIONS if s != "mem"),
-                   help="comma-separated subset of " + ",".join(SECTIONS) + " (default: all but mem)")
+    p.add_argument("--section", default=",".join(s for s in SECTIONS if s not in ("mem", "layout")),
+                   help="comma-separated subset of " + ",".join(SECTIONS) + " (default: all but layout and mem)")
     p.add_argument("--no-pin", action="store_true",
                    help="leave both sides' threads unbound (by default each binds one thread per CPU)")
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
@@ -273,6 +277,10 @@ class Torch:
         g = t.Generator().manual_seed(hq * 1_000_003 + hkv * 10_007 + s * 101 + d.d * 7 + d.dv)
         mk = lambda h, d: t.randn(1, h, s, d, generator=g).to(dt)
         return mk(hq, d.d), mk(hkv, d.d), mk(hkv, d.dv), mk(hq, d.dv)
+
+    def permuted(self, x):
+        """Each of `x` made as a contiguous [B, S, H, D] copy, viewed as [B, H, S, D]."""
+        return tuple(y.transpose(1, 2).contiguous().transpose(1, 2) for y in x)
 
     def sdpa(self, variant, pass_, x):
         t, F = self.torch, self.F
@@ -483,6 +491,32 @@ def main():
                              fmt_ratio(r["torch"] / r["boostr"])])
         table("bf16: boostr's bf16 against its own f32 and against SDPA bf16",
               ["variant", "pass", "Hkv", "S", "D", "bf16 speedup over f32", "over SDPA bf16"], rows)
+
+    if "layout" in args.section:
+        # Permuted [B, S, H, D] inputs against contiguous ones, each side
+        # against itself, interleaved with the contiguous run.
+        rows = []
+        for dtype in ("f32", "bf16"):
+            for pass_ in ("fwd", "fwdbwd"):
+                for hkv in args.hkv:
+                    for d in args.dim:
+                        for s in args.seq:
+                            x = th.inputs(args.hq, hkv, s, d, dtype)
+                            xp = th.permuted(x)
+                            cmd = f"attn causal {pass_} {args.hq} {hkv} {s} {d} {dtype}"
+                            tb, tbp, tt, ttp = interleaved(
+                                args.reps, server.burst(cmd), server.burst(cmd + " bshd"),
+                                burst(th.sdpa("causal", pass_, x)), burst(th.sdpa("causal", pass_, xp)))
+                            row = [dtype, "fwd" if pass_ == "fwd" else "fwd+bwd", str(hkv), str(s), str(d),
+                                   fmt_ms(tb), fmt_ms(tbp), f"{tbp / tb:.3f}", fmt_ms(tt), fmt_ms(ttp),
+                                   f"{ttp / tt:.3f}"]
+                            rows.append(row)
+                            print("  " + " ".join(row), file=sys.stderr, flush=True)
+                            results.append(dict(section="layout", pass_=pass_, hq=args.hq, hkv=hkv, s=s, d=d,
+                                                dtype=dtype, boostr=tb, boostr_bshd=tbp, torch=tt, torch_bshd=ttp))
+        table("causal: permuted [B, S, H, D] inputs against contiguous [B, H, S, D] (time ratio; 1 = no cost)",
+              ["dtype", "pass", "Hkv", "S", "D", "boostr ms", "bshd ms", "ratio", "SDPA ms", "bshd ms", "ratio"],
+              rows)
 
     if "custom" in args.section:
         if th.flex_error:

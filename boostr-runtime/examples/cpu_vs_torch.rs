@@ -5,7 +5,7 @@
 //! It reads one command per line on stdin and answers one line on stdout:
 //!
 //! ```text
-//! attn <variant> <fwd|fwdbwd> <hq> <hkv> <seq> <dims> [f32|bf16]  -> ok <seconds>
+//! attn <variant> <fwd|fwdbwd> <hq> <hkv> <seq> <dims> [f32|bf16] [bhsd|bshd] -> ok <seconds>
 //! gemm <n> <f32>                                                   -> ok <seconds>
 //! tile <m> <n> <k> <n|t> <iters>                  -> ok <tile kernel seconds|none> <gemm crate seconds>
 //! peak <iters> [all]                                               -> ok <seconds|none>
@@ -21,7 +21,10 @@
 //! (`cpu::pin_threads`) before the first command.
 //!
 //! `<dims>` is the head dim `D`, or `D/Dv` for values of their own head dim
-//! (MLA: `192/128`).
+//! (MLA: `192/128`). The layout is `bhsd` (contiguous `[B, H, S, D]`, the
+//! default) or `bshd`: each input (dout too) made as a contiguous `[B, S,
+//! H, D]` tensor and passed permuted to `[B, H, S, D]`, as model code holds
+//! its projections.
 //!
 //! Variants: `full`, `causal`, `alibi` (causal), `softcap` (causal, cap 30),
 //! `window` (causal sliding window of 256), `prefix` (prefix-LM, prefix S/4),
@@ -66,7 +69,7 @@ type BoxResult<T> = Result<T, Box<dyn Error>>;
 
 /// Inputs of the current attention shape.
 struct Inputs {
-    key: (usize, usize, usize, (usize, usize), DType),
+    key: (usize, usize, usize, (usize, usize), DType, bool),
     q: Tensor<CpuRuntime>,
     k: Tensor<CpuRuntime>,
     v: Tensor<CpuRuntime>,
@@ -97,24 +100,27 @@ impl Server {
         seq: usize,
         (dim, dim_v): (usize, usize),
         dtype: DType,
+        bshd: bool,
     ) -> BoxResult<&Inputs> {
-        let key = (hq, hkv, seq, (dim, dim_v), dtype);
+        let key = (hq, hkv, seq, (dim, dim_v), dtype, bshd);
         if self.inputs.as_ref().is_none_or(|i| i.key != key) {
             self.inputs = None; // free the old shape first
             let p = Problem::new(1, (hq, hkv), (seq, seq), dim).with_head_dim_v(dim_v);
             let (qs, ks, vs, os) = (p.q_shape(), p.k_shape(), p.v_shape(), p.out_shape());
-            let mut make = |shape: &[usize; 4]| {
+            let mut make = |&[b, h, s, d]: &[usize; 4]| -> BoxResult<Tensor<CpuRuntime>> {
+                let shape = if bshd { [b, s, h, d] } else { [b, h, s, d] };
                 let data = self.rng.normal_f32(shape.iter().product(), 1.0);
-                match dtype {
+                let t = match dtype {
                     DType::BF16 => {
                         let bytes: Vec<u8> = data
                             .iter()
                             .flat_map(|&x| half::bf16::from_f32(x).to_bits().to_le_bytes())
                             .collect();
-                        Tensor::<CpuRuntime>::from_bytes(&bytes, shape, dtype, &self.device)
+                        Tensor::<CpuRuntime>::from_bytes(&bytes, &shape, dtype, &self.device)?
                     }
-                    _ => Tensor::<CpuRuntime>::from_slice(&data, shape, &self.device),
-                }
+                    _ => Tensor::<CpuRuntime>::from_slice(&data, &shape, &self.device)?,
+                };
+                Ok(if bshd { t.permute(&[0, 2, 1, 3])? } else { t })
             };
             self.inputs = Some(Inputs {
                 key,
@@ -153,6 +159,11 @@ impl Server {
                     Some("bf16") => DType::BF16,
                     Some(other) => return Err(format!("dtype {other:?}: f32 or bf16").into()),
                 };
+                let bshd = match words.get(8).copied() {
+                    None | Some("bhsd") => false,
+                    Some("bshd") => true,
+                    Some(other) => return Err(format!("layout {other:?}: bhsd or bshd").into()),
+                };
                 let fwdbwd = match pass.copied() {
                     Some("fwd") => false,
                     Some("fwdbwd") => true,
@@ -160,7 +171,7 @@ impl Server {
                 };
                 let name = variant.copied().unwrap_or_default();
                 let (docs, device) = (self.docs.clone(), self.device.clone());
-                let x = self.inputs(hq, hkv, seq, dim, dtype)?;
+                let x = self.inputs(hq, hkv, seq, dim, dtype, bshd)?;
                 let secs = time_named(name, x, fwdbwd, &docs, &device)?;
                 Ok(Some(format!("ok {secs:.9}")))
             }
@@ -227,7 +238,7 @@ impl Server {
                 let (hq, hkv, seq, dim) = (num(2)?, num(3)?, num(4)?, num(5)?);
                 let before = peak_rss()?;
                 let (docs, device) = (self.docs.clone(), self.device.clone());
-                let x = self.inputs(hq, hkv, seq, (dim, dim), DType::F32)?;
+                let x = self.inputs(hq, hkv, seq, (dim, dim), DType::F32, false)?;
                 let t = time_named(name, x, true, &docs, &device)?;
                 let peak = peak_rss()?;
                 // q, k, v, out and their gradients (dout is out's gradient).
@@ -329,7 +340,7 @@ fn time_named(
     docs: &[usize],
     device: &CpuDevice,
 ) -> BoxResult<f64> {
-    let (hq, _, seq_len, _, _) = x.key;
+    let (hq, _, seq_len, _, _, _) = x.key;
     let (heads, seq) = (i32::try_from(hq)?, i32::try_from(seq_len)?);
     match name {
         // Made per run: the ids and their summaries are the call's work.

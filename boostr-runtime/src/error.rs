@@ -50,6 +50,27 @@ pub enum Error {
         /// The shape it has.
         got: Vec<usize>,
     },
+    /// A view whose elements are not all inside its storage (a tensor
+    /// built from raw parts, such as V as a view of K's storage with a
+    /// shape or offset that runs off its end).
+    #[error(
+        "{name} is a view (shape {shape:?}, strides {strides:?}, offset {offset}) that reaches \
+         element {reach} of a storage of {storage} elements; a view must lie inside its storage"
+    )]
+    ViewPastStorage {
+        /// Which tensor.
+        name: &'static str,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// Its strides, in elements.
+        strides: Vec<isize>,
+        /// Its first element's offset in the storage.
+        offset: usize,
+        /// The farthest element it reaches (or -1 below the start).
+        reach: i64,
+        /// Elements in the storage.
+        storage: usize,
+    },
     /// A KV cache's length is outside `0 ..= capacity`.
     #[error(
         "kv cache length of sequence {batch} is {length}; a length must be in 0..={capacity} \

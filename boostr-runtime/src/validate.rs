@@ -24,7 +24,34 @@ fn dims4<R: Runtime<DType = DType>>(name: &'static str, t: &Tensor<R>) -> Result
             shape: shape.to_vec(),
         });
     }
+    in_storage(name, t)?;
     Ok(dims)
+}
+
+/// Every element of the (non-empty) view `t` lies inside its storage.
+fn in_storage<R: Runtime<DType = DType>>(name: &'static str, t: &Tensor<R>) -> Result<()> {
+    let offset = t.offset() as i64;
+    let (mut lo, mut hi) = (offset, offset);
+    for (&extent, &stride) in t.shape().iter().zip(t.strides()) {
+        let reach = (extent as i64 - 1) * stride as i64;
+        if reach < 0 {
+            lo += reach;
+        } else {
+            hi += reach;
+        }
+    }
+    let storage = t.storage().len();
+    if lo >= 0 && hi < storage as i64 {
+        return Ok(());
+    }
+    Err(Error::ViewPastStorage {
+        name,
+        shape: t.shape().to_vec(),
+        strides: t.strides().to_vec(),
+        offset: t.offset(),
+        reach: if lo < 0 { -1 } else { hi },
+        storage,
+    })
 }
 
 /// Check a tensor's dtype against what the backend supports.

@@ -32,9 +32,11 @@
 
 use super::aligned::Aligned;
 use super::amx::{self, Kind, Products};
+use super::elem::Stored;
 use super::forward::{Head, OnlineSoftmax, finish_rows, start_rows};
+use super::operand::{Operand, Rows};
 use super::par::ForEachDyn as _;
-use super::{Band, Positions, all_finite_bits, math, simd, tile_class};
+use super::{Band, Positions, math, simd, tile_class};
 use crate::problem::Problem;
 use crate::variant::{HostVariant, TileClass};
 use rayon::prelude::*;
@@ -85,17 +87,25 @@ pub(super) fn dims(p: &Problem) -> Dims {
 
 /// [`pack`] for every kv head, in parallel (not generic over the variant,
 /// so its loop is compiled once).
-fn pack_heads(k: &[u16], v: &[u16], sk: usize, dims: Dims) -> Vec<Packed> {
-    let ((d, _), (dv, _)) = dims;
-    k.par_chunks(sk * d)
-        .zip(v.par_chunks(sk * dv))
-        .map(|(k, v)| pack(k, v, sk, dims))
+fn pack_heads(p: &Problem, k: Operand<'_>, v: Operand<'_>, dims: Dims) -> Vec<Packed> {
+    (0..p.batch * p.heads_kv)
+        .into_par_iter()
+        .map(|bkv| pack(k.head(bkv), v.head(bkv), dims))
         .collect()
 }
 
-/// The packed K (`sk × d`) and V (`sk × dv`) of one kv head (bf16 bits),
+/// The bf16 bits of `rows`.
+fn bits(x: Stored<'_>) -> &[u16] {
+    match x {
+        Stored::Bf16(x) => x,
+        _ => unreachable!("the bf16 kernels read bf16"),
+    }
+}
+
+/// The packed K (`sk × d`) and V (`sk × dv`) of one kv head (bf16),
 /// over the padded head dims.
-fn pack(k: &[u16], v: &[u16], sk: usize, ((d, dp), (dv, dvp)): Dims) -> Packed {
+fn pack(k: Rows<'_>, v: Rows<'_>, ((d, dp), (_, dvp)): Dims) -> Packed {
+    let sk = k.len();
     let tiles = sk.div_ceil(BK);
     let (per_k, per_v) = (BK * dp / 2, BK * dvp / 2);
     let mut kp = Aligned::<u32>::zeroed(tiles * per_k);
@@ -106,19 +116,30 @@ fn pack(k: &[u16], v: &[u16], sk: usize, ((d, dp), (dv, dvp)): Dims) -> Packed {
         .for_each(|(t, (kp, vp))| {
             let k0 = t * BK;
             let cols = BK.min(sk - k0);
-            let keys = &k[k0 * d..(k0 + cols) * d];
+            let keys = k.sub(k0..k0 + cols);
             // K: pair p of key n at p·BK + n, the transpose of the keys'
             // rows read as u32 pairs (a bit-preserving f32 transpose).
-            // SAFETY: u32 and f32 have the same size and alignment, and any
-            // bits are an f32 to move; u16 pairs as u32 where aligned.
-            let (pre, pairs, _) = unsafe { keys.align_to::<f32>() };
-            let dst =
-                unsafe { std::slice::from_raw_parts_mut(kp.as_mut_ptr().cast::<f32>(), kp.len()) };
-            if d == dp && pre.is_empty() && pairs.len() == cols * d / 2 {
-                super::gemm::transpose(pairs, cols, d / 2, dst, BK);
+            let aligned_pairs = (d == dp && keys.stride().is_multiple_of(2))
+                .then(|| {
+                    // SAFETY: u32 and f32 have the same size and alignment,
+                    // and any bits are an f32 to move; u16 pairs as u32
+                    // where aligned.
+                    let (pre, pairs, _) = unsafe { bits(keys.data()).align_to::<f32>() };
+                    (pre.is_empty() && pairs.len() >= ((cols - 1) * keys.stride() + d) / 2)
+                        .then_some(pairs)
+                })
+                .flatten();
+            if let Some(pairs) = aligned_pairs {
+                // SAFETY: as above, the packed tile as f32 bits.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(kp.as_mut_ptr().cast::<f32>(), kp.len())
+                };
+                let src = Stored::F32(pairs);
+                super::elem::transpose(src, (cols, d / 2, keys.stride() / 2), dst, BK);
             } else {
                 // Odd or padded dims: the pad pairs stay zero.
-                for (n, row) in keys.chunks_exact(d).enumerate() {
+                for n in 0..cols {
+                    let row = bits(keys.row(n));
                     for (p, pair) in row.chunks(2).enumerate() {
                         let hi = pair.get(1).copied().unwrap_or(0);
                         kp[p * BK + n] = u32::from(pair[0]) | (u32::from(hi) << 16);
@@ -127,22 +148,22 @@ fn pack(k: &[u16], v: &[u16], sk: usize, ((d, dp), (dv, dvp)): Dims) -> Packed {
             }
             // V: rows 2r and 2r + 1 interleaved, element by element, in
             // rows of `dvp` pairs (the pad pairs zero).
-            let values = &v[k0 * dv..(k0 + cols) * dv];
-            for (r, dst) in values.chunks(2 * dv).zip(vp.chunks_exact_mut(dvp)) {
-                let (lo, hi) = r.split_at(dv);
-                if hi.is_empty() {
+            let values = v.sub(k0..k0 + cols);
+            for (r, dst) in (0..cols).step_by(2).zip(vp.chunks_exact_mut(dvp)) {
+                let lo = bits(values.row(r));
+                if r + 1 == cols {
                     dst.iter_mut().zip(lo).for_each(|(o, &l)| *o = u32::from(l));
                 } else {
+                    let hi = bits(values.row(r + 1));
                     for ((o, &l), &h) in dst.iter_mut().zip(lo).zip(hi) {
                         *o = u32::from(l) | (u32::from(h) << 16);
                     }
                 }
             }
         });
-    let v_nonfinite = v
-        .par_chunks(BK * dv)
-        .map(all_finite_bits)
-        .map(|f| !f)
+    let v_nonfinite = (0..sk)
+        .step_by(BK)
+        .map(|k0| !v.sub(k0..sk.min(k0 + BK)).all_finite())
         .collect();
     Packed {
         k: kp,
@@ -243,18 +264,18 @@ impl Scratch {
 pub(super) fn forward<V: HostVariant>(
     variant: &V,
     p: &Problem,
-    q: &[u16],
-    k: &[u16],
-    v: &[u16],
+    q: Operand<'_>,
+    k: Operand<'_>,
+    v: Operand<'_>,
     out: &mut [f32],
     lse: &mut [f32],
 ) {
     assert!(applies(p), "the bf16 forward runs {p:?}");
     let kind = amx::kind().expect("applies");
     let (sq, sk, g) = (p.seq_q, p.seq_k, p.group());
-    let sizes @ ((d, dp), (dv, dvp)) = dims(p);
+    let sizes @ ((_, dp), (dv, dvp)) = dims(p);
     let pos = Positions::new(p);
-    let packed = pack_heads(k, v, sk, sizes);
+    let packed = pack_heads(p, k, v, sizes);
     let heads: Vec<Head<'_, V>> = (0..p.batch * p.heads_q)
         .map(|bh| Head {
             variant,
@@ -264,6 +285,7 @@ pub(super) fn forward<V: HostVariant>(
             h: Positions::to_i32(bh % p.heads_q),
             kt: &[],
             v: &[],
+            v_rs: 0,
             v_nonfinite: &[],
         })
         .collect();
@@ -290,8 +312,7 @@ pub(super) fn forward<V: HostVariant>(
         .for_each_init_dyn(&|| Scratch::new(sizes), &|sc, (bh, row0, out_t, lse_t)| {
             let (b, h) = (bh / p.heads_q, bh % p.heads_q);
             let kv = &packed[b * p.heads_kv + h / g];
-            let row = bh * sq + row0;
-            let q_t = &q[row * d..(row + lse_t.len()) * d];
+            let q_t = q.head(bh).sub(row0..row0 + lse_t.len());
             query_tiles(&heads[bh], kind, kv, row0, q_t, out_t, lse_t, sc);
         });
 }
@@ -304,17 +325,17 @@ fn query_tiles<V: HostVariant>(
     kind: Kind,
     kv: &Packed,
     row0: usize,
-    q: &[u16],
+    q: Rows<'_>,
     out: &mut [f32],
     lse: &mut [f32],
     sc: &mut Scratch,
 ) {
-    let (d, dv, sk) = (head.p.head_dim, head.p.head_dim_v, head.p.seq_k);
+    let (dv, sk) = (head.p.head_dim_v, head.p.seq_k);
     let n = lse.len().div_ceil(BQ);
     for (t, qt) in sc.tiles[..n].iter_mut().enumerate() {
         let r0 = t * BQ;
         let rows = BQ.min(lse.len() - r0);
-        start(head, qt, row0 + r0, &q[r0 * d..(r0 + rows) * d]);
+        start(head, qt, row0 + r0, q.sub(r0..r0 + rows));
     }
     // SAFETY: `kind` came from `amx::kind()` on the calling thread, whose
     // pool's threads are capped alike.
@@ -347,15 +368,15 @@ struct Work<'a> {
     v_guarded: &'a mut Vec<u32>,
 }
 
-/// Readies query tile `qt` of `q.len() / D` rows from row `row0`: its Q
-/// rows into the zero-padded 64 × Dp block.
-fn start<V: HostVariant>(head: &Head<'_, V>, qt: &mut QueryTile, row0: usize, q: &[u16]) {
+/// Readies query tile `qt` of `q.len()` rows from row `row0`: its Q rows
+/// into the zero-padded 64 × Dp block.
+fn start<V: HostVariant>(head: &Head<'_, V>, qt: &mut QueryTile, row0: usize, q: Rows<'_>) {
     let d = head.p.head_dim;
     let dp = padded_dim(d);
-    let rows = q.len() / d;
+    let rows = q.len();
     qt.q.fill(0);
-    for (dst, src) in qt.q.chunks_exact_mut(dp).zip(q.chunks_exact(d)) {
-        dst[..d].copy_from_slice(src);
+    for (i, dst) in qt.q.chunks_exact_mut(dp).take(rows).enumerate() {
+        dst[..d].copy_from_slice(bits(q.row(i)));
     }
     qt.rows = rows;
     qt.first = true;

@@ -597,7 +597,7 @@ fn query_tile<V: HostVariant>(
 
     // Recompute P from the saved log-sum-exp.
     let s = &mut w.s[..rows * cols];
-    band_products(s, cols, bands, q_t, kv.kt, d, scale);
+    band_products(s, cols, bands, (q_t, d), kv.kt, d, scale);
     let g = &mut w.g[..if V::SCORE_IS_IDENTITY { 0 } else { rows * cols }];
     let learn = V::SCORE_READS_LEARNABLE && !grads.is_empty();
     if learn && !V::SCORE_GRADS_BY_DIFFERENCE {
@@ -632,7 +632,7 @@ fn query_tile<V: HostVariant>(
 
     // dP = dO Vᵀ, then dS = P ∘ (dP − D) ∘ score_grad, in place.
     let dp = &mut w.dp[..rows * cols];
-    band_products(dp, cols, bands, dout_t, kv.vt, d_v, 1.0);
+    band_products(dp, cols, bands, (dout_t, d_v), kv.vt, d_v, 1.0);
     if learn {
         let at = (b, h, q_lo, kv_lo);
         if V::SCORE_GRADS_BY_DIFFERENCE {
@@ -675,7 +675,7 @@ fn query_tile<V: HostVariant>(
         );
         let k_b = &kv.k[c.start * d..c.end * d];
         let k_b = if guard {
-            zero_unused_rows(ds, cols, band, k_b, d, &mut w.k_guarded)
+            zero_unused_rows(ds, cols, band, (k_b, d), d, &mut w.k_guarded)
         } else {
             k_b
         };

@@ -32,10 +32,11 @@
 //! block's `Kᵀ` and `R ×` block scores.
 
 use super::aligned::Aligned;
-use super::elem::{self, KvElem, Stored};
+use super::elem::Stored;
 use super::gemm::{MatMut, MatRef, Write, matmul};
 use super::gemv;
 use super::math;
+use super::operand::{Operand, Rows};
 use super::par::ForEachDyn as _;
 use super::simd::{self, Elementwise};
 use super::tile::CpuTiles;
@@ -77,30 +78,23 @@ pub(super) fn chunks(p: &Problem, tiles: CpuTiles, threads: usize) -> usize {
     wanted.clamp(1, most)
 }
 
-/// Where the keys and values live, in elements `E`.
-#[derive(Debug)]
-pub(super) enum Keys<'a, E> {
-    /// `k, v [B, Hkv, Sk, D]`.
-    Contiguous { k: &'a [E], v: &'a [E] },
-    /// `k, v [pages, Hkv, page_size, D]`; logical key `j` of sequence `b`
-    /// is slot `j % page_size` of page `table[b · max_pages + j /
-    /// page_size]` (every page a sequence's length reaches is valid).
+/// Where the keys and values live, as stored.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Keys<'a> {
+    /// `k [B, Hkv, Sk, D]`, `v [B, Hkv, Sk, Dv]`.
+    Contiguous { k: Operand<'a>, v: Operand<'a> },
+    /// `k [pages, Hkv, page_size, D]`, `v [pages, Hkv, page_size, Dv]`;
+    /// logical key `j` of sequence `b` is slot `j % page_size` of page
+    /// `table[b · max_pages + j / page_size]` (every page a sequence's
+    /// length reaches is valid).
     Paged {
-        k: &'a [E],
-        v: &'a [E],
+        k: Operand<'a>,
+        v: Operand<'a>,
         table: &'a [usize],
         max_pages: usize,
         page_size: usize,
     },
 }
-
-impl<E> Clone for Keys<'_, E> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-
-impl<E> Copy for Keys<'_, E> {}
 
 /// One task's partial result: per packed row its running max and sum, and
 /// its unnormalised output row.
@@ -116,14 +110,14 @@ struct Partial<'a> {
 /// capacity: the others are never read) and its query row `i` sits at
 /// position `i + lens[b] − Sq`; without, every sequence has `Sk` keys.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn forward<V: HostVariant, E: KvElem>(
+pub(super) fn forward<V: HostVariant>(
     variant: &V,
     p: &Problem,
     tiles: CpuTiles,
     chunks: usize,
     lens: Option<&[usize]>,
     q: &[f32],
-    keys: Keys<'_, E>,
+    keys: Keys<'_>,
     out: &mut [f32],
     lse: &mut [f32],
 ) {
@@ -242,7 +236,7 @@ impl Scratch {
 }
 
 /// One (batch, kv head) and its packed query rows.
-struct Task<'a, V, E> {
+struct Task<'a, V> {
     variant: &'a V,
     p: &'a Problem,
     pos: Positions,
@@ -251,21 +245,19 @@ struct Task<'a, V, E> {
     hkv: usize,
     /// The group's `R × D` query rows.
     q: &'a [f32],
-    keys: Keys<'a, E>,
+    keys: Keys<'a>,
 }
 
-impl<V: HostVariant, E: KvElem> Task<'_, V, E> {
+impl<V: HostVariant> Task<'_, V> {
     /// The keys and values `kv0 ..` of this task's (batch, kv head), at
-    /// most `cols` of them and never past a page: `(k, v, count)`.
-    fn run_of(&self, kv0: usize, cols: usize) -> (&[E], &[E], usize) {
-        let (p, d, dv) = (self.p, self.p.head_dim, self.p.head_dim_v);
+    /// most `cols` of them and never past a page.
+    fn run_of(&self, kv0: usize, cols: usize) -> (Rows<'_>, Rows<'_>) {
         match self.keys {
             Keys::Contiguous { k, v } => {
-                let key = (self.b * p.heads_kv + self.hkv) * p.seq_k + kv0;
+                let keys = kv0..kv0 + cols;
                 (
-                    &k[key * d..(key + cols) * d],
-                    &v[key * dv..(key + cols) * dv],
-                    cols,
+                    k.at(self.b, self.hkv).sub(keys.clone()),
+                    v.at(self.b, self.hkv).sub(keys),
                 )
             }
             Keys::Paged {
@@ -276,13 +268,11 @@ impl<V: HostVariant, E: KvElem> Task<'_, V, E> {
                 page_size,
             } => {
                 let (page, slot) = (kv0 / page_size, kv0 % page_size);
-                let cols = cols.min(page_size - slot);
+                let slots = slot..slot + cols.min(page_size - slot);
                 let page = table[self.b * max_pages + page];
-                let key = (page * p.heads_kv + self.hkv) * page_size + slot;
                 (
-                    &k[key * d..(key + cols) * d],
-                    &v[key * dv..(key + cols) * dv],
-                    cols,
+                    k.at(page, self.hkv).sub(slots.clone()),
+                    v.at(page, self.hkv).sub(slots),
                 )
             }
         }
@@ -296,18 +286,18 @@ impl<V: HostVariant, E: KvElem> Task<'_, V, E> {
         kv0: usize,
         end: usize,
         gemv: bool,
-        k: &mut Vec<Stored<'s>>,
-        v: &mut Vec<Stored<'s>>,
+        k: &mut Vec<Rows<'s>>,
+        v: &mut Vec<Rows<'s>>,
     ) -> usize {
         k.clear();
         v.clear();
         let want = self.tiles.kv.min(end.saturating_sub(kv0));
         let mut cols = 0;
         while cols < want && k.len() < gemv::MAX_RUNS {
-            let (kr, vr, n) = self.run_of(kv0 + cols, want - cols);
-            k.push(E::stored(kr));
-            v.push(E::stored(vr));
-            cols += n;
+            let (kr, vr) = self.run_of(kv0 + cols, want - cols);
+            cols += kr.len();
+            k.push(kr);
+            v.push(vr);
             if !gemv {
                 break;
             }
@@ -320,10 +310,10 @@ impl<V: HostVariant, E: KvElem> Task<'_, V, E> {
     #[allow(clippy::too_many_arguments)]
     fn block(
         &self,
-        k: &[Stored<'_>],
-        v: &[Stored<'_>],
+        k: &[Rows<'_>],
+        v: &[Rows<'_>],
         (kv0, cols): (usize, usize),
-        ahead: [&[Stored<'_>]; 2],
+        ahead: [&[Rows<'_>]; 2],
         gemv: bool,
         m: &mut [f32],
         acc: &mut [f32],
@@ -338,7 +328,7 @@ impl<V: HostVariant, E: KvElem> Task<'_, V, E> {
         } else {
             // Kᵀ, widened on the way where the cache is 16-bit.
             let kt = &mut sc.kt[..d * cols];
-            elem::transpose(k[0], cols, d, kt, cols);
+            k[0].transpose(kt, cols);
             matmul(
                 MatMut::row_major(s, rows, cols),
                 Write::Overwrite,
@@ -366,21 +356,15 @@ impl<V: HostVariant, E: KvElem> Task<'_, V, E> {
             let wide = &mut sc.v_wide[..cols * dv];
             let mut at = 0;
             for run in v {
-                elem::widen(*run, &mut wide[at..at + run.len()]);
-                at += run.len();
+                run.widen(&mut wide[at..at + run.len() * dv]);
+                at += run.len() * dv;
             }
             let band = Band {
                 rows: 0..rows,
                 cols: 0..cols,
             };
-            guarded = [Stored::F32(zero_unused_rows(
-                s,
-                cols,
-                &band,
-                wide,
-                dv,
-                &mut sc.v_guarded,
-            ))];
+            let guarded_rows = zero_unused_rows(s, cols, &band, (wide, dv), dv, &mut sc.v_guarded);
+            guarded = [Rows::packed(Stored::F32(guarded_rows), dv)];
             &guarded[..]
         } else {
             v
@@ -388,18 +372,18 @@ impl<V: HostVariant, E: KvElem> Task<'_, V, E> {
         if gemv {
             gemv::accumulate(s, v, dv, acc);
         } else {
-            let v = match v[0].as_f32() {
+            let (v, v_rs) = match v[0].f32() {
                 Some(v) => v,
                 None => {
-                    elem::widen(v[0], &mut sc.v_wide[..cols * dv]);
-                    &sc.v_wide[..cols * dv]
+                    v[0].widen(&mut sc.v_wide[..cols * dv]);
+                    (&sc.v_wide[..cols * dv], dv)
                 }
             };
             matmul(
                 MatMut::row_major(acc, rows, dv),
                 Write::Accumulate,
                 MatRef::row_major(s, rows, cols),
-                MatRef::row_major(v, cols, dv),
+                MatRef::strided(v, cols, dv, v_rs),
                 1.0,
             );
         }
@@ -428,7 +412,7 @@ impl<V: HostVariant, E: KvElem> Task<'_, V, E> {
                 // prefetcher has no stream yet: start its loads now. (The
                 // matrix-vector products ask for it a key at a time.)
                 for run in k_next.iter().chain(&v_next) {
-                    prefetch(run.as_bytes());
+                    prefetch(run.span_bytes());
                 }
             }
             sc.classes.clear();
@@ -454,8 +438,8 @@ impl<V: HostVariant, E: KvElem> Task<'_, V, E> {
 /// `mask` in place (an empty head's rows become `-inf` unevaluated), then
 /// per row the online softmax: `P = e^(x − m_new)` in place, the running
 /// max and per-lane sums, and the output row rescaled where the max grew.
-struct BlockSoftmax<'a, 't, V, E> {
-    task: &'a Task<'t, V, E>,
+struct BlockSoftmax<'a, 't, V> {
+    task: &'a Task<'t, V>,
     classes: &'a [TileClass],
     kv_lo: i32,
     s: &'a mut [f32],
@@ -465,7 +449,7 @@ struct BlockSoftmax<'a, 't, V, E> {
     acc: &'a mut [f32],
 }
 
-impl<V: HostVariant, E: KvElem> Elementwise for BlockSoftmax<'_, '_, V, E> {
+impl<V: HostVariant> Elementwise for BlockSoftmax<'_, '_, V> {
     type Output = ();
 
     #[inline(always)]

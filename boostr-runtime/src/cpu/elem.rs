@@ -117,19 +117,35 @@ impl<'a> Stored<'a> {
     }
 }
 
-/// The f32 transpose of the row-major `rows × cols` elements `src` into
-/// `dst` (`cols × rows`, row stride `dst_rs`), as [`gemm::transpose`].
+/// The f32 transpose of the `rows × cols` elements `src` (rows `src_rs`
+/// apart) into `dst` (`cols × rows`, row stride `dst_rs`), as
+/// [`gemm::transpose`].
 ///
 /// # Panics
-/// If either slice is too short.
-pub(super) fn transpose(src: Stored<'_>, rows: usize, cols: usize, dst: &mut [f32], dst_rs: usize) {
-    assert!(src.len() >= rows * cols, "transpose source out of bounds");
+/// If either slice is too short or the source rows overlap.
+pub(super) fn transpose(
+    src: Stored<'_>,
+    (rows, cols, src_rs): (usize, usize, usize),
+    dst: &mut [f32],
+    dst_rs: usize,
+) {
+    assert!(src_rs >= cols, "transpose source rows overlap");
+    assert!(
+        rows == 0 || cols == 0 || src.len() >= (rows - 1) * src_rs + cols,
+        "transpose source out of bounds"
+    );
     assert!(
         rows == 0 || cols == 0 || dst.len() >= (cols - 1) * dst_rs + rows,
         "transpose destination out of bounds"
     );
+    if rows == 0 || cols == 0 {
+        return;
+    }
     if let Some(x) = src.as_f32() {
-        return gemm::transpose(x, rows, cols, dst, dst_rs);
+        // SAFETY: `f32` and `MaybeUninit<f32>` have the same layout, and
+        // `transpose_uninit` only writes initialised floats.
+        let dst = unsafe { &mut *(dst as *mut [f32] as *mut [std::mem::MaybeUninit<f32>]) };
+        return gemm::transpose_uninit(x, (rows, cols, src_rs), dst, dst_rs);
     }
     #[cfg(target_arch = "x86_64")]
     if super::simd::avx512() {
@@ -139,15 +155,19 @@ pub(super) fn transpose(src: Stored<'_>, rows: usize, cols: usize, dst: &mut [f3
         // element read and written; `dst` is a unique borrow.
         unsafe {
             match src {
-                Stored::Bf16(x) => transpose::<Bf16s>(x.as_ptr(), rows, cols, out, dst_rs),
-                Stored::F16(x) => transpose::<F16s>(x.as_ptr(), rows, cols, out, dst_rs),
+                Stored::Bf16(x) => {
+                    transpose::<Bf16s>(x.as_ptr(), (rows, cols, src_rs), out, dst_rs)
+                }
+                Stored::F16(x) => transpose::<F16s>(x.as_ptr(), (rows, cols, src_rs), out, dst_rs),
                 Stored::F32(_) => unreachable!("f32 returned above"),
             }
         }
         return;
     }
     let mut wide = vec![0.0f32; rows * cols];
-    widen(src.slice(0..rows * cols), &mut wide);
+    for (r, row) in wide.chunks_exact_mut(cols).enumerate() {
+        widen(src.slice(r * src_rs..r * src_rs + cols), row);
+    }
     gemm::transpose(&wide, rows, cols, dst, dst_rs);
 }
 
@@ -222,7 +242,7 @@ mod tests {
                     KvElem::stored(&h[..]),
                 ] {
                     let mut t = vec![f32::NAN; cols * dst_rs];
-                    transpose(stored, rows, cols, &mut t, dst_rs);
+                    transpose(stored, (rows, cols, cols), &mut t, dst_rs);
                     for r in 0..rows {
                         for c in 0..cols {
                             let (got, want) = (t[c * dst_rs + r], x[r * cols + c]);

@@ -20,15 +20,16 @@
 //! argument is `≤ 0`.
 
 use super::aligned::Aligned;
-use super::elem::{self, Stored};
+use super::elem::Stored;
 use super::gemm::{MatMut, MatRef, Write, matmul};
 use super::math;
+use super::operand::{Operand, Rows};
 use super::par::ForEachDyn as _;
 use super::simd::{self, Elementwise};
 use super::tile::CpuTiles;
 use super::{
-    Axis, Band, L2_BUDGET, Positions, all_finite, band_products, class_bands, mean_visits,
-    tile_class, zero_unused_rows,
+    Axis, Band, L2_BUDGET, Positions, band_products, class_bands, mean_visits, tile_class,
+    zero_unused_rows,
 };
 use crate::problem::Problem;
 use crate::variant::{HostVariant, TileClass};
@@ -151,9 +152,11 @@ pub(super) struct Head<'a, V> {
     pub(super) b: i32,
     pub(super) h: i32,
     /// This head's K transposed tile by tile (the `D × cols` block of the
-    /// tile at key `kv0` starts at `kv0·D`), and V (`Sk × Dv`).
+    /// tile at key `kv0` starts at `kv0·D`), and V (`Sk` rows of `Dv`,
+    /// `v_rs` apart).
     pub(super) kt: &'a [f32],
     pub(super) v: &'a [f32],
+    pub(super) v_rs: usize,
     /// Per key tile of V: it holds a NaN or an infinity (see
     /// [`zero_unused_rows`]).
     pub(super) v_nonfinite: &'a [bool],
@@ -168,15 +171,14 @@ pub(super) fn forward<V: HostVariant>(
     p: &Problem,
     tiles: CpuTiles,
     group: usize,
-    q: Stored<'_>,
-    k: Stored<'_>,
-    v: Stored<'_>,
+    q: Operand<'_>,
+    k: Operand<'_>,
+    v: Operand<'_>,
     out: &mut [f32],
     lse: &mut [f32],
 ) {
     let (sq, sk, d, dv) = (p.seq_q, p.seq_k, p.head_dim, p.head_dim_v);
-    debug_assert_eq!(q.len(), p.q_len());
-    debug_assert_eq!((k.len(), v.len()), (p.k_len(), p.v_len()));
+    debug_assert_eq!((q.dim(), k.dim(), v.dim()), (d, d, dv));
     debug_assert_eq!((out.len(), lse.len()), (p.out_len(), p.lse_len()));
     debug_assert!(group > 0);
     let pos = Positions::new(p);
@@ -194,8 +196,9 @@ pub(super) fn forward<V: HostVariant>(
     // when they read it, instead of being written out to memory and read
     // back. Aligned to a cache line, as every tile's rows then are (see
     // `aligned`). A 16-bit V is widened per kv head likewise.
-    let mut kt = Aligned::<f32>::scratch(k.len());
-    let mut v_wide = Aligned::<f32>::scratch(if v.as_f32().is_some() { 0 } else { v.len() });
+    let mut kt = Aligned::<f32>::scratch(p.k_len());
+    let v_f32 = v.head(0).f32().is_some();
+    let mut v_wide = Aligned::<f32>::scratch(if v_f32 { 0 } else { p.v_len() });
     let mut v_heads: Vec<Option<&mut [f32]>> = if v_wide.is_empty() {
         (0..p.batch * p.heads_kv).map(|_| None).collect()
     } else {
@@ -214,30 +217,33 @@ pub(super) fn forward<V: HostVariant>(
         .zip(v_heads.par_iter_mut())
         .enumerate()
         .for_each_dyn(&|(bkv, (((out_g, lse_g), kt), v_wide))| {
-            let k = k.slice(bkv * sk * d..(bkv + 1) * sk * d);
-            let v = v.slice(bkv * sk * dv..(bkv + 1) * sk * dv);
+            let (k, v) = (k.head(bkv), v.head(bkv));
             kt.par_chunks_mut(tiles.kv * d)
                 .enumerate()
                 .for_each_dyn(&|(t, kt)| {
                     let cols = kt.len() / d;
-                    let at = t * tiles.kv * d;
-                    elem::transpose(k.slice(at..at + cols * d), cols, d, kt, cols);
+                    let at = t * tiles.kv;
+                    k.sub(at..at + cols).transpose(kt, cols);
                 });
             let kt = &*kt;
-            let v: &[f32] = match (v.as_f32(), v_wide.take()) {
+            let (v, v_rs): (&[f32], usize) = match (v.f32(), v_wide.take()) {
                 (Some(v), _) => v,
                 (None, Some(wide)) => {
                     wide.par_chunks_mut(tiles.kv * dv)
                         .enumerate()
                         .for_each_dyn(&|(t, w)| {
-                            let at = t * tiles.kv * dv;
-                            elem::widen(v.slice(at..at + w.len()), w);
+                            let at = t * tiles.kv;
+                            v.sub(at..at + w.len() / dv).widen(w);
                         });
-                    wide
+                    (wide, dv)
                 }
                 (None, None) => unreachable!("a 16-bit V has a widened copy"),
             };
-            let v_nonfinite: Vec<bool> = v.chunks(tiles.kv * dv).map(|t| !all_finite(t)).collect();
+            let v_rows = Rows::new(Stored::F32(v), sk, dv, v_rs);
+            let v_nonfinite: Vec<bool> = (0..sk)
+                .step_by(tiles.kv)
+                .map(|kv0| !v_rows.sub(kv0..sk.min(kv0 + tiles.kv)).all_finite())
+                .collect();
             out_g
                 .par_chunks_mut(sq * dv)
                 .zip(lse_g.par_chunks_mut(sq))
@@ -253,24 +259,25 @@ pub(super) fn forward<V: HostVariant>(
                         h: Positions::to_i32(h),
                         kt,
                         v,
+                        v_rs,
                         v_nonfinite: &v_nonfinite,
                     };
-                    let q_bh = q.slice(bh * sq * d..(bh + 1) * sq * d);
+                    let q_bh = q.head(bh);
                     out_bh
                         .par_chunks_mut(group_rows * dv)
                         .zip(lse_bh.par_chunks_mut(group_rows))
                         .enumerate()
                         .for_each_init_dyn(
-                            &|| Scratch::new(tiles, group, d, q_bh.as_f32().is_none()),
+                            &|| Scratch::new(tiles, group, d, q_bh.f32().is_none()),
                             &|scratch, (t, (out_g, lse_g))| {
                                 let (row0, rows) = (t * group_rows, lse_g.len());
-                                let q_g = q_bh.slice(row0 * d..(row0 + rows) * d);
-                                let q_g = match q_g.as_f32() {
+                                let q_g = q_bh.sub(row0..row0 + rows);
+                                let q_g = match q_g.f32() {
                                     Some(q) => q,
                                     None => {
                                         let wide = &mut scratch.q[..rows * d];
-                                        elem::widen(q_g, wide);
-                                        &*wide
+                                        q_g.widen(wide);
+                                        (&*wide, d)
                                     }
                                 };
                                 query_tiles(
@@ -294,7 +301,7 @@ fn query_tiles<V: HostVariant>(
     head: &Head<'_, V>,
     tiles: CpuTiles,
     row0: usize,
-    q: &[f32],
+    (q, q_rs): (&[f32], usize),
     out: &mut [f32],
     lse: &mut [f32],
     sc: &mut Work,
@@ -344,7 +351,7 @@ fn query_tiles<V: HostVariant>(
                 s,
                 cols,
                 &sc.bands,
-                &q[r.start * d..r.end * d],
+                (&q[r.start * q_rs..], q_rs),
                 kt_t,
                 d,
                 scale,
@@ -368,7 +375,8 @@ fn query_tiles<V: HostVariant>(
             // O += P V, band by band over the keys computed (the others'
             // probabilities are 0). On a partial tile, keys the band does
             // not see must not bring a NaN of their V rows with them.
-            let v_t = &head.v[kv0 * dv..(kv0 + cols) * dv];
+            let v_rs = head.v_rs;
+            let v_t = &head.v[kv0 * v_rs..];
             let guard = class == TileClass::Partial && head.v_nonfinite[kv0 / tiles.kv];
             for band in sc.bands.iter() {
                 let Band { rows: br, cols: c } = band.clone();
@@ -379,11 +387,15 @@ fn query_tiles<V: HostVariant>(
                     }
                     continue;
                 }
-                let v_b = &v_t[c.start * dv..c.end * dv];
-                let v_b = if guard {
-                    zero_unused_rows(s, cols, band, v_b, dv, &mut sc.v_guarded)
+                let v_b = &v_t[c.start * v_rs..];
+                let (v_b, v_b_rs) = if guard {
+                    let rows = (v_b, v_rs);
+                    (
+                        zero_unused_rows(s, cols, band, rows, dv, &mut sc.v_guarded),
+                        dv,
+                    )
                 } else {
-                    v_b
+                    (v_b, v_rs)
                 };
                 matmul(
                     MatMut::row_major(out_b, br.len(), dv),
@@ -393,7 +405,7 @@ fn query_tiles<V: HostVariant>(
                         Write::Accumulate
                     },
                     MatRef::strided(&s[br.start * cols + c.start..], br.len(), c.len(), cols),
-                    MatRef::row_major(v_b, c.len(), dv),
+                    MatRef::strided(v_b, c.len(), dv, v_b_rs),
                     1.0,
                 );
             }

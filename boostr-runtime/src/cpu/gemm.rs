@@ -344,20 +344,24 @@ pub fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32], dst_rs:
     // SAFETY: `f32` and `MaybeUninit<f32>` have the same layout, and
     // `transpose_uninit` only writes initialised floats.
     let dst = unsafe { &mut *(dst as *mut [f32] as *mut [MaybeUninit<f32>]) };
-    transpose_uninit(src, rows, cols, dst, dst_rs);
+    transpose_uninit(src, (rows, cols, cols), dst, dst_rs);
 }
 
-/// [`transpose`] into memory that need not be initialised: afterwards
-/// every `dst[c·dst_rs + r]` (`r < rows`, `c < cols`) is, and nothing else
-/// is written. Lets a fresh buffer skip being zeroed first.
+/// [`transpose`] of rows `src_rs` apart into memory that need not be
+/// initialised: afterwards every `dst[c·dst_rs + r]` (`r < rows`, `c <
+/// cols`) is, and nothing else is written. Lets a fresh buffer skip being
+/// zeroed first.
 pub fn transpose_uninit(
     src: &[f32],
-    rows: usize,
-    cols: usize,
+    (rows, cols, src_rs): (usize, usize, usize),
     dst: &mut [MaybeUninit<f32>],
     dst_rs: usize,
 ) {
-    assert!(src.len() >= rows * cols, "transpose source out of bounds");
+    assert!(src_rs >= cols, "transpose source rows overlap");
+    assert!(
+        rows == 0 || cols == 0 || src.len() >= (rows - 1) * src_rs + cols,
+        "transpose source out of bounds"
+    );
     assert!(
         rows == 0 || cols == 0 || dst.len() >= (cols - 1) * dst_rs + rows,
         "transpose destination out of bounds"
@@ -374,8 +378,7 @@ pub fn transpose_uninit(
         unsafe {
             super::microkernel::transpose::<super::microkernel::F32s>(
                 src.as_ptr(),
-                rows,
-                cols,
+                (rows, cols, src_rs),
                 out,
                 dst_rs,
             )
@@ -385,11 +388,11 @@ pub fn transpose_uninit(
     // In bands of 16 source rows, so that the 16 source lines being read
     // stay in L1 while each destination row gets a contiguous run of 16.
     const BAND: usize = 16;
-    for (band, src) in src[..rows * cols].chunks(BAND * cols).enumerate() {
-        let r0 = band * BAND;
+    for r0 in (0..rows).step_by(BAND) {
+        let band = r0..rows.min(r0 + BAND);
         for c in 0..cols {
-            for (i, row) in src.chunks_exact(cols).enumerate() {
-                dst[c * dst_rs + r0 + i].write(row[c]);
+            for r in band.clone() {
+                dst[c * dst_rs + r].write(src[r * src_rs + c]);
             }
         }
     }

@@ -31,6 +31,7 @@
 use super::elem::Stored;
 #[cfg(target_arch = "x86_64")]
 use super::microkernel::{Bf16s, F16s, F32s, Load16};
+use super::operand::Rows;
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
@@ -47,11 +48,13 @@ pub(super) fn available() -> bool {
     false
 }
 
-/// One run of a block's rows: its first element and its rows.
+/// One run of a block's rows: its first element, its rows, and the
+/// elements from one row to the next.
 #[cfg(target_arch = "x86_64")]
 struct Run<E> {
     at: *const E,
     rows: usize,
+    stride: usize,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -67,18 +70,19 @@ impl<E> Copy for Run<E> {}
 /// The most runs a block may have.
 pub(super) const MAX_RUNS: usize = 64;
 
-/// `runs` (whole rows of `d` elements each, one element type) as raw runs
-/// of `E`, and their total rows.
+/// `runs` (rows of `d` elements each, one element type) as raw runs of
+/// `E`, and their total rows.
 ///
 /// # Panics
-/// If the runs mix element types, a run is not whole rows, or there are
-/// more than [`MAX_RUNS`].
+/// If the runs mix element types, a run's rows are not of `d` elements,
+/// or there are more than [`MAX_RUNS`].
 #[cfg(target_arch = "x86_64")]
-fn raw_runs<E>(runs: &[Stored<'_>], d: usize) -> ([Run<E>; MAX_RUNS], usize) {
+fn raw_runs<E>(runs: &[Rows<'_>], d: usize) -> ([Run<E>; MAX_RUNS], usize) {
     assert!(runs.len() <= MAX_RUNS, "at most {MAX_RUNS} runs per block");
     let mut raw = [Run {
         at: std::ptr::null(),
         rows: 0,
+        stride: 0,
     }; MAX_RUNS];
     let mut total = 0;
     for (r, run) in raw.iter_mut().zip(runs) {
@@ -87,10 +91,11 @@ fn raw_runs<E>(runs: &[Stored<'_>], d: usize) -> ([Run<E>; MAX_RUNS], usize) {
             std::mem::size_of::<E>(),
             "one element type"
         );
-        assert!(run.len().is_multiple_of(d.max(1)), "whole rows");
+        assert_eq!(run.dim(), d, "rows of d elements");
         *r = Run {
-            at: run.as_bytes().as_ptr().cast(),
-            rows: run.len() / d.max(1),
+            at: run.span_bytes().as_ptr().cast(),
+            rows: run.len(),
+            stride: run.stride(),
         };
         total += r.rows;
     }
@@ -99,8 +104,8 @@ fn raw_runs<E>(runs: &[Stored<'_>], d: usize) -> ([Run<E>; MAX_RUNS], usize) {
 
 /// `s[r·cols + j] = scale · Σ_d q[r·d + dd]·k_j[dd]` for the `rows =
 /// q.len() / d` rows and the `cols` keys of `keys`: consecutive runs of
-/// key rows (`d` elements each, one element type), such as the pages a
-/// block spans.
+/// key rows (`d` elements each, one element type, each run's rows any
+/// distance apart), such as the pages a block spans.
 ///
 /// `ahead`: the next block's runs of keys and of values, whose cache lines
 /// are asked for (prefetched) a key row at a time as this block's keys
@@ -114,24 +119,24 @@ fn raw_runs<E>(runs: &[Stored<'_>], d: usize) -> ([Run<E>; MAX_RUNS], usize) {
 pub(super) fn scores(
     q: &[f32],
     d: usize,
-    keys: &[Stored<'_>],
+    keys: &[Rows<'_>],
     scale: f32,
     s: &mut [f32],
-    ahead: [&[Stored<'_>]; 2],
+    ahead: [&[Rows<'_>]; 2],
 ) {
     let rows = q.len() / d.max(1);
     assert!(available(), "AVX-512 for the decode products");
-    let Some(&first) = keys.first() else { return };
+    let Some(first) = keys.first() else { return };
     #[cfg(target_arch = "x86_64")]
     {
         fn run<L: Load16>(
             q: &[f32],
             rows: usize,
             d: usize,
-            keys: &[Stored<'_>],
+            keys: &[Rows<'_>],
             scale: f32,
             s: &mut [f32],
-            ahead: [&[Stored<'_>]; 2],
+            ahead: [&[Rows<'_>]; 2],
         ) {
             let (runs, cols) = raw_runs::<L::Elem>(keys, d);
             assert!(s.len() >= rows * cols, "scores bounds");
@@ -143,14 +148,14 @@ pub(super) fn scores(
                 s: s.as_mut_ptr(),
                 ahead: Ahead {
                     runs: ahead,
-                    row: d * std::mem::size_of::<L::Elem>(),
+                    elem: std::mem::size_of::<L::Elem>(),
                 },
             };
             // SAFETY: AVX-512F/BW/VL checked by the caller; the runs are
             // whole rows of live slices and `s` holds rows × cols.
             unsafe { scores_rows::<L>(o, rows, &runs[..keys.len()]) };
         }
-        match first {
+        match first.data() {
             Stored::F32(_) => run::<F32s>(q, rows, d, keys, scale, s, ahead),
             Stored::Bf16(_) => run::<Bf16s>(q, rows, d, keys, scale, s, ahead),
             Stored::F16(_) => run::<F16s>(q, rows, d, keys, scale, s, ahead),
@@ -163,19 +168,13 @@ pub(super) fn scores(
 ///
 /// # Panics
 /// Unless [`available`], if `p` is too short, or as [`MAX_RUNS`] says.
-pub(super) fn accumulate(p: &[f32], values: &[Stored<'_>], d: usize, acc: &mut [f32]) {
+pub(super) fn accumulate(p: &[f32], values: &[Rows<'_>], d: usize, acc: &mut [f32]) {
     let rows = acc.len() / d.max(1);
     assert!(available(), "AVX-512 for the decode products");
-    let Some(&first) = values.first() else { return };
+    let Some(first) = values.first() else { return };
     #[cfg(target_arch = "x86_64")]
     {
-        fn run<L: Load16>(
-            p: &[f32],
-            rows: usize,
-            values: &[Stored<'_>],
-            d: usize,
-            acc: &mut [f32],
-        ) {
+        fn run<L: Load16>(p: &[f32], rows: usize, values: &[Rows<'_>], d: usize, acc: &mut [f32]) {
             let (runs, cols) = raw_runs::<L::Elem>(values, d);
             assert!(p.len() >= rows * cols, "accumulate bounds");
             let o = Accumulate {
@@ -189,7 +188,7 @@ pub(super) fn accumulate(p: &[f32], values: &[Stored<'_>], d: usize, acc: &mut [
             // rows × d.
             unsafe { accumulate_rows::<L>(o, rows, &runs[..values.len()]) };
         }
-        match first {
+        match first.data() {
             Stored::F32(_) => run::<F32s>(p, rows, values, d, acc),
             Stored::Bf16(_) => run::<Bf16s>(p, rows, values, d, acc),
             Stored::F16(_) => run::<F16s>(p, rows, values, d, acc),
@@ -217,19 +216,19 @@ struct Scores<'a> {
     ahead: Ahead<'a>,
 }
 
-/// The next block's runs of keys and of values, `row` bytes per key.
+/// The next block's runs of keys and of values, `elem` bytes per element.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 struct Ahead<'a> {
-    runs: [&'a [Stored<'a>]; 2],
-    row: usize,
+    runs: [&'a [Rows<'a>]; 2],
+    elem: usize,
 }
 
 #[cfg(target_arch = "x86_64")]
 impl Ahead<'_> {
     const NONE: Self = Ahead {
         runs: [&[], &[]],
-        row: 1,
+        elem: 1,
     };
 
     /// Prefetch key `j`'s rows of K and V (nothing past their ends).
@@ -238,17 +237,17 @@ impl Ahead<'_> {
         for runs in self.runs {
             let mut j = j;
             for run in runs {
-                let bytes = run.as_bytes();
-                let rows = bytes.len() / self.row;
-                if j < rows {
-                    for line in bytes[j * self.row..(j + 1) * self.row].chunks(64) {
+                if j < run.len() {
+                    let bytes = run.span_bytes();
+                    let (at, row) = (j * run.stride() * self.elem, run.dim() * self.elem);
+                    for line in bytes[at..at + row].chunks(64) {
                         // SAFETY: a prefetch is a hint that never faults,
                         // of an address inside the run.
                         unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
                     }
                     break;
                 }
-                j -= rows;
+                j -= run.len();
             }
         }
     }
@@ -337,7 +336,7 @@ fn fold2(u: __m512, w: __m512) -> __m512 {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn score_run<L: Load16, const R: usize>(o: Scores<'_>, run: Run<L::Elem>, j0: usize) {
-    let (k, n) = (run.at, run.rows);
+    let (k, n, ks) = (run.at, run.rows, run.stride);
     // SAFETY (whole body): AVX-512F/BW/VL are enabled by the caller's
     // `target_feature`; every access is inside the rows, keys and (masked)
     // dims the caller vouches for.
@@ -363,7 +362,7 @@ unsafe fn score_run<L: Load16, const R: usize>(o: Scores<'_>, run: Run<L::Elem>,
                         });
                         for (i, key) in (quad * 4..quad * 4 + 4).enumerate() {
                             if key < keys {
-                                let kc = L::load16(k.add((g0 + key) * o.d + 16 * c), m);
+                                let kc = L::load16(k.add((g0 + key) * ks + 16 * c), m);
                                 for r in 0..R {
                                     acc[r][i] = _mm512_fmadd_ps(qc[r], kc, acc[r][i]);
                                 }
@@ -477,8 +476,9 @@ unsafe fn accumulate_pass<L: Load16, const R: usize, const C: usize>(
         let mut j = 0;
         for run in v {
             for i in 0..run.rows {
-                let vj: [__m512; C] =
-                    std::array::from_fn(|c| L::load16(run.at.add(i * o.d + d0 + 16 * c), masks[c]));
+                let vj: [__m512; C] = std::array::from_fn(|c| {
+                    L::load16(run.at.add(i * run.stride + d0 + 16 * c), masks[c])
+                });
                 for (r, out) in out.iter_mut().enumerate() {
                     let pj = _mm512_set1_ps(*o.p.add(r * o.cols + j));
                     for c in 0..C {
@@ -528,15 +528,29 @@ mod tests {
                     let k32 = rng.normal_f32(cols * d, 1.0);
                     let p = rng.normal_f32(rows * cols, 1.0);
                     let acc0 = rng.normal_f32(rows * d, 1.0);
+                    // Rows `ks` apart (NaN between them, which no product
+                    // may read) on odd key counts, else contiguous.
+                    let ks = if cols % 2 == 1 { d + 7 } else { d };
+                    let spread = |x: &[f32]| -> Vec<f32> {
+                        let mut o = vec![f32::NAN; cols * ks];
+                        for j in 0..cols {
+                            o[j * ks..j * ks + d].copy_from_slice(&x[j * d..(j + 1) * d]);
+                        }
+                        o
+                    };
                     let (kb, kh) = (bf16s(&k32), f16s(&k32));
+                    let wide = |x: Vec<f32>| spread(&x);
+                    let k_f32 = spread(&k32);
+                    let k_bf16 = bf16s(&wide(kb.iter().map(|x| x.to_f32()).collect()));
+                    let k_f16 = f16s(&wide(kh.iter().map(|x| x.to_f32()).collect()));
                     let kinds: [(Stored<'_>, Vec<f32>); 3] = [
-                        (KvElem::stored(&k32[..]), k32.clone()),
+                        (KvElem::stored(&k_f32[..]), k32.clone()),
                         (
-                            KvElem::stored(&kb[..]),
+                            KvElem::stored(&k_bf16[..]),
                             kb.iter().map(|x| x.to_f32()).collect(),
                         ),
                         (
-                            KvElem::stored(&kh[..]),
+                            KvElem::stored(&k_f16[..]),
                             kh.iter().map(|x| x.to_f32()).collect(),
                         ),
                     ];
@@ -545,14 +559,15 @@ mod tests {
                         let mut s = vec![f32::NAN; rows * cols + 3];
                         // The keys as one run, or cut into runs of 1, 5 and
                         // 11 rows and the rest (pages).
-                        let runs: Vec<Stored<'_>> = if rows % 2 == 0 {
-                            vec![stored]
+                        let all = Rows::new(stored, cols, d, ks);
+                        let runs: Vec<Rows<'_>> = if rows % 2 == 0 {
+                            vec![all]
                         } else {
                             let mut runs = Vec::new();
                             let mut at = 0;
                             for n in [1, 5, 11, cols].into_iter().cycle() {
                                 let n = n.min(cols - at);
-                                runs.push(stored.slice(at * d..(at + n) * d));
+                                runs.push(all.sub(at..at + n));
                                 at += n;
                                 if at == cols {
                                     break;
@@ -562,7 +577,7 @@ mod tests {
                         };
                         // Asking for the next block (here: these keys again)
                         // never changes a result.
-                        let ahead: [&[Stored<'_>]; 2] = if rows % 3 == 0 {
+                        let ahead: [&[Rows<'_>]; 2] = if rows % 3 == 0 {
                             [&runs, &runs]
                         } else {
                             [&[], &[]]

@@ -252,10 +252,10 @@ impl Load16 for F16s {
     }
 }
 
-/// Write the transpose of the row-major `rows × cols` matrix at `src`
-/// (elements of `L`, widened to f32) into `dst` (`cols × rows`, row stride
-/// `dst_rs`): `dst[c·dst_rs + r] = src[r·cols + c]`. Only those elements
-/// of `dst` are written, none read.
+/// Write the transpose of the `rows × cols` matrix at `src` (elements of
+/// `L`, widened to f32; rows `src_rs` apart) into `dst` (`cols × rows`,
+/// row stride `dst_rs`): `dst[c·dst_rs + r] = src[r·src_rs + c]`. Only
+/// those elements of `dst` are written, none read.
 ///
 /// In 16 × 16 blocks held in registers: sixteen (masked) row loads (which
 /// widen 16-bit elements on the way), the usual four rounds of sixteen
@@ -265,14 +265,13 @@ impl Load16 for F16s {
 /// element-by-element copy, whose stores also stride `dst_rs` apart.
 ///
 /// # Safety
-/// The CPU supports AVX-512F, BW and VL; `src` addresses `rows · cols`
-/// readable elements and every `dst[c·dst_rs + r]` (`r < rows`, `c <
+/// The CPU supports AVX-512F, BW and VL; every `src[r·src_rs + c]` (`r <
+/// rows`, `c < cols`) is readable and every `dst[c·dst_rs + r]` (`r < rows`, `c <
 /// cols`) is in bounds of `dst`'s allocation; the two do not overlap.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 pub(super) unsafe fn transpose<L: Load16>(
     src: *const L::Elem,
-    rows: usize,
-    cols: usize,
+    (rows, cols, src_rs): (usize, usize, usize),
     dst: *mut f32,
     dst_rs: usize,
 ) {
@@ -290,7 +289,7 @@ pub(super) unsafe fn transpose<L: Load16>(
             unsafe {
                 let x: [__m512; 16] = std::array::from_fn(|i| {
                     if i < live_rows {
-                        L::load16(src.add((r0 + i) * cols + c0), col_mask)
+                        L::load16(src.add((r0 + i) * src_rs + c0), col_mask)
                     } else {
                         _mm512_setzero_ps()
                     }
@@ -472,7 +471,9 @@ mod tests {
                 let mut dst = vec![poison; cols * dst_rs + 7];
                 // SAFETY: AVX-512F checked above; `dst` holds
                 // `(cols − 1)·dst_rs + rows` elements and more.
-                unsafe { transpose::<F32s>(src.as_ptr(), rows, cols, dst.as_mut_ptr(), dst_rs) };
+                unsafe {
+                    transpose::<F32s>(src.as_ptr(), (rows, cols, cols), dst.as_mut_ptr(), dst_rs)
+                };
                 for (i, &x) in dst.iter().enumerate() {
                     let (c, r) = (i / dst_rs, i % dst_rs);
                     let want = if c < cols && r < rows {

@@ -72,6 +72,7 @@ mod gemv;
 pub mod math;
 #[cfg(target_arch = "x86_64")]
 mod microkernel;
+mod operand;
 pub(crate) mod par;
 mod runtime;
 mod simd;
@@ -92,7 +93,7 @@ use crate::error::Result;
 use crate::problem::Problem;
 use crate::variant::{HostVariant, TileClass, Variant};
 use aligned::Aligned;
-use elem::Stored;
+use operand::Operand;
 use par::in_pool;
 
 /// The tensors the backward reads; all contiguous, in the layout of
@@ -128,9 +129,7 @@ pub fn forward<V: Variant>(
     out: &mut [f32],
     lse: &mut [f32],
 ) -> Result<()> {
-    on_host(variant, p, |host| {
-        forward_tiled(host, p, CpuTiles::for_variant::<V>(), q, k, v, out, lse)
-    })
+    forward_stored(variant, p, q, k, v, out, lse)
 }
 
 /// `run` on the variant's tensors read on the host for `p`
@@ -157,12 +156,87 @@ pub fn bf16_tiles(p: &Problem) -> bool {
     amx_forward::applies(p)
 }
 
+/// What a forward reads, as stored: `q`, `k` and `v` in one element type,
+/// each `[.., heads, rows, dim]` with contiguous rows and any distance
+/// between rows, heads and batches; `k` and `v` over a KV cache's slots or
+/// pages where `cache` says (then `[pages, Hkv, page_size, dim]` when
+/// paged).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ForwardInputs<'a> {
+    pub(crate) q: Operand<'a>,
+    pub(crate) k: Operand<'a>,
+    pub(crate) v: Operand<'a>,
+    pub(crate) cache: Option<CacheLayout<'a>>,
+}
+
+impl<'a> ForwardInputs<'a> {
+    /// Contiguous `q`, `k`, `v` in the layout of `p`.
+    ///
+    /// # Panics
+    /// If a slice's length disagrees with `p`.
+    fn packed<E: KvElem>(p: &Problem, (q, k, v): (&'a [E], &'a [E], &'a [E])) -> Self {
+        assert_eq!((k.len(), v.len()), (p.k_len(), p.v_len()), "k/v length");
+        Self {
+            q: Self::packed_q(p, q),
+            k: Operand::packed(E::stored(k), [p.heads_kv, p.seq_k, p.head_dim]),
+            v: Operand::packed(E::stored(v), [p.heads_kv, p.seq_k, p.head_dim_v]),
+            cache: None,
+        }
+    }
+
+    /// Contiguous `q` in the layout of `p`.
+    fn packed_q<E: KvElem>(p: &Problem, q: &'a [E]) -> Operand<'a> {
+        assert_eq!(q.len(), p.q_len(), "q length");
+        Operand::packed(E::stored(q), [p.heads_q, p.seq_q, p.head_dim])
+    }
+}
+
+/// The forward of [`ForwardInputs`], reading each as stored: the decode
+/// kernel over a cache, for decode shapes, or where `chunks` (keys per
+/// (batch, kv head) cut into that many chunks) is given; else the tile
+/// kernel.
+fn forward_inputs<V: HostVariant>(
+    variant: &V,
+    p: &Problem,
+    (tiles, chunks): (CpuTiles, Option<usize>),
+    x: ForwardInputs<'_>,
+    out: &mut [f32],
+    lse: &mut [f32],
+) {
+    assert_eq!(out.len(), p.out_len(), "out length");
+    assert_eq!(lse.len(), p.lse_len(), "lse length");
+    let tiles = CpuTiles::new(tiles.q, tiles.kv);
+    let threads = rayon::current_num_threads();
+    if x.cache.is_none() && chunks.is_none() && !decode::applies(p) {
+        let group = forward::group_size(variant, p, tiles, threads);
+        return in_pool(|| forward::forward(variant, p, tiles, group, x.q, x.k, x.v, out, lse));
+    }
+    // The decode kernel packs a GQA group's query rows, as contiguous f32:
+    // a call's few rows, widened (or gathered) first unless they are.
+    let wide;
+    let q = match x.q.contiguous().and_then(|q| q.as_f32()) {
+        Some(q) => q,
+        None => {
+            let mut w = Aligned::<f32>::scratch(p.q_len());
+            x.q.widen(&mut w);
+            wide = w;
+            &wide[..]
+        }
+    };
+    let keys = match x.cache {
+        Some(cache) => cache.keys(p, x.k, x.v),
+        None => decode::Keys::Contiguous { k: x.k, v: x.v },
+    };
+    let chunks = chunks.unwrap_or_else(|| decode::chunks(p, tiles, threads));
+    let lens = x.cache.map(|c| c.lens);
+    in_pool(|| decode::forward(variant, p, tiles, chunks, lens, q, keys, out, lse));
+}
+
 /// Attention forward over bf16 `q, k, v` with bf16 tile products (AMX, or
 /// `vdpbf16ps`; see `amx_forward`: `P` rounded to bf16 before `P V`,
 /// everything else f32), where [`bf16_tiles`] holds. Returns `Ok(false)`,
 /// writing nothing, where it does not: the caller then widens the inputs
 /// for [`forward`].
-#[allow(clippy::too_many_arguments)]
 pub fn forward_bf16<V: Variant>(
     variant: &V,
     p: &Problem,
@@ -172,43 +246,28 @@ pub fn forward_bf16<V: Variant>(
     out: &mut [f32],
     lse: &mut [f32],
 ) -> Result<bool> {
-    check_forward_lengths(
-        p,
-        q.len(),
-        (k.len(), v.len()),
-        (p.k_len(), p.v_len()),
-        out,
-        lse,
-    );
+    let x = ForwardInputs::packed(p, (q, k, v));
+    forward_bf16_inputs(variant, p, x, out, lse)
+}
+
+/// [`forward_bf16`] of bf16 [`ForwardInputs`] without a cache.
+pub(crate) fn forward_bf16_inputs<V: Variant>(
+    variant: &V,
+    p: &Problem,
+    x: ForwardInputs<'_>,
+    out: &mut [f32],
+    lse: &mut [f32],
+) -> Result<bool> {
+    assert!(x.cache.is_none(), "the bf16 tile forward reads dense keys");
+    assert_eq!(out.len(), p.out_len(), "out length");
+    assert_eq!(lse.len(), p.lse_len(), "lse length");
     if !amx_forward::applies(p) {
         return Ok(false);
     }
-    use half::slice::HalfFloatSliceExt as _;
-    let (q, k, v) = (
-        q.reinterpret_cast(),
-        k.reinterpret_cast(),
-        v.reinterpret_cast(),
-    );
     on_host(variant, p, |host| {
-        in_pool(|| amx_forward::forward(host, p, q, k, v, out, lse))
+        in_pool(|| amx_forward::forward(host, p, x.q, x.k, x.v, out, lse))
     })?;
     Ok(true)
-}
-
-/// The slices of a forward have the problem's lengths (`kv`: what `k` and
-/// `v` must hold).
-fn check_forward_lengths(
-    p: &Problem,
-    q: usize,
-    (k, v): (usize, usize),
-    kv: (usize, usize),
-    out: &[f32],
-    lse: &[f32],
-) {
-    assert_eq!(q, p.q_len(), "q length");
-    assert_eq!((k, v), kv, "k/v length");
-    assert_eq!(out.len(), p.out_len(), "out length");
-    assert_eq!(lse.len(), p.lse_len(), "lse length");
 }
 
 /// Attention forward with explicit tile sizes (for tuning and tests).
@@ -223,30 +282,14 @@ pub fn forward_tiled<V: HostVariant>(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    check_forward_lengths(
-        p,
-        q.len(),
-        (k.len(), v.len()),
-        (p.k_len(), p.v_len()),
-        out,
-        lse,
-    );
-    let tiles = CpuTiles::new(tiles.q, tiles.kv);
-    let threads = rayon::current_num_threads();
-    if decode::applies(p) {
-        let chunks = decode::chunks(p, tiles, threads);
-        return forward_decode(variant, p, tiles, chunks, q, k, v, out, lse);
-    }
-    let group = forward::group_size(variant, p, tiles, threads);
-    let (q, k, v) = (Stored::F32(q), Stored::F32(k), Stored::F32(v));
-    in_pool(|| forward::forward(variant, p, tiles, group, q, k, v, out, lse));
+    let x = ForwardInputs::packed(p, (q, k, v));
+    forward_inputs(variant, p, (tiles, None), x, out, lse);
 }
 
 /// [`forward`] over `q`, `k` and `v` in one element type, read as stored:
 /// a 16-bit tensor is widened a tile (or a kv head of V) at a time inside
 /// the kernels, never copied whole (the decode kernel widens only the
 /// query rows).
-#[allow(clippy::too_many_arguments)]
 pub fn forward_stored<V: Variant, E: KvElem>(
     variant: &V,
     p: &Problem,
@@ -256,29 +299,21 @@ pub fn forward_stored<V: Variant, E: KvElem>(
     out: &mut [f32],
     lse: &mut [f32],
 ) -> Result<()> {
-    check_forward_lengths(
-        p,
-        q.len(),
-        (k.len(), v.len()),
-        (p.k_len(), p.v_len()),
-        out,
-        lse,
-    );
-    let (qs, ks, vs) = (E::stored(q), E::stored(k), E::stored(v));
+    let x = ForwardInputs::packed(p, (q, k, v));
+    forward_stored_inputs(variant, p, x, out, lse)
+}
+
+/// [`forward_stored`] or [`forward_cache`] of [`ForwardInputs`].
+pub(crate) fn forward_stored_inputs<V: Variant>(
+    variant: &V,
+    p: &Problem,
+    x: ForwardInputs<'_>,
+    out: &mut [f32],
+    lse: &mut [f32],
+) -> Result<()> {
     let tiles = CpuTiles::for_variant::<V>();
     on_host(variant, p, |host| {
-        if let (Some(q), Some(k), Some(v)) = (qs.as_f32(), ks.as_f32(), vs.as_f32()) {
-            forward_tiled(host, p, tiles, q, k, v, out, lse);
-        } else if decode::applies(p) {
-            let mut wide = Aligned::<f32>::scratch(q.len());
-            elem::widen(qs, &mut wide);
-            let chunks = decode::chunks(p, tiles, rayon::current_num_threads());
-            let keys = decode::Keys::Contiguous { k, v };
-            in_pool(|| decode::forward(host, p, tiles, chunks, None, &wide, keys, out, lse));
-        } else {
-            let group = forward::group_size(host, p, tiles, rayon::current_num_threads());
-            in_pool(|| forward::forward(host, p, tiles, group, qs, ks, vs, out, lse));
-        }
+        forward_inputs(host, p, (tiles, None), x, out, lse)
     })
 }
 
@@ -298,28 +333,8 @@ pub fn forward_decode<V: HostVariant>(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    check_forward_lengths(
-        p,
-        q.len(),
-        (k.len(), v.len()),
-        (p.k_len(), p.v_len()),
-        out,
-        lse,
-    );
-    let tiles = CpuTiles::new(tiles.q, tiles.kv);
-    in_pool(|| {
-        decode::forward(
-            variant,
-            p,
-            tiles,
-            chunks,
-            None,
-            q,
-            decode::Keys::Contiguous { k, v },
-            out,
-            lse,
-        )
-    });
+    let x = ForwardInputs::packed(p, (q, k, v));
+    forward_inputs(variant, p, (tiles, Some(chunks)), x, out, lse);
 }
 
 /// Where a KV cache's keys are, for [`forward_cache`] and [`backward`].
@@ -328,9 +343,10 @@ pub struct CacheLayout<'a> {
     /// Keys per sequence, each at most `Sk`: sequence `b` holds keys `0 ..
     /// lens[b]`, and its query row `i` sits at position `i + lens[b] − Sq`.
     pub lens: &'a [usize],
-    /// `None`: `k, v [B, Hkv, Sk, D]`, key `j` of sequence `b` in its slot
-    /// `j` (the other slots are never read). Paged: `k, v [pages, Hkv,
-    /// page_size, D]` (see [`PageTable`]).
+    /// `None`: `k [B, Hkv, Sk, D]`, `v [B, Hkv, Sk, Dv]`, key `j` of
+    /// sequence `b` in its slot `j` (the other slots are never read).
+    /// Paged: `k [pages, Hkv, page_size, D]`, `v [pages, Hkv, page_size,
+    /// Dv]` (see [`PageTable`]).
     pub pages: Option<PageTable<'a>>,
 }
 
@@ -346,8 +362,8 @@ pub struct PageTable<'a> {
 }
 
 impl<'a> CacheLayout<'a> {
-    /// Sequence `b` holds keys `0 .. lens[b]` of its `Sk` slots of `k, v
-    /// [B, Hkv, Sk, D]`.
+    /// Sequence `b` holds keys `0 .. lens[b]` of its `Sk` slots of `k [B,
+    /// Hkv, Sk, D]` and `v [B, Hkv, Sk, Dv]`.
     pub fn lengths(lens: &'a [usize]) -> Self {
         Self { lens, pages: None }
     }
@@ -355,29 +371,31 @@ impl<'a> CacheLayout<'a> {
     /// The keys of `k, v` for the decode kernel, checked against `p`:
     /// one length per sequence, each within the keys; every page a length
     /// reaches a valid page (the op checks; here it is a panic).
-    fn keys<'k, E>(&self, p: &Problem, k: &'k [E], v: &'k [E]) -> decode::Keys<'k, E>
+    fn keys<'k>(&self, p: &Problem, k: Operand<'k>, v: Operand<'k>) -> decode::Keys<'k>
     where
         'a: 'k,
     {
         assert_eq!(self.lens.len(), p.batch, "one length per sequence");
         assert!(self.lens.iter().all(|&l| l <= p.seq_k), "lengths within Sk");
+        let [h, d, dv] = [p.heads_kv, p.head_dim, p.head_dim_v];
         let Some(PageTable { table, page_size }) = self.pages else {
-            assert_eq!((k.len(), v.len()), (p.k_len(), p.v_len()), "k/v length");
+            assert_eq!(k.shape(), [p.batch, h, p.seq_k, d], "k shape");
+            assert_eq!(v.shape(), [p.batch, h, p.seq_k, dv], "v shape");
             return decode::Keys::Contiguous { k, v };
         };
-        let slots = |x: &[E], d: usize| x.len() / d.max(1);
-        assert_eq!(slots(k, p.head_dim), slots(v, p.head_dim_v), "k/v pages");
         assert!(
             page_size > 0 && p.seq_k.is_multiple_of(page_size),
             "whole pages"
         );
+        let pages = k.shape()[0];
+        assert_eq!(k.shape(), [pages, h, page_size, d], "k pages");
+        assert_eq!(v.shape(), [pages, h, page_size, dv], "v pages");
         let max_pages = p.seq_k / page_size;
         assert_eq!(
             table.len(),
             p.batch * max_pages,
             "a page table row per sequence"
         );
-        let pages = k.len() / (p.heads_kv * page_size * p.head_dim).max(1);
         for (b, &len) in self.lens.iter().enumerate() {
             let used = &table[b * max_pages..b * max_pages + len.div_ceil(page_size)];
             assert!(used.iter().all(|&page| page < pages), "valid pages");
@@ -426,12 +444,18 @@ pub fn forward_cache_tiled<V: HostVariant, E: KvElem>(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    let keys = cache.keys(p, k, v);
-    check_forward_lengths(p, q.len(), (k.len(), v.len()), (k.len(), v.len()), out, lse);
-    let tiles = CpuTiles::new(tiles.q, tiles.kv);
-    let chunks = decode::chunks(p, tiles, rayon::current_num_threads());
-    let lens = Some(cache.lens);
-    in_pool(|| decode::forward(variant, p, tiles, chunks, lens, q, keys, out, lse));
+    // Pages of `[Hkv, page_size, D]`, or `[B, Hkv, Sk, D]` slots.
+    let rows = cache.pages.map_or(p.seq_k, |pages| pages.page_size.max(1));
+    if cache.pages.is_none() {
+        assert_eq!((k.len(), v.len()), (p.k_len(), p.v_len()), "k/v length");
+    }
+    let x = ForwardInputs {
+        q: ForwardInputs::packed_q(p, q),
+        k: Operand::packed(E::stored(k), [p.heads_kv, rows, p.head_dim]),
+        v: Operand::packed(E::stored(v), [p.heads_kv, rows, p.head_dim_v]),
+        cache: Some(cache),
+    };
+    forward_inputs(variant, p, (tiles, None), x, out, lse);
 }
 
 /// Attention backward with the variant's [`CpuTiles`]: writes `dq`, `dk`, `dv`,
@@ -838,13 +862,13 @@ fn class_bands<V: HostVariant>(
 }
 
 /// `dst = beta · A Bᵀ` on each band of the `rows × cols` tile `dst`: the
-/// band's rows of `a` (rows of `d`) against its columns of `bt` (`Bᵀ`,
+/// band's rows of `a` (rows of `d`, `a_rs` apart) against its columns of `bt` (`Bᵀ`,
 /// `d × cols`). Elements outside the bands are not written.
 fn band_products(
     dst: &mut [f32],
     cols: usize,
     bands: &[Band],
-    a: &[f32],
+    (a, a_rs): (&[f32], usize),
     bt: &[f32],
     d: usize,
     beta: f32,
@@ -853,7 +877,7 @@ fn band_products(
         gemm::matmul(
             gemm::MatMut::strided(&mut dst[r.start * cols + c.start..], r.len(), c.len(), cols),
             gemm::Write::Overwrite,
-            gemm::MatRef::row_major(&a[r.start * d..r.end * d], r.len(), d),
+            gemm::MatRef::strided(&a[r.start * a_rs..], r.len(), d, a_rs),
             gemm::MatRef::strided(&bt[c.start..], d, c.len(), cols),
             beta,
         );
@@ -876,10 +900,11 @@ fn all_finite(x: &[f32]) -> bool {
     }) == 0
 }
 
-/// The right operand `b` of a band's product (`c.len()` rows of `d`, row
+/// The right operand `b` of a band's product (`c.len()` rows of `d`, `b_rs`
+/// apart, row
 /// `j` meeting column `c.start + j` of the band's left operand `a`, a tile
 /// of `cols` columns) with every row zeroed whose column of `a` is zero in
-/// all of the band's rows, in `scratch`.
+/// all of the band's rows, in `scratch` (rows of `d`, contiguous).
 ///
 /// Why: a key that no row of the band sees has probability (and `dS`)
 /// exactly 0 in that column, but `0 · NaN` is NaN, so a NaN or infinity
@@ -891,13 +916,15 @@ fn zero_unused_rows<'s>(
     a: &[f32],
     cols: usize,
     band: &Band,
-    b: &[f32],
+    (b, b_rs): (&[f32], usize),
     d: usize,
     scratch: &'s mut Vec<f32>,
 ) -> &'s [f32] {
     let c = &band.cols;
     scratch.clear();
-    scratch.extend_from_slice(&b[..c.len() * d]);
+    for j in 0..c.len() {
+        scratch.extend_from_slice(&b[j * b_rs..j * b_rs + d]);
+    }
     for j in 0..c.len() {
         let unused = band.rows.clone().all(|i| a[i * cols + c.start + j] == 0.0);
         if unused {

@@ -3,7 +3,8 @@
 //! each key layout and dtype runs.
 
 use super::aligned::Aligned;
-use super::{BackwardInputs, Bf16BackwardInputs, CacheLayout, PageTable};
+use super::operand::Operand;
+use super::{BackwardInputs, Bf16BackwardInputs, CacheLayout, ForwardInputs, KvElem, PageTable};
 use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, KeyLayout, Keys};
 use crate::error::{Error, Result};
 use crate::problem::Problem;
@@ -141,6 +142,53 @@ impl HostElems {
     }
 }
 
+/// A `[.., heads, rows, dim]` input of the forward kernels as stored,
+/// read in place: any strides, as long as each row's elements are
+/// contiguous and no stride is negative; otherwise a contiguous copy
+/// (numr's `contiguous`).
+struct HostOperand(Tensor<CpuRuntime>);
+
+impl HostOperand {
+    /// `t` (rank 4, inside its storage: validated), of `dtype` (one of the
+    /// CPU's).
+    fn new(name: &'static str, t: &Tensor<CpuRuntime>, dtype: DType) -> Result<Self> {
+        check_input(name, t, dtype)?;
+        let (shape, strides) = (t.shape(), t.strides());
+        let used = |i: usize| shape[i] > 1;
+        let in_place = shape.len() == 4
+            && (!used(3) || strides[3] == 1)
+            && (0..3).all(|i| !used(i) || strides[i] >= 0)
+            && (!used(2) || strides[2] >= shape[3] as isize);
+        Ok(Self(if in_place { t.clone() } else { t.contiguous()? }))
+    }
+
+    /// The operand's rows.
+    ///
+    /// # Safety
+    /// `E` must be the tensor's element type (f32, `half::f16` or
+    /// `half::bf16` for its dtype).
+    unsafe fn operand<E: KvElem>(&self) -> Operand<'_> {
+        let t = &self.0;
+        let shape: [usize; 4] = t.shape().try_into().expect("rank 4 (validated)");
+        // Strides of dims of extent 1 are never used; the others are
+        // non-negative (`new`).
+        let strides = [0, 1, 2].map(|i| {
+            if shape[i] > 1 {
+                t.strides()[i] as usize
+            } else {
+                0
+            }
+        });
+        let span = Operand::span(shape, strides);
+        // SAFETY: the view lies inside its storage (validated), so the
+        // `span` elements from its first (`ptr()` includes the offset) are
+        // host memory of `E` (the caller's promise), alive as long as
+        // `self`.
+        let data = unsafe { std::slice::from_raw_parts(t.ptr() as *const E, span) };
+        Operand::new(E::stored(data), shape, strides)
+    }
+}
+
 /// An output of the CPU kernels: written as f32, delivered in `dtype`.
 struct Output {
     tensor: Tensor<CpuRuntime>,
@@ -193,6 +241,25 @@ impl Output {
     }
 }
 
+/// The forward's inputs.
+///
+/// # Safety
+/// `E` must be the element type of the three tensors.
+unsafe fn inputs<'a, E: KvElem>(
+    (q, k, v): (&'a HostOperand, &'a HostOperand, &'a HostOperand),
+    cache: Option<CacheLayout<'a>>,
+) -> ForwardInputs<'a> {
+    // SAFETY: the caller's promise.
+    unsafe {
+        ForwardInputs {
+            q: q.operand::<E>(),
+            k: k.operand::<E>(),
+            v: v.operand::<E>(),
+            cache,
+        }
+    }
+}
+
 /// The CPU kernels' description of a cache layout (`None`: dense keys).
 fn cache_layout<'a>(layout: &KeyLayout<'a, CpuRuntime>) -> Option<CacheLayout<'a>> {
     let lens = layout.lengths()?.host;
@@ -217,32 +284,28 @@ impl AttentionRuntime for CpuRuntime {
         let mut out = Output::new(&p.out_shape(), dtype, device)?;
         let mut lse = Output::new(&p.lse_shape(), DType::F32, device)?;
         let (o, l) = (out.slice_mut(), lse.slice_mut());
-        // Keys and values are read as stored (16-bit ones widened per block
-        // inside the kernels); so are queries, except over a cache, whose
-        // decode kernel widens a call's few query rows first.
-        let (k, v) = (
-            HostElems::new("k", keys.k, dtype)?,
-            HostElems::new("v", keys.v, dtype)?,
+        // Read as stored and in place, 16-bit ones widened per block inside
+        // the kernels (the decode kernel widens a call's few query rows
+        // first).
+        let (q, k, v) = (
+            HostOperand::new("q", q, dtype)?,
+            HostOperand::new("k", keys.k, dtype)?,
+            HostOperand::new("v", keys.v, dtype)?,
         );
-        if let Some(cache) = cache_layout(&keys.layout) {
-            let q = HostF32::new("q", q, dtype)?;
-            // SAFETY: `E` is the dtype's element type, checked by `HostElems::new`.
-            with_elem!(dtype, E => unsafe {
-                super::forward_cache::<V, E>(variant, p, cache, q.slice(), k.slice(), v.slice(), o, l)
-            })?;
-            return Ok((out.finish(), lse.finish()));
-        }
-        let q = HostElems::new("q", q, dtype)?;
+        let cache = cache_layout(&keys.layout);
         // SAFETY (both): `E`, and bf16 in the first, are the dtype's
-        // element type, checked by `HostElems::new`.
+        // element type, checked by `HostOperand::new`.
         // bf16 tile products where the CPU has them (AMX, `vdpbf16ps`),
-        // except for decode shapes, whose kernel packs a GQA group's rows.
-        let tiles = dtype == DType::BF16
-            && !super::is_decode(p)
-            && unsafe { super::forward_bf16(variant, p, q.slice(), k.slice(), v.slice(), o, l) }?;
+        // except for decode shapes and caches, whose kernel packs a GQA
+        // group's rows.
+        let tiles = dtype == DType::BF16 && cache.is_none() && !super::is_decode(p) && {
+            let x = unsafe { inputs::<half::bf16>((&q, &k, &v), None) };
+            super::forward_bf16_inputs(variant, p, x, o, l)?
+        };
         if !tiles {
-            with_elem!(dtype, E => unsafe {
-                super::forward_stored::<V, E>(variant, p, q.slice(), k.slice(), v.slice(), o, l)
+            with_elem!(dtype, E => {
+                let x = unsafe { inputs::<E>((&q, &k, &v), cache) };
+                super::forward_stored_inputs(variant, p, x, o, l)
             })?;
         }
         Ok((out.finish(), lse.finish()))

@@ -591,18 +591,11 @@ fn check_forward_grouped<V: HostVariant>(
     let want = reference(v, p, x);
     let mut out = vec![f32::NAN; p.out_len()];
     let mut lse = vec![f32::NAN; p.lse_len()];
-    let f32s = Stored::F32;
-    forward::forward(
-        v,
-        p,
-        t,
-        group,
-        f32s(&x.q),
-        f32s(&x.k),
-        f32s(&x.v),
-        &mut out,
-        &mut lse,
-    );
+    let run = |(q, k, v_): (&[_], &[_], &[_]), out: &mut [f32], lse: &mut [f32]| {
+        let x = ForwardInputs::packed(p, (q, k, v_));
+        forward::forward(v, p, t, group, x.q, x.k, x.v, out, lse);
+    };
+    run((&x.q, &x.k, &x.v), &mut out, &mut lse);
     let ctx = format!("{} {p:?} {t:?} group {group}", V::NAME);
     assert_close(&format!("out {ctx}"), &out, &want.out, 2e-5);
     assert_close(&format!("lse {ctx}"), &lse, &want.lse, 2e-5);
@@ -612,30 +605,10 @@ fn check_forward_grouped<V: HostVariant>(
     let wide = |x: &[half::bf16]| x.iter().map(|y| y.to_f32()).collect::<Vec<f32>>();
     let (qw, kw, vw) = (wide(&q), wide(&k), wide(&vv));
     let mut want = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
-    forward::forward(
-        v,
-        p,
-        t,
-        group,
-        f32s(&qw),
-        f32s(&kw),
-        f32s(&vw),
-        &mut want.0,
-        &mut want.1,
-    );
-    let bits = <half::bf16 as KvElem>::stored;
+    run((&qw, &kw, &vw), &mut want.0, &mut want.1);
     let mut got = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
-    forward::forward(
-        v,
-        p,
-        t,
-        group,
-        bits(&q),
-        bits(&k),
-        bits(&vv),
-        &mut got.0,
-        &mut got.1,
-    );
+    let x = ForwardInputs::packed(p, (&q[..], &k[..], &vv[..]));
+    forward::forward(v, p, t, group, x.q, x.k, x.v, &mut got.0, &mut got.1);
     let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
     assert!(
         same(&got.0, &want.0) && same(&got.1, &want.1),
@@ -1861,5 +1834,106 @@ fn bf16_tiles_cover_padded_dims_learnable_tensors_and_caches() {
         within(&format!("{ctx} dk"), &g.dk, &want.dk, &yard.dk);
         within(&format!("{ctx} dv"), &g.dv, &want.dv, &yard.dv);
         g.assert_spare_slots_zero(&p, &lens, &ctx);
+    }
+}
+
+/// `x` (`[n, h, s, d]`, contiguous) laid out as `[n, s, h, d + 5]`, the
+/// spare columns NaN, and read back in place as `[n, h, s, d]`: rows
+/// `h·(d + 5)` apart, heads `d + 5`.
+struct Spread<E> {
+    data: Vec<E>,
+    shape: [usize; 4],
+}
+
+impl<E: KvElem> Spread<E> {
+    const PAD: usize = 5;
+
+    fn new(x: &[f32], shape @ [n, h, s, d]: [usize; 4], elem: impl Fn(f32) -> E) -> Self {
+        let w = d + Self::PAD;
+        let mut data = vec![elem(f32::NAN); n * s * h * w];
+        for (row, src) in x.chunks_exact(d).enumerate() {
+            let (bh, si) = (row / s, row % s);
+            let (bi, hi) = (bh / h, bh % h);
+            let at = ((bi * s + si) * h + hi) * w;
+            for (dst, &v) in data[at..at + d].iter_mut().zip(src) {
+                *dst = elem(v);
+            }
+        }
+        Self { data, shape }
+    }
+
+    fn operand(&self) -> Operand<'_> {
+        let [_, h, s, d] = self.shape;
+        let w = d + Self::PAD;
+        Operand::new(E::stored(&self.data), self.shape, [s * h * w, w, h * w])
+    }
+}
+
+/// Every forward path over operands read in place with rows, heads and
+/// batches apart (NaN between the rows, which must never be read) gives
+/// the bits of the same inputs packed: the tile kernel in f32 and f16, the
+/// decode kernel, a cache, and the bf16 tile products at each level.
+#[test]
+fn strided_operands_give_the_bits_of_packed_ones() {
+    use crate::stock::Causal;
+    fn run<E: KvElem>(
+        p: &Problem,
+        x: &Inputs,
+        elem: impl Fn(f32) -> E + Copy,
+        cache: Option<CacheLayout<'_>>,
+        bf16_tiles: bool,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let [b, hq, hkv, sq, sk] = [p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k];
+        let packed = |x: &[f32]| x.iter().map(|&v| elem(v)).collect::<Vec<E>>();
+        let (q, k, v) = (packed(&x.q), packed(&x.k), packed(&x.v));
+        let sq_ = Spread::new(&x.q, [b, hq, sq, p.head_dim], elem);
+        let sk_ = Spread::new(&x.k, [b, hkv, sk, p.head_dim], elem);
+        let sv_ = Spread::new(&x.v, [b, hkv, sk, p.head_dim_v], elem);
+        let spread = ForwardInputs {
+            q: sq_.operand(),
+            k: sk_.operand(),
+            v: sv_.operand(),
+            cache,
+        };
+        let packed = ForwardInputs {
+            cache,
+            ..ForwardInputs::packed(p, (&q, &k, &v))
+        };
+        let mut results = Vec::new();
+        for x in [packed, spread] {
+            let (mut out, mut lse) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
+            if bf16_tiles {
+                assert!(forward_bf16_inputs(&Causal, p, x, &mut out, &mut lse).unwrap());
+            } else {
+                forward_stored_inputs(&Causal, p, x, &mut out, &mut lse).unwrap();
+            }
+            results.push((out, lse));
+        }
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for (what, got, want) in [
+            ("out", &results[1].0, &results[0].0),
+            ("lse", &results[1].1, &results[0].1),
+        ] {
+            assert_eq!(bits(got), bits(want), "{what} {p:?} cache {cache:?}");
+        }
+        assert!(results[0].0.iter().all(|v| v.is_finite()), "{p:?}");
+        results.pop().unwrap()
+    }
+    let f16 = half::f16::from_f32;
+    let bf16 = half::bf16::from_f32;
+    let tile = problem(2, 4, 2, 70, 93, 40).with_head_dim_v(24);
+    let decode = problem(2, 8, 2, 3, 150, 64).with_head_dim_v(48);
+    let x = Inputs::new(&tile, 0x5e7, 1.0);
+    run(&tile, &x, |v| v, None, false);
+    run(&tile, &x, f16, None, false);
+    let x = Inputs::new(&decode, 0x5e8, 1.0);
+    run(&decode, &x, |v| v, None, false);
+    run(&decode, &x, bf16, None, false);
+    let lens = [97, 150];
+    run(&decode, &x, bf16, Some(CacheLayout::lengths(&lens)), false);
+    let mut x = Inputs::new(&tile, 0x5e9, 1.0);
+    x.round_to_bf16();
+    for level in bf16_levels() {
+        capped(level, 2).install(|| run(&tile, &x, bf16, None, true));
     }
 }
