@@ -45,13 +45,32 @@ impl KvElem for half::f16 {
     }
 }
 
-/// Elements as stored: f32, or the bits of bf16 or f16.
+/// The value of fp8 E4M3 bits (exact; `0x7f`/`0xff` are NaN, there is no
+/// infinity): its magnitude bits read as an f16's upper bits lack only the
+/// exponent bias difference, 2^8.
+pub(crate) fn e4m3_to_f32(b: u8) -> f32 {
+    if b & 0x7f == 0x7f {
+        return f32::NAN;
+    }
+    let bits = (u16::from(b & 0x80) << 8) | (u16::from(b & 0x7f) << 7);
+    half::f16::from_bits(bits).to_f32() * 256.0
+}
+
+/// The value of fp8 E5M2 bits: the upper byte of an f16 (exact).
+pub(crate) fn e5m2_to_f32(b: u8) -> f32 {
+    half::f16::from_bits(u16::from(b) << 8).to_f32()
+}
+
+/// Elements as stored: f32, or the bits of bf16, f16, or fp8 (E4M3,
+/// E5M2; KV caches, with their scales).
 #[doc(hidden)]
 #[derive(Clone, Copy, Debug)]
 pub enum Stored<'a> {
     F32(&'a [f32]),
     Bf16(&'a [u16]),
     F16(&'a [u16]),
+    E4m3(&'a [u8]),
+    E5m2(&'a [u8]),
 }
 
 impl<'a> Stored<'a> {
@@ -60,6 +79,7 @@ impl<'a> Stored<'a> {
         match self {
             Stored::F32(x) => x.len(),
             Stored::Bf16(x) | Stored::F16(x) => x.len(),
+            Stored::E4m3(x) | Stored::E5m2(x) => x.len(),
         }
     }
 
@@ -69,6 +89,8 @@ impl<'a> Stored<'a> {
             Stored::F32(x) => Stored::F32(&x[r]),
             Stored::Bf16(x) => Stored::Bf16(&x[r]),
             Stored::F16(x) => Stored::F16(&x[r]),
+            Stored::E4m3(x) => Stored::E4m3(&x[r]),
+            Stored::E5m2(x) => Stored::E5m2(&x[r]),
         }
     }
 
@@ -85,6 +107,7 @@ impl<'a> Stored<'a> {
         match self {
             Stored::F32(_) => 4,
             Stored::Bf16(_) | Stored::F16(_) => 2,
+            Stored::E4m3(_) | Stored::E5m2(_) => 1,
         }
     }
 
@@ -98,6 +121,7 @@ impl<'a> Stored<'a> {
                 Stored::Bf16(x) | Stored::F16(x) => {
                     std::slice::from_raw_parts(x.as_ptr().cast(), 2 * x.len())
                 }
+                Stored::E4m3(x) | Stored::E5m2(x) => x,
             }
         }
     }
@@ -111,6 +135,17 @@ impl<'a> Stored<'a> {
             Stored::F16(x) => {
                 x.iter()
                     .fold(0u16, |acc, v| acc | u16::from(v & 0x7c00 == 0x7c00))
+                    == 0
+            }
+            // E4M3 has no infinity; its NaN is all ones but the sign.
+            Stored::E4m3(x) => {
+                x.iter()
+                    .fold(0u8, |acc, v| acc | u8::from(v & 0x7f == 0x7f))
+                    == 0
+            }
+            Stored::E5m2(x) => {
+                x.iter()
+                    .fold(0u8, |acc, v| acc | u8::from(v & 0x7c == 0x7c))
                     == 0
             }
         }
@@ -149,7 +184,7 @@ pub(super) fn transpose(
     }
     #[cfg(target_arch = "x86_64")]
     if super::simd::avx512() {
-        use super::microkernel::{Bf16s, F16s, transpose};
+        use super::microkernel::{Bf16s, E4m3s, E5m2s, F16s, transpose};
         let out = dst.as_mut_ptr();
         // SAFETY: AVX-512F/BW/VL detected; the asserts above bound every
         // element read and written; `dst` is a unique borrow.
@@ -159,6 +194,12 @@ pub(super) fn transpose(
                     transpose::<Bf16s>(x.as_ptr(), (rows, cols, src_rs), out, dst_rs)
                 }
                 Stored::F16(x) => transpose::<F16s>(x.as_ptr(), (rows, cols, src_rs), out, dst_rs),
+                Stored::E4m3(x) => {
+                    transpose::<E4m3s>(x.as_ptr(), (rows, cols, src_rs), out, dst_rs)
+                }
+                Stored::E5m2(x) => {
+                    transpose::<E5m2s>(x.as_ptr(), (rows, cols, src_rs), out, dst_rs)
+                }
                 Stored::F32(_) => unreachable!("f32 returned above"),
             }
         }
@@ -179,7 +220,7 @@ pub(super) fn widen(src: Stored<'_>, dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len(), "widen lengths");
     #[cfg(target_arch = "x86_64")]
     if super::simd::avx512() {
-        use super::microkernel::{Bf16s, F16s, F32s, widen};
+        use super::microkernel::{Bf16s, E4m3s, E5m2s, F16s, F32s, widen};
         let (out, n) = (dst.as_mut_ptr(), dst.len());
         // SAFETY: AVX-512F/BW/VL detected; both hold `n` elements, and
         // `dst` is a unique borrow.
@@ -188,6 +229,8 @@ pub(super) fn widen(src: Stored<'_>, dst: &mut [f32]) {
                 Stored::F32(x) => widen::<F32s>(x.as_ptr(), out, n),
                 Stored::Bf16(x) => widen::<Bf16s>(x.as_ptr(), out, n),
                 Stored::F16(x) => widen::<F16s>(x.as_ptr(), out, n),
+                Stored::E4m3(x) => widen::<E4m3s>(x.as_ptr(), out, n),
+                Stored::E5m2(x) => widen::<E5m2s>(x.as_ptr(), out, n),
             }
         }
         return;
@@ -197,6 +240,14 @@ pub(super) fn widen(src: Stored<'_>, dst: &mut [f32]) {
         Stored::F32(x) => dst.copy_from_slice(x),
         Stored::Bf16(x) => x.reinterpret_cast::<half::bf16>().convert_to_f32_slice(dst),
         Stored::F16(x) => x.reinterpret_cast::<half::f16>().convert_to_f32_slice(dst),
+        Stored::E4m3(x) => dst
+            .iter_mut()
+            .zip(x)
+            .for_each(|(o, &b)| *o = e4m3_to_f32(b)),
+        Stored::E5m2(x) => dst
+            .iter_mut()
+            .zip(x)
+            .for_each(|(o, &b)| *o = e5m2_to_f32(b)),
     }
 }
 
@@ -227,6 +278,38 @@ mod tests {
                 .expect("a pool");
             pool.install(&f);
         }
+    }
+
+    /// Every fp8 bit pattern widens to numr's value of it (an independent
+    /// conversion), NaN to NaN, at every level, row by row and transposed
+    /// with rows apart.
+    #[test]
+    fn every_fp8_value_widens_exactly_at_every_level() {
+        use numr::dtype::{FP8E4M3, FP8E5M2};
+        let bytes: Vec<u8> = (0..=255).collect();
+        let e4m3: Vec<f32> = bytes.iter().map(|&b| FP8E4M3(b).to_f32()).collect();
+        let e5m2: Vec<f32> = bytes.iter().map(|&b| FP8E5M2(b).to_f32()).collect();
+        let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+        every_level(|| {
+            for (stored, want) in [(Stored::E4m3(&bytes), &e4m3), (Stored::E5m2(&bytes), &e5m2)] {
+                let mut w = vec![0.0f32; 256];
+                widen(stored, &mut w);
+                for (b, (&got, &want)) in w.iter().zip(want.iter()).enumerate() {
+                    assert!(same(got, want), "{stored:?} byte {b:#x}: {got} vs {want}");
+                }
+                // 16 rows of 13, 16 apart (the last 3 of each row unread).
+                let mut t = vec![f32::NAN; 13 * 16];
+                transpose(stored, (16, 13, 16), &mut t, 16);
+                for r in 0..16 {
+                    for c in 0..13 {
+                        assert!(
+                            same(t[c * 16 + r], want[r * 16 + c]),
+                            "{stored:?} ({r}, {c})"
+                        );
+                    }
+                }
+            }
+        });
     }
 
     #[test]

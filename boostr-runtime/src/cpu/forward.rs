@@ -197,7 +197,7 @@ pub(super) fn forward<V: HostVariant>(
     // back. Aligned to a cache line, as every tile's rows then are (see
     // `aligned`). A 16-bit V is widened per kv head likewise.
     let mut kt = Aligned::<f32>::scratch(p.k_len());
-    let v_f32 = v.head(0).f32().is_some();
+    let v_f32 = in_place(v.head(0)).is_some();
     let mut v_wide = Aligned::<f32>::scratch(if v_f32 { 0 } else { p.v_len() });
     let mut v_heads: Vec<Option<&mut [f32]>> = if v_wide.is_empty() {
         (0..p.batch * p.heads_kv).map(|_| None).collect()
@@ -226,7 +226,7 @@ pub(super) fn forward<V: HostVariant>(
                     k.sub(at..at + cols).transpose(kt, cols);
                 });
             let kt = &*kt;
-            let (v, v_rs): (&[f32], usize) = match (v.f32(), v_wide.take()) {
+            let (v, v_rs): (&[f32], usize) = match (in_place(v), v_wide.take()) {
                 (Some(v), _) => v,
                 (None, Some(wide)) => {
                     wide.par_chunks_mut(tiles.kv * dv)
@@ -268,11 +268,11 @@ pub(super) fn forward<V: HostVariant>(
                         .zip(lse_bh.par_chunks_mut(group_rows))
                         .enumerate()
                         .for_each_init_dyn(
-                            &|| Scratch::new(tiles, group, d, q_bh.f32().is_none()),
+                            &|| Scratch::new(tiles, group, d, in_place(q_bh).is_none()),
                             &|scratch, (t, (out_g, lse_g))| {
                                 let (row0, rows) = (t * group_rows, lse_g.len());
                                 let q_g = q_bh.sub(row0..row0 + rows);
-                                let q_g = match q_g.f32() {
+                                let q_g = match in_place(q_g) {
                                     Some(q) => q,
                                     None => {
                                         let wide = &mut scratch.q[..rows * d];
@@ -293,6 +293,15 @@ pub(super) fn forward<V: HostVariant>(
                         );
                 });
         });
+}
+
+/// f32 rows the tile products read where they are: contiguous ones. Rows
+/// further apart (a permuted `[B, S, H, D]` input: `H·D` apart, 4 KiB for
+/// 8 heads of 128) would map a tile's rows to the same few L1 sets, so
+/// those are copied per task (Q) or kv head (V), as 16-bit ones are
+/// widened.
+fn in_place(rows: Rows<'_>) -> Option<(&[f32], usize)> {
+    rows.packed_data().and(rows.f32())
 }
 
 /// Consecutive query tiles, `rows = lse.len()` rows from row `row0` in

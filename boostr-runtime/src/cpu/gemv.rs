@@ -30,7 +30,7 @@
 
 use super::elem::Stored;
 #[cfg(target_arch = "x86_64")]
-use super::microkernel::{Bf16s, F16s, F32s, Load16};
+use super::microkernel::{Bf16s, E4m3s, E5m2s, F16s, F32s, Load16};
 use super::operand::Rows;
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -55,6 +55,8 @@ struct Run<E> {
     at: *const E,
     rows: usize,
     stride: usize,
+    /// What each stored value is worth (an fp8 cache's scale; else 1).
+    scale: f32,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -83,6 +85,7 @@ fn raw_runs<E>(runs: &[Rows<'_>], d: usize) -> ([Run<E>; MAX_RUNS], usize) {
         at: std::ptr::null(),
         rows: 0,
         stride: 0,
+        scale: 1.0,
     }; MAX_RUNS];
     let mut total = 0;
     for (r, run) in raw.iter_mut().zip(runs) {
@@ -96,6 +99,7 @@ fn raw_runs<E>(runs: &[Rows<'_>], d: usize) -> ([Run<E>; MAX_RUNS], usize) {
             at: run.span_bytes().as_ptr().cast(),
             rows: run.len(),
             stride: run.stride(),
+            scale: run.scale(),
         };
         total += r.rows;
     }
@@ -159,6 +163,8 @@ pub(super) fn scores(
             Stored::F32(_) => run::<F32s>(q, rows, d, keys, scale, s, ahead),
             Stored::Bf16(_) => run::<Bf16s>(q, rows, d, keys, scale, s, ahead),
             Stored::F16(_) => run::<F16s>(q, rows, d, keys, scale, s, ahead),
+            Stored::E4m3(_) => run::<E4m3s>(q, rows, d, keys, scale, s, ahead),
+            Stored::E5m2(_) => run::<E5m2s>(q, rows, d, keys, scale, s, ahead),
         }
     }
 }
@@ -192,6 +198,8 @@ pub(super) fn accumulate(p: &[f32], values: &[Rows<'_>], d: usize, acc: &mut [f3
             Stored::F32(_) => run::<F32s>(p, rows, values, d, acc),
             Stored::Bf16(_) => run::<Bf16s>(p, rows, values, d, acc),
             Stored::F16(_) => run::<F16s>(p, rows, values, d, acc),
+            Stored::E4m3(_) => run::<E4m3s>(p, rows, values, d, acc),
+            Stored::E5m2(_) => run::<E5m2s>(p, rows, values, d, acc),
         }
     }
 }
@@ -270,6 +278,7 @@ unsafe fn scores_rows<L: Load16>(o: Scores<'_>, rows: usize, runs: &[Run<L::Elem
                 let o = Scores {
                     q: o.q.add(r0 * o.d),
                     s: o.s.add(r0 * o.cols + j0),
+                    scale: o.scale * run.scale,
                     // The first pass over the keys asks for the next block.
                     ahead: if r0 == 0 { o.ahead } else { Ahead::NONE },
                     ..o
@@ -480,7 +489,7 @@ unsafe fn accumulate_pass<L: Load16, const R: usize, const C: usize>(
                     L::load16(run.at.add(i * run.stride + d0 + 16 * c), masks[c])
                 });
                 for (r, out) in out.iter_mut().enumerate() {
-                    let pj = _mm512_set1_ps(*o.p.add(r * o.cols + j));
+                    let pj = _mm512_set1_ps(*o.p.add(r * o.cols + j) * run.scale);
                     for c in 0..C {
                         out[c] = _mm512_fmadd_ps(pj, vj[c], out[c]);
                     }

@@ -243,6 +243,41 @@ impl Load16 for Bf16s {
     }
 }
 
+/// fp8 E4M3 bits, widened through f16 (`vcvtph2ps`, then times 2^8 for
+/// the exponent bias; exact), NaN where all but the sign bit are set.
+pub(super) struct E4m3s;
+/// fp8 E5M2 bits: the upper byte of an f16 (`vcvtph2ps`; exact).
+pub(super) struct E5m2s;
+
+impl Load16 for E4m3s {
+    type Elem = u8;
+    #[inline(always)]
+    unsafe fn load16(p: *const u8, mask: __mmask16) -> __m512 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let x = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(mask, p.cast()));
+            let mag = _mm256_and_si256(x, _mm256_set1_epi16(0x7f));
+            let sign = _mm256_slli_epi16::<8>(_mm256_and_si256(x, _mm256_set1_epi16(0x80)));
+            let h = _mm256_or_si256(sign, _mm256_slli_epi16::<7>(mag));
+            let f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0));
+            let nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
+            _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(f32::NAN))
+        }
+    }
+}
+
+impl Load16 for E5m2s {
+    type Elem = u8;
+    #[inline(always)]
+    unsafe fn load16(p: *const u8, mask: __mmask16) -> __m512 {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let x = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(mask, p.cast()));
+            _mm512_cvtph_ps(_mm256_slli_epi16::<8>(x))
+        }
+    }
+}
+
 impl Load16 for F16s {
     type Elem = u16;
     #[inline(always)]

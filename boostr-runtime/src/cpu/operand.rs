@@ -19,6 +19,9 @@ pub(crate) struct Operand<'a> {
     data: Stored<'a>,
     shape: [usize; 4],
     strides: [usize; 3],
+    /// An fp8 cache's dequantization scales: one per head (`heads`
+    /// values), or per batch (page) and head.
+    scales: Option<&'a [f32]>,
 }
 
 impl<'a> Operand<'a> {
@@ -45,6 +48,24 @@ impl<'a> Operand<'a> {
             data,
             shape,
             strides,
+            scales: None,
+        }
+    }
+
+    /// The operand with each stored value worth `scales[h]` times its own
+    /// (`heads` scales) or `scales[b·heads + h]` (`batch · heads`).
+    ///
+    /// # Panics
+    /// If there are neither.
+    pub(crate) fn with_scales(self, scales: &'a [f32]) -> Self {
+        let [n, h, _, _] = self.shape;
+        assert!(
+            scales.len() == h || scales.len() == n * h,
+            "a scale per head"
+        );
+        Self {
+            scales: Some(scales),
+            ..self
         }
     }
 
@@ -73,12 +94,17 @@ impl<'a> Operand<'a> {
     pub(crate) fn at(self, b: usize, h: usize) -> Rows<'a> {
         assert!(b < self.shape[0] && h < self.shape[1], "head out of range");
         let start = b * self.strides[0] + h * self.strides[1];
-        Rows::new(
+        let rows = Rows::new(
             self.data.slice(start..self.data.len()),
             self.shape[2],
             self.shape[3],
             self.strides[2],
-        )
+        );
+        match self.scales {
+            Some(s) if s.len() == self.shape[1] => rows.scaled(s[h]),
+            Some(s) => rows.scaled(s[b * self.shape[1] + h]),
+            None => rows,
+        }
     }
 
     /// The rows of flat (batch, head) index `bh = b·heads + h`.
@@ -106,7 +132,8 @@ impl<'a> Operand<'a> {
     }
 }
 
-/// `count` rows of `dim` elements, `stride` apart, as stored.
+/// `count` rows of `dim` elements, `stride` apart, as stored; each value
+/// is worth `scale` times the stored one (fp8 caches; 1 otherwise).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Rows<'a> {
     /// From the first element of the first row to (at least) the last
@@ -115,6 +142,7 @@ pub(crate) struct Rows<'a> {
     count: usize,
     dim: usize,
     stride: usize,
+    scale: f32,
 }
 
 impl<'a> Rows<'a> {
@@ -131,7 +159,18 @@ impl<'a> Rows<'a> {
             count,
             dim,
             stride,
+            scale: 1.0,
         }
+    }
+
+    /// The rows with each value worth `scale` times the stored one.
+    pub(crate) fn scaled(self, scale: f32) -> Self {
+        Self { scale, ..self }
+    }
+
+    /// What each stored value is multiplied by.
+    pub(crate) fn scale(self) -> f32 {
+        self.scale
     }
 
     /// Contiguous rows of `dim` (all of `data`).
@@ -176,8 +215,7 @@ impl<'a> Rows<'a> {
         Self {
             data: self.data.slice(at..at + span),
             count: r.len(),
-            dim: self.dim,
-            stride: self.stride,
+            ..self
         }
     }
 
@@ -192,10 +230,11 @@ impl<'a> Rows<'a> {
         (self.count <= 1 || self.stride == self.dim).then_some(self.data)
     }
 
-    /// f32 rows as the tile products take them: the elements from the
-    /// first row's and the row stride.
+    /// f32 rows (unscaled) as the tile products take them: the elements
+    /// from the first row's and the row stride.
     pub(crate) fn f32(self) -> Option<(&'a [f32], usize)> {
-        self.data.as_f32().map(|x| (x, self.stride.max(self.dim)))
+        let x = self.data.as_f32().filter(|_| self.scale == 1.0)?;
+        Some((x, self.stride.max(self.dim)))
     }
 
     /// Bytes from the first row's first element to the last row's last.
@@ -222,12 +261,20 @@ impl<'a> Rows<'a> {
                 }
             }
         }
+        if self.scale != 1.0 {
+            dst.iter_mut().for_each(|x| *x *= self.scale);
+        }
     }
 
     /// The f32 transpose of the rows into `dst` (`dim × count`, row stride
     /// `dst_rs`), as [`elem::transpose`].
     pub(crate) fn transpose(self, dst: &mut [f32], dst_rs: usize) {
         elem::transpose(self.data, (self.count, self.dim, self.stride), dst, dst_rs);
+        if self.scale != 1.0 {
+            for row in dst.chunks_mut(dst_rs.max(1)).take(self.dim) {
+                row[..self.count].iter_mut().for_each(|x| *x *= self.scale);
+            }
+        }
     }
 
     /// Whether every element of every row is finite.

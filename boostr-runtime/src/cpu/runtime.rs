@@ -3,8 +3,9 @@
 //! each key layout and dtype runs.
 
 use super::aligned::Aligned;
+use super::elem::Stored;
 use super::operand::Operand;
-use super::{BackwardInputs, Bf16BackwardInputs, CacheLayout, ForwardInputs, KvElem, PageTable};
+use super::{BackwardInputs, Bf16BackwardInputs, CacheLayout, ForwardInputs, PageTable};
 use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, KeyLayout, Keys};
 use crate::error::{Error, Result};
 use crate::problem::Problem;
@@ -22,27 +23,6 @@ const CPU_DTYPES: &str = "f32, f16 and bf16 (f16/bf16 computed in f32)";
 
 /// Elements per parallel task of the dtype conversions (memory-bound).
 const CONVERT_BLOCK: usize = 1 << 16;
-
-/// `$body` with `$elem` the element type of `$dtype` (f32, `half::f16` or
-/// `half::bf16`; the dtype is one of the CPU's, checked before).
-macro_rules! with_elem {
-    ($dtype:expr, $elem:ident => $body:expr) => {
-        match $dtype {
-            DType::F16 => {
-                type $elem = half::f16;
-                $body
-            }
-            DType::BF16 => {
-                type $elem = half::bf16;
-                $body
-            }
-            _ => {
-                type $elem = f32;
-                $body
-            }
-        }
-    };
-}
 
 /// An input of a CPU call: f32, f16 or bf16, and `dtype` (all tensors of
 /// one call share q's dtype).
@@ -85,7 +65,7 @@ impl HostF32 {
     /// `t` as f32; its dtype must be f32, f16 or bf16 and equal `dtype`.
     fn new(name: &'static str, t: &Tensor<CpuRuntime>, dtype: DType) -> Result<Self> {
         check_input(name, t, dtype)?;
-        let t = t.contiguous()?;
+        let t = HostOperand::packed(t)?;
         if dtype == DType::F32 {
             return Ok(Self::Tensor(t));
         }
@@ -127,7 +107,7 @@ impl HostElems {
     /// `t`, of `dtype` (one of the CPU's), contiguous.
     fn new(name: &'static str, t: &Tensor<CpuRuntime>, dtype: DType) -> Result<Self> {
         check_input(name, t, dtype)?;
-        Ok(Self(t.contiguous()?))
+        Ok(Self(HostOperand::packed(t)?))
     }
 
     /// The elements as `E`.
@@ -153,21 +133,56 @@ impl HostOperand {
     /// CPU's).
     fn new(name: &'static str, t: &Tensor<CpuRuntime>, dtype: DType) -> Result<Self> {
         check_input(name, t, dtype)?;
-        let (shape, strides) = (t.shape(), t.strides());
-        let used = |i: usize| shape[i] > 1;
-        let in_place = shape.len() == 4
-            && (!used(3) || strides[3] == 1)
-            && (0..3).all(|i| !used(i) || strides[i] >= 0)
-            && (!used(2) || strides[2] >= shape[3] as isize);
-        Ok(Self(if in_place { t.clone() } else { t.contiguous()? }))
+        Ok(Self(if Self::in_place(t) {
+            t.clone()
+        } else {
+            t.contiguous()?
+        }))
     }
 
-    /// The operand's rows.
-    ///
-    /// # Safety
-    /// `E` must be the tensor's element type (f32, `half::f16` or
-    /// `half::bf16` for its dtype).
-    unsafe fn operand<E: KvElem>(&self) -> Operand<'_> {
+    /// Whether the kernels can read `t` as it is.
+    fn in_place(t: &Tensor<CpuRuntime>) -> bool {
+        let (shape, strides) = (t.shape(), t.strides());
+        let used = |i: usize| shape[i] > 1;
+        shape.len() == 4
+            && (!used(3) || strides[3] == 1)
+            && (0..3).all(|i| !used(i) || strides[i] >= 0)
+            && (!used(2) || strides[2] >= shape[3] as isize)
+    }
+
+    /// `t` contiguous: itself, or a copy made a row at a time in parallel
+    /// where its rows are readable in place (numr's `contiguous` copies a
+    /// permuted tensor element by element, several times slower).
+    fn packed(t: &Tensor<CpuRuntime>) -> Result<Tensor<CpuRuntime>> {
+        if t.is_contiguous() || !Self::in_place(t) {
+            return Ok(t.contiguous()?);
+        }
+        let view = Self(t.clone());
+        let op = view.operand();
+        let [_, _, s, d] = op.shape();
+        let dst = Tensor::<CpuRuntime>::empty(t.shape(), t.dtype(), t.device())?;
+        let row = d * t.dtype().size_in_bytes();
+        // SAFETY: `dst` was just allocated, contiguous, and is not shared.
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(
+                dst.ptr() as *mut u8,
+                t.numel() * t.dtype().size_in_bytes(),
+            )
+        };
+        bytes
+            .par_chunks_mut((row * s).max(1))
+            .enumerate()
+            .for_each(|(bh, head)| {
+                let rows = op.head(bh);
+                for (i, out) in head.chunks_exact_mut(row.max(1)).enumerate() {
+                    out.copy_from_slice(rows.row(i).as_bytes());
+                }
+            });
+        Ok(dst)
+    }
+
+    /// The operand's rows, as its dtype stores them.
+    fn operand(&self) -> Operand<'_> {
         let t = &self.0;
         let shape: [usize; 4] = t.shape().try_into().expect("rank 4 (validated)");
         // Strides of dims of extent 1 are never used; the others are
@@ -180,12 +195,21 @@ impl HostOperand {
             }
         });
         let span = Operand::span(shape, strides);
-        // SAFETY: the view lies inside its storage (validated), so the
-        // `span` elements from its first (`ptr()` includes the offset) are
-        // host memory of `E` (the caller's promise), alive as long as
-        // `self`.
-        let data = unsafe { std::slice::from_raw_parts(t.ptr() as *const E, span) };
-        Operand::new(E::stored(data), shape, strides)
+        let at = t.ptr() as usize;
+        // SAFETY (each): the view lies inside its storage (validated), so
+        // the `span` elements from its first (`ptr()` includes the offset)
+        // are host memory of the dtype's element, alive as long as `self`.
+        let data = unsafe {
+            match t.dtype() {
+                DType::F32 => Stored::F32(std::slice::from_raw_parts(at as *const f32, span)),
+                DType::BF16 => Stored::Bf16(std::slice::from_raw_parts(at as *const u16, span)),
+                DType::F16 => Stored::F16(std::slice::from_raw_parts(at as *const u16, span)),
+                DType::FP8E4M3 => Stored::E4m3(std::slice::from_raw_parts(at as *const u8, span)),
+                DType::FP8E5M2 => Stored::E5m2(std::slice::from_raw_parts(at as *const u8, span)),
+                other => unreachable!("{other:?} is checked before"),
+            }
+        };
+        Operand::new(data, shape, strides)
     }
 }
 
@@ -242,21 +266,15 @@ impl Output {
 }
 
 /// The forward's inputs.
-///
-/// # Safety
-/// `E` must be the element type of the three tensors.
-unsafe fn inputs<'a, E: KvElem>(
+fn inputs<'a>(
     (q, k, v): (&'a HostOperand, &'a HostOperand, &'a HostOperand),
     cache: Option<CacheLayout<'a>>,
 ) -> ForwardInputs<'a> {
-    // SAFETY: the caller's promise.
-    unsafe {
-        ForwardInputs {
-            q: q.operand::<E>(),
-            k: k.operand::<E>(),
-            v: v.operand::<E>(),
-            cache,
-        }
+    ForwardInputs {
+        q: q.operand(),
+        k: k.operand(),
+        v: v.operand(),
+        cache,
     }
 }
 
@@ -293,20 +311,16 @@ impl AttentionRuntime for CpuRuntime {
             HostOperand::new("v", keys.v, dtype)?,
         );
         let cache = cache_layout(&keys.layout);
-        // SAFETY (both): `E`, and bf16 in the first, are the dtype's
-        // element type, checked by `HostOperand::new`.
         // bf16 tile products where the CPU has them (AMX, `vdpbf16ps`),
         // except for decode shapes and caches, whose kernel packs a GQA
         // group's rows.
-        let tiles = dtype == DType::BF16 && cache.is_none() && !super::is_decode(p) && {
-            let x = unsafe { inputs::<half::bf16>((&q, &k, &v), None) };
-            super::forward_bf16_inputs(variant, p, x, o, l)?
-        };
+        let x = inputs((&q, &k, &v), cache);
+        let tiles = dtype == DType::BF16
+            && cache.is_none()
+            && !super::is_decode(p)
+            && super::forward_bf16_inputs(variant, p, x, o, l)?;
         if !tiles {
-            with_elem!(dtype, E => {
-                let x = unsafe { inputs::<E>((&q, &k, &v), cache) };
-                super::forward_stored_inputs(variant, p, x, o, l)
-            })?;
+            super::forward_stored_inputs(variant, p, x, o, l)?;
         }
         Ok((out.finish(), lse.finish()))
     }
