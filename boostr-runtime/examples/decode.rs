@@ -13,8 +13,9 @@
 //! counts their 2-byte elements). Read bandwidth: a 1 GiB buffer read by
 //! all threads at once, one such read before each decode run; each shape's
 //! share is against the median of the reads taken with its runs. Then
-//! DeepSeek-V3's absorbed decode (Hq = 16, Hkv = 1, D = 576, Dv = 512,
-//! bf16 cache, Sk 4k–32k) against the same read bandwidth. Then, at B = 8,
+//! DeepSeek-V3's absorbed decode (Hq = 16, Hkv = 1, D = 576, Dv = 512, V
+//! the first 512 columns of K read in place; bf16 and fp8 E4M3 caches, Sk
+//! 4k–32k) against the same read bandwidth. Then, at B = 8,
 //! Sk = 16k, the f32 keys as a KV cache against pages of 64 and of 16 keys
 //! in shuffled order (`attention_fwd_paged`). Medians of `reps`
 //! (default 7) runs, rayon's workers bound one per CPU. `bench/decode.py`
@@ -23,7 +24,7 @@
 use boostr_runtime::stock::Causal;
 use boostr_runtime::testing::Rng;
 use boostr_runtime::{
-    AttentionOptions, KvCache, PagedKvCache, attention_fwd, attention_fwd_cache,
+    AttentionOptions, KvCache, KvScales, PagedKvCache, attention_fwd, attention_fwd_cache,
     attention_fwd_paged,
 };
 use numr::dtype::DType;
@@ -66,6 +67,7 @@ fn main() -> BoxResult<()> {
                 k: &k,
                 v: &v,
                 lengths: &lengths,
+                scales: None,
             };
             let mut run = || {
                 let out = if dtype == DType::F32 {
@@ -92,35 +94,44 @@ fn main() -> BoxResult<()> {
 }
 
 /// DeepSeek-V3's absorbed decode: 16 query heads on one latent kv head,
-/// keys of 576 (512 latent + 64 rotary) and values of 512, a bf16 cache.
-/// (V is a tensor of its own here; the bandwidth counts K and V.)
+/// keys of 576 (512 latent + 64 rotary), and values the first 512 columns
+/// of the same latent cache (`k.narrow(3, 0, 512)`, read in place); a bf16
+/// cache, and an fp8 E4M3 one with a scale per kv head. The bandwidth
+/// counts the cache's bytes once (V lies inside K's rows).
 fn mla(device: &CpuDevice, rng: &mut Rng, reader: &Reader, reps: usize) -> BoxResult<()> {
     let (hq, d, dv) = (16, 576, 512);
-    println!("\nabsorbed MLA decode, Sq = 1, Hq = {hq}, Hkv = 1, D = {d}, Dv = {dv}, bf16 cache");
-    println!("| Sk | time | K/V bandwidth | read bandwidth | of read |");
-    println!("| ---: | ---: | ---: | ---: | ---: |");
-    for sk in [4096, 16384, 32768] {
-        let q = tensor(rng, &[1, hq, 1, d], DType::BF16, device)?;
-        let k = tensor(rng, &[1, 1, sk, d], DType::BF16, device)?;
-        let v = tensor(rng, &[1, 1, sk, dv], DType::BF16, device)?;
-        let lengths = Tensor::<CpuRuntime>::from_slice(&[sk as i32], &[1], device)?;
-        let cache = KvCache {
-            k: &k,
-            v: &v,
-            lengths: &lengths,
-        };
-        let opts = AttentionOptions::default();
-        let (t, read) = reader.time_between_reads(reps, &mut || {
-            std::hint::black_box(attention_fwd_cache(&Causal, &q, &cache, &opts).expect("mla"));
-        });
-        let bytes = (sk * (d + dv) * 2) as f64;
-        println!(
-            "| {sk} | {:.2} ms | {:.1} GB/s | {:.1} GB/s | {:.0}% |",
-            t * 1e3,
-            bytes / t / 1e9,
-            read / 1e9,
-            100.0 * bytes / t / read
-        );
+    println!("\nabsorbed MLA decode, Sq = 1, Hq = {hq}, Hkv = 1, D = {d}, Dv = {dv} (V = K[.., :{dv}])");
+    println!("| cache | Sk | time | cache bandwidth | read bandwidth | of read |");
+    println!("| --- | ---: | ---: | ---: | ---: | ---: |");
+    let scale = Tensor::<CpuRuntime>::from_slice(&[1.0f32 / 16.0], &[1], device)?;
+    for (dtype, name) in [(DType::BF16, "bf16"), (DType::FP8E4M3, "fp8 e4m3")] {
+        for sk in [4096, 16384, 32768] {
+            let q = tensor(rng, &[1, hq, 1, d], DType::BF16, device)?;
+            let latent = tensor(rng, &[1, 1, sk, d], dtype, device)?;
+            let v = latent.narrow(3, 0, dv)?;
+            let lengths = Tensor::<CpuRuntime>::from_slice(&[sk as i32], &[1], device)?;
+            let cache = KvCache {
+                k: &latent,
+                v: &v,
+                lengths: &lengths,
+                scales: (dtype == DType::FP8E4M3).then_some(KvScales::PerHead {
+                    k: &scale,
+                    v: &scale,
+                }),
+            };
+            let opts = AttentionOptions::default();
+            let (t, read) = reader.time_between_reads(reps, &mut || {
+                std::hint::black_box(attention_fwd_cache(&Causal, &q, &cache, &opts).expect("mla"));
+            });
+            let bytes = (sk * d * dtype.size_in_bytes()) as f64;
+            println!(
+                "| {name} | {sk} | {:.2} ms | {:.1} GB/s | {:.1} GB/s | {:.0}% |",
+                t * 1e3,
+                bytes / t / 1e9,
+                read / 1e9,
+                100.0 * bytes / t / read
+            );
+        }
     }
     Ok(())
 }
@@ -141,6 +152,11 @@ fn tensor(
         DType::F16 => x
             .iter()
             .flat_map(|&v| half::f16::from_f32(v).to_bits().to_le_bytes())
+            .collect(),
+        // Against a scale of 1/16 (see `mla`).
+        DType::FP8E4M3 => x
+            .iter()
+            .map(|&v| numr::dtype::FP8E4M3::from_f32(16.0 * v).0)
             .collect(),
         _ => return Ok(Tensor::from_slice(&x, shape, device)?),
     };
@@ -226,6 +242,7 @@ fn paged(device: &CpuDevice, rng: &mut Rng, reps: usize) -> BoxResult<()> {
         k: &kt,
         v: &vt,
         lengths: &lengths,
+        scales: None,
     };
     let contiguous = time(reps, &mut || {
         std::hint::black_box(attention_fwd_cache(&Causal, &q, &cache, &opts).expect("cache"));
@@ -260,6 +277,7 @@ fn paged(device: &CpuDevice, rng: &mut Rng, reps: usize) -> BoxResult<()> {
             v_pages: &vp,
             page_table: &page_table,
             lengths: &lengths,
+            scales: None,
         };
         let paged = time(reps, &mut || {
             std::hint::black_box(attention_fwd_paged(&Causal, &q, &cache, &opts).expect("paged"));

@@ -65,6 +65,7 @@ fn main() -> BoxResult<()> {
         k: &k,
         v: &v,
         lengths: &lengths,
+        scales: None,
     };
     let opts = AttentionOptions::default();
     println!(

@@ -64,6 +64,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             k: &k,
             v: &v,
             lengths: &lengths,
+            scales: None,
         };
         let chosen = boostr_runtime::testing::wgpu_forward_splits::<Causal>(&q, &cache, &opts)?;
         let unsplit = time(reps, || {

@@ -46,6 +46,20 @@ pub struct Keys<'a, R: Runtime> {
     pub v: &'a Tensor<R>,
     /// Where sequence `b`'s key `j` is.
     pub layout: KeyLayout<'a, R>,
+    /// An fp8 cache's validated dequantization scales (`None` for other
+    /// element types).
+    pub scales: Option<CacheScales<'a>>,
+}
+
+/// The validated scales of an fp8 KV cache, on the host: a stored value of
+/// `k` is worth its fp8 value times `k[h]` (`[Hkv]`, per kv head) or
+/// `k[page · Hkv + h]` (`[pages, Hkv]`, per page and kv head); `v` alike.
+#[derive(Clone, Copy, Debug)]
+pub struct CacheScales<'a> {
+    /// K's scales.
+    pub k: &'a [f32],
+    /// V's scales.
+    pub v: &'a [f32],
 }
 
 /// Where sequence `b`'s key `j` is in a call's `k` and `v`.

@@ -71,6 +71,16 @@ pub enum Error {
         /// Elements in the storage.
         storage: usize,
     },
+    /// An fp8 KV cache's scales break a rule: missing for fp8 keys, given
+    /// for others, of the wrong dtype, shape or layout, or not positive
+    /// and finite.
+    #[error("kv cache scales: {rule}; got {got}")]
+    CacheScales {
+        /// The rule broken.
+        rule: &'static str,
+        /// What was given.
+        got: String,
+    },
     /// A KV cache's length is outside `0 ..= capacity`.
     #[error(
         "kv cache length of sequence {batch} is {length}; a length must be in 0..={capacity} \

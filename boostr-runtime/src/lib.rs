@@ -85,9 +85,9 @@ pub use flash::var_flash_attention;
 pub use kernels_spec::emit::Target;
 pub use kernels_spec::params::ParamWords;
 pub use op::{
-    AttentionOptions, KvCache, LearnableGrad, PagedKvCache, attention_bwd, attention_bwd_cache,
-    attention_bwd_tensors, attention_fwd, attention_fwd_cache, attention_fwd_paged,
-    learnable_grads, var_attention,
+    AttentionOptions, KvCache, KvScales, LearnableGrad, PagedKvCache, attention_bwd,
+    attention_bwd_cache, attention_bwd_tensors, attention_fwd, attention_fwd_cache,
+    attention_fwd_paged, learnable_grads, var_attention,
 };
 pub use problem::Problem;
 pub use variant::{CompiledStages, HostVariant, Lowering, TileClass, Variant};

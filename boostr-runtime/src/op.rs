@@ -2,7 +2,8 @@
 //! [`Var`] whose [`GradFn`] calls the fused backward.
 
 use crate::backend::{
-    AttentionGrads, AttentionRuntime, BackwardTensors, CacheLengths, KeyLayout, Keys, PageTable,
+    AttentionGrads, AttentionRuntime, BackwardTensors, CacheLengths, CacheScales, KeyLayout, Keys,
+    PageTable,
 };
 use crate::error::Result;
 use crate::problem::Problem;
@@ -36,13 +37,26 @@ pub fn attention_fwd<V: Variant, R: AttentionRuntime>(
 ) -> Result<(Tensor<R>, Tensor<R>)> {
     let problem = validate::problem(q, k, v, opts.scale)?;
     let layout = KeyLayout::Dense;
-    R::attention_forward(variant, &problem, q, Keys { k, v, layout })
+    R::attention_forward(
+        variant,
+        &problem,
+        q,
+        Keys {
+            k,
+            v,
+            layout,
+            scales: None,
+        },
+    )
 }
 
 /// Keys and values in a cache with spare capacity: `k, v [B, Hkv, capacity,
 /// D]`, of which sequence `b` holds its keys in slots `0 .. lengths[b]`
 /// (`lengths`: `[B]` `i32` on the call's device). Slots past a sequence's
 /// length are never read, so they may hold anything (NaN included).
+///
+/// `k` and `v` are in `q`'s dtype, or both fp8 (`FP8E4M3`, `FP8E5M2`) with
+/// their [`KvScales`] (on the CPU, forward only).
 #[derive(Debug)]
 pub struct KvCache<'a, R: numr::runtime::Runtime> {
     /// `k [B, Hkv, capacity, D]`.
@@ -51,11 +65,43 @@ pub struct KvCache<'a, R: numr::runtime::Runtime> {
     pub v: &'a Tensor<R>,
     /// `lengths [B]` (`i32`), each in `0 ..= capacity`.
     pub lengths: &'a Tensor<R>,
+    /// The dequantization scales of an fp8 cache; `None` otherwise.
+    pub scales: Option<KvScales<'a, R>>,
 }
 
+/// The dequantization scales of an fp8 KV cache, `f32`, positive and
+/// finite: a stored element's value is its fp8 value times the scale of
+/// its kv head (and page). The variant names the layout.
+#[derive(Debug)]
+pub enum KvScales<'a, R: numr::runtime::Runtime> {
+    /// One scale per kv head: `k` and `v` each `[Hkv]`.
+    PerHead {
+        /// K's scales.
+        k: &'a Tensor<R>,
+        /// V's scales.
+        v: &'a Tensor<R>,
+    },
+    /// One scale per page and kv head, for a [`PagedKvCache`]: `k` and
+    /// `v` each `[pages, Hkv]`.
+    PerPage {
+        /// K's scales.
+        k: &'a Tensor<R>,
+        /// V's scales.
+        v: &'a Tensor<R>,
+    },
+}
+
+impl<R: numr::runtime::Runtime> Clone for KvScales<'_, R> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<R: numr::runtime::Runtime> Copy for KvScales<'_, R> {}
+
 impl<'a, R: numr::runtime::Runtime> KvCache<'a, R> {
-    /// The cache as a call's keys, with its lengths' values `host`.
-    fn keys<'k>(&self, host: &'k [usize]) -> Keys<'k, R>
+    /// The cache as a call's keys, with its lengths' and scales' values.
+    fn keys<'k>(&self, host: &'k [usize], scales: Option<CacheScales<'k>>) -> Keys<'k, R>
     where
         'a: 'k,
     {
@@ -67,6 +113,7 @@ impl<'a, R: numr::runtime::Runtime> KvCache<'a, R> {
             k: self.k,
             v: self.v,
             layout: KeyLayout::Cache(lengths),
+            scales,
         }
     }
 }
@@ -87,7 +134,9 @@ pub fn attention_fwd_cache<V: Variant, R: AttentionRuntime>(
 ) -> Result<(Tensor<R>, Tensor<R>)> {
     let problem = validate::problem(q, cache.k, cache.v, opts.scale)?;
     let host = validate::cache_lengths(cache.lengths, &problem)?;
-    let keys = cache.keys(&host);
+    let scales = validate::cache_scales(cache.k, cache.v, cache.scales, None)?;
+    let scales = scales.as_ref().map(|(k, v)| CacheScales { k, v });
+    let keys = cache.keys(&host, scales);
     R::attention_forward(variant, &problem, q, keys)
 }
 
@@ -107,6 +156,9 @@ pub struct PagedKvCache<'a, R: numr::runtime::Runtime> {
     pub page_table: &'a Tensor<R>,
     /// `lengths [B]` (`i32`).
     pub lengths: &'a Tensor<R>,
+    /// The dequantization scales of fp8 pages (per kv head, or per page
+    /// and kv head); `None` otherwise.
+    pub scales: Option<KvScales<'a, R>>,
 }
 
 /// Fused attention forward over a paged KV cache: as
@@ -143,7 +195,19 @@ pub fn attention_fwd_paged<V: Variant, R: AttentionRuntime>(
         },
     );
     let (k, v) = (cache.k_pages, cache.v_pages);
-    R::attention_forward(variant, &problem, q, Keys { k, v, layout })
+    let scales = validate::cache_scales(k, v, cache.scales, Some(pages))?;
+    let scales = scales.as_ref().map(|(k, v)| CacheScales { k, v });
+    R::attention_forward(
+        variant,
+        &problem,
+        q,
+        Keys {
+            k,
+            v,
+            layout,
+            scales,
+        },
+    )
 }
 
 /// Fused attention backward: returns `(dq, dk, dv)` given the forward's
@@ -195,7 +259,12 @@ fn dense_backward<V: Variant, R: AttentionRuntime>(
         variant,
         &problem,
         [dout, q, out, lse],
-        Keys { k, v, layout },
+        Keys {
+            k,
+            v,
+            layout,
+            scales: None,
+        },
         wanted,
     )
 }
@@ -242,7 +311,13 @@ pub fn attention_bwd_cache<V: Variant, R: AttentionRuntime>(
 ) -> Result<(Tensor<R>, Tensor<R>, Tensor<R>)> {
     let problem = validate::problem(q, cache.k, cache.v, opts.scale)?;
     let host = validate::cache_lengths(cache.lengths, &problem)?;
-    let keys = cache.keys(&host);
+    if validate::cache_scales(cache.k, cache.v, cache.scales, None)?.is_some() {
+        return Err(crate::Error::LayoutUnsupported {
+            backend: "every",
+            layout: "an fp8 KV cache in the backward (fp8 caches are for inference)",
+        });
+    }
+    let keys = cache.keys(&host, None);
     let g = backward(variant, &problem, [dout, q, out, lse], keys, &[])?;
     Ok((g.dq, g.dk, g.dv))
 }
@@ -272,6 +347,7 @@ pub fn var_attention<V: Variant, R: AttentionRuntime>(
         k: k_t,
         v: v_t,
         layout: KeyLayout::Dense,
+        scales: None,
     };
     let (out, lse) = R::attention_forward(variant, &problem, q.tensor(), keys)?;
     let tensor_grads: Vec<bool> = learnables.iter().map(|t| t.requires_grad()).collect();
@@ -333,7 +409,12 @@ impl<V: Variant, R: AttentionRuntime> GradFn<R> for AttentionBackward<V, R> {
         let layout = KeyLayout::Dense;
         let tensors = BackwardTensors {
             q,
-            keys: Keys { k, v, layout },
+            keys: Keys {
+                k,
+                v,
+                layout,
+                scales: None,
+            },
             out,
             lse,
             dout: grad_output,

@@ -63,6 +63,7 @@ impl Case {
             k: &k,
             v: &v,
             lengths: &lengths,
+            scales: None,
         };
         let (out, lse) = attention_fwd_cache(variant, &q, &cache, &AttentionOptions::default())?;
         Ok((out.to_vec(), lse.to_vec()))
@@ -167,6 +168,7 @@ fn bad_lengths_are_errors() {
         k: &k,
         v: &v,
         lengths: &three,
+        scales: None,
     };
     let err = attention_fwd_cache(&Causal, &q, &cache, &AttentionOptions::default()).unwrap_err();
     assert!(
@@ -185,6 +187,7 @@ fn bad_lengths_are_errors() {
         k: &k,
         v: &v,
         lengths: &float,
+        scales: None,
     };
     let err = attention_fwd_cache(&Causal, &q, &cache, &AttentionOptions::default()).unwrap_err();
     assert!(
@@ -254,6 +257,7 @@ fn pages_are_the_contiguous_cache_in_place() {
         k: &k,
         v: &v,
         lengths: &lengths,
+        scales: None,
     };
     let (out, lse) = attention_fwd_cache(&variant, &q, &contiguous, &opts).expect("contiguous");
     let (kp, vp) = (t(&kp, &[pages, HKV, ps, D]), t(&vp, &[pages, HKV, ps, D]));
@@ -263,6 +267,7 @@ fn pages_are_the_contiguous_cache_in_place() {
         v_pages: &vp,
         page_table: &page_table,
         lengths: &lengths,
+        scales: None,
     };
     let (pout, plse) = attention_fwd_paged(&variant, &q, &paged, &opts).expect("paged");
     let bits = |x: Tensor<CpuRuntime>| {
@@ -329,6 +334,7 @@ fn the_cache_backward_is_each_sequence_alone() {
         k: &k,
         v: &v,
         lengths: &lengths,
+        scales: None,
     };
     let opts = AttentionOptions::default();
     let (out, lse) = attention_fwd_cache(&variant, &q, &cache, &opts).unwrap();
@@ -383,4 +389,310 @@ fn the_cache_backward_is_each_sequence_alone() {
             &dv1.to_vec::<f32>(),
         );
     }
+}
+
+/// An fp8 format: numr's conversions, independent of the kernels'.
+#[derive(Clone, Copy, Debug)]
+enum Fp8 {
+    E4m3,
+    E5m2,
+}
+
+impl Fp8 {
+    fn dtype(self) -> numr::dtype::DType {
+        match self {
+            Fp8::E4m3 => numr::dtype::DType::FP8E4M3,
+            Fp8::E5m2 => numr::dtype::DType::FP8E5M2,
+        }
+    }
+
+    fn quantize(self, x: f32) -> u8 {
+        match self {
+            Fp8::E4m3 => numr::dtype::FP8E4M3::from_f32(x).0,
+            Fp8::E5m2 => numr::dtype::FP8E5M2::from_f32(x).0,
+        }
+    }
+
+    fn value(self, b: u8) -> f64 {
+        f64::from(match self {
+            Fp8::E4m3 => numr::dtype::FP8E4M3(b).to_f32(),
+            Fp8::E5m2 => numr::dtype::FP8E5M2(b).to_f32(),
+        })
+    }
+}
+
+/// `data` quantized to `fmt` against `scale(row)` per row of `dim`: the
+/// bytes, and the dequantized values (f64).
+fn quantized(
+    fmt: Fp8,
+    data: &[f32],
+    dim: usize,
+    scale: impl Fn(usize) -> f32,
+) -> (Vec<u8>, Vec<f64>) {
+    let mut bytes = Vec::with_capacity(data.len());
+    let mut values = Vec::with_capacity(data.len());
+    for (r, row) in data.chunks(dim).enumerate() {
+        let s = scale(r);
+        for &x in row {
+            let b = fmt.quantize(x / s);
+            bytes.push(b);
+            values.push(fmt.value(b) * f64::from(s));
+        }
+    }
+    (bytes, values)
+}
+
+fn fp8_tensor(fmt: Fp8, bytes: &[u8], shape: &[usize]) -> Tensor<CpuRuntime> {
+    Tensor::from_bytes(bytes, shape, fmt.dtype(), &CpuDevice::new()).expect("an fp8 tensor")
+}
+
+/// fp8 caches, E4M3 and E5M2, values of their own head dim, against the
+/// f64 reference on the dequantized values: a contiguous cache with a
+/// scale per kv head, and the same keys in shuffled pages with a scale per
+/// kv head and per page and kv head; one query row per head (the
+/// matrix-vector products) and five (40 packed rows: the tile products).
+#[test]
+fn fp8_caches_match_the_reference_on_their_dequantized_values() {
+    use boostr_runtime::testing::reference_forward;
+    use boostr_runtime::{KvScales, Problem};
+    let (b, hq, hkv, sk, d, dv, ps) = (2, 8, 2, 96, 64, 48, 16);
+    let dev = CpuDevice::new();
+    let f32s =
+        |x: &[f32], shape: &[usize]| Tensor::<CpuRuntime>::from_slice(x, shape, &dev).unwrap();
+    let mut rng = Rng::new(0xf8, 0);
+    for fmt in [Fp8::E4m3, Fp8::E5m2] {
+        for sq in [1, 5] {
+            let p = Problem::new(b, (hq, hkv), (sq, sk), d).with_head_dim_v(dv);
+            let q = rng.normal_f32(p.q_len(), 1.0);
+            let (k, v) = (
+                rng.normal_f32(p.k_len(), 3.0),
+                rng.normal_f32(p.v_len(), 2.0),
+            );
+            let head_scale =
+                |kind: usize| move |row: usize| 0.01 * (1 + kind + (row / sk) % hkv) as f32;
+            let (kb, kd) = quantized(fmt, &k, d, head_scale(0));
+            let (vb, vd) = quantized(fmt, &v, dv, head_scale(3));
+            let qd: Vec<f64> = q.iter().map(|&x| f64::from(x)).collect();
+            let host = Causal.host(&p).unwrap();
+            let want = reference_forward::<f64, _>(&host, &p, &qd, &kd, &vd);
+            let check = |what: &str, out: &Tensor<CpuRuntime>, lse: &Tensor<CpuRuntime>| {
+                for (i, (g, w)) in out.to_vec::<f32>().iter().zip(&want.out).enumerate() {
+                    let g = f64::from(*g);
+                    assert!(
+                        (g - w).abs() <= 2e-5 * (1.0 + w.abs()),
+                        "{what} {fmt:?} Sq {sq} out[{i}] {g} vs {w}"
+                    );
+                }
+                for (i, (g, w)) in lse.to_vec::<f32>().iter().zip(&want.lse).enumerate() {
+                    let g = f64::from(*g);
+                    assert!(
+                        (g - w).abs() <= 2e-5 * (1.0 + w.abs()),
+                        "{what} {fmt:?} Sq {sq} lse[{i}] {g} vs {w}"
+                    );
+                }
+            };
+            let qt = f32s(&q, &p.q_shape());
+            let opts = AttentionOptions::default();
+            let lengths =
+                Tensor::<CpuRuntime>::from_slice(&[sk as i32, sk as i32], &[b], &dev).unwrap();
+            let scales_of = |kind: usize, n: usize| -> Vec<f32> {
+                (0..n * hkv)
+                    .map(|i| 0.01 * (1 + kind + i % hkv) as f32)
+                    .collect()
+            };
+            let (ks, vs) = (
+                f32s(&scales_of(0, 1), &[hkv]),
+                f32s(&scales_of(3, 1), &[hkv]),
+            );
+            let (kt, vt) = (
+                fp8_tensor(fmt, &kb, &p.k_shape()),
+                fp8_tensor(fmt, &vb, &p.v_shape()),
+            );
+            let cache = KvCache {
+                k: &kt,
+                v: &vt,
+                lengths: &lengths,
+                scales: Some(KvScales::PerHead { k: &ks, v: &vs }),
+            };
+            let (out, lse) =
+                attention_fwd_cache(&Causal, &qt, &cache, &opts).expect("an fp8 cache");
+            check("contiguous", &out, &lse);
+
+            // The same keys in pages, the pages of both sequences shuffled;
+            // per page, the keys quantized again against the page's scale.
+            let per_seq = sk / ps;
+            let pages = b * per_seq;
+            let order: Vec<usize> = (0..pages).map(|i| (i * 5 + 3) % pages).collect();
+            let mut table = vec![0i32; pages];
+            let page_scale = |kind: usize, page: usize, h: usize| {
+                0.01 * (1 + kind + h) as f32 * (1.0 + 0.25 * (page % 3) as f32)
+            };
+            for per_page in [false, true] {
+                let (mut kp, mut vp) = (
+                    vec![0.0f32; pages * hkv * ps * d],
+                    vec![0.0f32; pages * hkv * ps * dv],
+                );
+                for (slot, &page) in order.iter().enumerate() {
+                    let (seq, j) = (slot / per_seq, slot % per_seq);
+                    table[seq * per_seq + j] = page as i32;
+                    for h in 0..hkv {
+                        for r in 0..ps {
+                            let src = (seq * hkv + h) * sk + j * ps + r;
+                            let dst = (page * hkv + h) * ps + r;
+                            kp[dst * d..(dst + 1) * d].copy_from_slice(&k[src * d..(src + 1) * d]);
+                            vp[dst * dv..(dst + 1) * dv]
+                                .copy_from_slice(&v[src * dv..(src + 1) * dv]);
+                        }
+                    }
+                }
+                let row_scale = |kind: usize, dim_rows: usize| {
+                    move |row: usize| {
+                        let (page, h) = (row / (hkv * dim_rows), (row / dim_rows) % hkv);
+                        if per_page {
+                            page_scale(kind, page, h)
+                        } else {
+                            0.01 * (1 + kind + h) as f32
+                        }
+                    }
+                };
+                let (kpb, kpd) = quantized(fmt, &kp, d, row_scale(0, ps));
+                let (vpb, vpd) = quantized(fmt, &vp, dv, row_scale(3, ps));
+                // The paged cache's dequantized keys back in sequence order.
+                let (mut kd2, mut vd2) = (kd.clone(), vd.clone());
+                for (slot, &page) in order.iter().enumerate() {
+                    let (seq, j) = (slot / per_seq, slot % per_seq);
+                    for h in 0..hkv {
+                        for r in 0..ps {
+                            let dst = (seq * hkv + h) * sk + j * ps + r;
+                            let src = (page * hkv + h) * ps + r;
+                            kd2[dst * d..(dst + 1) * d]
+                                .copy_from_slice(&kpd[src * d..(src + 1) * d]);
+                            vd2[dst * dv..(dst + 1) * dv]
+                                .copy_from_slice(&vpd[src * dv..(src + 1) * dv]);
+                        }
+                    }
+                }
+                let want = reference_forward::<f64, _>(&host, &p, &qd, &kd2, &vd2);
+                let kt = fp8_tensor(fmt, &kpb, &[pages, hkv, ps, d]);
+                let vt = fp8_tensor(fmt, &vpb, &[pages, hkv, ps, dv]);
+                let tt = Tensor::<CpuRuntime>::from_slice(&table, &[b, per_seq], &dev).unwrap();
+                let per = |kind: usize| -> Vec<f32> {
+                    (0..pages * hkv)
+                        .map(|i| page_scale(kind, i / hkv, i % hkv))
+                        .collect()
+                };
+                let (kps, vps) = (f32s(&per(0), &[pages, hkv]), f32s(&per(3), &[pages, hkv]));
+                let scales = if per_page {
+                    KvScales::PerPage { k: &kps, v: &vps }
+                } else {
+                    KvScales::PerHead { k: &ks, v: &vs }
+                };
+                let paged = PagedKvCache {
+                    k_pages: &kt,
+                    v_pages: &vt,
+                    page_table: &tt,
+                    lengths: &lengths,
+                    scales: Some(scales),
+                };
+                let (out, lse) =
+                    attention_fwd_paged(&Causal, &qt, &paged, &opts).expect("fp8 pages");
+                for (i, (g, w)) in out.to_vec::<f32>().iter().zip(&want.out).enumerate() {
+                    let g = f64::from(*g);
+                    assert!(
+                        (g - w).abs() <= 2e-5 * (1.0 + w.abs()),
+                        "paged {per_page} {fmt:?} Sq {sq} out[{i}] {g} vs {w}"
+                    );
+                }
+                let _ = &lse;
+            }
+        }
+    }
+}
+
+/// Every broken rule of an fp8 cache's scales is an `Err` naming it.
+#[test]
+fn fp8_cache_scales_break_rules_as_errors() {
+    use boostr_runtime::KvScales;
+    let dev = CpuDevice::new();
+    let (b, hq, hkv, cap, d) = (1, 4, 2, 8, 16);
+    let t = |x: &[f32], shape: &[usize]| Tensor::<CpuRuntime>::from_slice(x, shape, &dev).unwrap();
+    let q = t(&vec![0.5; b * hq * d], &[b, hq, 1, d]);
+    let kv = fp8_tensor(Fp8::E4m3, &vec![0x38; b * hkv * cap * d], &[b, hkv, cap, d]);
+    let kv32 = t(&vec![1.0; b * hkv * cap * d], &[b, hkv, cap, d]);
+    let lengths = Tensor::<CpuRuntime>::from_slice(&[cap as i32], &[b], &dev).unwrap();
+    let good = t(&[0.5, 2.0], &[hkv]);
+    let opts = AttentionOptions::default();
+    let run = |k: &Tensor<CpuRuntime>, scales: Option<KvScales<'_, CpuRuntime>>| {
+        let cache = KvCache {
+            k,
+            v: k,
+            lengths: &lengths,
+            scales,
+        };
+        attention_fwd_cache(&Causal, &q, &cache, &opts)
+    };
+    run(&kv, Some(KvScales::PerHead { k: &good, v: &good })).expect("a good fp8 cache");
+    let f64s = good.to_dtype(numr::dtype::DType::F64).unwrap();
+    let wrong_shape = t(&[0.5, 2.0, 1.0], &[3]);
+    let zero = t(&[0.5, 0.0], &[hkv]);
+    let nan = t(&[f32::NAN, 1.0], &[hkv]);
+    let per_page = t(&[1.0; 2], &[1, hkv]);
+    let cases: [(&str, Result<_, _>); 7] = [
+        ("needs its scales", run(&kv, None)),
+        (
+            "apply to fp8 caches",
+            run(&kv32, Some(KvScales::PerHead { k: &good, v: &good })),
+        ),
+        (
+            "are f32",
+            run(&kv, Some(KvScales::PerHead { k: &f64s, v: &good })),
+        ),
+        (
+            "are [Hkv]",
+            run(
+                &kv,
+                Some(KvScales::PerHead {
+                    k: &good,
+                    v: &wrong_shape,
+                }),
+            ),
+        ),
+        (
+            "positive and finite",
+            run(&kv, Some(KvScales::PerHead { k: &zero, v: &good })),
+        ),
+        (
+            "positive and finite",
+            run(&kv, Some(KvScales::PerHead { k: &good, v: &nan })),
+        ),
+        (
+            "need a paged cache",
+            run(
+                &kv,
+                Some(KvScales::PerPage {
+                    k: &per_page,
+                    v: &per_page,
+                }),
+            ),
+        ),
+    ];
+    for (rule, got) in cases {
+        match got {
+            Err(e @ Error::CacheScales { .. }) => {
+                assert!(e.to_string().contains(rule), "{rule}: {e}")
+            }
+            other => panic!("{rule}: {other:?}"),
+        }
+    }
+    // The backward of an fp8 cache.
+    let (out, lse) = run(&kv, Some(KvScales::PerHead { k: &good, v: &good })).unwrap();
+    let cache = KvCache {
+        k: &kv,
+        v: &kv,
+        lengths: &lengths,
+        scales: Some(KvScales::PerHead { k: &good, v: &good }),
+    };
+    let err = attention_bwd_cache(&Causal, &out, &q, &cache, &out, &lse, &opts)
+        .expect_err("fp8 backward");
+    assert!(err.to_string().contains("fp8"), "{err}");
 }

@@ -120,6 +120,7 @@ fn values_as_a_view_of_the_keys_are_read_in_place() {
             k: &latent,
             v,
             lengths: &lengths,
+            scales: None,
         };
         let (out, lse) = attention_fwd_cache(&Causal, &q, &cache(&v), &opts).expect("the view");
         let (want, want_lse) =
@@ -156,6 +157,7 @@ fn paged_values_as_a_view_of_the_key_pages_never_read_past_it() {
             v_pages: v,
             page_table: &table,
             lengths: &lengths,
+            scales: None,
         };
         attention_fwd_paged(&Causal, &q, &cache, &opts).expect("a paged call")
     };

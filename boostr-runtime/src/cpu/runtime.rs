@@ -140,6 +140,19 @@ impl HostOperand {
         }))
     }
 
+    /// A cache's `k` or `v`: as [`HostOperand::new`], or fp8 (validated
+    /// with its scales).
+    fn kv(name: &'static str, t: &Tensor<CpuRuntime>, dtype: DType) -> Result<Self> {
+        if matches!(dtype, DType::FP8E4M3 | DType::FP8E5M2) {
+            return Ok(Self(if Self::in_place(t) {
+                t.clone()
+            } else {
+                t.contiguous()?
+            }));
+        }
+        Self::new(name, t, dtype)
+    }
+
     /// Whether the kernels can read `t` as it is.
     fn in_place(t: &Tensor<CpuRuntime>) -> bool {
         let (shape, strides) = (t.shape(), t.strides());
@@ -305,16 +318,29 @@ impl AttentionRuntime for CpuRuntime {
         // Read as stored and in place, 16-bit ones widened per block inside
         // the kernels (the decode kernel widens a call's few query rows
         // first).
+        // An fp8 cache's keys are in their own dtype (checked with its
+        // scales).
+        let kv_dtype = |t: &Tensor<CpuRuntime>| {
+            if keys.scales.is_some() {
+                t.dtype()
+            } else {
+                dtype
+            }
+        };
         let (q, k, v) = (
             HostOperand::new("q", q, dtype)?,
-            HostOperand::new("k", keys.k, dtype)?,
-            HostOperand::new("v", keys.v, dtype)?,
+            HostOperand::kv("k", keys.k, kv_dtype(keys.k))?,
+            HostOperand::kv("v", keys.v, kv_dtype(keys.v))?,
         );
         let cache = cache_layout(&keys.layout);
         // bf16 tile products where the CPU has them (AMX, `vdpbf16ps`),
         // except for decode shapes and caches, whose kernel packs a GQA
         // group's rows.
-        let x = inputs((&q, &k, &v), cache);
+        let mut x = inputs((&q, &k, &v), cache);
+        if let Some(scales) = keys.scales {
+            x.k = x.k.with_scales(scales.k);
+            x.v = x.v.with_scales(scales.v);
+        }
         let tiles = dtype == DType::BF16
             && cache.is_none()
             && !super::is_decode(p)

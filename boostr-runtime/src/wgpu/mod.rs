@@ -771,6 +771,7 @@ pub fn forward_cache_in_splits<V: Variant>(
             tensor: cache.lengths,
             host: &host,
         }),
+        scales: None,
     };
     forward_split(variant, &p, q, keys, Some(splits))
 }

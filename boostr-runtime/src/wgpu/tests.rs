@@ -279,6 +279,7 @@ fn kv_caches_and_pages_match_the_cpu() {
         k: &kc,
         v: &vc,
         lengths: &lens_cpu,
+        scales: None,
     };
     let qc = on_cpu(&q, &[b, hq, sq, d]);
     let (want, want_lse) = attention_fwd_cache(&variant, &qc, &cache, &opts).unwrap();
@@ -297,6 +298,7 @@ fn kv_caches_and_pages_match_the_cpu() {
         k: &kg,
         v: &vg,
         lengths: &lens_gpu,
+        scales: None,
     };
     let (out, lse) = attention_fwd_cache(&variant, &qg, &cache, &opts).unwrap();
     close("cache out", &out.to_vec::<f32>(), &want);
@@ -332,6 +334,7 @@ fn kv_caches_and_pages_match_the_cpu() {
             v_pages: &vpg,
             page_table: &table,
             lengths: &lens_gpu,
+            scales: None,
         };
         let (out, lse) = attention_fwd_paged(&variant, &qg, &paged, &opts).unwrap();
         close(&format!("pages of {ps}: out"), &out.to_vec::<f32>(), &want);
@@ -382,6 +385,7 @@ fn split_kv_decode_matches_the_unsplit_kernel() {
             k: &kc,
             v: &vc,
             lengths: &lens_cpu,
+            scales: None,
         };
         let qc = on_cpu(&q, &[b, hq, sq, d]);
         let (want, want_lse) = attention_fwd_cache(variant, &qc, &cache, &opts).unwrap();
@@ -402,6 +406,7 @@ fn split_kv_decode_matches_the_unsplit_kernel() {
             k: &kg,
             v: &vg,
             layout: KeyLayout::Cache(lengths),
+            scales: None,
         };
         // The f64 reference, from the same inputs.
         let host = variant.host(&p).unwrap();
@@ -484,6 +489,7 @@ fn cache_backward_matches_the_cpu() {
                 k: &kt,
                 v: &vt,
                 lengths: &lengths,
+                scales: None,
             };
             let (qt, dt) = (t(q, &qs), t(dout, &qs));
             let opts = AttentionOptions::default();
