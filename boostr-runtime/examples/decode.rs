@@ -100,7 +100,9 @@ fn main() -> BoxResult<()> {
 /// counts the cache's bytes once (V lies inside K's rows).
 fn mla(device: &CpuDevice, rng: &mut Rng, reader: &Reader, reps: usize) -> BoxResult<()> {
     let (hq, d, dv) = (16, 576, 512);
-    println!("\nabsorbed MLA decode, Sq = 1, Hq = {hq}, Hkv = 1, D = {d}, Dv = {dv} (V = K[.., :{dv}])");
+    println!(
+        "\nabsorbed MLA decode, Sq = 1, Hq = {hq}, Hkv = 1, D = {d}, Dv = {dv} (V = K[.., :{dv}])"
+    );
     println!("| cache | Sk | time | cache bandwidth | read bandwidth | of read |");
     println!("| --- | ---: | ---: | ---: | ---: | ---: |");
     let scale = Tensor::<CpuRuntime>::from_slice(&[1.0f32 / 16.0], &[1], device)?;
