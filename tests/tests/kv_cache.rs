@@ -453,12 +453,42 @@ fn fp8_tensor(fmt: Fp8, bytes: &[u8], shape: &[usize]) -> Tensor<CpuRuntime> {
 /// matrix-vector products) and five (40 packed rows: the tile products).
 #[test]
 fn fp8_caches_match_the_reference_on_their_dequantized_values() {
-    use boostr_runtime::testing::reference_forward;
+    use boostr_runtime::testing::{Forward, reference_forward};
     use boostr_runtime::{KvScales, Problem};
     let (b, hq, hkv, sk, d, dv, ps) = (2, 8, 2, 96, 64, 48, 16);
     let dev = CpuDevice::new();
     let f32s =
         |x: &[f32], shape: &[usize]| Tensor::<CpuRuntime>::from_slice(x, shape, &dev).unwrap();
+    // K's scales (`kind` 0) and V's (3): per kv head, and per page too.
+    let head_scale = |kind: usize, h: usize| 0.01 * (1 + kind + h) as f32;
+    let page_scale =
+        |kind: usize, page: usize, h: usize| head_scale(kind, h) * (1.0 + 0.25 * (page % 3) as f32);
+    // The pages of both sequences, shuffled: `(sequence row, page row)` of
+    // every key row, each `[.., Hkv, rows, ..]` flattened to rows.
+    let (per_seq, pages) = (sk / ps, b * sk / ps);
+    let order: Vec<usize> = (0..pages).map(|i| (i * 5 + 3) % pages).collect();
+    let table: Vec<i32> = (0..pages).map(|slot| order[slot] as i32).collect();
+    let mut placed = Vec::new();
+    for (slot, &page) in order.iter().enumerate() {
+        let (seq, j) = (slot / per_seq, slot % per_seq);
+        for h in 0..hkv {
+            for r in 0..ps {
+                placed.push(((seq * hkv + h) * sk + j * ps + r, (page * hkv + h) * ps + r));
+            }
+        }
+    }
+    // `x` (rows of `dim`) moved from `from` rows to `to` rows.
+    fn moved<T: Copy + Default>(
+        x: &[T],
+        dim: usize,
+        pairs: impl Iterator<Item = (usize, usize)>,
+    ) -> Vec<T> {
+        let mut out = vec![T::default(); x.len()];
+        for (from, to) in pairs {
+            out[to * dim..(to + 1) * dim].copy_from_slice(&x[from * dim..(from + 1) * dim]);
+        }
+        out
+    }
     let mut rng = Rng::new(0xf8, 0);
     for fmt in [Fp8::E4m3, Fp8::E5m2] {
         for sq in [1, 5] {
@@ -468,42 +498,39 @@ fn fp8_caches_match_the_reference_on_their_dequantized_values() {
                 rng.normal_f32(p.k_len(), 3.0),
                 rng.normal_f32(p.v_len(), 2.0),
             );
-            let head_scale =
-                |kind: usize| move |row: usize| 0.01 * (1 + kind + (row / sk) % hkv) as f32;
-            let (kb, kd) = quantized(fmt, &k, d, head_scale(0));
-            let (vb, vd) = quantized(fmt, &v, dv, head_scale(3));
             let qd: Vec<f64> = q.iter().map(|&x| f64::from(x)).collect();
             let host = Causal.host(&p).unwrap();
-            let want = reference_forward::<f64, _>(&host, &p, &qd, &kd, &vd);
-            let check = |what: &str, out: &Tensor<CpuRuntime>, lse: &Tensor<CpuRuntime>| {
-                for (i, (g, w)) in out.to_vec::<f32>().iter().zip(&want.out).enumerate() {
-                    let g = f64::from(*g);
-                    assert!(
-                        (g - w).abs() <= 2e-5 * (1.0 + w.abs()),
-                        "{what} {fmt:?} Sq {sq} out[{i}] {g} vs {w}"
-                    );
-                }
-                for (i, (g, w)) in lse.to_vec::<f32>().iter().zip(&want.lse).enumerate() {
-                    let g = f64::from(*g);
-                    assert!(
-                        (g - w).abs() <= 2e-5 * (1.0 + w.abs()),
-                        "{what} {fmt:?} Sq {sq} lse[{i}] {g} vs {w}"
-                    );
-                }
-            };
+            let check =
+                |what: &str,
+                 want: &Forward<f64>,
+                 (out, lse): (Tensor<CpuRuntime>, Tensor<CpuRuntime>)| {
+                    for (name, got, want) in [("out", out, &want.out), ("lse", lse, &want.lse)] {
+                        for (i, (g, w)) in got.to_vec::<f32>().iter().zip(want).enumerate() {
+                            let g = f64::from(*g);
+                            assert!(
+                                (g - w).abs() <= 2e-5 * (1.0 + w.abs()),
+                                "{what} {fmt:?} Sq {sq} {name}[{i}] {g} vs {w}"
+                            );
+                        }
+                    }
+                };
             let qt = f32s(&q, &p.q_shape());
             let opts = AttentionOptions::default();
             let lengths =
                 Tensor::<CpuRuntime>::from_slice(&[sk as i32, sk as i32], &[b], &dev).unwrap();
-            let scales_of = |kind: usize, n: usize| -> Vec<f32> {
-                (0..n * hkv)
-                    .map(|i| 0.01 * (1 + kind + i % hkv) as f32)
-                    .collect()
+
+            // A contiguous cache, a scale per kv head.
+            let row_head = |kind: usize| move |row: usize| head_scale(kind, (row / sk) % hkv);
+            let (kb, kd) = quantized(fmt, &k, d, row_head(0));
+            let (vb, vd) = quantized(fmt, &v, dv, row_head(3));
+            let want = reference_forward::<f64, _>(&host, &p, &qd, &kd, &vd);
+            let scales = |kind: usize| {
+                f32s(
+                    &(0..hkv).map(|h| head_scale(kind, h)).collect::<Vec<_>>(),
+                    &[hkv],
+                )
             };
-            let (ks, vs) = (
-                f32s(&scales_of(0, 1), &[hkv]),
-                f32s(&scales_of(3, 1), &[hkv]),
-            );
+            let (ks, vs) = (scales(0), scales(3));
             let (kt, vt) = (
                 fp8_tensor(fmt, &kb, &p.k_shape()),
                 fp8_tensor(fmt, &vb, &p.v_shape()),
@@ -514,65 +541,37 @@ fn fp8_caches_match_the_reference_on_their_dequantized_values() {
                 lengths: &lengths,
                 scales: Some(KvScales::PerHead { k: &ks, v: &vs }),
             };
-            let (out, lse) =
-                attention_fwd_cache(&Causal, &qt, &cache, &opts).expect("an fp8 cache");
-            check("contiguous", &out, &lse);
+            let got = attention_fwd_cache(&Causal, &qt, &cache, &opts).expect("an fp8 cache");
+            check("contiguous", &want, got);
 
-            // The same keys in pages, the pages of both sequences shuffled;
-            // per page, the keys quantized again against the page's scale.
-            let per_seq = sk / ps;
-            let pages = b * per_seq;
-            let order: Vec<usize> = (0..pages).map(|i| (i * 5 + 3) % pages).collect();
-            let mut table = vec![0i32; pages];
-            let page_scale = |kind: usize, page: usize, h: usize| {
-                0.01 * (1 + kind + h) as f32 * (1.0 + 0.25 * (page % 3) as f32)
-            };
+            // The same keys in the shuffled pages, quantized against each
+            // page's scales (or its head's).
+            let (kp, vp) = (
+                moved(&k, d, placed.iter().copied()),
+                moved(&v, dv, placed.iter().copied()),
+            );
             for per_page in [false, true] {
-                let (mut kp, mut vp) = (
-                    vec![0.0f32; pages * hkv * ps * d],
-                    vec![0.0f32; pages * hkv * ps * dv],
-                );
-                for (slot, &page) in order.iter().enumerate() {
-                    let (seq, j) = (slot / per_seq, slot % per_seq);
-                    table[seq * per_seq + j] = page as i32;
-                    for h in 0..hkv {
-                        for r in 0..ps {
-                            let src = (seq * hkv + h) * sk + j * ps + r;
-                            let dst = (page * hkv + h) * ps + r;
-                            kp[dst * d..(dst + 1) * d].copy_from_slice(&k[src * d..(src + 1) * d]);
-                            vp[dst * dv..(dst + 1) * dv]
-                                .copy_from_slice(&v[src * dv..(src + 1) * dv]);
-                        }
-                    }
-                }
-                let row_scale = |kind: usize, dim_rows: usize| {
+                let row_scale = |kind: usize| {
                     move |row: usize| {
-                        let (page, h) = (row / (hkv * dim_rows), (row / dim_rows) % hkv);
+                        let (page, h) = (row / (hkv * ps), (row / ps) % hkv);
                         if per_page {
                             page_scale(kind, page, h)
                         } else {
-                            0.01 * (1 + kind + h) as f32
+                            head_scale(kind, h)
                         }
                     }
                 };
-                let (kpb, kpd) = quantized(fmt, &kp, d, row_scale(0, ps));
-                let (vpb, vpd) = quantized(fmt, &vp, dv, row_scale(3, ps));
-                // The paged cache's dequantized keys back in sequence order.
-                let (mut kd2, mut vd2) = (kd.clone(), vd.clone());
-                for (slot, &page) in order.iter().enumerate() {
-                    let (seq, j) = (slot / per_seq, slot % per_seq);
-                    for h in 0..hkv {
-                        for r in 0..ps {
-                            let dst = (seq * hkv + h) * sk + j * ps + r;
-                            let src = (page * hkv + h) * ps + r;
-                            kd2[dst * d..(dst + 1) * d]
-                                .copy_from_slice(&kpd[src * d..(src + 1) * d]);
-                            vd2[dst * dv..(dst + 1) * dv]
-                                .copy_from_slice(&vpd[src * dv..(src + 1) * dv]);
-                        }
-                    }
-                }
-                let want = reference_forward::<f64, _>(&host, &p, &qd, &kd2, &vd2);
+                let (kpb, kpd) = quantized(fmt, &kp, d, row_scale(0));
+                let (vpb, vpd) = quantized(fmt, &vp, dv, row_scale(3));
+                // The reference reads the pages' dequantized values back in
+                // sequence order.
+                let back = || {
+                    placed
+                        .iter()
+                        .map(|&(seq_row, page_row)| (page_row, seq_row))
+                };
+                let (kd, vd) = (moved(&kpd, d, back()), moved(&vpd, dv, back()));
+                let want = reference_forward::<f64, _>(&host, &p, &qd, &kd, &vd);
                 let kt = fp8_tensor(fmt, &kpb, &[pages, hkv, ps, d]);
                 let vt = fp8_tensor(fmt, &vpb, &[pages, hkv, ps, dv]);
                 let tt = Tensor::<CpuRuntime>::from_slice(&table, &[b, per_seq], &dev).unwrap();
@@ -594,16 +593,8 @@ fn fp8_caches_match_the_reference_on_their_dequantized_values() {
                     lengths: &lengths,
                     scales: Some(scales),
                 };
-                let (out, lse) =
-                    attention_fwd_paged(&Causal, &qt, &paged, &opts).expect("fp8 pages");
-                for (i, (g, w)) in out.to_vec::<f32>().iter().zip(&want.out).enumerate() {
-                    let g = f64::from(*g);
-                    assert!(
-                        (g - w).abs() <= 2e-5 * (1.0 + w.abs()),
-                        "paged {per_page} {fmt:?} Sq {sq} out[{i}] {g} vs {w}"
-                    );
-                }
-                let _ = &lse;
+                let got = attention_fwd_paged(&Causal, &qt, &paged, &opts).expect("fp8 pages");
+                check(&format!("paged, per page {per_page}"), &want, got);
             }
         }
     }

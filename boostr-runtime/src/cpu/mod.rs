@@ -170,25 +170,37 @@ pub(crate) struct ForwardInputs<'a> {
 }
 
 impl<'a> ForwardInputs<'a> {
-    /// Contiguous `q`, `k`, `v` in the layout of `p`.
+    /// Contiguous `q`, and `k`, `v` in the layout of `p` or of `cache`
+    /// (pages of `[Hkv, page_size, D]`, checked against `p` by the decode
+    /// kernel).
     ///
     /// # Panics
     /// If a slice's length disagrees with `p`.
-    fn packed<E: KvElem>(p: &Problem, (q, k, v): (&'a [E], &'a [E], &'a [E])) -> Self {
-        assert_eq!((k.len(), v.len()), (p.k_len(), p.v_len()), "k/v length");
+    fn packed<Q: KvElem, E: KvElem>(
+        p: &Problem,
+        q: &'a [Q],
+        (k, v): (&'a [E], &'a [E]),
+        cache: Option<CacheLayout<'a>>,
+    ) -> Self {
+        assert_eq!(q.len(), p.q_len(), "q length");
+        let pages = cache.and_then(|c| c.pages);
+        if pages.is_none() {
+            assert_eq!((k.len(), v.len()), (p.k_len(), p.v_len()), "k/v length");
+        }
+        let rows = pages.map_or(p.seq_k, |pages| pages.page_size.max(1));
         Self {
-            q: Self::packed_q(p, q),
-            k: Operand::packed(E::stored(k), [p.heads_kv, p.seq_k, p.head_dim]),
-            v: Operand::packed(E::stored(v), [p.heads_kv, p.seq_k, p.head_dim_v]),
-            cache: None,
+            q: Operand::packed(Q::stored(q), [p.heads_q, p.seq_q, p.head_dim]),
+            k: Operand::packed(E::stored(k), [p.heads_kv, rows, p.head_dim]),
+            v: Operand::packed(E::stored(v), [p.heads_kv, rows, p.head_dim_v]),
+            cache,
         }
     }
+}
 
-    /// Contiguous `q` in the layout of `p`.
-    fn packed_q<E: KvElem>(p: &Problem, q: &'a [E]) -> Operand<'a> {
-        assert_eq!(q.len(), p.q_len(), "q length");
-        Operand::packed(E::stored(q), [p.heads_q, p.seq_q, p.head_dim])
-    }
+/// The output slices of a forward have the problem's lengths.
+fn check_outputs(p: &Problem, out: &[f32], lse: &[f32]) {
+    assert_eq!(out.len(), p.out_len(), "out length");
+    assert_eq!(lse.len(), p.lse_len(), "lse length");
 }
 
 /// The forward of [`ForwardInputs`], reading each as stored: the decode
@@ -203,8 +215,7 @@ fn forward_inputs<V: HostVariant>(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    assert_eq!(out.len(), p.out_len(), "out length");
-    assert_eq!(lse.len(), p.lse_len(), "lse length");
+    check_outputs(p, out, lse);
     let tiles = CpuTiles::new(tiles.q, tiles.kv);
     let threads = rayon::current_num_threads();
     if x.cache.is_none() && chunks.is_none() && !decode::applies(p) {
@@ -246,7 +257,7 @@ pub fn forward_bf16<V: Variant>(
     out: &mut [f32],
     lse: &mut [f32],
 ) -> Result<bool> {
-    let x = ForwardInputs::packed(p, (q, k, v));
+    let x = ForwardInputs::packed(p, q, (k, v), None);
     forward_bf16_inputs(variant, p, x, out, lse)
 }
 
@@ -259,8 +270,7 @@ pub(crate) fn forward_bf16_inputs<V: Variant>(
     lse: &mut [f32],
 ) -> Result<bool> {
     assert!(x.cache.is_none(), "the bf16 tile forward reads dense keys");
-    assert_eq!(out.len(), p.out_len(), "out length");
-    assert_eq!(lse.len(), p.lse_len(), "lse length");
+    check_outputs(p, out, lse);
     if !amx_forward::applies(p) {
         return Ok(false);
     }
@@ -282,7 +292,7 @@ pub fn forward_tiled<V: HostVariant>(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    let x = ForwardInputs::packed(p, (q, k, v));
+    let x = ForwardInputs::packed(p, q, (k, v), None);
     forward_inputs(variant, p, (tiles, None), x, out, lse);
 }
 
@@ -299,7 +309,7 @@ pub fn forward_stored<V: Variant, E: KvElem>(
     out: &mut [f32],
     lse: &mut [f32],
 ) -> Result<()> {
-    let x = ForwardInputs::packed(p, (q, k, v));
+    let x = ForwardInputs::packed(p, q, (k, v), None);
     forward_stored_inputs(variant, p, x, out, lse)
 }
 
@@ -333,7 +343,7 @@ pub fn forward_decode<V: HostVariant>(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    let x = ForwardInputs::packed(p, (q, k, v));
+    let x = ForwardInputs::packed(p, q, (k, v), None);
     forward_inputs(variant, p, (tiles, Some(chunks)), x, out, lse);
 }
 
@@ -444,17 +454,7 @@ pub fn forward_cache_tiled<V: HostVariant, E: KvElem>(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    // Pages of `[Hkv, page_size, D]`, or `[B, Hkv, Sk, D]` slots.
-    let rows = cache.pages.map_or(p.seq_k, |pages| pages.page_size.max(1));
-    if cache.pages.is_none() {
-        assert_eq!((k.len(), v.len()), (p.k_len(), p.v_len()), "k/v length");
-    }
-    let x = ForwardInputs {
-        q: ForwardInputs::packed_q(p, q),
-        k: Operand::packed(E::stored(k), [p.heads_kv, rows, p.head_dim]),
-        v: Operand::packed(E::stored(v), [p.heads_kv, rows, p.head_dim_v]),
-        cache: Some(cache),
-    };
+    let x = ForwardInputs::packed(p, q, (k, v), Some(cache));
     forward_inputs(variant, p, (tiles, None), x, out, lse);
 }
 

@@ -234,7 +234,7 @@ impl<'a> Rows<'a> {
     /// from the first row's and the row stride.
     pub(crate) fn f32(self) -> Option<(&'a [f32], usize)> {
         let x = self.data.as_f32().filter(|_| self.scale == 1.0)?;
-        Some((x, self.stride.max(self.dim)))
+        Some((x, self.stride))
     }
 
     /// Bytes from the first row's first element to the last row's last.

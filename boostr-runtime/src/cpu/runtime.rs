@@ -133,24 +133,26 @@ impl HostOperand {
     /// CPU's).
     fn new(name: &'static str, t: &Tensor<CpuRuntime>, dtype: DType) -> Result<Self> {
         check_input(name, t, dtype)?;
-        Ok(Self(if Self::in_place(t) {
-            t.clone()
-        } else {
-            t.contiguous()?
-        }))
+        Self::view(t)
     }
 
     /// A cache's `k` or `v`: as [`HostOperand::new`], or fp8 (validated
     /// with its scales).
     fn kv(name: &'static str, t: &Tensor<CpuRuntime>, dtype: DType) -> Result<Self> {
         if matches!(dtype, DType::FP8E4M3 | DType::FP8E5M2) {
-            return Ok(Self(if Self::in_place(t) {
-                t.clone()
-            } else {
-                t.contiguous()?
-            }));
+            return Self::view(t);
         }
         Self::new(name, t, dtype)
+    }
+
+    /// `t` itself where the kernels can read it in place, else a
+    /// contiguous copy.
+    fn view(t: &Tensor<CpuRuntime>) -> Result<Self> {
+        Ok(Self(if Self::in_place(t) {
+            t.clone()
+        } else {
+            t.contiguous()?
+        }))
     }
 
     /// Whether the kernels can read `t` as it is.

@@ -592,7 +592,7 @@ fn check_forward_grouped<V: HostVariant>(
     let mut out = vec![f32::NAN; p.out_len()];
     let mut lse = vec![f32::NAN; p.lse_len()];
     let run = |(q, k, v_): (&[_], &[_], &[_]), out: &mut [f32], lse: &mut [f32]| {
-        let x = ForwardInputs::packed(p, (q, k, v_));
+        let x = ForwardInputs::packed(p, q, (k, v_), None);
         forward::forward(v, p, t, group, x.q, x.k, x.v, out, lse);
     };
     run((&x.q, &x.k, &x.v), &mut out, &mut lse);
@@ -607,7 +607,7 @@ fn check_forward_grouped<V: HostVariant>(
     let mut want = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
     run((&qw, &kw, &vw), &mut want.0, &mut want.1);
     let mut got = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
-    let x = ForwardInputs::packed(p, (&q[..], &k[..], &vv[..]));
+    let x = ForwardInputs::packed(p, &q[..], (&k[..], &vv[..]), None);
     forward::forward(v, p, t, group, x.q, x.k, x.v, &mut got.0, &mut got.1);
     let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
     assert!(
@@ -1895,10 +1895,7 @@ fn strided_operands_give_the_bits_of_packed_ones() {
             v: sv_.operand(),
             cache,
         };
-        let packed = ForwardInputs {
-            cache,
-            ..ForwardInputs::packed(p, (&q, &k, &v))
-        };
+        let packed = ForwardInputs::packed(p, &q, (&k, &v), cache);
         let mut results = Vec::new();
         for x in [packed, spread] {
             let (mut out, mut lse) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
