@@ -257,13 +257,15 @@ pub enum BackendError {
         /// The target.
         target: Target,
     },
-    /// No tile configuration of the target fits this head dim and dtype.
-    #[error("{target}: head dim {head_dim} ({dtype:?}) has no tiling: {error}")]
+    /// No tile configuration of the target fits these head dims and dtype.
+    #[error("{target}: head dims {head_dim}/{value_dim} ({dtype:?}) have no tiling: {error}")]
     Tiling {
         /// The target.
         target: Target,
-        /// The head dim.
+        /// The query/key head dim.
         head_dim: usize,
+        /// The value head dim.
+        value_dim: usize,
         /// The element type.
         dtype: DType,
         /// The rule the defaults break.

@@ -7,7 +7,7 @@ use crate::error::{BackendError, Error, Result};
 use crate::problem::Problem;
 use crate::variant::Variant;
 use kernels_spec::emit::interface::{NO_WORD, Scalar, Sizes};
-use kernels_spec::emit::{Target, Tiling, choose_tiles};
+use kernels_spec::emit::{Target, Tiling, TilingError, choose_tiles};
 use kernels_spec::params::{
     Arena, GRAD_FLAG_WORD, GRAD_MAX_CONTRIBUTION, GRAD_NON_FINITE, GRAD_RANGE, SummaryJob,
     grad_value,
@@ -70,15 +70,21 @@ pub(crate) fn lowering<V: Variant>(
 pub(crate) fn tiles<V: Variant, T: Tiling>(
     target: Target,
     default: T,
-    head_dim: usize,
+    p: &Problem,
     dtype: DType,
 ) -> std::result::Result<T, BackendError> {
-    choose_tiles(default, V::TILE_Q, V::TILE_KV).map_err(|error| BackendError::Tiling {
+    choose_tiles(default, V::TILE_Q, V::TILE_KV).map_err(|error| tiling(target, p, dtype, error))
+}
+
+/// [`BackendError::Tiling`] of `p`'s head dims.
+pub(crate) fn tiling(target: Target, p: &Problem, dtype: DType, error: TilingError) -> BackendError {
+    BackendError::Tiling {
         target,
-        head_dim,
+        head_dim: p.head_dim,
+        value_dim: p.head_dim_v,
         dtype,
         error,
-    })
+    }
 }
 
 /// The capture arena of one call, planned on the host: the captured
@@ -246,13 +252,11 @@ pub(crate) struct BackwardOperands<R: Runtime> {
 
 impl<R: Runtime<DType = DType>> BackwardOperands<R> {
     pub(crate) fn new(
-        p: &Problem,
         t: &BackwardTensors<'_, R>,
         backend: &'static str,
         input: impl Fn(&'static str, &Tensor<R>) -> Result<Tensor<R>>,
     ) -> Result<Self> {
         t.keys.layout.unpaged(backend)?;
-        same_value_dim(p, backend)?;
         crate::validate::check_dtype("lse", t.lse, backend, &[DType::F32], "f32")?;
         Ok(Self {
             q: input("q", t.q)?,
@@ -367,10 +371,12 @@ pub(crate) fn scalar_word(p: &Problem, s: Scalar, keys: KeyWords, splits: u32) -
     })
 }
 
-/// The head dim as the tile configurations take it (a head dim past
-/// `u32::MAX` becomes `u32::MAX`, which no configuration validates).
-pub(crate) fn head_dim(p: &Problem) -> u32 {
-    u32::try_from(p.head_dim).unwrap_or(u32::MAX)
+/// The head dims `(D, Dv)` as the tile configurations take them (a head
+/// dim past `u32::MAX` becomes `u32::MAX`, which no configuration
+/// validates).
+pub(crate) fn head_dims(p: &Problem) -> (u32, u32) {
+    let dim = |d: usize| u32::try_from(d).unwrap_or(u32::MAX);
+    (dim(p.head_dim), dim(p.head_dim_v))
 }
 
 /// The problem's sizes, as launch geometry reads them.
@@ -423,26 +429,30 @@ mod tests {
     #[derive(Clone, Debug)]
     struct Tiled;
 
+    fn problem(head_dim: usize) -> Problem {
+        Problem::new(1, (1, 1), (1, 1), head_dim)
+    }
+
     #[test]
     fn a_tile_override_applies_where_it_validates() {
         // WGSL stages any number of rows that fits.
-        let wgsl = tiles::<Tiled, _>(Target::Wgsl, WgslTiles::for_head_dim(64), 64, DType::F32);
+        let wgsl = tiles::<Tiled, _>(Target::Wgsl, WgslTiles::for_head_dim(64), &problem(64), DType::F32);
         let wgsl = wgsl.expect("tiles");
         assert_eq!((wgsl.block_q, wgsl.block_kv), (16, 24));
         // On tensor cores 24 keys are no multiple of 16: the defaults stay.
         let default = CudaTiles::for_problem(64, CudaDType::F16);
-        let cuda = tiles::<Tiled, _>(Target::Cuda, default, 64, DType::F16).expect("tiles");
+        let cuda = tiles::<Tiled, _>(Target::Cuda, default, &problem(64), DType::F16).expect("tiles");
         assert_eq!(cuda, default);
         // On CUDA cores they are a multiple of 8, and apply.
         let default = CudaTiles::for_problem(64, CudaDType::F32);
-        let cuda = tiles::<Tiled, _>(Target::Cuda, default, 64, DType::F32).expect("tiles");
+        let cuda = tiles::<Tiled, _>(Target::Cuda, default, &problem(64), DType::F32).expect("tiles");
         assert_eq!((cuda.block_q, cuda.block_kv), (16, 24));
     }
 
     #[test]
     fn a_head_dim_without_tiling_is_a_typed_error() {
         let default = CudaTiles::for_problem(36, CudaDType::F32);
-        let err = tiles::<Tiled, _>(Target::Cuda, default, 36, DType::F32).unwrap_err();
+        let err = tiles::<Tiled, _>(Target::Cuda, default, &problem(36), DType::F32).unwrap_err();
         assert!(
             matches!(
                 &err,
@@ -457,8 +467,8 @@ mod tests {
         );
         assert!(err.to_string().contains("multiple of 8"), "{err}");
         let huge = Problem::new(1, (1, 1), (1, 1), 1 << 40);
-        let default = WgslTiles::for_head_dim(head_dim(&huge));
-        let err = tiles::<Tiled, _>(Target::Wgsl, default, huge.head_dim, DType::F32);
+        let default = WgslTiles::for_head_dim(head_dims(&huge).0);
+        let err = tiles::<Tiled, _>(Target::Wgsl, default, &huge, DType::F32);
         assert!(
             matches!(
                 err,

@@ -134,14 +134,9 @@ fn build<V: Variant>(
     module: &'static Module,
 ) -> std::result::Result<Compiled, BackendError> {
     let section = gpu::lowering::<V>(TARGET)?;
-    let default = CudaTiles::for_problem(gpu::head_dim(p), cuda);
-    let cfg = gpu::tiles::<V, _>(TARGET, default, p.head_dim, dtype)?;
-    let tiling = |error| BackendError::Tiling {
-        target: TARGET,
-        head_dim: p.head_dim,
-        dtype,
-        error,
-    };
+    let default = CudaTiles::for_problem(gpu::head_dims(p).0, cuda);
+    let cfg = gpu::tiles::<V, _>(TARGET, default, p, dtype)?;
+    let tiling = |error| gpu::tiling(TARGET, p, dtype, error);
     let text = source(section, &[module], &cfg).map_err(tiling)?;
     let name = format!(
         "boostr_{}_{}_d{}_{}.cu",
@@ -617,7 +612,8 @@ impl AttentionRuntime for CudaRuntime {
         p: &Problem,
         t: BackwardTensors<'_, Self>,
     ) -> Result<AttentionGrads<Self>> {
-        let x = gpu::BackwardOperands::new(p, &t, CUDA, input)?;
+        gpu::same_value_dim(p, CUDA)?;
+        let x = gpu::BackwardOperands::new(&t, CUDA, input)?;
         let (q, k, v) = (&x.q, &x.k, &x.v);
         let out = input("out", t.out)?;
         let dtype = same_dtype(&[

@@ -47,8 +47,8 @@ static CACHE: LazyLock<KernelCache<Key, Pass>> = LazyLock::new(KernelCache::defa
 
 /// The tiles for `V` at the problem's head dim.
 fn tiles<V: Variant>(p: &Problem) -> std::result::Result<WgslTiles, BackendError> {
-    let default = WgslTiles::for_head_dim(gpu::head_dim(p));
-    gpu::tiles::<V, _>(TARGET, default, p.head_dim, DType::F32)
+    let default = WgslTiles::for_head_dim(gpu::head_dims(p).0);
+    gpu::tiles::<V, _>(TARGET, default, p, DType::F32)
 }
 
 /// Runs `f` inside a validation error scope; a validation error is `error`
@@ -161,13 +161,8 @@ fn pass<V: Variant>(
     Ok(CACHE.get_or_build(key, || {
         let section = gpu::lowering::<V>(TARGET)?;
         let cfg = tiles::<V>(p)?;
-        let source =
-            module_source(section, module, &cfg).map_err(|error| BackendError::Tiling {
-                target: TARGET,
-                head_dim: p.head_dim,
-                dtype: DType::F32,
-                error,
-            })?;
+        let source = module_source(section, module, &cfg)
+            .map_err(|error| gpu::tiling(TARGET, p, DType::F32, error))?;
         let name = format!("boostr {} {} D={}", V::NAME, module.name, p.head_dim);
         build_pass(device, &name, &source, module)
     })?)
@@ -805,7 +800,8 @@ impl AttentionRuntime for WgpuRuntime {
     ) -> Result<AttentionGrads<Self>> {
         // `out` is not read: D_i comes from the recomputed P (see
         // `kernels::BACKWARD_DQ`).
-        let x = gpu::BackwardOperands::new(p, &t, WGPU, input)?;
+        gpu::same_value_dim(p, WGPU)?;
+        let x = gpu::BackwardOperands::new(&t, WGPU, input)?;
         let (q, k, v) = (&x.q, &x.k, &x.v);
         let client = WgpuRuntime::default_client(q.device());
         let learn = gpu::learns::<V>(t.tensor_grads);
