@@ -77,7 +77,12 @@ pub(crate) fn tiles<V: Variant, T: Tiling>(
 }
 
 /// [`BackendError::Tiling`] of `p`'s head dims.
-pub(crate) fn tiling(target: Target, p: &Problem, dtype: DType, error: TilingError) -> BackendError {
+pub(crate) fn tiling(
+    target: Target,
+    p: &Problem,
+    dtype: DType,
+    error: TilingError,
+) -> BackendError {
     BackendError::Tiling {
         target,
         head_dim: p.head_dim,
@@ -436,22 +441,29 @@ mod tests {
     #[test]
     fn a_tile_override_applies_where_it_validates() {
         // WGSL stages any number of rows that fits.
-        let wgsl = tiles::<Tiled, _>(Target::Wgsl, WgslTiles::for_head_dim(64), &problem(64), DType::F32);
+        let wgsl = tiles::<Tiled, _>(
+            Target::Wgsl,
+            WgslTiles::for_head_dim(64),
+            &problem(64),
+            DType::F32,
+        );
         let wgsl = wgsl.expect("tiles");
         assert_eq!((wgsl.block_q, wgsl.block_kv), (16, 24));
         // On tensor cores 24 keys are no multiple of 16: the defaults stay.
-        let default = CudaTiles::for_problem(64, CudaDType::F16);
-        let cuda = tiles::<Tiled, _>(Target::Cuda, default, &problem(64), DType::F16).expect("tiles");
+        let default = CudaTiles::for_problem(64, 64, CudaDType::F16);
+        let cuda =
+            tiles::<Tiled, _>(Target::Cuda, default, &problem(64), DType::F16).expect("tiles");
         assert_eq!(cuda, default);
         // On CUDA cores they are a multiple of 8, and apply.
-        let default = CudaTiles::for_problem(64, CudaDType::F32);
-        let cuda = tiles::<Tiled, _>(Target::Cuda, default, &problem(64), DType::F32).expect("tiles");
+        let default = CudaTiles::for_problem(64, 64, CudaDType::F32);
+        let cuda =
+            tiles::<Tiled, _>(Target::Cuda, default, &problem(64), DType::F32).expect("tiles");
         assert_eq!((cuda.block_q, cuda.block_kv), (16, 24));
     }
 
     #[test]
     fn a_head_dim_without_tiling_is_a_typed_error() {
-        let default = CudaTiles::for_problem(36, CudaDType::F32);
+        let default = CudaTiles::for_problem(36, 36, CudaDType::F32);
         let err = tiles::<Tiled, _>(Target::Cuda, default, &problem(36), DType::F32).unwrap_err();
         assert!(
             matches!(

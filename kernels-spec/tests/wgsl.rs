@@ -9,7 +9,20 @@ use kernels_spec::emit::wgsl::interface::Binding;
 use kernels_spec::emit::wgsl::{self, Wgsl, WgslTiles, kernels};
 use kernels_spec::ir::Program;
 
-const HEAD_DIMS: [u32; 6] = [32, 40, 64, 80, 96, 128];
+/// `(D, DV)`: equal dims, and the pairs of MLA (prefill 192/128, absorbed
+/// decode 576/512) and of halved values.
+const HEAD_DIMS: [(u32, u32); 10] = [
+    (32, 32),
+    (40, 40),
+    (64, 64),
+    (80, 80),
+    (96, 96),
+    (128, 128),
+    (192, 128),
+    (576, 512),
+    (128, 64),
+    (64, 32),
+];
 
 fn program(source: &str) -> Program {
     match compile_str(source) {
@@ -20,11 +33,14 @@ fn program(source: &str) -> Program {
 
 #[test]
 fn default_tiles_fit() {
-    for d in HEAD_DIMS {
-        let t = WgslTiles::for_head_dim(d);
+    for (d, dv) in HEAD_DIMS {
+        let t = WgslTiles::for_head_dims(d, dv);
+        t.validate().unwrap_or_else(|e| panic!("{t:?}: {e}"));
         assert!(t.workgroup_bytes() <= 16384, "{t:?}");
+        // Eight staged rows where a row pair fits eight times.
+        let fits = 16384 / (4 * (d + dv) + 8);
         assert!(
-            t.block_q >= 8 && t.block_kv >= 8,
+            t.block_q >= fits.min(8) && t.block_kv >= fits.min(8),
             "{t:?} is needlessly small"
         );
         // One more staged row would not fit.
@@ -40,12 +56,15 @@ fn default_tiles_fit() {
     }
     let t = WgslTiles::for_head_dim(64);
     assert_eq!((t.block_q, t.block_kv, t.workgroup_size), (31, 32, 64));
+    let t = WgslTiles::for_head_dims(576, 512);
+    assert_eq!((t.block_q, t.block_kv), (3, 3));
 }
 
 #[test]
 fn oversize_configs_are_rejected() {
     let big = WgslTiles {
         head_dim: 128,
+        value_dim: 128,
         block_q: 64,
         block_kv: 64,
         workgroup_size: 128,
@@ -64,6 +83,7 @@ fn oversize_configs_are_rejected() {
     );
     let wide = WgslTiles {
         head_dim: 32,
+        value_dim: 32,
         block_q: 8,
         block_kv: 8,
         workgroup_size: 512,

@@ -1,6 +1,8 @@
 //! naga parses and validates every WGSL module the compiler generates: each
 //! module of every declared variant (the stock ones and the test fixtures)
-//! at every head dim of the standard cases, rolled and unrolled, and the
+//! at every head dim of the standard cases and at the standard pairs of a
+//! value head dim apart from the keys' (MLA's 192/128 and 576/512, 128/64,
+//! 64/32), rolled and unrolled, and the
 //! corner cases of constant folding, where a constant expression that
 //! overflows or is not finite would be a shader-creation error.
 
@@ -13,7 +15,19 @@ use kernels_spec::emit::gpu::variant_section;
 use kernels_spec::emit::wgsl::{Wgsl, WgslTiles, kernels, module_source};
 use naga::valid::{Capabilities, ValidationFlags, Validator};
 
-const HEAD_DIMS: [u32; 6] = [32, 40, 64, 80, 96, 128];
+/// `(D, DV)`.
+const HEAD_DIMS: [(u32, u32); 10] = [
+    (32, 32),
+    (40, 40),
+    (64, 64),
+    (80, 80),
+    (96, 96),
+    (128, 128),
+    (64, 32),
+    (128, 64),
+    (192, 128),
+    (576, 512),
+];
 
 fn validate(what: &str, source: &str) {
     let module = match naga::front::wgsl::parse_str(source) {
@@ -42,18 +56,24 @@ fn numbered(source: &str) -> String {
         .collect()
 }
 
-/// Every module around `section` at head dim `d`, with the tiles the
-/// runtime picks for `tile`.
-fn validate_modules(name: &str, section: &str, tile: (Option<u32>, Option<u32>), d: u32) {
-    let cfg = choose_tiles(WgslTiles::for_head_dim(d), tile.0, tile.1).expect("tiles");
+/// Every module around `section` at head dims `(d, dv)`, with the tiles
+/// the runtime picks for `tile`.
+fn validate_modules(
+    name: &str,
+    section: &str,
+    tile: (Option<u32>, Option<u32>),
+    (d, dv): (u32, u32),
+) {
+    let cfg = choose_tiles(WgslTiles::for_head_dims(d, dv), tile.0, tile.1).expect("tiles");
     for module in [
         &kernels::FORWARD,
+        &kernels::MERGE,
         &kernels::BACKWARD_DQ,
         &kernels::BACKWARD_DKDV,
         &kernels::BACKWARD_TENSORS,
     ] {
         let source = module_source(section, module, &cfg).expect("the tiles validate");
-        validate(&format!("{name} {} D={d}", module.name), &source);
+        validate(&format!("{name} {} D={d} Dv={dv}", module.name), &source);
     }
 }
 
@@ -90,7 +110,7 @@ fn validate_declaration(source: &str, d: u32) -> String {
         Err(e) => panic!("{source} failed to compile: {:?}", e.messages()),
     };
     let section = variant_section::<Wgsl>(&program);
-    validate_modules(&program.name, &section, program.tile, d);
+    validate_modules(&program.name, &section, program.tile, (d, d));
     section
 }
 

@@ -234,66 +234,71 @@ pub const CASES: &[Case] = &[
 /// shapes as [`CASES`] — odd lengths below and across tiles, batch 2, MQA,
 /// GQA 4:1, `Sq < Sk`, `Sq > Sk` (rows with no visible key under a causal
 /// mask), peaked and ~1e4 logits, an explicit scale — at a few percent of
-/// the work, all at one head dim, 80.
+/// the work, all at one pair of head dims, `D` = 80 and `Dv` = 56.
 ///
-/// Why one: each head dim of a variant is a set of pipelines that a
-/// software adapter compiles one at a time (Mesa's lavapipe holds one lock
-/// per device while it compiles), and compiling is most of what such a
-/// check costs. The code that depends on the head dim (the head-dim
-/// loops, the staged rows per tile) is the same for every variant, so the
-/// other head dims are checked once per backend, on one variant
-/// ([`HEAD_DIM_CASES`]). Why 80: it is not a power of two, the WGSL
-/// kernels roll its head-dim loops (the cheaper compile), and it stages
-/// 25 keys per tile, so tile edges fall off every power of two. The
-/// largest is `B·Hq·Sq·Sk·D = 1·8·7·23·80`.
+/// Why one: each pair of head dims of a variant is a set of pipelines
+/// that a software adapter compiles one at a time (Mesa's lavapipe holds
+/// one lock per device while it compiles), and compiling is most of what
+/// such a check costs. The code that depends on the head dims (the
+/// head-dim loops, the staged rows per tile) is the same for every
+/// variant, so the other head dims are checked once per backend, on one
+/// variant ([`HEAD_DIM_CASES`]). Why 80/56: values narrower than keys
+/// (MLA's shape) run every product over its own dim and the loops over
+/// both dims their remainder; 80 is not a power of two, the WGSL kernels
+/// roll its head-dim loops (the cheaper compile), and it stages 30 keys
+/// per tile, so tile edges fall off every power of two. The largest is
+/// `B·Hq·Sq·Sk·D = 1·8·7·23·80`.
 pub const SMALL_CASES: &[Case] = &[
     Case {
         head_dim: 80,
-        head_dim_v: 80,
+        head_dim_v: 56,
         ..CASES[0]
     },
     Case {
         head_dim: 80,
-        head_dim_v: 80,
+        head_dim_v: 56,
         ..CASES[1]
     },
     Case {
         seq_k: 33,
+        head_dim_v: 56,
         ..CASES[2]
     },
     Case {
         seq_q: 7,
         seq_k: 23,
         head_dim: 80,
-        head_dim_v: 80,
+        head_dim_v: 56,
         ..CASES[3]
     },
     Case {
         seq_q: 23,
         seq_k: 7,
-        head_dim_v: 80,
+        head_dim_v: 56,
         ..CASES[4]
     },
     Case {
         seq_q: 19,
         seq_k: 19,
         head_dim: 80,
-        head_dim_v: 80,
+        head_dim_v: 56,
         ..CASES[5]
     },
     Case {
         seq_q: 19,
         seq_k: 19,
         head_dim: 80,
-        head_dim_v: 80,
+        head_dim_v: 56,
         ..CASES[6]
     },
 ];
 
-/// The other head dims of the backends that run [`SMALL_CASES`]: 40 (not
-/// a power of two, batch 2, odd lengths, an explicit scale), 64 (GQA 4:1,
-/// `Sq < Sk`) and 128 (peaked logits), on both sides of the WGSL kernels'
-/// unrolling limit (`kernels_spec::emit::wgsl::UNROLL_MAX_HEAD_DIM`).
+/// The other head dims of the backends that run [`SMALL_CASES`], on both
+/// sides of the WGSL kernels' unrolling limit
+/// (`kernels_spec::emit::wgsl::UNROLL_MAX_HEAD_DIM`): values as wide as
+/// the keys at 40 (not a power of two, batch 2, odd lengths, an explicit
+/// scale), 64 (GQA 4:1, `Sq < Sk`) and 128 (peaked logits), and values
+/// wider than the keys, 32/48 (`Sq > Sk`).
 pub const HEAD_DIM_CASES: &[Case] = &[
     CASES[1],
     Case {
@@ -306,6 +311,13 @@ pub const HEAD_DIM_CASES: &[Case] = &[
         seq_q: 19,
         seq_k: 19,
         ..CASES[5]
+    },
+    Case {
+        seq_q: 23,
+        seq_k: 7,
+        head_dim: 32,
+        head_dim_v: 48,
+        ..CASES[4]
     },
 ];
 

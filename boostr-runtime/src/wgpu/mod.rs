@@ -40,14 +40,15 @@ struct Pass {
     pipelines: Vec<wgpu::ComputePipeline>,
 }
 
-/// (variant, device, head dim, module).
-type Key = (TypeId, usize, usize, &'static str);
+/// (variant, device, (head dim, value head dim), module).
+type Key = (TypeId, usize, (usize, usize), &'static str);
 
 static CACHE: LazyLock<KernelCache<Key, Pass>> = LazyLock::new(KernelCache::default);
 
 /// The tiles for `V` at the problem's head dim.
 fn tiles<V: Variant>(p: &Problem) -> std::result::Result<WgslTiles, BackendError> {
-    let default = WgslTiles::for_head_dim(gpu::head_dims(p).0);
+    let (d, dv) = gpu::head_dims(p);
+    let default = WgslTiles::for_head_dims(d, dv);
     gpu::tiles::<V, _>(TARGET, default, p, DType::F32)
 }
 
@@ -155,7 +156,7 @@ fn pass<V: Variant>(
     let key = (
         TypeId::of::<V>(),
         Arc::as_ptr(device) as usize,
-        p.head_dim,
+        (p.head_dim, p.head_dim_v),
         module.name,
     );
     Ok(CACHE.get_or_build(key, || {
@@ -163,7 +164,13 @@ fn pass<V: Variant>(
         let cfg = tiles::<V>(p)?;
         let source = module_source(section, module, &cfg)
             .map_err(|error| gpu::tiling(TARGET, p, DType::F32, error))?;
-        let name = format!("boostr {} {} D={}", V::NAME, module.name, p.head_dim);
+        let name = format!(
+            "boostr {} {} D={} Dv={}",
+            V::NAME,
+            module.name,
+            p.head_dim,
+            p.head_dim_v
+        );
         build_pass(device, &name, &source, module)
     })?)
 }
@@ -653,7 +660,7 @@ fn forward_splits(client: &WgpuClient, p: &Problem, cfg: &WgslTiles) -> u32 {
         .dim(Dim::GroupRows)
         .div_ceil(cfg.workgroup_size.into())
         * sizes.dim(Dim::BatchHeadsKv);
-    let most = LLVMPIPE_LOOP_BUDGET / (u64::from(cfg.head_dim) + 2);
+    let most = LLVMPIPE_LOOP_BUDGET / (u64::from(cfg.value_dim) + 2);
     gpu::split_count(
         blocks,
         sizes.seq_k,
@@ -673,7 +680,6 @@ fn forward_split<V: Variant>(
     keys: Keys<'_, WgpuRuntime>,
     splits: Option<u32>,
 ) -> Result<(Tensor<WgpuRuntime>, Tensor<WgpuRuntime>)> {
-    gpu::same_value_dim(p, WGPU)?;
     let (q, k, v) = (input("q", q)?, input("k", keys.k)?, input("v", keys.v)?);
     let client = WgpuRuntime::default_client(q.device());
     let fwd = pass::<V>(&client, p, &kernels::FORWARD)?;
@@ -681,7 +687,7 @@ fn forward_split<V: Variant>(
     let splits = splits
         .unwrap_or_else(|| forward_splits(&client, p, &cfg))
         .max(1);
-    let out = alloc(q.shape(), &q)?;
+    let out = alloc(&[p.batch, p.heads_q, p.seq_q, p.head_dim_v], &q)?;
     let lse = alloc(&[p.batch, p.heads_q, p.seq_q], &q)?;
     let rows = p.batch * p.heads_q * p.seq_q;
     let split = splits as usize;
@@ -704,7 +710,7 @@ fn forward_split<V: Variant>(
         return Ok((out, lse));
     }
     let merge = pass::<V>(&client, p, &kernels::MERGE)?;
-    let split_out = alloc(&[split, rows, p.head_dim], &q)?;
+    let split_out = alloc(&[split, rows, p.head_dim_v], &q)?;
     let split_lse = alloc(&[split, rows], &q)?;
     let stats = alloc(&[split, rows, 2], &q)?;
     let forward = [
@@ -800,7 +806,6 @@ impl AttentionRuntime for WgpuRuntime {
     ) -> Result<AttentionGrads<Self>> {
         // `out` is not read: D_i comes from the recomputed P (see
         // `kernels::BACKWARD_DQ`).
-        gpu::same_value_dim(p, WGPU)?;
         let x = gpu::BackwardOperands::new(&t, WGPU, input)?;
         let (q, k, v) = (&x.q, &x.k, &x.v);
         let client = WgpuRuntime::default_client(q.device());

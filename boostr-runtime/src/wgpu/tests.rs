@@ -50,9 +50,10 @@ fn offset_views_and_dtypes() {
     assert!(matches!(err, Error::DType { .. }), "{err}");
 }
 
-/// The head dims the generated tests leave out on wgpu (they run at 80,
-/// `testing::SMALL_CASES`): 40, 64 and 128, unrolled and rolled head-dim
-/// loops, on a variant with a score and a mask.
+/// The head dims the generated tests leave out on wgpu (they run at
+/// 80/56, `testing::SMALL_CASES`): values as wide as the keys at 40, 64 and
+/// 128, and wider at 32/48, unrolled and rolled head-dim loops, on a
+/// variant with a score and a mask.
 #[test]
 fn other_head_dims_match_the_reference() {
     check_variant_on::<Wgpu, _>(&CausalSoftcap { cap: 2.0 }, HEAD_DIM_CASES);
@@ -237,16 +238,17 @@ fn a_variant_without_a_lowering_is_refused() {
 /// `lens`, every slot past a length NaN in K and infinite in V.
 fn cache_inputs(
     rng: &mut crate::testing::Rng,
-    (b, hq, hkv, sq, cap, d): (usize, usize, usize, usize, usize, usize),
+    (b, hq, hkv, sq, cap): (usize, usize, usize, usize, usize),
+    (d, dv): (usize, usize),
     lens: &[i32],
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let q = rng.normal_f32(b * hq * sq * d, 1.0);
     let mut k = rng.normal_f32(b * hkv * cap * d, 1.0);
-    let mut v = rng.normal_f32(b * hkv * cap * d, 1.0);
+    let mut v = rng.normal_f32(b * hkv * cap * dv, 1.0);
     let len = |b: usize| lens[b] as usize;
     fill_spare_slots(
         (&mut k, &mut v),
-        (hkv, cap, (d, d)),
+        (hkv, cap, (d, dv)),
         len,
         (f32::NAN, f32::INFINITY),
     );
@@ -254,19 +256,21 @@ fn cache_inputs(
 }
 
 /// A KV cache and the same keys in pages, on wgpu against the CPU: mixed
-/// lengths (0, 1, a key-tile boundary, the capacity), GQA 4:1, a sliding
-/// window, NaN in the spare slots and in a spare page; pages of 16 and of
-/// 24 keys (the WGSL key tile is 32 at D = 64: pages cross tiles).
+/// lengths (0, 1, a key-tile boundary, the capacity), GQA 4:1, values
+/// narrower than keys (D = 64, Dv = 48), a sliding window, NaN in the spare
+/// slots and in a spare page; pages of 16 and of 24 keys (the WGSL key
+/// tile is 36 at 64/48: pages cross tiles).
 #[test]
 fn kv_caches_and_pages_match_the_cpu() {
     use crate::testing::{CpuRuntime, Rng};
     use crate::{KvCache, PagedKvCache, attention_fwd_cache, attention_fwd_paged};
     use numr::runtime::cpu::CpuDevice;
     let Some(device) = device() else { return };
-    let (b, hq, hkv, sq, cap, d) = (4usize, 4usize, 1usize, 3usize, 96usize, 64usize);
-    let lens = [0i32, 1, 32, 96];
+    let (b, hq, hkv, sq, cap) = (4usize, 4usize, 1usize, 3usize, 96usize);
+    let (d, dv) = (64usize, 48usize);
+    let lens = [0i32, 1, 36, 96];
     let mut rng = Rng::new(5, 0);
-    let (q, k, v) = cache_inputs(&mut rng, (b, hq, hkv, sq, cap, d), &lens);
+    let (q, k, v) = cache_inputs(&mut rng, (b, hq, hkv, sq, cap), (d, dv), &lens);
     let cpu = CpuDevice::new();
     let variant = CausalSlidingWindow { window: 40 };
     let opts = AttentionOptions::default();
@@ -274,7 +278,10 @@ fn kv_caches_and_pages_match_the_cpu() {
     let on_gpu = |x: &[f32], s: &[usize]| Tensor::<WgpuRuntime>::from_slice(x, s, &device).unwrap();
     let lens_cpu = Tensor::<CpuRuntime>::from_slice(&lens, &[b], &cpu).unwrap();
     let lens_gpu = Tensor::<WgpuRuntime>::from_slice(&lens, &[b], &device).unwrap();
-    let (kc, vc) = (on_cpu(&k, &[b, hkv, cap, d]), on_cpu(&v, &[b, hkv, cap, d]));
+    let (kc, vc) = (
+        on_cpu(&k, &[b, hkv, cap, d]),
+        on_cpu(&v, &[b, hkv, cap, dv]),
+    );
     let cache = KvCache {
         k: &kc,
         v: &vc,
@@ -293,7 +300,10 @@ fn kv_caches_and_pages_match_the_cpu() {
         }
     };
     let qg = on_gpu(&q, &[b, hq, sq, d]);
-    let (kg, vg) = (on_gpu(&k, &[b, hkv, cap, d]), on_gpu(&v, &[b, hkv, cap, d]));
+    let (kg, vg) = (
+        on_gpu(&k, &[b, hkv, cap, d]),
+        on_gpu(&v, &[b, hkv, cap, dv]),
+    );
     let cache = KvCache {
         k: &kg,
         v: &vg,
@@ -309,7 +319,7 @@ fn kv_caches_and_pages_match_the_cpu() {
         let pages = b * max_pages + 1;
         let (mut kp, mut vp) = (
             vec![f32::NAN; pages * hkv * ps * d],
-            vec![f32::NAN; pages * hkv * ps * d],
+            vec![f32::NAN; pages * hkv * ps * dv],
         );
         let mut table = vec![-1i32; b * max_pages];
         for s in 0..b {
@@ -318,15 +328,18 @@ fn kv_caches_and_pages_match_the_cpu() {
                 if lp * ps < lens[s] as usize {
                     table[s * max_pages + lp] = page as i32;
                 }
-                let from = (s * cap + lp * ps) * d;
-                let to = page * ps * d;
-                kp[to..to + ps * d].copy_from_slice(&k[from..from + ps * d]);
-                vp[to..to + ps * d].copy_from_slice(&v[from..from + ps * d]);
+                // Rows `ps` at a time, of `w` elements each.
+                let mut copy = |dst: &mut [f32], src: &[f32], w: usize| {
+                    let (from, to) = ((s * cap + lp * ps) * w, page * ps * w);
+                    dst[to..to + ps * w].copy_from_slice(&src[from..from + ps * w]);
+                };
+                copy(&mut kp, &k, d);
+                copy(&mut vp, &v, dv);
             }
         }
         let (kpg, vpg) = (
             on_gpu(&kp, &[pages, hkv, ps, d]),
-            on_gpu(&vp, &[pages, hkv, ps, d]),
+            on_gpu(&vp, &[pages, hkv, ps, dv]),
         );
         let table = Tensor::<WgpuRuntime>::from_slice(&table, &[b, max_pages], &device).unwrap();
         let paged = PagedKvCache {
@@ -349,7 +362,8 @@ fn kv_caches_and_pages_match_the_cpu() {
 /// Split-KV decode on wgpu against the f64 reference and the CPU: Sq ∈
 /// {1, 4, 17} over a cache of mixed
 /// lengths (0, 1, a key-tile boundary, past a split, the capacity) with
-/// GQA 8:1 and NaN in the spare slots, for a causal, a sliding-window and
+/// GQA 8:1, values wider than keys (D = 32, Dv = 40) and NaN in the spare
+/// slots, for a causal, a sliding-window and
 /// a score-modifying variant. Forced splits (3 and 7: splits of one key
 /// tile and of many, some past a sequence's end), the automatic choice and
 /// the unsplit kernel agree with the CPU and with each other, and a split
@@ -371,16 +385,19 @@ fn split_kv_decode_matches_the_unsplit_kernel() {
         device: &WgpuDevice,
         cpu: &CpuDevice,
     ) {
-        let (b, hq, hkv, cap, d) = (5usize, 8usize, 1usize, 1040usize, 32usize);
-        let lens = [0i32, 1, 32, 700, 1040];
+        let (b, hq, hkv, cap, d, dv) = (5usize, 8usize, 1usize, 1040usize, 32usize, 40usize);
+        let lens = [0i32, 1, 56, 700, 1040];
         let mut rng = Rng::new(seed, sq as u64);
-        let (q, k, v) = cache_inputs(&mut rng, (b, hq, hkv, sq, cap, d), &lens);
+        let (q, k, v) = cache_inputs(&mut rng, (b, hq, hkv, sq, cap), (d, dv), &lens);
         let opts = AttentionOptions::default();
         let on_cpu = |x: &[f32], s: &[usize]| Tensor::<CpuRuntime>::from_slice(x, s, cpu).unwrap();
         let on_gpu =
             |x: &[f32], s: &[usize]| Tensor::<WgpuRuntime>::from_slice(x, s, device).unwrap();
         let lens_cpu = Tensor::<CpuRuntime>::from_slice(&lens, &[b], cpu).unwrap();
-        let (kc, vc) = (on_cpu(&k, &[b, hkv, cap, d]), on_cpu(&v, &[b, hkv, cap, d]));
+        let (kc, vc) = (
+            on_cpu(&k, &[b, hkv, cap, d]),
+            on_cpu(&v, &[b, hkv, cap, dv]),
+        );
         let cache = KvCache {
             k: &kc,
             v: &vc,
@@ -390,11 +407,11 @@ fn split_kv_decode_matches_the_unsplit_kernel() {
         let qc = on_cpu(&q, &[b, hq, sq, d]);
         let (want, want_lse) = attention_fwd_cache(variant, &qc, &cache, &opts).unwrap();
         let (want, want_lse) = (want.to_vec::<f32>(), want_lse.to_vec::<f32>());
-        let p = Problem::new(b, (hq, hkv), (sq, cap), d);
+        let p = Problem::new(b, (hq, hkv), (sq, cap), d).with_head_dim_v(dv);
         let (qg, kg, vg) = (
             on_gpu(&q, &[b, hq, sq, d]),
             on_gpu(&k, &[b, hkv, cap, d]),
-            on_gpu(&v, &[b, hkv, cap, d]),
+            on_gpu(&v, &[b, hkv, cap, dv]),
         );
         let lens_gpu = Tensor::<WgpuRuntime>::from_slice(&lens, &[b], device).unwrap();
         let host_lens: Vec<usize> = lens.iter().map(|&l| l as usize).collect();
@@ -414,7 +431,7 @@ fn split_kv_decode_matches_the_unsplit_kernel() {
             q: q.clone(),
             k: k.clone(),
             v: v.clone(),
-            dout: vec![0.0; q.len()],
+            dout: vec![0.0; b * hq * sq * dv],
         };
         let reference = crate::cpu::tests::reference_lens(&host, &p, &inputs, Some(&host_lens));
         let mut results = Vec::new();
@@ -448,7 +465,8 @@ fn split_kv_decode_matches_the_unsplit_kernel() {
 
 /// The backward over a KV cache on wgpu against the f64 reference and the
 /// CPU's: mixed lengths
-/// (0, 1, a key-tile boundary, between, the capacity), GQA 2:1, Sq > a
+/// (0, 1, a key-tile boundary, between, the capacity), GQA 2:1, values
+/// narrower than keys (D = 32, Dv = 24), Sq > a
 /// sequence's length (rows that see nothing), NaN in the spare slots, and
 /// the spare slots' gradients exactly zero.
 #[test]
@@ -460,15 +478,15 @@ fn cache_backward_matches_the_cpu() {
     let Some(device) = device() else { return };
     let cpu = CpuDevice::new();
     fn check<V: crate::Variant>(variant: &V, sq: usize, device: &WgpuDevice, cpu: &CpuDevice) {
-        let (b, hq, hkv, cap, d) = (5usize, 4usize, 2usize, 80usize, 32usize);
+        let (b, hq, hkv, cap, d, dv) = (5usize, 4usize, 2usize, 80usize, 32usize, 24usize);
         let lens = [0i32, 1, 64, 7, 80];
         let mut rng = Rng::new(41, sq as u64);
         let q = rng.normal_f32(b * hq * sq * d, 1.0);
-        let dout = rng.normal_f32(b * hq * sq * d, 1.0);
+        let dout = rng.normal_f32(b * hq * sq * dv, 1.0);
         let mut k = rng.normal_f32(b * hkv * cap * d, 1.0);
-        let mut v = rng.normal_f32(b * hkv * cap * d, 1.0);
+        let mut v = rng.normal_f32(b * hkv * cap * dv, 1.0);
         let spare = |row: usize| row % cap >= lens[row / (hkv * cap)] as usize;
-        for (row, (kr, vr)) in k.chunks_mut(d).zip(v.chunks_mut(d)).enumerate() {
+        for (row, (kr, vr)) in k.chunks_mut(d).zip(v.chunks_mut(dv)).enumerate() {
             if spare(row) {
                 kr.fill(f32::NAN);
                 vr.fill(f32::INFINITY);
@@ -480,18 +498,18 @@ fn cache_backward_matches_the_cpu() {
             device: &R::Device,
             (q, k, v, dout): (&[f32], &[f32], &[f32], &[f32]),
             lens: &[i32],
-            (qs, ks): ([usize; 4], [usize; 4]),
+            [qs, os, ks, vs]: [[usize; 4]; 4],
         ) -> [Vec<f32>; 3] {
             let t = |x: &[f32], s: &[usize]| Tensor::<R>::from_slice(x, s, device).unwrap();
             let lengths = Tensor::<R>::from_slice(lens, &[lens.len()], device).unwrap();
-            let (kt, vt) = (t(k, &ks), t(v, &ks));
+            let (kt, vt) = (t(k, &ks), t(v, &vs));
             let cache = KvCache {
                 k: &kt,
                 v: &vt,
                 lengths: &lengths,
                 scales: None,
             };
-            let (qt, dt) = (t(q, &qs), t(dout, &qs));
+            let (qt, dt) = (t(q, &qs), t(dout, &os));
             let opts = AttentionOptions::default();
             let (out, lse) = attention_fwd_cache(variant, &qt, &cache, &opts).unwrap();
             let (dq, dk, dv) =
@@ -499,11 +517,16 @@ fn cache_backward_matches_the_cpu() {
             [dq.to_vec::<f32>(), dk.to_vec::<f32>(), dv.to_vec::<f32>()]
         }
         let x = (&q[..], &k[..], &v[..], &dout[..]);
-        let shapes = ([b, hq, sq, d], [b, hkv, cap, d]);
+        let shapes = [
+            [b, hq, sq, d],
+            [b, hq, sq, dv],
+            [b, hkv, cap, d],
+            [b, hkv, cap, dv],
+        ];
         let want = grads::<CpuRuntime, V>(variant, cpu, x, &lens, shapes);
         let got = grads::<WgpuRuntime, V>(variant, device, x, &lens, shapes);
         // Against the f64 reference too (the CPU's is checked against it).
-        let p = crate::Problem::new(b, (hq, hkv), (sq, cap), d);
+        let p = crate::Problem::new(b, (hq, hkv), (sq, cap), d).with_head_dim_v(dv);
         let inputs = crate::cpu::tests::Inputs {
             q: q.clone(),
             k: k.clone(),
@@ -539,8 +562,8 @@ fn cache_backward_matches_the_cpu() {
                 );
             }
         }
-        for (name, got) in ["dk", "dv"].iter().zip(&got[1..]) {
-            for (row, g) in got.chunks(d).enumerate() {
+        for ((name, got), w) in ["dk", "dv"].iter().zip(&got[1..]).zip([d, dv]) {
+            for (row, g) in got.chunks(w).enumerate() {
                 if spare(row) {
                     assert!(
                         g.iter().all(|x| x.to_bits() == 0),
@@ -553,34 +576,4 @@ fn cache_backward_matches_the_cpu() {
     }
     check(&CausalSoftcap { cap: 20.0 }, 3, &device, &cpu);
     check(&SlidingWindow { window: 9 }, 12, &device, &cpu);
-}
-
-/// Values of another head dim than the keys are an `Err` naming the
-/// layout, forward and backward, before any kernel is built.
-#[test]
-fn value_head_dims_apart_from_the_keys_are_an_error() {
-    let Some(device) = device() else { return };
-    let t = |shape: &[usize]| {
-        let n = shape.iter().product();
-        Tensor::<WgpuRuntime>::from_slice(&vec![0.5f32; n], shape, &device).unwrap()
-    };
-    let (q, k, v) = (t(&[1, 2, 3, 8]), t(&[1, 1, 5, 8]), t(&[1, 1, 5, 4]));
-    let opts = AttentionOptions::default();
-    let unsupported = |e: Error| {
-        assert!(
-            matches!(
-                e,
-                Error::LayoutUnsupported {
-                    backend: "wgpu",
-                    ..
-                }
-            ),
-            "{e}"
-        );
-        assert!(e.to_string().contains("Dv ≠ D"), "{e}");
-    };
-    unsupported(attention_fwd(&Causal, &q, &k, &v, &opts).unwrap_err());
-    let (out, lse) = (t(&[1, 2, 3, 4]), t(&[1, 2, 3]));
-    let e = crate::attention_bwd(&Causal, &out, &q, &k, &v, &out, &lse, &opts).unwrap_err();
-    unsupported(e);
 }

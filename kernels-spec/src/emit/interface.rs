@@ -12,20 +12,21 @@
 use std::fmt::{self, Display, Formatter};
 
 /// A tensor a kernel reads or writes. All are contiguous; `B, Hq, Hkv, Sq,
-/// Sk, D` are the problem's sizes.
+/// Sk, D, DV` are the problem's sizes (`D` the query/key head dim, `DV` the
+/// value head dim).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Buffer {
     /// `q [B, Hq, Sq, D]`.
     Q,
     /// `k [B, Hkv, Sk, D]`.
     K,
-    /// `v [B, Hkv, Sk, D]`.
+    /// `v [B, Hkv, Sk, DV]`.
     V,
-    /// `out [B, Hq, Sq, D]`: the attention output.
+    /// `out [B, Hq, Sq, DV]`: the attention output.
     Out,
     /// `lse [B, Hq, Sq]` f32: each row's natural log-sum-exp.
     Lse,
-    /// `dout [B, Hq, Sq, D]`: the gradient of the loss with respect to `out`.
+    /// `dout [B, Hq, Sq, DV]`: the gradient of the loss with respect to `out`.
     Dout,
     /// `delta [B, Hq, Sq]` f32: `D_i = rowsum(dO ∘ O)` of the backward.
     Delta,
@@ -33,7 +34,7 @@ pub enum Buffer {
     Dq,
     /// `dk [B, Hkv, Sk, D]`.
     Dk,
-    /// `dv [B, Hkv, Sk, D]`.
+    /// `dv [B, Hkv, Sk, DV]`.
     Dv,
     /// `stats [B, Hq, Sq, 2]` f32: per-row running sums kept between the
     /// dispatches of one kernel (WGSL).
@@ -42,7 +43,7 @@ pub enum Buffer {
     /// sums, lse and `D_i` (WGSL, one binding where CUDA has `lse` and
     /// `delta`).
     Rows,
-    /// `split_out [splits, B, Hq, Sq, D]` f32: a split-KV forward's
+    /// `split_out [splits, B, Hq, Sq, DV]` f32: a split-KV forward's
     /// normalised output of each split (over its share of the keys).
     SplitOut,
     /// `split_lse [splits, B, Hq, Sq]` f32: each split's lse.
@@ -96,12 +97,14 @@ impl Buffer {
     /// Its shape, in the problem's sizes.
     pub const fn shape(self) -> &'static str {
         match self {
-            Buffer::Q | Buffer::Out | Buffer::Dout | Buffer::Dq => "[B, Hq, Sq, D]",
-            Buffer::K | Buffer::V | Buffer::Dk | Buffer::Dv => "[B, Hkv, Sk, D]",
+            Buffer::Q | Buffer::Dq => "[B, Hq, Sq, D]",
+            Buffer::Out | Buffer::Dout => "[B, Hq, Sq, DV]",
+            Buffer::K | Buffer::Dk => "[B, Hkv, Sk, D]",
+            Buffer::V | Buffer::Dv => "[B, Hkv, Sk, DV]",
             Buffer::Lse | Buffer::Delta => "[B, Hq, Sq]",
             Buffer::Stats => "[B, Hq, Sq, 2]",
             Buffer::Rows => "[B, Hq, Sq, 4]",
-            Buffer::SplitOut => "[splits, B, Hq, Sq, D]",
+            Buffer::SplitOut => "[splits, B, Hq, Sq, DV]",
             Buffer::SplitLse => "[splits, B, Hq, Sq]",
         }
     }
@@ -144,7 +147,8 @@ pub enum Scalar {
     /// The arena word of a paged cache's page table (`[B, max_pages]`),
     /// or [`NO_WORD`].
     KvPages,
-    /// Keys per page; 0 without pages (`k, v [B, Hkv, Sk, D]`).
+    /// Keys per page; 0 without pages (`k [B, Hkv, Sk, D]`, `v [B, Hkv,
+    /// Sk, DV]`).
     PageSize,
     /// Entries per page table row.
     MaxPages,

@@ -1,13 +1,14 @@
 //! The attention kernels: one [`Module`] description each (bindings, entry
 //! points, launch geometry) and its templates, WGSL text around the lowered
-//! variant functions. Each template uses only the WGSL constants `D`, `BQ`,
-//! `BKV`, `WG`, the tile classes and the flags that [`header`] writes from a
+//! variant functions. Each template uses only the WGSL constants `D`, `DV`,
+//! `BQ`, `BKV`, `WG`, the tile classes and the flags that [`header`] writes from a
 //! [`WgslTiles`] (sizes derived from them are WGSL `const` expressions
 //! inside the templates), and the bindings by the names the description
 //! gives them.
 //!
-//! Layout (all contiguous, f32): `q`, `out`, `dout`, `dq`: `[B, Hq, Sq, D]`;
-//! `k`, `v`, `dk`, `dv`: `[B, Hkv, Sk, D]`; `lse`: `[B, Hq, Sq]`; the
+//! Layout (all contiguous, f32): `q`, `dq`: `[B, Hq, Sq, D]`; `out`,
+//! `dout`: `[B, Hq, Sq, DV]`; `k`, `dk`: `[B, Hkv, Sk, D]`; `v`, `dv`:
+//! `[B, Hkv, Sk, DV]`; `lse`: `[B, Hq, Sq]`; the
 //! backward's `rows`: `[B, Hq, Sq, 4]` (two running sums, lse, `D_i`). Every
 //! module also binds the call's capture arena, `captures` (`u32` words, see
 //! [`crate::params`]), which the variant functions read.
@@ -55,7 +56,8 @@ use crate::emit::interface::{Access, Buffer, Dim, Extent, NO_WORD};
 pub fn header(cfg: &WgslTiles) -> String {
     let mut s = String::from("// ---- tile configuration ----\n");
     for (name, value, why) in [
-        ("D", cfg.head_dim, "head dim"),
+        ("D", cfg.head_dim, "query/key head dim"),
+        ("DV", cfg.value_dim, "value head dim"),
         ("BQ", cfg.block_q, "query rows staged per tile (dK/dV)"),
         (
             "BKV",
@@ -89,9 +91,12 @@ fn is_last() -> bool {
     return (shape.flags & LAST) != 0u;
 }
 
-// Elements each invocation copies when the workgroup stages `rows` rows.
-const N_KV: u32 = (BKV * D + WG - 1u) / WG;
+// Elements each invocation copies when the workgroup stages a tile: BKV
+// K rows, BKV V rows, BQ Q rows, BQ dO rows.
+const N_K: u32 = (BKV * D + WG - 1u) / WG;
+const N_V: u32 = (BKV * DV + WG - 1u) / WG;
 const N_Q: u32 = (BQ * D + WG - 1u) / WG;
+const N_O: u32 = (BQ * DV + WG - 1u) / WG;
 
 fn gqa_group() -> u32 {
     return max(shape.heads_q / max(shape.heads_kv, 1u), 1u);
@@ -104,13 +109,14 @@ fn seq_keys(b: u32) -> u32 {
     return min(atomicLoad(&captures[shape.kv_lens + b]), shape.seq_k);
 }
 
-// The offset in k and v of key row r of (b, h_kv): contiguous [B, Hkv, Sk, D],
-// or with pages (page_size > 0) slot r % page_size of page
-// pages[b * max_pages + r / page_size] in [pages, Hkv, page_size, D].
+// The row of k and v (times D and DV: the element offsets) of key r of
+// (b, h_kv): contiguous [B, Hkv, Sk, ·], or with pages (page_size > 0) slot
+// r % page_size of page pages[b * max_pages + r / page_size] in
+// [pages, Hkv, page_size, ·].
 fn key_row(b: u32, h_kv: u32, r: u32) -> u32 {
-    if shape.page_size == 0u { return ((b * shape.heads_kv + h_kv) * shape.seq_k + r) * D; }
+    if shape.page_size == 0u { return (b * shape.heads_kv + h_kv) * shape.seq_k + r; }
     let page = atomicLoad(&captures[shape.kv_pages + b * shape.max_pages + r / shape.page_size]);
-    return ((page * shape.heads_kv + h_kv) * shape.page_size + r % shape.page_size) * D;
+    return (page * shape.heads_kv + h_kv) * shape.page_size + r % shape.page_size;
 }
 "#;
 
@@ -120,21 +126,24 @@ const STAGE_KV: &[Piece] = &[Piece::Text(
 // K and V rows k0 .. k0 + BKV of kv head h_kv of sequence b (zeros from its
 // sk keys on: a cache's spare slots are never read).
 var<workgroup> k_tile: array<f32, BKV * D>;
-var<workgroup> v_tile: array<f32, BKV * D>;
+var<workgroup> v_tile: array<f32, BKV * DV>;
 
 fn stage_kv(lid: u32, b: u32, h_kv: u32, k0: u32, sk: u32) {
-    for (var t = 0u; t < N_KV; t++) {
+    for (var t = 0u; t < N_K; t++) {
         let e = lid + t * WG;
         if e < BKV * D {
             let r = k0 + e / D;
             var x = 0.0f;
-            var y = 0.0f;
-            if r < sk {
-                let at = key_row(b, h_kv, r) + e % D;
-                x = k[at];
-                y = v[at];
-            }
+            if r < sk { x = k[key_row(b, h_kv, r) * D + e % D]; }
             k_tile[e] = x;
+        }
+    }
+    for (var t = 0u; t < N_V; t++) {
+        let e = lid + t * WG;
+        if e < BKV * DV {
+            let r = k0 + e / DV;
+            var y = 0.0f;
+            if r < sk { y = v[key_row(b, h_kv, r) * DV + e % DV]; }
             v_tile[e] = y;
         }
     }
@@ -183,7 +192,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     let qp = i32(row) + offset;
 
     var qr: array<f32, D>;
-    var acc: array<f32, D>;
+    var acc: array<f32, DV>;
     // The sink is one more logit with no value: the running max and sum of
     // split 0 start from it (-inf and 0 without one).
     var m = variant_sink(ib, ih, qp, live);
@@ -191,15 +200,15 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     var l = select(1.0f, 0.0f, bx_is_neg_inf(m));
     "#,
     ),
-    Piece::HeadDimLoop(
+    Piece::BothDimsLoop(
         r#"
         var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
+        if live { x = q[flat * D + d]; }
         qr[d] = x;
+    "#,
+        r#"
+        var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a;
     "#,
     ),
@@ -256,7 +265,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
         l *= alpha;
         "#,
     ),
-    Piece::HeadDimLoop(r#" acc[d] *= alpha; "#),
+    Piece::ValueDimLoop(r#" acc[d] *= alpha; "#),
     Piece::Text(
         r#"
         if cls == TILE_FULL {
@@ -265,7 +274,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
                 l += p;
                 "#,
     ),
-    Piece::HeadDimLoop(r#" acc[d] += p * v_tile[j * D + d]; "#),
+    Piece::ValueDimLoop(r#" acc[d] += p * v_tile[j * DV + d]; "#),
     Piece::Text(
         r#"
             }
@@ -277,7 +286,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
                 l += p;
                 "#,
     ),
-    Piece::HeadDimLoop(r#" acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); "#),
+    Piece::ValueDimLoop(r#" acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); "#),
     Piece::Text(
         r#"
             }
@@ -288,7 +297,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     if !is_last() {
         "#,
     ),
-    Piece::HeadDimLoop(r#" out[at * D + d] = acc[d]; "#),
+    Piece::ValueDimLoop(r#" out[at * DV + d] = acc[d]; "#),
     Piece::Text(
         r#"
         stats[at] = vec2<f32>(m, l);
@@ -299,7 +308,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     if l > 0.0f { inv = 1.0f / l; }
     "#,
     ),
-    Piece::HeadDimLoop(r#" out[at * D + d] = acc[d] * inv; "#),
+    Piece::ValueDimLoop(r#" out[at * DV + d] = acc[d] * inv; "#),
     Piece::Text(
         r#"
     var x = -bx_inf();
@@ -328,10 +337,10 @@ fn attn_merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     let splits = max(shape.splits, 1u);
     var m = -bx_inf();
     for (var s = 0u; s < splits; s++) { m = max(m, split_lse[s * rows + flat]); }
-    var acc: array<f32, D>;
+    var acc: array<f32, DV>;
     "#,
     ),
-    Piece::HeadDimLoop(r#" acc[d] = 0.0f; "#),
+    Piece::ValueDimLoop(r#" acc[d] = 0.0f; "#),
     Piece::Text(
         r#"
     var l = 0.0f;
@@ -340,11 +349,11 @@ fn attn_merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     if !bx_is_neg_inf(m) {
         for (var s = 0u; s < splits; s++) {
             let w = exp(split_lse[s * rows + flat] - m);
-            let base = (s * rows + flat) * D;
+            let base = (s * rows + flat) * DV;
             l += w;
             "#,
     ),
-    Piece::HeadDimLoop(r#" acc[d] += w * split_out[base + d]; "#),
+    Piece::ValueDimLoop(r#" acc[d] += w * split_out[base + d]; "#),
     Piece::Text(
         r#"
         }
@@ -353,7 +362,7 @@ fn attn_merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     if l > 0.0f { inv = 1.0f / l; }
     "#,
     ),
-    Piece::HeadDimLoop(r#" out[flat * D + d] = acc[d] * inv; "#),
+    Piece::ValueDimLoop(r#" out[flat * DV + d] = acc[d] * inv; "#),
     Piece::Text(
         r#"
     var x = -bx_inf();
@@ -410,7 +419,7 @@ fn key_tile_class(t: QueryTile, k0: u32) -> i32 {
 // One query row: its q and dO, lse, and where it sits.
 struct QueryRow {
     live: bool,
-    row: u32,   // flat index into lse/rows; times D into q/dout/dq
+    row: u32,   // flat index into lse/rows; times D into q/dq, DV into dout
     qp: i32,
     lse: f32,
     sk: u32,    // the sequence's keys
@@ -432,18 +441,16 @@ fn query_row(wid: vec3<u32>, lid: u32) -> QueryRow {
 
 // (s, P, dP) of the query row against staged key j: P = 0 for masked pairs,
 // keys past Sk, and rows with no visible key.
-fn pair_terms(qr: ptr<function, array<f32, D>>, dor: ptr<function, array<f32, D>>,
+fn pair_terms(qr: ptr<function, array<f32, D>>, dor: ptr<function, array<f32, DV>>,
               r: QueryRow, j: u32, k0: u32, cls: i32, ib: i32, ih: i32) -> vec3<f32> {
     let kp = i32(k0 + j);
     var dot = 0.0f;
     var dp = 0.0f;
     "#,
     ),
-    Piece::HeadDimLoop(
-        r#"
-        dot += (*qr)[d] * k_tile[j * D + d];
-        dp += (*dor)[d] * v_tile[j * D + d];
-    "#,
+    Piece::BothDimsLoop(
+        r#" dot += (*qr)[d] * k_tile[j * D + d]; "#,
+        r#" dp += (*dor)[d] * v_tile[j * DV + d]; "#,
     ),
     Piece::Text(
         r#"
@@ -455,18 +462,18 @@ fn pair_terms(qr: ptr<function, array<f32, D>>, dor: ptr<function, array<f32, D>
     return vec3<f32>(s, p, select(0.0f, dp, p != 0.0f));
 }
 
-fn load_row(qr: ptr<function, array<f32, D>>, dor: ptr<function, array<f32, D>>, r: QueryRow) {
+fn load_row(qr: ptr<function, array<f32, D>>, dor: ptr<function, array<f32, DV>>, r: QueryRow) {
     "#,
     ),
-    Piece::HeadDimLoop(
+    Piece::BothDimsLoop(
         r#"
         var x = 0.0f;
-        var y = 0.0f;
-        if r.live {
-            x = q[r.row * D + d];
-            y = dout[r.row * D + d];
-        }
+        if r.live { x = q[r.row * D + d]; }
         (*qr)[d] = x;
+    "#,
+        r#"
+        var y = 0.0f;
+        if r.live { y = dout[r.row * DV + d]; }
         (*dor)[d] = y;
     "#,
     ),
@@ -486,7 +493,7 @@ fn attn_bwd_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocati
     let t = query_tile(wid);
     let r = query_row(wid, lid);
     var qr: array<f32, D>;
-    var dor: array<f32, D>;
+    var dor: array<f32, DV>;
     load_row(&qr, &dor, r);
     var sums = vec2<f32>(0.0f);
     if r.live && !is_first() { sums = rows[r.row].xy; }
@@ -521,7 +528,7 @@ fn attn_bwd_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
     let t = query_tile(wid);
     let r = query_row(wid, lid);
     var qr: array<f32, D>;
-    var dor: array<f32, D>;
+    var dor: array<f32, DV>;
     load_row(&qr, &dor, r);
     var acc: array<f32, D>;
     var delta_i = 0.0f;
@@ -587,7 +594,7 @@ const DKDV_CODE: &[Piece] = &[
 // Q and dO rows q0 .. q0 + BQ of one query head, their lse and D_i (lse
 // -inf past Sq: such rows see nothing), from `rows` (.z lse, .w D_i).
 var<workgroup> q_tile: array<f32, BQ * D>;
-var<workgroup> do_tile: array<f32, BQ * D>;
+var<workgroup> do_tile: array<f32, BQ * DV>;
 var<workgroup> lse_tile: array<f32, BQ>;
 var<workgroup> delta_tile: array<f32, BQ>;
 
@@ -597,12 +604,16 @@ fn stage_q(lid: u32, q_base: u32, q0: u32) {
         if e < BQ * D {
             let r = q0 + e / D;
             var x = 0.0f;
-            var y = 0.0f;
-            if r < shape.seq_q {
-                x = q[(q_base + r) * D + e % D];
-                y = dout[(q_base + r) * D + e % D];
-            }
+            if r < shape.seq_q { x = q[(q_base + r) * D + e % D]; }
             q_tile[e] = x;
+        }
+    }
+    for (var t = 0u; t < N_O; t++) {
+        let e = lid + t * WG;
+        if e < BQ * DV {
+            let r = q0 + e / DV;
+            var y = 0.0f;
+            if r < shape.seq_q { y = dout[(q_base + r) * DV + e % DV]; }
             do_tile[e] = y;
         }
     }
@@ -637,28 +648,30 @@ fn attn_bwd_dkdv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
     let kp = i32(col);
 
     var kr: array<f32, D>;
-    var vr: array<f32, D>;
+    var vr: array<f32, DV>;
     var dk_acc: array<f32, D>;
-    var dv_acc: array<f32, D>;
+    var dv_acc: array<f32, DV>;
     "#,
     ),
-    Piece::HeadDimLoop(
+    Piece::BothDimsLoop(
         r#"
         var x = 0.0f;
-        var y = 0.0f;
         var a = 0.0f;
-        var c = 0.0f;
         if live {
             x = k[(kv_base + col) * D + d];
-            y = v[(kv_base + col) * D + d];
-            if !is_first() {
-                a = dk[(kv_base + col) * D + d];
-                c = dv[(kv_base + col) * D + d];
-            }
+            if !is_first() { a = dk[(kv_base + col) * D + d]; }
         }
         kr[d] = x;
-        vr[d] = y;
         dk_acc[d] = a;
+    "#,
+        r#"
+        var y = 0.0f;
+        var c = 0.0f;
+        if live {
+            y = v[(kv_base + col) * DV + d];
+            if !is_first() { c = dv[(kv_base + col) * DV + d]; }
+        }
+        vr[d] = y;
         dv_acc[d] = c;
     "#,
     ),
@@ -687,11 +700,9 @@ fn attn_bwd_dkdv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
             var dp = 0.0f;
             "#,
     ),
-    Piece::HeadDimLoop(
-        r#"
-                dot += q_tile[i * D + d] * kr[d];
-                dp += do_tile[i * D + d] * vr[d];
-            "#,
+    Piece::BothDimsLoop(
+        r#" dot += q_tile[i * D + d] * kr[d]; "#,
+        r#" dp += do_tile[i * DV + d] * vr[d]; "#,
     ),
     Piece::Text(
         r#"
@@ -702,11 +713,9 @@ fn attn_bwd_dkdv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
             let ds = select(0.0f, p * (dp - delta_i) * g, p != 0.0f);
             "#,
     ),
-    Piece::HeadDimLoop(
-        r#"
-                dv_acc[d] += p * do_tile[i * D + d];
-                dk_acc[d] += ds * q_tile[i * D + d];
-            "#,
+    Piece::BothDimsLoop(
+        r#" dk_acc[d] += ds * q_tile[i * D + d]; "#,
+        r#" dv_acc[d] += p * do_tile[i * DV + d]; "#,
     ),
     Piece::Text(
         r#"
@@ -716,11 +725,9 @@ fn attn_bwd_dkdv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
     let f = select(1.0f, shape.scale, is_last());
     "#,
     ),
-    Piece::HeadDimLoop(
-        r#"
-        dk[(kv_base + col) * D + d] = dk_acc[d] * f;
-        dv[(kv_base + col) * D + d] = dv_acc[d];
-    "#,
+    Piece::BothDimsLoop(
+        r#" dk[(kv_base + col) * D + d] = dk_acc[d] * f; "#,
+        r#" dv[(kv_base + col) * DV + d] = dv_acc[d]; "#,
     ),
     Piece::Text(
         r#"
@@ -738,7 +745,7 @@ fn attn_bwd_tensors(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoca
     let t = query_tile(wid);
     let r = query_row(wid, lid);
     var qr: array<f32, D>;
-    var dor: array<f32, D>;
+    var dor: array<f32, DV>;
     load_row(&qr, &dor, r);
     var delta_i = 0.0f;
     if r.live { delta_i = rows[r.row].w; }

@@ -8,7 +8,7 @@
 //!   or unrolls;
 //! - [`kernels`]: the modules, each a description and its templates.
 //!
-//! One module per (variant, head dim, [`Module`]): [`module_source`] of
+//! One module per (variant, head dims, [`Module`]): [`module_source`] of
 //! [`kernels::FORWARD`], and for the backward [`kernels::BACKWARD_DQ`] then
 //! [`kernels::BACKWARD_DKDV`]. Every binding of group 0 is declared from the
 //! module's description: the variant's parameter block, the `shape` uniform
@@ -41,13 +41,15 @@ pub const MAX_WORKGROUP_BYTES: u32 = 16384;
 /// (`maxComputeInvocationsPerWorkgroup`, and `maxComputeWorkgroupSizeX`).
 pub const MAX_INVOCATIONS: u32 = 256;
 
-/// Tile sizes of the WGSL kernels for one head dim (see [`kernels`] for the
-/// schedule: one row per invocation, the other side staged in workgroup
-/// memory).
+/// Tile sizes of the WGSL kernels for one pair of head dims (see
+/// [`kernels`] for the schedule: one row per invocation, the other side
+/// staged in workgroup memory).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WgslTiles {
-    /// Head dim `D` (elements per q/k/v row).
+    /// Head dim `D` (elements per q/k row).
     pub head_dim: u32,
+    /// Value head dim `DV` (elements per v/out row).
+    pub value_dim: u32,
     /// Query rows staged per tile by the dK/dV kernel (`BQ`).
     pub block_q: u32,
     /// Key rows staged per tile by the forward, `D_i` and dQ kernels (`BKV`).
@@ -64,37 +66,44 @@ impl WgslTiles {
     /// of empty tiles.
     pub const MAX_STAGED: u32 = 64;
 
-    /// 64 rows per workgroup and the most staged rows that fit the
-    /// workgroup memory: `BKV = ⌊16384 / (8·D)⌋` (K and V rows),
-    /// `BQ = ⌊16384 / (8·D + 8)⌋` (Q and dO rows, lse and `D_i`), both at
-    /// most [`Self::MAX_STAGED`]. D = 64 → BKV 32, BQ 31; D = 128 → 16, 15.
+    /// [`Self::for_head_dims`] with values as wide as the keys.
     pub fn for_head_dim(head_dim: u32) -> WgslTiles {
-        let d = u64::from(head_dim.max(1));
-        // In u64: `8·D` of a head dim near u32::MAX still has a value (one
-        // staged row, which then fails validation).
+        Self::for_head_dims(head_dim, head_dim)
+    }
+
+    /// 64 rows per workgroup and the most staged rows that fit the
+    /// workgroup memory: `BKV = ⌊16384 / (4·(D + DV))⌋` (K and V rows),
+    /// `BQ = ⌊16384 / (4·(D + DV) + 8)⌋` (Q and dO rows, lse and `D_i`),
+    /// both at most [`Self::MAX_STAGED`]. D = DV = 64 → BKV 32, BQ 31;
+    /// 128 → 16, 15; 192/128 → 12, 12; 576/512 → 3, 3.
+    pub fn for_head_dims(head_dim: u32, value_dim: u32) -> WgslTiles {
+        let width = u64::from(head_dim.max(1)) + u64::from(value_dim.max(1));
+        // In u64: `4·(D + DV)` of head dims near u32::MAX still has a value
+        // (one staged row, which then fails validation).
         let fit = |per_row: u64| {
             (u64::from(MAX_WORKGROUP_BYTES) / per_row).clamp(1, Self::MAX_STAGED.into()) as u32
         };
         WgslTiles {
             head_dim,
-            block_q: fit(8 * d + 8),
-            block_kv: fit(8 * d),
+            value_dim,
+            block_q: fit(4 * width + 8),
+            block_kv: fit(4 * width),
             workgroup_size: Self::ROWS,
         }
     }
 
     /// `var<workgroup>` bytes of the forward, `D_i` and dQ kernels: the
-    /// staged K and V rows (2·BKV·D f32).
+    /// staged K and V rows (BKV·(D + DV) f32).
     pub fn forward_workgroup_bytes(&self) -> u64 {
-        let (d, _, kv) = self.dims();
-        4 * 2 * kv * d
+        let (d, dv, _, kv) = self.dims();
+        4 * kv * (d + dv)
     }
 
     /// `var<workgroup>` bytes of the dK/dV kernel: the staged Q and dO rows
-    /// (2·BQ·D) and their lse and `D_i` (2·BQ), f32.
+    /// (BQ·(D + DV)) and their lse and `D_i` (2·BQ), f32.
     pub fn backward_workgroup_bytes(&self) -> u64 {
-        let (d, q, _) = self.dims();
-        4 * (2 * q * d + 2 * q)
+        let (d, dv, q, _) = self.dims();
+        4 * (q * (d + dv) + 2 * q)
     }
 
     /// The larger of the two layouts.
@@ -103,32 +112,37 @@ impl WgslTiles {
             .max(self.backward_workgroup_bytes())
     }
 
+    /// Whether the head-dim loops are unrolled (both dims at most
+    /// [`UNROLL_MAX_HEAD_DIM`]).
+    pub fn unrolled(&self) -> bool {
+        self.head_dim.max(self.value_dim) <= UNROLL_MAX_HEAD_DIM
+    }
+
     /// An upper bound on the loop iterations one invocation runs per tile of
-    /// its tile loop, in the kernel that runs the most (`N_KV =
-    /// ⌈BKV·D/WG⌉`, `N_Q = ⌈BQ·D/WG⌉`; `R` = 0 where the head-dim loops are
-    /// unrolled, see [`UNROLL_MAX_HEAD_DIM`], else `D`):
+    /// its tile loop, in the kernel that runs the most. With `N_K =
+    /// ⌈BKV·D/WG⌉`, `N_V = ⌈BKV·DV/WG⌉`, `N_Q = ⌈BQ·D/WG⌉`, `N_O =
+    /// ⌈BQ·DV/WG⌉`, and `R`, `RV`, `RM` = 0 where the head-dim loops are
+    /// unrolled (see [`Self::unrolled`]), else `D`, `DV` and `max(D, DV)`:
     ///
-    /// - forward, per key tile: staging (N_KV), scores (BKV·(1 + R)),
-    ///   rescale (R), `P·V` (BKV·(1 + R));
-    /// - `D_i`, per key tile: staging, `P` and `dP` (BKV·(1 + R));
-    /// - dQ, per key tile: staging, `P` and `dP`, `dS·K` (BKV·(1 + 2R));
-    /// - dK/dV, per query tile: staging (N_Q + ⌈BQ/WG⌉), `P` and `dP`,
-    ///   `dSᵀ·Q` and `Pᵀ·dO` (BQ·(1 + 2R));
+    /// - forward, per key tile: staging (N_K + N_V), scores (BKV·(1 + R)),
+    ///   rescale (RV), `P·V` (BKV·(1 + RV));
+    /// - `D_i`, per key tile: staging, `P` and `dP` (BKV·(1 + RM));
+    /// - dQ, per key tile: staging, `P` and `dP`, `dS·K` (BKV·(1 + RM + R));
+    /// - dK/dV, per query tile: staging (N_Q + N_O + ⌈BQ/WG⌉), `P` and
+    ///   `dP`, `dSᵀ·Q` and `Pᵀ·dO` (BQ·(1 + 2·RM));
     ///
     /// plus one for the tile loop itself.
     pub fn loop_iterations_per_tile(&self) -> u64 {
-        let (d, q, kv) = self.dims();
+        let (d, dv, q, kv) = self.dims();
         let wg = u64::from(self.workgroup_size);
-        let r = if self.head_dim <= UNROLL_MAX_HEAD_DIM {
-            0
-        } else {
-            d
-        };
-        let (n_q, n_kv) = ((q * d).div_ceil(wg), (kv * d).div_ceil(wg));
-        let forward = n_kv + 2 * kv * (1 + r) + r;
-        let delta = n_kv + kv * (1 + r);
-        let dq = n_kv + kv * (1 + 2 * r);
-        let dkdv = n_q + q.div_ceil(wg) + q * (1 + 2 * r);
+        let (r, rv) = if self.unrolled() { (0, 0) } else { (d, dv) };
+        let rm = r.max(rv);
+        let stage_kv = (kv * d).div_ceil(wg) + (kv * dv).div_ceil(wg);
+        let stage_q = (q * d).div_ceil(wg) + (q * dv).div_ceil(wg) + q.div_ceil(wg);
+        let forward = stage_kv + kv * (1 + r) + rv + kv * (1 + rv);
+        let delta = stage_kv + kv * (1 + rm);
+        let dq = stage_kv + kv * (1 + rm + r);
+        let dkdv = stage_q + q * (1 + 2 * rm);
         1 + forward.max(delta).max(dq).max(dkdv)
     }
 
@@ -142,9 +156,10 @@ impl WgslTiles {
             .max(1)
     }
 
-    fn dims(&self) -> (u64, u64, u64) {
+    fn dims(&self) -> (u64, u64, u64, u64) {
         (
             self.head_dim.into(),
+            self.value_dim.into(),
             self.block_q.into(),
             self.block_kv.into(),
         )
@@ -161,9 +176,9 @@ impl WgslTiles {
 
     /// Checks every derived size against the WebGPU default limits; both
     /// layouts must fit, since one configuration is chosen per (program,
-    /// head dim).
+    /// head dims).
     pub fn validate(&self) -> Result<(), TilingError> {
-        if self.head_dim == 0 {
+        if self.head_dim == 0 || self.value_dim == 0 {
             return Err(TilingError::HeadDim {
                 head_dim: 0,
                 rule: "positive",
@@ -219,7 +234,8 @@ impl Tiling for WgslTiles {
     }
 }
 
-/// Head dims up to which the head-dim loops are unrolled. Unrolled, the
+/// Head dims up to which the head-dim loops are unrolled (both `D` and
+/// `DV`). Unrolled, the
 /// kernels run about twice as fast on llvmpipe (private arrays addressed
 /// with constants); but its compile time grows faster than the code: at
 /// D = 128 the backward modules take ~25 s to compile on a 2-core machine,
@@ -243,10 +259,10 @@ pub fn module_source(
     s.push_str(kernels::COMMON);
     s.push('\n');
     s.push_str(variant_section);
-    let loops = if cfg.head_dim <= UNROLL_MAX_HEAD_DIM {
-        Loops::Unrolled(cfg.head_dim)
-    } else {
-        Loops::Rolled
+    let loops = Loops {
+        head_dim: cfg.head_dim,
+        value_dim: cfg.value_dim,
+        unrolled: cfg.unrolled(),
     };
     for template in module.templates {
         render(&mut s, template, loops);
