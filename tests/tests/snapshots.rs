@@ -75,7 +75,7 @@ fn check_snapshot(name: &str, actual: &str) {
 
 #[test]
 fn cuda_forward_f16_d64() {
-    let cfg = CudaTiles::for_problem(64, CudaDType::F16);
+    let cfg = CudaTiles::for_problem(64, 64, CudaDType::F16);
     let module = &cuda::kernels::FORWARD_MODULE;
     let source = cuda::source(section(Target::Cuda), &[module], &cfg).expect("default tiles");
     check_snapshot("causal_softcap.fwd.f16.d64.cu", &source);

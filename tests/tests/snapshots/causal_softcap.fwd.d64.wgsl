@@ -1,5 +1,6 @@
 // ---- tile configuration ----
-const D: u32 = 64u; // head dim
+const D: u32 = 64u; // query/key head dim
+const DV: u32 = 64u; // value head dim
 const BQ: u32 = 31u; // query rows staged per tile (dK/dV)
 const BKV: u32 = 32u; // key rows staged per tile (forward, D_i, dQ)
 const WG: u32 = 64u; // invocations (rows) per workgroup
@@ -48,9 +49,12 @@ fn is_last() -> bool {
     return (shape.flags & LAST) != 0u;
 }
 
-// Elements each invocation copies when the workgroup stages `rows` rows.
-const N_KV: u32 = (BKV * D + WG - 1u) / WG;
+// Elements each invocation copies when the workgroup stages a tile: BKV
+// K rows, BKV V rows, BQ Q rows, BQ dO rows.
+const N_K: u32 = (BKV * D + WG - 1u) / WG;
+const N_V: u32 = (BKV * DV + WG - 1u) / WG;
 const N_Q: u32 = (BQ * D + WG - 1u) / WG;
+const N_O: u32 = (BQ * DV + WG - 1u) / WG;
 
 fn gqa_group() -> u32 {
     return max(shape.heads_q / max(shape.heads_kv, 1u), 1u);
@@ -63,13 +67,14 @@ fn seq_keys(b: u32) -> u32 {
     return min(atomicLoad(&captures[shape.kv_lens + b]), shape.seq_k);
 }
 
-// The offset in k and v of key row r of (b, h_kv): contiguous [B, Hkv, Sk, D],
-// or with pages (page_size > 0) slot r % page_size of page
-// pages[b * max_pages + r / page_size] in [pages, Hkv, page_size, D].
+// The row of k and v (times D and DV: the element offsets) of key r of
+// (b, h_kv): contiguous [B, Hkv, Sk, ·], or with pages (page_size > 0) slot
+// r % page_size of page pages[b * max_pages + r / page_size] in
+// [pages, Hkv, page_size, ·].
 fn key_row(b: u32, h_kv: u32, r: u32) -> u32 {
-    if shape.page_size == 0u { return ((b * shape.heads_kv + h_kv) * shape.seq_k + r) * D; }
+    if shape.page_size == 0u { return (b * shape.heads_kv + h_kv) * shape.seq_k + r; }
     let page = atomicLoad(&captures[shape.kv_pages + b * shape.max_pages + r / shape.page_size]);
-    return ((page * shape.heads_kv + h_kv) * shape.page_size + r % shape.page_size) * D;
+    return (page * shape.heads_kv + h_kv) * shape.page_size + r % shape.page_size;
 }
 
 // ---- IR semantics helpers ----
@@ -245,460 +250,268 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     let qp = i32(row) + offset;
 
     var qr: array<f32, D>;
-    var acc: array<f32, D>;
+    var acc: array<f32, DV>;
     // The sink is one more logit with no value: the running max and sum of
     // split 0 start from it (-inf and 0 without one).
     var m = variant_sink(ib, ih, qp, live);
     if split != 0u { m = -bx_inf(); }
     var l = select(1.0f, 0.0f, bx_is_neg_inf(m));
     { { const d = 0u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 1u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 2u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 3u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 4u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 5u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 6u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 7u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 8u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 9u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 10u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 11u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 12u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 13u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 14u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 15u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 16u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 17u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 18u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 19u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 20u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 21u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 22u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 23u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 24u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 25u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 26u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 27u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 28u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 29u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 30u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 31u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 32u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 33u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 34u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 35u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 36u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 37u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 38u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 39u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 40u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 41u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 42u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 43u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 44u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 45u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 46u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 47u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 48u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 49u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 50u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 51u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 52u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 53u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 54u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 55u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 56u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 57u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 58u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 59u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 60u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 61u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 62u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } { const d = 63u; var x = 0.0f;
-        var a = 0.0f;
-        if live {
-            x = q[flat * D + d];
-            if !is_first() { a = out[at * D + d]; }
-        }
-        qr[d] = x;
+        if live { x = q[flat * D + d]; }
+        qr[d] = x; var a = 0.0f;
+        if live && !is_first() { a = out[at * DV + d]; }
         acc[d] = a; } }
     if live && !is_first() {
         let ml = stats[at];
@@ -750,7 +563,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
             for (var j = 0u; j < BKV; j++) {
                 let p = exp(s_row[j] - m_ref);
                 l += p;
-                { { const d = 0u; acc[d] += p * v_tile[j * D + d]; } { const d = 1u; acc[d] += p * v_tile[j * D + d]; } { const d = 2u; acc[d] += p * v_tile[j * D + d]; } { const d = 3u; acc[d] += p * v_tile[j * D + d]; } { const d = 4u; acc[d] += p * v_tile[j * D + d]; } { const d = 5u; acc[d] += p * v_tile[j * D + d]; } { const d = 6u; acc[d] += p * v_tile[j * D + d]; } { const d = 7u; acc[d] += p * v_tile[j * D + d]; } { const d = 8u; acc[d] += p * v_tile[j * D + d]; } { const d = 9u; acc[d] += p * v_tile[j * D + d]; } { const d = 10u; acc[d] += p * v_tile[j * D + d]; } { const d = 11u; acc[d] += p * v_tile[j * D + d]; } { const d = 12u; acc[d] += p * v_tile[j * D + d]; } { const d = 13u; acc[d] += p * v_tile[j * D + d]; } { const d = 14u; acc[d] += p * v_tile[j * D + d]; } { const d = 15u; acc[d] += p * v_tile[j * D + d]; } { const d = 16u; acc[d] += p * v_tile[j * D + d]; } { const d = 17u; acc[d] += p * v_tile[j * D + d]; } { const d = 18u; acc[d] += p * v_tile[j * D + d]; } { const d = 19u; acc[d] += p * v_tile[j * D + d]; } { const d = 20u; acc[d] += p * v_tile[j * D + d]; } { const d = 21u; acc[d] += p * v_tile[j * D + d]; } { const d = 22u; acc[d] += p * v_tile[j * D + d]; } { const d = 23u; acc[d] += p * v_tile[j * D + d]; } { const d = 24u; acc[d] += p * v_tile[j * D + d]; } { const d = 25u; acc[d] += p * v_tile[j * D + d]; } { const d = 26u; acc[d] += p * v_tile[j * D + d]; } { const d = 27u; acc[d] += p * v_tile[j * D + d]; } { const d = 28u; acc[d] += p * v_tile[j * D + d]; } { const d = 29u; acc[d] += p * v_tile[j * D + d]; } { const d = 30u; acc[d] += p * v_tile[j * D + d]; } { const d = 31u; acc[d] += p * v_tile[j * D + d]; } { const d = 32u; acc[d] += p * v_tile[j * D + d]; } { const d = 33u; acc[d] += p * v_tile[j * D + d]; } { const d = 34u; acc[d] += p * v_tile[j * D + d]; } { const d = 35u; acc[d] += p * v_tile[j * D + d]; } { const d = 36u; acc[d] += p * v_tile[j * D + d]; } { const d = 37u; acc[d] += p * v_tile[j * D + d]; } { const d = 38u; acc[d] += p * v_tile[j * D + d]; } { const d = 39u; acc[d] += p * v_tile[j * D + d]; } { const d = 40u; acc[d] += p * v_tile[j * D + d]; } { const d = 41u; acc[d] += p * v_tile[j * D + d]; } { const d = 42u; acc[d] += p * v_tile[j * D + d]; } { const d = 43u; acc[d] += p * v_tile[j * D + d]; } { const d = 44u; acc[d] += p * v_tile[j * D + d]; } { const d = 45u; acc[d] += p * v_tile[j * D + d]; } { const d = 46u; acc[d] += p * v_tile[j * D + d]; } { const d = 47u; acc[d] += p * v_tile[j * D + d]; } { const d = 48u; acc[d] += p * v_tile[j * D + d]; } { const d = 49u; acc[d] += p * v_tile[j * D + d]; } { const d = 50u; acc[d] += p * v_tile[j * D + d]; } { const d = 51u; acc[d] += p * v_tile[j * D + d]; } { const d = 52u; acc[d] += p * v_tile[j * D + d]; } { const d = 53u; acc[d] += p * v_tile[j * D + d]; } { const d = 54u; acc[d] += p * v_tile[j * D + d]; } { const d = 55u; acc[d] += p * v_tile[j * D + d]; } { const d = 56u; acc[d] += p * v_tile[j * D + d]; } { const d = 57u; acc[d] += p * v_tile[j * D + d]; } { const d = 58u; acc[d] += p * v_tile[j * D + d]; } { const d = 59u; acc[d] += p * v_tile[j * D + d]; } { const d = 60u; acc[d] += p * v_tile[j * D + d]; } { const d = 61u; acc[d] += p * v_tile[j * D + d]; } { const d = 62u; acc[d] += p * v_tile[j * D + d]; } { const d = 63u; acc[d] += p * v_tile[j * D + d]; } }
+                { { const d = 0u; acc[d] += p * v_tile[j * DV + d]; } { const d = 1u; acc[d] += p * v_tile[j * DV + d]; } { const d = 2u; acc[d] += p * v_tile[j * DV + d]; } { const d = 3u; acc[d] += p * v_tile[j * DV + d]; } { const d = 4u; acc[d] += p * v_tile[j * DV + d]; } { const d = 5u; acc[d] += p * v_tile[j * DV + d]; } { const d = 6u; acc[d] += p * v_tile[j * DV + d]; } { const d = 7u; acc[d] += p * v_tile[j * DV + d]; } { const d = 8u; acc[d] += p * v_tile[j * DV + d]; } { const d = 9u; acc[d] += p * v_tile[j * DV + d]; } { const d = 10u; acc[d] += p * v_tile[j * DV + d]; } { const d = 11u; acc[d] += p * v_tile[j * DV + d]; } { const d = 12u; acc[d] += p * v_tile[j * DV + d]; } { const d = 13u; acc[d] += p * v_tile[j * DV + d]; } { const d = 14u; acc[d] += p * v_tile[j * DV + d]; } { const d = 15u; acc[d] += p * v_tile[j * DV + d]; } { const d = 16u; acc[d] += p * v_tile[j * DV + d]; } { const d = 17u; acc[d] += p * v_tile[j * DV + d]; } { const d = 18u; acc[d] += p * v_tile[j * DV + d]; } { const d = 19u; acc[d] += p * v_tile[j * DV + d]; } { const d = 20u; acc[d] += p * v_tile[j * DV + d]; } { const d = 21u; acc[d] += p * v_tile[j * DV + d]; } { const d = 22u; acc[d] += p * v_tile[j * DV + d]; } { const d = 23u; acc[d] += p * v_tile[j * DV + d]; } { const d = 24u; acc[d] += p * v_tile[j * DV + d]; } { const d = 25u; acc[d] += p * v_tile[j * DV + d]; } { const d = 26u; acc[d] += p * v_tile[j * DV + d]; } { const d = 27u; acc[d] += p * v_tile[j * DV + d]; } { const d = 28u; acc[d] += p * v_tile[j * DV + d]; } { const d = 29u; acc[d] += p * v_tile[j * DV + d]; } { const d = 30u; acc[d] += p * v_tile[j * DV + d]; } { const d = 31u; acc[d] += p * v_tile[j * DV + d]; } { const d = 32u; acc[d] += p * v_tile[j * DV + d]; } { const d = 33u; acc[d] += p * v_tile[j * DV + d]; } { const d = 34u; acc[d] += p * v_tile[j * DV + d]; } { const d = 35u; acc[d] += p * v_tile[j * DV + d]; } { const d = 36u; acc[d] += p * v_tile[j * DV + d]; } { const d = 37u; acc[d] += p * v_tile[j * DV + d]; } { const d = 38u; acc[d] += p * v_tile[j * DV + d]; } { const d = 39u; acc[d] += p * v_tile[j * DV + d]; } { const d = 40u; acc[d] += p * v_tile[j * DV + d]; } { const d = 41u; acc[d] += p * v_tile[j * DV + d]; } { const d = 42u; acc[d] += p * v_tile[j * DV + d]; } { const d = 43u; acc[d] += p * v_tile[j * DV + d]; } { const d = 44u; acc[d] += p * v_tile[j * DV + d]; } { const d = 45u; acc[d] += p * v_tile[j * DV + d]; } { const d = 46u; acc[d] += p * v_tile[j * DV + d]; } { const d = 47u; acc[d] += p * v_tile[j * DV + d]; } { const d = 48u; acc[d] += p * v_tile[j * DV + d]; } { const d = 49u; acc[d] += p * v_tile[j * DV + d]; } { const d = 50u; acc[d] += p * v_tile[j * DV + d]; } { const d = 51u; acc[d] += p * v_tile[j * DV + d]; } { const d = 52u; acc[d] += p * v_tile[j * DV + d]; } { const d = 53u; acc[d] += p * v_tile[j * DV + d]; } { const d = 54u; acc[d] += p * v_tile[j * DV + d]; } { const d = 55u; acc[d] += p * v_tile[j * DV + d]; } { const d = 56u; acc[d] += p * v_tile[j * DV + d]; } { const d = 57u; acc[d] += p * v_tile[j * DV + d]; } { const d = 58u; acc[d] += p * v_tile[j * DV + d]; } { const d = 59u; acc[d] += p * v_tile[j * DV + d]; } { const d = 60u; acc[d] += p * v_tile[j * DV + d]; } { const d = 61u; acc[d] += p * v_tile[j * DV + d]; } { const d = 62u; acc[d] += p * v_tile[j * DV + d]; } { const d = 63u; acc[d] += p * v_tile[j * DV + d]; } }
             }
         } else {
             // A key this row does not see has p = 0 and stays out of its
@@ -758,21 +571,21 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
             for (var j = 0u; j < BKV; j++) {
                 let p = exp(s_row[j] - m_ref);
                 l += p;
-                { { const d = 0u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 1u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 2u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 3u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 4u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 5u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 6u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 7u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 8u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 9u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 10u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 11u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 12u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 13u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 14u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 15u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 16u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 17u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 18u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 19u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 20u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 21u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 22u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 23u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 24u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 25u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 26u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 27u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 28u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 29u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 30u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 31u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 32u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 33u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 34u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 35u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 36u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 37u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 38u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 39u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 40u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 41u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 42u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 43u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 44u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 45u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 46u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 47u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 48u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 49u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 50u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 51u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 52u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 53u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 54u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 55u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 56u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 57u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 58u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 59u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 60u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 61u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 62u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } { const d = 63u; acc[d] += select(0.0f, p * v_tile[j * D + d], p != 0.0f); } }
+                { { const d = 0u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 1u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 2u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 3u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 4u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 5u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 6u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 7u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 8u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 9u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 10u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 11u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 12u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 13u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 14u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 15u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 16u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 17u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 18u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 19u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 20u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 21u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 22u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 23u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 24u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 25u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 26u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 27u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 28u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 29u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 30u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 31u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 32u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 33u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 34u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 35u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 36u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 37u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 38u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 39u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 40u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 41u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 42u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 43u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 44u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 45u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 46u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 47u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 48u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 49u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 50u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 51u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 52u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 53u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 54u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 55u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 56u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 57u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 58u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 59u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 60u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 61u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 62u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 63u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } }
             }
         }
         m = m_new;
     }
     if !live { return; }
     if !is_last() {
-        { { const d = 0u; out[at * D + d] = acc[d]; } { const d = 1u; out[at * D + d] = acc[d]; } { const d = 2u; out[at * D + d] = acc[d]; } { const d = 3u; out[at * D + d] = acc[d]; } { const d = 4u; out[at * D + d] = acc[d]; } { const d = 5u; out[at * D + d] = acc[d]; } { const d = 6u; out[at * D + d] = acc[d]; } { const d = 7u; out[at * D + d] = acc[d]; } { const d = 8u; out[at * D + d] = acc[d]; } { const d = 9u; out[at * D + d] = acc[d]; } { const d = 10u; out[at * D + d] = acc[d]; } { const d = 11u; out[at * D + d] = acc[d]; } { const d = 12u; out[at * D + d] = acc[d]; } { const d = 13u; out[at * D + d] = acc[d]; } { const d = 14u; out[at * D + d] = acc[d]; } { const d = 15u; out[at * D + d] = acc[d]; } { const d = 16u; out[at * D + d] = acc[d]; } { const d = 17u; out[at * D + d] = acc[d]; } { const d = 18u; out[at * D + d] = acc[d]; } { const d = 19u; out[at * D + d] = acc[d]; } { const d = 20u; out[at * D + d] = acc[d]; } { const d = 21u; out[at * D + d] = acc[d]; } { const d = 22u; out[at * D + d] = acc[d]; } { const d = 23u; out[at * D + d] = acc[d]; } { const d = 24u; out[at * D + d] = acc[d]; } { const d = 25u; out[at * D + d] = acc[d]; } { const d = 26u; out[at * D + d] = acc[d]; } { const d = 27u; out[at * D + d] = acc[d]; } { const d = 28u; out[at * D + d] = acc[d]; } { const d = 29u; out[at * D + d] = acc[d]; } { const d = 30u; out[at * D + d] = acc[d]; } { const d = 31u; out[at * D + d] = acc[d]; } { const d = 32u; out[at * D + d] = acc[d]; } { const d = 33u; out[at * D + d] = acc[d]; } { const d = 34u; out[at * D + d] = acc[d]; } { const d = 35u; out[at * D + d] = acc[d]; } { const d = 36u; out[at * D + d] = acc[d]; } { const d = 37u; out[at * D + d] = acc[d]; } { const d = 38u; out[at * D + d] = acc[d]; } { const d = 39u; out[at * D + d] = acc[d]; } { const d = 40u; out[at * D + d] = acc[d]; } { const d = 41u; out[at * D + d] = acc[d]; } { const d = 42u; out[at * D + d] = acc[d]; } { const d = 43u; out[at * D + d] = acc[d]; } { const d = 44u; out[at * D + d] = acc[d]; } { const d = 45u; out[at * D + d] = acc[d]; } { const d = 46u; out[at * D + d] = acc[d]; } { const d = 47u; out[at * D + d] = acc[d]; } { const d = 48u; out[at * D + d] = acc[d]; } { const d = 49u; out[at * D + d] = acc[d]; } { const d = 50u; out[at * D + d] = acc[d]; } { const d = 51u; out[at * D + d] = acc[d]; } { const d = 52u; out[at * D + d] = acc[d]; } { const d = 53u; out[at * D + d] = acc[d]; } { const d = 54u; out[at * D + d] = acc[d]; } { const d = 55u; out[at * D + d] = acc[d]; } { const d = 56u; out[at * D + d] = acc[d]; } { const d = 57u; out[at * D + d] = acc[d]; } { const d = 58u; out[at * D + d] = acc[d]; } { const d = 59u; out[at * D + d] = acc[d]; } { const d = 60u; out[at * D + d] = acc[d]; } { const d = 61u; out[at * D + d] = acc[d]; } { const d = 62u; out[at * D + d] = acc[d]; } { const d = 63u; out[at * D + d] = acc[d]; } }
+        { { const d = 0u; out[at * DV + d] = acc[d]; } { const d = 1u; out[at * DV + d] = acc[d]; } { const d = 2u; out[at * DV + d] = acc[d]; } { const d = 3u; out[at * DV + d] = acc[d]; } { const d = 4u; out[at * DV + d] = acc[d]; } { const d = 5u; out[at * DV + d] = acc[d]; } { const d = 6u; out[at * DV + d] = acc[d]; } { const d = 7u; out[at * DV + d] = acc[d]; } { const d = 8u; out[at * DV + d] = acc[d]; } { const d = 9u; out[at * DV + d] = acc[d]; } { const d = 10u; out[at * DV + d] = acc[d]; } { const d = 11u; out[at * DV + d] = acc[d]; } { const d = 12u; out[at * DV + d] = acc[d]; } { const d = 13u; out[at * DV + d] = acc[d]; } { const d = 14u; out[at * DV + d] = acc[d]; } { const d = 15u; out[at * DV + d] = acc[d]; } { const d = 16u; out[at * DV + d] = acc[d]; } { const d = 17u; out[at * DV + d] = acc[d]; } { const d = 18u; out[at * DV + d] = acc[d]; } { const d = 19u; out[at * DV + d] = acc[d]; } { const d = 20u; out[at * DV + d] = acc[d]; } { const d = 21u; out[at * DV + d] = acc[d]; } { const d = 22u; out[at * DV + d] = acc[d]; } { const d = 23u; out[at * DV + d] = acc[d]; } { const d = 24u; out[at * DV + d] = acc[d]; } { const d = 25u; out[at * DV + d] = acc[d]; } { const d = 26u; out[at * DV + d] = acc[d]; } { const d = 27u; out[at * DV + d] = acc[d]; } { const d = 28u; out[at * DV + d] = acc[d]; } { const d = 29u; out[at * DV + d] = acc[d]; } { const d = 30u; out[at * DV + d] = acc[d]; } { const d = 31u; out[at * DV + d] = acc[d]; } { const d = 32u; out[at * DV + d] = acc[d]; } { const d = 33u; out[at * DV + d] = acc[d]; } { const d = 34u; out[at * DV + d] = acc[d]; } { const d = 35u; out[at * DV + d] = acc[d]; } { const d = 36u; out[at * DV + d] = acc[d]; } { const d = 37u; out[at * DV + d] = acc[d]; } { const d = 38u; out[at * DV + d] = acc[d]; } { const d = 39u; out[at * DV + d] = acc[d]; } { const d = 40u; out[at * DV + d] = acc[d]; } { const d = 41u; out[at * DV + d] = acc[d]; } { const d = 42u; out[at * DV + d] = acc[d]; } { const d = 43u; out[at * DV + d] = acc[d]; } { const d = 44u; out[at * DV + d] = acc[d]; } { const d = 45u; out[at * DV + d] = acc[d]; } { const d = 46u; out[at * DV + d] = acc[d]; } { const d = 47u; out[at * DV + d] = acc[d]; } { const d = 48u; out[at * DV + d] = acc[d]; } { const d = 49u; out[at * DV + d] = acc[d]; } { const d = 50u; out[at * DV + d] = acc[d]; } { const d = 51u; out[at * DV + d] = acc[d]; } { const d = 52u; out[at * DV + d] = acc[d]; } { const d = 53u; out[at * DV + d] = acc[d]; } { const d = 54u; out[at * DV + d] = acc[d]; } { const d = 55u; out[at * DV + d] = acc[d]; } { const d = 56u; out[at * DV + d] = acc[d]; } { const d = 57u; out[at * DV + d] = acc[d]; } { const d = 58u; out[at * DV + d] = acc[d]; } { const d = 59u; out[at * DV + d] = acc[d]; } { const d = 60u; out[at * DV + d] = acc[d]; } { const d = 61u; out[at * DV + d] = acc[d]; } { const d = 62u; out[at * DV + d] = acc[d]; } { const d = 63u; out[at * DV + d] = acc[d]; } }
         stats[at] = vec2<f32>(m, l);
         return;
     }
     // A row with no visible key (in this split): out 0, lse -inf.
     var inv = 0.0f;
     if l > 0.0f { inv = 1.0f / l; }
-    { { const d = 0u; out[at * D + d] = acc[d] * inv; } { const d = 1u; out[at * D + d] = acc[d] * inv; } { const d = 2u; out[at * D + d] = acc[d] * inv; } { const d = 3u; out[at * D + d] = acc[d] * inv; } { const d = 4u; out[at * D + d] = acc[d] * inv; } { const d = 5u; out[at * D + d] = acc[d] * inv; } { const d = 6u; out[at * D + d] = acc[d] * inv; } { const d = 7u; out[at * D + d] = acc[d] * inv; } { const d = 8u; out[at * D + d] = acc[d] * inv; } { const d = 9u; out[at * D + d] = acc[d] * inv; } { const d = 10u; out[at * D + d] = acc[d] * inv; } { const d = 11u; out[at * D + d] = acc[d] * inv; } { const d = 12u; out[at * D + d] = acc[d] * inv; } { const d = 13u; out[at * D + d] = acc[d] * inv; } { const d = 14u; out[at * D + d] = acc[d] * inv; } { const d = 15u; out[at * D + d] = acc[d] * inv; } { const d = 16u; out[at * D + d] = acc[d] * inv; } { const d = 17u; out[at * D + d] = acc[d] * inv; } { const d = 18u; out[at * D + d] = acc[d] * inv; } { const d = 19u; out[at * D + d] = acc[d] * inv; } { const d = 20u; out[at * D + d] = acc[d] * inv; } { const d = 21u; out[at * D + d] = acc[d] * inv; } { const d = 22u; out[at * D + d] = acc[d] * inv; } { const d = 23u; out[at * D + d] = acc[d] * inv; } { const d = 24u; out[at * D + d] = acc[d] * inv; } { const d = 25u; out[at * D + d] = acc[d] * inv; } { const d = 26u; out[at * D + d] = acc[d] * inv; } { const d = 27u; out[at * D + d] = acc[d] * inv; } { const d = 28u; out[at * D + d] = acc[d] * inv; } { const d = 29u; out[at * D + d] = acc[d] * inv; } { const d = 30u; out[at * D + d] = acc[d] * inv; } { const d = 31u; out[at * D + d] = acc[d] * inv; } { const d = 32u; out[at * D + d] = acc[d] * inv; } { const d = 33u; out[at * D + d] = acc[d] * inv; } { const d = 34u; out[at * D + d] = acc[d] * inv; } { const d = 35u; out[at * D + d] = acc[d] * inv; } { const d = 36u; out[at * D + d] = acc[d] * inv; } { const d = 37u; out[at * D + d] = acc[d] * inv; } { const d = 38u; out[at * D + d] = acc[d] * inv; } { const d = 39u; out[at * D + d] = acc[d] * inv; } { const d = 40u; out[at * D + d] = acc[d] * inv; } { const d = 41u; out[at * D + d] = acc[d] * inv; } { const d = 42u; out[at * D + d] = acc[d] * inv; } { const d = 43u; out[at * D + d] = acc[d] * inv; } { const d = 44u; out[at * D + d] = acc[d] * inv; } { const d = 45u; out[at * D + d] = acc[d] * inv; } { const d = 46u; out[at * D + d] = acc[d] * inv; } { const d = 47u; out[at * D + d] = acc[d] * inv; } { const d = 48u; out[at * D + d] = acc[d] * inv; } { const d = 49u; out[at * D + d] = acc[d] * inv; } { const d = 50u; out[at * D + d] = acc[d] * inv; } { const d = 51u; out[at * D + d] = acc[d] * inv; } { const d = 52u; out[at * D + d] = acc[d] * inv; } { const d = 53u; out[at * D + d] = acc[d] * inv; } { const d = 54u; out[at * D + d] = acc[d] * inv; } { const d = 55u; out[at * D + d] = acc[d] * inv; } { const d = 56u; out[at * D + d] = acc[d] * inv; } { const d = 57u; out[at * D + d] = acc[d] * inv; } { const d = 58u; out[at * D + d] = acc[d] * inv; } { const d = 59u; out[at * D + d] = acc[d] * inv; } { const d = 60u; out[at * D + d] = acc[d] * inv; } { const d = 61u; out[at * D + d] = acc[d] * inv; } { const d = 62u; out[at * D + d] = acc[d] * inv; } { const d = 63u; out[at * D + d] = acc[d] * inv; } }
+    { { const d = 0u; out[at * DV + d] = acc[d] * inv; } { const d = 1u; out[at * DV + d] = acc[d] * inv; } { const d = 2u; out[at * DV + d] = acc[d] * inv; } { const d = 3u; out[at * DV + d] = acc[d] * inv; } { const d = 4u; out[at * DV + d] = acc[d] * inv; } { const d = 5u; out[at * DV + d] = acc[d] * inv; } { const d = 6u; out[at * DV + d] = acc[d] * inv; } { const d = 7u; out[at * DV + d] = acc[d] * inv; } { const d = 8u; out[at * DV + d] = acc[d] * inv; } { const d = 9u; out[at * DV + d] = acc[d] * inv; } { const d = 10u; out[at * DV + d] = acc[d] * inv; } { const d = 11u; out[at * DV + d] = acc[d] * inv; } { const d = 12u; out[at * DV + d] = acc[d] * inv; } { const d = 13u; out[at * DV + d] = acc[d] * inv; } { const d = 14u; out[at * DV + d] = acc[d] * inv; } { const d = 15u; out[at * DV + d] = acc[d] * inv; } { const d = 16u; out[at * DV + d] = acc[d] * inv; } { const d = 17u; out[at * DV + d] = acc[d] * inv; } { const d = 18u; out[at * DV + d] = acc[d] * inv; } { const d = 19u; out[at * DV + d] = acc[d] * inv; } { const d = 20u; out[at * DV + d] = acc[d] * inv; } { const d = 21u; out[at * DV + d] = acc[d] * inv; } { const d = 22u; out[at * DV + d] = acc[d] * inv; } { const d = 23u; out[at * DV + d] = acc[d] * inv; } { const d = 24u; out[at * DV + d] = acc[d] * inv; } { const d = 25u; out[at * DV + d] = acc[d] * inv; } { const d = 26u; out[at * DV + d] = acc[d] * inv; } { const d = 27u; out[at * DV + d] = acc[d] * inv; } { const d = 28u; out[at * DV + d] = acc[d] * inv; } { const d = 29u; out[at * DV + d] = acc[d] * inv; } { const d = 30u; out[at * DV + d] = acc[d] * inv; } { const d = 31u; out[at * DV + d] = acc[d] * inv; } { const d = 32u; out[at * DV + d] = acc[d] * inv; } { const d = 33u; out[at * DV + d] = acc[d] * inv; } { const d = 34u; out[at * DV + d] = acc[d] * inv; } { const d = 35u; out[at * DV + d] = acc[d] * inv; } { const d = 36u; out[at * DV + d] = acc[d] * inv; } { const d = 37u; out[at * DV + d] = acc[d] * inv; } { const d = 38u; out[at * DV + d] = acc[d] * inv; } { const d = 39u; out[at * DV + d] = acc[d] * inv; } { const d = 40u; out[at * DV + d] = acc[d] * inv; } { const d = 41u; out[at * DV + d] = acc[d] * inv; } { const d = 42u; out[at * DV + d] = acc[d] * inv; } { const d = 43u; out[at * DV + d] = acc[d] * inv; } { const d = 44u; out[at * DV + d] = acc[d] * inv; } { const d = 45u; out[at * DV + d] = acc[d] * inv; } { const d = 46u; out[at * DV + d] = acc[d] * inv; } { const d = 47u; out[at * DV + d] = acc[d] * inv; } { const d = 48u; out[at * DV + d] = acc[d] * inv; } { const d = 49u; out[at * DV + d] = acc[d] * inv; } { const d = 50u; out[at * DV + d] = acc[d] * inv; } { const d = 51u; out[at * DV + d] = acc[d] * inv; } { const d = 52u; out[at * DV + d] = acc[d] * inv; } { const d = 53u; out[at * DV + d] = acc[d] * inv; } { const d = 54u; out[at * DV + d] = acc[d] * inv; } { const d = 55u; out[at * DV + d] = acc[d] * inv; } { const d = 56u; out[at * DV + d] = acc[d] * inv; } { const d = 57u; out[at * DV + d] = acc[d] * inv; } { const d = 58u; out[at * DV + d] = acc[d] * inv; } { const d = 59u; out[at * DV + d] = acc[d] * inv; } { const d = 60u; out[at * DV + d] = acc[d] * inv; } { const d = 61u; out[at * DV + d] = acc[d] * inv; } { const d = 62u; out[at * DV + d] = acc[d] * inv; } { const d = 63u; out[at * DV + d] = acc[d] * inv; } }
     var x = -bx_inf();
     if l > 0.0f { x = m + log(l); }
     lse[at] = x;
@@ -781,21 +594,24 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
 // K and V rows k0 .. k0 + BKV of kv head h_kv of sequence b (zeros from its
 // sk keys on: a cache's spare slots are never read).
 var<workgroup> k_tile: array<f32, BKV * D>;
-var<workgroup> v_tile: array<f32, BKV * D>;
+var<workgroup> v_tile: array<f32, BKV * DV>;
 
 fn stage_kv(lid: u32, b: u32, h_kv: u32, k0: u32, sk: u32) {
-    for (var t = 0u; t < N_KV; t++) {
+    for (var t = 0u; t < N_K; t++) {
         let e = lid + t * WG;
         if e < BKV * D {
             let r = k0 + e / D;
             var x = 0.0f;
-            var y = 0.0f;
-            if r < sk {
-                let at = key_row(b, h_kv, r) + e % D;
-                x = k[at];
-                y = v[at];
-            }
+            if r < sk { x = k[key_row(b, h_kv, r) * D + e % D]; }
             k_tile[e] = x;
+        }
+    }
+    for (var t = 0u; t < N_V; t++) {
+        let e = lid + t * WG;
+        if e < BKV * DV {
+            let r = k0 + e / DV;
+            var y = 0.0f;
+            if r < sk { y = v[key_row(b, h_kv, r) * DV + e % DV]; }
             v_tile[e] = y;
         }
     }
