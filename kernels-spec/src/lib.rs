@@ -164,5 +164,63 @@ pub fn explain(program: &ir::Program) -> String {
     ] {
         out.push_str(&format!("wgsl {module}\n"));
     }
+    out.push_str(&tiles(program));
+    out
+}
+
+/// The query/key and value head dims `explain` shows the tiles of: equal
+/// dims, and the pairs of DeepSeek's MLA (prefill 192/128, absorbed decode
+/// 576/512) and of halved values.
+pub const EXPLAINED_HEAD_DIMS: [(u32, u32); 6] = [
+    (64, 64),
+    (128, 128),
+    (192, 128),
+    (576, 512),
+    (128, 64),
+    (64, 32),
+];
+
+/// The tiles each GPU target runs `program` with at the head dims of
+/// [`EXPLAINED_HEAD_DIMS`]: its defaults with the variant's `tile(..)`
+/// override where that validates, or why a pair has none.
+fn tiles(program: &ir::Program) -> String {
+    use emit::choose_tiles;
+    use emit::cuda::{CudaDType, CudaTiles};
+    use emit::wgsl::WgslTiles;
+    let (q, kv) = program.tile;
+    let mut out = String::from("== tiles (D/Dv: the defaults, with the variant's override) ==\n");
+    for (d, dv) in EXPLAINED_HEAD_DIMS {
+        match choose_tiles(WgslTiles::for_head_dims(d, dv), q, kv) {
+            Ok(t) => out.push_str(&format!(
+                "wgsl {d}/{dv}: {} rows per workgroup; {} keys staged (forward, dQ), {} query rows (dK/dV); {} B of workgroup memory\n",
+                t.workgroup_size,
+                t.block_kv,
+                t.block_q,
+                t.workgroup_bytes()
+            )),
+            Err(e) => out.push_str(&format!("wgsl {d}/{dv}: none: {e}\n")),
+        }
+        for dtype in [CudaDType::F32, CudaDType::Bf16] {
+            let name = if dtype == CudaDType::F32 {
+                "f32"
+            } else {
+                "f16/bf16"
+            };
+            match choose_tiles(CudaTiles::for_problem(d, dv, dtype), q, kv) {
+                Ok(t) => out.push_str(&format!(
+                    "cuda {name} {d}/{dv}: forward {}×{} over {} warps ({} B shared); backward {}×{} over {} warps ({} B shared)\n",
+                    t.block_q,
+                    t.block_kv,
+                    t.warps,
+                    t.forward_smem_bytes(),
+                    t.bwd_block_q,
+                    t.bwd_block_kv,
+                    t.bwd_warps,
+                    t.dq_smem_bytes()
+                )),
+                Err(e) => out.push_str(&format!("cuda {name} {d}/{dv}: none: {e}\n")),
+            }
+        }
+    }
     out
 }

@@ -200,3 +200,37 @@ fn every_module_stays_within_the_default_storage_buffer_limit() {
         .all(|m| m.bindings.contains(&Binding::Captures))
     );
 }
+
+/// `explain` ends with the tiles of both GPU targets at both head dims of
+/// each standard pair, the variant's override applied where it validates
+/// (16 keys: WGSL takes it where 16 rows of K and V fit, and CUDA's
+/// f16/bf16 tiles take it, a multiple of 16).
+#[test]
+fn explain_prints_the_tiles_at_both_head_dims() {
+    let p = program("#[attention(mask = |b, h, q, kv| kv <= q, tile(kv = 16))] struct T;");
+    let text = kernels_spec::explain(&p);
+    let tiles = &text[text.find("== tiles").expect("a tiles section")..];
+    for (d, dv) in kernels_spec::EXPLAINED_HEAD_DIMS {
+        for target in ["wgsl", "cuda f32", "cuda f16/bf16"] {
+            assert!(
+                tiles.contains(&format!("{target} {d}/{dv}: ")),
+                "{target} {d}/{dv} missing:\n{tiles}"
+            );
+        }
+        let t = WgslTiles::for_head_dims(d, dv);
+        let staged = if 16 * 4 * (d + dv) <= 16384 {
+            16
+        } else {
+            t.block_kv
+        };
+        let want = format!(
+            "wgsl {d}/{dv}: 64 rows per workgroup; {staged} keys staged (forward, dQ), {} query rows",
+            t.block_q
+        );
+        assert!(tiles.contains(&want), "{want}:\n{tiles}");
+    }
+    assert!(
+        tiles.contains("cuda f16/bf16 576/512: forward 16×16 over"),
+        "{tiles}"
+    );
+}
