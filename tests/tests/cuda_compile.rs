@@ -8,7 +8,7 @@
 //!
 //! The default matrix keeps the test near a minute on two cores (one NVRTC
 //! compilation takes 0.3–1.3 s). The variant functions are the same code in
-//! every configuration, and the kernels differ per (dtype, head dim), so:
+//! every configuration, and the kernels differ per (dtype, head dims), so:
 //! every variant (the stock ones and the three test fixtures), forward and
 //! backward, at one (dtype, head dim) each, cycling so that every dtype meets
 //! every head dim across the variants; and the variant that uses every
@@ -70,7 +70,8 @@ const EXTRA_HEAD_DIMS: [u32; 3] = [80, 96, 256];
 struct Job {
     variant: usize,
     dtype: CudaDType,
-    head_dim: u32,
+    /// `(D, Dv)`.
+    dims: (u32, u32),
     backward: bool,
     /// `(NVRTC --gpu-architecture, ptxas -arch)` pairs.
     archs: Vec<(&'static str, &'static str)>,
@@ -88,12 +89,12 @@ struct KernelReport {
 
 fn jobs(n_variants: usize, everything: usize, full: bool) -> Vec<Job> {
     let mut jobs = Vec::new();
-    let mut push = |variant, dtype, head_dim, archs: &[(&'static str, &'static str)]| {
+    let mut push = |variant, dtype, dims, archs: &[(&'static str, &'static str)]| {
         for backward in [false, true] {
             jobs.push(Job {
                 variant,
                 dtype,
-                head_dim,
+                dims,
                 backward,
                 archs: archs.to_vec(),
             });
@@ -105,8 +106,8 @@ fn jobs(n_variants: usize, everything: usize, full: bool) -> Vec<Job> {
     for variant in 0..n_variants {
         if full {
             for dtype in DTYPES {
-                for head_dim in HEAD_DIMS {
-                    push(variant, dtype, head_dim, sm90);
+                for d in HEAD_DIMS {
+                    push(variant, dtype, (d, d), sm90);
                 }
             }
         } else if variant != everything {
@@ -114,19 +115,19 @@ fn jobs(n_variants: usize, everything: usize, full: bool) -> Vec<Job> {
             // head dim: one configuration each, cycling so that every dtype
             // meets every head dim across the variants.
             let dtype = DTYPES[variant % DTYPES.len()];
-            let head_dim = HEAD_DIMS[(variant / DTYPES.len()) % HEAD_DIMS.len()];
-            push(variant, dtype, head_dim, sm90);
+            let d = HEAD_DIMS[(variant / DTYPES.len()) % HEAD_DIMS.len()];
+            push(variant, dtype, (d, d), sm90);
         }
     }
     // Every kernel configuration, with the variant that uses every feature.
     for dtype in DTYPES {
         if !full {
-            for head_dim in HEAD_DIMS {
-                push(everything, dtype, head_dim, sm90);
+            for d in HEAD_DIMS {
+                push(everything, dtype, (d, d), sm90);
             }
         }
-        for head_dim in EXTRA_HEAD_DIMS {
-            push(everything, dtype, head_dim, both);
+        for d in EXTRA_HEAD_DIMS {
+            push(everything, dtype, (d, d), both);
         }
     }
     jobs
@@ -147,10 +148,23 @@ fn nvrtc_present() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
-/// The tile configuration the runtime picks.
-fn tiles(d: &Declared, head_dim: u32, dtype: CudaDType) -> CudaTiles {
-    choose_tiles(CudaTiles::for_problem(head_dim, dtype), d.tile.0, d.tile.1)
-        .expect("every head dim of the matrix has a tiling")
+/// The tile configuration the runtime picks for head dims `(D, Dv)`.
+fn tiles(d: &Declared, (head_dim, value_dim): (u32, u32), dtype: CudaDType) -> CudaTiles {
+    choose_tiles(
+        CudaTiles::for_problem(head_dim, value_dim, dtype),
+        d.tile.0,
+        d.tile.1,
+    )
+    .expect("every head dim of the matrix has a tiling")
+}
+
+/// `D`, or `D/Dv` where they differ.
+fn dims_name((d, dv): (u32, u32)) -> String {
+    if d == dv {
+        d.to_string()
+    } else {
+        format!("{d}/{dv}")
+    }
 }
 
 fn parse_ptxas(output: &str) -> Result<BTreeMap<String, KernelReport>, String> {
@@ -253,7 +267,8 @@ fn every_kernel_compiles_without_spills() {
     let jobs = jobs(specs.len(), everything_index(&specs), full);
     let next = AtomicUsize::new(0);
     let failures = Mutex::new(Vec::<String>::new());
-    let rows = Mutex::new(BTreeMap::<(String, &'static str, u32, String), Row>::new());
+    type RowKey = (String, &'static str, (u32, u32), String);
+    let rows = Mutex::new(BTreeMap::<RowKey, Row>::new());
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
     let started = std::time::Instant::now();
     std::thread::scope(|scope| {
@@ -263,7 +278,7 @@ fn every_kernel_compiles_without_spills() {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     let Some(job) = jobs.get(i) else { break };
                     let spec = &specs[job.variant];
-                    let cfg = tiles(spec, job.head_dim, job.dtype);
+                    let cfg = tiles(spec, job.dims, job.dtype);
                     let modules: &[&Module] = if job.backward {
                         &[&kernels::BACKWARD_MODULE, &kernels::TENSORS_MODULE]
                     } else {
@@ -280,7 +295,7 @@ fn every_kernel_compiles_without_spills() {
                             "{} {} D={} {} {nvrtc_arch}/{sm}",
                             spec.compiled.name,
                             job.dtype.name(),
-                            job.head_dim,
+                            dims_name(job.dims),
                             if job.backward { "backward" } else { "forward" }
                         );
                         if !ptx_cache.iter().any(|(a, _)| *a == nvrtc_arch) {
@@ -303,7 +318,7 @@ fn every_kernel_compiles_without_spills() {
                                     let key = (
                                         sm.to_string(),
                                         job.dtype.name(),
-                                        job.head_dim,
+                                        job.dims,
                                         entry.to_string(),
                                     );
                                     let row = rows.entry(key).or_default();
@@ -323,12 +338,12 @@ fn every_kernel_compiles_without_spills() {
     });
     let rows = rows.into_inner().unwrap();
     let mut table = format!(
-        "{} jobs in {:.1?} on {threads} threads\n{:<6} {:<5} {:>4} {:<22} {:>5} {:>7} {:>8} {:>6} {:>7} {:>9}\n",
+        "{} jobs in {:.1?} on {threads} threads\n{:<6} {:<5} {:>7} {:<22} {:>5} {:>7} {:>8} {:>6} {:>7} {:>9}\n",
         jobs.len(),
         started.elapsed(),
         "arch",
         "dtype",
-        "D",
+        "D/Dv",
         "kernel",
         "regs",
         "smem_st",
@@ -337,10 +352,16 @@ fn every_kernel_compiles_without_spills() {
         "spills",
         "variants"
     );
-    for ((sm, dtype, d, kernel), r) in &rows {
+    for ((sm, dtype, dims, kernel), r) in &rows {
         table.push_str(&format!(
-            "{sm:<6} {dtype:<5} {d:>4} {kernel:<22} {:>5} {:>7} {:>8} {:>6} {:>7} {:>9}\n",
-            r.registers, r.static_smem, r.dynamic_smem, r.stack, r.spills, r.variants
+            "{sm:<6} {dtype:<5} {:>7} {kernel:<22} {:>5} {:>7} {:>8} {:>6} {:>7} {:>9}\n",
+            dims_name(*dims),
+            r.registers,
+            r.static_smem,
+            r.dynamic_smem,
+            r.stack,
+            r.spills,
+            r.variants
         ));
     }
     eprintln!("{table}");
@@ -673,17 +694,19 @@ int main(int argc, char** argv) {
     const int Sq = std::atoi(argv[5]), Sk = std::atoi(argv[6]);
     const float scale = std::strtof(argv[7], nullptr);
     auto path = [&](const char* n) { return dir + "/" + n; };
-    const size_t nq = (size_t)B * Hq * Sq * D, nk = (size_t)B * Hkv * Sk * D, nr = (size_t)B * Hq * Sq;
+    // q, dq: D wide; out, dout: DV; k, dk: D; v, dv: DV.
+    const size_t nr = (size_t)B * Hq * Sq, nq = nr * D, no = nr * DV;
+    const size_t nk = (size_t)B * Hkv * Sk * D, nv = (size_t)B * Hkv * Sk * DV;
     auto q = to_elem(read_f32(path("q").c_str(), nq));
     auto k = to_elem(read_f32(path("k").c_str(), nk));
-    auto v = to_elem(read_f32(path("v").c_str(), nk));
-    auto dout = to_elem(read_f32(path("dout").c_str(), nq));
+    auto v = to_elem(read_f32(path("v").c_str(), nv));
+    auto dout = to_elem(read_f32(path("dout").c_str(), no));
     Params params;
     {
         auto words = read_f32(path("params").c_str(), 32);
         std::memcpy(&params, words.data(), sizeof params);
     }
-    std::vector<elem_t> out(nq), dq(nq), dk(nk), dv(nk);
+    std::vector<elem_t> out(no), dq(nq), dk(nk), dv(nv);
     for (auto* t : {&q, &k, &v, &dout, &out, &dq, &dk, &dv})
         if (off) t->insert(t->begin(), (elem_t)0);
     std::vector<float> lse(nr), delta(nr);
@@ -799,7 +822,7 @@ where
         "{} {} D={} B={} H={}/{} S={}/{}",
         <V as Variant>::NAME,
         dtype.name(),
-        problem.head_dim,
+        dims_name((problem.head_dim as u32, problem.head_dim_v as u32)),
         problem.batch,
         problem.heads_q,
         problem.heads_kv,
@@ -882,12 +905,12 @@ where
 {
     let mut case = host_case(variant.clone(), CudaDType::F32, problem);
     let p = problem;
-    let (d, cap) = (p.head_dim, p.seq_k);
+    let (d, dv, cap) = (p.head_dim, p.head_dim_v, p.seq_k);
     let mut rng = Rng::new(0xcac4e, lens.len() as u64);
     let q = rng.normal_f32(p.q_len(), 1.0);
     let mut k = rng.normal_f32(p.k_len(), 1.0);
     let mut v = rng.normal_f32(p.v_len(), 1.0);
-    for (row, (kr, vr)) in k.chunks_mut(d).zip(v.chunks_mut(d)).enumerate() {
+    for (row, (kr, vr)) in k.chunks_mut(d).zip(v.chunks_mut(dv)).enumerate() {
         if row % cap >= lens[row / (p.heads_kv * cap)] as usize {
             kr.fill(f32::NAN);
             vr.fill(f32::INFINITY);
@@ -895,7 +918,7 @@ where
     }
     let host_lens: Vec<usize> = lens.iter().map(|&l| l as usize).collect();
     let host = variant.host(&p).expect("the case's tensors fit");
-    let (mut out, mut lse) = (vec![0.0f32; p.q_len()], vec![0.0f32; p.lse_len()]);
+    let (mut out, mut lse) = (vec![0.0f32; p.out_len()], vec![0.0f32; p.lse_len()]);
     boostr_runtime::cpu::forward_cache_tiled(
         &host,
         &p,
@@ -922,10 +945,11 @@ where
                 let (b, lp) = (n / max_pages, n % max_pages);
                 *entry = place(n) as u32;
                 for h in 0..p.heads_kv {
-                    let from = ((b * p.heads_kv + h) * cap + lp * ps) * d;
-                    let to = (place(n) * p.heads_kv + h) * ps * d;
-                    kp[to..to + ps * d].copy_from_slice(&k[from..from + ps * d]);
-                    vp[to..to + ps * d].copy_from_slice(&v[from..from + ps * d]);
+                    // Slot s of the page: row (b, h, lp·ps + s) of the cache.
+                    let from = (b * p.heads_kv + h) * cap + lp * ps;
+                    let to = (place(n) * p.heads_kv + h) * ps;
+                    kp[to * d..(to + ps) * d].copy_from_slice(&k[from * d..(from + ps) * d]);
+                    vp[to * dv..(to + ps) * dv].copy_from_slice(&v[from * dv..(from + ps) * dv]);
                 }
             }
             case.arena.extend(table);
@@ -938,7 +962,7 @@ where
             (kv, kp, vp)
         }
     };
-    let dout = rng.normal_f32(p.q_len(), 1.0);
+    let dout = rng.normal_f32(p.out_len(), 1.0);
     // The backward over a contiguous cache (pages have none).
     let mut want = vec![out.clone(), lse.clone()];
     if page_size.is_none() {
@@ -1020,7 +1044,7 @@ fn launches(
     };
     let mut s = format!(
         "    const int splits = {splits};\n    \
-         std::vector<float> split_out((size_t)splits * nr * D), split_lse((size_t)splits * nr);\n"
+         std::vector<float> split_out((size_t)splits * nr * DV), split_lse((size_t)splits * nr);\n"
     );
     for job in jobs {
         let threads = kernels::SUMMARY_THREADS;
@@ -1079,7 +1103,8 @@ fn host_arg(kernel: &Kernel, a: Arg) -> String {
 fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, String> {
     let tag = &case.tag;
     let p = &case.problem;
-    let cfg = tiles(&case.declared, p.head_dim as u32, case.dtype);
+    let dims = (p.head_dim as u32, p.head_dim_v as u32);
+    let cfg = tiles(&case.declared, dims, case.dtype);
     let modules = [
         &kernels::FORWARD_MODULE,
         &kernels::BACKWARD_MODULE,
@@ -1110,14 +1135,13 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
             ("q", rng.normal_f32(p.q_len(), 1.0)),
             ("k", rng.normal_f32(p.k_len(), 1.0)),
             ("v", rng.normal_f32(p.v_len(), 1.0)),
-            ("dout", rng.normal_f32(p.q_len(), 1.0)),
+            ("dout", rng.normal_f32(p.out_len(), 1.0)),
         ],
     };
     // Keys no query sees get NaN and infinities in K and V: they must not
     // reach any result.
-    let d = p.head_dim;
     for (key, _) in case.hidden.iter().enumerate().filter(|(_, h)| **h) {
-        for (_, t) in &mut inputs[1..3] {
+        for ((_, t), d) in inputs[1..3].iter_mut().zip([p.head_dim, p.head_dim_v]) {
             for (x, bad) in t[key * d..(key + 1) * d]
                 .iter_mut()
                 .zip([f32::NAN, f32::INFINITY, f32::NEG_INFINITY].iter().cycle())

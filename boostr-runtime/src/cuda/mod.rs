@@ -1,6 +1,6 @@
 //! The CUDA kernels on numr's [`CudaRuntime`].
 //!
-//! Per (variant, device, head dim, dtype, module) the source is assembled
+//! Per (variant, device, head dims `D` and `Dv`, dtype, module) the source is assembled
 //! from the variant's CUDA lowering ([`Variant::compiled`]) and the modules
 //! of `kernels_spec::emit::cuda::kernels`, compiled with NVRTC for the
 //! device's compute capability on first use, loaded into numr's CUDA
@@ -56,8 +56,15 @@ struct Compiled {
     tiles: CudaTiles,
 }
 
-/// (variant, device, head dim, dtype, compute capability, module).
-type Key = (TypeId, usize, usize, CudaDType, (u32, u32), &'static str);
+/// (variant, device, head dims `(D, Dv)`, dtype, compute capability, module).
+type Key = (
+    TypeId,
+    usize,
+    (u32, u32),
+    CudaDType,
+    (u32, u32),
+    &'static str,
+);
 
 static CACHE: LazyLock<KernelCache<Key, Compiled>> = LazyLock::new(KernelCache::default);
 
@@ -105,7 +112,7 @@ fn compute_capability(device: usize) -> Result<(u32, u32)> {
     Ok(cc)
 }
 
-/// The compiled `module` of `V` for the problem's head dim and `dtype` on
+/// The compiled `module` of `V` for the problem's head dims and `dtype` on
 /// `client`'s device.
 fn compiled<V: Variant>(
     client: &CudaClient,
@@ -121,7 +128,14 @@ fn compiled<V: Variant>(
         backend: CUDA,
         supported: CUDA_DTYPES,
     })?;
-    let key = (TypeId::of::<V>(), device, p.head_dim, cuda, cc, module.name);
+    let key = (
+        TypeId::of::<V>(),
+        device,
+        gpu::head_dims(p),
+        cuda,
+        cc,
+        module.name,
+    );
     Ok(CACHE.get_or_build(key, || build::<V>(client, p, dtype, cuda, cc, module))?)
 }
 
@@ -134,15 +148,15 @@ fn build<V: Variant>(
     module: &'static Module,
 ) -> std::result::Result<Compiled, BackendError> {
     let section = gpu::lowering::<V>(TARGET)?;
-    let default = CudaTiles::for_problem(gpu::head_dims(p).0, cuda);
+    let (d, dv) = gpu::head_dims(p);
+    let default = CudaTiles::for_problem(d, dv, cuda);
     let cfg = gpu::tiles::<V, _>(TARGET, default, p, dtype)?;
     let tiling = |error| gpu::tiling(TARGET, p, dtype, error);
     let text = source(section, &[module], &cfg).map_err(tiling)?;
     let name = format!(
-        "boostr_{}_{}_d{}_{}.cu",
+        "boostr_{}_{}_d{d}_dv{dv}_{}.cu",
         V::NAME,
         module.name,
-        p.head_dim,
         cuda.name()
     );
     let compile_error = |log: String| BackendError::Compile {
@@ -538,21 +552,21 @@ fn forward_over<V: Variant>(
     q: &Tensor<CudaRuntime>,
     keys: Keys<'_, CudaRuntime>,
 ) -> Result<(Tensor<CudaRuntime>, Tensor<CudaRuntime>)> {
-    gpu::same_value_dim(p, CUDA)?;
     let (q, k, v) = (input("q", q)?, input("k", keys.k)?, input("v", keys.v)?);
     let dtype = same_dtype(&[("q", &q), ("k", &k), ("v", &v)])?;
     let client = CudaRuntime::default_client(q.device());
     let module = &kernels::FORWARD_MODULE;
     let tiles = compiled::<V>(&client, q.device().id(), p, dtype, module)?.tiles;
     let splits = forward_splits(&client, p, &tiles);
-    let out = alloc(q.shape(), dtype, &q)?;
-    let lse = alloc(&[p.batch, p.heads_q, p.seq_q], DType::F32, &q)?;
-    // The splits' rows (f32), or, unsplit, `lse` in their place (not read).
+    let out = alloc(&p.out_shape(), dtype, &q)?;
+    let lse = alloc(&p.lse_shape(), DType::F32, &q)?;
+    // The splits' rows of `Dv` values (f32), or, unsplit, `lse` in their
+    // place (not read).
     let (split_out, split_lse) = if splits > 1 {
         let rows = p.batch * p.heads_q * p.seq_q;
         let n = splits as usize;
         (
-            alloc(&[n, rows, p.head_dim], DType::F32, &q)?,
+            alloc(&[n, rows, p.head_dim_v], DType::F32, &q)?,
             alloc(&[n, rows], DType::F32, &q)?,
         )
     } else {
@@ -612,7 +626,6 @@ impl AttentionRuntime for CudaRuntime {
         p: &Problem,
         t: BackwardTensors<'_, Self>,
     ) -> Result<AttentionGrads<Self>> {
-        gpu::same_value_dim(p, CUDA)?;
         let x = gpu::BackwardOperands::new(&t, CUDA, input)?;
         let (q, k, v) = (&x.q, &x.k, &x.v);
         let out = input("out", t.out)?;
@@ -623,7 +636,7 @@ impl AttentionRuntime for CudaRuntime {
             ("out", &out),
             ("dout", &x.dout),
         ])?;
-        let delta = alloc(&[p.batch, p.heads_q, p.seq_q], DType::F32, q)?;
+        let delta = alloc(&p.lse_shape(), DType::F32, q)?;
         let dq = alloc(q.shape(), dtype, q)?;
         let dk = alloc(k.shape(), dtype, k)?;
         let dv = alloc(v.shape(), dtype, v)?;

@@ -3,9 +3,12 @@
 // ---- tile configuration ----
 #pragma nv_diag_suppress 177 // constants a translation unit does not use
 #define BX_MMA 1 // tensor cores (mma.sync) for the tile products
-constexpr int D = 64; // head dim
+constexpr int D = 64; // head dim of q, k, dq, dk
 constexpr int DP = 64; // head dim as stored (zero-padded)
-constexpr int LDE = 72; // row stride of q/k/v/dO tiles, elements
+constexpr int LDE = 72; // row stride of q/k tiles, elements
+constexpr int DV = 64; // head dim of v, out, dout, dv
+constexpr int DVP = 64; // value head dim as stored (zero-padded)
+constexpr int LDV = 72; // row stride of v/dO tiles, elements
 constexpr int BQ = 64; // forward: query rows per block
 constexpr int BKV = 64; // forward: keys per tile
 constexpr int FWD_THREADS = 128; // forward: threads per block
@@ -198,38 +201,52 @@ __device__ __forceinline__ int bx_group(int heads_q, int heads_kv) {
     return g > 0 ? g : 1;
 }
 
-// Rows [0, ROWS) of a [rows_valid, D] block at src into a [ROWS][LDE] tile,
-// zero-filled past rows_valid and in the padding columns [D, DP). In 16-byte
-// chunks when src is 16-byte aligned (D is a multiple of 8, so every row and
-// every chunk is, and a chunk is all data or all padding); element by
-// element otherwise.
-template <int ROWS, int NT>
+// The two row widths a tile can have: W elements a row in global memory,
+// WP as stored (zero-padded to whole MMA k-steps), LD apart in shared
+// memory. q, k, dq, dk rows are BxRowD; v, out, dout, dv rows BxRowDV.
+struct BxRowD {
+    static constexpr int W = D;
+    static constexpr int WP = DP;
+    static constexpr int LD = LDE;
+};
+struct BxRowDV {
+    static constexpr int W = DV;
+    static constexpr int WP = DVP;
+    static constexpr int LD = LDV;
+};
+
+// Rows [0, ROWS) of a [rows_valid, R::W] block at src into a [ROWS][R::LD]
+// tile, zero-filled past rows_valid and in the padding columns [W, WP). In
+// 16-byte chunks when src is 16-byte aligned (W is a multiple of 8, so every
+// row and every chunk is, and a chunk is all data or all padding); element
+// by element otherwise.
+template <int ROWS, int NT, typename R>
 __device__ __forceinline__ void bx_load_rows(elem_t* dst, const elem_t* __restrict__ src, int rows_valid) {
     constexpr int VEC = 16 / (int)sizeof(elem_t);
-    constexpr int CHUNKS = DP / VEC;
-    static_assert(D % VEC == 0 && DP % VEC == 0, "rows are whole 16-byte chunks");
+    constexpr int CHUNKS = R::WP / VEC;
+    static_assert(R::W % VEC == 0 && R::WP % VEC == 0, "rows are whole 16-byte chunks");
     if ((reinterpret_cast<size_t>(src) & 15) == 0) {
         for (int e = threadIdx.x; e < ROWS * CHUNKS; e += NT) {
             const int r = e / CHUNKS;
             const int c = (e - r * CHUNKS) * VEC;
             uint4 x = make_uint4(0u, 0u, 0u, 0u);
-            if (r < rows_valid && c < D) x = *reinterpret_cast<const uint4*>(src + (size_t)r * D + c);
+            if (r < rows_valid && c < R::W) x = *reinterpret_cast<const uint4*>(src + (size_t)r * R::W + c);
 #if BX_MMA
-            *reinterpret_cast<uint4*>(dst + r * LDE + c) = x; // rows are 16-byte aligned (LDE % 8 == 0)
+            *reinterpret_cast<uint4*>(dst + r * R::LD + c) = x; // rows are 16-byte aligned (LD % 8 == 0)
 #else
-            dst[r * LDE + c] = __uint_as_float(x.x); // LDE is odd: no vector store
-            dst[r * LDE + c + 1] = __uint_as_float(x.y);
-            dst[r * LDE + c + 2] = __uint_as_float(x.z);
-            dst[r * LDE + c + 3] = __uint_as_float(x.w);
+            dst[r * R::LD + c] = __uint_as_float(x.x); // LD is odd: no vector store
+            dst[r * R::LD + c + 1] = __uint_as_float(x.y);
+            dst[r * R::LD + c + 2] = __uint_as_float(x.z);
+            dst[r * R::LD + c + 3] = __uint_as_float(x.w);
 #endif
         }
     } else {
-        for (int e = threadIdx.x; e < ROWS * DP; e += NT) {
-            const int r = e / DP;
-            const int c = e - r * DP;
+        for (int e = threadIdx.x; e < ROWS * R::WP; e += NT) {
+            const int r = e / R::WP;
+            const int c = e - r * R::WP;
             elem_t x = (elem_t)0;
-            if (r < rows_valid && c < D) x = src[(size_t)r * D + c];
-            dst[r * LDE + c] = x;
+            if (r < rows_valid && c < R::W) x = src[(size_t)r * R::W + c];
+            dst[r * R::LD + c] = x;
         }
     }
 }
@@ -292,10 +309,10 @@ __device__ __forceinline__ void bx_mma(float (&c)[4], const elem_t* a, const ele
 #endif
 
 // S[i][j] = Σ_d A[i][d]·B[j][d] (raw, unscaled) for a ROWS×COLS tile of two
-// [·][LDE] tiles. Each element is one chain over d ascending from zero — an
-// fmaf chain, or MMA k-steps of 16 — whatever ROWS and COLS are, so a
-// (query, key) pair gets bitwise the same value in every kernel.
-template <int ROWS, int COLS, int LDS_, int NT>
+// [·][R::LD] tiles, d < R::W. Each element is one chain over d ascending
+// from zero — an fmaf chain, or MMA k-steps of 16 — whatever ROWS and COLS
+// are, so a (query, key) pair gets bitwise the same value in every kernel.
+template <int ROWS, int COLS, int LDS_, int NT, typename R>
 __device__ __forceinline__ void bx_dot_tile(const elem_t* A, const elem_t* B, float* S) {
 #if BX_MMA
     constexpr int NB = (ROWS / 16) * (COLS / 8);
@@ -307,7 +324,7 @@ __device__ __forceinline__ void bx_dot_tile(const elem_t* A, const elem_t* B, fl
         const int j0 = (blk % (COLS / 8)) * 8;
         float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 4
-        for (int k = 0; k < DP; k += 16) bx_mma<LDE, 1, 1, LDE>(c, A + i0 * LDE + k, B + j0 * LDE + k);
+        for (int k = 0; k < R::WP; k += 16) bx_mma<R::LD, 1, 1, R::LD>(c, A + i0 * R::LD + k, B + j0 * R::LD + k);
         S[(i0 + g) * LDS_ + j0 + t2] = c[0];
         S[(i0 + g) * LDS_ + j0 + t2 + 1] = c[1];
         S[(i0 + g + 8) * LDS_ + j0 + t2] = c[2];
@@ -317,11 +334,11 @@ __device__ __forceinline__ void bx_dot_tile(const elem_t* A, const elem_t* B, fl
     for (int e = threadIdx.x; e < ROWS * COLS; e += NT) {
         const int i = e / COLS;
         const int j = e - i * COLS;
-        const float* a = A + i * LDE;
-        const float* b = B + j * LDE;
+        const float* a = A + i * R::LD;
+        const float* b = B + j * R::LD;
         float acc = 0.0f;
 #pragma unroll 8
-        for (int d = 0; d < D; ++d) acc = fmaf(a[d], b[d], acc);
+        for (int d = 0; d < R::W; ++d) acc = fmaf(a[d], b[d], acc);
         S[i * LDS_ + j] = acc;
     }
 #endif
@@ -349,23 +366,25 @@ __device__ __forceinline__ float bx_score_at(const Params& params, unsigned* __r
 // in `tile`, so that whatever their K or V rows hold (NaN, Inf: a cache's
 // unwritten slots) never meets a zero probability in a product (0·NaN).
 // Only a Partial tile can have such keys.
-template <int ROWS, int NT>
+template <int ROWS, int NT, typename R>
 __device__ __forceinline__ void bx_zero_unseen(elem_t* tile, const int* seen) {
-    for (int e = threadIdx.x; e < ROWS * DP; e += NT) {
-        const int r = e / DP;
-        if (!seen[r]) tile[r * LDE + (e - r * DP)] = (elem_t)0;
+    for (int e = threadIdx.x; e < ROWS * R::WP; e += NT) {
+        const int r = e / R::WP;
+        if (!seen[r]) tile[r * R::LD + (e - r * R::WP)] = (elem_t)0;
     }
 }
 
-// An f32 accumulator tile [ROWS][DP] in registers, spread over NT threads,
-// for C += A·B with B a [·][LDE] tile in shared memory.
+// An f32 accumulator tile [ROWS][R::WP] in registers, spread over NT
+// threads, for C += A·B with B a [·][R::LD] tile in shared memory; stored
+// as [rows][R::W].
 #if BX_MMA
 // Warp w owns the 16×8 MMA tiles blk = w + n·(NT/32), n < NB, blk < TOTAL
 // (the guard is uniform over the warp, as mma.sync requires).
-template <int ROWS, int NT>
+template <int ROWS, int NT, typename R>
 struct BxAcc {
     static constexpr int W = NT / 32;
-    static constexpr int TOTAL = (ROWS / 16) * (DP / 8);
+    static constexpr int CB = R::WP / 8; // 16×8 tiles across a row
+    static constexpr int TOTAL = (ROWS / 16) * CB;
     static constexpr int NB = (TOTAL + W - 1) / W;
     float c[NB][4];
 
@@ -379,7 +398,7 @@ struct BxAcc {
         for (int n = 0; n < NB; ++n) {
             const int blk = (int)(threadIdx.x >> 5) + n * W;
             if (blk < TOTAL) {
-                const int r = (blk / (DP / 8)) * 16 + ((threadIdx.x & 31) >> 2);
+                const int r = (blk / CB) * 16 + ((threadIdx.x & 31) >> 2);
                 const float f0 = f[r];
                 const float f1 = f[r + 8];
                 c[n][0] *= f0;
@@ -389,37 +408,38 @@ struct BxAcc {
             }
         }
     }
-    // C += A·B, A(r, k) = a[r·ARS + k·ACS] (16-bit), B(k, n) = b[k·LDE + n], k < INNER.
+    // C += A·B, A(r, k) = a[r·ARS + k·ACS] (16-bit), B(k, n) = b[k·R::LD + n], k < INNER.
     template <int INNER, int ARS, int ACS>
     __device__ __forceinline__ void add(const elem_t* a, const elem_t* b) {
 #pragma unroll
         for (int n = 0; n < NB; ++n) {
             const int blk = (int)(threadIdx.x >> 5) + n * W;
             if (blk < TOTAL) {
-                const int i0 = (blk / (DP / 8)) * 16;
-                const int n0 = (blk % (DP / 8)) * 8;
+                const int i0 = (blk / CB) * 16;
+                const int n0 = (blk % CB) * 8;
 #pragma unroll
-                for (int k = 0; k < INNER; k += 16) bx_mma<ARS, ACS, LDE, 1>(c[n], a + i0 * ARS + k * ACS, b + k * LDE + n0);
+                for (int k = 0; k < INNER; k += 16)
+                    bx_mma<ARS, ACS, R::LD, 1>(c[n], a + i0 * ARS + k * ACS, b + k * R::LD + n0);
             }
         }
     }
-    // dst[r·D + col] = C[r][col]·f·rf[r] (rf may be null) for r < rows_valid, col < D;
-    // dst is elem_t or f32.
+    // dst[r·R::W + col] = C[r][col]·f·rf[r] (rf may be null) for r < rows_valid,
+    // col < R::W; dst is elem_t or f32.
     template <typename T>
     __device__ __forceinline__ void store(T* __restrict__ dst, int rows_valid, const float* rf, float f) {
 #pragma unroll
         for (int n = 0; n < NB; ++n) {
             const int blk = (int)(threadIdx.x >> 5) + n * W;
             if (blk < TOTAL) {
-                const int r = (blk / (DP / 8)) * 16 + ((threadIdx.x & 31) >> 2);
-                const int col = (blk % (DP / 8)) * 8 + (threadIdx.x & 3) * 2;
+                const int r = (blk / CB) * 16 + ((threadIdx.x & 31) >> 2);
+                const int col = (blk % CB) * 8 + (threadIdx.x & 3) * 2;
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const int rr = r + 8 * half;
                     const float fr = rf ? f * rf[rr] : f;
                     if (rr < rows_valid) {
-                        if (col < D) bx_put(dst + (size_t)rr * D + col, c[n][2 * half] * fr);
-                        if (col + 1 < D) bx_put(dst + (size_t)rr * D + col + 1, c[n][2 * half + 1] * fr);
+                        if (col < R::W) bx_put(dst + (size_t)rr * R::W + col, c[n][2 * half] * fr);
+                        if (col + 1 < R::W) bx_put(dst + (size_t)rr * R::W + col + 1, c[n][2 * half + 1] * fr);
                     }
                 }
             }
@@ -427,10 +447,11 @@ struct BxAcc {
     }
 };
 #else
-// Thread t owns elements e = t + n·NT < ROWS·D, n < N (row e / D, column e % D).
-template <int ROWS, int NT>
+// Thread t owns elements e = t + n·NT < ROWS·W, n < N (row e / W, column
+// e % W; W = WP on CUDA cores).
+template <int ROWS, int NT, typename R>
 struct BxAcc {
-    static constexpr int TOTAL = ROWS * D;
+    static constexpr int TOTAL = ROWS * R::W;
     static constexpr int N = (TOTAL + NT - 1) / NT;
     float c[N];
 
@@ -442,7 +463,7 @@ struct BxAcc {
 #pragma unroll
         for (int n = 0; n < N; ++n) {
             const int e = (int)threadIdx.x + n * NT;
-            if (e < TOTAL) c[n] *= f[e / D];
+            if (e < TOTAL) c[n] *= f[e / R::W];
         }
     }
     template <int INNER, int ARS, int ACS>
@@ -451,11 +472,11 @@ struct BxAcc {
         for (int n = 0; n < N; ++n) {
             const int e = (int)threadIdx.x + n * NT;
             if (e < TOTAL) {
-                const int r = e / D;
-                const int col = e - r * D;
+                const int r = e / R::W;
+                const int col = e - r * R::W;
                 float s = c[n];
 #pragma unroll 8
-                for (int k = 0; k < INNER; ++k) s = fmaf(a[r * ARS + k * ACS], b[k * LDE + col], s);
+                for (int k = 0; k < INNER; ++k) s = fmaf(a[r * ARS + k * ACS], b[k * R::LD + col], s);
                 c[n] = s;
             }
         }
@@ -464,9 +485,9 @@ struct BxAcc {
 #pragma unroll
         for (int n = 0; n < N; ++n) {
             const int e = (int)threadIdx.x + n * NT;
-            const int r = e / D;
-            const int col = e - r * D;
-            if (e < TOTAL && r < rows_valid) dst[(size_t)r * D + col] = c[n] * (rf ? f * rf[r] : f);
+            const int r = e / R::W;
+            const int col = e - r * R::W;
+            if (e < TOTAL && r < rows_valid) dst[(size_t)r * R::W + col] = c[n] * (rf ? f * rf[r] : f);
         }
     }
 };
@@ -475,22 +496,22 @@ struct BxAcc {
 // ---- forward (FlashAttention-2 schedule) ----
 // Key rows k0 .. k0 + ROWS of kv head hk from pages, as bx_load_rows loads
 // them from a contiguous block: logical key j is slot j % page_size of page
-// captures[table + j / page_size] of src [pages, Hkv, page_size, D]. Element
-// by element (a tile's rows may span pages); zeros past rows_valid.
-template <int ROWS, int NT>
+// captures[table + j / page_size] of src [pages, Hkv, page_size, R::W].
+// Element by element (a tile's rows may span pages); zeros past rows_valid.
+template <int ROWS, int NT, typename R>
 __device__ __forceinline__ void bx_load_paged(elem_t* dst, const elem_t* __restrict__ src,
                                               const unsigned* __restrict__ captures, unsigned table, int page_size,
                                               int hk, int heads_kv, int k0, int rows_valid) {
-    for (int e = threadIdx.x; e < ROWS * DP; e += NT) {
-        const int r = e / DP;
-        const int c = e - r * DP;
+    for (int e = threadIdx.x; e < ROWS * R::WP; e += NT) {
+        const int r = e / R::WP;
+        const int c = e - r * R::WP;
         elem_t x = (elem_t)0;
-        if (r < rows_valid && c < D) {
+        if (r < rows_valid && c < R::W) {
             const int j = k0 + r;
             const size_t page = captures[table + (unsigned)(j / page_size)];
-            x = src[((page * heads_kv + hk) * (size_t)page_size + (size_t)(j % page_size)) * D + c];
+            x = src[((page * heads_kv + hk) * (size_t)page_size + (size_t)(j % page_size)) * R::W + c];
         }
-        dst[r * LDE + c] = x;
+        dst[r * R::LD + c] = x;
     }
 }
 
@@ -589,7 +610,7 @@ boostr_attn_fwd(
     const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k;
     const unsigned table = (unsigned)kv_pages + (unsigned)b * (unsigned)max_pages;
 
-    bx_load_rows<BQ, FWD_THREADS>(sQ, q + q_row0 * D, packed - r0);
+    bx_load_rows<BQ, FWD_THREADS, BxRowD>(sQ, q + q_row0 * D, packed - r0);
     // The sink is one more logit with no value: the running max and sum of
     // split 0 start from it (-inf and 0 without one).
     for (int i = threadIdx.x; i < BQ; i += FWD_THREADS) {
@@ -600,7 +621,7 @@ boostr_attn_fwd(
         row_m[i] = sink;
         row_l[i] = sink == bx_neg_inf() ? 0.0f : 1.0f;
     }
-    BxAcc<BQ, FWD_THREADS> acc;
+    BxAcc<BQ, FWD_THREADS, BxRowDV> acc; // out, DV wide
     acc.zero();
 
     // The query heads and positions the block's rows span.
@@ -624,15 +645,15 @@ boostr_attn_fwd(
         if (cls == TILE_EMPTY) continue; // nothing visible (uniform over the block)
         __syncthreads(); // the previous tile's readers of K, V, S, P are done
         if (page_size == 0) {
-            bx_load_rows<BKV, FWD_THREADS>(sK, k + (kv_row0 + k0) * D, sk - k0);
-            bx_load_rows<BKV, FWD_THREADS>(sV, v + (kv_row0 + k0) * D, sk - k0);
+            bx_load_rows<BKV, FWD_THREADS, BxRowD>(sK, k + (kv_row0 + k0) * D, sk - k0);
+            bx_load_rows<BKV, FWD_THREADS, BxRowDV>(sV, v + (kv_row0 + k0) * DV, sk - k0);
         } else {
-            bx_load_paged<BKV, FWD_THREADS>(sK, k, captures, table, page_size, hk, heads_kv, k0, sk - k0);
-            bx_load_paged<BKV, FWD_THREADS>(sV, v, captures, table, page_size, hk, heads_kv, k0, sk - k0);
+            bx_load_paged<BKV, FWD_THREADS, BxRowD>(sK, k, captures, table, page_size, hk, heads_kv, k0, sk - k0);
+            bx_load_paged<BKV, FWD_THREADS, BxRowDV>(sV, v, captures, table, page_size, hk, heads_kv, k0, sk - k0);
         }
         for (int j = threadIdx.x; j < BKV; j += FWD_THREADS) s_seen[j] = 0;
         __syncthreads();
-        bx_dot_tile<BQ, BKV, FWD_LDS, FWD_THREADS>(sQ, sK, sS);
+        bx_dot_tile<BQ, BKV, FWD_LDS, FWD_THREADS, BxRowD>(sQ, sK, sS);
         __syncthreads();
         for (int e = threadIdx.x; e < BQ * BKV; e += FWD_THREADS) {
             const int i = e / BKV;
@@ -647,7 +668,7 @@ boostr_attn_fwd(
             sS[i * FWD_LDS + j] = bx_score_at(params, captures, sS[i * FWD_LDS + j], scale, vis, b, h, qp, kp, x);
         }
         __syncthreads();
-        if (cls != TILE_FULL) bx_zero_unseen<BKV, FWD_THREADS>(sV, s_seen); // read after the softmax's barrier
+        if (cls != TILE_FULL) bx_zero_unseen<BKV, FWD_THREADS, BxRowDV>(sV, s_seen); // read after the softmax's barrier
         bx_online_softmax(sS, sP, row_m, row_l, row_a);
         __syncthreads();
         acc.scale_rows(row_a);
@@ -666,9 +687,9 @@ boostr_attn_fwd(
     }
     __syncthreads();
     if (n_split > 1) {
-        acc.store(split_out + at * D, packed - r0, row_a, 1.0f);
+        acc.store(split_out + at * DV, packed - r0, row_a, 1.0f);
     } else {
-        acc.store(out + at * D, packed - r0, row_a, 1.0f);
+        acc.store(out + at * DV, packed - r0, row_a, 1.0f);
     }
 }
 
@@ -696,14 +717,14 @@ boostr_attn_fwd_merge(
     if (m != bx_neg_inf())
         for (int s = 0; s < n; ++s) l += expf(split_lse[(size_t)s * rows + row] - m);
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    for (int d = lane; d < D; d += 32) {
+    for (int d = lane; d < DV; d += 32) {
         float acc = 0.0f;
         if (m != bx_neg_inf())
             for (int s = 0; s < n; ++s) {
                 const size_t at = (size_t)s * rows + row;
-                acc = fmaf(expf(split_lse[at] - m), split_out[at * D + d], acc);
+                acc = fmaf(expf(split_lse[at] - m), split_out[at * DV + d], acc);
             }
-        bx_put(out + (size_t)row * D + d, acc * inv);
+        bx_put(out + (size_t)row * DV + d, acc * inv);
     }
     if (lane == 0) lse[row] = l > 0.0f ? m + logf(l) : bx_neg_inf();
 }

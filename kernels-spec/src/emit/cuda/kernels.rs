@@ -7,10 +7,17 @@
 //! it selects for the dtype, and the arguments by the names the description
 //! gives them.
 //!
-//! Layout (contiguous): `q, out, dout, dq: [B, Hq, Sq, D]`,
-//! `k, v, dk, dv: [B, Hkv, Sk, D]` of the element type; `lse, delta:
-//! [B, Hq, Sq]` f32. Query row `i` sits at position `i + Sk - Sq`
-//! (bottom-right alignment); query head `h` reads kv head `h / (Hq / Hkv)`.
+//! Layout (contiguous), of the element type: `q, dq: [B, Hq, Sq, D]`,
+//! `k, dk: [B, Hkv, Sk, D]` (the head dim of the scores), `v, dv:
+//! [B, Hkv, Sk, DV]`, `out, dout: [B, Hq, Sq, DV]` (the value head dim,
+//! which may differ from `D`, as in MLA); f32: `lse, delta: [B, Hq, Sq]`,
+//! the split-KV forward's `split_out: [splits, B, Hq, Sq, DV]` and
+//! `split_lse: [splits, B, Hq, Sq]`. Paged, `k` is `[pages, Hkv,
+//! page_size, D]` and `v` `[pages, Hkv, page_size, DV]`. `Q·Kᵀ` runs over
+//! `D` and `dO·Vᵀ` over `DV`; `P·V` and `Pᵀ·dO` accumulate `DV` columns,
+//! `dS·K` and `dSᵀ·Q` `D` columns. Query row `i` sits at position
+//! `i + Sk - Sq` (bottom-right alignment); query head `h` reads kv head
+//! `h / (Hq / Hkv)`.
 //!
 //! The only inline PTX (the f16/bf16 conversions and `bx_mma_sync`) sits
 //! under `#ifndef BX_HOST_EMULATION`, so a test can compile a source as
@@ -53,16 +60,23 @@ pub fn header(cfg: &CudaTiles) -> String {
         u32::from(mma)
     ));
     let consts = [
-        ("D", cfg.head_dim, "head dim"),
+        ("D", cfg.head_dim, "head dim of q, k, dq, dk"),
         (
             "DP",
             cfg.padded_head_dim(),
             "head dim as stored (zero-padded)",
         ),
+        ("LDE", cfg.row_stride(), "row stride of q/k tiles, elements"),
+        ("DV", cfg.value_dim, "head dim of v, out, dout, dv"),
         (
-            "LDE",
-            cfg.row_stride(),
-            "row stride of q/k/v/dO tiles, elements",
+            "DVP",
+            cfg.padded_value_dim(),
+            "value head dim as stored (zero-padded)",
+        ),
+        (
+            "LDV",
+            cfg.value_row_stride(),
+            "row stride of v/dO tiles, elements",
         ),
         ("BQ", cfg.block_q, "forward: query rows per block"),
         ("BKV", cfg.block_kv, "forward: keys per tile"),
@@ -194,38 +208,52 @@ __device__ __forceinline__ int bx_group(int heads_q, int heads_kv) {
     return g > 0 ? g : 1;
 }
 
-// Rows [0, ROWS) of a [rows_valid, D] block at src into a [ROWS][LDE] tile,
-// zero-filled past rows_valid and in the padding columns [D, DP). In 16-byte
-// chunks when src is 16-byte aligned (D is a multiple of 8, so every row and
-// every chunk is, and a chunk is all data or all padding); element by
-// element otherwise.
-template <int ROWS, int NT>
+// The two row widths a tile can have: W elements a row in global memory,
+// WP as stored (zero-padded to whole MMA k-steps), LD apart in shared
+// memory. q, k, dq, dk rows are BxRowD; v, out, dout, dv rows BxRowDV.
+struct BxRowD {
+    static constexpr int W = D;
+    static constexpr int WP = DP;
+    static constexpr int LD = LDE;
+};
+struct BxRowDV {
+    static constexpr int W = DV;
+    static constexpr int WP = DVP;
+    static constexpr int LD = LDV;
+};
+
+// Rows [0, ROWS) of a [rows_valid, R::W] block at src into a [ROWS][R::LD]
+// tile, zero-filled past rows_valid and in the padding columns [W, WP). In
+// 16-byte chunks when src is 16-byte aligned (W is a multiple of 8, so every
+// row and every chunk is, and a chunk is all data or all padding); element
+// by element otherwise.
+template <int ROWS, int NT, typename R>
 __device__ __forceinline__ void bx_load_rows(elem_t* dst, const elem_t* __restrict__ src, int rows_valid) {
     constexpr int VEC = 16 / (int)sizeof(elem_t);
-    constexpr int CHUNKS = DP / VEC;
-    static_assert(D % VEC == 0 && DP % VEC == 0, "rows are whole 16-byte chunks");
+    constexpr int CHUNKS = R::WP / VEC;
+    static_assert(R::W % VEC == 0 && R::WP % VEC == 0, "rows are whole 16-byte chunks");
     if ((reinterpret_cast<size_t>(src) & 15) == 0) {
         for (int e = threadIdx.x; e < ROWS * CHUNKS; e += NT) {
             const int r = e / CHUNKS;
             const int c = (e - r * CHUNKS) * VEC;
             uint4 x = make_uint4(0u, 0u, 0u, 0u);
-            if (r < rows_valid && c < D) x = *reinterpret_cast<const uint4*>(src + (size_t)r * D + c);
+            if (r < rows_valid && c < R::W) x = *reinterpret_cast<const uint4*>(src + (size_t)r * R::W + c);
 #if BX_MMA
-            *reinterpret_cast<uint4*>(dst + r * LDE + c) = x; // rows are 16-byte aligned (LDE % 8 == 0)
+            *reinterpret_cast<uint4*>(dst + r * R::LD + c) = x; // rows are 16-byte aligned (LD % 8 == 0)
 #else
-            dst[r * LDE + c] = __uint_as_float(x.x); // LDE is odd: no vector store
-            dst[r * LDE + c + 1] = __uint_as_float(x.y);
-            dst[r * LDE + c + 2] = __uint_as_float(x.z);
-            dst[r * LDE + c + 3] = __uint_as_float(x.w);
+            dst[r * R::LD + c] = __uint_as_float(x.x); // LD is odd: no vector store
+            dst[r * R::LD + c + 1] = __uint_as_float(x.y);
+            dst[r * R::LD + c + 2] = __uint_as_float(x.z);
+            dst[r * R::LD + c + 3] = __uint_as_float(x.w);
 #endif
         }
     } else {
-        for (int e = threadIdx.x; e < ROWS * DP; e += NT) {
-            const int r = e / DP;
-            const int c = e - r * DP;
+        for (int e = threadIdx.x; e < ROWS * R::WP; e += NT) {
+            const int r = e / R::WP;
+            const int c = e - r * R::WP;
             elem_t x = (elem_t)0;
-            if (r < rows_valid && c < D) x = src[(size_t)r * D + c];
-            dst[r * LDE + c] = x;
+            if (r < rows_valid && c < R::W) x = src[(size_t)r * R::W + c];
+            dst[r * R::LD + c] = x;
         }
     }
 }
@@ -288,10 +316,10 @@ __device__ __forceinline__ void bx_mma(float (&c)[4], const elem_t* a, const ele
 #endif
 
 // S[i][j] = Σ_d A[i][d]·B[j][d] (raw, unscaled) for a ROWS×COLS tile of two
-// [·][LDE] tiles. Each element is one chain over d ascending from zero — an
-// fmaf chain, or MMA k-steps of 16 — whatever ROWS and COLS are, so a
-// (query, key) pair gets bitwise the same value in every kernel.
-template <int ROWS, int COLS, int LDS_, int NT>
+// [·][R::LD] tiles, d < R::W. Each element is one chain over d ascending
+// from zero — an fmaf chain, or MMA k-steps of 16 — whatever ROWS and COLS
+// are, so a (query, key) pair gets bitwise the same value in every kernel.
+template <int ROWS, int COLS, int LDS_, int NT, typename R>
 __device__ __forceinline__ void bx_dot_tile(const elem_t* A, const elem_t* B, float* S) {
 #if BX_MMA
     constexpr int NB = (ROWS / 16) * (COLS / 8);
@@ -303,7 +331,7 @@ __device__ __forceinline__ void bx_dot_tile(const elem_t* A, const elem_t* B, fl
         const int j0 = (blk % (COLS / 8)) * 8;
         float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 4
-        for (int k = 0; k < DP; k += 16) bx_mma<LDE, 1, 1, LDE>(c, A + i0 * LDE + k, B + j0 * LDE + k);
+        for (int k = 0; k < R::WP; k += 16) bx_mma<R::LD, 1, 1, R::LD>(c, A + i0 * R::LD + k, B + j0 * R::LD + k);
         S[(i0 + g) * LDS_ + j0 + t2] = c[0];
         S[(i0 + g) * LDS_ + j0 + t2 + 1] = c[1];
         S[(i0 + g + 8) * LDS_ + j0 + t2] = c[2];
@@ -313,11 +341,11 @@ __device__ __forceinline__ void bx_dot_tile(const elem_t* A, const elem_t* B, fl
     for (int e = threadIdx.x; e < ROWS * COLS; e += NT) {
         const int i = e / COLS;
         const int j = e - i * COLS;
-        const float* a = A + i * LDE;
-        const float* b = B + j * LDE;
+        const float* a = A + i * R::LD;
+        const float* b = B + j * R::LD;
         float acc = 0.0f;
 #pragma unroll 8
-        for (int d = 0; d < D; ++d) acc = fmaf(a[d], b[d], acc);
+        for (int d = 0; d < R::W; ++d) acc = fmaf(a[d], b[d], acc);
         S[i * LDS_ + j] = acc;
     }
 #endif
@@ -345,23 +373,25 @@ __device__ __forceinline__ float bx_score_at(const Params& params, unsigned* __r
 // in `tile`, so that whatever their K or V rows hold (NaN, Inf: a cache's
 // unwritten slots) never meets a zero probability in a product (0·NaN).
 // Only a Partial tile can have such keys.
-template <int ROWS, int NT>
+template <int ROWS, int NT, typename R>
 __device__ __forceinline__ void bx_zero_unseen(elem_t* tile, const int* seen) {
-    for (int e = threadIdx.x; e < ROWS * DP; e += NT) {
-        const int r = e / DP;
-        if (!seen[r]) tile[r * LDE + (e - r * DP)] = (elem_t)0;
+    for (int e = threadIdx.x; e < ROWS * R::WP; e += NT) {
+        const int r = e / R::WP;
+        if (!seen[r]) tile[r * R::LD + (e - r * R::WP)] = (elem_t)0;
     }
 }
 
-// An f32 accumulator tile [ROWS][DP] in registers, spread over NT threads,
-// for C += A·B with B a [·][LDE] tile in shared memory.
+// An f32 accumulator tile [ROWS][R::WP] in registers, spread over NT
+// threads, for C += A·B with B a [·][R::LD] tile in shared memory; stored
+// as [rows][R::W].
 #if BX_MMA
 // Warp w owns the 16×8 MMA tiles blk = w + n·(NT/32), n < NB, blk < TOTAL
 // (the guard is uniform over the warp, as mma.sync requires).
-template <int ROWS, int NT>
+template <int ROWS, int NT, typename R>
 struct BxAcc {
     static constexpr int W = NT / 32;
-    static constexpr int TOTAL = (ROWS / 16) * (DP / 8);
+    static constexpr int CB = R::WP / 8; // 16×8 tiles across a row
+    static constexpr int TOTAL = (ROWS / 16) * CB;
     static constexpr int NB = (TOTAL + W - 1) / W;
     float c[NB][4];
 
@@ -375,7 +405,7 @@ struct BxAcc {
         for (int n = 0; n < NB; ++n) {
             const int blk = (int)(threadIdx.x >> 5) + n * W;
             if (blk < TOTAL) {
-                const int r = (blk / (DP / 8)) * 16 + ((threadIdx.x & 31) >> 2);
+                const int r = (blk / CB) * 16 + ((threadIdx.x & 31) >> 2);
                 const float f0 = f[r];
                 const float f1 = f[r + 8];
                 c[n][0] *= f0;
@@ -385,37 +415,38 @@ struct BxAcc {
             }
         }
     }
-    // C += A·B, A(r, k) = a[r·ARS + k·ACS] (16-bit), B(k, n) = b[k·LDE + n], k < INNER.
+    // C += A·B, A(r, k) = a[r·ARS + k·ACS] (16-bit), B(k, n) = b[k·R::LD + n], k < INNER.
     template <int INNER, int ARS, int ACS>
     __device__ __forceinline__ void add(const elem_t* a, const elem_t* b) {
 #pragma unroll
         for (int n = 0; n < NB; ++n) {
             const int blk = (int)(threadIdx.x >> 5) + n * W;
             if (blk < TOTAL) {
-                const int i0 = (blk / (DP / 8)) * 16;
-                const int n0 = (blk % (DP / 8)) * 8;
+                const int i0 = (blk / CB) * 16;
+                const int n0 = (blk % CB) * 8;
 #pragma unroll
-                for (int k = 0; k < INNER; k += 16) bx_mma<ARS, ACS, LDE, 1>(c[n], a + i0 * ARS + k * ACS, b + k * LDE + n0);
+                for (int k = 0; k < INNER; k += 16)
+                    bx_mma<ARS, ACS, R::LD, 1>(c[n], a + i0 * ARS + k * ACS, b + k * R::LD + n0);
             }
         }
     }
-    // dst[r·D + col] = C[r][col]·f·rf[r] (rf may be null) for r < rows_valid, col < D;
-    // dst is elem_t or f32.
+    // dst[r·R::W + col] = C[r][col]·f·rf[r] (rf may be null) for r < rows_valid,
+    // col < R::W; dst is elem_t or f32.
     template <typename T>
     __device__ __forceinline__ void store(T* __restrict__ dst, int rows_valid, const float* rf, float f) {
 #pragma unroll
         for (int n = 0; n < NB; ++n) {
             const int blk = (int)(threadIdx.x >> 5) + n * W;
             if (blk < TOTAL) {
-                const int r = (blk / (DP / 8)) * 16 + ((threadIdx.x & 31) >> 2);
-                const int col = (blk % (DP / 8)) * 8 + (threadIdx.x & 3) * 2;
+                const int r = (blk / CB) * 16 + ((threadIdx.x & 31) >> 2);
+                const int col = (blk % CB) * 8 + (threadIdx.x & 3) * 2;
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const int rr = r + 8 * half;
                     const float fr = rf ? f * rf[rr] : f;
                     if (rr < rows_valid) {
-                        if (col < D) bx_put(dst + (size_t)rr * D + col, c[n][2 * half] * fr);
-                        if (col + 1 < D) bx_put(dst + (size_t)rr * D + col + 1, c[n][2 * half + 1] * fr);
+                        if (col < R::W) bx_put(dst + (size_t)rr * R::W + col, c[n][2 * half] * fr);
+                        if (col + 1 < R::W) bx_put(dst + (size_t)rr * R::W + col + 1, c[n][2 * half + 1] * fr);
                     }
                 }
             }
@@ -423,10 +454,11 @@ struct BxAcc {
     }
 };
 #else
-// Thread t owns elements e = t + n·NT < ROWS·D, n < N (row e / D, column e % D).
-template <int ROWS, int NT>
+// Thread t owns elements e = t + n·NT < ROWS·W, n < N (row e / W, column
+// e % W; W = WP on CUDA cores).
+template <int ROWS, int NT, typename R>
 struct BxAcc {
-    static constexpr int TOTAL = ROWS * D;
+    static constexpr int TOTAL = ROWS * R::W;
     static constexpr int N = (TOTAL + NT - 1) / NT;
     float c[N];
 
@@ -438,7 +470,7 @@ struct BxAcc {
 #pragma unroll
         for (int n = 0; n < N; ++n) {
             const int e = (int)threadIdx.x + n * NT;
-            if (e < TOTAL) c[n] *= f[e / D];
+            if (e < TOTAL) c[n] *= f[e / R::W];
         }
     }
     template <int INNER, int ARS, int ACS>
@@ -447,11 +479,11 @@ struct BxAcc {
         for (int n = 0; n < N; ++n) {
             const int e = (int)threadIdx.x + n * NT;
             if (e < TOTAL) {
-                const int r = e / D;
-                const int col = e - r * D;
+                const int r = e / R::W;
+                const int col = e - r * R::W;
                 float s = c[n];
 #pragma unroll 8
-                for (int k = 0; k < INNER; ++k) s = fmaf(a[r * ARS + k * ACS], b[k * LDE + col], s);
+                for (int k = 0; k < INNER; ++k) s = fmaf(a[r * ARS + k * ACS], b[k * R::LD + col], s);
                 c[n] = s;
             }
         }
@@ -460,9 +492,9 @@ struct BxAcc {
 #pragma unroll
         for (int n = 0; n < N; ++n) {
             const int e = (int)threadIdx.x + n * NT;
-            const int r = e / D;
-            const int col = e - r * D;
-            if (e < TOTAL && r < rows_valid) dst[(size_t)r * D + col] = c[n] * (rf ? f * rf[r] : f);
+            const int r = e / R::W;
+            const int col = e - r * R::W;
+            if (e < TOTAL && r < rows_valid) dst[(size_t)r * R::W + col] = c[n] * (rf ? f * rf[r] : f);
         }
     }
 };
@@ -473,22 +505,22 @@ const FORWARD_PREAMBLE: &str = r#"
 // ---- forward (FlashAttention-2 schedule) ----
 // Key rows k0 .. k0 + ROWS of kv head hk from pages, as bx_load_rows loads
 // them from a contiguous block: logical key j is slot j % page_size of page
-// captures[table + j / page_size] of src [pages, Hkv, page_size, D]. Element
-// by element (a tile's rows may span pages); zeros past rows_valid.
-template <int ROWS, int NT>
+// captures[table + j / page_size] of src [pages, Hkv, page_size, R::W].
+// Element by element (a tile's rows may span pages); zeros past rows_valid.
+template <int ROWS, int NT, typename R>
 __device__ __forceinline__ void bx_load_paged(elem_t* dst, const elem_t* __restrict__ src,
                                               const unsigned* __restrict__ captures, unsigned table, int page_size,
                                               int hk, int heads_kv, int k0, int rows_valid) {
-    for (int e = threadIdx.x; e < ROWS * DP; e += NT) {
-        const int r = e / DP;
-        const int c = e - r * DP;
+    for (int e = threadIdx.x; e < ROWS * R::WP; e += NT) {
+        const int r = e / R::WP;
+        const int c = e - r * R::WP;
         elem_t x = (elem_t)0;
-        if (r < rows_valid && c < D) {
+        if (r < rows_valid && c < R::W) {
             const int j = k0 + r;
             const size_t page = captures[table + (unsigned)(j / page_size)];
-            x = src[((page * heads_kv + hk) * (size_t)page_size + (size_t)(j % page_size)) * D + c];
+            x = src[((page * heads_kv + hk) * (size_t)page_size + (size_t)(j % page_size)) * R::W + c];
         }
-        dst[r * LDE + c] = x;
+        dst[r * R::LD + c] = x;
     }
 }
 
@@ -566,7 +598,7 @@ const FORWARD_BODY: &str = r#"    extern __shared__ __align__(16) unsigned char 
     const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k;
     const unsigned table = (unsigned)kv_pages + (unsigned)b * (unsigned)max_pages;
 
-    bx_load_rows<BQ, FWD_THREADS>(sQ, q + q_row0 * D, packed - r0);
+    bx_load_rows<BQ, FWD_THREADS, BxRowD>(sQ, q + q_row0 * D, packed - r0);
     // The sink is one more logit with no value: the running max and sum of
     // split 0 start from it (-inf and 0 without one).
     for (int i = threadIdx.x; i < BQ; i += FWD_THREADS) {
@@ -577,7 +609,7 @@ const FORWARD_BODY: &str = r#"    extern __shared__ __align__(16) unsigned char 
         row_m[i] = sink;
         row_l[i] = sink == bx_neg_inf() ? 0.0f : 1.0f;
     }
-    BxAcc<BQ, FWD_THREADS> acc;
+    BxAcc<BQ, FWD_THREADS, BxRowDV> acc; // out, DV wide
     acc.zero();
 
     // The query heads and positions the block's rows span.
@@ -601,15 +633,15 @@ const FORWARD_BODY: &str = r#"    extern __shared__ __align__(16) unsigned char 
         if (cls == TILE_EMPTY) continue; // nothing visible (uniform over the block)
         __syncthreads(); // the previous tile's readers of K, V, S, P are done
         if (page_size == 0) {
-            bx_load_rows<BKV, FWD_THREADS>(sK, k + (kv_row0 + k0) * D, sk - k0);
-            bx_load_rows<BKV, FWD_THREADS>(sV, v + (kv_row0 + k0) * D, sk - k0);
+            bx_load_rows<BKV, FWD_THREADS, BxRowD>(sK, k + (kv_row0 + k0) * D, sk - k0);
+            bx_load_rows<BKV, FWD_THREADS, BxRowDV>(sV, v + (kv_row0 + k0) * DV, sk - k0);
         } else {
-            bx_load_paged<BKV, FWD_THREADS>(sK, k, captures, table, page_size, hk, heads_kv, k0, sk - k0);
-            bx_load_paged<BKV, FWD_THREADS>(sV, v, captures, table, page_size, hk, heads_kv, k0, sk - k0);
+            bx_load_paged<BKV, FWD_THREADS, BxRowD>(sK, k, captures, table, page_size, hk, heads_kv, k0, sk - k0);
+            bx_load_paged<BKV, FWD_THREADS, BxRowDV>(sV, v, captures, table, page_size, hk, heads_kv, k0, sk - k0);
         }
         for (int j = threadIdx.x; j < BKV; j += FWD_THREADS) s_seen[j] = 0;
         __syncthreads();
-        bx_dot_tile<BQ, BKV, FWD_LDS, FWD_THREADS>(sQ, sK, sS);
+        bx_dot_tile<BQ, BKV, FWD_LDS, FWD_THREADS, BxRowD>(sQ, sK, sS);
         __syncthreads();
         for (int e = threadIdx.x; e < BQ * BKV; e += FWD_THREADS) {
             const int i = e / BKV;
@@ -624,7 +656,7 @@ const FORWARD_BODY: &str = r#"    extern __shared__ __align__(16) unsigned char 
             sS[i * FWD_LDS + j] = bx_score_at(params, captures, sS[i * FWD_LDS + j], scale, vis, b, h, qp, kp, x);
         }
         __syncthreads();
-        if (cls != TILE_FULL) bx_zero_unseen<BKV, FWD_THREADS>(sV, s_seen); // read after the softmax's barrier
+        if (cls != TILE_FULL) bx_zero_unseen<BKV, FWD_THREADS, BxRowDV>(sV, s_seen); // read after the softmax's barrier
         bx_online_softmax(sS, sP, row_m, row_l, row_a);
         __syncthreads();
         acc.scale_rows(row_a);
@@ -643,9 +675,9 @@ const FORWARD_BODY: &str = r#"    extern __shared__ __align__(16) unsigned char 
     }
     __syncthreads();
     if (n_split > 1) {
-        acc.store(split_out + at * D, packed - r0, row_a, 1.0f);
+        acc.store(split_out + at * DV, packed - r0, row_a, 1.0f);
     } else {
-        acc.store(out + at * D, packed - r0, row_a, 1.0f);
+        acc.store(out + at * DV, packed - r0, row_a, 1.0f);
     }
 }
 "#;
@@ -664,14 +696,14 @@ const MERGE_BODY: &str = r#"    const long long rows = (long long)batch * heads_
     if (m != bx_neg_inf())
         for (int s = 0; s < n; ++s) l += expf(split_lse[(size_t)s * rows + row] - m);
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    for (int d = lane; d < D; d += 32) {
+    for (int d = lane; d < DV; d += 32) {
         float acc = 0.0f;
         if (m != bx_neg_inf())
             for (int s = 0; s < n; ++s) {
                 const size_t at = (size_t)s * rows + row;
-                acc = fmaf(expf(split_lse[at] - m), split_out[at * D + d], acc);
+                acc = fmaf(expf(split_lse[at] - m), split_out[at * DV + d], acc);
             }
-        bx_put(out + (size_t)row * D + d, acc * inv);
+        bx_put(out + (size_t)row * DV + d, acc * inv);
     }
     if (lane == 0) lse[row] = l > 0.0f ? m + logf(l) : bx_neg_inf();
 }
@@ -748,9 +780,9 @@ const DELTA_BODY: &str = r#"    const long long rows = (long long)batch * heads_
     const long long row = (long long)blockIdx.x * (DELTA_THREADS / 32) + (threadIdx.x >> 5);
     if (row >= rows) return; // whole warps leave together
     const int lane = threadIdx.x & 31;
-    const size_t base = (size_t)row * D;
+    const size_t base = (size_t)row * DV;
     float s = 0.0f;
-    for (int d = lane; d < D; d += 32) s = fmaf(bx_to_f32(dout[base + d]), bx_to_f32(out[base + d]), s);
+    for (int d = lane; d < DV; d += 32) s = fmaf(bx_to_f32(dout[base + d]), bx_to_f32(out[base + d]), s);
     s = bx_warp_sum(s);
     if (lane == 0) delta[row] = s;
 }
@@ -768,11 +800,11 @@ const DQ_BODY: &str = r#"    BX_BWD_SMEM
     const size_t q_row0 = ((size_t)b * heads_q + h) * (size_t)seq_q + q0;
     const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k;
 
-    bx_load_rows<BBQ, BWD_THREADS>(sQ, q + q_row0 * D, seq_q - q0);
-    bx_load_rows<BBQ, BWD_THREADS>(sdO, dout + q_row0 * D, seq_q - q0);
+    bx_load_rows<BBQ, BWD_THREADS, BxRowD>(sQ, q + q_row0 * D, seq_q - q0);
+    bx_load_rows<BBQ, BWD_THREADS, BxRowDV>(sdO, dout + q_row0 * DV, seq_q - q0);
     bx_load_vec<BBQ, BWD_THREADS>(s_lse, lse + q_row0, seq_q - q0, bx_neg_inf());
     bx_load_vec<BBQ, BWD_THREADS>(s_delta, delta + q_row0, seq_q - q0, 0.0f);
-    BxAcc<BBQ, BWD_THREADS> acc;
+    BxAcc<BBQ, BWD_THREADS, BxRowD> acc; // dQ, D wide
     acc.zero();
 
     const int q_lo = q0 + offset;
@@ -783,18 +815,18 @@ const DQ_BODY: &str = r#"    BX_BWD_SMEM
         const int cls = variant_classify(params, captures, b, h, q_lo, q_hi, k0, min(k0 + BBKV, sk) - 1);
         if (cls == TILE_EMPTY) continue;
         __syncthreads();
-        bx_load_rows<BBKV, BWD_THREADS>(sK, k + (kv_row0 + k0) * D, sk - k0);
-        bx_load_rows<BBKV, BWD_THREADS>(sV, v + (kv_row0 + k0) * D, sk - k0);
+        bx_load_rows<BBKV, BWD_THREADS, BxRowD>(sK, k + (kv_row0 + k0) * D, sk - k0);
+        bx_load_rows<BBKV, BWD_THREADS, BxRowDV>(sV, v + (kv_row0 + k0) * DV, sk - k0);
         for (int j = threadIdx.x; j < BBKV; j += BWD_THREADS) s_seen[j] = 0;
         __syncthreads();
-        bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS>(sQ, sK, sS);
-        bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS>(sdO, sV, sdP);
+        bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS, BxRowD>(sQ, sK, sS);
+        bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS, BxRowDV>(sdO, sV, sdP);
         __syncthreads();
         bx_grad_tile(sS, sdP, sPe, sdSe, s_lse, s_delta, s_seen, params, captures, cls, b, h, q0, k0, seq_q,
                      sk, offset, scale);
         __syncthreads();
         if (cls != TILE_FULL) { // dS = 0 at unseen keys, but 0·NaN is not 0
-            bx_zero_unseen<BBKV, BWD_THREADS>(sK, s_seen);
+            bx_zero_unseen<BBKV, BWD_THREADS, BxRowD>(sK, s_seen);
             __syncthreads();
         }
         acc.template add<BBKV, LDA, 1>(sdSe, sK);
@@ -815,10 +847,10 @@ const DKDV_BODY: &str = r#"    BX_BWD_SMEM
     const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k + k0;
     const int kv_hi = min(k0 + BBKV, sk) - 1;
 
-    bx_load_rows<BBKV, BWD_THREADS>(sK, k + kv_row0 * D, sk - k0);
-    bx_load_rows<BBKV, BWD_THREADS>(sV, v + kv_row0 * D, sk - k0);
-    BxAcc<BBKV, BWD_THREADS> acc_k;
-    BxAcc<BBKV, BWD_THREADS> acc_v;
+    bx_load_rows<BBKV, BWD_THREADS, BxRowD>(sK, k + kv_row0 * D, sk - k0);
+    bx_load_rows<BBKV, BWD_THREADS, BxRowDV>(sV, v + kv_row0 * DV, sk - k0);
+    BxAcc<BBKV, BWD_THREADS, BxRowD> acc_k;  // dK, D wide
+    BxAcc<BBKV, BWD_THREADS, BxRowDV> acc_v; // dV, DV wide
     acc_k.zero();
     acc_v.zero();
 
@@ -833,13 +865,13 @@ const DKDV_BODY: &str = r#"    BX_BWD_SMEM
             const int cls = variant_classify(params, captures, b, h, q_lo, q_hi, k0, kv_hi);
             if (cls == TILE_EMPTY) continue;
             __syncthreads(); // K/V loaded; the previous tile's readers are done
-            bx_load_rows<BBQ, BWD_THREADS>(sQ, q + (q_head0 + q0) * D, seq_q - q0);
-            bx_load_rows<BBQ, BWD_THREADS>(sdO, dout + (q_head0 + q0) * D, seq_q - q0);
+            bx_load_rows<BBQ, BWD_THREADS, BxRowD>(sQ, q + (q_head0 + q0) * D, seq_q - q0);
+            bx_load_rows<BBQ, BWD_THREADS, BxRowDV>(sdO, dout + (q_head0 + q0) * DV, seq_q - q0);
             bx_load_vec<BBQ, BWD_THREADS>(s_lse, lse + q_head0 + q0, seq_q - q0, bx_neg_inf());
             bx_load_vec<BBQ, BWD_THREADS>(s_delta, delta + q_head0 + q0, seq_q - q0, 0.0f);
             __syncthreads();
-            bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS>(sQ, sK, sS);
-            bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS>(sdO, sV, sdP);
+            bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS, BxRowD>(sQ, sK, sS);
+            bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS, BxRowDV>(sdO, sV, sdP);
             __syncthreads();
             bx_grad_tile(sS, sdP, sPe, sdSe, s_lse, s_delta, s_seen, params, captures, cls, b, h, q0, k0, seq_q,
                          sk, offset, scale);
@@ -850,7 +882,7 @@ const DKDV_BODY: &str = r#"    BX_BWD_SMEM
         }
     }
     acc_k.store(dk + kv_row0 * D, seq_k - k0, nullptr, scale);
-    acc_v.store(dv + kv_row0 * D, seq_k - k0, nullptr, 1.0f);
+    acc_v.store(dv + kv_row0 * DV, seq_k - k0, nullptr, 1.0f);
 }
 "#;
 
@@ -866,8 +898,8 @@ const TENSORS_BODY: &str = r#"    BX_BWD_SMEM
     const size_t q_row0 = ((size_t)b * heads_q + h) * (size_t)seq_q + q0;
     const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k;
 
-    bx_load_rows<BBQ, BWD_THREADS>(sQ, q + q_row0 * D, seq_q - q0);
-    bx_load_rows<BBQ, BWD_THREADS>(sdO, dout + q_row0 * D, seq_q - q0);
+    bx_load_rows<BBQ, BWD_THREADS, BxRowD>(sQ, q + q_row0 * D, seq_q - q0);
+    bx_load_rows<BBQ, BWD_THREADS, BxRowDV>(sdO, dout + q_row0 * DV, seq_q - q0);
     bx_load_vec<BBQ, BWD_THREADS>(s_lse, lse + q_row0, seq_q - q0, bx_neg_inf());
     bx_load_vec<BBQ, BWD_THREADS>(s_delta, delta + q_row0, seq_q - q0, 0.0f);
 
@@ -879,11 +911,11 @@ const TENSORS_BODY: &str = r#"    BX_BWD_SMEM
         const int cls = variant_classify(params, captures, b, h, q_lo, q_hi, k0, min(k0 + BBKV, sk) - 1);
         if (cls == TILE_EMPTY) continue;
         __syncthreads(); // the previous tile's readers are done
-        bx_load_rows<BBKV, BWD_THREADS>(sK, k + (kv_row0 + k0) * D, sk - k0);
-        bx_load_rows<BBKV, BWD_THREADS>(sV, v + (kv_row0 + k0) * D, sk - k0);
+        bx_load_rows<BBKV, BWD_THREADS, BxRowD>(sK, k + (kv_row0 + k0) * D, sk - k0);
+        bx_load_rows<BBKV, BWD_THREADS, BxRowDV>(sV, v + (kv_row0 + k0) * DV, sk - k0);
         __syncthreads();
-        bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS>(sQ, sK, sS);
-        bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS>(sdO, sV, sdP);
+        bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS, BxRowD>(sQ, sK, sS);
+        bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS, BxRowDV>(sdO, sV, sdP);
         __syncthreads();
         // d loss / d score = P (dP - D_i) at each visible pair, P as
         // bx_grad_tile recomputes it.
@@ -927,8 +959,8 @@ const TENSORS_BODY: &str = r#"    BX_BWD_SMEM
 /// and `lse`. Over a KV cache (`kv_lens ≥ 0`: the
 /// arena word of the `[B]` lengths) sequence `b` has its first
 /// `lengths[b]` keys and rows aligned to them; with pages (`page_size >
-/// 0`) `k, v` are `[pages, Hkv, page_size, D]` and the `[B, max_pages]`
-/// page table is at arena word `kv_pages`.
+/// 0`) `k` is `[pages, Hkv, page_size, D]`, `v` `[pages, Hkv, page_size,
+/// DV]`, and the `[B, max_pages]` page table is at arena word `kv_pages`.
 pub const FORWARD: Kernel = Kernel {
     entry: "boostr_attn_fwd",
     args: &[
@@ -991,8 +1023,8 @@ pub const MERGE: Kernel = Kernel {
     min_blocks: None,
 };
 
-/// The backward's pre-pass, run first: `delta = rowsum(dout ∘ out)` in f32,
-/// one warp per row.
+/// The backward's pre-pass, run first: `delta = rowsum(dout ∘ out)` over
+/// the `DV` columns in f32, one warp per row.
 pub const DELTA: Kernel = Kernel {
     entry: "boostr_attn_bwd_delta",
     args: &[

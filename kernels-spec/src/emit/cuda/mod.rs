@@ -13,11 +13,11 @@
 //! with `--gpu-architecture=compute_80` (or `sm_80`) or newer, `-std=c++17`,
 //! and without `-use_fast_math`.
 //!
-//! # Building and launching a module for (variant, head dim, dtype)
+//! # Building and launching a module for (variant, head dims, dtype)
 //!
 //! ```text
 //! let section = variant_section::<Cuda>(&program);     // or the variant's CUDA lowering
-//! let cfg = choose_tiles(CudaTiles::for_problem(d, dtype), tile_q, tile_kv)?;
+//! let cfg = choose_tiles(CudaTiles::for_problem(d, dv, dtype), tile_q, tile_kv)?;
 //! let src = source(&section, &[&kernels::FORWARD_MODULE], &cfg)?;
 //! for kernel in kernels::FORWARD_MODULE.interfaces() {
 //!     let dims = kernel.launch_dims(&cfg, &sizes)?;   // grid, block, shared memory
@@ -28,9 +28,11 @@
 //! Every kernel's launch contract is its [`interface::Kernel`] (`Display`
 //! writes it): [`kernels::FORWARD`], and for the backward [`kernels::DELTA`]
 //! (first), then [`kernels::DQ`] and [`kernels::DKDV`]. Buffers are
-//! contiguous; `E` is the element type: `float` for [`CudaDType::F32`], the
-//! 16-bit pattern (`unsigned short`) for [`CudaDType::F16`]/[`CudaDType::Bf16`];
-//! `lse` and `delta` are f32. `int` arguments are 32-bit, pointers 64-bit;
+//! contiguous; q, k, dq, dk rows hold `D` elements, v, out, dout, dv and
+//! the split-KV partial outputs `Dv` (see [`kernels`]). `E` is the element
+//! type: `float` for [`CudaDType::F32`], the 16-bit pattern (`unsigned
+//! short`) for [`CudaDType::F16`]/[`CudaDType::Bf16`]; `lse` and `delta`
+//! are f32. `int` arguments are 32-bit, pointers 64-bit;
 //! `params` is the 128-byte `Params` struct by value
 //! ([`ParamWords`](crate::params::ParamWords)). `B, Hq, Hkv ≤ 65535` (grid
 //! y/z), `Hq % Hkv == 0`.
@@ -68,6 +70,10 @@ pub const MAX_SMEM_BYTES: u64 = 99 * 1024;
 /// stays well within the 255 registers `__launch_bounds__` leaves it and
 /// never spills.
 pub const MAX_ACCUMULATORS_PER_THREAD: u32 = 64;
+
+/// The largest head dim, of keys or of values: 576, absorbed MLA's `D`
+/// (the 512 latent columns, which are also its `Dv`, and 64 rotary ones).
+pub const MAX_HEAD_DIM: u32 = 576;
 
 /// Element type of q, k, v, out, dout, dq, dk, dv. Accumulation is f32 in
 /// every case; `lse` and `delta` are f32.
@@ -141,16 +147,21 @@ impl SmemLayout {
     }
 }
 
-/// Tile configuration of the CUDA kernels for one (head dim, dtype).
+/// Tile configuration of the CUDA kernels for one (head dim, value head
+/// dim, dtype).
 ///
-/// Derived sizes (padded head dim, row strides, shared memory per kernel,
+/// Derived sizes (padded head dims, row strides, shared memory per kernel,
 /// threads, accumulators per thread) are computed by the methods here and
 /// checked in [`CudaTiles::validate`]; the header of every source writes them
 /// as constants, so the kernels and the launcher cannot disagree.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CudaTiles {
-    /// Head dim `D` (elements per q/k/v row), a multiple of 8 in 8..=256.
+    /// Head dim `D` of q and k rows (and dq, dk), a multiple of 8 in
+    /// 8..=[`MAX_HEAD_DIM`].
     pub head_dim: u32,
+    /// Head dim `Dv` of v rows and of out, dout, dv (MLA: 128 against
+    /// `D` = 192, 512 against 576), a multiple of 8 in 8..=[`MAX_HEAD_DIM`].
+    pub value_dim: u32,
     /// Element type.
     pub dtype: CudaDType,
     /// Forward: query rows per block (`BQ`).
@@ -168,29 +179,59 @@ pub struct CudaTiles {
 }
 
 impl CudaTiles {
-    /// Defaults for `head_dim` (a multiple of 8 in 8..=256) and `dtype`:
+    /// Defaults for head dims `head_dim` (`D`) and `value_dim` (`Dv`), each
+    /// a multiple of 8 in 8..=[`MAX_HEAD_DIM`], and `dtype`, by the wider
+    /// of the two (`W = max(D, Dv)`; every size grows with each dim, so a
+    /// row that fits `W × W` fits every pair under it):
     ///
-    /// | dtype | D | forward BQ×BKV, warps | backward BBQ×BBKV, warps |
+    /// | dtype | W | forward BQ×BKV, warps | backward BBQ×BBKV, warps |
     /// |---|---|---|---|
     /// | f16/bf16 | ≤ 64 | 64×64, 4 | 64×64, 4 |
     /// | f16/bf16 | ≤ 128 | 64×64, 4 | 64×32, 4 |
     /// | f16/bf16 | ≤ 256 | 64×32, 8 | 32×32, 8 |
+    /// | f16/bf16 | ≤ 576 | 16×32, 8 | 16×16, 16 |
     /// | f32 | ≤ 128 | 32×32, 4 | 32×32, 4 |
     /// | f32 | ≤ 256 | 16×32, 4 | 16×16, 4 |
+    /// | f32 | ≤ 576 | 16×8, 8 | 8×8, 8 |
     ///
     /// Chosen so every kernel fits [`MAX_SMEM_BYTES`] and
-    /// [`MAX_ACCUMULATORS_PER_THREAD`] (the bound that binds at D = 128 and
-    /// 256); f16/bf16 tiles are multiples of the 16-row MMA shape.
-    pub fn for_problem(head_dim: u32, dtype: CudaDType) -> CudaTiles {
-        let (fwd, bwd) = match (dtype.tensor_cores(), head_dim) {
+    /// [`MAX_ACCUMULATORS_PER_THREAD`] (the bound that binds at W = 128 and
+    /// 256); f16/bf16 tiles are multiples of the 16-row MMA shape. The
+    /// forward's accumulators hold `BQ × Dv`, dQ's `BBQ × D`, dK/dV's
+    /// `BBKV × D` and `BBKV × Dv`. The standard pairs (MLA prefill 192/128,
+    /// absorbed MLA decode 576/512, and 128/64, 64/32):
+    ///
+    /// | D/Dv | dtype | forward: smem, acc./thread | backward: smem, dQ acc., dK+dV acc. |
+    /// |---|---|---|---|
+    /// | 192/128 | f16/bf16 | 60.9 KiB, 32 | 56.4 KiB, 24, 24 + 16 |
+    /// | 192/128 | f32 | 54.9 KiB, 16 | 42.9 KiB, 24, 24 + 16 |
+    /// | 576/512 | f16/bf16 | 91.1 KiB, 32 | 73.2 KiB, 20, 20 + 16 |
+    /// | 576/512 | f32 | 71.1 KiB, 32 | 69.0 KiB, 18, 18 + 16 |
+    /// | 128/64 | f16/bf16 | 70.0 KiB, 32 | 67.6 KiB, 64, 32 + 16 |
+    /// | 128/64 | f32 | 45.4 KiB, 16 | 57.9 KiB, 32, 32 + 16 |
+    /// | 64/32 | f16/bf16 | 50.0 KiB, 16 | 80.8 KiB, 32, 32 + 16 |
+    /// | 64/32 | f32 | 25.4 KiB, 8 | 33.9 KiB, 16, 16 + 8 |
+    ///
+    /// Past 256 the forward keeps 16 query rows: absorbed decode packs the
+    /// `Hq·Sq` rows of a kv head's group into a block, 16 for one token of
+    /// 16 query heads, and 16 rows of 512 values over 8 warps are 32
+    /// accumulators a thread; K and V tiles of 32 (f16/bf16) or 8 (f32) keys
+    /// then fit beside them. The backward fits with 16 × 16 tiles over 16
+    /// warps (f16/bf16; a 16-row MMA tile is the least) and 8 × 8 over 8
+    /// (f32).
+    pub fn for_problem(head_dim: u32, value_dim: u32, dtype: CudaDType) -> CudaTiles {
+        let (fwd, bwd) = match (dtype.tensor_cores(), head_dim.max(value_dim)) {
             (true, 0..=64) => ((64, 64, 4), (64, 64, 4)),
             (true, 65..=128) => ((64, 64, 4), (64, 32, 4)),
-            (true, _) => ((64, 32, 8), (32, 32, 8)),
+            (true, 129..=256) => ((64, 32, 8), (32, 32, 8)),
+            (true, _) => ((16, 32, 8), (16, 16, 16)),
             (false, 0..=128) => ((32, 32, 4), (32, 32, 4)),
-            (false, _) => ((16, 32, 4), (16, 16, 4)),
+            (false, 129..=256) => ((16, 32, 4), (16, 16, 4)),
+            (false, _) => ((16, 8, 8), (8, 8, 8)),
         };
         CudaTiles {
             head_dim,
+            value_dim,
             dtype,
             block_q: fwd.0,
             block_kv: fwd.1,
@@ -221,28 +262,51 @@ impl CudaTiles {
         32 * self.bwd_warps
     }
 
-    /// The head dim as the tiles store it (`DP`): rounded up to the MMA
-    /// k-step of 16 on tensor cores (the padding columns hold zeros, so they
-    /// add nothing to any dot product), `D` itself on CUDA cores.
-    pub fn padded_head_dim(&self) -> u32 {
+    /// `dim` as the tiles store it (see [`Self::padded_head_dim`]).
+    fn padded(&self, dim: u32) -> u32 {
         if self.dtype.tensor_cores() {
-            self.head_dim.next_multiple_of(16)
+            dim.next_multiple_of(16)
         } else {
-            self.head_dim
+            dim
         }
     }
 
-    /// Row stride in elements of q/k/v/dO tiles in shared memory (`LDE`):
-    /// on tensor cores `DP + 8` (rows 16 bytes apart modulo 128, so the eight
+    /// Row stride in elements of a shared-memory tile of `dim`-wide rows
+    /// (see [`Self::row_stride`]).
+    fn stride(&self, dim: u32) -> u32 {
+        if self.dtype.tensor_cores() {
+            self.padded(dim) + 8
+        } else {
+            dim + 1
+        }
+    }
+
+    /// The head dim as the q/k tiles store it (`DP`): rounded up to the MMA
+    /// k-step of 16 on tensor cores (the padding columns hold zeros, so they
+    /// add nothing to any dot product), `D` itself on CUDA cores.
+    pub fn padded_head_dim(&self) -> u32 {
+        self.padded(self.head_dim)
+    }
+
+    /// The value head dim as the v/dO tiles store it (`DVP`), padded as
+    /// [`Self::padded_head_dim`].
+    pub fn padded_value_dim(&self) -> u32 {
+        self.padded(self.value_dim)
+    }
+
+    /// Row stride in elements of q/k tiles in shared memory (`LDE`): on
+    /// tensor cores `DP + 8` (rows 16 bytes apart modulo 128, so the eight
     /// rows a fragment load touches hit distinct banks); on CUDA cores
     /// `D + 1` (odd: threads reading one element of each of 32 rows hit 32
     /// banks).
     pub fn row_stride(&self) -> u32 {
-        if self.dtype.tensor_cores() {
-            self.padded_head_dim() + 8
-        } else {
-            self.head_dim + 1
-        }
+        self.stride(self.head_dim)
+    }
+
+    /// Row stride in elements of v/dO tiles in shared memory (`LDV`), as
+    /// [`Self::row_stride`] for `Dv`.
+    pub fn value_row_stride(&self) -> u32 {
+        self.stride(self.value_dim)
     }
 
     /// Row stride in floats of an f32 score tile with `cols` keys: `cols + 4`
@@ -257,21 +321,27 @@ impl CudaTiles {
         cols + 8
     }
 
+    /// Bytes of a tile of `rows` q/k rows.
     fn tile_bytes(&self, rows: u32) -> u64 {
         u64::from(rows) * u64::from(self.row_stride()) * self.dtype.size()
     }
 
-    /// The forward kernel's shared memory: Q (`BQ` rows), K and V (`BKV`
-    /// rows each, both resident for the tile), the f32 score/probability
-    /// tile, on tensor cores its 16-bit copy (the A operand of P·V), per
-    /// row the running max, sum and rescale factor, and per key whether any
-    /// row of the tile sees it.
+    /// Bytes of a tile of `rows` v/dO rows.
+    fn value_tile_bytes(&self, rows: u32) -> u64 {
+        u64::from(rows) * u64::from(self.value_row_stride()) * self.dtype.size()
+    }
+
+    /// The forward kernel's shared memory: Q (`BQ` rows of `D`), K and V
+    /// (`BKV` rows each, of `D` and `Dv`, both resident for the tile), the
+    /// f32 score/probability tile, on tensor cores its 16-bit copy (the A
+    /// operand of P·V), per row the running max, sum and rescale factor, and
+    /// per key whether any row of the tile sees it.
     pub fn forward_layout(&self) -> SmemLayout {
         let (bq, bkv) = (self.block_q, self.block_kv);
         let mut l = SmemLayout::default();
         l.push("FWD_Q", self.tile_bytes(bq));
         l.push("FWD_K", self.tile_bytes(bkv));
-        l.push("FWD_V", self.tile_bytes(bkv));
+        l.push("FWD_V", self.value_tile_bytes(bkv));
         l.push("FWD_S", 4 * u64::from(bq * Self::score_stride(bkv)));
         if self.dtype.tensor_cores() {
             l.push("FWD_P", 2 * u64::from(bq * Self::prob_stride(bkv)));
@@ -284,17 +354,17 @@ impl CudaTiles {
     }
 
     /// The backward tile kernels' shared memory (dQ and dK/dV use the same
-    /// layout): Q and dO (`BBQ` rows), K and V (`BBKV` rows), the f32 S→P and
-    /// dP→dS tiles, on tensor cores their 16-bit copies (MMA operands), per
-    /// query row lse and `D_i`, and per key whether any row of the tile
-    /// sees it.
+    /// layout): Q and dO (`BBQ` rows of `D` and `Dv`), K and V (`BBKV` rows
+    /// of `D` and `Dv`), the f32 S→P and dP→dS tiles, on tensor cores their
+    /// 16-bit copies (MMA operands), per query row lse and `D_i`, and per
+    /// key whether any row of the tile sees it.
     pub fn backward_layout(&self) -> SmemLayout {
         let (bq, bkv) = (self.bwd_block_q, self.bwd_block_kv);
         let mut l = SmemLayout::default();
         l.push("BWD_Q", self.tile_bytes(bq));
-        l.push("BWD_DO", self.tile_bytes(bq));
+        l.push("BWD_DO", self.value_tile_bytes(bq));
         l.push("BWD_K", self.tile_bytes(bkv));
-        l.push("BWD_V", self.tile_bytes(bkv));
+        l.push("BWD_V", self.value_tile_bytes(bkv));
         l.push("BWD_S", 4 * u64::from(bq * Self::score_stride(bkv)));
         l.push("BWD_DP", 4 * u64::from(bq * Self::score_stride(bkv)));
         if self.dtype.tensor_cores() {
@@ -322,44 +392,53 @@ impl CudaTiles {
         self.backward_layout().bytes()
     }
 
-    /// f32 accumulators per thread holding a `rows × DP` tile over `threads`
-    /// threads: on tensor cores 4 per 16×8 MMA tile, the tiles dealt round
-    /// robin to the warps; on CUDA cores the elements dealt round robin.
-    fn accumulators(&self, rows: u32, threads: u32) -> u32 {
-        let dp = self.padded_head_dim();
+    /// f32 accumulators per thread holding a `rows × padded` tile over
+    /// `threads` threads: on tensor cores 4 per 16×8 MMA tile, the tiles
+    /// dealt round robin to the warps; on CUDA cores the elements dealt
+    /// round robin.
+    fn accumulators(&self, rows: u32, padded: u32, threads: u32) -> u32 {
         if self.dtype.tensor_cores() {
-            4 * ((rows / 16) * (dp / 8)).div_ceil(threads / 32)
+            4 * ((rows / 16) * (padded / 8)).div_ceil(threads / 32)
         } else {
-            (rows * dp).div_ceil(threads)
+            (rows * padded).div_ceil(threads)
         }
     }
 
-    /// f32 accumulators per thread of the forward kernel (`BQ × DP`).
+    /// f32 accumulators per thread of the forward kernel (`BQ × DVP`).
     pub fn forward_accumulators(&self) -> u32 {
-        self.accumulators(self.block_q, self.threads())
+        self.accumulators(self.block_q, self.padded_value_dim(), self.threads())
     }
 
     /// f32 accumulators per thread of the dQ kernel (`BBQ × DP`).
     pub fn dq_accumulators(&self) -> u32 {
-        self.accumulators(self.bwd_block_q, self.bwd_threads())
+        self.accumulators(self.bwd_block_q, self.padded_head_dim(), self.bwd_threads())
     }
 
-    /// f32 accumulators per thread of the dK/dV kernel (two `BBKV × DP`).
+    /// f32 accumulators per thread of the dK/dV kernel (`BBKV × DP` and
+    /// `BBKV × DVP`).
     pub fn dkdv_accumulators(&self) -> u32 {
-        2 * self.accumulators(self.bwd_block_kv, self.bwd_threads())
+        let (rows, threads) = (self.bwd_block_kv, self.bwd_threads());
+        self.accumulators(rows, self.padded_head_dim(), threads)
+            + self.accumulators(rows, self.padded_value_dim(), threads)
     }
 
-    /// Checks every derived size: the head dim, the tile shapes the MMA
+    /// Checks every derived size: the head dims, the tile shapes the MMA
     /// needs, threads per block, shared memory per kernel against
     /// [`MAX_SMEM_BYTES`] and accumulators per thread against
     /// [`MAX_ACCUMULATORS_PER_THREAD`].
     pub fn validate(&self) -> Result<(), TilingError> {
-        let d = self.head_dim;
-        if d == 0 || d > 256 || !d.is_multiple_of(8) {
-            return Err(TilingError::HeadDim {
-                head_dim: d,
-                rule: "a multiple of 8 in 8..=256",
-            });
+        // Rows are whole 16-byte chunks of 16-bit elements (the loaders'
+        // vector path), and a padded row whole MMA k-steps.
+        for (d, rule) in [
+            (self.head_dim, "a multiple of 8 in 8..=576"),
+            (
+                self.value_dim,
+                "a value head dim: a multiple of 8 in 8..=576",
+            ),
+        ] {
+            if d == 0 || d > MAX_HEAD_DIM || !d.is_multiple_of(8) {
+                return Err(TilingError::HeadDim { head_dim: d, rule });
+            }
         }
         for (what, w) in [("warps", self.warps), ("bwd_warps", self.bwd_warps)] {
             // 1024 threads per block at most.
@@ -483,25 +562,76 @@ mod tests {
         assert!(src.contains(&format!("__launch_bounds__({})", kernels::SUMMARY_THREADS)));
     }
 
+    const DTYPES: [CudaDType; 3] = [CudaDType::F32, CudaDType::F16, CudaDType::Bf16];
+
     #[test]
-    fn default_tiles_validate_for_every_head_dim_and_dtype() {
-        for dtype in [CudaDType::F32, CudaDType::F16, CudaDType::Bf16] {
-            for d in (32..=256).step_by(8) {
-                let cfg = CudaTiles::for_problem(d, dtype);
-                cfg.validate()
-                    .unwrap_or_else(|e| panic!("D={d} {dtype:?}: {e}"));
-                assert!(cfg.forward_smem_bytes() <= MAX_SMEM_BYTES);
-                assert!(cfg.padded_head_dim() >= d);
+    fn default_tiles_validate_for_every_pair_of_head_dims_and_dtype() {
+        for dtype in DTYPES {
+            for d in (8..=MAX_HEAD_DIM).step_by(8) {
+                for dv in (8..=MAX_HEAD_DIM).step_by(8) {
+                    let cfg = CudaTiles::for_problem(d, dv, dtype);
+                    cfg.validate()
+                        .unwrap_or_else(|e| panic!("D={d} Dv={dv} {dtype:?}: {e}"));
+                    assert!(cfg.padded_head_dim() >= d && cfg.padded_value_dim() >= dv);
+                }
             }
+        }
+    }
+
+    /// DeepSeek MLA (prefill 192/128, absorbed decode 576/512) and two
+    /// halved pairs: the defaults validate, and the value tiles and
+    /// accumulators are counted at `Dv`.
+    #[test]
+    fn mla_head_dims_have_tiles() {
+        for (d, dv) in [(192, 128), (576, 512), (128, 64), (64, 32)] {
+            for dtype in DTYPES {
+                let cfg = CudaTiles::for_problem(d, dv, dtype);
+                cfg.validate()
+                    .unwrap_or_else(|e| panic!("D={d} Dv={dv} {dtype:?}: {e}"));
+                let same = CudaTiles::for_problem(d, d, dtype);
+                assert_eq!((cfg.block_q, cfg.block_kv), (same.block_q, same.block_kv));
+                let v_tile = |l: SmemLayout, name| {
+                    l.buffers.iter().find(|b| b.name == name).expect(name).bytes
+                };
+                let row = u64::from(cfg.value_row_stride()) * dtype.size();
+                assert_eq!(
+                    v_tile(cfg.forward_layout(), "FWD_V"),
+                    u64::from(cfg.block_kv) * row
+                );
+                assert_eq!(
+                    v_tile(cfg.backward_layout(), "BWD_DO"),
+                    u64::from(cfg.bwd_block_q) * row
+                );
+                assert!(cfg.forward_layout().bytes() < same.forward_layout().bytes());
+                assert!(cfg.forward_accumulators() <= same.forward_accumulators());
+                assert_eq!(cfg.dq_accumulators(), same.dq_accumulators());
+            }
+        }
+        // Absorbed decode: the 16 rows of one token of 16 query heads in one
+        // block of the forward.
+        for dtype in DTYPES {
+            assert_eq!(CudaTiles::for_problem(576, 512, dtype).block_q, 16);
         }
     }
 
     #[test]
     fn validate_rejects_bad_configurations() {
-        let good = CudaTiles::for_problem(128, CudaDType::F16);
+        let good = CudaTiles::for_problem(128, 128, CudaDType::F16);
         let bad = [
             CudaTiles {
                 head_dim: 36,
+                ..good
+            },
+            CudaTiles {
+                value_dim: 36,
+                ..good
+            },
+            CudaTiles {
+                value_dim: 0,
+                ..good
+            },
+            CudaTiles {
+                head_dim: MAX_HEAD_DIM + 8,
                 ..good
             },
             CudaTiles {
@@ -518,23 +648,47 @@ mod tests {
                 block_kv: 256,
                 ..good
             },
+            // 256-wide values on the 128 tier's tiles: the forward's
+            // accumulators, 64 × 256 over four warps.
+            CudaTiles {
+                value_dim: 256,
+                ..good
+            },
         ];
         for cfg in bad {
             assert!(cfg.validate().is_err(), "{cfg:?} should not validate");
         }
+        // 576/512 with the backward of the 256 tier: over the accumulators
+        // (and the shared memory).
+        let mla = CudaTiles::for_problem(576, 512, CudaDType::Bf16);
+        let over = CudaTiles {
+            bwd_block_q: 32,
+            bwd_block_kv: 32,
+            bwd_warps: 8,
+            ..mla
+        };
+        assert!(matches!(
+            over.validate(),
+            Err(TilingError::Registers { .. } | TilingError::Memory { .. })
+        ));
     }
 
     #[test]
     fn layout_offsets_are_aligned_and_disjoint() {
-        let cfg = CudaTiles::for_problem(40, CudaDType::Bf16);
-        for l in [cfg.forward_layout(), cfg.backward_layout()] {
-            let mut end = 0;
-            for b in &l.buffers {
-                assert_eq!(b.offset % 16, 0, "{b:?}");
-                assert!(b.offset >= end, "{b:?} overlaps");
-                end = b.offset + b.bytes;
+        for cfg in [
+            CudaTiles::for_problem(40, 40, CudaDType::Bf16),
+            CudaTiles::for_problem(40, 24, CudaDType::Bf16),
+            CudaTiles::for_problem(576, 512, CudaDType::F32),
+        ] {
+            for l in [cfg.forward_layout(), cfg.backward_layout()] {
+                let mut end = 0;
+                for b in &l.buffers {
+                    assert_eq!(b.offset % 16, 0, "{b:?}");
+                    assert!(b.offset >= end, "{b:?} overlaps");
+                    end = b.offset + b.bytes;
+                }
+                assert!(l.bytes() >= end);
             }
-            assert!(l.bytes() >= end);
         }
     }
 }
