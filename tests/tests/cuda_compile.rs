@@ -13,8 +13,10 @@
 //! backward, at one (dtype, head dim) each, cycling so that every dtype meets
 //! every head dim across the variants; and the variant that uses every
 //! language feature at every dtype × head dim 40, 64, 128 (compute_90 →
-//! sm_90) and 80, 96, 256 (compute_80 PTX assembled for sm_80 and sm_90).
-//! `BOOSTR_CUDA_FULL=1` compiles every variant at every dtype × 40, 64, 128.
+//! sm_90), 80, 96, 256 and the value head dims of their own `D/Dv` 192/128,
+//! 576/512 (MLA), 128/64, 64/32 (compute_80 PTX assembled for sm_80 and
+//! sm_90). `BOOSTR_CUDA_FULL=1` compiles every variant at every dtype × 40,
+//! 64, 128.
 //!
 //! A second test runs the kernels on a host emulation against the f64
 //! reference (needs a C++20 compiler: `BOOSTR_CXX`, or `c++`/`g++` on PATH).
@@ -64,6 +66,10 @@ const HEAD_DIMS: [u32; 3] = [40, 64, 128];
 /// Head dims the full-language variant is also compiled for, on both archs
 /// (from one compute_80 PTX).
 const EXTRA_HEAD_DIMS: [u32; 3] = [80, 96, 256];
+/// `(D, Dv)` pairs with values of their own head dim the full-language
+/// variant is compiled for, on both archs: DeepSeek MLA's prefill and
+/// absorbed decode, and two halved pairs.
+const VALUE_DIM_PAIRS: [(u32, u32); 4] = [(192, 128), (576, 512), (128, 64), (64, 32)];
 
 /// One NVRTC compilation, assembled for some architectures.
 #[derive(Clone)]
@@ -128,6 +134,9 @@ fn jobs(n_variants: usize, everything: usize, full: bool) -> Vec<Job> {
         }
         for d in EXTRA_HEAD_DIMS {
             push(everything, dtype, (d, d), both);
+        }
+        for dims in VALUE_DIM_PAIRS {
+            push(everything, dtype, dims, both);
         }
     }
     jobs
@@ -1310,6 +1319,7 @@ fn host_emulation_matches_the_reference() {
         causal: true,
         alibi: true,
     };
+    let everything_dv = everything.clone();
     let cases = [
         host_case(everything.clone(), CudaDType::F32, problem(70, 97, 40)),
         host_case(everything.clone(), CudaDType::F16, problem(70, 97, 40)),
@@ -1448,6 +1458,81 @@ fn host_emulation_matches_the_reference() {
             },
             CudaDType::F32,
             problem(20, 20, 64),
+        ),
+        // Values of their own head dim (Dv ≠ D): q, k, dq, dk rows of D,
+        // v, out, dout, dv rows of Dv, on every dtype, with GQA and Sq ≠ Sk.
+        host_case(
+            everything_dv.clone(),
+            CudaDType::F32,
+            problem(70, 97, 40).with_head_dim_v(24),
+        ),
+        misaligned(host_case(
+            everything_dv.clone(),
+            CudaDType::F16,
+            problem(70, 97, 40).with_head_dim_v(24),
+        )),
+        host_case(
+            everything_dv,
+            CudaDType::Bf16,
+            problem(70, 97, 40).with_head_dim_v(24),
+        ),
+        // MLA prefill.
+        host_case(
+            Causal,
+            CudaDType::Bf16,
+            problem(33, 80, 192).with_head_dim_v(128),
+        ),
+        // Values wider than the keys, with a learnable tensor.
+        host_case(
+            T5Bias {
+                buckets: data(problem(45, 61, 32), 9).learnable(&[4, 32], -1.0, 1.0),
+            },
+            CudaDType::F16,
+            problem(45, 61, 32).with_head_dim_v(48),
+        ),
+        // The widest tiles on CUDA cores (W > 256), values narrower.
+        host_case(
+            Softcap { cap: 8.0 },
+            CudaDType::F32,
+            Problem::new(1, (2, 1), (9, 21), 280).with_head_dim_v(40),
+        ),
+        // Absorbed MLA decode: one token of 16 query heads on one latent kv
+        // head, in key splits.
+        split(
+            host_case(
+                Softcap { cap: 30.0 },
+                CudaDType::Bf16,
+                Problem::new(1, (16, 1), (1, 300), 576).with_head_dim_v(512),
+            ),
+            3,
+        ),
+        // Learned sinks over key splits.
+        split(
+            host_case(
+                CausalSlidingWindowSinks {
+                    window: 5,
+                    sinks: data(problem(2, 300, 64), 10).learnable(&[4], -2.0, 2.0),
+                },
+                CudaDType::F16,
+                problem(2, 300, 64).with_head_dim_v(32),
+            ),
+            3,
+        ),
+        // A KV cache (the backward too) and pages in splits.
+        host_cache_case(
+            CausalSlidingWindow { window: 50 },
+            Problem::new(5, (4, 1), (3, 192), 64).with_head_dim_v(32),
+            &[0, 1, 64, 192, 100],
+            None,
+        ),
+        split(
+            host_cache_case(
+                Causal,
+                Problem::new(3, (4, 2), (4, 192), 64).with_head_dim_v(32),
+                &[5, 192, 77],
+                Some(24),
+            ),
+            4,
         ),
     ];
     let next = AtomicUsize::new(0);
