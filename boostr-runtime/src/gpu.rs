@@ -273,19 +273,6 @@ impl<R: Runtime<DType = DType>> BackwardOperands<R> {
     }
 }
 
-/// The GPU kernels read values of the keys' head dim: `Dv ≠ D` is
-/// [`Error::LayoutUnsupported`] (the CPU runs it).
-pub(crate) fn same_value_dim(p: &Problem, backend: &'static str) -> Result<()> {
-    if p.head_dim_v == p.head_dim {
-        Ok(())
-    } else {
-        Err(Error::LayoutUnsupported {
-            backend,
-            layout: "values of another head dim than the keys (Dv ≠ D)",
-        })
-    }
-}
-
 /// Whether a backward computes the gradient of some learnable tensor.
 pub(crate) fn learns<V: Variant>(wanted: &[bool]) -> bool {
     V::LEARNABLE.iter().zip(wanted).any(|(_, &w)| w)

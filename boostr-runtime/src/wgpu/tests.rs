@@ -329,7 +329,7 @@ fn kv_caches_and_pages_match_the_cpu() {
                     table[s * max_pages + lp] = page as i32;
                 }
                 // Rows `ps` at a time, of `w` elements each.
-                let mut copy = |dst: &mut [f32], src: &[f32], w: usize| {
+                let copy = |dst: &mut [f32], src: &[f32], w: usize| {
                     let (from, to) = ((s * cap + lp * ps) * w, page * ps * w);
                     dst[to..to + ps * w].copy_from_slice(&src[from..from + ps * w]);
                 };
