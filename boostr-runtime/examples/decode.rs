@@ -3,8 +3,10 @@
 //! read bandwidth, measured in the same run between the decode runs.
 //!
 //! ```text
-//! cargo run --release -p boostr-runtime --example decode [-- reps]
+//! cargo run --release -p boostr-runtime --example decode [-- reps [mla]]
 //! ```
+//!
+//! (`mla`: only the absorbed-MLA decode.)
 //!
 //! Shapes: `Hq = 32`, `Hkv = 8`, `D = 128`, `stock::Causal`, for (B, Sk) in
 //! (1, 4k), (1, 16k), (1, 64k), (8, 4k), (8, 16k), with f32 tensors
@@ -48,14 +50,17 @@ fn main() -> BoxResult<()> {
     // unbound workers woken together can share a CPU for a while.
     let threads = boostr_runtime::cpu::pin_threads(None)?;
     let reader = Reader::new();
+    let device = CpuDevice::new();
+    let mut rng = Rng::new(23, 0);
+    if std::env::args().nth(2).as_deref() == Some("mla") {
+        return mla(&device, &mut rng, &reader, reps);
+    }
     println!(
         "CPU decode, Sq = 1, Hq = {HQ}, Hkv = {HKV}, D = {D}, causal, {threads} threads (bound), \
          median of {reps}; read bandwidth: 1 GiB read by all threads before each run"
     );
     println!("| dtype | B | Sk | time | K/V bandwidth | read bandwidth | of read |");
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
-    let device = CpuDevice::new();
-    let mut rng = Rng::new(23, 0);
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         for (b, sk) in SHAPES {
             let q = tensor(&mut rng, &[b, HQ, 1, D], dtype, &device)?;

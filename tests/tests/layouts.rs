@@ -11,8 +11,8 @@
 use boostr_runtime::stock::{Alibi, Causal};
 use boostr_runtime::testing::{CpuRuntime, Rng};
 use boostr_runtime::{
-    AttentionOptions, Error, KvCache, PagedKvCache, Variant, attention_bwd, attention_fwd,
-    attention_fwd_cache, attention_fwd_paged,
+    AttentionOptions, Error, KvCache, KvScales, PagedKvCache, Variant, attention_bwd,
+    attention_fwd, attention_fwd_cache, attention_fwd_paged,
 };
 use numr::dtype::DType;
 use numr::runtime::cpu::CpuDevice;
@@ -127,6 +127,50 @@ fn values_as_a_view_of_the_keys_are_read_in_place() {
             attention_fwd_cache(&Causal, &q, &cache(&v_copy), &opts).expect("the copy");
         same_bits(&format!("cache out {dtype:?}"), &out, &want);
         same_bits(&format!("cache lse {dtype:?}"), &lse, &want_lse);
+    }
+}
+
+/// An fp8 E4M3 latent cache whose first 512 columns are V, 16 query heads
+/// (the decode kernel's block products, V read from K's widened block):
+/// the bits of V copied out, with one scale for K and V, and with V's
+/// scale apart from K's (V then widened on its own).
+#[test]
+fn fp8_values_as_a_view_of_the_keys_give_the_bits_of_a_copy() {
+    let (b, hq, sk, d, dv) = (1, 16, 300, 576, 512);
+    let mut rng = Rng::new(0x318, 0);
+    let bytes: Vec<u8> = rng
+        .normal_f32(b * sk * d, 8.0)
+        .iter()
+        .map(|&x| numr::dtype::FP8E4M3::from_f32(x).0)
+        .collect();
+    let device = CpuDevice::new();
+    let latent = T::from_bytes(&bytes, &[b, 1, sk, d], DType::FP8E4M3, &device).expect("fp8");
+    let q = typed(
+        &rng.normal_f32(b * hq * d, 1.0),
+        &[b, hq, 1, d],
+        DType::BF16,
+    );
+    let v = latent.narrow(3, 0, dv).expect("a view");
+    let v_copy = v.contiguous().expect("a copy");
+    let lengths = T::from_slice(&[sk as i32 - 7], &[b], &device).expect("lengths");
+    let scale = |x: f32| T::from_slice(&[x], &[1], &device).expect("a scale");
+    let (k_scale, v_scale) = (scale(0.125), scale(0.0625));
+    for v_scale in [&k_scale, &v_scale] {
+        let cache = |v| KvCache {
+            k: &latent,
+            v,
+            lengths: &lengths,
+            scales: Some(KvScales::PerHead {
+                k: &k_scale,
+                v: v_scale,
+            }),
+        };
+        let opts = AttentionOptions::default();
+        let (out, lse) = attention_fwd_cache(&Causal, &q, &cache(&v), &opts).expect("the view");
+        let (want, want_lse) =
+            attention_fwd_cache(&Causal, &q, &cache(&v_copy), &opts).expect("the copy");
+        same_bits("fp8 cache out", &out, &want);
+        same_bits("fp8 cache lse", &lse, &want_lse);
     }
 }
 

@@ -9,11 +9,15 @@
 //! are one packed block (row `r = hh · Sq + i` is query row `i` of head
 //! `hkv · G + hh`; they are consecutive in `q`), so each key block of K and
 //! V is read from memory once for the whole group. Per key block (the
-//! variant's key tile): its `Kᵀ` into a cache-resident scratch, `S = scale ·
-//! Q Kᵀ` for all `R` rows (one tile product), `score` and `mask` at the
-//! rows' true positions (each head classified on its own: an empty head
-//! gets no arithmetic but the product), the online softmax per row, then
-//! `O += P V`.
+//! variant's key tile): `Sᵀ = scale · K Qᵀ` for all `R` rows (one tile
+//! product over K's rows where they lie, widened row by row first where the
+//! cache is 16-bit or fp8, against `Qᵀ` transposed once per task), `S` its
+//! small `R × Bk` transpose, `score` and `mask` at the rows' true positions
+//! (each head classified on its own: an empty head gets no arithmetic but
+//! the product), the online softmax per row, then `O += P V`. V as a view
+//! of K (absorbed MLA: its leading columns) is read from K's widened block.
+//! Each score is the same fused sum over `d` in order as `Q Kᵀ` would
+//! make it: the layout of the product changes no bit.
 //!
 //! Split-KV: when `B · Hkv` tasks cannot keep the threads busy, each (batch,
 //! kv head)'s keys are cut into chunks of whole key blocks ([`chunks`]),
@@ -33,7 +37,7 @@
 
 use super::aligned::Aligned;
 use super::elem::Stored;
-use super::gemm::{MatMut, MatRef, Write, matmul};
+use super::gemm::{MatMut, MatRef, Write, matmul, transpose};
 use super::gemv;
 use super::math;
 use super::operand::{Operand, Rows};
@@ -208,13 +212,16 @@ pub(super) fn forward<V: HostVariant>(
         });
 }
 
-/// Per-task scratch: one key block's `Kᵀ` and the block's scores, the
-/// rows' running sums per lane and rescale factors, a guarded V block, and
-/// the widened V block of a 16-bit cache.
+/// Per-task scratch: the rows' `Qᵀ`, one key block widened (a 16-bit or
+/// fp8 cache), the block's scores and their transpose, the rows' running
+/// sums per lane and rescale factors, a guarded V block, and the widened V
+/// block of a 16-bit or fp8 cache.
 struct Scratch {
-    kt: Aligned<f32>,
+    qt: Aligned<f32>,
+    k_wide: Aligned<f32>,
     v_wide: Aligned<f32>,
     s: Aligned<f32>,
+    st: Aligned<f32>,
     l: Vec<math::Lanes>,
     alpha: Vec<f32>,
     classes: Vec<TileClass>,
@@ -224,9 +231,11 @@ struct Scratch {
 impl Scratch {
     fn new(tiles: CpuTiles, rows: usize, (d, dv): (usize, usize)) -> Self {
         Scratch {
-            kt: Aligned::zeroed(d * tiles.kv),
+            qt: Aligned::zeroed(d * rows),
+            k_wide: Aligned::zeroed(d * tiles.kv),
             v_wide: Aligned::zeroed(dv * tiles.kv),
             s: Aligned::zeroed(rows * tiles.kv),
+            st: Aligned::zeroed(rows * tiles.kv),
             l: vec![[0.0; math::LANES]; rows],
             alpha: vec![0.0; rows],
             classes: Vec::new(),
@@ -323,19 +332,28 @@ impl<V: HostVariant> Task<'_, V> {
         let dv = p.head_dim_v;
         let rows = g * sq;
         let s = &mut sc.s[..rows * cols];
+        // Where K's block was widened into `k_wide`.
+        let mut widened = false;
         if gemv {
             gemv::scores(self.q, d, k, p.scale, s, ahead);
         } else {
-            // Kᵀ, widened on the way where the cache is 16-bit.
-            let kt = &mut sc.kt[..d * cols];
-            k[0].transpose(kt, cols);
+            let (kf, k_rs) = match k[0].f32() {
+                Some(kf) => kf,
+                None => {
+                    k[0].widen(&mut sc.k_wide[..cols * d]);
+                    widened = true;
+                    (&sc.k_wide[..cols * d], d)
+                }
+            };
+            let st = &mut sc.st[..cols * rows];
             matmul(
-                MatMut::row_major(s, rows, cols),
+                MatMut::row_major(st, cols, rows),
                 Write::Overwrite,
-                MatRef::row_major(self.q, rows, d),
-                MatRef::row_major(kt, d, cols),
+                MatRef::strided(kf, cols, d, k_rs),
+                MatRef::row_major(&sc.qt[..d * rows], d, rows),
                 p.scale,
             );
+            transpose(st, cols, rows, s, cols);
         }
         simd::dispatch(BlockSoftmax {
             task: self,
@@ -374,6 +392,8 @@ impl<V: HostVariant> Task<'_, V> {
         } else {
             let (v, v_rs) = match v[0].f32() {
                 Some(v) => v,
+                // V as a view of K: its leading columns, widened already.
+                None if widened && v[0].leads(k[0]) => (&sc.k_wide[..cols * d], d),
                 None => {
                     v[0].widen(&mut sc.v_wide[..cols * dv]);
                     (&sc.v_wide[..cols * dv], dv)
@@ -399,6 +419,10 @@ impl<V: HostVariant> Task<'_, V> {
         let Partial { m, l, acc } = part;
         sc.l[..rows].fill([0.0; math::LANES]);
         let gemv = rows <= GEMV_ROWS && gemv::available();
+        if !gemv {
+            let d = self.p.head_dim;
+            transpose(self.q, rows, d, &mut sc.qt[..d * rows], rows);
+        }
         // The current and the next block, as runs of rows (pages).
         let (mut k_runs, mut v_runs) = (Vec::new(), Vec::new());
         let (mut k_next, mut v_next) = (Vec::new(), Vec::new());

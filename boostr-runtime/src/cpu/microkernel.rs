@@ -18,7 +18,9 @@
 //! address arithmetic. Column tails use masked loads and stores and run only
 //! their live vectors (the last 16 columns of a head dim of 80 cost one
 //! vector's FMAs, not four), row tails a smaller `MR`; both are const
-//! parameters. Columns are the outer loop, so one
+//! parameters. A product one vector wide (`n ≤ 16`: a decode block's
+//! `Sᵀ = K Qᵀ` for 16 query rows) runs blocks of 12 rows instead, so that
+//! twelve accumulators, not six, cover the FMA latency. Columns are the outer loop, so one
 //! `k × 64` panel of `B` stays in L1 while every row block passes over it.
 //!
 //! Measured single-threaded on a 2-core AVX-512 Xeon, best of 5 × 20 000
@@ -69,6 +71,15 @@ pub(super) struct Operands {
 /// nor `B`. With `accumulate == false`, `C` is only written.
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn matmul(o: Operands) {
+    if o.n <= 16 {
+        // One vector per row (a decode block's `Sᵀ = K Qᵀ` for 16 query
+        // rows): taller blocks, so that twelve accumulators, not six,
+        // cover the FMA latency.
+        let cols = o.n;
+        // SAFETY: as this function's.
+        unsafe { tall_block(o, cols) };
+        return;
+    }
     let mut j0 = 0;
     while j0 < o.n {
         let cols = NR.min(o.n - j0);
@@ -121,6 +132,45 @@ unsafe fn column_block<const V: usize>(o: Operands, cols: usize) {
             }
         }
         i0 += MR;
+    }
+}
+
+/// Rows of `C` per call of [`tall_block`]'s kernel.
+const MR_TALL: usize = 12;
+
+/// [`column_block::<1>`] in blocks of [`MR_TALL`] rows.
+///
+/// # Safety
+/// As [`matmul`], for `cols ≤ 16` columns.
+#[inline(always)]
+unsafe fn tall_block(o: Operands, cols: usize) {
+    let masks = [tail_mask(cols, 0)];
+    let mut i0 = 0;
+    while i0 < o.m {
+        let rows = MR_TALL.min(o.m - i0);
+        // SAFETY: as in `column_block`.
+        unsafe {
+            let block = Operands {
+                c: o.c.add(i0 * o.ldc),
+                a: o.a.add(i0 * o.a_rs),
+                ..o
+            };
+            match rows {
+                12 => block_kernel::<12, 1>(block, masks),
+                11 => block_kernel::<11, 1>(block, masks),
+                10 => block_kernel::<10, 1>(block, masks),
+                9 => block_kernel::<9, 1>(block, masks),
+                8 => block_kernel::<8, 1>(block, masks),
+                7 => block_kernel::<7, 1>(block, masks),
+                6 => block_kernel::<6, 1>(block, masks),
+                5 => block_kernel::<5, 1>(block, masks),
+                4 => block_kernel::<4, 1>(block, masks),
+                3 => block_kernel::<3, 1>(block, masks),
+                2 => block_kernel::<2, 1>(block, masks),
+                _ => block_kernel::<1, 1>(block, masks),
+            }
+        }
+        i0 += MR_TALL;
     }
 }
 

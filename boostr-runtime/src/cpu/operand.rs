@@ -277,6 +277,18 @@ impl<'a> Rows<'a> {
         }
     }
 
+    /// Whether these rows are the leading `dim` columns of `whole`'s rows
+    /// (V as a view of K in absorbed MLA): the same first element, rows,
+    /// stride, element type and scale.
+    pub(crate) fn leads(self, whole: Rows<'_>) -> bool {
+        self.count == whole.count
+            && self.stride == whole.stride
+            && self.dim <= whole.dim
+            && self.scale == whole.scale
+            && std::mem::discriminant(&self.data) == std::mem::discriminant(&whole.data)
+            && self.data.as_bytes().as_ptr() == whole.data.as_bytes().as_ptr()
+    }
+
     /// Whether every element of every row is finite.
     pub(crate) fn all_finite(self) -> bool {
         match self.packed_data() {
