@@ -10,9 +10,10 @@
 //!
 //! Shapes: `Hq = 32`, `Hkv = 8`, `D = 128`, `stock::Causal`, for (B, Sk) in
 //! (1, 4k), (1, 16k), (1, 64k), (8, 4k), (8, 16k), with f32 tensors
-//! (`attention_fwd`), then bf16 and f16 KV caches (`attention_fwd_cache`,
-//! every length full; read as stored, widened in registers; bandwidth
-//! counts their 2-byte elements). Read bandwidth: a 1 GiB buffer read by
+//! (`attention_fwd`), then bf16, f16 and fp8 E4M3 KV caches
+//! (`attention_fwd_cache`, every length full, bf16 queries against fp8
+//! keys; read as stored, widened in registers; bandwidth counts their 2- and
+//! 1-byte elements). Read bandwidth: a 1 GiB buffer read by
 //! all threads at once, one such read before each decode run; each shape's
 //! share is against the median of the reads taken with its runs. Then
 //! DeepSeek-V3's absorbed decode (Hq = 16, Hkv = 1, D = 576, Dv = 512, V
@@ -61,9 +62,14 @@ fn main() -> BoxResult<()> {
     );
     println!("| dtype | B | Sk | time | K/V bandwidth | read bandwidth | of read |");
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
-    for dtype in [DType::F32, DType::BF16, DType::F16] {
+    // An fp8 cache's scale per kv head (its values are drawn 16 times
+    // larger, see `tensor`).
+    let scales = Tensor::<CpuRuntime>::from_slice(&[1.0f32 / 16.0; HKV], &[HKV], &device)?;
+    for dtype in [DType::F32, DType::BF16, DType::F16, DType::FP8E4M3] {
+        let fp8 = dtype == DType::FP8E4M3;
         for (b, sk) in SHAPES {
-            let q = tensor(&mut rng, &[b, HQ, 1, D], dtype, &device)?;
+            let q_dtype = if fp8 { DType::BF16 } else { dtype };
+            let q = tensor(&mut rng, &[b, HQ, 1, D], q_dtype, &device)?;
             let k = tensor(&mut rng, &[b, HKV, sk, D], dtype, &device)?;
             let v = tensor(&mut rng, &[b, HKV, sk, D], dtype, &device)?;
             let lengths = Tensor::<CpuRuntime>::from_slice(&vec![sk as i32; b], &[b], &device)?;
@@ -72,7 +78,10 @@ fn main() -> BoxResult<()> {
                 k: &k,
                 v: &v,
                 lengths: &lengths,
-                scales: None,
+                scales: fp8.then_some(KvScales::PerHead {
+                    k: &scales,
+                    v: &scales,
+                }),
             };
             let mut run = || {
                 let out = if dtype == DType::F32 {

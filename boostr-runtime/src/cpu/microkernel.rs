@@ -274,7 +274,8 @@ pub(super) struct F16s;
 
 impl Load16 for F32s {
     type Elem = f32;
-    #[inline(always)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
     unsafe fn load16(p: *const f32, mask: __mmask16) -> __m512 {
         // SAFETY: the caller's contract.
         unsafe { _mm512_maskz_loadu_ps(mask, p) }
@@ -283,7 +284,8 @@ impl Load16 for F32s {
 
 impl Load16 for Bf16s {
     type Elem = u16;
-    #[inline(always)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
     unsafe fn load16(p: *const u16, mask: __mmask16) -> __m512 {
         // SAFETY: the caller's contract.
         unsafe {
@@ -301,7 +303,8 @@ pub(super) struct E5m2s;
 
 impl Load16 for E4m3s {
     type Elem = u8;
-    #[inline(always)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
     unsafe fn load16(p: *const u8, mask: __mmask16) -> __m512 {
         // SAFETY: the caller's contract.
         unsafe {
@@ -318,7 +321,8 @@ impl Load16 for E4m3s {
 
 impl Load16 for E5m2s {
     type Elem = u8;
-    #[inline(always)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
     unsafe fn load16(p: *const u8, mask: __mmask16) -> __m512 {
         // SAFETY: the caller's contract.
         unsafe {
@@ -330,7 +334,8 @@ impl Load16 for E5m2s {
 
 impl Load16 for F16s {
     type Elem = u16;
-    #[inline(always)]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
     unsafe fn load16(p: *const u16, mask: __mmask16) -> __m512 {
         // SAFETY: the caller's contract.
         unsafe { _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p.cast())) }
