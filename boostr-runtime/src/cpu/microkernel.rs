@@ -308,12 +308,15 @@ impl Load16 for E4m3s {
     unsafe fn load16(p: *const u8, mask: __mmask16) -> __m512 {
         // SAFETY: the caller's contract.
         unsafe {
-            let x = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(mask, p.cast()));
-            let mag = _mm256_and_si256(x, _mm256_set1_epi16(0x7f));
-            let sign = _mm256_slli_epi16::<8>(_mm256_and_si256(x, _mm256_set1_epi16(0x80)));
-            let h = _mm256_or_si256(sign, _mm256_slli_epi16::<7>(mag));
+            let bytes = _mm_maskz_loadu_epi8(mask, p.cast());
+            // Sign-extended, shifted left 7: the sign fills bits 14 and 15,
+            // the magnitude bits 7..=13; bit 14 cleared, the f16 of the
+            // value times 2^-8.
+            let x = _mm256_slli_epi16::<7>(_mm256_cvtepi8_epi16(bytes));
+            let h = _mm256_and_si256(x, _mm256_set1_epi16(0xbfff_u16 as i16));
             let f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0));
-            let nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
+            let mag = _mm_and_si128(bytes, _mm_set1_epi8(0x7f));
+            let nan = _mm_cmpeq_epi8_mask(mag, _mm_set1_epi8(0x7f));
             _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(f32::NAN))
         }
     }
