@@ -9,13 +9,17 @@
 //! order, each looked up by role. Launches go on numr's compute stream; the
 //! variant's fields travel as one by-value parameter block, so a new
 //! parameter value never recompiles. f32, f16 and bf16 inputs; f32
-//! accumulation, lse and `D_i`.
+//! accumulation, lse and `D_i`. The forward also reads fp8 KV caches
+//! (`FP8E4M3` or `FP8E5M2` keys and values, one format for both) in place,
+//! converting them per tile, with their scales per kv head or per page.
 //!
 //! The backward is deterministic: a `D_i = rowsum(dO ∘ O)` pre-pass, then a
 //! dQ kernel over query tiles and a dK/dV kernel over key tiles, each
 //! recomputing `P` from the lse (no float atomics).
 
-use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, KeyLayout, Keys};
+use crate::backend::{
+    AttentionGrads, AttentionRuntime, BackwardTensors, CacheScales, KeyLayout, Keys,
+};
 use crate::error::{BackendError, Error, Result};
 use crate::gpu::{self, ArenaPlan, KernelCache, KeyWords};
 use crate::problem::Problem;
@@ -26,7 +30,7 @@ use cudarc::driver::{CudaFunction, CudaModule, DeviceRepr, LaunchConfig, PushKer
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 use kernels_spec::emit::Target;
 use kernels_spec::emit::cuda::interface::{Kernel, Module};
-use kernels_spec::emit::cuda::{CudaDType, CudaTiles, kernels, source};
+use kernels_spec::emit::cuda::{CudaDType, CudaKv, CudaTiles, kernels, source};
 use kernels_spec::emit::interface::{Arg, Buffer, NO_WORD, Scalar};
 use kernels_spec::params::{ERROR_WORDS, ParamWords};
 use numr::dtype::DType;
@@ -56,12 +60,14 @@ struct Compiled {
     tiles: CudaTiles,
 }
 
-/// (variant, device, head dims `(D, Dv)`, dtype, compute capability, module).
+/// (variant, device, head dims `(D, Dv)`, dtype, how K and V are stored,
+/// compute capability, module).
 type Key = (
     TypeId,
     usize,
     (u32, u32),
     CudaDType,
+    CudaKv,
     (u32, u32),
     &'static str,
 );
@@ -75,6 +81,38 @@ fn cuda_dtype(dtype: DType) -> Option<CudaDType> {
         DType::BF16 => Some(CudaDType::Bf16),
         _ => None,
     }
+}
+
+/// How a forward's keys and values of dtypes `k` and `v` are stored, for
+/// a query of dtype `q`: in `q`'s dtype, or, over a cache with scales
+/// (`scaled`), both in one fp8 format.
+fn kv_storage(q: DType, k: DType, v: DType, scaled: bool) -> Result<CudaKv> {
+    let fp8 = |dtype| match dtype {
+        DType::FP8E4M3 => Some(CudaKv::E4m3),
+        DType::FP8E5M2 => Some(CudaKv::E5m2),
+        _ => None,
+    };
+    let kv = fp8(k).filter(|_| scaled);
+    for (name, dtype) in [("k", k), ("v", v)] {
+        let ok = match kv {
+            Some(kv) => fp8(dtype) == Some(kv),
+            None => dtype == q,
+        };
+        if !ok {
+            return Err(Error::DType {
+                name,
+                dtype,
+                backend: CUDA,
+                supported: match kv {
+                    Some(_) => "the fp8 format of k (k and v both FP8E4M3 or both FP8E5M2)",
+                    None => {
+                        "the dtype of q (all inputs share one dtype, or k and v are an fp8 cache)"
+                    }
+                },
+            });
+        }
+    }
+    Ok(kv.unwrap_or(CudaKv::Elem))
 }
 
 /// NVRTC's target for compute capability `(major, minor)`: real code for
@@ -112,13 +150,13 @@ fn compute_capability(device: usize) -> Result<(u32, u32)> {
     Ok(cc)
 }
 
-/// The compiled `module` of `V` for the problem's head dims and `dtype` on
-/// `client`'s device.
+/// The compiled `module` of `V` for the problem's head dims, `dtype` and
+/// K and V stored as `kv` on `client`'s device.
 fn compiled<V: Variant>(
     client: &CudaClient,
     device: usize,
     p: &Problem,
-    dtype: DType,
+    (dtype, kv): (DType, CudaKv),
     module: &'static Module,
 ) -> Result<Arc<Compiled>> {
     let cc = compute_capability(device)?;
@@ -133,28 +171,33 @@ fn compiled<V: Variant>(
         device,
         gpu::head_dims(p),
         cuda,
+        kv,
         cc,
         module.name,
     );
-    Ok(CACHE.get_or_build(key, || build::<V>(client, p, dtype, cuda, cc, module))?)
+    Ok(CACHE.get_or_build(key, || build::<V>(client, p, dtype, (cuda, kv), cc, module))?)
 }
 
 fn build<V: Variant>(
     client: &CudaClient,
     p: &Problem,
     dtype: DType,
-    cuda: CudaDType,
+    (cuda, kv): (CudaDType, CudaKv),
     cc: (u32, u32),
     module: &'static Module,
 ) -> std::result::Result<Compiled, BackendError> {
     let section = gpu::lowering::<V>(TARGET)?;
     let (d, dv) = gpu::head_dims(p);
-    let default = CudaTiles::for_problem(d, dv, cuda);
+    let default = CudaTiles::for_problem(d, dv, cuda).with_kv(kv);
     let cfg = gpu::tiles::<V, _>(TARGET, default, p, dtype)?;
     let tiling = |error| gpu::tiling(TARGET, p, dtype, error);
     let text = source(section, &[module], &cfg).map_err(tiling)?;
+    let stored = match kv {
+        CudaKv::Elem => String::new(),
+        kv => format!("_kv{}", kv.name()),
+    };
     let name = format!(
-        "boostr_{}_{}_d{d}_dv{dv}_{}.cu",
+        "boostr_{}_{}_d{d}_dv{dv}_{}{stored}.cu",
         V::NAME,
         module.name,
         cuda.name()
@@ -287,6 +330,8 @@ impl Call<'_> {
                 .iter()
                 .find(|(role, _)| *role == b)
                 .map(|(_, t)| Value::Ptr(t.ptr()))
+                // Unbound where it does not apply: null, never read.
+                .or_else(|| b.optional().then_some(Value::Ptr(0)))
                 .ok_or_else(|| launch_error(format!("no tensor is bound to `{}`", b.name()))),
             Arg::Scalar(s) => {
                 let word =
@@ -520,7 +565,7 @@ fn launch<V: Variant>(
     variant: &V,
     p: &Problem,
     like: &Tensor<CudaRuntime>,
-    dtype: DType,
+    dtype: (DType, CudaKv),
     layout: &KeyLayout<'_, CudaRuntime>,
     modules: &[&'static Module],
     buffers: &[(Buffer, &Tensor<CudaRuntime>)],
@@ -544,19 +589,62 @@ fn launch<V: Variant>(
     Ok(arena)
 }
 
+/// An fp8 cache's scales on the device, as the forward reads them: `[Hkv]`
+/// for keys in place, `[pages, Hkv]` for pages (per-head scales repeated
+/// for each of the `pages` pages).
+fn scale_tensors(
+    scales: CacheScales<'_>,
+    layout: &KeyLayout<'_, CudaRuntime>,
+    heads_kv: usize,
+    pages: usize,
+    like: &Tensor<CudaRuntime>,
+) -> Result<[Tensor<CudaRuntime>; 2]> {
+    let upload = |s: &[f32]| -> Result<Tensor<CudaRuntime>> {
+        let per_head_over_pages = layout.pages().is_some() && s.len() == heads_kv;
+        let values = if per_head_over_pages {
+            s.repeat(pages)
+        } else {
+            s.to_vec()
+        };
+        Ok(Tensor::<CudaRuntime>::from_slice(
+            &values,
+            &[values.len()],
+            like.device(),
+        )?)
+    };
+    Ok([upload(scales.k)?, upload(scales.v)?])
+}
+
 /// The forward kernel, over keys of any layout (a cache's lengths and
-/// page table copied into the arena).
+/// page table copied into the arena), in the element type or an fp8
+/// cache's.
 fn forward_over<V: Variant>(
     variant: &V,
     p: &Problem,
     q: &Tensor<CudaRuntime>,
     keys: Keys<'_, CudaRuntime>,
 ) -> Result<(Tensor<CudaRuntime>, Tensor<CudaRuntime>)> {
-    let (q, k, v) = (input("q", q)?, input("k", keys.k)?, input("v", keys.v)?);
-    let dtype = same_dtype(&[("q", &q), ("k", &k), ("v", &v)])?;
+    let q = input("q", q)?;
+    let dtype = q.dtype();
+    let kv = kv_storage(dtype, keys.k.dtype(), keys.v.dtype(), keys.scales.is_some())?;
+    let (k, v) = if kv.fp8() {
+        (keys.k.contiguous()?, keys.v.contiguous()?)
+    } else {
+        (input("k", keys.k)?, input("v", keys.v)?)
+    };
+    let scales = match keys.scales {
+        Some(s) => Some(scale_tensors(
+            s,
+            &keys.layout,
+            p.heads_kv,
+            k.shape()[0],
+            &q,
+        )?),
+        None => None,
+    };
     let client = CudaRuntime::default_client(q.device());
     let module = &kernels::FORWARD_MODULE;
-    let tiles = compiled::<V>(&client, q.device().id(), p, dtype, module)?.tiles;
+    let tiles = compiled::<V>(&client, q.device().id(), p, (dtype, kv), module)?.tiles;
     let splits = forward_splits(&client, p, &tiles);
     let out = alloc(&p.out_shape(), dtype, &q)?;
     let lse = alloc(&p.lse_shape(), DType::F32, &q)?;
@@ -572,7 +660,7 @@ fn forward_over<V: Variant>(
     } else {
         (lse.clone(), lse.clone())
     };
-    let buffers = [
+    let mut buffers = vec![
         (Buffer::Q, &q),
         (Buffer::K, &k),
         (Buffer::V, &v),
@@ -581,11 +669,14 @@ fn forward_over<V: Variant>(
         (Buffer::SplitOut, &split_out),
         (Buffer::SplitLse, &split_lse),
     ];
+    if let Some([k_scale, v_scale]) = &scales {
+        buffers.extend([(Buffer::KScale, k_scale), (Buffer::VScale, v_scale)]);
+    }
     launch(
         variant,
         p,
         &q,
-        dtype,
+        (dtype, kv),
         &keys.layout,
         &[module],
         &buffers,
@@ -658,7 +749,16 @@ impl AttentionRuntime for CudaRuntime {
         } else {
             &[&kernels::BACKWARD_MODULE]
         };
-        let arena = launch(variant, p, q, dtype, &t.keys.layout, modules, &buffers, 1)?;
+        let arena = launch(
+            variant,
+            p,
+            q,
+            (dtype, CudaKv::Elem),
+            &t.keys.layout,
+            modules,
+            &buffers,
+            1,
+        )?;
         let tensors = arena.grads::<V>(t.tensor_grads)?;
         Ok(AttentionGrads {
             dq,
@@ -666,5 +766,32 @@ impl AttentionRuntime for CudaRuntime {
             dv,
             tensors,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// K and V are in q's dtype, or an fp8 cache's one format; anything
+    /// else is a dtype error naming the tensor.
+    #[test]
+    fn keys_and_values_are_q_dtype_or_one_fp8_format() {
+        use DType::{BF16, F16, F32, FP8E4M3 as E4, FP8E5M2 as E5};
+        for q in [F32, F16, BF16] {
+            assert!(matches!(kv_storage(q, q, q, false), Ok(CudaKv::Elem)));
+            assert!(matches!(kv_storage(q, E4, E4, true), Ok(CudaKv::E4m3)));
+            assert!(matches!(kv_storage(q, E5, E5, true), Ok(CudaKv::E5m2)));
+        }
+        let name = |r: Result<CudaKv>| match r {
+            Err(Error::DType { name, .. }) => name,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(name(kv_storage(BF16, E4, E5, true)), "v");
+        assert_eq!(name(kv_storage(F16, E5, F16, true)), "v");
+        // fp8 without scales (dense keys): not a cache.
+        assert_eq!(name(kv_storage(F16, E4, E4, false)), "k");
+        assert_eq!(name(kv_storage(F32, F16, F16, false)), "k");
+        assert_eq!(name(kv_storage(F16, F16, BF16, false)), "v");
     }
 }

@@ -48,6 +48,12 @@ pub enum Buffer {
     SplitOut,
     /// `split_lse [splits, B, Hq, Sq]` f32: each split's lse.
     SplitLse,
+    /// `k_scale` f32, `[Hkv]` (keys in place) or `[pages, Hkv]` (paged):
+    /// the dequantization scales of an fp8 cache's keys. Bound only over
+    /// an fp8 cache ([`Buffer::optional`]).
+    KScale,
+    /// `v_scale`, as [`Buffer::KScale`] for the values.
+    VScale,
 }
 
 /// What a [`Buffer`]'s elements are.
@@ -81,13 +87,20 @@ impl Buffer {
             Buffer::Rows => "rows",
             Buffer::SplitOut => "split_out",
             Buffer::SplitLse => "split_lse",
+            Buffer::KScale => "k_scale",
+            Buffer::VScale => "v_scale",
         }
     }
 
     /// Its element type.
     pub const fn elem(self) -> Elem {
         match self {
-            Buffer::Lse | Buffer::Delta | Buffer::SplitOut | Buffer::SplitLse => Elem::F32,
+            Buffer::Lse
+            | Buffer::Delta
+            | Buffer::SplitOut
+            | Buffer::SplitLse
+            | Buffer::KScale
+            | Buffer::VScale => Elem::F32,
             Buffer::Stats => Elem::F32x2,
             Buffer::Rows => Elem::F32x4,
             _ => Elem::Input,
@@ -106,7 +119,14 @@ impl Buffer {
             Buffer::Rows => "[B, Hq, Sq, 4]",
             Buffer::SplitOut => "[splits, B, Hq, Sq, DV]",
             Buffer::SplitLse => "[splits, B, Hq, Sq]",
+            Buffer::KScale | Buffer::VScale => "[Hkv] or [pages, Hkv]",
         }
+    }
+
+    /// Whether a call binds it only where it applies (the scales of an fp8
+    /// cache): a kernel given none gets a null pointer and never reads it.
+    pub const fn optional(self) -> bool {
+        matches!(self, Buffer::KScale | Buffer::VScale)
     }
 }
 

@@ -62,6 +62,9 @@ __device__ __forceinline__ unsigned short bx_from_f32(float x) {
 #define BX_MMA_OP "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"
 #endif
 __device__ __forceinline__ void bx_put(unsigned short* p, float x) { *p = bx_from_f32(x); }
+// ---- keys and values: stored as the element type ----
+#define BX_KV_FP8 0
+typedef elem_t kv_t;
 
 // ---- IR semantics helpers ----
 __device__ __forceinline__ float bx_inf() { return __int_as_float(0x7f800000); }
@@ -215,40 +218,63 @@ struct BxRowDV {
     static constexpr int LD = LDV;
 };
 
-// Rows [0, ROWS) of a [rows_valid, R::W] block at src into a [ROWS][R::LD]
-// tile, zero-filled past rows_valid and in the padding columns [W, WP). In
-// 16-byte chunks when src is 16-byte aligned (W is a multiple of 8, so every
-// row and every chunk is, and a chunk is all data or all padding); element
-// by element otherwise.
-template <int ROWS, int NT, typename R>
-__device__ __forceinline__ void bx_load_rows(elem_t* dst, const elem_t* __restrict__ src, int rows_valid) {
-    constexpr int VEC = 16 / (int)sizeof(elem_t);
+// An element as a tile holds it (fp8 K/V bytes have their own overload).
+__device__ __forceinline__ elem_t bx_staged(elem_t x) { return x; }
+
+// Rows [0, ROWS) of a tile from rows of R::W elements of type S (elem_t,
+// or an fp8 cache's bytes, converted as they are staged), tile row r being
+// row row(r) of src, into a [ROWS][R::LD] tile, zero-filled past rows_valid
+// and in the padding columns [W, WP); row(r) is asked only below
+// rows_valid. In chunks of 16 bytes (elem_t) or 8 (fp8: 8 elements) when
+// src is so aligned (W is a multiple of 8, so every row and every chunk
+// is, and a chunk is all data or all padding); element by element
+// otherwise.
+template <int ROWS, int NT, typename R, typename S, typename Row>
+__device__ __forceinline__ void bx_stage_rows(elem_t* dst, const S* __restrict__ src, int rows_valid, Row row) {
+    constexpr bool BYTES = sizeof(S) == 1;
+    constexpr int VEC = BYTES ? 8 : 16 / (int)sizeof(elem_t);
     constexpr int CHUNKS = R::WP / VEC;
-    static_assert(R::W % VEC == 0 && R::WP % VEC == 0, "rows are whole 16-byte chunks");
-    if ((reinterpret_cast<size_t>(src) & 15) == 0) {
+    static_assert(R::W % VEC == 0 && R::WP % VEC == 0, "rows are whole chunks");
+    if ((reinterpret_cast<size_t>(src) & (VEC * sizeof(S) - 1)) == 0) {
         for (int e = threadIdx.x; e < ROWS * CHUNKS; e += NT) {
             const int r = e / CHUNKS;
             const int c = (e - r * CHUNKS) * VEC;
-            uint4 x = make_uint4(0u, 0u, 0u, 0u);
-            if (r < rows_valid && c < R::W) x = *reinterpret_cast<const uint4*>(src + (size_t)r * R::W + c);
-#if BX_MMA
-            *reinterpret_cast<uint4*>(dst + r * R::LD + c) = x; // rows are 16-byte aligned (LD % 8 == 0)
-#else
-            dst[r * R::LD + c] = __uint_as_float(x.x); // LD is odd: no vector store
-            dst[r * R::LD + c + 1] = __uint_as_float(x.y);
-            dst[r * R::LD + c + 2] = __uint_as_float(x.z);
-            dst[r * R::LD + c + 3] = __uint_as_float(x.w);
+            const bool live = r < rows_valid && c < R::W;
+#if BX_KV_FP8
+            if constexpr (BYTES) {
+                uint2 x = make_uint2(0u, 0u);
+                if (live) x = *reinterpret_cast<const uint2*>(src + row(r) * R::W + c);
+                bx_stage8(dst + r * R::LD + c, x);
+            } else
 #endif
+            {
+                uint4 x = make_uint4(0u, 0u, 0u, 0u);
+                if (live) x = *reinterpret_cast<const uint4*>(src + row(r) * R::W + c);
+#if BX_MMA
+                *reinterpret_cast<uint4*>(dst + r * R::LD + c) = x; // rows are 16-byte aligned (LD % 8 == 0)
+#else
+                dst[r * R::LD + c] = __uint_as_float(x.x); // LD is odd: no vector store
+                dst[r * R::LD + c + 1] = __uint_as_float(x.y);
+                dst[r * R::LD + c + 2] = __uint_as_float(x.z);
+                dst[r * R::LD + c + 3] = __uint_as_float(x.w);
+#endif
+            }
         }
     } else {
         for (int e = threadIdx.x; e < ROWS * R::WP; e += NT) {
             const int r = e / R::WP;
             const int c = e - r * R::WP;
             elem_t x = (elem_t)0;
-            if (r < rows_valid && c < R::W) x = src[(size_t)r * R::W + c];
+            if (r < rows_valid && c < R::W) x = bx_staged(src[row(r) * R::W + c]);
             dst[r * R::LD + c] = x;
         }
     }
+}
+
+// Rows [0, ROWS) of a contiguous [rows_valid, R::W] block at src.
+template <int ROWS, int NT, typename R, typename S>
+__device__ __forceinline__ void bx_load_rows(elem_t* dst, const S* __restrict__ src, int rows_valid) {
+    bx_stage_rows<ROWS, NT, R>(dst, src, rows_valid, [](int r) { return (size_t)r; });
 }
 
 // ROWS floats from src (valid ones) into dst, `fill` past rows_valid.
@@ -496,31 +522,40 @@ struct BxAcc {
 // ---- forward (FlashAttention-2 schedule) ----
 // Key rows k0 .. k0 + ROWS of kv head hk from pages, as bx_load_rows loads
 // them from a contiguous block: logical key j is slot j % page_size of page
-// captures[table + j / page_size] of src [pages, Hkv, page_size, R::W].
-// Element by element (a tile's rows may span pages); zeros past rows_valid.
-template <int ROWS, int NT, typename R>
-__device__ __forceinline__ void bx_load_paged(elem_t* dst, const elem_t* __restrict__ src,
+// captures[table + j / page_size] of src [pages, Hkv, page_size, R::W]. A
+// row lies in one page, so rows are staged in whole chunks; zeros past
+// rows_valid (whose table entries are never read).
+template <int ROWS, int NT, typename R, typename S>
+__device__ __forceinline__ void bx_load_paged(elem_t* dst, const S* __restrict__ src,
                                               const unsigned* __restrict__ captures, unsigned table, int page_size,
                                               int hk, int heads_kv, int k0, int rows_valid) {
-    for (int e = threadIdx.x; e < ROWS * R::WP; e += NT) {
-        const int r = e / R::WP;
-        const int c = e - r * R::WP;
-        elem_t x = (elem_t)0;
-        if (r < rows_valid && c < R::W) {
-            const int j = k0 + r;
-            const size_t page = captures[table + (unsigned)(j / page_size)];
-            x = src[((page * heads_kv + hk) * (size_t)page_size + (size_t)(j % page_size)) * R::W + c];
-        }
-        dst[r * R::LD + c] = x;
-    }
+    bx_stage_rows<ROWS, NT, R>(dst, src, rows_valid, [&](int r) {
+        const int j = k0 + r;
+        const size_t page = captures[table + (unsigned)(j / page_size)];
+        return (page * heads_kv + hk) * (size_t)page_size + (size_t)(j % page_size);
+    });
 }
+
+#if BX_KV_FP8
+// Where key j's scales are in k_scale and v_scale: its kv head's ([Hkv],
+// keys in place), or its page's ([pages, Hkv], page · Hkv + hk).
+__device__ __forceinline__ size_t bx_kv_scale_at(const unsigned* __restrict__ captures, unsigned table,
+                                                 int page_size, int hk, int heads_kv, int j) {
+    if (page_size == 0) return (size_t)hk;
+    return (size_t)captures[table + (unsigned)(j / page_size)] * heads_kv + hk;
+}
+#endif
 
 // Online softmax over one tile of scores, one warp per row: turns scores
 // into probabilities exp(s - m_new) (in S, and as 16-bit in P on tensor
 // cores), updates the running max and sum, and leaves each row's rescale
 // factor exp(m_old - m_new) in row_a. A row with nothing visible yet keeps
-// m = -inf, sum 0, and gets P = 0 (never exp(-inf - -inf) = NaN).
-__device__ __forceinline__ void bx_online_softmax(float* S, elem_t* P, float* row_m, float* row_l, float* row_a) {
+// m = -inf, sum 0, and gets P = 0 (never exp(-inf - -inf) = NaN). Over an
+// fp8 cache, column j of P (the operand of P·V, not the sum) is scaled by
+// vf[j], its key's V factor.
+__device__ __forceinline__ void bx_online_softmax(float* S, elem_t* P, float* row_m, float* row_l, float* row_a,
+                                                  const float* vf) {
+    (void)vf;
     const int lane = threadIdx.x & 31;
     for (int i = threadIdx.x >> 5; i < BQ; i += FWD_THREADS / 32) {
         float* s = S + i * FWD_LDS;
@@ -540,9 +575,14 @@ __device__ __forceinline__ void bx_online_softmax(float* S, elem_t* P, float* ro
             alpha = expf(m_old - m_new);
             for (int j = lane; j < BKV; j += 32) {
                 const float p = expf(s[j] - m_new);
-                s[j] = p;
-                if (BX_MMA) P[i * FWD_LDP + j] = bx_from_f32(p);
                 sum += p;
+#if BX_KV_FP8
+                const float pv = p * vf[j];
+#else
+                const float pv = p;
+#endif
+                s[j] = pv;
+                if (BX_MMA) P[i * FWD_LDP + j] = bx_from_f32(pv);
             }
             sum = bx_warp_sum(sum);
         }
@@ -557,8 +597,8 @@ __device__ __forceinline__ void bx_online_softmax(float* S, elem_t* P, float* ro
 extern "C" __global__ void __launch_bounds__(FWD_THREADS, 1)
 boostr_attn_fwd(
     const elem_t* __restrict__ q,
-    const elem_t* __restrict__ k,
-    const elem_t* __restrict__ v,
+    const kv_t* __restrict__ k,
+    const kv_t* __restrict__ v,
     elem_t* __restrict__ out,
     float* __restrict__ lse,
     int batch,
@@ -574,6 +614,8 @@ boostr_attn_fwd(
     float* __restrict__ split_out,
     float* __restrict__ split_lse,
     int splits,
+    const float* __restrict__ k_scale,
+    const float* __restrict__ v_scale,
     Params params,
     unsigned* __restrict__ captures) {
     extern __shared__ __align__(16) unsigned char bx_smem[];
@@ -592,6 +634,12 @@ boostr_attn_fwd(
     float* row_l = reinterpret_cast<float*>(bx_smem + FWD_ROW_L);
     float* row_a = reinterpret_cast<float*>(bx_smem + FWD_ROW_A);
     int* s_seen = reinterpret_cast<int*>(bx_smem + FWD_SEEN);
+#if BX_KV_FP8
+    float* s_kf = reinterpret_cast<float*>(bx_smem + FWD_KF); // per key: K scale · KV_UNIT
+    float* s_vf = reinterpret_cast<float*>(bx_smem + FWD_VF); // per key: V scale / v_ref
+#else
+    const float* s_vf = nullptr;
+#endif
 
     // The block's rows: packed row r is row r % seq_q of query head
     // hk·g + r / seq_q (the kv head's whole GQA group, so one pass over its
@@ -609,6 +657,15 @@ boostr_attn_fwd(
     const size_t q_row0 = ((size_t)b * heads_q + (size_t)hk * g) * (size_t)seq_q + r0;
     const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k;
     const unsigned table = (unsigned)kv_pages + (unsigned)b * (unsigned)max_pages;
+#if BX_KV_FP8
+    // The V scale of the sequence's first key: P's columns carry each key's
+    // V scale relative to it (1 where they are equal: P keeps its range in
+    // f16), the output the rest. Not read without keys.
+    const float v_ref = sk > 0 ? v_scale[bx_kv_scale_at(captures, table, page_size, hk, heads_kv, 0)] : 1.0f;
+    const float out_factor = v_ref * KV_UNIT;
+#else
+    const float out_factor = 1.0f;
+#endif
 
     bx_load_rows<BQ, FWD_THREADS, BxRowD>(sQ, q + q_row0 * D, packed - r0);
     // The sink is one more logit with no value: the running max and sum of
@@ -651,7 +708,20 @@ boostr_attn_fwd(
             bx_load_paged<BKV, FWD_THREADS, BxRowD>(sK, k, captures, table, page_size, hk, heads_kv, k0, sk - k0);
             bx_load_paged<BKV, FWD_THREADS, BxRowDV>(sV, v, captures, table, page_size, hk, heads_kv, k0, sk - k0);
         }
-        for (int j = threadIdx.x; j < BKV; j += FWD_THREADS) s_seen[j] = 0;
+        for (int j = threadIdx.x; j < BKV; j += FWD_THREADS) {
+            s_seen[j] = 0;
+#if BX_KV_FP8
+            float kf = 0.0f;
+            float vf = 0.0f;
+            if (k0 + j < sk) {
+                const size_t at = bx_kv_scale_at(captures, table, page_size, hk, heads_kv, k0 + j);
+                kf = k_scale[at] * KV_UNIT;
+                vf = __fdiv_rn(v_scale[at], v_ref);
+            }
+            s_kf[j] = kf;
+            s_vf[j] = vf;
+#endif
+        }
         __syncthreads();
         bx_dot_tile<BQ, BKV, FWD_LDS, FWD_THREADS, BxRowD>(sQ, sK, sS);
         __syncthreads();
@@ -664,12 +734,17 @@ boostr_attn_fwd(
             const int kp = k0 + j;
             const bool vis = bx_visible(params, captures, cls, b, h, r, kp, packed, sk, qp, kp);
             if (vis) s_seen[j] = 1;
+#if BX_KV_FP8
+            const float raw = __fmul_rn(sS[i * FWD_LDS + j], s_kf[j]); // the key's K scale
+#else
+            const float raw = sS[i * FWD_LDS + j];
+#endif
             float x;
-            sS[i * FWD_LDS + j] = bx_score_at(params, captures, sS[i * FWD_LDS + j], scale, vis, b, h, qp, kp, x);
+            sS[i * FWD_LDS + j] = bx_score_at(params, captures, raw, scale, vis, b, h, qp, kp, x);
         }
         __syncthreads();
         if (cls != TILE_FULL) bx_zero_unseen<BKV, FWD_THREADS, BxRowDV>(sV, s_seen); // read after the softmax's barrier
-        bx_online_softmax(sS, sP, row_m, row_l, row_a);
+        bx_online_softmax(sS, sP, row_m, row_l, row_a, s_vf);
         __syncthreads();
         acc.scale_rows(row_a);
         acc.template add<BKV, LDPA, 1>(sP, sV);
@@ -687,9 +762,9 @@ boostr_attn_fwd(
     }
     __syncthreads();
     if (n_split > 1) {
-        acc.store(split_out + at * DV, packed - r0, row_a, 1.0f);
+        acc.store(split_out + at * DV, packed - r0, row_a, out_factor);
     } else {
-        acc.store(out + at * DV, packed - r0, row_a, 1.0f);
+        acc.store(out + at * DV, packed - r0, row_a, out_factor);
     }
 }
 

@@ -4,7 +4,7 @@
 //! from it by role, and [`Display`] writes the launch contract.
 
 use super::CudaTiles;
-use crate::emit::interface::{Access, Arg, Elem, Extent, GridTooLarge, Sizes};
+use crate::emit::interface::{Access, Arg, Buffer, Elem, Extent, GridTooLarge, Sizes};
 use std::fmt::{self, Display, Formatter};
 
 /// A tile size of [`CudaTiles`] that launch geometry counts in.
@@ -70,7 +70,8 @@ pub struct Kernel {
     /// The entry point's name.
     pub entry: &'static str,
     /// Its arguments, in order: buffers are `E*` (`const` when read only)
-    /// or `float*`, sizes `int`, the scale `float`, the parameter block the
+    /// or `float*`, `k` and `v` read as `kv_t*` (`E`, or an fp8 cache's
+    /// bytes), sizes `int`, the scale `float`, the parameter block the
     /// 128-byte `Params` struct by value.
     pub args: &'static [Arg],
     /// Blocks along x, y, z.
@@ -137,6 +138,8 @@ impl Kernel {
 
 fn c_type(arg: Arg) -> &'static str {
     match arg {
+        // K and V as stored: the element type, or an fp8 cache's bytes.
+        Arg::Buffer(Buffer::K | Buffer::V, Access::Read) => "const kv_t* __restrict__",
         Arg::Buffer(b, access) => match (b.elem(), access) {
             (Elem::Input, Access::Read) => "const elem_t* __restrict__",
             (Elem::Input, Access::ReadWrite) => "elem_t* __restrict__",

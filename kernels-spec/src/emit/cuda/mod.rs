@@ -37,6 +37,22 @@
 //! ([`ParamWords`](crate::params::ParamWords)). `B, Hq, Hkv ≤ 65535` (grid
 //! y/z), `Hq % Hkv == 0`.
 //!
+//! # fp8 KV caches (forward)
+//!
+//! With [`CudaTiles::kv`] an fp8 format ([`CudaKv::E4m3`],
+//! [`CudaKv::E5m2`]), the forward reads `k` and `v` as the cache stores
+//! them, one byte an element (`kv_t`), and converts each row to `E` while
+//! staging it into shared memory (exact: every E4M3 and E5M2 value is an
+//! f16, a bf16 and an f32), so the tiles, the products and the shared
+//! memory sizes are those of `E`. The dequantization scales come as two
+//! f32 arguments, `k_scale` and `v_scale`: `[Hkv]` for keys in place,
+//! `[pages, Hkv]` for pages (`page · Hkv + h`; per-head scales repeated per
+//! page). A key's K scale multiplies its column of raw scores, its V scale
+//! its column of `P` before `P·V` (relative to the block's first key's, which
+//! multiplies the output: `P` stays in range in f16 whatever the scales),
+//! never the row sums. Without fp8 both are null and never read. The
+//! backward reads K and V in `E` only (fp8 caches are for inference).
+//!
 //! Dynamic shared memory may exceed 48 KiB: before the first launch set
 //! `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES` to it
 //! (`cuFuncSetAttribute`); [`CudaTiles::validate`] keeps it within
@@ -111,6 +127,36 @@ impl CudaDType {
     }
 }
 
+/// How the forward's `k` and `v` are stored: in the element type, or as
+/// the bytes of an fp8 KV cache (converted to the element type per tile,
+/// with per kv head or per page scales; see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum CudaKv {
+    /// The element type ([`CudaDType`]), as q.
+    #[default]
+    Elem,
+    /// fp8 E4M3 (bias 7, no infinities, NaN `S.1111.111`).
+    E4m3,
+    /// fp8 E5M2 (bias 15: the upper byte of an f16).
+    E5m2,
+}
+
+impl CudaKv {
+    /// Whether K and V are fp8 bytes.
+    pub fn fp8(self) -> bool {
+        self != CudaKv::Elem
+    }
+
+    /// Lower-case name (`elem`, `e4m3`, `e5m2`).
+    pub fn name(self) -> &'static str {
+        match self {
+            CudaKv::Elem => "elem",
+            CudaKv::E4m3 => "e4m3",
+            CudaKv::E5m2 => "e5m2",
+        }
+    }
+}
+
 /// One named region of a kernel's dynamic shared memory.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SmemBuffer {
@@ -164,6 +210,9 @@ pub struct CudaTiles {
     pub value_dim: u32,
     /// Element type.
     pub dtype: CudaDType,
+    /// How the forward's K and V are stored (the element type unless an
+    /// fp8 cache's). K and V tiles hold the element type either way.
+    pub kv: CudaKv,
     /// Forward: query rows per block (`BQ`).
     pub block_q: u32,
     /// Forward: keys per tile (`BKV`).
@@ -233,6 +282,7 @@ impl CudaTiles {
             head_dim,
             value_dim,
             dtype,
+            kv: CudaKv::Elem,
             block_q: fwd.0,
             block_kv: fwd.1,
             warps: fwd.2,
@@ -240,6 +290,12 @@ impl CudaTiles {
             bwd_block_kv: bwd.1,
             bwd_warps: bwd.2,
         }
+    }
+
+    /// These tiles over K and V stored as `kv` (the same tiles: fp8 rows
+    /// are converted to the element type as they are staged).
+    pub fn with_kv(self, kv: CudaKv) -> CudaTiles {
+        CudaTiles { kv, ..self }
     }
 
     /// The tile size `size` counts in.
@@ -334,8 +390,9 @@ impl CudaTiles {
     /// The forward kernel's shared memory: Q (`BQ` rows of `D`), K and V
     /// (`BKV` rows each, of `D` and `Dv`, both resident for the tile), the
     /// f32 score/probability tile, on tensor cores its 16-bit copy (the A
-    /// operand of P·V), per row the running max, sum and rescale factor, and
-    /// per key whether any row of the tile sees it.
+    /// operand of P·V), per row the running max, sum and rescale factor,
+    /// per key whether any row of the tile sees it, and over an fp8 cache
+    /// per key its score factor (K scale) and `P` column factor (V scale).
     pub fn forward_layout(&self) -> SmemLayout {
         let (bq, bkv) = (self.block_q, self.block_kv);
         let mut l = SmemLayout::default();
@@ -350,6 +407,10 @@ impl CudaTiles {
         l.push("FWD_ROW_L", 4 * u64::from(bq));
         l.push("FWD_ROW_A", 4 * u64::from(bq));
         l.push("FWD_SEEN", 4 * u64::from(bkv));
+        if self.kv.fp8() {
+            l.push("FWD_KF", 4 * u64::from(bkv));
+            l.push("FWD_VF", 4 * u64::from(bkv));
+        }
         l
     }
 
@@ -569,12 +630,57 @@ mod tests {
         for dtype in DTYPES {
             for d in (8..=MAX_HEAD_DIM).step_by(8) {
                 for dv in (8..=MAX_HEAD_DIM).step_by(8) {
-                    let cfg = CudaTiles::for_problem(d, dv, dtype);
-                    cfg.validate()
-                        .unwrap_or_else(|e| panic!("D={d} Dv={dv} {dtype:?}: {e}"));
-                    assert!(cfg.padded_head_dim() >= d && cfg.padded_value_dim() >= dv);
+                    for kv in [CudaKv::Elem, CudaKv::E4m3, CudaKv::E5m2] {
+                        let cfg = CudaTiles::for_problem(d, dv, dtype).with_kv(kv);
+                        cfg.validate()
+                            .unwrap_or_else(|e| panic!("D={d} Dv={dv} {dtype:?} {kv:?}: {e}"));
+                        assert!(cfg.padded_head_dim() >= d && cfg.padded_value_dim() >= dv);
+                    }
                 }
             }
+        }
+    }
+
+    /// fp8 K and V are staged into tiles of the element type: the tiles
+    /// and the backward's layout are those of the element type, the
+    /// forward has two per-key factor arrays more; the header declares
+    /// the stored type and its conversion, and the forward takes the bytes
+    /// and the scales.
+    #[test]
+    fn fp8_caches_keep_the_element_tiles() {
+        for dtype in DTYPES {
+            for (d, dv) in [(40, 24), (64, 64), (128, 128), (576, 512)] {
+                let base = CudaTiles::for_problem(d, dv, dtype);
+                for (kv, unit) in [(CudaKv::E4m3, "256.0f"), (CudaKv::E5m2, "1.0f")] {
+                    let cfg = base.with_kv(kv);
+                    cfg.validate().expect("fp8 tiles validate");
+                    assert_eq!(
+                        cfg.forward_smem_bytes(),
+                        base.forward_smem_bytes() + 8 * u64::from(cfg.block_kv)
+                    );
+                    assert_eq!(cfg.backward_layout(), base.backward_layout());
+                    let header = kernels::header(&cfg);
+                    for line in [
+                        "#define BX_KV_FP8 1",
+                        "typedef unsigned char kv_t;",
+                        &format!("constexpr float KV_UNIT = {unit};"),
+                        "elem_t bx_staged(unsigned char b)",
+                    ] {
+                        assert!(header.contains(line), "{kv:?} {dtype:?}: no `{line}`");
+                    }
+                }
+                let header = kernels::header(&base);
+                assert!(header.contains("#define BX_KV_FP8 0\ntypedef elem_t kv_t;"));
+            }
+        }
+        let signature = kernels::FORWARD.signature().to_string();
+        for arg in [
+            "const kv_t* __restrict__ k,",
+            "const kv_t* __restrict__ v,",
+            "const float* __restrict__ k_scale,",
+            "const float* __restrict__ v_scale,",
+        ] {
+            assert!(signature.contains(arg), "{signature}");
         }
     }
 
