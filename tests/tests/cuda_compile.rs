@@ -15,11 +15,14 @@
 //! language feature at every dtype × head dim 40, 64, 128 (compute_90 →
 //! sm_90), 80, 96, 256 and the value head dims of their own `D/Dv` 192/128,
 //! 576/512 (MLA), 128/64, 64/32 (compute_80 PTX assembled for sm_80 and
-//! sm_90). `BOOSTR_CUDA_FULL=1` compiles every variant at every dtype × 40,
-//! 64, 128.
+//! sm_90), and forwards over fp8 KV caches (E4M3 and E5M2 under each
+//! dtype, absorbed MLA's 576/512 included) for sm_90 and sm_80.
+//! `BOOSTR_CUDA_FULL=1` compiles every variant at every dtype × 40, 64,
+//! 128.
 //!
 //! A second test runs the kernels on a host emulation against the f64
-//! reference (needs a C++20 compiler: `BOOSTR_CXX`, or `c++`/`g++` on PATH).
+//! reference (needs a C++20 compiler: `BOOSTR_CXX`, or `c++`/`g++` on PATH);
+//! over an fp8 cache, the reference of its dequantized values.
 
 mod fixtures;
 
@@ -35,7 +38,7 @@ use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 use fixtures::{Declared, Everything, ThirtyTwoWords, declared};
 use kernels_spec::emit::choose_tiles;
 use kernels_spec::emit::cuda::interface::{Kernel, Module};
-use kernels_spec::emit::cuda::{CudaDType, CudaTiles, kernels, source};
+use kernels_spec::emit::cuda::{CudaDType, CudaKv, CudaTiles, kernels, source};
 use kernels_spec::emit::interface::{Arg, Elem, Scalar};
 use kernels_spec::params::PARAM_WORDS;
 use kernels_spec::params::{Arena, SummaryJob};
@@ -70,12 +73,26 @@ const EXTRA_HEAD_DIMS: [u32; 3] = [80, 96, 256];
 /// variant is compiled for, on both archs: DeepSeek MLA's prefill and
 /// absorbed decode, and two halved pairs.
 const VALUE_DIM_PAIRS: [(u32, u32); 4] = [(192, 128), (576, 512), (128, 64), (64, 32)];
+/// Forwards over fp8 caches the full-language variant is compiled for, on
+/// sm_90 and (from compute_80 PTX) sm_80: absorbed MLA decode and 128 on
+/// tensor cores, both formats on CUDA cores (the widest tiles too) and in
+/// f16.
+const FP8_FORWARDS: [(CudaDType, CudaKv, (u32, u32)); 6] = [
+    (CudaDType::Bf16, CudaKv::E4m3, (576, 512)),
+    (CudaDType::Bf16, CudaKv::E4m3, (128, 128)),
+    (CudaDType::F16, CudaKv::E4m3, (128, 128)),
+    (CudaDType::F16, CudaKv::E5m2, (64, 32)),
+    (CudaDType::F32, CudaKv::E4m3, (128, 128)),
+    (CudaDType::F32, CudaKv::E5m2, (576, 512)),
+];
 
 /// One NVRTC compilation, assembled for some architectures.
 #[derive(Clone)]
 struct Job {
     variant: usize,
     dtype: CudaDType,
+    /// How the forward's K and V are stored.
+    kv: CudaKv,
     /// `(D, Dv)`.
     dims: (u32, u32),
     backward: bool,
@@ -100,6 +117,7 @@ fn jobs(n_variants: usize, everything: usize, full: bool) -> Vec<Job> {
             jobs.push(Job {
                 variant,
                 dtype,
+                kv: CudaKv::Elem,
                 dims,
                 backward,
                 archs: archs.to_vec(),
@@ -138,6 +156,17 @@ fn jobs(n_variants: usize, everything: usize, full: bool) -> Vec<Job> {
         for dims in VALUE_DIM_PAIRS {
             push(everything, dtype, dims, both);
         }
+    }
+    // fp8 caches: the forward only (their backward is an error).
+    for (dtype, kv, dims) in FP8_FORWARDS {
+        jobs.push(Job {
+            variant: everything,
+            dtype,
+            kv,
+            dims,
+            backward: false,
+            archs: vec![("compute_90", "sm_90"), ("compute_80", "sm_80")],
+        });
     }
     jobs
 }
@@ -276,7 +305,7 @@ fn every_kernel_compiles_without_spills() {
     let jobs = jobs(specs.len(), everything_index(&specs), full);
     let next = AtomicUsize::new(0);
     let failures = Mutex::new(Vec::<String>::new());
-    type RowKey = (String, &'static str, (u32, u32), String);
+    type RowKey = (String, String, (u32, u32), String);
     let rows = Mutex::new(BTreeMap::<RowKey, Row>::new());
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
     let started = std::time::Instant::now();
@@ -287,7 +316,7 @@ fn every_kernel_compiles_without_spills() {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     let Some(job) = jobs.get(i) else { break };
                     let spec = &specs[job.variant];
-                    let cfg = tiles(spec, job.dims, job.dtype);
+                    let cfg = tiles(spec, job.dims, job.dtype).with_kv(job.kv);
                     let modules: &[&Module] = if job.backward {
                         &[&kernels::BACKWARD_MODULE, &kernels::TENSORS_MODULE]
                     } else {
@@ -299,11 +328,14 @@ fn every_kernel_compiles_without_spills() {
                     let entries: Vec<&str> = kernels().map(|k| k.entry).collect();
                     let dynamic: Vec<u64> = kernels().map(|k| k.smem_bytes(&cfg)).collect();
                     let mut ptx_cache: Vec<(&str, Result<String, String>)> = Vec::new();
+                    let dtype = match job.kv {
+                        CudaKv::Elem => job.dtype.name().to_string(),
+                        kv => format!("{}/{}", job.dtype.name(), kv.name()),
+                    };
                     for &(nvrtc_arch, sm) in &job.archs {
                         let tag = format!(
-                            "{} {} D={} {} {nvrtc_arch}/{sm}",
+                            "{} {dtype} D={} {} {nvrtc_arch}/{sm}",
                             spec.compiled.name,
-                            job.dtype.name(),
                             dims_name(job.dims),
                             if job.backward { "backward" } else { "forward" }
                         );
@@ -326,7 +358,7 @@ fn every_kernel_compiles_without_spills() {
                                     let r = &reports[*entry];
                                     let key = (
                                         sm.to_string(),
-                                        job.dtype.name(),
+                                        dtype.clone(),
                                         job.dims,
                                         entry.to_string(),
                                     );
@@ -347,7 +379,7 @@ fn every_kernel_compiles_without_spills() {
     });
     let rows = rows.into_inner().unwrap();
     let mut table = format!(
-        "{} jobs in {:.1?} on {threads} threads\n{:<6} {:<5} {:>7} {:<22} {:>5} {:>7} {:>8} {:>6} {:>7} {:>9}\n",
+        "{} jobs in {:.1?} on {threads} threads\n{:<6} {:<9} {:>7} {:<22} {:>5} {:>7} {:>8} {:>6} {:>7} {:>9}\n",
         jobs.len(),
         started.elapsed(),
         "arch",
@@ -363,7 +395,7 @@ fn every_kernel_compiles_without_spills() {
     );
     for ((sm, dtype, dims, kernel), r) in &rows {
         table.push_str(&format!(
-            "{sm:<6} {dtype:<5} {:>7} {kernel:<22} {:>5} {:>7} {:>8} {:>6} {:>7} {:>9}\n",
+            "{sm:<6} {dtype:<9} {:>7} {kernel:<22} {:>5} {:>7} {:>8} {:>6} {:>7} {:>9}\n",
             dims_name(*dims),
             r.registers,
             r.static_smem,
@@ -511,6 +543,8 @@ static bx_dim3 threadIdx, blockIdx, blockDim;
 #define BX_HOST_EMULATION 1
 struct uint4 { unsigned x, y, z, w; };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+struct uint2 { unsigned x, y; };
+inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
 alignas(16) unsigned char bx_smem[1 << 20];
 
 constexpr unsigned BX_MAX_THREADS = 1024;
@@ -562,6 +596,7 @@ inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v)
 inline unsigned __float_as_uint(float f) { return bx_bits(f); }
 inline long long __float2ll_rn(float x) { return (long long)std::nearbyint((double)x); } // ties to even
 inline void __threadfence() {}
+inline float bx_f16_bits_to_f32(unsigned short x) { _Float16 h; std::memcpy(&h, &x, 2); return (float)h; }
 
 #if BX_HOST_DTYPE == 1 // f16
 inline float bx_to_f32(unsigned short x) { _Float16 h; std::memcpy(&h, &x, 2); return (float)h; }
@@ -669,6 +704,19 @@ static void write_words(const char* path, const unsigned* v, size_t n) {
     std::fwrite(v, 4, n, f);
     std::fclose(f);
 }
+static std::vector<unsigned char> read_bytes(const char* path, size_t n) {
+    std::vector<unsigned char> v(n);
+    FILE* f = std::fopen(path, "rb");
+    if (!f || std::fread(v.data(), 1, n, f) != n) { std::fprintf(stderr, "reading %s\n", path); std::exit(2); }
+    std::fclose(f);
+    return v;
+}
+static std::vector<float> read_f32s(const char* path) {
+    const auto w = read_words(path);
+    std::vector<float> v(w.size());
+    std::memcpy(v.data(), w.data(), 4 * w.size());
+    return v;
+}
 static std::vector<elem_t> to_elem(const std::vector<float>& v) {
     std::vector<elem_t> r(v.size());
     for (size_t i = 0; i < v.size(); ++i) r[i] = bx_from_f32(v[i]);
@@ -707,8 +755,17 @@ int main(int argc, char** argv) {
     const size_t nr = (size_t)B * Hq * Sq, nq = nr * D, no = nr * DV;
     const size_t nk = (size_t)B * Hkv * Sk * D, nv = (size_t)B * Hkv * Sk * DV;
     auto q = to_elem(read_f32(path("q").c_str(), nq));
+#if BX_KV_FP8
+    // An fp8 cache's bytes and scales, as stored.
+    auto k = read_bytes(path("k").c_str(), nk);
+    auto v = read_bytes(path("v").c_str(), nv);
+    auto k_scale = read_f32s(path("k_scale").c_str());
+    auto v_scale = read_f32s(path("v_scale").c_str());
+#else
     auto k = to_elem(read_f32(path("k").c_str(), nk));
     auto v = to_elem(read_f32(path("v").c_str(), nv));
+    std::vector<float> k_scale, v_scale; // none: null
+#endif
     auto dout = to_elem(read_f32(path("dout").c_str(), no));
     Params params;
     {
@@ -716,8 +773,10 @@ int main(int argc, char** argv) {
         std::memcpy(&params, words.data(), sizeof params);
     }
     std::vector<elem_t> out(no), dq(nq), dk(nk), dv(nv);
-    for (auto* t : {&q, &k, &v, &dout, &out, &dq, &dk, &dv})
+    for (auto* t : {&q, &dout, &out, &dq, &dk, &dv})
         if (off) t->insert(t->begin(), (elem_t)0);
+    for (auto* t : {&k, &v})
+        if (off) t->insert(t->begin(), (kv_t)0);
     std::vector<float> lse(nr), delta(nr);
     auto captures = read_words(path("captures").c_str());
     // The summaries, then the launches of every kernel, written from their
@@ -725,11 +784,15 @@ int main(int argc, char** argv) {
 #include "launches.inc"
     write_words(path("record").c_str(), captures.data(), 8);
     write_words(path("arena").c_str(), captures.data(), captures.size());
-    for (auto* t : {&q, &k, &v, &dout, &out, &dq, &dk, &dv})
+    for (auto* t : {&q, &dout, &out, &dq, &dk, &dv})
+        if (off) t->erase(t->begin());
+    for (auto* t : {&k, &v})
         if (off) t->erase(t->begin());
     write_f32(path("q.rounded").c_str(), to_f32(q));
+#if !BX_KV_FP8
     write_f32(path("k.rounded").c_str(), to_f32(k));
     write_f32(path("v.rounded").c_str(), to_f32(v));
+#endif
     write_f32(path("dout.rounded").c_str(), to_f32(dout));
     write_f32(path("out").c_str(), to_f32(out));
     write_f32(path("lse").c_str(), lse);
@@ -814,6 +877,9 @@ struct HostCase {
     /// forward, itself checked against the f64 reference); the backward's
     /// results are not compared.
     cache: Option<CacheCase>,
+    /// A forward over an fp8 cache (its backward is an error): run and
+    /// compared on its own.
+    fp8: Option<Fp8Case>,
     /// Key splits of the forward (1: unsplit).
     splits: u32,
     jobs: Vec<SummaryJob>,
@@ -878,6 +944,7 @@ where
         arena,
         grads,
         cache: None,
+        fp8: None,
         splits: 1,
         jobs,
         hidden,
@@ -1017,6 +1084,227 @@ where
     case
 }
 
+/// An fp8 KV cache as the forward reads it, and the f64 reference on its
+/// dequantized values.
+struct Fp8Case {
+    kv: CudaKv,
+    /// `k`, `v` as stored (one byte an element) and their scales (`[Hkv]`,
+    /// or `[pages, Hkv]` with pages).
+    k: Vec<u8>,
+    v: Vec<u8>,
+    k_scale: Vec<f32>,
+    v_scale: Vec<f32>,
+    q: Vec<f32>,
+    /// The forward's key layout arguments (kv_lens, kv_pages, page_size,
+    /// max_pages).
+    kv_words: [i32; 4],
+    /// `out` and `lse` of the f64 reference over the dequantized cache (fp8
+    /// value × scale, exact in f64) for `q` as the kernels rounded it.
+    reference: Fp8Reference,
+}
+
+/// The f64 `out` and `lse` of an fp8 case for the rounded `q`.
+type Fp8Reference = Box<dyn Fn(&[f64]) -> [Vec<f64>; 2] + Send + Sync>;
+
+/// SplitMix64: the bytes of the fp8 cases.
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The value of fp8 byte `b` (`None`: NaN or infinite), exactly.
+fn fp8_value(kv: CudaKv, b: u8) -> Option<f64> {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (e, m, bias, mbits) = match kv {
+        CudaKv::E4m3 if b & 0x7f == 0x7f => return None,
+        CudaKv::E4m3 => (i32::from((b >> 3) & 0xf), f64::from(b & 7), 7, 8.0),
+        CudaKv::E5m2 if (b >> 2) & 0x1f == 0x1f => return None,
+        CudaKv::E5m2 => (i32::from((b >> 2) & 0x1f), f64::from(b & 3), 15, 4.0),
+        CudaKv::Elem => unreachable!("fp8 formats only"),
+    };
+    Some(if e == 0 {
+        sign * m / mbits * 2f64.powi(1 - bias)
+    } else {
+        sign * (1.0 + m / mbits) * 2f64.powi(e - bias)
+    })
+}
+
+/// A random finite fp8 byte of magnitude 2^-3 .. 2^4, or (one in eight)
+/// a zero or subnormal.
+fn fp8_byte(kv: CudaKv, state: &mut u64) -> u8 {
+    let r = splitmix(state);
+    let sign = ((r & 1) as u8) << 7;
+    let low = ((r >> 8) & 7) as u8;
+    let subnormal = (r >> 16) & 7 == 0;
+    let step = ((r >> 24) % 7) as u8;
+    match kv {
+        CudaKv::E4m3 => sign | (if subnormal { 0 } else { 4 + step } << 3) | low,
+        CudaKv::E5m2 => sign | (if subnormal { 0 } else { 12 + step } << 2) | (low & 3),
+        CudaKv::Elem => unreachable!("fp8 formats only"),
+    }
+}
+
+/// A forward with q in `dtype` over an fp8 cache (`kv`) holding `lens`
+/// keys: contiguous with per-kv-head scales, or with `page_size` in `B ·
+/// max_pages` pages in shuffled order with per-page scales. Live bytes are
+/// random finite values (zeros and subnormals included); spare slots hold
+/// NaN bytes and pages wholly past a length NaN scales, which must never
+/// be read. The reference runs per sequence over its own keys.
+fn host_fp8_case<V: Variant>(
+    variant: V,
+    dtype: CudaDType,
+    problem: Problem,
+    kv: CudaKv,
+    lens: &[i32],
+    page_size: Option<usize>,
+) -> HostCase
+where
+    V::Host: 'static,
+{
+    let mut case = host_case(variant.clone(), dtype, problem);
+    let p = problem;
+    let (d, dv, cap, hkv) = (p.head_dim, p.head_dim_v, p.seq_k, p.heads_kv);
+    let mut state = 0xf8ca_c4e5 ^ (lens.len() as u64) << 32 ^ d as u64;
+    let q = Rng::new(0xf8, d as u64).normal_f32(p.q_len(), 1.0);
+    // Logical rows (b, h, j) of [B, Hkv, cap, ·]; spare slots NaN.
+    let nan = match kv {
+        CudaKv::E4m3 => 0x7f,
+        _ => 0xff,
+    };
+    let mut fill = |width: usize| -> Vec<u8> {
+        (0..p.batch * hkv * cap * width)
+            .map(|i| {
+                let row = i / width;
+                if row % cap < lens[row / (hkv * cap)] as usize {
+                    fp8_byte(kv, &mut state)
+                } else {
+                    nan
+                }
+            })
+            .collect()
+    };
+    let (k, v) = (fill(d), fill(dv));
+    // Scales in 0.02 .. 0.3, per (b, logical page, h) (one page of `cap`
+    // slots per sequence when contiguous: then they apply per kv head).
+    let ps = page_size.unwrap_or(cap);
+    let max_pages = cap / ps;
+    let mut scale = || 0.02 * 15f32.powf((splitmix(&mut state) >> 40) as f32 / (1u64 << 24) as f32);
+    let n_scales = page_size.map_or(hkv, |_| p.batch * max_pages * hkv);
+    let (ks, vs): (Vec<f32>, Vec<f32>) = (0..n_scales).map(|_| (scale(), scale())).unzip();
+    let scale_of = |b: usize, lp: usize, h: usize| match page_size {
+        None => h,
+        Some(_) => (b * max_pages + lp) * hkv + h,
+    };
+    let deq = |bytes: &[u8], width: usize, scales: &[f32]| -> Vec<f64> {
+        bytes
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| {
+                let row = i / width;
+                let (b, h, j) = (row / (hkv * cap), (row / cap) % hkv, row % cap);
+                fp8_value(kv, x).map_or(f64::NAN, |x| x * f64::from(scales[scale_of(b, j / ps, h)]))
+            })
+            .collect()
+    };
+    let (kd, vd) = (deq(&k, d, &ks), deq(&v, dv, &vs));
+    let lens_word = case.arena.len();
+    case.arena.extend(lens.iter().map(|&l| l as u32));
+    let (kv_words, k, v, k_scale, v_scale) = match page_size {
+        None => ([lens_word as i32, -1, 0, 0], k, v, ks, vs),
+        Some(ps) => {
+            let pages = p.batch * max_pages;
+            let place = |n: usize| (n * 5 + 2) % pages;
+            let table_word = case.arena.len();
+            let (mut kp, mut vp) = (vec![0u8; k.len()], vec![0u8; v.len()]);
+            let (mut kps, mut vps) = (vec![0f32; pages * hkv], vec![0f32; pages * hkv]);
+            let mut table = vec![0u32; pages];
+            for (n, entry) in table.iter_mut().enumerate() {
+                let (b, lp) = (n / max_pages, n % max_pages);
+                let page = place(n);
+                *entry = page as u32;
+                let past = lp * ps >= lens[b] as usize;
+                for h in 0..hkv {
+                    let from = (b * hkv + h) * cap + lp * ps;
+                    let to = (page * hkv + h) * ps;
+                    kp[to * d..(to + ps) * d].copy_from_slice(&k[from * d..(from + ps) * d]);
+                    vp[to * dv..(to + ps) * dv].copy_from_slice(&v[from * dv..(from + ps) * dv]);
+                    let (s_k, s_v) = (ks[scale_of(b, lp, h)], vs[scale_of(b, lp, h)]);
+                    kps[page * hkv + h] = if past { f32::NAN } else { s_k };
+                    vps[page * hkv + h] = if past { f32::NAN } else { s_v };
+                }
+            }
+            case.arena.extend(table);
+            let words = [
+                lens_word as i32,
+                table_word as i32,
+                ps as i32,
+                max_pages as i32,
+            ];
+            (words, kp, vp, kps, vps)
+        }
+    };
+    let lens: Vec<usize> = lens.iter().map(|&l| l as usize).collect();
+    // Each sequence over its own keys (none: out 0, lse -inf).
+    let sequences: Vec<(usize, Problem, V::Host)> = lens
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| **l > 0)
+        .map(|(b, &len)| {
+            let pb = Problem::new(1, (p.heads_q, hkv), (p.seq_q, len), d)
+                .with_head_dim_v(dv)
+                .with_scale(p.scale);
+            (b, pb, variant.host(&pb).expect("the case's tensors fit"))
+        })
+        .collect();
+    let reference = move |q: &[f64]| -> [Vec<f64>; 2] {
+        let (mut out, mut lse) = (vec![0.0; p.out_len()], vec![f64::NEG_INFINITY; p.lse_len()]);
+        let rows = p.heads_q * p.seq_q;
+        for (b, pb, host) in &sequences {
+            let (b, len) = (*b, pb.seq_k);
+            let keys = |x: &[f64], width: usize| -> Vec<f64> {
+                (0..hkv)
+                    .flat_map(|h| &x[((b * hkv + h) * cap) * width..][..len * width])
+                    .copied()
+                    .collect()
+            };
+            let f = reference_forward::<f64, _>(
+                host,
+                pb,
+                &q[b * rows * d..][..rows * d],
+                &keys(&kd, d),
+                &keys(&vd, dv),
+            );
+            out[b * rows * dv..][..rows * dv].copy_from_slice(&f.out);
+            lse[b * rows..][..rows].copy_from_slice(&f.lse);
+        }
+        [out, lse]
+    };
+    case.tag = format!(
+        "{} {}",
+        case.tag
+            .replacen(dtype.name(), &format!("{}/{}", dtype.name(), kv.name()), 1),
+        match page_size {
+            None => format!("cache {lens:?}, per-head scales"),
+            Some(ps) => format!("pages of {ps} {lens:?}, per-page scales"),
+        }
+    );
+    case.hidden.iter_mut().for_each(|h| *h = false);
+    case.fp8 = Some(Fp8Case {
+        kv,
+        k,
+        v,
+        k_scale,
+        v_scale,
+        q,
+        kv_words,
+        reference: Box::new(reference),
+    });
+    case
+}
+
 /// `case` with its forward in `splits` key splits, then merged.
 fn split(mut case: HostCase, splits: u32) -> HostCase {
     case.splits = splits;
@@ -1113,13 +1401,19 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
     let tag = &case.tag;
     let p = &case.problem;
     let dims = (p.head_dim as u32, p.head_dim_v as u32);
-    let cfg = tiles(&case.declared, dims, case.dtype);
-    let modules = [
-        &kernels::FORWARD_MODULE,
-        &kernels::BACKWARD_MODULE,
-        &kernels::TENSORS_MODULE,
-    ];
-    let source = source(section(&case.declared), &modules, &cfg).expect("the tiles validate");
+    let kv = case.fp8.as_ref().map_or(CudaKv::Elem, |c| c.kv);
+    let cfg = tiles(&case.declared, dims, case.dtype).with_kv(kv);
+    // An fp8 cache has a forward only.
+    let modules: &[&Module] = if kv.fp8() {
+        &[&kernels::FORWARD_MODULE]
+    } else {
+        &[
+            &kernels::FORWARD_MODULE,
+            &kernels::BACKWARD_MODULE,
+            &kernels::TENSORS_MODULE,
+        ]
+    };
+    let source = source(section(&case.declared), modules, &cfg).expect("the tiles validate");
     let dir =
         std::env::temp_dir().join(format!("boostr-cuda-host-{}-{serial}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{tag}: {e}"))?;
@@ -1129,7 +1423,7 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
         .map_err(|e| format!("{tag}: {e}"))?;
     std::fs::write(
         dir.join("launches.inc"),
-        launches(&modules, &cfg, p, &case.jobs, case.splits),
+        launches(modules, &cfg, p, &case.jobs, case.splits),
     )
     .map_err(|e| format!("{tag}: {e}"))?;
     let mut rng = Rng::new(0x5eed, serial as u64);
@@ -1159,8 +1453,20 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
             }
         }
     }
+    if let Some(c) = &case.fp8 {
+        inputs[0].1.clone_from(&c.q);
+    }
     for (name, data) in &inputs {
         write_f32(&dir.join(name), data);
+    }
+    if let Some(c) = &case.fp8 {
+        let write = |name: &str, bytes: &[u8]| {
+            std::fs::write(dir.join(name), bytes).map_err(|e| format!("{tag}: {e}"))
+        };
+        write("k", &c.k)?;
+        write("v", &c.v)?;
+        write_f32(&dir.join("k_scale"), &c.k_scale);
+        write_f32(&dir.join("v_scale"), &c.v_scale);
     }
     let arena: Vec<u8> = case.arena.iter().flat_map(|w| w.to_le_bytes()).collect();
     std::fs::write(dir.join("captures"), arena).map_err(|e| format!("{tag}: {e}"))?;
@@ -1192,6 +1498,11 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
         .arg(p.scale.to_string())
         .arg(if case.misalign { "1" } else { "0" })
         .args(case.cache.iter().flat_map(|c| c.kv.map(|w| w.to_string())))
+        .args(
+            case.fp8
+                .iter()
+                .flat_map(|c| c.kv_words.map(|w| w.to_string())),
+        )
         .output()
         .map_err(|e| format!("{tag}: running the harness: {e}"))?;
     if !out.status.success() {
@@ -1199,6 +1510,33 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
             "{tag}: the harness failed:\n{}",
             String::from_utf8_lossy(&out.stderr)
         ));
+    }
+    // Bounds well above each dtype's rounding (P and dS are rounded to the
+    // dtype for the tensor-core products) and far below what a wrong index,
+    // mask or tile gives.
+    let tolerance = match case.dtype {
+        CudaDType::F32 => 1e-5,
+        CudaDType::F16 => 3e-3,
+        CudaDType::Bf16 => 2e-2,
+    };
+    if let Some(c) = &case.fp8 {
+        let q: Vec<f64> = read_f32(&dir.join("q.rounded"))
+            .into_iter()
+            .map(f64::from)
+            .collect();
+        let mut line = format!("{tag}:");
+        for (name, want) in ["out", "lse"].iter().zip((c.reference)(&q)) {
+            let got = read_f32(&dir.join(name));
+            let err = relative_error(name, &got, &want).map_err(|e| format!("{tag}: {e}"))?;
+            line.push_str(&format!(" {name} {err:.1e}"));
+            if err > tolerance {
+                return Err(format!(
+                    "{tag}: {name} relative error {err:.3e} > {tolerance:e}"
+                ));
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        return Ok(line);
     }
     let rounded: Vec<Vec<f64>> = ["q", "k", "v", "dout"]
         .iter()
@@ -1240,14 +1578,6 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
             ));
         }
     }
-    // Bounds well above each dtype's rounding (P and dS are rounded to the
-    // dtype for the tensor-core products) and far below what a wrong index,
-    // mask or tile gives.
-    let tolerance = match case.dtype {
-        CudaDType::F32 => 1e-5,
-        CudaDType::F16 => 3e-3,
-        CudaDType::Bf16 => 2e-2,
-    };
     let mut line = format!("{tag}:");
     if let Some(c) = &case.cache {
         for (name, want) in ["out", "lse", "dq", "dk", "dv"].iter().zip(&c.want) {
@@ -1331,6 +1661,20 @@ fn host_emulation_matches_the_reference() {
                 Problem::new(1, (16, 1), (1, 130), 576).with_head_dim_v(512),
             ),
             3,
+        ),
+        // An fp8 cache of the absorbed decode: E4M3 K and V (V the first
+        // 512 columns' width) under a bf16 query, 130 of 160 slots live, in
+        // two key splits.
+        split(
+            host_fp8_case(
+                Softcap { cap: 30.0 },
+                CudaDType::Bf16,
+                Problem::new(1, (16, 1), (1, 160), 576).with_head_dim_v(512),
+                CudaKv::E4m3,
+                &[130],
+                None,
+            ),
+            2,
         ),
         host_case(everything.clone(), CudaDType::F32, problem(70, 97, 40)),
         host_case(everything.clone(), CudaDType::F16, problem(70, 97, 40)),
@@ -1518,6 +1862,47 @@ fn host_emulation_matches_the_reference() {
                 problem(2, 300, 64).with_head_dim_v(32),
             ),
             3,
+        ),
+        // fp8 caches: both formats, per-head scales in place and per-page
+        // scales over shuffled pages (partial key tiles, a length of 0,
+        // splits), q in every dtype, an unaligned cache (element loads).
+        misaligned(host_fp8_case(
+            CausalSlidingWindow { window: 50 },
+            CudaDType::F16,
+            Problem::new(3, (4, 2), (3, 192), 64),
+            CudaKv::E5m2,
+            &[0, 77, 192],
+            None,
+        )),
+        split(
+            host_fp8_case(
+                Causal,
+                CudaDType::F16,
+                Problem::new(3, (4, 2), (4, 192), 64),
+                CudaKv::E4m3,
+                &[5, 192, 77],
+                Some(24),
+            ),
+            3,
+        ),
+        host_fp8_case(
+            Softcap { cap: 10.0 },
+            CudaDType::Bf16,
+            Problem::new(2, (4, 1), (17, 192), 128),
+            CudaKv::E5m2,
+            &[192, 100],
+            Some(64),
+        ),
+        split(
+            host_fp8_case(
+                Causal,
+                CudaDType::F32,
+                Problem::new(2, (4, 2), (5, 96), 64).with_head_dim_v(32),
+                CudaKv::E4m3,
+                &[96, 41],
+                Some(16),
+            ),
+            2,
         ),
         // A KV cache (the backward too) and pages in splits.
         host_cache_case(
