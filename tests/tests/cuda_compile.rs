@@ -1537,34 +1537,34 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
         CudaDType::F16 => 3e-3,
         CudaDType::Bf16 => 2e-2,
     };
-    if let Some(c) = &case.fp8 {
-        let q: Vec<f64> = read_f32(&dir.join("q.rounded"))
+    // `label`'s relative error against `want`, on `line`; past the
+    // tolerance, an error.
+    let check = |line: &mut String, label: &str, got: &[f32], want: &[f64], note: &str| {
+        let err = relative_error(label, got, want).map_err(|e| format!("{tag}: {e}"))?;
+        line.push_str(&format!(" {label} {err:.1e}{note}"));
+        if err > tolerance {
+            return Err(format!(
+                "{tag}: {label} relative error {err:.3e} > {tolerance:e}"
+            ));
+        }
+        Ok(())
+    };
+    // An input as the kernels saw it (rounded to the element type).
+    let rounded = |n: &str| -> Vec<f64> {
+        read_f32(&dir.join(format!("{n}.rounded")))
             .into_iter()
             .map(f64::from)
-            .collect();
-        let mut line = format!("{tag}:");
-        for (name, want) in ["out", "lse"].iter().zip((c.reference)(&q)) {
-            let got = read_f32(&dir.join(name));
-            let err = relative_error(name, &got, &want).map_err(|e| format!("{tag}: {e}"))?;
-            line.push_str(&format!(" {name} {err:.1e}"));
-            if err > tolerance {
-                return Err(format!(
-                    "{tag}: {name} relative error {err:.3e} > {tolerance:e}"
-                ));
-            }
+            .collect()
+    };
+    let mut line = format!("{tag}:");
+    if let Some(c) = &case.fp8 {
+        for (name, want) in ["out", "lse"].iter().zip((c.reference)(&rounded("q"))) {
+            check(&mut line, name, &read_f32(&dir.join(name)), &want, "")?;
         }
         let _ = std::fs::remove_dir_all(&dir);
         return Ok(line);
     }
-    let rounded: Vec<Vec<f64>> = ["q", "k", "v", "dout"]
-        .iter()
-        .map(|n| {
-            read_f32(&dir.join(format!("{n}.rounded")))
-                .into_iter()
-                .map(f64::from)
-                .collect()
-        })
-        .collect();
+    let rounded = ["q", "k", "v", "dout"].map(rounded);
     let (want, want_tensors, oob) =
         (case.reference)(p, [&rounded[0], &rounded[1], &rounded[2], &rounded[3]]);
     let record: Vec<u32> = std::fs::read(dir.join("record"))
@@ -1596,30 +1596,21 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
             ));
         }
     }
-    let mut line = format!("{tag}:");
     if let Some(c) = &case.cache {
         for (name, want) in ["out", "lse", "dq", "dk", "dv"].iter().zip(&c.want) {
-            let got = read_f32(&dir.join(name));
-            let err = relative_error(name, &got, want).map_err(|e| format!("{tag}: {e}"))?;
-            line.push_str(&format!(" {name} {err:.1e} (vs the CPU)"));
-            if err > tolerance {
-                return Err(format!(
-                    "{tag}: {name} relative error {err:.3e} > {tolerance:e}"
-                ));
-            }
+            check(
+                &mut line,
+                name,
+                &read_f32(&dir.join(name)),
+                want,
+                " (vs the CPU)",
+            )?;
         }
         let _ = std::fs::remove_dir_all(&dir);
         return Ok(line);
     }
     for (name, want) in ["out", "lse", "dq", "dk", "dv"].iter().zip(&want) {
-        let got = read_f32(&dir.join(name));
-        let err = relative_error(name, &got, want).map_err(|e| format!("{tag}: {e}"))?;
-        line.push_str(&format!(" {name} {err:.1e}"));
-        if err > tolerance {
-            return Err(format!(
-                "{tag}: {name} relative error {err:.3e} > {tolerance:e}"
-            ));
-        }
+        check(&mut line, name, &read_f32(&dir.join(name)), want, "")?;
     }
     // The learnable tensors' gradients, from their fixed-point
     // accumulators, as the runtime decodes them.
@@ -1639,13 +1630,7 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
             .chunks_exact(2)
             .map(|w| kernels_spec::params::grad_value(w[0], w[1]) as f32)
             .collect();
-        let err = relative_error(name, &got, want).map_err(|e| format!("{tag}: {e}"))?;
-        line.push_str(&format!(" d{name} {err:.1e}"));
-        if err > tolerance {
-            return Err(format!(
-                "{tag}: d{name} relative error {err:.3e} > {tolerance:e}"
-            ));
-        }
+        check(&mut line, &format!("d{name}"), &got, want, "")?;
     }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(line)

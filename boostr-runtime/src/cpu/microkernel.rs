@@ -111,17 +111,10 @@ pub(super) unsafe fn matmul(o: Operands) {
 #[inline(always)]
 unsafe fn column_block<const V: usize>(o: Operands, cols: usize) {
     let masks: [__mmask16; V] = std::array::from_fn(|v| tail_mask(cols, 16 * v));
-    let mut i0 = 0;
-    while i0 < o.m {
-        let rows = MR.min(o.m - i0);
-        // SAFETY: the block `rows × cols` at row i0 lies inside the
-        // columns' `m × cols`; masked lanes are neither loaded nor stored.
+    for (block, rows) in RowBlocks::new(o, MR) {
+        // SAFETY: the block `rows × cols` lies inside the columns'
+        // `m × cols`; masked lanes are neither loaded nor stored.
         unsafe {
-            let block = Operands {
-                c: o.c.add(i0 * o.ldc),
-                a: o.a.add(i0 * o.a_rs),
-                ..o
-            };
             match rows {
                 6 => block_kernel::<6, V>(block, masks),
                 5 => block_kernel::<5, V>(block, masks),
@@ -131,7 +124,6 @@ unsafe fn column_block<const V: usize>(o: Operands, cols: usize) {
                 _ => block_kernel::<1, V>(block, masks),
             }
         }
-        i0 += MR;
     }
 }
 
@@ -145,16 +137,9 @@ const MR_TALL: usize = 12;
 #[inline(always)]
 unsafe fn tall_block(o: Operands, cols: usize) {
     let masks = [tail_mask(cols, 0)];
-    let mut i0 = 0;
-    while i0 < o.m {
-        let rows = MR_TALL.min(o.m - i0);
+    for (block, rows) in RowBlocks::new(o, MR_TALL) {
         // SAFETY: as in `column_block`.
         unsafe {
-            let block = Operands {
-                c: o.c.add(i0 * o.ldc),
-                a: o.a.add(i0 * o.a_rs),
-                ..o
-            };
             match rows {
                 12 => block_kernel::<12, 1>(block, masks),
                 11 => block_kernel::<11, 1>(block, masks),
@@ -170,7 +155,40 @@ unsafe fn tall_block(o: Operands, cols: usize) {
                 _ => block_kernel::<1, 1>(block, masks),
             }
         }
-        i0 += MR_TALL;
+    }
+}
+
+/// The blocks of `mr` rows of `C` (the last one shorter): the operands
+/// from each block's first row on, and its rows.
+struct RowBlocks {
+    o: Operands,
+    mr: usize,
+    i0: usize,
+}
+
+impl RowBlocks {
+    #[inline(always)]
+    fn new(o: Operands, mr: usize) -> Self {
+        Self { o, mr, i0: 0 }
+    }
+}
+
+impl Iterator for RowBlocks {
+    type Item = (Operands, usize);
+
+    #[inline(always)]
+    fn next(&mut self) -> Option<(Operands, usize)> {
+        let (o, i0) = (self.o, self.i0);
+        if i0 >= o.m {
+            return None;
+        }
+        self.i0 += self.mr;
+        let block = Operands {
+            c: o.c.wrapping_add(i0 * o.ldc),
+            a: o.a.wrapping_add(i0 * o.a_rs),
+            ..o
+        };
+        Some((block, self.mr.min(o.m - i0)))
     }
 }
 
