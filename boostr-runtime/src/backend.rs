@@ -16,6 +16,12 @@ use numr::tensor::Tensor;
 /// runtimes are: a variant generic over its runtime derives `Debug`, which
 /// then holds for every `R: AttentionRuntime`.)
 pub trait AttentionRuntime: Runtime<DType = DType> + std::fmt::Debug {
+    /// The kernels take every position from the variant's host functions
+    /// (the CPU's do), so a call can be a window of a longer sequence at
+    /// global positions: what [`ring_attention`](crate::ring_attention)
+    /// runs. The GPU kernels place positions from the start of each call.
+    const GLOBAL_POSITIONS: bool = false;
+
     /// Run the forward kernel on validated inputs, its keys laid out as
     /// `keys.layout` says; returns `(out, lse)`. Backends without a kernel
     /// for a layout return [`Error::LayoutUnsupported`](crate::Error::LayoutUnsupported).

@@ -239,6 +239,41 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// A ring attention call broke a rule of its layout or transport.
+    #[error("ring attention: {rule}; got {got}")]
+    Ring {
+        /// The rule.
+        rule: &'static str,
+        /// What broke it.
+        got: String,
+    },
+    /// The ranks of a ring attention call disagree on what they compute
+    /// (every rank gets this error).
+    #[error("ring attention: the ranks disagree on {field} ({values})")]
+    RingDisagree {
+        /// What they disagree on.
+        field: &'static str,
+        /// Each rank's value.
+        values: String,
+    },
+    /// Another rank failed during a ring attention call, so no rank's
+    /// result is valid (the failed ranks return their own error).
+    #[error("ring attention: rank(s) {ranks:?} failed during the ring")]
+    RingPeerFailed {
+        /// The ranks that failed.
+        ranks: Vec<usize>,
+    },
+    /// A communication of a ring attention call did not finish in time:
+    /// a peer is gone or stuck. The communicator must be built again.
+    #[error("ring attention: rank {rank}: {op} did not finish within {timeout:?}")]
+    RingTimeout {
+        /// What was waited for.
+        op: &'static str,
+        /// The rank that waited.
+        rank: usize,
+        /// How long it waited.
+        timeout: std::time::Duration,
+    },
 }
 
 /// Why a GPU backend could not build or launch a kernel. `Clone`, so a

@@ -69,6 +69,7 @@ mod flash;
 mod gpu;
 mod op;
 mod problem;
+mod ring;
 pub mod stock;
 pub mod testing;
 mod validate;
@@ -90,6 +91,9 @@ pub use op::{
     attention_fwd_paged, learnable_grads, var_attention,
 };
 pub use problem::Problem;
+pub use ring::{
+    RingOps, RingOptions, Schedule, Shards, ring_attention, ring_attention_bwd, var_ring_attention,
+};
 pub use variant::{CompiledStages, HostVariant, Lowering, TileClass, Variant};
 
 /// One module of generated tests: every instance checked on one backend.

@@ -10,7 +10,7 @@ use numr::tensor::Tensor;
 /// Positions, batch and head indices are `i32` in every kernel (CUDA and WGSL
 /// index with 32 bits), and the tile classifiers rely on them staying below
 /// 2^30 in magnitude so that sums and differences of two never overflow.
-const MAX_INDEX: usize = (1 << 30) - 1;
+pub(crate) const MAX_INDEX: usize = (1 << 30) - 1;
 
 fn dims4<R: Runtime<DType = DType>>(name: &'static str, t: &Tensor<R>) -> Result<[usize; 4]> {
     let shape = t.shape();

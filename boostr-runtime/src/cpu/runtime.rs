@@ -304,6 +304,8 @@ fn cache_layout<'a>(layout: &KeyLayout<'a, CpuRuntime>) -> Option<CacheLayout<'a
 }
 
 impl AttentionRuntime for CpuRuntime {
+    const GLOBAL_POSITIONS: bool = true;
+
     fn attention_forward<V: Variant>(
         variant: &V,
         p: &Problem,

@@ -36,6 +36,7 @@
 mod backends;
 mod cases;
 mod check_variant;
+mod comm;
 mod contract;
 mod data;
 mod exact_zeros;
@@ -47,7 +48,7 @@ mod naive;
 mod parity;
 mod reference;
 mod report;
-mod rng;
+pub(crate) mod rng;
 mod run_backend;
 mod tolerance;
 
@@ -65,6 +66,7 @@ pub use cases::{CASES, CPU_CASES, Case, HEAD_DIM_CASES, Logits, SMALL_CASES};
 pub use check_variant::{
     check_variant, check_variant_built, check_variant_built_on, check_variant_on,
 };
+pub use comm::{MessageCount, ThreadComm};
 pub use data::TestData;
 #[doc(hidden)]
 pub use data::build;

@@ -1,0 +1,255 @@
+//! The ring's traffic over a numr [`Communicator`]: the header the ranks
+//! agree on, the exchange of blocks with the ring's neighbours, and the
+//! status every rank reports at the end.
+//!
+//! Every operation runs on a helper thread that owns what it sends and
+//! receives, and the caller waits for it at most the ring's timeout. A
+//! peer that never answers (a crashed process, a rank that returned
+//! early) then makes the call an `Err` instead of a hang; the helper is
+//! left behind with its buffers, so nothing it may still write is freed.
+//! After such an error the communicator's state is unknown and the group
+//! must be built again (as after an NCCL abort).
+
+use crate::error::{Error, Result};
+use numr::dtype::DType;
+use numr::runtime::{Communicator, ReduceOp, Runtime};
+use numr::tensor::Tensor;
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// One rank's end of the ring.
+#[derive(Clone)]
+pub(crate) struct Link {
+    pub comm: Arc<dyn Communicator>,
+    pub rank: usize,
+    pub world: usize,
+    pub timeout: Duration,
+}
+
+impl std::fmt::Debug for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Link")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+/// An operation running on its helper thread.
+pub(crate) struct Pending<T> {
+    what: &'static str,
+    rx: mpsc::Receiver<Result<T>>,
+}
+
+impl<T> Pending<T> {
+    /// Its result, or [`Error::RingTimeout`] once `link`'s timeout has
+    /// passed without one.
+    pub fn wait(self, link: &Link) -> Result<T> {
+        match self.rx.recv_timeout(link.timeout) {
+            Ok(result) => result,
+            Err(mpsc::RecvTimeoutError::Timeout) => Err(Error::RingTimeout {
+                op: self.what,
+                rank: link.rank,
+                timeout: link.timeout,
+            }),
+            Err(mpsc::RecvTimeoutError::Disconnected) => Err(Error::Ring {
+                rule: "a communication thread ends with a result",
+                got: format!("{} ended without one (it panicked)", self.what),
+            }),
+        }
+    }
+}
+
+/// Tensors sent to the next rank and received from the previous one, in
+/// one order on both ends (NCCL matches by order, not by tag).
+pub(crate) struct Exchange<R: Runtime> {
+    /// Sent to `rank + 1`.
+    pub send: Vec<Tensor<R>>,
+    /// Received from `rank − 1`: each slot's shape and dtype.
+    pub recv: Vec<(Vec<usize>, DType)>,
+}
+
+impl Link {
+    pub fn next(&self) -> usize {
+        (self.rank + 1) % self.world
+    }
+
+    pub fn prev(&self) -> usize {
+        (self.rank + self.world - 1) % self.world
+    }
+
+    /// Start `f` on a helper thread.
+    pub fn spawn<T: Send + 'static>(
+        &self,
+        what: &'static str,
+        f: impl FnOnce(&dyn Communicator) -> Result<T> + Send + 'static,
+    ) -> Pending<T> {
+        let (tx, rx) = mpsc::channel();
+        let comm = Arc::clone(&self.comm);
+        std::thread::spawn(move || {
+            // The receiver may be gone (the caller timed out); then the
+            // result has nobody to go to.
+            let _ = tx.send(f(&*comm));
+        });
+        Pending { what, rx }
+    }
+
+    /// Start an exchange with the ring's neighbours: every tensor of
+    /// `x.send` to the next rank, as many to receive from the previous one.
+    /// Even ranks send first and odd ranks receive first, so that a
+    /// transport whose sends wait for their receives cannot deadlock.
+    pub fn exchange<R: Runtime<DType = DType>>(
+        &self,
+        x: Exchange<R>,
+        device: &R::Device,
+        tag: u32,
+    ) -> Result<Pending<Vec<Tensor<R>>>> {
+        let recv = x
+            .recv
+            .iter()
+            .map(|(shape, dtype)| Tensor::<R>::empty(shape, *dtype, device))
+            .collect::<numr::error::Result<Vec<_>>>()?;
+        let (next, prev, even) = (self.next(), self.prev(), self.rank.is_multiple_of(2));
+        Ok(self.spawn("the ring's exchange of blocks", move |comm| {
+            let send_all = |comm: &dyn Communicator| -> Result<()> {
+                for (i, t) in x.send.iter().enumerate() {
+                    // SAFETY: `t` is a contiguous tensor on the
+                    // communicator's device, owned by this thread until
+                    // `sync` below returns.
+                    unsafe { comm.send(t.ptr(), t.numel(), t.dtype(), next, tag + i as u32)? };
+                }
+                Ok(())
+            };
+            let recv_all = |comm: &dyn Communicator| -> Result<()> {
+                for (i, t) in recv.iter().enumerate() {
+                    // SAFETY: `t` was allocated above with its shape and
+                    // dtype, and is owned by this thread until `sync`.
+                    unsafe { comm.recv(t.ptr(), t.numel(), t.dtype(), prev, tag + i as u32)? };
+                }
+                Ok(())
+            };
+            if even {
+                send_all(comm)?;
+                recv_all(comm)?;
+            } else {
+                recv_all(comm)?;
+                send_all(comm)?;
+            }
+            comm.sync()?;
+            drop(x.send);
+            Ok(recv)
+        }))
+    }
+
+    /// Every rank's `words`, in rank order (one all-gather).
+    pub fn gather_words<R: Runtime<DType = DType>>(
+        &self,
+        words: &[u64],
+        device: &R::Device,
+        what: &'static str,
+    ) -> Result<Vec<Vec<u64>>> {
+        let n = words.len();
+        let send = Tensor::<R>::from_slice(words, &[n], device)?;
+        let recv = Tensor::<R>::empty(&[self.world * n], DType::U64, device)?;
+        let gathered = self
+            .spawn(what, move |comm| {
+                // SAFETY: both tensors are contiguous, on the device, of
+                // `n` and `world · n` u64, and owned by this thread.
+                unsafe { comm.all_gather(send.ptr(), recv.ptr(), n, DType::U64)? };
+                comm.sync()?;
+                Ok(recv)
+            })
+            .wait(self)?;
+        let all: Vec<u64> = gathered.to_vec();
+        Ok(all.chunks(n).map(<[u64]>::to_vec).collect())
+    }
+
+    /// Every rank's `tensor` (each of the same shape and dtype), stacked in
+    /// rank order: `[world, ..shape]` (one all-gather).
+    pub fn gather<R: Runtime<DType = DType>>(
+        &self,
+        tensor: &Tensor<R>,
+        what: &'static str,
+    ) -> Result<Tensor<R>> {
+        let send = tensor.contiguous()?;
+        let n = send.numel();
+        let mut shape = vec![self.world];
+        shape.extend_from_slice(send.shape());
+        let dtype = send.dtype();
+        let recv = Tensor::<R>::empty(&shape, dtype, send.device())?;
+        self.spawn(what, move |comm| {
+            // SAFETY: as in `gather_words`, in `dtype`.
+            unsafe { comm.all_gather(send.ptr(), recv.ptr(), n, dtype)? };
+            comm.sync()?;
+            Ok(recv)
+        })
+        .wait(self)
+    }
+
+    /// The sum over the ranks of their `parts [world, ..shape]` (f32) at
+    /// this rank's index: `[..shape]` (one reduce-scatter; summed in the
+    /// communicator's order, rank order on numr's `LocalCommunicator`).
+    pub fn reduce_scatter<R: Runtime<DType = DType>>(
+        &self,
+        parts: Tensor<R>,
+        what: &'static str,
+    ) -> Result<Tensor<R>> {
+        let send = parts.contiguous()?;
+        let shape = send.shape()[1..].to_vec();
+        let n: usize = shape.iter().product();
+        let recv = Tensor::<R>::empty(&shape, DType::F32, send.device())?;
+        self.spawn(what, move |comm| {
+            // SAFETY: `send` holds `world · n` f32 and `recv` `n`, both
+            // contiguous on the device and owned by this thread.
+            unsafe { comm.reduce_scatter(send.ptr(), recv.ptr(), n, DType::F32, ReduceOp::Sum)? };
+            comm.sync()?;
+            Ok(recv)
+        })
+        .wait(self)
+    }
+
+    /// Check that every rank sent the same header; on every rank the same
+    /// `Err` naming the first field that differs.
+    pub fn agree<R: Runtime<DType = DType>>(
+        &self,
+        header: &[(&'static str, u64)],
+        device: &R::Device,
+    ) -> Result<()> {
+        let words: Vec<u64> = header.iter().map(|&(_, w)| w).collect();
+        let all = self.gather_words::<R>(&words, device, "the ranks' header")?;
+        for (i, &(field, _)) in header.iter().enumerate() {
+            let values: Vec<u64> = all.iter().map(|w| w[i]).collect();
+            if values.iter().any(|&v| v != values[0]) {
+                return Err(Error::RingDisagree {
+                    field,
+                    values: values
+                        .iter()
+                        .enumerate()
+                        .map(|(r, v)| format!("rank {r}: {v:#x}"))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// After the ring: `Ok` only if no rank failed; else every rank's
+    /// `Err` names the ranks that did (`own` is this rank's error).
+    pub fn settle<R: Runtime<DType = DType>>(
+        &self,
+        own: Option<Error>,
+        device: &R::Device,
+    ) -> Result<()> {
+        let all =
+            self.gather_words::<R>(&[u64::from(own.is_some())], device, "the ring's status")?;
+        let failed: Vec<usize> = (0..self.world).filter(|&r| all[r][0] != 0).collect();
+        match own {
+            Some(e) => Err(e),
+            None if failed.is_empty() => Ok(()),
+            None => Err(Error::RingPeerFailed { ranks: failed }),
+        }
+    }
+}

@@ -1,0 +1,668 @@
+//! Ring attention against single-device attention on the gathered
+//! sequence: every world size from 1 to 4, both layouts, both schedules,
+//! masks, captured and learnable tensors, sinks; the traffic counted; bad
+//! input and failing ranks.
+
+use super::*;
+use crate::stock::{
+    AlibiSlopes, Causal, CausalDocuments, CausalSlidingWindow, CausalSlidingWindowSinks, Full,
+    RelativeBias,
+};
+use crate::testing::rng::{Rng, SEED_ENV, choose_seed};
+use crate::testing::{MessageCount, ThreadComm};
+use crate::{attention_bwd_tensors, attention_fwd};
+use numr::runtime::LocalCommunicator;
+use numr::runtime::cpu::{CpuDevice, CpuRuntime};
+
+type T = Tensor<CpuRuntime>;
+
+/// The sizes every case shares: GQA 2:1, D ≠ Dv, odd sizes.
+const B: usize = 2;
+const HQ: usize = 4;
+const HKV: usize = 2;
+const D: usize = 24;
+const DV: usize = 16;
+/// Rows per rank (even, for zigzag).
+const N: usize = 10;
+
+fn device() -> CpuDevice {
+    CpuDevice::new()
+}
+
+/// Random `[B, H, S, dim]` f32 from `rng`.
+fn normal(rng: &mut Rng, shape: [usize; 4]) -> T {
+    let n: usize = shape.iter().product();
+    T::from_slice(&rng.normal_f32(n, 1.0), &shape, &device()).expect("a tensor")
+}
+
+/// The whole sequence's inputs: `q, k, v, dout`.
+struct Inputs {
+    q: T,
+    k: T,
+    v: T,
+    dout: T,
+}
+
+impl Inputs {
+    fn new(rng: &mut Rng, s: usize) -> Self {
+        Inputs {
+            q: normal(rng, [B, HQ, s, D]),
+            k: normal(rng, [B, HKV, s, D]),
+            v: normal(rng, [B, HKV, s, DV]),
+            dout: normal(rng, [B, HQ, s, DV]),
+        }
+    }
+}
+
+/// One rank's results.
+struct RankOut {
+    out: T,
+    lse: T,
+    grads: AttentionGrads<CpuRuntime>,
+}
+
+/// Run forward and backward on every rank of `comms`, each on its shard.
+fn run_ring<V: Variant>(
+    variant: &V,
+    x: &Inputs,
+    comms: &[Arc<dyn Communicator>],
+    opts: &RingOptions,
+) -> Vec<Result<RankOut>> {
+    let world = comms.len();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                s.spawn(move || -> Result<RankOut> {
+                    let shard = |t: &T| opts.shards.shard(t, 2, rank, world);
+                    let (q, k, v, dout) =
+                        (shard(&x.q)?, shard(&x.k)?, shard(&x.v)?, shard(&x.dout)?);
+                    let (out, lse) = ring_attention(variant, &q, &k, &v, comm, opts)?;
+                    let grads =
+                        ring_attention_bwd(variant, &dout, &q, &k, &v, &out, &lse, comm, opts)?;
+                    Ok(RankOut { out, lse, grads })
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a rank panicked"))
+            .collect()
+    })
+}
+
+fn thread_group(world: usize) -> (Vec<Arc<ThreadComm>>, Vec<Arc<dyn Communicator>>) {
+    let group = ThreadComm::group(world, Duration::from_secs(30));
+    let dyns = group
+        .iter()
+        .map(|c| Arc::clone(c) as Arc<dyn Communicator>)
+        .collect();
+    (group, dyns)
+}
+
+fn values(t: &T) -> Vec<f32> {
+    t.to_dtype(DType::F32).expect("f32").to_vec()
+}
+
+/// `got` equals `want` up to f32 rounding of a different summation order
+/// (`−inf` where `want` is).
+#[track_caller]
+fn assert_close(what: &str, got: &T, want: &T, context: &str) {
+    assert_eq!(got.shape(), want.shape(), "{what}: shape ({context})");
+    let (g, w) = (values(got), values(want));
+    let scale = w
+        .iter()
+        .filter(|x| x.is_finite())
+        .fold(0f32, |m, x| m.max(x.abs()));
+    let tol = 2e-5 * (1.0 + scale);
+    for (i, (a, b)) in g.iter().zip(&w).enumerate() {
+        let ok = if b.is_finite() {
+            (a - b).abs() <= tol
+        } else {
+            a == b
+        };
+        assert!(
+            ok,
+            "{what}[{i}]: ring {a}, single device {b} (tol {tol}; {context})"
+        );
+    }
+}
+
+/// Check every rank's results against single-device attention on the
+/// gathered sequence; returns the per-rank message counts.
+fn check_against_single<V: Variant>(
+    variant: &V,
+    world: usize,
+    shards: Shards,
+    schedule: Schedule,
+    rng: &mut Rng,
+    seed: u64,
+) {
+    let s = N * world;
+    let x = Inputs::new(rng, s);
+    let opts = RingOptions {
+        shards,
+        schedule,
+        ..RingOptions::default()
+    };
+    let context = format!(
+        "{} world {world} {shards:?} {schedule:?}; seed {seed}, rerun with {SEED_ENV}={seed}",
+        V::NAME
+    );
+    let (out, lse) =
+        attention_fwd(variant, &x.q, &x.k, &x.v, &opts.attention).expect("single device");
+    let want = attention_bwd_tensors(
+        variant,
+        &x.dout,
+        &x.q,
+        &x.k,
+        &x.v,
+        &out,
+        &lse,
+        &opts.attention,
+    )
+    .expect("single device backward");
+    let (group, comms) = thread_group(world);
+    let ranks: Vec<RankOut> = run_ring(variant, &x, &comms, &opts)
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|e| panic!("{context}: {e}")))
+        .collect();
+    let gather = |f: &dyn Fn(&RankOut) -> T, dim: usize| {
+        let parts: Vec<T> = ranks.iter().map(f).collect();
+        shards.unshard(&parts, dim).expect("unshard")
+    };
+    assert_close("out", &gather(&|r| r.out.clone(), 2), &out, &context);
+    assert_close("lse", &gather(&|r| r.lse.clone(), 2), &lse, &context);
+    assert_close(
+        "dq",
+        &gather(&|r| r.grads.dq.clone(), 2),
+        &want.dq,
+        &context,
+    );
+    assert_close(
+        "dk",
+        &gather(&|r| r.grads.dk.clone(), 2),
+        &want.dk,
+        &context,
+    );
+    assert_close(
+        "dv",
+        &gather(&|r| r.grads.dv.clone(), 2),
+        &want.dv,
+        &context,
+    );
+    for (slot, want) in want.tensors.iter().enumerate() {
+        let want = want.as_ref().expect("every tensor gradient was asked for");
+        for (rank, r) in ranks.iter().enumerate() {
+            let got = r.grads.tensors[slot].as_ref().expect("a tensor gradient");
+            assert_close(
+                &format!("tensor {slot} on rank {rank}"),
+                got,
+                want,
+                &context,
+            );
+            // Every rank holds the same bits.
+            assert_eq!(
+                values(got),
+                values(ranks[0].grads.tensors[slot].as_ref().unwrap())
+            );
+        }
+    }
+    // The traffic: a header and a status per pass; the blocks (ring) or
+    // one all-gather each of K and V; dK/dV around the ring; one
+    // all-gather per tensor gradient.
+    let w = world as u64;
+    let learnable = want.tensors.len() as u64;
+    let shard_kv = (B * HKV * N * (D + DV) * 4) as u64;
+    for (rank, c) in group.iter().enumerate() {
+        let back = if w > 1 { 2 * w } else { 0 };
+        let want = match schedule {
+            Schedule::Ring => MessageCount {
+                sends: 2 * (w - 1) * 2 + back,
+                recvs: 2 * (w - 1) * 2 + back,
+                bytes_sent: 2 * (w - 1) * shard_kv + back / 2 * shard_kv,
+                all_gathers: 4 + learnable,
+                bytes_gathered: c.count().bytes_gathered,
+                other_collectives: 0,
+            },
+            _ => MessageCount {
+                sends: 0,
+                recvs: 0,
+                bytes_sent: 0,
+                all_gathers: 8 + learnable,
+                bytes_gathered: c.count().bytes_gathered,
+                other_collectives: 2,
+            },
+        };
+        assert_eq!(c.count(), want, "rank {rank}'s traffic ({context})");
+    }
+}
+
+fn each_layout<V: Variant>(variant: &V, worlds: &[usize]) {
+    let seed = choose_seed();
+    let mut rng = Rng::new(seed, 0);
+    for &world in worlds {
+        for shards in [Shards::Contiguous, Shards::Zigzag] {
+            check_against_single(variant, world, shards, Schedule::Ring, &mut rng, seed);
+        }
+    }
+}
+
+#[test]
+fn full_attention_matches_one_device_at_every_world_size() {
+    each_layout(&Full, &[1, 2, 3, 4]);
+}
+
+#[test]
+fn causal_attention_matches_one_device_at_every_world_size() {
+    each_layout(&Causal, &[1, 2, 3, 4]);
+}
+
+#[test]
+fn a_sliding_window_narrower_than_a_chunk_matches_one_device() {
+    each_layout(&CausalSlidingWindow { window: 4 }, &[2, 3, 4]);
+}
+
+#[test]
+fn document_ids_are_read_at_global_positions() {
+    let seed = choose_seed();
+    let mut rng = Rng::new(seed, 1);
+    for world in [2, 3, 4] {
+        let s = N * world;
+        // Documents that straddle the shards' edges.
+        let ids: Vec<i32> = (0..B * s).map(|i| ((i % s) / 7 + i / s) as i32).collect();
+        let doc = T::from_slice(&ids, &[B, s], &device()).expect("ids");
+        let variant = CausalDocuments { doc };
+        for shards in [Shards::Contiguous, Shards::Zigzag] {
+            check_against_single(&variant, world, shards, Schedule::Ring, &mut rng, seed);
+        }
+    }
+}
+
+#[test]
+fn a_learnable_bias_gets_its_gradient_summed_over_the_ranks() {
+    let seed = choose_seed();
+    let mut rng = Rng::new(seed, 2);
+    let slopes = T::from_slice(&rng.normal_f32(HQ, 0.2), &[HQ], &device()).expect("slopes");
+    let variant = AlibiSlopes {
+        slopes: Var::new(slopes, true),
+    };
+    for world in [1, 2, 3, 4] {
+        for shards in [Shards::Contiguous, Shards::Zigzag] {
+            check_against_single(&variant, world, shards, Schedule::Ring, &mut rng, seed);
+        }
+    }
+}
+
+#[test]
+fn sinks_count_once_per_row() {
+    let seed = choose_seed();
+    let mut rng = Rng::new(seed, 3);
+    let sinks = T::from_slice(&rng.normal_f32(HQ, 1.0), &[HQ], &device()).expect("sinks");
+    // A window of 3 leaves most pairs of chunks empty; the sink still
+    // joins every row once.
+    let variant = CausalSlidingWindowSinks {
+        window: 3,
+        sinks: Var::new(sinks, true),
+    };
+    for world in [1, 2, 3, 4] {
+        for shards in [Shards::Contiguous, Shards::Zigzag] {
+            check_against_single(&variant, world, shards, Schedule::Ring, &mut rng, seed);
+        }
+    }
+}
+
+#[test]
+fn the_all_gather_schedule_matches_one_device() {
+    let seed = choose_seed();
+    let mut rng = Rng::new(seed, 4);
+    for world in [1, 3] {
+        for shards in [Shards::Contiguous, Shards::Zigzag] {
+            check_against_single(&Causal, world, shards, Schedule::AllGather, &mut rng, seed);
+        }
+    }
+}
+
+#[test]
+fn numrs_local_communicator_runs_the_all_gather_schedule_and_refuses_the_ring_on_every_rank() {
+    let seed = choose_seed();
+    let mut rng = Rng::new(seed, 5);
+    let world = 3;
+    let x = Inputs::new(&mut rng, N * world);
+    let group = |_| {
+        LocalCommunicator::with_timeout(world, Duration::from_secs(30))
+            .into_iter()
+            .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+            .collect::<Vec<_>>()
+    };
+    let gathered = RingOptions {
+        schedule: Schedule::AllGather,
+        shards: Shards::Zigzag,
+        ..RingOptions::default()
+    };
+    let (out, _) =
+        attention_fwd(&Causal, &x.q, &x.k, &x.v, &gathered.attention).expect("one device");
+    let ranks: Vec<RankOut> = run_ring(&Causal, &x, &group(()), &gathered)
+        .into_iter()
+        .map(|r| r.expect("all-gather on LocalCommunicator"))
+        .collect();
+    let parts: Vec<T> = ranks.iter().map(|r| r.out.clone()).collect();
+    let got = Shards::Zigzag.unshard(&parts, 2).expect("unshard");
+    assert_close("out", &got, &out, &format!("seed {seed}"));
+    // The ring needs point-to-point messages, which LocalCommunicator
+    // refuses: every rank says so, none waits.
+    let ring = RingOptions {
+        schedule: Schedule::Ring,
+        ..RingOptions::default()
+    };
+    let started = std::time::Instant::now();
+    for r in run_ring(&Causal, &x, &group(()), &ring) {
+        let e = r.err().expect("no rank succeeds").to_string();
+        assert!(e.contains("point-to-point") || e.contains("failed"), "{e}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn results_are_the_same_bits_run_to_run() {
+    let seed = choose_seed();
+    let mut rng = Rng::new(seed, 6);
+    let world = 3;
+    let x = Inputs::new(&mut rng, N * world);
+    let slopes = T::from_slice(&rng.normal_f32(HQ, 0.2), &[HQ], &device()).expect("slopes");
+    let variant = AlibiSlopes {
+        slopes: Var::new(slopes, true),
+    };
+    let opts = RingOptions {
+        shards: Shards::Zigzag,
+        schedule: Schedule::Ring,
+        ..RingOptions::default()
+    };
+    let bits = || -> Vec<Vec<u32>> {
+        let (_, comms) = thread_group(world);
+        run_ring(&variant, &x, &comms, &opts)
+            .into_iter()
+            .flat_map(|r| {
+                let r = r.expect("ring");
+                let mut all = vec![&r.out, &r.lse, &r.grads.dq, &r.grads.dk, &r.grads.dv];
+                all.extend(r.grads.tensors.iter().flatten());
+                all.into_iter()
+                    .map(|t| values(t).iter().map(|x| x.to_bits()).collect())
+                    .collect::<Vec<Vec<u32>>>()
+            })
+            .collect()
+    };
+    assert_eq!(bits(), bits());
+}
+
+/// What a rank does in an error test, given its rank and communicator.
+type RankCall<'a> = dyn Fn(usize, &Arc<dyn Communicator>) -> Result<()> + Sync + 'a;
+
+/// Run `world` ranks, each calling `call`, and return each rank's error
+/// text ("Ok" for none).
+fn errors_of(
+    world: usize,
+    timeout: Duration,
+    call: impl Fn(usize, &Arc<dyn Communicator>) -> Result<()> + Sync,
+) -> Vec<String> {
+    let (_, comms) = {
+        let group = ThreadComm::group(world, timeout);
+        let dyns: Vec<Arc<dyn Communicator>> = group
+            .iter()
+            .map(|c| Arc::clone(c) as Arc<dyn Communicator>)
+            .collect();
+        (group, dyns)
+    };
+    std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let call = &call;
+                s.spawn(move || call(rank, comm))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| match h.join().expect("no panic") {
+                Ok(()) => "Ok".to_string(),
+                Err(e) => e.to_string(),
+            })
+            .collect()
+    })
+}
+
+#[test]
+fn ranks_that_disagree_all_get_the_same_error() {
+    let seed = choose_seed();
+    let mut rng = Rng::new(seed, 7);
+    let world = 3;
+    let x = Inputs::new(&mut rng, N * world);
+    let shard = |t: &T, rank: usize| Shards::Contiguous.shard(t, 2, rank, world).expect("shard");
+    let opts = RingOptions {
+        schedule: Schedule::Ring,
+        ..RingOptions::default()
+    };
+    let cases: [(&str, &RankCall<'_>); 4] = [
+        ("the shard length", &|rank, comm| {
+            // Rank 1 holds one row fewer.
+            let len = if rank == 1 { N - 1 } else { N };
+            let q = shard(&x.q, rank).narrow(2, 0, len)?.contiguous()?;
+            let k = shard(&x.k, rank).narrow(2, 0, len)?.contiguous()?;
+            let v = shard(&x.v, rank).narrow(2, 0, len)?.contiguous()?;
+            ring_attention(&Causal, &q, &k, &v, comm, &opts).map(drop)
+        }),
+        ("the variant and its parameters", &|rank, comm| {
+            let variant = CausalSlidingWindow {
+                window: if rank == 2 { 5 } else { 4 },
+            };
+            let (q, k, v) = (shard(&x.q, rank), shard(&x.k, rank), shard(&x.v, rank));
+            ring_attention(&variant, &q, &k, &v, comm, &opts).map(drop)
+        }),
+        ("the layout of the shards", &|rank, comm| {
+            let opts = RingOptions {
+                shards: if rank == 0 {
+                    Shards::Zigzag
+                } else {
+                    Shards::Contiguous
+                },
+                ..opts
+            };
+            let (q, k, v) = (shard(&x.q, rank), shard(&x.k, rank), shard(&x.v, rank));
+            ring_attention(&Causal, &q, &k, &v, comm, &opts).map(drop)
+        }),
+        ("whether their own inputs are valid", &|rank, comm| {
+            // Rank 1's k has a head dim that q does not.
+            let (q, v) = (shard(&x.q, rank), shard(&x.v, rank));
+            let k = if rank == 1 {
+                v.clone()
+            } else {
+                shard(&x.k, rank)
+            };
+            ring_attention(&Causal, &q, &k, &v, comm, &opts).map(drop)
+        }),
+    ];
+    for (field, call) in cases {
+        let errors = errors_of(world, Duration::from_secs(30), call);
+        for (rank, e) in errors.iter().enumerate() {
+            // The rank with bad inputs names its own error.
+            let own = field.contains("own inputs") && rank == 1;
+            let want = if own {
+                "q and k must have the same head dim"
+            } else {
+                field
+            };
+            assert!(e.contains(want), "rank {rank}: {e} (wanted {want})");
+        }
+    }
+}
+
+#[test]
+fn a_rank_whose_kernel_fails_mid_ring_fails_every_rank() {
+    // Relative positions of 8 or more read past the table: with 4 rows
+    // per rank, ranks 2 and 3 meet them at their third step, ranks 0 and 1
+    // never do.
+    let seed = choose_seed();
+    let mut rng = Rng::new(seed, 8);
+    let (world, n) = (4, 4);
+    let s = n * world;
+    let x = Inputs::new(&mut rng, s);
+    let table = T::from_slice(&rng.normal_f32(HQ * 16, 1.0), &[HQ, 16], &device()).expect("table");
+    let variant = RelativeBias {
+        table,
+        max_distance: 8,
+    };
+    let opts = RingOptions {
+        schedule: Schedule::Ring,
+        ..RingOptions::default()
+    };
+    let errors = errors_of(world, Duration::from_secs(30), |rank, comm| {
+        let shard = |t: &T| Shards::Contiguous.shard(t, 2, rank, world).expect("shard");
+        ring_attention(
+            &variant,
+            &shard(&x.q),
+            &shard(&x.k),
+            &shard(&x.v),
+            comm,
+            &opts,
+        )
+        .map(drop)
+    });
+    for rank in [0, 1] {
+        assert!(
+            errors[rank].contains("rank(s) [2, 3] failed"),
+            "rank {rank}: {}",
+            errors[rank]
+        );
+    }
+    for rank in [2, 3] {
+        assert!(
+            errors[rank].contains("outside its shape"),
+            "rank {rank}: {}",
+            errors[rank]
+        );
+    }
+}
+
+#[test]
+fn a_rank_that_never_joins_is_an_error_within_the_timeout() {
+    let seed = choose_seed();
+    let mut rng = Rng::new(seed, 9);
+    let world = 3;
+    let x = Inputs::new(&mut rng, N * world);
+    let opts = RingOptions {
+        schedule: Schedule::Ring,
+        timeout: Duration::from_secs(2),
+        ..RingOptions::default()
+    };
+    let started = std::time::Instant::now();
+    let errors = errors_of(world, Duration::from_secs(2), |rank, comm| {
+        if rank == 1 {
+            // Stuck: holds its communicator and never calls.
+            std::thread::sleep(Duration::from_secs(3));
+            return Err(Error::Ring {
+                rule: "this rank never joins",
+                got: String::new(),
+            });
+        }
+        let shard = |t: &T| Shards::Contiguous.shard(t, 2, rank, world).expect("shard");
+        ring_attention(
+            &Causal,
+            &shard(&x.q),
+            &shard(&x.k),
+            &shard(&x.v),
+            comm,
+            &opts,
+        )
+        .map(drop)
+    });
+    assert!(errors.iter().all(|e| e != "Ok"), "{errors:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn the_autograd_op_runs_the_ring_backward_on_every_rank() {
+    let seed = choose_seed();
+    let mut rng = Rng::new(seed, 10);
+    let world = 2;
+    let x = Inputs::new(&mut rng, N * world);
+    let sinks = T::from_slice(&rng.normal_f32(HQ, 1.0), &[HQ], &device()).expect("sinks");
+    let variant = CausalSlidingWindowSinks {
+        window: 7,
+        sinks: Var::new(sinks, true),
+    };
+    let opts = RingOptions {
+        shards: Shards::Zigzag,
+        schedule: Schedule::Ring,
+        ..RingOptions::default()
+    };
+    let client = CpuRuntime::default_client(&device());
+    // Loss = Σ out ∘ dout, so d loss / d out = dout.
+    let loss_grads = |out: &Var<CpuRuntime>, dout: &T| {
+        let weighted =
+            numr::autograd::var_mul(out, &Var::new(dout.clone(), false), &client).expect("mul");
+        let loss = numr::autograd::var_sum(&weighted, &[0, 1, 2, 3], false, &client).expect("sum");
+        numr::autograd::backward(&loss, &client).expect("backward")
+    };
+    let (q, k, v) = (
+        Var::new(x.q.clone(), true),
+        Var::new(x.k.clone(), true),
+        Var::new(x.v.clone(), true),
+    );
+    let out = crate::var_attention(&variant, &q, &k, &v, &opts.attention).expect("one device");
+    let grads = loss_grads(&out, &x.dout);
+    let want_sinks = crate::learnable_grads(&variant, &grads).expect("by name")[0]
+        .1
+        .expect("sinks' gradient")
+        .clone();
+    let want_dk = grads.get(k.id()).expect("dk").clone();
+    let (_, comms) = thread_group(world);
+    let results: Vec<(T, T)> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let (variant, x, opts, loss_grads) = (&variant, &x, &opts, &loss_grads);
+                s.spawn(move || {
+                    let shard = |t: &T| opts.shards.shard(t, 2, rank, world).expect("shard");
+                    let k = Var::new(shard(&x.k), true);
+                    let out = var_ring_attention(
+                        variant,
+                        &Var::new(shard(&x.q), true),
+                        &k,
+                        &Var::new(shard(&x.v), true),
+                        comm,
+                        opts,
+                    )
+                    .expect("ring");
+                    let grads = loss_grads(&out, &shard(&x.dout));
+                    let sinks = crate::learnable_grads(variant, &grads).expect("by name")[0]
+                        .1
+                        .expect("sinks' gradient")
+                        .clone();
+                    (grads.get(k.id()).expect("dk").clone(), sinks)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank"))
+            .collect()
+    });
+    let dks: Vec<T> = results.iter().map(|(dk, _)| dk.clone()).collect();
+    let context = format!("seed {seed}");
+    assert_close(
+        "dk",
+        &opts.shards.unshard(&dks, 2).expect("unshard"),
+        &want_dk,
+        &context,
+    );
+    for (_, sinks) in &results {
+        assert_close("d sinks", sinks, &want_sinks, &context);
+    }
+}
