@@ -92,7 +92,8 @@ pub use op::{
 };
 pub use problem::Problem;
 pub use ring::{
-    RingOps, RingOptions, Schedule, Shards, ring_attention, ring_attention_bwd, var_ring_attention,
+    RingOps, RingOptions, RingTimes, Schedule, Shards, last_ring_times, ring_attention,
+    ring_attention_bwd, var_ring_attention,
 };
 pub use variant::{CompiledStages, HostVariant, Lowering, TileClass, Variant};
 

@@ -16,7 +16,7 @@ use numr::runtime::{Communicator, ReduceOp, Runtime};
 use numr::tensor::Tensor;
 use std::sync::Arc;
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// One rank's end of the ring.
 #[derive(Clone)]
@@ -37,18 +37,63 @@ impl std::fmt::Debug for Link {
     }
 }
 
+/// Where the time of a rank's last ring call went (see
+/// [`last_ring_times`](crate::last_ring_times)).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RingTimes {
+    /// Communications run (exchanges and collectives).
+    pub ops: u32,
+    /// Their time on the helper threads, start to finish.
+    pub comm: Duration,
+    /// The time the rank's own thread spent waiting for them; `comm −
+    /// waited` was hidden behind compute.
+    pub waited: Duration,
+}
+
+thread_local! {
+    static TIMES: std::cell::Cell<RingTimes> = const {
+        std::cell::Cell::new(RingTimes {
+            ops: 0,
+            comm: Duration::ZERO,
+            waited: Duration::ZERO,
+        })
+    };
+}
+
+/// Start counting the calling thread's ring times afresh.
+pub(crate) fn reset_times() {
+    TIMES.with(|t| t.set(RingTimes::default()));
+}
+
+/// The calling thread's ring times since its last ring call began.
+pub(crate) fn times() -> RingTimes {
+    TIMES.with(std::cell::Cell::get)
+}
+
 /// An operation running on its helper thread.
 pub(crate) struct Pending<T> {
     what: &'static str,
-    rx: mpsc::Receiver<Result<T>>,
+    rx: mpsc::Receiver<(Result<T>, Duration)>,
 }
 
 impl<T> Pending<T> {
     /// Its result, or [`Error::RingTimeout`] once `link`'s timeout has
     /// passed without one.
     pub fn wait(self, link: &Link) -> Result<T> {
-        match self.rx.recv_timeout(link.timeout) {
-            Ok(result) => result,
+        let started = Instant::now();
+        let got = self.rx.recv_timeout(link.timeout);
+        let waited = started.elapsed();
+        TIMES.with(|t| {
+            let mut x = t.get();
+            x.ops += 1;
+            x.waited += waited;
+            if let Ok((_, busy)) = &got {
+                x.comm += *busy;
+            }
+            t.set(x);
+        });
+        match got {
+            Ok((result, _)) => result,
             Err(mpsc::RecvTimeoutError::Timeout) => Err(Error::RingTimeout {
                 op: self.what,
                 rank: link.rank,
@@ -89,9 +134,11 @@ impl Link {
         let (tx, rx) = mpsc::channel();
         let comm = Arc::clone(&self.comm);
         std::thread::spawn(move || {
+            let started = Instant::now();
+            let result = f(&*comm);
             // The receiver may be gone (the caller timed out); then the
             // result has nobody to go to.
-            let _ = tx.send(f(&*comm));
+            let _ = tx.send((result, started.elapsed()));
         });
         Pending { what, rx }
     }

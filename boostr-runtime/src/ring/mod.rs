@@ -41,7 +41,16 @@ mod shards;
 #[cfg(test)]
 mod tests;
 
+pub use link::RingTimes;
 pub use shards::Shards;
+
+/// Where the time of the calling thread's last ring call
+/// ([`ring_attention`] or its backward) went: its communications' time on
+/// their helper threads, and how much of it the rank waited for. The rest
+/// was hidden behind compute.
+pub fn last_ring_times() -> RingTimes {
+    link::times()
+}
 
 use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, KeyLayout, Keys};
 use crate::error::{Error, Result};
@@ -173,6 +182,7 @@ impl<'v, V: Variant> Ring<'v, V> {
                 got: format!("rank {rank} of {world}"),
             });
         }
+        link::reset_times();
         let link = Link {
             comm: Arc::clone(comm),
             rank,
@@ -270,14 +280,14 @@ impl<'v, V: Variant> Ring<'v, V> {
     /// The (query chunk, key chunk) pairs of block `src` that this rank
     /// computes, with whether each carries the sink (the rank's own chunk
     /// against itself, always computed when the variant has a sink).
-    fn pairs(&self, src: usize) -> Vec<(usize, Chunk, Chunk, bool)> {
+    fn pairs(&self, src: usize) -> Vec<Pair> {
         let own = src == self.link.rank;
         let mut pairs = Vec::new();
         for (i, &qc) in self.chunks[self.link.rank].iter().enumerate() {
             for (j, &kc) in self.chunks[src].iter().enumerate() {
                 let sink = own && i == j && <V::Host as HostVariant>::HAS_SINK;
                 if sink || self.visible(qc, kc) {
-                    pairs.push((i, qc, kc, sink));
+                    pairs.push(Pair { i, j, qc, kc, sink });
                 }
             }
         }
@@ -289,6 +299,18 @@ impl<'v, V: Variant> Ring<'v, V> {
         let base = if pass == Pass::Forward { 0 } else { 1 << 20 };
         base + (step as u32) * 8 + slot as u32
     }
+}
+
+/// One kernel call of a step: query chunk `i` of this rank against key
+/// chunk `j` of the block.
+#[derive(Clone, Copy)]
+struct Pair {
+    i: usize,
+    j: usize,
+    qc: Chunk,
+    kc: Chunk,
+    /// The call adds the sink to its rows.
+    sink: bool,
 }
 
 /// The words the ranks agree on before a ring call, each named for the
@@ -355,7 +377,7 @@ impl Fnv {
     }
 }
 
-/// One query chunk's running result: `out` in f32 and `lse`.
+/// One query chunk's running result: `out` (in f32 once merged) and `lse`.
 struct Partial<R: Runtime> {
     out: Tensor<R>,
     lse: Tensor<R>,
@@ -372,13 +394,14 @@ fn merge<R: Runtime<DType = DType>>(
 where
     R::Client: RingOps<R>,
 {
-    let out = out.to_dtype(DType::F32)?;
     let Some(acc) = acc else {
+        // The first part stands as it is (and is the result if alone).
         return Ok(Partial {
-            out,
+            out: out.clone(),
             lse: lse.contiguous()?,
         });
     };
+    let out = out.to_dtype(DType::F32)?;
     // m = max(l1, l2), −inf raised to the least f32 so that exp(l − m)
     // is 0 (not NaN) where both are −inf.
     let m = acc
@@ -396,7 +419,11 @@ where
         w1.div(&denom)?.unsqueeze(-1)?,
         w2.div(&denom)?.unsqueeze(-1)?,
     );
-    let merged = acc.out.mul(&a1)?.add(&out.mul(&a2)?)?;
+    let merged = acc
+        .out
+        .to_dtype(DType::F32)?
+        .mul(&a1)?
+        .add(&out.mul(&a2)?)?;
     Ok(Partial {
         out: merged,
         lse: merged_lse,
@@ -573,15 +600,14 @@ fn forward_block<V: Variant, R: AttentionRuntime>(
 where
     R::Client: RingOps<R>,
 {
-    for (i, qc, kc, sink) in ring.pairs(src) {
+    for Pair {
+        i, qc, kc, sink, ..
+    } in ring.pairs(src)
+    {
         let (positioned, p) = ring.call(qc, kc, sink);
-        let kc_local = ring.chunks[src]
-            .iter()
-            .find(|c| c.start == kc.start)
-            .expect("the chunk is the block's");
         let qs = q.narrow(2, qc.row, qc.len)?;
-        let ks = k.narrow(2, kc_local.row, kc.len)?;
-        let vs = v.narrow(2, kc_local.row, kc.len)?;
+        let ks = k.narrow(2, kc.row, kc.len)?;
+        let vs = v.narrow(2, kc.row, kc.len)?;
         let keys = Keys {
             k: &ks,
             v: &vs,
@@ -831,14 +857,10 @@ where
     let chunks = &ring.chunks[src];
     let mut dk: Vec<Option<Tensor<R>>> = chunks.iter().map(|_| None).collect();
     let mut dv: Vec<Option<Tensor<R>>> = chunks.iter().map(|_| None).collect();
-    for (i, qc, kc, sink) in ring.pairs(src) {
-        let j = chunks
-            .iter()
-            .position(|c| c.start == kc.start)
-            .expect("the chunk is the block's");
+    for Pair { i, j, qc, kc, sink } in ring.pairs(src) {
         let (positioned, p) = ring.call(qc, kc, sink);
         let rows = |t: &Tensor<R>| t.narrow(2, qc.row, qc.len);
-        let keys = |t: &Tensor<R>| t.narrow(2, chunks[j].row, kc.len);
+        let keys = |t: &Tensor<R>| t.narrow(2, kc.row, kc.len);
         let (qs, outs, douts, lses) = (rows(q)?, rows(out)?, rows(dout)?, rows(lse)?);
         let (ks, vs) = (keys(k)?, keys(v)?);
         let tensors = BackwardTensors {

@@ -41,30 +41,27 @@ impl Shards {
         }
     }
 
-    /// The chunks of rank `rank`'s shard of `n` rows, in row order.
+    /// The chunks of rank `rank`'s shard of `n` rows, in row order, runs
+    /// that are adjacent in the sequence joined (the middle rank of a
+    /// zigzag holds one run): one kernel call covers each.
     pub(crate) fn chunks(self, rank: usize, world: usize, n: usize) -> Vec<Chunk> {
-        match self {
-            Shards::Contiguous => vec![Chunk {
-                row: 0,
-                start: rank * n,
-                len: n,
-            }],
+        let pieces = match self {
+            Shards::Contiguous => vec![(rank * n, n)],
             Shards::Zigzag => {
                 let c = n / 2;
-                vec![
-                    Chunk {
-                        row: 0,
-                        start: rank * c,
-                        len: c,
-                    },
-                    Chunk {
-                        row: c,
-                        start: (2 * world - 1 - rank) * c,
-                        len: c,
-                    },
-                ]
+                vec![(rank * c, c), ((2 * world - 1 - rank) * c, c)]
             }
+        };
+        let mut chunks: Vec<Chunk> = Vec::with_capacity(pieces.len());
+        let mut row = 0;
+        for (start, len) in pieces {
+            match chunks.last_mut() {
+                Some(last) if last.start + last.len == start => last.len += len,
+                _ => chunks.push(Chunk { row, start, len }),
+            }
+            row += len;
         }
+        chunks
     }
 
     /// The rule a shard of `n` rows breaks under this layout, if any.
@@ -167,11 +164,20 @@ mod tests {
             ]
         );
         // Every position is held once.
-        let mut starts: Vec<usize> = (0..3)
+        let mut runs: Vec<(usize, usize)> = (0..3)
             .flat_map(|r| Shards::Zigzag.chunks(r, 3, 8))
-            .map(|c| c.start)
+            .map(|c| (c.start, c.len))
             .collect();
-        starts.sort();
-        assert_eq!(starts, [0, 4, 8, 12, 16, 20]);
+        runs.sort();
+        assert_eq!(runs, [(0, 4), (4, 4), (8, 8), (16, 4), (20, 4)]);
+        // The middle rank's two chunks are one run.
+        assert_eq!(
+            Shards::Zigzag.chunks(2, 3, 8),
+            [Chunk {
+                row: 0,
+                start: 8,
+                len: 8
+            }]
+        );
     }
 }
