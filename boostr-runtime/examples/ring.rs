@@ -102,11 +102,7 @@ fn main() -> BoxResult<()> {
             }
             let ms = |d: Duration| d.as_secs_f64() * 1e3;
             for (shards, runs) in layouts.iter().zip(&rings) {
-                let passes: [(
-                    &str,
-                    fn(&(Duration, Duration)) -> Duration,
-                    fn(&RingRun) -> Duration,
-                ); 3] = [
+                let passes: [Pass; 3] = [
                     ("fwd", |s| s.0, |r| r.fwd),
                     ("bwd", |s| s.1, |r| r.bwd),
                     ("f+b", |s| s.0 + s.1, |r| r.fwd + r.bwd),
@@ -131,6 +127,13 @@ fn main() -> BoxResult<()> {
     }
     Ok(())
 }
+
+/// A pass's name, and its time on one device and in a ring run.
+type Pass = (
+    &'static str,
+    fn(&(Duration, Duration)) -> Duration,
+    fn(&RingRun) -> Duration,
+);
 
 /// The whole sequence's `q, k, v, dout`.
 struct Inputs {
