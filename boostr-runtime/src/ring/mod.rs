@@ -461,6 +461,23 @@ where
     forward(&ring, q, k, v)
 }
 
+/// numr's NCCL communicator is a ring transport, and the op type-checks on
+/// CUDA tensors (where it returns [`Error::LayoutUnsupported`] until the
+/// CUDA kernels take global positions).
+#[cfg(feature = "nccl")]
+#[allow(dead_code)]
+fn nccl_rings_type_check(
+    comm: numr::runtime::NcclCommunicator,
+    x: [&Tensor<numr::runtime::cuda::CudaRuntime>; 3],
+) -> Result<()> {
+    let comm: Arc<dyn Communicator> = Arc::new(comm);
+    let variant = crate::stock::Causal;
+    let opts = RingOptions::default();
+    let (out, lse) = ring_attention(&variant, x[0], x[1], x[2], &comm, &opts)?;
+    ring_attention_bwd(&variant, &out, x[0], x[1], x[2], &out, &lse, &comm, &opts)?;
+    Ok(())
+}
+
 /// The blocks of keys and values as they reach a rank.
 enum Blocks<R: Runtime> {
     /// The block in hand; the next arrives during the step.
