@@ -12,8 +12,10 @@
 //! (`testing::ThreadComm`), each on its own 1-thread rayon pool bound to
 //! one CPU, calling `ring_attention` and `ring_attention_bwd` on its shard
 //! (zigzag; contiguous too at the smallest `S`). A run's time is the
-//! slower rank's. Medians of `reps` (default 3) runs after one to warm up; overhead is ring ÷
-//! single device − 1. Also printed: the bytes each rank sent, its
+//! slower rank's. Each repetition runs single device and then each ring
+//! layout; `reps` (default 3) of them after one to warm up. Overhead is
+//! ring ÷ single device − 1, of the medians and of the fastest runs (the
+//! less noisy on a shared machine). Also printed: the bytes each rank sent, its
 //! communication time on the helper threads and how much of that the
 //! rank waited for (the rest was hidden behind compute).
 
@@ -61,7 +63,7 @@ fn main() -> BoxResult<()> {
          {WORLD} ranks of 1 thread (medians of {reps})"
     );
     println!(
-        "{:>6} {:>5} {:>10} {:>4} {:>10} {:>10} {:>8} {:>9} {:>9} {:>9}",
+        "{:>6} {:>5} {:>10} {:>4} {:>10} {:>10} {:>8} {:>8} {:>9} {:>9} {:>9}",
         "S",
         "dtype",
         "layout",
@@ -69,6 +71,7 @@ fn main() -> BoxResult<()> {
         "single ms",
         "ring ms",
         "overhead",
+        "of mins",
         "MB sent",
         "comm ms",
         "waited ms"
@@ -110,13 +113,16 @@ fn main() -> BoxResult<()> {
                 for (pass, one_of, ring_of) in passes {
                     let one = median(single.iter().map(one_of).collect());
                     let many = median(runs.iter().map(ring_of).collect());
+                    let best_one = single.iter().map(one_of).min().unwrap_or_default();
+                    let best_many = runs.iter().map(ring_of).min().unwrap_or_default();
                     println!(
-                        "{s:>6} {:>5} {:>10} {pass:>4} {:>10.1} {:>10.1} {:>7.1}% {:>9.1} {:>9.1} {:>9.1}",
+                        "{s:>6} {:>5} {:>10} {pass:>4} {:>10.1} {:>10.1} {:>7.1}% {:>7.1}% {:>9.1} {:>9.1} {:>9.1}",
                         format!("{dtype:?}").to_lowercase(),
                         format!("{shards:?}").to_lowercase(),
                         ms(one),
                         ms(many),
                         (many.as_secs_f64() / one.as_secs_f64() - 1.0) * 100.0,
+                        (best_many.as_secs_f64() / best_one.as_secs_f64() - 1.0) * 100.0,
                         runs[0].mb_sent,
                         ms(median(runs.iter().map(|r| r.comm).collect())),
                         ms(median(runs.iter().map(|r| r.waited).collect())),

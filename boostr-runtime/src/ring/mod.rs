@@ -34,6 +34,7 @@
 //! place positions from the start of each call; on them the op is an
 //! [`Error::LayoutUnsupported`] before any communication.
 
+mod host;
 mod link;
 mod positioned;
 mod shards;
@@ -401,6 +402,10 @@ where
             lse: lse.contiguous()?,
         });
     };
+    let acc = match host::merge((acc.out, acc.lse), out, lse) {
+        Ok((out, lse)) => return Ok(Partial { out, lse }),
+        Err((out, lse)) => Partial { out, lse },
+    };
     let out = out.to_dtype(DType::F32)?;
     // m = max(l1, l2), −inf raised to the least f32 so that exp(l − m)
     // is 0 (not NaN) where both are −inf.
@@ -680,16 +685,20 @@ where
     backward(&ring, [dout, q, k, v, out, lse], wanted)
 }
 
-/// Gradients summed in f32: `acc + x`.
-fn add_f32<R: Runtime<DType = DType>>(acc: Option<Tensor<R>>, x: &Tensor<R>) -> Result<Tensor<R>>
+/// Gradients summed in f32: `acc` becomes `acc + x` (in place on the CPU).
+fn add_into<R: Runtime<DType = DType>>(acc: &mut Option<Tensor<R>>, x: &Tensor<R>) -> Result<()>
 where
     R::Client: RingOps<R>,
 {
+    if host::add_into(acc, x) {
+        return Ok(());
+    }
     let x = x.to_dtype(DType::F32)?;
-    Ok(match acc {
-        Some(acc) => acc.add(&x)?,
+    *acc = Some(match acc.take() {
+        Some(acc) => acc.to_dtype(DType::F32)?.add(&x)?,
         None => x,
-    })
+    });
+    Ok(())
 }
 
 /// The backward of one rank.
@@ -765,10 +774,17 @@ where
         }
         // What the previous ranks added to this block's dK/dV, then ours.
         let [dk_part, dv_part] = part;
-        travelling = Some(match (got.next(), got.next()) {
-            (Some(dk_in), Some(dv_in)) => [dk_in.add(&dk_part)?, dv_in.add(&dv_part)?],
-            _ => [dk_part, dv_part],
-        });
+        let mut dkv = [got.next(), got.next()];
+        if dkv.iter().all(Option::is_some) {
+            add_into(&mut dkv[0], &dk_part)?;
+            add_into(&mut dkv[1], &dv_part)?;
+        } else {
+            dkv = [Some(dk_part), Some(dv_part)];
+        }
+        let [Some(dk), Some(dv)] = dkv else {
+            unreachable!("both sums were made above");
+        };
+        travelling = Some([dk, dv]);
     }
     let [dk, dv] = if gathered {
         // Every block's parts in rank order, summed at their owners.
@@ -845,7 +861,7 @@ where
         let mut sum: Option<Tensor<R>> = None;
         for r in 0..world {
             let part = all.narrow(0, r, 1)?.reshape(g.shape())?;
-            sum = Some(add_f32(sum, &part)?);
+            add_into(&mut sum, &part)?;
         }
         tensors.push(sum);
     }
@@ -894,12 +910,12 @@ where
             tensor_grads: wanted,
         };
         let g = R::attention_backward(&positioned, &p, tensors)?;
-        dq[i] = Some(add_f32(dq[i].take(), &g.dq)?);
-        dk[j] = Some(add_f32(dk[j].take(), &g.dk)?);
-        dv[j] = Some(add_f32(dv[j].take(), &g.dv)?);
+        add_into(&mut dq[i], &g.dq)?;
+        add_into(&mut dk[j], &g.dk)?;
+        add_into(&mut dv[j], &g.dv)?;
         for (slot, t) in g.tensors.into_iter().enumerate() {
             if let Some(t) = t {
-                tensor_grads[slot] = Some(add_f32(tensor_grads[slot].take(), &t)?);
+                add_into(&mut tensor_grads[slot], &t)?;
             }
         }
     }
