@@ -139,19 +139,18 @@ pub(super) fn add_into<R: Runtime>(acc: &mut Option<Tensor<R>>, x: &Tensor<R>) -
 
 /// Merge the partial `(out, lse)` of more keys into `(acc_out, acc_lse)`
 /// (`[rows, Dv]` and `[rows]`) on the CPU, in one pass: the softmax over
-/// both key sets, in f32. `Err` gives the accumulator back where this does
-/// not apply.
-#[allow(clippy::type_complexity)]
+/// both key sets, in f32, as new tensors. `None` where this does not
+/// apply.
 pub(super) fn merge<R: Runtime>(
-    (acc_out, acc_lse): (Tensor<R>, Tensor<R>),
+    (acc_out, acc_lse): (&Tensor<R>, &Tensor<R>),
     out: &Tensor<R>,
     lse: &Tensor<R>,
-) -> Result<(Tensor<R>, Tensor<R>), (Tensor<R>, Tensor<R>)> {
-    let parts = (|| {
+) -> Option<(Tensor<R>, Tensor<R>)> {
+    {
         let (out, lse) = (as_cpu(out)?, as_cpu(lse)?);
         let (outs, lses) = (Elems::of(out)?, Elems::of(lse)?);
         let Elems::F32(l2) = lses else { return None };
-        let (acc_out, acc_lse) = (as_cpu(&acc_out)?, as_cpu(&acc_lse)?);
+        let (acc_out, acc_lse) = (as_cpu(acc_out)?, as_cpu(acc_lse)?);
         if acc_out.shape() != out.shape() || acc_lse.shape() != lse.shape() {
             return None;
         }
@@ -191,6 +190,5 @@ pub(super) fn merge<R: Runtime>(
             }
         }
         Some((from_cpu(o1)?, from_cpu(l1)?))
-    })();
-    parts.ok_or((acc_out, acc_lse))
+    }
 }

@@ -402,10 +402,9 @@ where
             lse: lse.contiguous()?,
         });
     };
-    let acc = match host::merge((acc.out, acc.lse), out, lse) {
-        Ok((out, lse)) => return Ok(Partial { out, lse }),
-        Err((out, lse)) => Partial { out, lse },
-    };
+    if let Some((out, lse)) = host::merge((&acc.out, &acc.lse), out, lse) {
+        return Ok(Partial { out, lse });
+    }
     let out = out.to_dtype(DType::F32)?;
     // m = max(l1, l2), −inf raised to the least f32 so that exp(l − m)
     // is 0 (not NaN) where both are −inf.
