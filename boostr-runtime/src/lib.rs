@@ -49,6 +49,10 @@
 //! - The compiler derives d`score`/d`s` for the backward and a tile
 //!   classifier that lets kernels skip empty tiles and unmasked full tiles.
 //!   [`Variant::compiled`] prints what it made.
+//! - A sequence sharded across the ranks of a numr `Communicator` runs as
+//!   ring attention ([`ring_attention`], [`var_ring_attention`]): each rank
+//!   gets its rows of the single-device result, positions global, every
+//!   variant unchanged (on the CPU).
 //!
 //! Backends: numr's `CpuRuntime` always (f32, and f16/bf16 computed in f32);
 //! with the `wgpu` cargo feature, numr's `WgpuRuntime` too (the WGSL kernels,

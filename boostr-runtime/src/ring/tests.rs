@@ -666,3 +666,67 @@ fn the_autograd_op_runs_the_ring_backward_on_every_rank() {
         assert_close("d sinks", sinks, &want_sinks, &context);
     }
 }
+
+#[test]
+fn bf16_shards_match_one_device_in_bf16() {
+    let seed = choose_seed();
+    let mut rng = Rng::new(seed, 11);
+    let world = 2;
+    let x = Inputs::new(&mut rng, N * world);
+    let bf16 = |t: &T| t.to_dtype(DType::BF16).expect("bf16");
+    let x = Inputs {
+        q: bf16(&x.q),
+        k: bf16(&x.k),
+        v: bf16(&x.v),
+        dout: bf16(&x.dout),
+    };
+    let opts = RingOptions {
+        shards: Shards::Zigzag,
+        schedule: Schedule::Ring,
+        ..RingOptions::default()
+    };
+    let (out, lse) = attention_fwd(&Causal, &x.q, &x.k, &x.v, &opts.attention).expect("one device");
+    let want = attention_bwd_tensors(
+        &Causal,
+        &x.dout,
+        &x.q,
+        &x.k,
+        &x.v,
+        &out,
+        &lse,
+        &opts.attention,
+    )
+    .expect("one device backward");
+    let (_, comms) = thread_group(world);
+    let ranks: Vec<RankOut> = run_ring(&Causal, &x, &comms, &opts)
+        .into_iter()
+        .map(|r| r.expect("ring"))
+        .collect();
+    let gather = |f: &dyn Fn(&RankOut) -> T| {
+        let parts: Vec<T> = ranks.iter().map(f).collect();
+        opts.shards.unshard(&parts, 2).expect("unshard")
+    };
+    // Both round every result to bf16 once, from f32 sums in different
+    // orders: a few bf16 steps (2^-8 relative) apart at most.
+    let close = |what: &str, got: &T, want: &T| {
+        assert_eq!(got.dtype(), DType::BF16, "{what}");
+        let (g, w) = (values(got), values(want));
+        let scale = w.iter().fold(0f32, |m, x| m.max(x.abs()));
+        for (i, (a, b)) in g.iter().zip(&w).enumerate() {
+            assert!(
+                (a - b).abs() <= 2e-2 * (1.0 + scale),
+                "{what}[{i}]: ring {a}, one device {b} (seed {seed}, {SEED_ENV}={seed})"
+            );
+        }
+    };
+    close("out", &gather(&|r| r.out.clone()), &out);
+    close("dq", &gather(&|r| r.grads.dq.clone()), &want.dq);
+    close("dk", &gather(&|r| r.grads.dk.clone()), &want.dk);
+    close("dv", &gather(&|r| r.grads.dv.clone()), &want.dv);
+    assert_close(
+        "lse",
+        &gather(&|r| r.lse.clone()),
+        &lse,
+        &format!("seed {seed}"),
+    );
+}

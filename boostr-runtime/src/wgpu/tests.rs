@@ -577,3 +577,22 @@ fn cache_backward_matches_the_cpu() {
     check(&CausalSoftcap { cap: 20.0 }, 3, &device, &cpu);
     check(&SlidingWindow { window: 9 }, 12, &device, &cpu);
 }
+
+/// Ring attention needs kernels that take global positions; the WGSL
+/// kernels place them from the start of each call, so the op says so on
+/// every rank before it sends anything.
+#[test]
+fn ring_attention_is_refused_before_any_message() {
+    let Some(device) = device() else { return };
+    let x = Tensor::<WgpuRuntime>::from_slice(&[0.5f32; 2 * 8 * 16], &[1, 2, 8, 16], &device)
+        .expect("a tensor");
+    let group = crate::testing::ThreadComm::group(1, std::time::Duration::from_secs(5));
+    let comm: Arc<dyn numr::runtime::Communicator> = group[0].clone();
+    let e = crate::ring_attention(&Causal, &x, &x, &x, &comm, &crate::RingOptions::default())
+        .expect_err("no ring on wgpu");
+    assert!(
+        matches!(e, Error::LayoutUnsupported { layout, .. } if layout.contains("ring attention")),
+        "{e}"
+    );
+    assert_eq!(group[0].count(), crate::testing::MessageCount::default());
+}
