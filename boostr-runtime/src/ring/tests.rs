@@ -239,95 +239,86 @@ fn check_against_single<V: Variant>(
     }
 }
 
-fn each_layout<V: Variant>(variant: &V, worlds: &[usize]) {
+/// The variant `variant_of(rng, world)` against one device at each world
+/// size, in both layouts, under `schedule`.
+fn each_layout<V: Variant>(
+    stream: u64,
+    worlds: &[usize],
+    schedule: Schedule,
+    variant_of: impl Fn(&mut Rng, usize) -> V,
+) {
     let seed = choose_seed();
-    let mut rng = Rng::new(seed, 0);
+    let mut rng = Rng::new(seed, stream);
     for &world in worlds {
+        let variant = variant_of(&mut rng, world);
         for shards in [Shards::Contiguous, Shards::Zigzag] {
-            check_against_single(variant, world, shards, Schedule::Ring, &mut rng, seed);
+            check_against_single(&variant, world, shards, schedule, &mut rng, seed);
         }
     }
+}
+
+/// A `[HQ]` f32 tensor that requires grad, of standard deviation `std`.
+fn learnable(rng: &mut Rng, std: f32) -> Var<CpuRuntime> {
+    let t = T::from_slice(&rng.normal_f32(HQ, std), &[HQ], &device()).expect("a tensor");
+    Var::new(t, true)
 }
 
 #[test]
 fn full_attention_matches_one_device_at_every_world_size() {
-    each_layout(&Full, &[1, 2, 3, 4]);
+    each_layout(0, &[1, 2, 3, 4], Schedule::Ring, |_, _| Full);
 }
 
 #[test]
 fn causal_attention_matches_one_device_at_every_world_size() {
-    each_layout(&Causal, &[1, 2, 3, 4]);
+    each_layout(1, &[1, 2, 3, 4], Schedule::Ring, |_, _| Causal);
 }
 
 #[test]
 fn a_sliding_window_narrower_than_a_chunk_matches_one_device() {
-    each_layout(&CausalSlidingWindow { window: 4 }, &[2, 3, 4]);
+    each_layout(2, &[2, 3, 4], Schedule::Ring, |_, _| CausalSlidingWindow {
+        window: 4,
+    });
 }
 
 #[test]
 fn document_ids_are_read_at_global_positions() {
-    let seed = choose_seed();
-    let mut rng = Rng::new(seed, 1);
-    for world in [2, 3, 4] {
+    each_layout(3, &[2, 3, 4], Schedule::Ring, |_, world| {
         let s = N * world;
         // Documents that straddle the shards' edges.
         let ids: Vec<i32> = (0..B * s).map(|i| ((i % s) / 7 + i / s) as i32).collect();
         let doc = T::from_slice(&ids, &[B, s], &device()).expect("ids");
-        let variant = CausalDocuments { doc };
-        for shards in [Shards::Contiguous, Shards::Zigzag] {
-            check_against_single(&variant, world, shards, Schedule::Ring, &mut rng, seed);
-        }
-    }
+        CausalDocuments { doc }
+    });
 }
 
 #[test]
 fn a_learnable_bias_gets_its_gradient_summed_over_the_ranks() {
-    let seed = choose_seed();
-    let mut rng = Rng::new(seed, 2);
-    let slopes = T::from_slice(&rng.normal_f32(HQ, 0.2), &[HQ], &device()).expect("slopes");
-    let variant = AlibiSlopes {
-        slopes: Var::new(slopes, true),
-    };
-    for world in [1, 2, 3, 4] {
-        for shards in [Shards::Contiguous, Shards::Zigzag] {
-            check_against_single(&variant, world, shards, Schedule::Ring, &mut rng, seed);
-        }
-    }
+    each_layout(4, &[1, 2, 3, 4], Schedule::Ring, |rng, _| AlibiSlopes {
+        slopes: learnable(rng, 0.2),
+    });
 }
 
 #[test]
 fn sinks_count_once_per_row() {
-    let seed = choose_seed();
-    let mut rng = Rng::new(seed, 3);
-    let sinks = T::from_slice(&rng.normal_f32(HQ, 1.0), &[HQ], &device()).expect("sinks");
     // A window of 3 leaves most pairs of chunks empty; the sink still
     // joins every row once.
-    let variant = CausalSlidingWindowSinks {
-        window: 3,
-        sinks: Var::new(sinks, true),
-    };
-    for world in [1, 2, 3, 4] {
-        for shards in [Shards::Contiguous, Shards::Zigzag] {
-            check_against_single(&variant, world, shards, Schedule::Ring, &mut rng, seed);
+    each_layout(5, &[1, 2, 3, 4], Schedule::Ring, |rng, _| {
+        CausalSlidingWindowSinks {
+            window: 3,
+            sinks: learnable(rng, 1.0),
         }
-    }
+    });
 }
 
 #[test]
 fn the_all_gather_schedule_matches_one_device() {
-    let seed = choose_seed();
-    let mut rng = Rng::new(seed, 4);
-    for world in [1, 3] {
-        for shards in [Shards::Contiguous, Shards::Zigzag] {
-            check_against_single(&Causal, world, shards, Schedule::AllGather, &mut rng, seed);
-        }
-    }
+    each_layout(6, &[1, 3], Schedule::AllGather, |_, _| Causal);
 }
 
 #[test]
 fn numrs_local_communicator_runs_the_all_gather_schedule_and_refuses_the_ring_on_every_rank() {
     let seed = choose_seed();
-    let mut rng = Rng::new(seed, 5);
+    let mut rng = Rng::new(seed, 15);
     let world = 3;
     let x = Inputs::new(&mut rng, N * world);
     let group = |_| {
@@ -367,12 +358,11 @@ fn numrs_local_communicator_runs_the_all_gather_schedule_and_refuses_the_ring_on
 #[test]
 fn results_are_the_same_bits_run_to_run() {
     let seed = choose_seed();
-    let mut rng = Rng::new(seed, 6);
+    let mut rng = Rng::new(seed, 16);
     let world = 3;
     let x = Inputs::new(&mut rng, N * world);
-    let slopes = T::from_slice(&rng.normal_f32(HQ, 0.2), &[HQ], &device()).expect("slopes");
     let variant = AlibiSlopes {
-        slopes: Var::new(slopes, true),
+        slopes: learnable(&mut rng, 0.2),
     };
     let opts = RingOptions {
         shards: Shards::Zigzag,
@@ -436,7 +426,7 @@ fn errors_of(
 #[test]
 fn ranks_that_disagree_all_get_the_same_error() {
     let seed = choose_seed();
-    let mut rng = Rng::new(seed, 7);
+    let mut rng = Rng::new(seed, 17);
     let world = 3;
     let x = Inputs::new(&mut rng, N * world);
     let shard = |t: &T, rank: usize| Shards::Contiguous.shard(t, 2, rank, world).expect("shard");
@@ -504,7 +494,7 @@ fn a_rank_whose_kernel_fails_mid_ring_fails_every_rank() {
     // per rank, ranks 2 and 3 meet them at their third step, ranks 0 and 1
     // never do.
     let seed = choose_seed();
-    let mut rng = Rng::new(seed, 8);
+    let mut rng = Rng::new(seed, 18);
     let (world, n) = (4, 4);
     let s = n * world;
     let x = Inputs::new(&mut rng, s);
@@ -548,7 +538,7 @@ fn a_rank_whose_kernel_fails_mid_ring_fails_every_rank() {
 #[test]
 fn a_rank_that_never_joins_is_an_error_within_the_timeout() {
     let seed = choose_seed();
-    let mut rng = Rng::new(seed, 9);
+    let mut rng = Rng::new(seed, 19);
     let world = 3;
     let x = Inputs::new(&mut rng, N * world);
     let opts = RingOptions {
@@ -588,13 +578,12 @@ fn a_rank_that_never_joins_is_an_error_within_the_timeout() {
 #[test]
 fn the_autograd_op_runs_the_ring_backward_on_every_rank() {
     let seed = choose_seed();
-    let mut rng = Rng::new(seed, 10);
+    let mut rng = Rng::new(seed, 20);
     let world = 2;
     let x = Inputs::new(&mut rng, N * world);
-    let sinks = T::from_slice(&rng.normal_f32(HQ, 1.0), &[HQ], &device()).expect("sinks");
     let variant = CausalSlidingWindowSinks {
         window: 7,
-        sinks: Var::new(sinks, true),
+        sinks: learnable(&mut rng, 1.0),
     };
     let opts = RingOptions {
         shards: Shards::Zigzag,
@@ -670,7 +659,7 @@ fn the_autograd_op_runs_the_ring_backward_on_every_rank() {
 #[test]
 fn bf16_shards_match_one_device_in_bf16() {
     let seed = choose_seed();
-    let mut rng = Rng::new(seed, 11);
+    let mut rng = Rng::new(seed, 21);
     let world = 2;
     let x = Inputs::new(&mut rng, N * world);
     let bf16 = |t: &T| t.to_dtype(DType::BF16).expect("bf16");
