@@ -748,15 +748,20 @@ where
         } else {
             Some(link.exchange(x, device, Ring::<V>::tag(Pass::Backward, step, 0))?)
         };
-        let mut part = [zeros(p.k_shape())?, zeros(p.v_shape())?];
+        let mut part = None;
         if failure.is_none() {
             let (kb, vb) = blocks.block(src)?;
             let inputs = [dout, q, &kb, &vb, out, lse];
             match backward_block(ring, inputs, src, wanted, &mut dq, &mut tensor_grads) {
-                Ok(block) => part = block,
+                Ok(block) => part = Some(block),
                 Err(e) => failure = Some(e),
             }
         }
+        // After a failure, zeros keep the ring's traffic going.
+        let part = match part {
+            Some(part) => part,
+            None => [zeros(p.k_shape())?, zeros(p.v_shape())?],
+        };
         if gathered {
             parts.push(part);
             continue;

@@ -93,7 +93,15 @@ fn run_ring<V: Variant>(
 }
 
 fn thread_group(world: usize) -> (Vec<Arc<ThreadComm>>, Vec<Arc<dyn Communicator>>) {
-    let group = ThreadComm::group(world, Duration::from_secs(30));
+    thread_group_waiting(world, Duration::from_secs(30))
+}
+
+/// [`thread_group`] whose waits give up after `timeout`.
+fn thread_group_waiting(
+    world: usize,
+    timeout: Duration,
+) -> (Vec<Arc<ThreadComm>>, Vec<Arc<dyn Communicator>>) {
+    let group = ThreadComm::group(world, timeout);
     let dyns = group
         .iter()
         .map(|c| Arc::clone(c) as Arc<dyn Communicator>)
@@ -396,14 +404,7 @@ fn errors_of(
     timeout: Duration,
     call: impl Fn(usize, &Arc<dyn Communicator>) -> Result<()> + Sync,
 ) -> Vec<String> {
-    let (_, comms) = {
-        let group = ThreadComm::group(world, timeout);
-        let dyns: Vec<Arc<dyn Communicator>> = group
-            .iter()
-            .map(|c| Arc::clone(c) as Arc<dyn Communicator>)
-            .collect();
-        (group, dyns)
-    };
+    let (_group, comms) = thread_group_waiting(world, timeout);
     std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .iter()
