@@ -81,6 +81,8 @@ fn host_methods(program: &Program) -> TokenStream {
     let identity = program.score_is_identity;
     let has_mask = program.has_mask;
     let has_sink = program.has_sink;
+    let dropout = program.has_dropout;
+    let sigmoid = program.normalize == kernels_spec::ir::Normalize::Sigmoid;
     let checked = |f: &Function| {
         let mut found = false;
         f.body.walk(&mut |e| {
@@ -101,6 +103,8 @@ fn host_methods(program: &Program) -> TokenStream {
         const SCORE_IS_IDENTITY: bool = #identity;
         const HAS_MASK: bool = #has_mask;
         const HAS_SINK: bool = #has_sink;
+        const DROPOUT: bool = #dropout;
+        const SIGMOID: bool = #sigmoid;
         const SCORE_CHECKS_READS: bool = #score_checks;
         #score
         #score_grad
@@ -382,10 +386,20 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
             }
         }
     };
+    let dropout = if program.has_dropout {
+        method(
+            &RustEmitter::new(program, Float::F32),
+            "dropout",
+            &program.dropout,
+        )
+    } else {
+        TokenStream::new()
+    };
     let consts = quote! {
         const NAME: &'static str = #name;
         const TILE_Q: ::core::option::Option<u32> = #tile_q;
         const TILE_KV: ::core::option::Option<u32> = #tile_kv;
+        #dropout
     };
 
     if program.tensors.is_empty() {

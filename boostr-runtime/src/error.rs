@@ -168,6 +168,9 @@ pub enum Error {
     /// `scale` is not a finite number.
     #[error("scale must be finite, got {0}")]
     Scale(f32),
+    /// A dropout variant's probability is outside `[0, 1)`.
+    #[error("dropout probability must lie in [0, 1), got {0}")]
+    Dropout(f32),
     /// A captured tensor has another dtype than its declared element type.
     #[error("captured tensor `{field}` must have dtype {expected:?}, got {got:?}")]
     CaptureDType {

@@ -94,7 +94,7 @@ pub use op::{
     attention_bwd_cache, attention_bwd_tensors, attention_fwd, attention_fwd_cache,
     attention_fwd_paged, learnable_grads, var_attention,
 };
-pub use problem::Problem;
+pub use problem::{Dropout, Problem};
 pub use ring::{
     RingOps, RingOptions, RingTimes, Schedule, Shards, last_ring_times, ring_attention,
     ring_attention_bwd, var_ring_attention,

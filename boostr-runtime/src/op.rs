@@ -18,6 +18,15 @@ use std::sync::Arc;
 pub struct AttentionOptions {
     /// Multiplier of `q·k` before `score`; `None` means `1/sqrt(head_dim)`.
     pub scale: Option<f32>,
+    /// The seed of a dropout variant's draw (see
+    /// [`kernels_spec::dropout`]): the same seed and offset drop the same
+    /// pairs on every backend, and the backward of a call must be given
+    /// the forward's. Ignored by variants without `dropout`.
+    pub dropout_seed: u64,
+    /// The call's offset under the seed: calls that share a seed (the
+    /// layers of one step, say) take different offsets to draw
+    /// independently.
+    pub dropout_offset: u32,
 }
 
 /// Fused attention forward of `q [B, Hq, Sq, D]` against `k [B, Hkv, Sk,
@@ -35,7 +44,7 @@ pub fn attention_fwd<V: Variant, R: AttentionRuntime>(
     v: &Tensor<R>,
     opts: &AttentionOptions,
 ) -> Result<(Tensor<R>, Tensor<R>)> {
-    let problem = validate::problem(q, k, v, opts.scale)?;
+    let problem = validate::call(variant, validate::problem(q, k, v, opts.scale)?, opts)?;
     let layout = KeyLayout::Dense;
     R::attention_forward(
         variant,
@@ -132,7 +141,7 @@ pub fn attention_fwd_cache<V: Variant, R: AttentionRuntime>(
     cache: &KvCache<'_, R>,
     opts: &AttentionOptions,
 ) -> Result<(Tensor<R>, Tensor<R>)> {
-    let problem = validate::problem(q, cache.k, cache.v, opts.scale)?;
+    let problem = validate::call(variant, validate::problem(q, cache.k, cache.v, opts.scale)?, opts)?;
     let host = validate::cache_lengths(cache.lengths, &problem)?;
     let scales = validate::cache_scales(cache.k, cache.v, cache.scales, None)?;
     let scales = scales.as_ref().map(|(k, v)| CacheScales { k, v });
@@ -253,7 +262,7 @@ fn dense_backward<V: Variant, R: AttentionRuntime>(
     opts: &AttentionOptions,
     wanted: &[bool],
 ) -> Result<AttentionGrads<R>> {
-    let problem = validate::problem(q, k, v, opts.scale)?;
+    let problem = validate::call(variant, validate::problem(q, k, v, opts.scale)?, opts)?;
     let layout = KeyLayout::Dense;
     backward(
         variant,
@@ -309,7 +318,7 @@ pub fn attention_bwd_cache<V: Variant, R: AttentionRuntime>(
     lse: &Tensor<R>,
     opts: &AttentionOptions,
 ) -> Result<(Tensor<R>, Tensor<R>, Tensor<R>)> {
-    let problem = validate::problem(q, cache.k, cache.v, opts.scale)?;
+    let problem = validate::call(variant, validate::problem(q, cache.k, cache.v, opts.scale)?, opts)?;
     let host = validate::cache_lengths(cache.lengths, &problem)?;
     if validate::cache_scales(cache.k, cache.v, cache.scales, None)?.is_some() {
         return Err(crate::Error::LayoutUnsupported {
@@ -336,7 +345,11 @@ pub fn var_attention<V: Variant, R: AttentionRuntime>(
     v: &Var<R>,
     opts: &AttentionOptions,
 ) -> Result<Var<R>> {
-    let problem = validate::problem(q.tensor(), k.tensor(), v.tensor(), opts.scale)?;
+    let problem = validate::call(
+        variant,
+        validate::problem(q.tensor(), k.tensor(), v.tensor(), opts.scale)?,
+        opts,
+    )?;
     let learnables = variant
         .learnables()
         .iter()

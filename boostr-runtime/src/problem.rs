@@ -31,6 +31,74 @@ pub struct Problem {
     pub head_dim_v: usize,
     /// Multiplier of `q·k` before `score` (default `1/sqrt(D)`).
     pub scale: f32,
+    /// The call's dropout draw ([`Dropout::NONE`] keeps every pair).
+    pub dropout: Dropout,
+}
+
+/// The dropout draw of one call: which pairs it keeps, from a counter-based
+/// generator keyed by `(seed, b, h, q, kv)` and the call's offset, the same
+/// bits on every backend and in the backward
+/// ([`kernels_spec::dropout`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Dropout {
+    /// A pair whose draw is below it is dropped: `round(p · 2^32)`; 0
+    /// keeps every pair, and the kernels then draw nothing.
+    pub threshold: u32,
+    /// The bits of `1/(1 − p)` (f32), a kept pair's factor.
+    pub scale_bits: u32,
+    /// The generator's key.
+    pub seed: u64,
+    /// The call's offset, the counter's last word.
+    pub offset: u32,
+}
+
+impl Dropout {
+    /// No dropout: every pair kept, with factor 1.
+    pub const NONE: Dropout = Dropout {
+        threshold: 0,
+        scale_bits: 0x3f80_0000,
+        seed: 0,
+        offset: 0,
+    };
+
+    /// Probability `p` with `seed` and `offset`; `None` for a `p` outside
+    /// `[0, 1)`.
+    pub fn new(p: f32, seed: u64, offset: u32) -> Option<Dropout> {
+        Some(Dropout {
+            threshold: kernels_spec::dropout::threshold(p)?,
+            scale_bits: kernels_spec::dropout::keep_scale(p).to_bits(),
+            seed,
+            offset,
+        })
+    }
+
+    /// Some pair may be dropped (`p > 0`).
+    pub fn active(&self) -> bool {
+        self.threshold != 0
+    }
+
+    /// A kept pair's factor, `1/(1 − p)`.
+    pub fn scale(&self) -> f32 {
+        f32::from_bits(self.scale_bits)
+    }
+
+    /// The words the GPU kernels read at the end of the parameter block
+    /// ([`kernels_spec::dropout::Word`]).
+    pub fn words(&self) -> [u32; kernels_spec::dropout::DROPOUT_WORDS] {
+        [
+            self.threshold,
+            self.scale_bits,
+            self.seed as u32,
+            (self.seed >> 32) as u32,
+            self.offset,
+        ]
+    }
+}
+
+impl Default for Dropout {
+    fn default() -> Self {
+        Self::NONE
+    }
 }
 
 impl Problem {
@@ -53,6 +121,7 @@ impl Problem {
             head_dim,
             head_dim_v: head_dim,
             scale: 1.0 / (head_dim as f32).sqrt(),
+            dropout: Dropout::NONE,
         }
     }
 
@@ -67,6 +136,11 @@ impl Problem {
     /// The same problem with `q·k` multiplied by `scale`.
     pub fn with_scale(self, scale: f32) -> Self {
         Self { scale, ..self }
+    }
+
+    /// The same problem with the dropout draw `dropout`.
+    pub fn with_dropout(self, dropout: Dropout) -> Self {
+        Self { dropout, ..self }
     }
 
     /// Query heads per kv head.

@@ -2,7 +2,9 @@
 //! kernel runs, and a broken rule is an [`Error`] naming it and the values.
 
 use crate::error::{Error, Result};
-use crate::problem::Problem;
+use crate::op::AttentionOptions;
+use crate::problem::{Dropout, Problem};
+use crate::variant::{HostVariant, Variant};
 use numr::dtype::DType;
 use numr::runtime::Runtime;
 use numr::tensor::Tensor;
@@ -245,6 +247,34 @@ pub fn page_table<R: Runtime<DType = DType>>(
     }
     Ok(out)
 }
+
+/// `p` with the call's dropout draw, for a variant with `dropout`: its
+/// probability must lie in `[0, 1)`, and the batch and query heads must
+/// fit the counter's 16 bits each ([`kernels_spec::dropout`]).
+pub fn call<V: Variant>(variant: &V, p: Problem, opts: &AttentionOptions) -> Result<Problem> {
+    if !<V::Host as HostVariant>::DROPOUT {
+        return Ok(p);
+    }
+    let prob = variant.dropout();
+    let dropout = Dropout::new(prob, opts.dropout_seed, opts.dropout_offset)
+        .ok_or(Error::Dropout(prob))?;
+    if dropout.active() {
+        for (name, value) in [("batch", p.batch), ("Hq", p.heads_q)] {
+            if value > DROPOUT_MAX_INDEX {
+                return Err(Error::TooLarge {
+                    name,
+                    value,
+                    max: DROPOUT_MAX_INDEX,
+                });
+            }
+        }
+    }
+    Ok(p.with_dropout(dropout))
+}
+
+/// The largest batch and query head count with dropout: each is 16 bits of
+/// the generator's counter.
+const DROPOUT_MAX_INDEX: usize = 1 << 16;
 
 /// Validate `q [B, Hq, Sq, D]`, `k [B, Hkv, Sk, D]` and `v [B, Hkv, Sk, Dv]`
 /// and derive the [`Problem`].

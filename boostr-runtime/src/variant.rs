@@ -105,6 +105,13 @@ pub trait Variant: Clone + Debug + Send + Sync + 'static {
     /// reference.
     type Host: HostVariant;
 
+    /// `dropout = p`: the probability that a call drops a (query, key)
+    /// pair, read from the fields on every call (0 without `dropout`). The
+    /// ops refuse a `p` outside `[0, 1)`.
+    fn dropout(&self) -> f32 {
+        0.0
+    }
+
     /// The variant with its captured tensors checked against problem `p`
     /// (dtype, rank, declared dimensions) and read on the host; an `Err`
     /// naming the field for a tensor that does not match, or that lives on
@@ -163,6 +170,14 @@ pub trait HostVariant: Send + Sync {
     /// softmax, carrying no value (without one, [`sink`](HostVariant::sink)
     /// is `-inf`).
     const HAS_SINK: bool = false;
+    /// The variant declares `dropout`: each call keeps a pair with
+    /// probability `1 − p`, drawn from the call's seed
+    /// ([`Dropout`](crate::Dropout)), and scales what it keeps by
+    /// `1/(1 − p)`.
+    const DROPOUT: bool = false;
+    /// `normalize = sigmoid`: a pair's weight is `sigmoid(score)`, with no
+    /// sum over the row and no lse (FlashSigmoid), in place of the softmax.
+    const SIGMOID: bool = false;
     /// `score` or `score_grad` reads a tensor with a checked index: they are
     /// then evaluated at visible pairs only, where the reference evaluates
     /// them, so that an index out of range there (and only there) is

@@ -23,6 +23,11 @@ pub struct Spec {
     pub mask: Option<Closure>,
     /// `sink = |b, h, q| ...`, if given.
     pub sink: Option<Closure>,
+    /// `dropout = p`, if given: an expression of the variant's scalar
+    /// fields (a zero-argument closure), with the span of its key.
+    pub dropout: Option<(Closure, Span)>,
+    /// `normalize = softmax | sigmoid`, if given, with the span of its key.
+    pub normalize: Option<(crate::ir::Normalize, Span)>,
     /// `tile(q = .., kv = ..)`, if given.
     pub tile: Option<TileOverride>,
     /// `tests = [...]`: instances to generate tests for, as Rust expressions.

@@ -10,7 +10,7 @@ use crate::ast::{self, ExprKind as A};
 use crate::diag::Diagnostics;
 use crate::ir::{
     Arg, BinOp, Builtin, Const, Domain, Expr, ExprKind, Function, IndexCheck, Local, ParamDecl,
-    Read, TensorDecl, Ty, UnOp,
+    Normalize, Read, TensorDecl, Ty, UnOp,
 };
 use crate::params::{Field, ParamLayout};
 use crate::parse::scalar_of;
@@ -32,6 +32,10 @@ pub struct Checked {
     pub mask: Option<Function>,
     /// The sink function, if declared.
     pub sink: Option<Function>,
+    /// The dropout probability, a function of no arguments, if declared.
+    pub dropout: Option<Function>,
+    /// The normalisation.
+    pub normalize: Normalize,
 }
 
 /// Check a parsed spec. Errors go to `diags`; the result is only meaningful
@@ -109,7 +113,7 @@ pub fn check(spec: &ast::Spec, diags: &mut Diagnostics) -> Checked {
         })
         .collect();
     let order: Vec<Field<'_>> = placed.iter().map(|(_, f)| *f).collect();
-    let layout = ParamLayout::new(&order).unwrap_or_else(|overflow| {
+    let layout = ParamLayout::with_dropout(&order, spec.dropout.is_some()).unwrap_or_else(|overflow| {
         let field = &fields.names[placed[overflow.field].0].0;
         diags.error_spanned(
             field,
@@ -129,6 +133,19 @@ pub fn check(spec: &ast::Spec, diags: &mut Diagnostics) -> Checked {
         let args = [Arg::B, Arg::H, Arg::Q];
         Checker::new(&fields, c, &args, &mut sites, diags).function("sink", Ty::F32)
     });
+    let dropout = spec
+        .dropout
+        .as_ref()
+        .and_then(|(c, _)| check_dropout(&fields, c, &mut sites, diags));
+    let normalize = spec.normalize.map_or(Normalize::Softmax, |(n, _)| n);
+    if let (Some((Normalize::Sigmoid, at)), Some(sink)) = (spec.normalize, &spec.sink) {
+        diags.error(
+            sink.span,
+            "a sink is one more logit in the softmax's denominator, and `normalize = sigmoid` \
+             has no denominator: drop the sink, or normalise with softmax",
+        );
+        diags.error(at, "`normalize = sigmoid` here cannot take the `sink` declared with it");
+    }
     Checked {
         params: fields.params,
         tensors: fields.tensors,
@@ -136,7 +153,46 @@ pub fn check(spec: &ast::Spec, diags: &mut Diagnostics) -> Checked {
         score,
         mask,
         sink,
+        dropout,
+        normalize,
     }
+}
+
+/// `dropout = p`: an `f32` expression of the scalar fields (no tensor
+/// reads: the runtimes evaluate it on the host, once per call), and a
+/// literal `p` must lie in `[0, 1)`.
+fn check_dropout(
+    fields: &Fields,
+    closure: &ast::Closure,
+    sites: &mut u32,
+    diags: &mut Diagnostics,
+) -> Option<Function> {
+    let f = Checker::new(fields, closure, &[], sites, diags).function("dropout", Ty::F32)?;
+    let mut reads = false;
+    f.body.walk(&mut |e| reads |= matches!(e.kind, ExprKind::Read(_) | ExprKind::Dim(..)));
+    if reads {
+        diags.error(
+            closure.span,
+            "`dropout` is a probability of the scalar fields (a literal, or `self.p`); \
+             it cannot read a tensor",
+        );
+        return None;
+    }
+    let literal = match &closure.body.kind {
+        A::Float(x) => Some(*x),
+        A::Int(x, _) => Some(*x as f64),
+        _ => None,
+    };
+    if let Some(p) = literal
+        && !(0.0..1.0).contains(&p)
+    {
+        diags.error(
+            closure.span,
+            format!("dropout probability {p} is outside [0, 1): a pair is dropped with probability p"),
+        );
+        return None;
+    }
+    Some(f)
 }
 
 /// The mask's arguments: a function with these reads no learnable tensor.

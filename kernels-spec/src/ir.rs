@@ -729,6 +729,18 @@ impl TileClass {
     }
 }
 
+/// How a query row's scores become the weights of its values.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Normalize {
+    /// `P = softmax(score)` over the row's visible keys (and its sink):
+    /// the kernels keep a running max and sum, and write the row's lse.
+    #[default]
+    Softmax,
+    /// `P = sigmoid(score)` per pair, with no sum over the row (FlashSigmoid):
+    /// no running statistics, no sink, and no lse (the forward writes 0).
+    Sigmoid,
+}
+
 /// A compiled variant: everything the emitters need.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Program {
@@ -766,6 +778,14 @@ pub struct Program {
     /// The variant declares a sink (without one, `sink` is `-inf`: no
     /// extra logit).
     pub has_sink: bool,
+    /// `normalize = ..`: softmax (the default) or sigmoid.
+    pub normalize: Normalize,
+    /// `dropout() -> f32`: the probability of dropping a pair, an
+    /// expression of the scalar fields (`0.0` without `dropout`).
+    pub dropout: Function,
+    /// The variant declares `dropout`: its kernels draw a keep mask per
+    /// pair from the call's seed (see [`crate::dropout`]).
+    pub has_dropout: bool,
     /// Per-variant tile size overrides `(q, kv)`.
     pub tile: (Option<u32>, Option<u32>),
     /// The learnable tensors ([`Program::tensors`] indices), in field

@@ -24,6 +24,7 @@ pub mod analysis;
 pub mod ast;
 pub mod check;
 pub mod diag;
+pub mod dropout;
 pub mod emit;
 pub mod eval;
 pub mod ir;

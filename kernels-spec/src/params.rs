@@ -47,6 +47,11 @@ use std::fmt;
 /// 32-bit words in the parameter block of every kernel.
 pub const PARAM_WORDS: usize = 32;
 
+/// Words at the end of the block that a variant with `dropout` reserves
+/// for each call's generator state ([`crate::dropout::Word`]); its fields
+/// have the words before them.
+pub const DROPOUT_WORDS: usize = 5;
+
 /// Words at the start of the capture arena that record the first read out
 /// of range: `[site + 1, index 0, index 1, index 2, index 3, 0, 0, 0]`
 /// (zero while no read was out of range).
@@ -254,6 +259,8 @@ pub enum Field<'a> {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ParamLayout {
     slots: Vec<ParamSlot>,
+    /// The last [`DROPOUT_WORDS`] words hold each call's dropout state.
+    dropout: bool,
 }
 
 /// A field that does not fit the block.
@@ -282,6 +289,13 @@ impl ParamLayout {
     /// Place `fields` in declaration order, or say which field crosses the
     /// limit.
     pub fn new(fields: &[Field<'_>]) -> Result<ParamLayout, Overflow> {
+        Self::with_dropout(fields, false)
+    }
+
+    /// [`new`](ParamLayout::new), with the last [`DROPOUT_WORDS`] words
+    /// kept for the dropout state where `dropout` holds.
+    pub fn with_dropout(fields: &[Field<'_>], dropout: bool) -> Result<ParamLayout, Overflow> {
+        let capacity = PARAM_WORDS - if dropout { DROPOUT_WORDS } else { 0 };
         let mut slots = Vec::with_capacity(fields.len());
         let mut word = 0;
         for (field, f) in fields.iter().enumerate() {
@@ -298,13 +312,22 @@ impl ParamLayout {
             };
             let slot = ParamSlot { name, kind, word };
             let needed = word + slot.words();
-            if needed > PARAM_WORDS {
-                return Err(Overflow { field, needed });
+            if needed > capacity {
+                return Err(Overflow {
+                    field,
+                    needed: needed + PARAM_WORDS - capacity,
+                });
             }
             slots.push(slot);
             word = needed;
         }
-        Ok(ParamLayout { slots })
+        Ok(ParamLayout { slots, dropout })
+    }
+
+    /// Whether the block ends with the dropout state
+    /// ([`crate::dropout::Word`]).
+    pub fn dropout(&self) -> bool {
+        self.dropout
     }
 
     /// The fields, in declaration order.
@@ -334,9 +357,10 @@ impl ParamLayout {
         self.slots.last().map_or(0, |s| s.word + s.words())
     }
 
-    /// Zero words after the last field, up to [`PARAM_WORDS`].
+    /// Zero words after the last field, up to [`PARAM_WORDS`] (or up to
+    /// the dropout state).
     pub fn padding_words(&self) -> usize {
-        PARAM_WORDS - self.used_words()
+        PARAM_WORDS - self.used_words() - if self.dropout { DROPOUT_WORDS } else { 0 }
     }
 }
 

@@ -27,6 +27,8 @@ pub fn parse_spec(attr: TokenStream, item: &syn::ItemStruct, diags: &mut Diagnos
         score: None,
         mask: None,
         sink: None,
+        dropout: None,
+        normalize: None,
         tile: None,
         tests: Vec::new(),
     };
@@ -326,6 +328,50 @@ fn parse_meta(meta: &Meta, spec: &mut Spec, diags: &mut Diagnostics) {
             return;
         }
         *slot = parse_closure(&nv.value, arity, signature, diags);
+    } else if key == symbol::DROPOUT {
+        let Meta::NameValue(nv) = meta else {
+            diags.error_spanned(meta, "expected `dropout = p`, `p` a literal or `self.field`");
+            return;
+        };
+        if spec.dropout.is_some() {
+            duplicate(diags, path, symbol::DROPOUT);
+            return;
+        }
+        if let Some(body) = parse_expr(&nv.value, diags) {
+            let closure = Closure {
+                args: Vec::new(),
+                span: nv.value.span(),
+                body,
+            };
+            spec.dropout = Some((closure, key.span()));
+        }
+    } else if key == symbol::NORMALIZE {
+        if spec.normalize.is_some() {
+            duplicate(diags, path, symbol::NORMALIZE);
+            return;
+        }
+        let value = match meta {
+            Meta::NameValue(nv) => match &nv.value {
+                syn::Expr::Path(p) if p.path.get_ident().is_some() => p.path.get_ident(),
+                _ => None,
+            },
+            _ => None,
+        };
+        let normalize = match value {
+            Some(id) if id == symbol::SOFTMAX => Some(crate::ir::Normalize::Softmax),
+            Some(id) if id == symbol::SIGMOID => Some(crate::ir::Normalize::Sigmoid),
+            _ => None,
+        };
+        match normalize {
+            Some(n) => spec.normalize = Some((n, key.span())),
+            None => {
+                let at: &dyn quote::ToTokens = match meta {
+                    Meta::NameValue(nv) => &nv.value,
+                    other => other,
+                };
+                diags.error_spanned(at, "expected `normalize = softmax` or `normalize = sigmoid`");
+            }
+        }
     } else if key == symbol::TILE {
         if spec.tile.is_some() {
             duplicate(diags, path, symbol::TILE);

@@ -13,6 +13,14 @@ pub const SCORE: Symbol = Symbol("score");
 pub const MASK: Symbol = Symbol("mask");
 /// `sink = |b, h, q| ...`
 pub const SINK: Symbol = Symbol("sink");
+/// `dropout = p`
+pub const DROPOUT: Symbol = Symbol("dropout");
+/// `normalize = softmax | sigmoid`
+pub const NORMALIZE: Symbol = Symbol("normalize");
+/// `normalize = softmax`
+pub const SOFTMAX: Symbol = Symbol("softmax");
+/// `normalize = sigmoid`
+pub const SIGMOID: Symbol = Symbol("sigmoid");
 /// `tile(q = .., kv = ..)`
 pub const TILE: Symbol = Symbol("tile");
 /// `tests = [...]`
@@ -26,7 +34,8 @@ pub const TILE_KV: Symbol = Symbol("kv");
 pub const TENSOR: Symbol = Symbol("tensor");
 
 /// Every attribute keyword, for "expected one of" messages.
-pub const ATTRIBUTE_KEYS: &str = "`score`, `mask`, `sink`, `tile`, `tests`";
+pub const ATTRIBUTE_KEYS: &str =
+    "`score`, `mask`, `sink`, `dropout`, `normalize`, `tile`, `tests`";
 
 impl PartialEq<Symbol> for syn::Ident {
     fn eq(&self, word: &Symbol) -> bool {

@@ -64,6 +64,7 @@ mod backward;
 mod bf16_dot;
 mod cached;
 mod decode;
+mod dropout;
 mod elem;
 mod forward;
 mod gemm;

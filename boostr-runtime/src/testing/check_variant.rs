@@ -141,12 +141,15 @@ fn run_case<R: TestBackend, V: Variant>(
     seed: u64,
     stream: u64,
 ) -> CaseReport {
-    let p = case.problem();
+    let mut inputs = Inputs::draw(case, seed, stream);
+    let p = match crate::validate::call(variant, case.problem(), &inputs.opts) {
+        Ok(p) => p,
+        Err(e) => return CaseReport::error(format!("{}: {e}", V::NAME)),
+    };
     let host = match variant.host_copy(&p) {
         Ok(host) => host,
         Err(e) => return CaseReport::error(format!("{}::host: {e}", V::NAME)),
     };
-    let mut inputs = Inputs::draw(case, seed, stream);
     let poisoned = inputs.poison_hidden_keys(&host, &p);
     let mut failures = Vec::new();
     contract(&host, &p, &mut failures);

@@ -60,7 +60,12 @@ impl Inputs {
         let (q, k) = draw_qk(case, &mut rng);
         let v = rng.normal_f32(case.problem().v_len(), 1.0);
         let dout = rng.normal_f32(case.problem().out_len(), 1.0);
-        let opts = AttentionOptions { scale: case.scale };
+        // A fresh draw of dropout pairs per case (ignored without dropout).
+        let opts = AttentionOptions {
+            scale: case.scale,
+            dropout_seed: rng.next_u64(),
+            dropout_offset: stream as u32,
+        };
         Inputs {
             q,
             k,

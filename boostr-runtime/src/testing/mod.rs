@@ -46,7 +46,7 @@ mod gradcheck;
 mod inputs;
 mod naive;
 mod parity;
-mod reference;
+pub(crate) mod reference;
 mod report;
 pub(crate) mod rng;
 mod run_backend;

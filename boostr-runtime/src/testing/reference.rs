@@ -263,7 +263,41 @@ fn dot_rev<T: Real>(a: &[T], b: &[T]) -> T {
     acc
 }
 
-/// One query row's softmax, materialised over all keys.
+/// Philox 4×32-10 (Random123's definition), written for the reference
+/// alone: one round at a time over 64-bit products.
+pub(crate) fn philox4x32_10(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
+    let [mut x0, mut x1, mut x2, mut x3] = counter;
+    let [mut k0, mut k1] = key;
+    for _ in 0..10 {
+        let p0 = u64::from(0xD251_1F53u32) * u64::from(x0);
+        let p1 = u64::from(0xCD9E_8D57u32) * u64::from(x2);
+        let (hi0, lo0) = ((p0 >> 32) as u32, p0 as u32);
+        let (hi1, lo1) = ((p1 >> 32) as u32, p1 as u32);
+        (x0, x1, x2, x3) = (hi1 ^ x1 ^ k0, lo1, hi0 ^ x3 ^ k1, lo0);
+        k0 = k0.wrapping_add(0x9E37_79B9);
+        k1 = k1.wrapping_add(0xBB67_AE85);
+    }
+    [x0, x1, x2, x3]
+}
+
+/// Whether the call's dropout keeps pair `(b, h, q, kv)`
+/// ([`kernels_spec::dropout`]): always without dropout.
+pub(crate) fn keeps(p: &Problem, b: i32, h: i32, q: i32, kv: i32) -> bool {
+    let d = p.dropout;
+    if !d.active() {
+        return true;
+    }
+    let counter = [
+        (kv as u32) >> 2,
+        q as u32,
+        ((b as u32) << 16) | h as u32,
+        d.offset,
+    ];
+    let r = philox4x32_10(counter, [d.seed as u32, (d.seed >> 32) as u32]);
+    r[(kv & 3) as usize] >= d.threshold
+}
+
+/// One query row's weights (softmax or sigmoid), materialised over all keys.
 struct Row<T> {
     /// Scaled logits `s` (unused where not visible).
     s: Vec<T>,
@@ -272,8 +306,10 @@ struct Row<T> {
     /// Probabilities `exp(z − max) / Σ exp(z − max)` (exactly zero where not
     /// visible).
     p: Vec<T>,
-    /// Log-sum-exp (`−inf` when no key is visible).
+    /// Log-sum-exp (`−inf` when no key is visible); 0 with sigmoid.
     lse: T,
+    /// The dropout factor of each key: 0 (dropped) or `1/(1 − p)`.
+    keep: Vec<T>,
 }
 
 impl<T: Real> Row<T> {
@@ -283,6 +319,7 @@ impl<T: Real> Row<T> {
             z: vec![T::NEG_INFINITY; seq_k],
             p: vec![T::ZERO; seq_k],
             lse: T::NEG_INFINITY,
+            keep: vec![T::ZERO; seq_k],
         }
     }
 
@@ -324,7 +361,28 @@ impl<T: Real> Row<T> {
                 max = z;
             }
         }
+        let one = T::from_f32(1.0);
+        let factor = T::from_f32(p.dropout.scale());
+        for (j, keep) in self.keep.iter_mut().enumerate() {
+            *keep = if keeps(p, bi, hi, qi, j as i32) {
+                factor
+            } else {
+                T::ZERO
+            };
+        }
         let any_key = self.z.iter().any(|&z| z != T::NEG_INFINITY);
+        if V::SIGMOID {
+            // No row statistics: each visible pair weighs sigmoid(z).
+            for (pj, &z) in self.p.iter_mut().zip(&self.z) {
+                *pj = if z == T::NEG_INFINITY {
+                    T::ZERO
+                } else {
+                    one / (one + (-z).exp())
+                };
+            }
+            self.lse = T::ZERO;
+            return any_key;
+        }
         if !any_key {
             self.p.fill(T::ZERO);
             self.lse = sink;
@@ -356,8 +414,11 @@ impl<T: Real> Row<T> {
     /// backward kernel does from its saved lse. In f32 this carries the
     /// rounding of `lse` itself (half an ulp: ~5e-4 at |lse| ~ 1e4), which
     /// every kernel's backward carries too; in f64 it equals `p`.
-    fn p_from_lse(&self, j: usize) -> T {
+    fn p_from_lse<V: HostVariant>(&self, j: usize) -> T {
         let z = self.z[j];
+        if V::SIGMOID {
+            return self.p[j];
+        }
         if z == T::NEG_INFINITY {
             T::ZERO
         } else {
@@ -401,6 +462,7 @@ pub fn reference_forward<T: Real, V: HostVariant>(
                 }
                 let o = &mut out_bh[i * dv..][..dv];
                 for (j, &pj) in row.p.iter().enumerate() {
+                    let pj = pj * row.keep[j];
                     if pj == T::ZERO {
                         continue;
                     }
@@ -508,6 +570,7 @@ fn backward<T: Real, V: HostVariant>(
                     let key = |j: usize| (b * p.heads_kv + hk) * p.seq_k + j;
                     o.fill(T::ZERO);
                     for (j, &pj) in row.p.iter().enumerate() {
+                        let pj = pj * row.keep[j];
                         if pj != T::ZERO {
                             for (ox, &vx) in o.iter_mut().zip(&v[key(j) * d_v..][..d_v]) {
                                 *ox += pj * vx;
@@ -522,7 +585,11 @@ fn backward<T: Real, V: HostVariant>(
                     // `dP_ij − D_i` exactly, which no kernel does (its `D` comes
                     // from its forward's `out`); the naive f32 error must include
                     // that rounding.
-                    let d_i = dot_rev(dor, &o);
+                    let d_i = if V::SIGMOID {
+                        T::ZERO
+                    } else {
+                        dot_rev(dor, &o)
+                    };
                     let sink = T::sink(variant, bi, hi, qi);
                     if V::LEARNABLE > 0 && sink != T::NEG_INFINITY {
                         let p_sink = (sink - row.lse).exp();
@@ -535,14 +602,18 @@ fn backward<T: Real, V: HostVariant>(
                     }
                     let dq_r = &mut dq_bh[i * d..][..d];
                     for (j, &s) in row.s.iter().enumerate() {
-                        let pj = row.p_from_lse(j);
+                        let pj = row.p_from_lse::<V>(j);
                         if pj == T::ZERO {
                             continue;
                         }
                         let (kr, vr) = (&kf[key(j) * d..][..d], &vf[key(j) * d_v..][..d_v]);
-                        let dp = dot(dor, vr);
+                        // d loss / d P through the kept pairs' factor.
+                        let dp = dot(dor, vr) * row.keep[j];
                         let g = T::score_grad(variant, s, bi, hi, qi, j as i32);
-                        let dz = if magnitudes {
+                        let dz = if V::SIGMOID {
+                            // d sigmoid(z)/dz = σ(1 − σ).
+                            dp * pj * (T::from_f32(1.0) - pj)
+                        } else if magnitudes {
                             pj * (dp + d_i)
                         } else {
                             pj * (dp - d_i)
@@ -558,8 +629,9 @@ fn backward<T: Real, V: HostVariant>(
                             dq_r[x] += sds * kr[x];
                             dk_j[x] += sds * qr[x];
                         }
+                        let pk = pj * row.keep[j];
                         for (dv_x, &do_x) in dv_j.iter_mut().zip(dor) {
-                            *dv_x += pj * do_x;
+                            *dv_x += pk * do_x;
                         }
                     }
                 }

@@ -68,7 +68,7 @@ impl Rng {
         Self { state }
     }
 
-    fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         splitmix64(&mut self.state)
     }
 

@@ -46,7 +46,9 @@ pub(crate) fn run_backend<R: TestBackend, V: Variant>(
     let kt = upload("k", k, &shapes.k_shape())?;
     let vt = upload("v", v, &shapes.v_shape())?;
     let dt = upload("dout", dout, &shapes.out_shape())?;
-    let p = validate::problem(&qt, &kt, &vt, opts.scale).map_err(|e| format!("validation: {e}"))?;
+    let p = validate::problem(&qt, &kt, &vt, opts.scale)
+        .and_then(|p| validate::call(variant, p, opts))
+        .map_err(|e| format!("validation: {e}"))?;
 
     let (out, lse) =
         attention_fwd(variant, &qt, &kt, &vt, opts).map_err(|e| format!("attention_fwd: {e}"))?;

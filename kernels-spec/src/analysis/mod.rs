@@ -58,6 +58,13 @@ pub fn analyze(name: &str, checked: Checked, tile: Option<TileOverride>) -> Prog
             ret: Ty::F32,
             body: Expr::float(f64::NEG_INFINITY),
         });
+    let has_dropout = checked.dropout.is_some();
+    let dropout = checked.dropout.unwrap_or_else(|| Function {
+        name: "dropout",
+        args: Vec::new(),
+        ret: Ty::F32,
+        body: Expr::float(0.0),
+    });
     let score_grad = derivative::score_grad(&score);
     let (classify, summaries) = tiles::classifier(has_mask.then_some(&mask), &checked.params);
     let tile = tile.unwrap_or_default();
@@ -70,6 +77,9 @@ pub fn analyze(name: &str, checked: Checked, tile: Option<TileOverride>) -> Prog
         score_is_identity: score.body.kind == ExprKind::Arg(Arg::S),
         has_mask,
         has_sink,
+        normalize: checked.normalize,
+        dropout,
+        has_dropout,
         params: checked.params,
         tensors,
         layout: checked.layout,

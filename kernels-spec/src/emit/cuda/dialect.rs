@@ -159,8 +159,16 @@ impl Dialect for Cuda {
         writeln!(f, "    {} {name};", Self::ty(ty))
     }
 
-    fn params_padding(f: &mut Formatter<'_>, words: usize) -> fmt::Result {
+    fn params_padding(f: &mut Formatter<'_>, _start: usize, words: usize) -> fmt::Result {
         writeln!(f, "    unsigned _pad[{words}];")
+    }
+
+    fn bool_constant(f: &mut Formatter<'_>, name: &str, value: bool) -> fmt::Result {
+        writeln!(f, "constexpr bool {name} = {value};")
+    }
+
+    fn dropout_helpers() -> String {
+        crate::dropout::cuda_helpers()
     }
 
     fn params_end(f: &mut Formatter<'_>) -> fmt::Result {

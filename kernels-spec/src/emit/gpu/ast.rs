@@ -245,12 +245,14 @@ pub struct Member {
 }
 
 /// The parameter block as a struct: one member per field, then
-/// `padding_words` zero words, [`PARAM_WORDS`](crate::params::PARAM_WORDS)
-/// in all.
+/// `padding_words` zero words, then the `trailing` members (a dropout
+/// variant's call state), [`PARAM_WORDS`](crate::params::PARAM_WORDS) in all.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ParamsStruct {
     /// The fields' members, in word order.
     pub members: Vec<Member>,
     /// Zero words after them.
     pub padding_words: usize,
+    /// Members at the end of the block, one word each.
+    pub trailing: Vec<Member>,
 }

@@ -53,6 +53,17 @@ pub fn params_struct(layout: &ParamLayout) -> ParamsStruct {
             })
             .collect(),
         padding_words: layout.padding_words(),
+        trailing: if layout.dropout() {
+            crate::dropout::Word::ALL
+                .iter()
+                .map(|w| Member {
+                    name: w.member().to_string(),
+                    ty: Type::U32,
+                })
+                .collect()
+        } else {
+            Vec::new()
+        },
     }
 }
 

@@ -154,8 +154,17 @@ pub trait Dialect: Sized + 'static {
     /// One member of the parameter block struct `Params`, on its own line.
     fn params_member(f: &mut Formatter<'_>, name: &str, ty: Type) -> fmt::Result;
 
-    /// The block's `words` zero words after its members (`words > 0`).
-    fn params_padding(f: &mut Formatter<'_>, words: usize) -> fmt::Result;
+    /// The block's `words` zero words after its members, from word `start`
+    /// (`words > 0`).
+    fn params_padding(f: &mut Formatter<'_>, start: usize, words: usize) -> fmt::Result;
+
+    /// A `bool` constant of the module (`VARIANT_SIGMOID`, `VARIANT_DROPOUT`).
+    fn bool_constant(f: &mut Formatter<'_>, name: &str, value: bool) -> fmt::Result;
+
+    /// The draw of a dropout variant: `variant_dropout(b, h, q, kv)`
+    /// (after [`VARIANT_ARGS`](Dialect::VARIANT_ARGS)), the pair's weight
+    /// factor, `0` or `1/(1 − p)` ([`crate::dropout`]).
+    fn dropout_helpers() -> String;
 
     /// The end of the `Params` struct, after its members.
     fn params_end(f: &mut Formatter<'_>) -> fmt::Result;
@@ -318,7 +327,10 @@ impl<D: Dialect> Display for Code<'_, D, ParamsStruct> {
             D::params_member(f, &m.name, m.ty)?;
         }
         if self.0.padding_words > 0 {
-            D::params_padding(f, self.0.padding_words)?;
+            D::params_padding(f, self.0.members.len(), self.0.padding_words)?;
+        }
+        for m in &self.0.trailing {
+            D::params_member(f, &m.name, m.ty)?;
         }
         D::params_end(f)
     }
@@ -412,6 +424,18 @@ pub fn variant_section<D: Dialect>(program: &Program) -> String {
         }
     }
     s.push_str(&learn_functions::<D>(program));
+    struct Constants<D>(bool, bool, PhantomData<D>);
+    impl<D: Dialect> Display for Constants<D> {
+        fn fmt(&self, f: &mut Formatter<'_>) -> fmt::Result {
+            D::bool_constant(f, "VARIANT_SIGMOID", self.0)?;
+            D::bool_constant(f, "VARIANT_DROPOUT", self.1)
+        }
+    }
+    let sigmoid = program.normalize == crate::ir::Normalize::Sigmoid;
+    s.push_str(&Constants::<D>(sigmoid, program.has_dropout, PhantomData).to_string());
+    if program.has_dropout {
+        s.push_str(&D::dropout_helpers());
+    }
     s
 }
 

@@ -135,17 +135,34 @@ impl Dialect for Wgsl {
         writeln!(f, "    {name}: {},", Self::ty(ty))
     }
 
-    /// Scalar words up to a 16-byte boundary, then the rest as an array of
-    /// `vec4<u32>` (a uniform array's stride must be a multiple of 16; the
-    /// block's size is a multiple of four words).
-    fn params_padding(f: &mut Formatter<'_>, words: usize) -> fmt::Result {
-        for i in 0..words % 4 {
-            writeln!(f, "    pad_{i}: u32,")?;
+    /// Scalar words up to a 16-byte boundary, then as many as fit as an
+    /// array of `vec4<u32>` (a uniform array's stride must be a multiple of
+    /// 16, and it starts on a 16-byte boundary), then scalars again up to
+    /// the dropout state where the block ends with one.
+    fn params_padding(f: &mut Formatter<'_>, start: usize, words: usize) -> fmt::Result {
+        let end = start + words;
+        let mut w = start;
+        while w % 4 != 0 && w < end {
+            writeln!(f, "    pad_{}: u32,", w - start)?;
+            w += 1;
         }
-        if words >= 4 {
-            writeln!(f, "    pad: array<vec4<u32>, {}>,", words / 4)?;
+        if end - w >= 4 {
+            writeln!(f, "    pad: array<vec4<u32>, {}>,", (end - w) / 4)?;
+            w += (end - w) / 4 * 4;
+        }
+        while w < end {
+            writeln!(f, "    pad_t{}: u32,", end - w)?;
+            w += 1;
         }
         Ok(())
+    }
+
+    fn bool_constant(f: &mut Formatter<'_>, name: &str, value: bool) -> fmt::Result {
+        writeln!(f, "const {name}: bool = {value};")
+    }
+
+    fn dropout_helpers() -> String {
+        crate::dropout::wgsl_helpers()
     }
 
     fn params_end(f: &mut Formatter<'_>) -> fmt::Result {
