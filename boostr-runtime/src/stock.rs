@@ -283,6 +283,49 @@ pub struct CausalSlidingWindowSinks<R: Runtime> {
     pub sinks: Var<R>,
 }
 
+/// Sigmoid attention (FlashSigmoid, Ramapuram et al. 2024): each pair
+/// weighs `sigmoid(s + bias)`, with no normalisation over the row and no
+/// lse; `bias = −ln(Sk)` keeps a long row's weights summing to about one.
+#[attention(
+    score = |s, _b, _h, _q, _kv| s + self.bias,
+    normalize = sigmoid,
+    tests = [SigmoidAttention { bias: -2.0 }, SigmoidAttention { bias: 0.0 }],
+)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SigmoidAttention {
+    /// Added to every logit before the sigmoid (FlashSigmoid: `−ln(Sk)`).
+    pub bias: f32,
+}
+
+/// Causal sigmoid attention: [`SigmoidAttention`] over keys `kv <= q`.
+#[attention(
+    score = |s, _b, _h, _q, _kv| s + self.bias,
+    mask = |_b, _h, q, kv| kv <= q,
+    normalize = sigmoid,
+    tests = [CausalSigmoid { bias: -3.0 }],
+)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CausalSigmoid {
+    /// Added to every logit before the sigmoid.
+    pub bias: f32,
+}
+
+/// Causal attention with dropout on the probabilities: each call drops a
+/// pair with probability `p` (drawn from the call's
+/// [`dropout_seed`](crate::AttentionOptions::dropout_seed) and
+/// offset) and scales the rest by `1/(1 − p)`; the backward draws the same
+/// pairs again.
+#[attention(
+    mask = |_b, _h, q, kv| kv <= q,
+    dropout = self.p,
+    tests = [CausalDropout { p: 0.1 }, CausalDropout { p: 0.6 }],
+)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CausalDropout {
+    /// The probability of dropping a pair, in `[0, 1)`.
+    pub p: f32,
+}
+
 /// Calls `$callback!` with the type of every stock variant, so that code
 /// which enumerates them (tests, tools) lists them from here:
 /// `boostr_runtime::stock_variants!(my_macro)` expands to
@@ -294,6 +337,9 @@ macro_rules! stock_variants {
         $callback!(
             $crate::stock::Full,
             $crate::stock::Causal,
+            $crate::stock::SigmoidAttention,
+            $crate::stock::CausalSigmoid,
+            $crate::stock::CausalDropout,
             $crate::stock::SlidingWindow,
             $crate::stock::CausalSlidingWindow,
             $crate::stock::Alibi,

@@ -571,7 +571,7 @@ fn step<V: HostVariant>(
                 sh.variant,
                 at,
                 &sc.bands,
-                s,
+                (s, None),
                 dp_t,
                 delta,
                 &mut sc.diag,
@@ -579,11 +579,12 @@ fn step<V: HostVariant>(
             );
         } else {
             let raw = &sc.raw[..rows * BK];
-            tensor_grads(sh.variant, at, &sc.bands, s, raw, dp_t, delta, grads);
+            tensor_grads(sh.variant, at, &sc.bands, (s, None), raw, dp_t, delta, grads);
         }
     }
     simd::dispatch(ScoreGrads::<V> {
         p: s,
+        pd: None,
         g,
         delta,
         dp: &mut *dp_t,

@@ -472,5 +472,5 @@ fn finish(qt: &QueryTile, dv: usize, out: &mut [f32], lse: &mut [f32]) {
             dst.copy_from_slice(&src[..dv]);
         }
     }
-    finish_rows(&qt.m[..qt.rows], &qt.l[..qt.rows], out, lse);
+    finish_rows((&qt.m[..qt.rows], &qt.l[..qt.rows]), out, lse, 1.0, false);
 }

@@ -50,6 +50,7 @@
 //! score-sized tiles); never anything of size `Sq × Sk`.
 
 use super::aligned::Aligned;
+use super::dropout::Draw;
 use super::forward::apply_mask;
 use super::gemm::{self, MatMut, MatRef, Write, matmul};
 use super::math;
@@ -168,6 +169,9 @@ struct Work {
     s: Aligned<f32>,
     /// dP, then dS.
     dp: Aligned<f32>,
+    /// With dropout, `P · Z/(1 − p)`: the weights `P V` used (empty
+    /// without dropout).
+    pd: Aligned<f32>,
     /// `score_grad` of the logits (empty when the score is the identity).
     g: Aligned<f32>,
     /// The tile's bands (see [`class_bands`]).
@@ -194,6 +198,7 @@ impl Scratch {
         let work = Work {
             s: Aligned::zeroed(t.q * t.kv),
             dp: Aligned::zeroed(t.q * t.kv),
+            pd: Aligned::zeroed(if V::DROPOUT { t.q * t.kv } else { 0 }),
             g: Aligned::zeroed(g),
             bands: Vec::with_capacity(t.q.div_ceil(super::BAND_ROWS)),
             k_guarded: Vec::new(),
@@ -618,13 +623,28 @@ fn query_tile<V: HostVariant>(
         bands,
     });
     let (s, g) = (&*s, &*g);
+    // With dropout, the weights the forward's `P V` used: `P · Z/(1 − p)`.
+    let pd = match V::DROPOUT.then(|| Draw::new(p, b, h)).flatten() {
+        Some(draw) => {
+            let pd = &mut w.pd[..rows * cols];
+            for Band { rows: r, cols: c } in bands.iter().cloned() {
+                for i in r {
+                    let at = i * cols + c.start..i * cols + c.end;
+                    let qi = q_lo + i as i32;
+                    draw.keep_scaled(qi, kv_lo + c.start as i32, &s[at.clone()], &mut pd[at]);
+                }
+            }
+            Some(&*pd)
+        }
+        None => None,
+    };
 
-    // dV += Pᵀ dO.
+    // dV += (P ∘ Z/(1 − p))ᵀ dO.
     for Band { rows: r, cols: c } in bands.iter().filter(|b| !b.cols.is_empty()) {
         matmul(
             MatMut::row_major(&mut kv.dv[c.start * d_v..c.end * d_v], c.len(), d_v),
             Write::Accumulate,
-            band_tile(s, cols, r, c).t(),
+            band_tile(pd.unwrap_or(s), cols, r, c).t(),
             band_rows(dout_t, d_v, r),
             1.0,
         );
@@ -636,13 +656,13 @@ fn query_tile<V: HostVariant>(
     if learn {
         let at = (b, h, q_lo, kv_lo);
         if V::SCORE_GRADS_BY_DIFFERENCE {
-            diagonal_tensor_grads(variant, at, bands, s, dp, delta, &mut w.diag, grads);
+            diagonal_tensor_grads(variant, at, bands, (s, pd), dp, delta, &mut w.diag, grads);
         } else {
             tensor_grads(
                 variant,
                 at,
                 bands,
-                s,
+                (s, pd),
                 &w.raw[..rows * cols],
                 dp,
                 delta,
@@ -652,6 +672,7 @@ fn query_tile<V: HostVariant>(
     }
     simd::dispatch(ScoreGrads::<V> {
         p: s,
+        pd,
         g,
         delta,
         dp: &mut *dp,
@@ -689,14 +710,27 @@ fn query_tile<V: HostVariant>(
     }
 }
 
+/// `d loss / d score` of one visible pair with weight `p`, `pd` its
+/// weight after dropout (`p` without), `dp = d loss / d (P ∘ Z/(1 − p))`
+/// and its row's `D_i`: `P (dP Z/(1 − p) − D_i)` for a softmax,
+/// `dP Z/(1 − p) · σ(1 − σ)` for sigmoid weights.
+#[inline(always)]
+pub(super) fn pair_dz<V: HostVariant>(p: f32, pd: Option<f32>, dp: f32, di: f32) -> f32 {
+    match (V::SIGMOID, pd) {
+        (true, pd) => pd.unwrap_or(p) * (1.0 - p) * dp,
+        (false, Some(pd)) => pd * dp - p * di,
+        (false, None) => p * (dp - di),
+    }
+}
+
 /// Learnable reads of `score` over one tile: every visible pair adds
-/// `dz · ∂score/∂read` with `dz = P (dP − D_i)`, in row-major order.
+/// `dz · ∂score/∂read` with `dz` its [`pair_dz`], in row-major order.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn tensor_grads<V: HostVariant>(
     variant: &V,
     (b, h, q_lo, kv_lo): (i32, i32, i32, i32),
     bands: &[Band],
-    p: &[f32],
+    (p, pd): (&[f32], Option<&[f32]>),
     raw: &[f32],
     dp: &[f32],
     delta: &[f32],
@@ -712,7 +746,7 @@ pub(super) fn tensor_grads<V: HostVariant>(
                 if pij == 0.0 {
                     continue;
                 }
-                let dz = pij * (dp[at] - delta[i]);
+                let dz = pair_dz::<V>(pij, pd.map(|pd| pd[at]), dp[at], delta[i]);
                 variant.score_tensor_grads(raw[at], b, h, qi, kv_lo + j as i32, dz, grads);
             }
         }
@@ -730,7 +764,7 @@ pub(super) fn diagonal_tensor_grads<V: HostVariant>(
     variant: &V,
     (b, h, q_lo, kv_lo): (i32, i32, i32, i32),
     bands: &[Band],
-    p: &[f32],
+    (p, pd): (&[f32], Option<&[f32]>),
     dp: &[f32],
     delta: &[f32],
     diag: &mut [f32],
@@ -747,10 +781,21 @@ pub(super) fn diagonal_tensor_grads<V: HostVariant>(
             let (p, dp) = (&p[at + c.start..at + c.end], &dp[at + c.start..at + c.end]);
             let d = &mut diag[rows - 1 - i + c.start..rows - 1 - i + c.end];
             let di = delta[i];
-            for ((x, &pij), &dpij) in d.iter_mut().zip(p).zip(dp) {
-                // A hidden pair (P = 0) adds nothing, even where its dP is
-                // NaN (a hidden key's V row).
-                *x += if pij != 0.0 { pij * (dpij - di) } else { 0.0 };
+            match pd {
+                None if !V::SIGMOID => {
+                    for ((x, &pij), &dpij) in d.iter_mut().zip(p).zip(dp) {
+                        // A hidden pair (P = 0) adds nothing, even where its
+                        // dP is NaN (a hidden key's V row).
+                        *x += if pij != 0.0 { pij * (dpij - di) } else { 0.0 };
+                    }
+                }
+                _ => {
+                    for (j, (x, &pij)) in d.iter_mut().zip(p).enumerate() {
+                        let pdj = pd.map(|pd| pd[at + c.start + j]);
+                        let dz = pair_dz::<V>(pij, pdj, dp[j], di);
+                        *x += if pij != 0.0 { dz } else { 0.0 };
+                    }
+                }
             }
         }
     }
@@ -849,7 +894,10 @@ impl<V: HostVariant> Elementwise for Probabilities<'_, V> {
                     }
                 }
                 apply_mask(variant, b, h, qi, kv_c, class, row);
-                if lse[i] == f32::NEG_INFINITY {
+                if V::SIGMOID {
+                    // Each pair's own weight, 0 where hidden.
+                    math::sigmoid_in_place(row);
+                } else if lse[i] == f32::NEG_INFINITY {
                     // No visible key in this row: P = 0 (and `x − lse`
                     // would be NaN).
                     row.fill(0.0);
@@ -864,6 +912,8 @@ impl<V: HostVariant> Elementwise for Probabilities<'_, V> {
 /// `dS = P ∘ (dP − D) ∘ score_grad`, in place over `dp`, for one tile.
 pub(super) struct ScoreGrads<'a, V> {
     pub(super) p: &'a [f32],
+    /// With dropout, `P ∘ Z/(1 − p)` (see [`pair_dz`]).
+    pub(super) pd: Option<&'a [f32]>,
     /// `score_grad` values (empty when the score is the identity).
     pub(super) g: &'a [f32],
     /// The tile rows' `D_i`.
@@ -884,6 +934,7 @@ impl<V: HostVariant> Elementwise for ScoreGrads<'_, V> {
     fn run(self) {
         let Self {
             p,
+            pd,
             g,
             delta,
             dp,
@@ -896,7 +947,15 @@ impl<V: HostVariant> Elementwise for ScoreGrads<'_, V> {
             for i in r {
                 let at = i * cols + c.start..i * cols + c.end;
                 let (ds, p, di) = (&mut dp[at.clone()], &p[at.clone()], delta[i]);
-                if V::SCORE_IS_IDENTITY && !partial {
+                if V::SIGMOID || pd.is_some() {
+                    // Hidden pairs (P = 0) stay exactly 0.
+                    let pd = pd.map(|pd| &pd[at.clone()]);
+                    for (j, (ds, &pj)) in ds.iter_mut().zip(p).enumerate() {
+                        let gj = if V::SCORE_IS_IDENTITY { 1.0 } else { g[at.start + j] };
+                        let v = pair_dz::<V>(pj, pd.map(|pd| pd[j]), *ds, di) * gj;
+                        *ds = if pj == 0.0 { 0.0 } else { v };
+                    }
+                } else if V::SCORE_IS_IDENTITY && !partial {
                     for (ds, &p) in ds.iter_mut().zip(p) {
                         *ds = p * (*ds - di);
                     }

@@ -20,6 +20,7 @@
 //! argument is `≤ 0`.
 
 use super::aligned::Aligned;
+use super::dropout::Draw;
 use super::elem::Stored;
 use super::gemm::{MatMut, MatRef, Write, matmul};
 use super::math;
@@ -425,7 +426,12 @@ fn query_tiles<V: HostVariant>(
     for qt in sc.q_tiles.iter().filter(|t| t.first) {
         out[qt.rows.start * dv..qt.rows.end * dv].fill(0.0);
     }
-    finish_rows(&sc.m[..rows], &sc.l[..rows], out, lse);
+    let keep = if V::DROPOUT {
+        head.p.dropout.scale()
+    } else {
+        1.0
+    };
+    finish_rows((&sc.m[..rows], &sc.l[..rows]), out, lse, keep, V::SIGMOID);
 }
 
 /// The running max `m` and sum `l` of rows `row0 ..` before any key: -inf
@@ -450,15 +456,30 @@ pub(super) fn start_rows<V: HostVariant>(
     }
 }
 
-/// Each row of `out` (`lse.len()` rows) divided by its sum, and its lse.
-pub(super) fn finish_rows(m: &[f32], l: &[math::Lanes], out: &mut [f32], lse: &mut [f32]) {
+/// Each row of `out` (`lse.len()` rows) divided by its sum, and its lse;
+/// times `keep` too (`1/(1 − p)` with dropout, else 1). Without a softmax
+/// (`sigmoid`), the rows only take `keep`, and `lse` is 0.
+pub(super) fn finish_rows(
+    (m, l): (&[f32], &[math::Lanes]),
+    out: &mut [f32],
+    lse: &mut [f32],
+    keep: f32,
+    sigmoid: bool,
+) {
     let d = out.len() / lse.len().max(1);
+    if sigmoid {
+        if keep != 1.0 {
+            math::scale(out, keep);
+        }
+        lse.fill(0.0);
+        return;
+    }
     for (i, (m, l)) in m.iter().zip(l).enumerate() {
         // `l > 0` exactly when some key or the sink was seen (the max
         // contributes 1); with only the sink, `out` is 0 and `lse` the sink.
         let l = math::sum_lanes(l);
         if l > 0.0 {
-            math::scale(&mut out[i * d..(i + 1) * d], 1.0 / l);
+            math::scale(&mut out[i * d..(i + 1) * d], keep / l);
             lse[i] = m + l.ln();
         } else {
             out[i * d..(i + 1) * d].fill(0.0);
@@ -520,6 +541,40 @@ impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {
         let cols = s.len() / rows;
         // The accumulator's row width: the head dim, or a padded one.
         let d = out.as_deref().map_or(0, |o| o.len() / rows);
+        let draw = if V::DROPOUT {
+            Draw::new(head.p, head.b, head.h)
+        } else {
+            None
+        };
+        if V::SIGMOID {
+            // No row statistics: each pair weighs sigmoid(score), 0 where
+            // hidden (`sigmoid(-inf) = 0`), and the accumulator is never
+            // rescaled.
+            alpha.fill(1.0);
+            for Band { rows: br, cols: c } in bands.iter().cloned() {
+                for i in br {
+                    let row = &mut s[i * cols + c.start..i * cols + c.end];
+                    let (qi, kj) = (q_lo + i as i32, kv_lo + c.start as i32);
+                    if scale != 1.0 {
+                        math::scale(row, scale);
+                    }
+                    score_and_mask(head.variant, head.b, head.h, qi, kj, class, row);
+                    math::sigmoid_in_place(row);
+                    if let Some(draw) = &draw {
+                        draw.drop_row(qi, kj, row);
+                    }
+                    if let Some(p) = p_bf16.as_deref_mut() {
+                        let p = &mut p[i * cols..(i + 1) * cols];
+                        p[..c.start].fill(0);
+                        p[c.end..].fill(0);
+                        for (o, &x) in p[c.clone()].iter_mut().zip(row.iter()) {
+                            *o = math::bf16_bits(x);
+                        }
+                    }
+                }
+            }
+            return;
+        }
 
         // Logits of every row, and each row's new running max (in `alpha`
         // for now).
@@ -573,9 +628,24 @@ impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {
                         math::scale(&mut out[i * d..(i + 1) * d], alpha[i]);
                     }
                 }
+                let (qi, kj) = (q_lo + i as i32, kv_lo + c.start as i32);
                 l[i] = match p16.take() {
-                    Some(p16) => math::exp_sub_lanes_bf16(row, m[i], l[i], p16),
-                    None => math::exp_sub_lanes(row, m[i], l[i]),
+                    Some(p16) => {
+                        let l = math::exp_sub_lanes_bf16(row, m[i], l[i], p16);
+                        if let Some(draw) = &draw {
+                            draw.drop_row(qi, kj, p16);
+                        }
+                        l
+                    }
+                    None => {
+                        // The row's sum is of every pair's weight; the
+                        // dropped ones leave only `P V`.
+                        let l = math::exp_sub_lanes(row, m[i], l[i]);
+                        if let Some(draw) = &draw {
+                            draw.drop_row(qi, kj, row);
+                        }
+                        l
+                    }
                 };
             }
         }

@@ -213,6 +213,14 @@ pub fn sigmoid(x: f32) -> f32 {
     num / (1.0 + t)
 }
 
+/// `xs[i] = sigmoid(xs[i])` in place (`-inf`, a hidden pair, becomes 0).
+#[inline(always)]
+pub fn sigmoid_in_place(xs: &mut [f32]) {
+    for x in xs {
+        *x = sigmoid(*x);
+    }
+}
+
 /// `(m − 1, e)` with `x = m·2^e`, `m ∈ [√½, √2)`, for positive finite `x`
 /// (subnormals are scaled up first; other inputs give garbage that
 /// [`log_special`] replaces).
