@@ -96,6 +96,19 @@ pub fn check_reference_gradients_built<V: Variant>(
     let mut failures = Vec::new();
     for (n, (name, p)) in fd_shapes().iter().enumerate() {
         let variant = build(&mut TestData::new(*p, &device, seed, n as u64));
+        // A dropout variant's draw: the same pairs in every evaluation.
+        let opts = crate::op::AttentionOptions {
+            dropout_seed: seed.rotate_left(17) ^ n as u64,
+            dropout_offset: n as u32,
+            ..Default::default()
+        };
+        let p = &match crate::validate::call(&variant, *p, &opts) {
+            Ok(p) => p,
+            Err(e) => {
+                failures.push(format!("  shape `{name}`: {e}"));
+                continue;
+            }
+        };
         match variant.host_copy(p) {
             Ok(host) => check_shape(host, name, p, seed, n as u64, &mut failures),
             Err(e) => failures.push(format!("  shape `{name}`: {}::host: {e}", V::NAME)),
