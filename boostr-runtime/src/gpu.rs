@@ -376,6 +376,18 @@ pub(crate) fn sizes(p: &Problem) -> Sizes {
     split_sizes(p, 1)
 }
 
+/// The parameter block of a call: the variant's fields, and, for a
+/// variant with `dropout`, the call's draw in the block's last words
+/// ([`kernels_spec::dropout::Word`]).
+pub(crate) fn param_words<V: crate::Variant>(variant: &V, p: &Problem) -> kernels_spec::params::ParamWords {
+    let mut words = variant.param_words();
+    if <V::Host as crate::HostVariant>::DROPOUT {
+        let at = kernels_spec::dropout::Word::Threshold.index();
+        words.0[at..at + kernels_spec::dropout::DROPOUT_WORDS].copy_from_slice(&p.dropout.words());
+    }
+    words
+}
+
 /// The sizes of a forward in `splits` key splits.
 pub(crate) fn split_sizes(p: &Problem, splits: u32) -> Sizes {
     Sizes {

@@ -118,8 +118,15 @@ pub fn words(p: f32, seed: u64, offset: u32) -> Option<[u32; DROPOUT_WORDS]> {
 
 /// The draw in CUDA C: `bx_philox(counter, key)` and
 /// `variant_dropout(params, b, h, q, kv)`, which returns the pair's weight
-/// factor (`0` or `1/(1 − p)`).
-pub fn cuda_helpers() -> String {
+/// factor (`0` or `1/(1 − p)`; 1 for a call with `p = 0`). Without
+/// `dropout`, a `variant_dropout` that returns 1, which the kernels never
+/// call (`VARIANT_DROPOUT` is false) but name.
+pub fn cuda_helpers(dropout: bool) -> String {
+    if !dropout {
+        return "__device__ __forceinline__ float variant_dropout(const Params& params, int b, int h, int q, int kv) {\n    \
+                (void)params; (void)b; (void)h; (void)q; (void)kv;\n    return 1.0f;\n}\n"
+            .to_string();
+    }
     let mut rounds = String::new();
     for _ in 0..ROUNDS {
         rounds.push_str(&format!(
@@ -133,6 +140,7 @@ pub fn cuda_helpers() -> String {
         "\n// ---- dropout: Philox 4x32-10 keyed by (seed, b, h, q, kv) ----\n\
          __device__ __forceinline__ uint4 bx_philox(uint4 c, uint2 k) {{\n{rounds}    return c;\n}}\n\
          __device__ __forceinline__ float variant_dropout(const Params& params, int b, int h, int q, int kv) {{\n    \
+         if (params.{t} == 0u) return 1.0f;\n    \
          const uint4 r = bx_philox(make_uint4((unsigned)kv >> 2, (unsigned)q, ((unsigned)b << 16) | (unsigned)h, params.{off}),\n                              \
          make_uint2(params.{lo}, params.{hi}));\n    \
          const unsigned j = (unsigned)kv & 3u;\n    \
@@ -150,7 +158,11 @@ pub fn cuda_helpers() -> String {
 /// `variant_dropout(b, h, q, kv)`, as [`cuda_helpers`]. The rounds are
 /// written out: a loop's iterations count against a software adapter's
 /// per-invocation budget.
-pub fn wgsl_helpers() -> String {
+pub fn wgsl_helpers(dropout: bool) -> String {
+    if !dropout {
+        return "fn variant_dropout(b: i32, h: i32, q: i32, kv: i32) -> f32 {\n    return 1.0;\n}\n"
+            .to_string();
+    }
     let mut rounds = String::new();
     for _ in 0..ROUNDS {
         rounds.push_str(&format!(
@@ -170,6 +182,7 @@ pub fn wgsl_helpers() -> String {
          fn bx_philox(c0: vec4<u32>, k0: vec2<u32>) -> vec4<u32> {{\n    \
          var c = c0;\n    var k = k0;\n{rounds}    return c;\n}}\n\
          fn variant_dropout(b: i32, h: i32, q: i32, kv: i32) -> f32 {{\n    \
+         if (params.{t} == 0u) {{ return 1.0; }}\n    \
          let r = bx_philox(vec4<u32>(u32(kv) >> 2u, u32(q), (u32(b) << 16u) | u32(h), params.{off}),\n                      \
          vec2<u32>(params.{lo}, params.{hi}));\n    \
          let w = r[u32(kv) & 3u];\n    \

@@ -575,7 +575,7 @@ fn launch<V: Variant>(
     let arena = DeviceArena::new(ArenaPlan::new(variant, p, layout)?, &client, like)?;
     let call = Call {
         problem: p,
-        params: Params(variant.param_words()),
+        params: Params(gpu::param_words(variant, p)),
         captures: arena.words.ptr(),
         buffers,
         keys: arena.plan.keys,
@@ -645,7 +645,12 @@ fn forward_over<V: Variant>(
     let client = CudaRuntime::default_client(q.device());
     let module = &kernels::FORWARD_MODULE;
     let tiles = compiled::<V>(&client, q.device().id(), p, (dtype, kv), module)?.tiles;
-    let splits = forward_splits(&client, p, &tiles);
+    // Sigmoid weights have no lse to merge splits by.
+    let splits = if <V::Host as crate::HostVariant>::SIGMOID {
+        1
+    } else {
+        forward_splits(&client, p, &tiles)
+    };
     let out = alloc(&p.out_shape(), dtype, &q)?;
     let lse = alloc(&p.lse_shape(), DType::F32, &q)?;
     // The splits' rows of `Dv` values (f32), or, unsplit, `lse` in their

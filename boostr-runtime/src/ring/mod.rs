@@ -176,6 +176,13 @@ impl<'v, V: Variant> Ring<'v, V> {
                 layout: "ring attention (its kernels place positions from the start of each call)",
             });
         }
+        if <V::Host as HostVariant>::DROPOUT || <V::Host as HostVariant>::SIGMOID {
+            return Err(Error::LayoutUnsupported {
+                backend: "ring",
+                layout: "a variant with dropout or sigmoid normalisation (the ring merges \
+                         partial results by lse and draws dropout at each call's own positions)",
+            });
+        }
         let (rank, world) = (comm.rank(), comm.world_size());
         if world == 0 || rank >= world {
             return Err(Error::Ring {

@@ -530,7 +530,7 @@ fn run<V: Variant>(
     } else {
         Some(summary_pass(client)?)
     };
-    let params = variant.param_words();
+    let params = gpu::param_words(variant, p);
     let captures = buffer_of("attention", "the capture arena", &arena.words)?;
     let device = client.wgpu_device();
     let sizes = gpu::split_sizes(p, splits);
@@ -684,9 +684,14 @@ fn forward_split<V: Variant>(
     let client = WgpuRuntime::default_client(q.device());
     let fwd = pass::<V>(&client, p, &kernels::FORWARD)?;
     let cfg = tiles::<V>(p)?;
-    let splits = splits
-        .unwrap_or_else(|| forward_splits(&client, p, &cfg))
-        .max(1);
+    // Sigmoid weights have no lse to merge splits by.
+    let splits = if <V::Host as crate::HostVariant>::SIGMOID {
+        1
+    } else {
+        splits
+            .unwrap_or_else(|| forward_splits(&client, p, &cfg))
+            .max(1)
+    };
     let out = alloc(&[p.batch, p.heads_q, p.seq_q, p.head_dim_v], &q)?;
     let lse = alloc(&[p.batch, p.heads_q, p.seq_q], &q)?;
     let rows = p.batch * p.heads_q * p.seq_q;

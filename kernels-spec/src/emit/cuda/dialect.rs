@@ -167,8 +167,8 @@ impl Dialect for Cuda {
         writeln!(f, "constexpr bool {name} = {value};")
     }
 
-    fn dropout_helpers() -> String {
-        crate::dropout::cuda_helpers()
+    fn dropout_helpers(dropout: bool) -> String {
+        crate::dropout::cuda_helpers(dropout)
     }
 
     fn params_end(f: &mut Formatter<'_>) -> fmt::Result {

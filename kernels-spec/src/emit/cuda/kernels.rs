@@ -639,13 +639,33 @@ __device__ __forceinline__ size_t bx_kv_scale_at(const unsigned* __restrict__ ca
 // factor exp(m_old - m_new) in row_a. A row with nothing visible yet keeps
 // m = -inf, sum 0, and gets P = 0 (never exp(-inf - -inf) = NaN). Over an
 // fp8 cache, column j of P (the operand of P·V, not the sum) is scaled by
-// vf[j], its key's V factor.
+// vf[j], its key's V factor. With dropout, P's columns (not the sum) carry
+// each pair's factor, 0 or 1/(1 - p). With sigmoid weights there are no row
+// statistics: P = sigmoid(s), 0 where hidden, and row_a = 1. Row i is
+// packed row r0 + i: query head h0 + (r0 + i) / seq_q at position
+// (r0 + i) % seq_q + offset; column j is key k0 + j.
 __device__ __forceinline__ void bx_online_softmax(float* S, elem_t* P, float* row_m, float* row_l, float* row_a,
-                                                  const float* vf) {
+                                                  const float* vf, const Params& params, int b, int h0, int r0,
+                                                  int seq_q, int offset, int k0) {
     (void)vf;
     const int lane = threadIdx.x & 31;
     for (int i = threadIdx.x >> 5; i < BQ; i += FWD_THREADS / 32) {
         float* s = S + i * FWD_LDS;
+        const int h = h0 + (r0 + i) / seq_q;
+        const int qp = (r0 + i) % seq_q + offset;
+        if (VARIANT_SIGMOID) {
+            for (int j = lane; j < BKV; j += 32) {
+                float pv = s[j] == bx_neg_inf() ? 0.0f : 1.0f / (1.0f + expf(-s[j]));
+                if (VARIANT_DROPOUT) pv *= variant_dropout(params, b, h, qp, k0 + j);
+#if BX_KV_FP8
+                pv *= vf[j];
+#endif
+                s[j] = pv;
+                if (BX_MMA) P[i * FWD_LDP + j] = bx_from_f32(pv);
+            }
+            if (lane == 0) row_a[i] = 1.0f;
+            continue;
+        }
         float mx = bx_neg_inf();
         for (int j = lane; j < BKV; j += 32) mx = fmaxf(mx, s[j]);
         mx = bx_warp_max(mx);
@@ -663,10 +683,10 @@ __device__ __forceinline__ void bx_online_softmax(float* S, elem_t* P, float* ro
             for (int j = lane; j < BKV; j += 32) {
                 const float p = expf(s[j] - m_new);
                 sum += p;
+                float pv = p;
+                if (VARIANT_DROPOUT) pv *= variant_dropout(params, b, h, qp, k0 + j);
 #if BX_KV_FP8
-                const float pv = p * vf[j];
-#else
-                const float pv = p;
+                pv *= vf[j];
 #endif
                 s[j] = pv;
                 if (BX_MMA) P[i * FWD_LDP + j] = bx_from_f32(pv);
@@ -808,7 +828,7 @@ const FORWARD_BODY: &str = r#"    extern __shared__ __align__(16) unsigned char 
         }
         __syncthreads();
         if (cls != TILE_FULL) bx_zero_unseen<BKV, FWD_THREADS, BxRowDV>(sV, s_seen); // read after the softmax's barrier
-        bx_online_softmax(sS, sP, row_m, row_l, row_a, s_vf);
+        bx_online_softmax(sS, sP, row_m, row_l, row_a, s_vf, params, b, hk * g, r0, seq_q, offset, k0);
         __syncthreads();
         acc.scale_rows(row_a);
         acc.template add<BKV, LDPA, 1>(sP, sV);
@@ -821,6 +841,12 @@ const FORWARD_BODY: &str = r#"    extern __shared__ __align__(16) unsigned char 
     float* lse_dst = n_split > 1 ? split_lse : lse;
     for (int i = threadIdx.x; i < BQ; i += FWD_THREADS) {
         const float l = row_l[i];
+        if (VARIANT_SIGMOID) {
+            // No normalisation and no lse (documented as 0).
+            row_a[i] = 1.0f;
+            if (r0 + i < packed) lse_dst[at + i] = 0.0f;
+            continue;
+        }
         row_a[i] = l > 0.0f ? 1.0f / l : 0.0f;
         if (r0 + i < packed) lse_dst[at + i] = l > 0.0f ? row_m[i] + logf(l) : bx_neg_inf();
     }
@@ -864,6 +890,21 @@ const BACKWARD_PREAMBLE: &str = r#"
 // ---- backward ----
 static_assert(!BX_KV_FP8, "the backward reads K and V in the element type (fp8 caches are for inference)");
 
+// d loss / d score of a visible pair with score sc in a row with lse L and
+// D_i delta, given dp = (dO·Vᵀ) at the pair and z its dropout factor (0 or
+// 1/(1 - p); 1 without dropout): P (dp z - D_i) for a softmax, sigmoid
+// weights σ(1 - σ) dp z. w gets the pair's weight in P·V, P z.
+__device__ __forceinline__ float bx_pair_grad(float sc, float L, float dp, float delta, float z, float& w) {
+    if (VARIANT_SIGMOID) {
+        const float p = 1.0f / (1.0f + expf(-sc));
+        w = p * z;
+        return p * (1.0f - p) * dp * z;
+    }
+    const float p = expf(sc - L);
+    w = p * z;
+    return VARIANT_DROPOUT ? p * (dp * z - delta) : p * (dp - delta);
+}
+
 // The gradient tile of one (query tile, key tile), shared by dQ and dK/dV:
 // recompute each score with the forward's code (bx_dot_tile + bx_score_at),
 // then P = exp(score - lse) and dS = P·(dP - D_i)·score'(x). Invisible pairs,
@@ -887,8 +928,9 @@ __device__ __forceinline__ void bx_grad_tile(float* S, float* dP, elem_t* Pe, el
         float p = 0.0f;
         float ds = 0.0f;
         if (vis && L != bx_neg_inf() && sc != bx_neg_inf()) {
-            p = expf(sc - L);
-            ds = p * (dP[i * BWD_LDS + j] - s_delta[i]) * variant_score_grad(params, captures, x, b, h, qp, kp, true);
+            const float z = VARIANT_DROPOUT ? variant_dropout(params, b, h, qp, kp) : 1.0f;
+            const float dz = bx_pair_grad(sc, L, dP[i * BWD_LDS + j], s_delta[i], z, p);
+            ds = dz * variant_score_grad(params, captures, x, b, h, qp, kp, true);
         }
         S[i * BWD_LDS + j] = p;
         dP[i * BWD_LDS + j] = ds;
@@ -1081,8 +1123,10 @@ const TENSORS_BODY: &str = r#"    BX_BWD_SMEM
             const float sc = bx_score_at(params, captures, sS[i * BWD_LDS + j], scale, vis, b, h, qp, kp, x);
             const float L = s_lse[i];
             if (vis && L != bx_neg_inf() && sc != bx_neg_inf()) {
-                const float p = expf(sc - L);
-                if (p != 0.0f) bx_learn_score(params, captures, p * (sdP[i * BWD_LDS + j] - s_delta[i]), x, b, h, qp, kp);
+                const float z = VARIANT_DROPOUT ? variant_dropout(params, b, h, qp, kp) : 1.0f;
+                float w;
+                const float dz = bx_pair_grad(sc, L, sdP[i * BWD_LDS + j], s_delta[i], z, w);
+                if (dz != 0.0f) bx_learn_score(params, captures, dz, x, b, h, qp, kp);
             }
         }
     }

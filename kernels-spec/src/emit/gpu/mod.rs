@@ -163,8 +163,9 @@ pub trait Dialect: Sized + 'static {
 
     /// The draw of a dropout variant: `variant_dropout(b, h, q, kv)`
     /// (after [`VARIANT_ARGS`](Dialect::VARIANT_ARGS)), the pair's weight
-    /// factor, `0` or `1/(1 − p)` ([`crate::dropout`]).
-    fn dropout_helpers() -> String;
+    /// factor, `0` or `1/(1 − p)` ([`crate::dropout`]); without `dropout`,
+    /// one that returns 1 (the kernels name it, behind `VARIANT_DROPOUT`).
+    fn dropout_helpers(dropout: bool) -> String;
 
     /// The end of the `Params` struct, after its members.
     fn params_end(f: &mut Formatter<'_>) -> fmt::Result;
@@ -433,9 +434,7 @@ pub fn variant_section<D: Dialect>(program: &Program) -> String {
     }
     let sigmoid = program.normalize == crate::ir::Normalize::Sigmoid;
     s.push_str(&Constants::<D>(sigmoid, program.has_dropout, PhantomData).to_string());
-    if program.has_dropout {
-        s.push_str(&D::dropout_helpers());
-    }
+    s.push_str(&D::dropout_helpers(program.has_dropout));
     s
 }
 

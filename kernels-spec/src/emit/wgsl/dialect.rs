@@ -161,8 +161,8 @@ impl Dialect for Wgsl {
         writeln!(f, "const {name}: bool = {value};")
     }
 
-    fn dropout_helpers() -> String {
-        crate::dropout::wgsl_helpers()
+    fn dropout_helpers(dropout: bool) -> String {
+        crate::dropout::wgsl_helpers(dropout)
     }
 
     fn params_end(f: &mut Formatter<'_>) -> fmt::Result {

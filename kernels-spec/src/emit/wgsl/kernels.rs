@@ -261,7 +261,9 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
         }
         // Nothing visible yet: m_new = -inf, and every p and alpha below is 0.
         let m_ref = select(m_new, 0.0f, bx_is_neg_inf(m_new));
-        let alpha = exp(m - m_ref);
+        // Sigmoid weights keep no running max: the accumulator is never
+        // rescaled.
+        let alpha = select(exp(m - m_ref), 1.0f, VARIANT_SIGMOID);
         l *= alpha;
         "#,
     ),
@@ -270,8 +272,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
         r#"
         if cls == TILE_FULL {
             for (var j = 0u; j < BKV; j++) {
-                let p = exp(s_row[j] - m_ref);
-                l += p;
+                let p = pair_weight(s_row[j], m_ref, &l, ib, ih, qp, i32(k0 + j));
                 "#,
     ),
     Piece::ValueDimLoop(r#" acc[d] += p * v_tile[j * DV + d]; "#),
@@ -282,8 +283,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
             // A key this row does not see has p = 0 and stays out of its
             // sums even where its V row holds NaN or Inf (0·NaN is NaN).
             for (var j = 0u; j < BKV; j++) {
-                let p = exp(s_row[j] - m_ref);
-                l += p;
+                let p = pair_weight(s_row[j], m_ref, &l, ib, ih, qp, i32(k0 + j));
                 "#,
     ),
     Piece::ValueDimLoop(r#" acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); "#),
@@ -303,9 +303,11 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
         stats[at] = vec2<f32>(m, l);
         return;
     }
-    // A row with no visible key (in this split): out 0, lse -inf.
+    // A row with no visible key (in this split): out 0, lse -inf. Sigmoid
+    // weights are not normalised, and have no lse (0).
     var inv = 0.0f;
     if l > 0.0f { inv = 1.0f / l; }
+    if VARIANT_SIGMOID { inv = 1.0f; }
     "#,
     ),
     Piece::ValueDimLoop(r#" out[at * DV + d] = acc[d] * inv; "#),
@@ -313,7 +315,19 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
         r#"
     var x = -bx_inf();
     if l > 0.0f { x = m + log(l); }
+    if VARIANT_SIGMOID { x = 0.0f; }
     lse[at] = x;
+}
+
+// The weight in P·V of a pair with score s (-inf where hidden) in a row
+// whose running max is m_ref: e^(s - m_ref), added to the row's sum l, or
+// sigmoid(s); times the pair's dropout factor (0 or 1/(1 - p)).
+fn pair_weight(s: f32, m_ref: f32, l: ptr<function, f32>, ib: i32, ih: i32, qp: i32, kp: i32) -> f32 {
+    var p = exp(s - m_ref);
+    if VARIANT_SIGMOID { p = select(1.0f / (1.0f + exp(-s)), 0.0f, bx_is_neg_inf(s)); }
+    *l += p;
+    if VARIANT_DROPOUT { p *= variant_dropout(ib, ih, qp, kp); }
+    return p;
 }
 "#,
     ),
@@ -457,10 +471,14 @@ fn pair_terms(qr: ptr<function, array<f32, D>>, dor: ptr<function, array<f32, DV
     let s = dot * shape.scale;
     let seen = r.live && !bx_is_neg_inf(r.lse) && k0 + j < r.sk
         && (cls == TILE_FULL || variant_mask(ib, ih, r.qp, kp));
-    let p = select(0.0f, exp(variant_score(s, ib, ih, r.qp, kp, seen) - r.lse), seen);
-    // dp of a key the row does not see is never used: it may be NaN.
-    return vec3<f32>(s, p, select(0.0f, dp, p != 0.0f));
+    let p = pair_prob(variant_score(s, ib, ih, r.qp, kp, seen), r.lse, seen);
+    // dp of a key the row does not see is never used: it may be NaN. With
+    // dropout it carries the pair's factor: d loss / d P.
+    var z = 1.0f;
+    if VARIANT_DROPOUT { z = variant_dropout(ib, ih, r.qp, kp); }
+    return vec3<f32>(s, p, select(0.0f, dp * z, p != 0.0f));
 }
+
 
 fn load_row(qr: ptr<function, array<f32, D>>, dor: ptr<function, array<f32, DV>>, r: QueryRow) {
     "#,
@@ -483,6 +501,26 @@ fn load_row(qr: ptr<function, array<f32, D>>, dor: ptr<function, array<f32, DV>>
 "#,
     ),
 ];
+
+// The backward's weights of a pair and their derivative, for every
+// normalisation.
+const PAIR_WEIGHTS: &[Piece] = &[Piece::Text(
+    r#"
+// The weight of a pair with score sc in a row with lse `lse`, 0 unless
+// seen: e^(sc - lse), or sigmoid(sc).
+fn pair_prob(sc: f32, lse: f32, seen: bool) -> f32 {
+    if VARIANT_SIGMOID { return select(0.0f, 1.0f / (1.0f + exp(-sc)), seen); }
+    return select(0.0f, exp(sc - lse), seen);
+}
+
+// d loss / d score of a pair with weight p, dpz = d loss / d P (dropout's
+// factor included) and its row's D_i: P (dP - D_i), or σ(1 - σ) dP.
+fn pair_dz(p: f32, dpz: f32, delta: f32) -> f32 {
+    if VARIANT_SIGMOID { return p * (1.0f - p) * dpz; }
+    return p * (dpz - delta);
+}
+"#,
+)];
 
 // The code of `BACKWARD_DQ`'s entry points.
 const DQ_CODE: &[Piece] = &[
@@ -555,7 +593,7 @@ fn attn_bwd_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
         for (var j = 0u; j < BKV; j++) {
             let pt = pair_terms(&qr, &dor, r, j, k0, cls, t.ib, t.ih);
             let g = variant_score_grad(pt.x, t.ib, t.ih, r.qp, i32(k0 + j), pt.y != 0.0f);
-            let ds = select(0.0f, pt.y * (pt.z - delta_i) * g, pt.y != 0.0f);
+            let ds = select(0.0f, pair_dz(pt.y, pt.z, delta_i) * g, pt.y != 0.0f);
             // A key the row does not see stays out even where its K row is
             // NaN or Inf; only a Partial tile has such keys.
             if cls == TILE_FULL {
@@ -708,14 +746,17 @@ fn attn_bwd_dkdv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
         r#"
             let s = dot * shape.scale;
             let seen = live && !bx_is_neg_inf(lse_i) && (cls == TILE_FULL || variant_mask(ib, ih, qp, kp));
-            let p = select(0.0f, exp(variant_score(s, ib, ih, qp, kp, seen) - lse_i), seen);
+            let p = pair_prob(variant_score(s, ib, ih, qp, kp, seen), lse_i, seen);
             let g = variant_score_grad(s, ib, ih, qp, kp, p != 0.0f);
-            let ds = select(0.0f, p * (dp - delta_i) * g, p != 0.0f);
+            var z = 1.0f;
+            if VARIANT_DROPOUT { z = variant_dropout(ib, ih, qp, kp); }
+            let ds = select(0.0f, pair_dz(p, dp * z, delta_i) * g, p != 0.0f);
+            let pz = p * z;
             "#,
     ),
     Piece::BothDimsLoop(
         r#" dk_acc[d] += ds * q_tile[i * D + d]; "#,
-        r#" dv_acc[d] += p * do_tile[i * DV + d]; "#,
+        r#" dv_acc[d] += pz * do_tile[i * DV + d]; "#,
     ),
     Piece::Text(
         r#"
@@ -761,7 +802,7 @@ fn attn_bwd_tensors(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoca
             let pt = pair_terms(&qr, &dor, r, j, k0, cls, t.ib, t.ih);
             // d loss / d score = P (dP - D_i), at the pairs the row sees.
             if pt.y != 0.0f {
-                bx_learn_score(pt.y * (pt.z - delta_i), pt.x, t.ib, t.ih, r.qp, i32(k0 + j));
+                bx_learn_score(pair_dz(pt.y, pt.z, delta_i), pt.x, t.ib, t.ih, r.qp, i32(k0 + j));
             }
         }
     }
@@ -885,7 +926,7 @@ pub const BACKWARD_DQ: Module = Module {
         over_key_tiles("attn_bwd_delta"),
         over_key_tiles("attn_bwd_dq"),
     ],
-    templates: &[QUERY_ROWS, DQ_CODE, STAGE_KV],
+    templates: &[QUERY_ROWS, PAIR_WEIGHTS, DQ_CODE, STAGE_KV],
 };
 
 /// The backward's second module, `attn_bwd_dkdv`: one workgroup per (WG key rows, b·Hkv + h_kv),
@@ -920,7 +961,7 @@ pub const BACKWARD_DKDV: Module = Module {
             Extent::Tiles(Dim::SeqQ, Size::BlockQ),
         ]),
     }],
-    templates: &[DKDV_CODE],
+    templates: &[PAIR_WEIGHTS, DKDV_CODE],
 };
 
 /// The backward's gradients of learnable tensors, `attn_bwd_tensors`, run
@@ -947,7 +988,7 @@ pub const BACKWARD_TENSORS: Module = Module {
         Binding::Storage(Buffer::Rows, Access::Read),
     ],
     entries: &[over_key_tiles("attn_bwd_tensors")],
-    templates: &[QUERY_ROWS, TENSORS_CODE, STAGE_KV],
+    templates: &[QUERY_ROWS, PAIR_WEIGHTS, TENSORS_CODE, STAGE_KV],
 };
 
 /// The backward's modules, in the order they run.
