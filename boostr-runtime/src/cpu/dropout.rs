@@ -43,7 +43,7 @@ impl Draw {
     }
 
     /// The 64 random words of keys `4·c0 .. 4·c0 + 64` of query `q`, in
-    /// key order.
+    /// key order (the portable draw, and the test of the vector one).
     #[inline(always)]
     fn block(&self, q: u32, c0: u32) -> [u32; BLOCK_KEYS] {
         let mut x0: [u32; LANES] = std::array::from_fn(|i| c0.wrapping_add(i as u32));
@@ -65,22 +65,90 @@ impl Draw {
         std::array::from_fn(|j| [x0, x1, x2, x3][j % 4][j / 4])
     }
 
-    /// Call `f(j, kept)` for each key `kv_lo + j` of `0 .. n` of query `q`.
+    /// Bit `j` set where key `4·c0 + j` of query `q` is kept, `j < 64`.
     #[inline(always)]
-    fn each(&self, q: i32, kv_lo: i32, n: usize, mut f: impl FnMut(usize, bool)) {
+    fn keep_mask(&self, q: u32, c0: u32) -> u64 {
+        #[cfg(target_arch = "x86_64")]
+        if avx512() {
+            // SAFETY: the CPU has AVX-512F and BMI2 (checked once).
+            return unsafe { self.keep_mask_avx512(q, c0) };
+        }
+        self.keep_mask_portable(q, c0)
+    }
+
+    fn keep_mask_portable(&self, q: u32, c0: u32) -> u64 {
+        let words = self.block(q, c0);
+        words
+            .iter()
+            .enumerate()
+            .fold(0u64, |m, (j, &w)| m | (u64::from(w >= self.threshold) << j))
+    }
+
+    /// [`keep_mask`](Draw::keep_mask) with sixteen counters in one
+    /// register per word: each round is two 32×32→64 products per
+    /// multiplier (even and odd lanes), their halves blended back, and
+    /// four XORs.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,bmi2")]
+    unsafe fn keep_mask_avx512(&self, q: u32, c0: u32) -> u64 {
+        use std::arch::x86_64::*;
+        const ODD: __mmask16 = 0xAAAA;
+        // (hi, lo) of the 32×32 products of `m` (odd lanes in place) and `x`.
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        fn mulhilo(m: __m512i, m_odd: __m512i, x: __m512i) -> (__m512i, __m512i) {
+            let even = _mm512_mul_epu32(m, x);
+            let odd = _mm512_mul_epu32(m_odd, _mm512_srli_epi64::<32>(x));
+            let hi = _mm512_mask_blend_epi32(ODD, _mm512_srli_epi64::<32>(even), odd);
+            let lo = _mm512_mask_blend_epi32(ODD, even, _mm512_slli_epi64::<32>(odd));
+            (hi, lo)
+        }
+        let lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        let mut x0 = _mm512_add_epi32(_mm512_set1_epi32(c0 as i32), lane);
+        let mut x1 = _mm512_set1_epi32(q as i32);
+        let mut x2 = _mm512_set1_epi32(self.bh as i32);
+        let mut x3 = _mm512_set1_epi32(self.offset as i32);
+        let (m0, m1) = (_mm512_set1_epi64(i64::from(M0)), _mm512_set1_epi64(i64::from(M1)));
+        let [mut k0, mut k1] = self.key;
+        for _ in 0..ROUNDS {
+            let (hi0, lo0) = mulhilo(m0, m0, x0);
+            let (hi1, lo1) = mulhilo(m1, m1, x2);
+            let y0 = _mm512_xor_si512(_mm512_xor_si512(hi1, x1), _mm512_set1_epi32(k0 as i32));
+            let y2 = _mm512_xor_si512(_mm512_xor_si512(hi0, x3), _mm512_set1_epi32(k1 as i32));
+            (x0, x1, x2, x3) = (y0, lo1, y2, lo0);
+            k0 = k0.wrapping_add(W0);
+            k1 = k1.wrapping_add(W1);
+        }
+        let t = _mm512_set1_epi32(self.threshold as i32);
+        let mut mask = 0u64;
+        for (w, x) in [x0, x1, x2, x3].into_iter().enumerate() {
+            let kept = _mm512_cmpge_epu32_mask(x, t);
+            mask |= _pdep_u64(u64::from(kept), 0x1111_1111_1111_1111 << w);
+        }
+        mask
+    }
+
+    /// Call `f(j)` for each key `kv_lo + j` of `0 .. n` of query `q` that
+    /// is dropped.
+    #[inline(always)]
+    fn each_dropped(&self, q: i32, kv_lo: i32, n: usize, mut f: impl FnMut(usize)) {
         let start = kv_lo as u32;
         // Blocks start at a multiple of four keys: the counter's first word.
         let mut base = start & !3;
         let end = start.wrapping_add(n as u32);
         while base < end {
-            let words = self.block(q as u32, base >> 2);
-            let lo = start.max(base);
-            let hi = end.min(base + BLOCK_KEYS as u32);
-            for kv in lo..hi {
-                f(
-                    (kv - start) as usize,
-                    words[(kv - base) as usize] >= self.threshold,
-                );
+            let mut dropped = !self.keep_mask(q as u32, base >> 2);
+            // Only keys `start .. end` of the block.
+            if start > base {
+                dropped &= u64::MAX << (start - base);
+            }
+            if end - base < BLOCK_KEYS as u32 {
+                dropped &= (1u64 << (end - base)) - 1;
+            }
+            while dropped != 0 {
+                let j = base + dropped.trailing_zeros();
+                f((j - start) as usize);
+                dropped &= dropped - 1;
             }
             base += BLOCK_KEYS as u32;
         }
@@ -90,29 +158,35 @@ impl Draw {
     /// is dropped.
     #[inline(always)]
     pub(super) fn drop_row<T: Copy + Default>(&self, q: i32, kv_lo: i32, row: &mut [T]) {
-        self.each(q, kv_lo, row.len(), |j, kept| {
-            if !kept {
-                row[j] = T::default();
-            }
-        });
+        let n = row.len();
+        self.each_dropped(q, kv_lo, n, |j| row[j] = T::default());
     }
 
     /// `dst[j] = src[j] / (1 − p)` where pair `(q, kv_lo + j)` is kept, else 0.
     #[inline(always)]
     pub(super) fn keep_scaled(&self, q: i32, kv_lo: i32, src: &[f32], dst: &mut [f32]) {
         let scale = self.scale;
-        self.each(q, kv_lo, src.len(), |j, kept| {
-            dst[j] = if kept { src[j] * scale } else { 0.0 };
-        });
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = s * scale;
+        }
+        self.drop_row(q, kv_lo, dst);
     }
 
     /// Whether pair `(q, kv)` is kept (one pair; for tests).
     #[cfg(test)]
     pub(super) fn keeps(&self, q: i32, kv: i32) -> bool {
-        let mut out = false;
-        self.each(q, kv, 1, |_, kept| out = kept);
+        let mut out = true;
+        self.each_dropped(q, kv, 1, |_| out = false);
         out
     }
+}
+
+/// The CPU has AVX-512 and BMI2, and tests have not capped the level
+/// below it (the portable draw then runs).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn avx512() -> bool {
+    super::simd::avx512() && std::arch::is_x86_feature_detected!("bmi2")
 }
 
 #[cfg(test)]
@@ -148,6 +222,18 @@ mod tests {
             };
             let block = draw.block(counter[1], counter[0]);
             assert_eq!(block[..4], want, "kernels' draw");
+            // The vector draw's keep bits, at thresholds around each word.
+            for w in 0..4 {
+                for t in [want[w], want[w].wrapping_add(1)] {
+                    let d = Draw { threshold: t, ..draw };
+                    let bit = d.keep_mask(counter[1], counter[0]) >> w & 1;
+                    assert_eq!(bit == 1, want[w] >= t, "word {w}, threshold {t:#x}");
+                    assert_eq!(
+                        d.keep_mask(counter[1], counter[0]),
+                        d.keep_mask_portable(counter[1], counter[0])
+                    );
+                }
+            }
         }
     }
 
