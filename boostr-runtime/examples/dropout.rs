@@ -45,7 +45,9 @@ fn main() -> BoxResult<()> {
         dtypes = vec![DType::F32, DType::BF16];
     }
     let threads = boostr_runtime::cpu::pin_threads(None)?;
-    println!("causal, B = 1, Hq = Hkv = {H}, S = {s}, D = {D}, {threads} threads, medians of {reps}");
+    println!(
+        "causal, B = 1, Hq = Hkv = {H}, S = {s}, D = {D}, {threads} threads, medians of {reps}"
+    );
     println!(
         "{:>5} {:>16} {:>4} {:>9} {:>12} {:>9} {:>9}",
         "dtype", "variant", "pass", "ms", "baseline", "over", "of mins"
@@ -71,19 +73,22 @@ fn main() -> BoxResult<()> {
                 }
             }
         }
-        let names = ["dropout p=0", "dropout p=0.1", "causal softmax", "causal sigmoid"];
+        let names = [
+            "dropout p=0",
+            "dropout p=0.1",
+            "causal softmax",
+            "causal sigmoid",
+        ];
         // Each row's baseline: p = 0 for the dropouts, softmax for sigmoid.
         let baseline = [0, 0, 2, 2];
-        let passes: [(&str, fn(&(Duration, Duration)) -> Duration); 3] = [
-            ("fwd", |t| t.0),
-            ("bwd", |t| t.1),
-            ("f+b", |t| t.0 + t.1),
-        ];
+        let passes: [(&str, fn(&(Duration, Duration)) -> Duration); 3] =
+            [("fwd", |t| t.0), ("bwd", |t| t.1), ("f+b", |t| t.0 + t.1)];
         for (i, name) in names.iter().enumerate() {
             for (pass, of) in passes {
                 let med = |k: usize| median(runs[k].iter().map(of).collect());
                 let min = |k: usize| runs[k].iter().map(of).min().unwrap_or_default();
-                let ratio = |a: Duration, b: Duration| (a.as_secs_f64() / b.as_secs_f64() - 1.0) * 100.0;
+                let ratio =
+                    |a: Duration, b: Duration| (a.as_secs_f64() / b.as_secs_f64() - 1.0) * 100.0;
                 println!(
                     "{:>5} {name:>16} {pass:>4} {:>9.1} {:>12} {:>8.1}% {:>8.1}%",
                     format!("{dtype:?}").to_lowercase(),
@@ -124,7 +129,11 @@ impl Inputs {
 }
 
 /// The forward's and the backward's times of one call of `variant`.
-fn time<V: Variant>(variant: &V, x: &Inputs, opts: &AttentionOptions) -> BoxResult<(Duration, Duration)> {
+fn time<V: Variant>(
+    variant: &V,
+    x: &Inputs,
+    opts: &AttentionOptions,
+) -> BoxResult<(Duration, Duration)> {
     let t0 = Instant::now();
     let (out, lse) = attention_fwd(variant, &x.q, &x.k, &x.v, opts)?;
     let fwd = t0.elapsed();

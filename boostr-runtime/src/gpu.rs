@@ -379,7 +379,10 @@ pub(crate) fn sizes(p: &Problem) -> Sizes {
 /// The parameter block of a call: the variant's fields, and, for a
 /// variant with `dropout`, the call's draw in the block's last words
 /// ([`kernels_spec::dropout::Word`]).
-pub(crate) fn param_words<V: crate::Variant>(variant: &V, p: &Problem) -> kernels_spec::params::ParamWords {
+pub(crate) fn param_words<V: crate::Variant>(
+    variant: &V,
+    p: &Problem,
+) -> kernels_spec::params::ParamWords {
     let mut words = variant.param_words();
     if <V::Host as crate::HostVariant>::DROPOUT {
         let at = kernels_spec::dropout::Word::Threshold.index();

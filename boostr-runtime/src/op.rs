@@ -141,7 +141,11 @@ pub fn attention_fwd_cache<V: Variant, R: AttentionRuntime>(
     cache: &KvCache<'_, R>,
     opts: &AttentionOptions,
 ) -> Result<(Tensor<R>, Tensor<R>)> {
-    let problem = validate::call(variant, validate::problem(q, cache.k, cache.v, opts.scale)?, opts)?;
+    let problem = validate::call(
+        variant,
+        validate::problem(q, cache.k, cache.v, opts.scale)?,
+        opts,
+    )?;
     let host = validate::cache_lengths(cache.lengths, &problem)?;
     let scales = validate::cache_scales(cache.k, cache.v, cache.scales, None)?;
     let scales = scales.as_ref().map(|(k, v)| CacheScales { k, v });
@@ -318,7 +322,11 @@ pub fn attention_bwd_cache<V: Variant, R: AttentionRuntime>(
     lse: &Tensor<R>,
     opts: &AttentionOptions,
 ) -> Result<(Tensor<R>, Tensor<R>, Tensor<R>)> {
-    let problem = validate::call(variant, validate::problem(q, cache.k, cache.v, opts.scale)?, opts)?;
+    let problem = validate::call(
+        variant,
+        validate::problem(q, cache.k, cache.v, opts.scale)?,
+        opts,
+    )?;
     let host = validate::cache_lengths(cache.lengths, &problem)?;
     if validate::cache_scales(cache.k, cache.v, cache.scales, None)?.is_some() {
         return Err(crate::Error::LayoutUnsupported {

@@ -256,8 +256,8 @@ pub fn call<V: Variant>(variant: &V, p: Problem, opts: &AttentionOptions) -> Res
         return Ok(p);
     }
     let prob = variant.dropout();
-    let dropout = Dropout::new(prob, opts.dropout_seed, opts.dropout_offset)
-        .ok_or(Error::Dropout(prob))?;
+    let dropout =
+        Dropout::new(prob, opts.dropout_seed, opts.dropout_offset).ok_or(Error::Dropout(prob))?;
     if dropout.active() {
         for (name, value) in [("batch", p.batch), ("Hq", p.heads_q)] {
             if value > DROPOUT_MAX_INDEX {

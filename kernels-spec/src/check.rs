@@ -9,8 +9,8 @@
 use crate::ast::{self, ExprKind as A};
 use crate::diag::Diagnostics;
 use crate::ir::{
-    Arg, BinOp, Builtin, Const, Domain, Expr, ExprKind, Function, IndexCheck, Local, ParamDecl,
-    Normalize, Read, TensorDecl, Ty, UnOp,
+    Arg, BinOp, Builtin, Const, Domain, Expr, ExprKind, Function, IndexCheck, Local, Normalize,
+    ParamDecl, Read, TensorDecl, Ty, UnOp,
 };
 use crate::params::{Field, ParamLayout};
 use crate::parse::scalar_of;
@@ -113,14 +113,15 @@ pub fn check(spec: &ast::Spec, diags: &mut Diagnostics) -> Checked {
         })
         .collect();
     let order: Vec<Field<'_>> = placed.iter().map(|(_, f)| *f).collect();
-    let layout = ParamLayout::with_dropout(&order, spec.dropout.is_some()).unwrap_or_else(|overflow| {
-        let field = &fields.names[placed[overflow.field].0].0;
-        diags.error_spanned(
-            field,
-            format!("parameter `{field}` does not fit: {overflow}"),
-        );
-        ParamLayout::default()
-    });
+    let layout =
+        ParamLayout::with_dropout(&order, spec.dropout.is_some()).unwrap_or_else(|overflow| {
+            let field = &fields.names[placed[overflow.field].0].0;
+            diags.error_spanned(
+                field,
+                format!("parameter `{field}` does not fit: {overflow}"),
+            );
+            ParamLayout::default()
+        });
     let mut sites = 0;
     let score = spec.score.as_ref().and_then(|c| {
         let args = [Arg::S, Arg::B, Arg::H, Arg::Q, Arg::Kv];
@@ -144,7 +145,10 @@ pub fn check(spec: &ast::Spec, diags: &mut Diagnostics) -> Checked {
             "a sink is one more logit in the softmax's denominator, and `normalize = sigmoid` \
              has no denominator: drop the sink, or normalise with softmax",
         );
-        diags.error(at, "`normalize = sigmoid` here cannot take the `sink` declared with it");
+        diags.error(
+            at,
+            "`normalize = sigmoid` here cannot take the `sink` declared with it",
+        );
     }
     Checked {
         params: fields.params,
@@ -169,7 +173,8 @@ fn check_dropout(
 ) -> Option<Function> {
     let f = Checker::new(fields, closure, &[], sites, diags).function("dropout", Ty::F32)?;
     let mut reads = false;
-    f.body.walk(&mut |e| reads |= matches!(e.kind, ExprKind::Read(_) | ExprKind::Dim(..)));
+    f.body
+        .walk(&mut |e| reads |= matches!(e.kind, ExprKind::Read(_) | ExprKind::Dim(..)));
     if reads {
         diags.error(
             closure.span,
@@ -188,7 +193,9 @@ fn check_dropout(
     {
         diags.error(
             closure.span,
-            format!("dropout probability {p} is outside [0, 1): a pair is dropped with probability p"),
+            format!(
+                "dropout probability {p} is outside [0, 1): a pair is dropped with probability p"
+            ),
         );
         return None;
     }

@@ -330,7 +330,10 @@ fn parse_meta(meta: &Meta, spec: &mut Spec, diags: &mut Diagnostics) {
         *slot = parse_closure(&nv.value, arity, signature, diags);
     } else if key == symbol::DROPOUT {
         let Meta::NameValue(nv) = meta else {
-            diags.error_spanned(meta, "expected `dropout = p`, `p` a literal or `self.field`");
+            diags.error_spanned(
+                meta,
+                "expected `dropout = p`, `p` a literal or `self.field`",
+            );
             return;
         };
         if spec.dropout.is_some() {
@@ -369,7 +372,10 @@ fn parse_meta(meta: &Meta, spec: &mut Spec, diags: &mut Diagnostics) {
                     Meta::NameValue(nv) => &nv.value,
                     other => other,
                 };
-                diags.error_spanned(at, "expected `normalize = softmax` or `normalize = sigmoid`");
+                diags.error_spanned(
+                    at,
+                    "expected `normalize = softmax` or `normalize = sigmoid`",
+                );
             }
         }
     } else if key == symbol::TILE {

@@ -34,8 +34,7 @@ pub const TILE_KV: Symbol = Symbol("kv");
 pub const TENSOR: Symbol = Symbol("tensor");
 
 /// Every attribute keyword, for "expected one of" messages.
-pub const ATTRIBUTE_KEYS: &str =
-    "`score`, `mask`, `sink`, `dropout`, `normalize`, `tile`, `tests`";
+pub const ATTRIBUTE_KEYS: &str = "`score`, `mask`, `sink`, `dropout`, `normalize`, `tile`, `tests`";
 
 impl PartialEq<Symbol> for syn::Ident {
     fn eq(&self, word: &Symbol) -> bool {

@@ -579,7 +579,16 @@ fn step<V: HostVariant>(
             );
         } else {
             let raw = &sc.raw[..rows * BK];
-            tensor_grads(sh.variant, at, &sc.bands, (s, None), raw, dp_t, delta, grads);
+            tensor_grads(
+                sh.variant,
+                at,
+                &sc.bands,
+                (s, None),
+                raw,
+                dp_t,
+                delta,
+                grads,
+            );
         }
     }
     simd::dispatch(ScoreGrads::<V> {

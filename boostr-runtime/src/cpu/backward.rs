@@ -951,7 +951,11 @@ impl<V: HostVariant> Elementwise for ScoreGrads<'_, V> {
                     // Hidden pairs (P = 0) stay exactly 0.
                     let pd = pd.map(|pd| &pd[at.clone()]);
                     for (j, (ds, &pj)) in ds.iter_mut().zip(p).enumerate() {
-                        let gj = if V::SCORE_IS_IDENTITY { 1.0 } else { g[at.start + j] };
+                        let gj = if V::SCORE_IS_IDENTITY {
+                            1.0
+                        } else {
+                            g[at.start + j]
+                        };
                         let v = pair_dz::<V>(pj, pd.map(|pd| pd[j]), *ds, di) * gj;
                         *ds = if pj == 0.0 { 0.0 } else { v };
                     }

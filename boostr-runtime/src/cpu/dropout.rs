@@ -108,7 +108,10 @@ impl Draw {
         let mut x1 = _mm512_set1_epi32(q as i32);
         let mut x2 = _mm512_set1_epi32(self.bh as i32);
         let mut x3 = _mm512_set1_epi32(self.offset as i32);
-        let (m0, m1) = (_mm512_set1_epi64(i64::from(M0)), _mm512_set1_epi64(i64::from(M1)));
+        let (m0, m1) = (
+            _mm512_set1_epi64(i64::from(M0)),
+            _mm512_set1_epi64(i64::from(M1)),
+        );
         let [mut k0, mut k1] = self.key;
         for _ in 0..ROUNDS {
             let (hi0, lo0) = mulhilo(m0, m0, x0);
@@ -199,7 +202,11 @@ mod tests {
     #[test]
     fn philox_matches_the_known_answers() {
         let kat = [
-            ([0u32; 4], [0u32; 2], [0x6627_e8d5, 0xe169_c58d, 0xbc57_ac4c, 0x9b00_dbd8]),
+            (
+                [0u32; 4],
+                [0u32; 2],
+                [0x6627_e8d5, 0xe169_c58d, 0xbc57_ac4c, 0x9b00_dbd8],
+            ),
             (
                 [u32::MAX; 4],
                 [u32::MAX; 2],
@@ -225,7 +232,10 @@ mod tests {
             // The vector draw's keep bits, at thresholds around each word.
             for w in 0..4 {
                 for t in [want[w], want[w].wrapping_add(1)] {
-                    let d = Draw { threshold: t, ..draw };
+                    let d = Draw {
+                        threshold: t,
+                        ..draw
+                    };
                     let bit = d.keep_mask(counter[1], counter[0]) >> w & 1;
                     assert_eq!(bit == 1, want[w] >= t, "word {w}, threshold {t:#x}");
                     assert_eq!(
@@ -262,8 +272,8 @@ mod tests {
     #[test]
     fn keep_rate_is_one_minus_p() {
         for prob in [0.1f32, 0.5, 0.9] {
-            let p = Problem::new(2, (2, 2), (1, 1), 8)
-                .with_dropout(Dropout::new(prob, 42, 0).unwrap());
+            let p =
+                Problem::new(2, (2, 2), (1, 1), 8).with_dropout(Dropout::new(prob, 42, 0).unwrap());
             let (mut kept, mut n) = (0u64, 0u64);
             for (b, h) in [(0, 0), (1, 1)] {
                 let draw = Draw::new(&p, b, h).unwrap();

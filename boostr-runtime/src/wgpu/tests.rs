@@ -596,3 +596,72 @@ fn ring_attention_is_refused_before_any_message() {
     );
     assert_eq!(group[0].count(), crate::testing::MessageCount::default());
 }
+
+/// The same seed and offset drop the same pairs on the CPU, on WGSL and in
+/// the reference's own generator, bit for bit: with `q = 0` every visible
+/// pair of a row weighs `1/Sk`, and with `V` the identity `out[i][j]` is
+/// that weight times pair `(i, j)`'s factor, so `out != 0` is the mask.
+/// Offsets 0 and 1 draw different masks; the dropout probability is
+/// checked per call.
+#[test]
+fn dropout_masks_agree_bit_for_bit_across_backends() {
+    use crate::stock::CausalDropout;
+    use numr::runtime::cpu::{CpuDevice, CpuRuntime};
+    let Some(device) = device() else { return };
+    let (b, h, s) = (2, 3, 96);
+    let mut eye = vec![0.0f32; b * h * s * s];
+    for (i, x) in eye.iter_mut().enumerate() {
+        if i / s % s == i % s {
+            *x = 1.0;
+        }
+    }
+    let zeros = vec![0.0f32; b * h * s * 8];
+    let variant = CausalDropout { p: 0.3 };
+    let masks = |offset: u32| {
+        let opts = AttentionOptions {
+            dropout_seed: 0x0123_4567_89AB_CDEF,
+            dropout_offset: offset,
+            ..Default::default()
+        };
+        let cpu = CpuDevice::new();
+        let t = |x: &[f32], d| Tensor::<CpuRuntime>::from_slice(x, &[b, h, s, d], &cpu).unwrap();
+        let (out_cpu, _) =
+            attention_fwd(&variant, &t(&zeros, 8), &t(&zeros, 8), &t(&eye, s), &opts).unwrap();
+        let w =
+            |x: &[f32], d| Tensor::<WgpuRuntime>::from_slice(x, &[b, h, s, d], &device).unwrap();
+        let (out_gpu, _) =
+            attention_fwd(&variant, &w(&zeros, 8), &w(&zeros, 8), &w(&eye, s), &opts).unwrap();
+        let bits = |o: Vec<f32>| o.iter().map(|&x| x != 0.0).collect::<Vec<bool>>();
+        let p = crate::validate::call(&variant, crate::Problem::new(b, (h, h), (s, s), 8), &opts)
+            .unwrap();
+        let mut want = vec![false; b * h * s * s];
+        for (at, w) in want.iter_mut().enumerate() {
+            let (bh, i, j) = (at / (s * s), at / s % s, at % s);
+            let (bi, hi) = ((bh / h) as i32, (bh % h) as i32);
+            *w = j <= i && crate::testing::reference::keeps(&p, bi, hi, i as i32, j as i32);
+        }
+        let (cpu, gpu) = (bits(out_cpu.to_vec::<f32>()), bits(out_gpu.to_vec::<f32>()));
+        assert_eq!(
+            cpu, want,
+            "CPU against the reference's draw (offset {offset})"
+        );
+        assert_eq!(
+            gpu, want,
+            "WGSL against the reference's draw (offset {offset})"
+        );
+        want
+    };
+    assert_ne!(masks(0), masks(1), "offsets draw different masks");
+    let ones = Tensor::<WgpuRuntime>::from_slice(&zeros, &[b, h, s, 8], &device).unwrap();
+    for p in [1.0, -0.1, f32::NAN] {
+        let e = attention_fwd(
+            &CausalDropout { p },
+            &ones,
+            &ones,
+            &ones,
+            &AttentionOptions::default(),
+        )
+        .unwrap_err();
+        assert!(matches!(e, Error::Dropout(_)), "p = {p}: {e}");
+    }
+}

@@ -185,6 +185,12 @@ __device__ __forceinline__ void bx_learn_score(const Params& params, unsigned* _
 }
 __device__ __forceinline__ void bx_learn_sink(const Params& params, unsigned* __restrict__ captures, float dz, int b, int h, int q) {
 }
+constexpr bool VARIANT_SIGMOID = false;
+constexpr bool VARIANT_DROPOUT = false;
+__device__ __forceinline__ float variant_dropout(const Params& params, int b, int h, int q, int kv) {
+    (void)params; (void)b; (void)h; (void)q; (void)kv;
+    return 1.0f;
+}
 
 // ---- tile building blocks ----
 __device__ __forceinline__ float bx_neg_inf() { return __int_as_float(0xff800000); }
@@ -552,13 +558,33 @@ __device__ __forceinline__ size_t bx_kv_scale_at(const unsigned* __restrict__ ca
 // factor exp(m_old - m_new) in row_a. A row with nothing visible yet keeps
 // m = -inf, sum 0, and gets P = 0 (never exp(-inf - -inf) = NaN). Over an
 // fp8 cache, column j of P (the operand of P·V, not the sum) is scaled by
-// vf[j], its key's V factor.
+// vf[j], its key's V factor. With dropout, P's columns (not the sum) carry
+// each pair's factor, 0 or 1/(1 - p). With sigmoid weights there are no row
+// statistics: P = sigmoid(s), 0 where hidden, and row_a = 1. Row i is
+// packed row r0 + i: query head h0 + (r0 + i) / seq_q at position
+// (r0 + i) % seq_q + offset; column j is key k0 + j.
 __device__ __forceinline__ void bx_online_softmax(float* S, elem_t* P, float* row_m, float* row_l, float* row_a,
-                                                  const float* vf) {
+                                                  const float* vf, const Params& params, int b, int h0, int r0,
+                                                  int seq_q, int offset, int k0) {
     (void)vf;
     const int lane = threadIdx.x & 31;
     for (int i = threadIdx.x >> 5; i < BQ; i += FWD_THREADS / 32) {
         float* s = S + i * FWD_LDS;
+        const int h = h0 + (r0 + i) / seq_q;
+        const int qp = (r0 + i) % seq_q + offset;
+        if (VARIANT_SIGMOID) {
+            for (int j = lane; j < BKV; j += 32) {
+                float pv = s[j] == bx_neg_inf() ? 0.0f : 1.0f / (1.0f + expf(-s[j]));
+                if (VARIANT_DROPOUT) pv *= variant_dropout(params, b, h, qp, k0 + j);
+#if BX_KV_FP8
+                pv *= vf[j];
+#endif
+                s[j] = pv;
+                if (BX_MMA) P[i * FWD_LDP + j] = bx_from_f32(pv);
+            }
+            if (lane == 0) row_a[i] = 1.0f;
+            continue;
+        }
         float mx = bx_neg_inf();
         for (int j = lane; j < BKV; j += 32) mx = fmaxf(mx, s[j]);
         mx = bx_warp_max(mx);
@@ -576,10 +602,10 @@ __device__ __forceinline__ void bx_online_softmax(float* S, elem_t* P, float* ro
             for (int j = lane; j < BKV; j += 32) {
                 const float p = expf(s[j] - m_new);
                 sum += p;
+                float pv = p;
+                if (VARIANT_DROPOUT) pv *= variant_dropout(params, b, h, qp, k0 + j);
 #if BX_KV_FP8
-                const float pv = p * vf[j];
-#else
-                const float pv = p;
+                pv *= vf[j];
 #endif
                 s[j] = pv;
                 if (BX_MMA) P[i * FWD_LDP + j] = bx_from_f32(pv);
@@ -744,7 +770,7 @@ boostr_attn_fwd(
         }
         __syncthreads();
         if (cls != TILE_FULL) bx_zero_unseen<BKV, FWD_THREADS, BxRowDV>(sV, s_seen); // read after the softmax's barrier
-        bx_online_softmax(sS, sP, row_m, row_l, row_a, s_vf);
+        bx_online_softmax(sS, sP, row_m, row_l, row_a, s_vf, params, b, hk * g, r0, seq_q, offset, k0);
         __syncthreads();
         acc.scale_rows(row_a);
         acc.template add<BKV, LDPA, 1>(sP, sV);
@@ -757,6 +783,12 @@ boostr_attn_fwd(
     float* lse_dst = n_split > 1 ? split_lse : lse;
     for (int i = threadIdx.x; i < BQ; i += FWD_THREADS) {
         const float l = row_l[i];
+        if (VARIANT_SIGMOID) {
+            // No normalisation and no lse (documented as 0).
+            row_a[i] = 1.0f;
+            if (r0 + i < packed) lse_dst[at + i] = 0.0f;
+            continue;
+        }
         row_a[i] = l > 0.0f ? 1.0f / l : 0.0f;
         if (r0 + i < packed) lse_dst[at + i] = l > 0.0f ? row_m[i] + logf(l) : bx_neg_inf();
     }
