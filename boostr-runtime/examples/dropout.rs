@@ -81,8 +81,7 @@ fn main() -> BoxResult<()> {
         ];
         // Each row's baseline: p = 0 for the dropouts, softmax for sigmoid.
         let baseline = [0, 0, 2, 2];
-        let passes: [(&str, fn(&(Duration, Duration)) -> Duration); 3] =
-            [("fwd", |t| t.0), ("bwd", |t| t.1), ("f+b", |t| t.0 + t.1)];
+        let passes: [Pass; 3] = [("fwd", |t| t.0), ("bwd", |t| t.1), ("f+b", |t| t.0 + t.1)];
         for (i, name) in names.iter().enumerate() {
             for (pass, of) in passes {
                 let med = |k: usize| median(runs[k].iter().map(of).collect());
@@ -102,6 +101,9 @@ fn main() -> BoxResult<()> {
     }
     Ok(())
 }
+
+/// A pass's name, and its time in a run's (forward, backward).
+type Pass = (&'static str, fn(&(Duration, Duration)) -> Duration);
 
 /// q, k, v and dout of one run.
 struct Inputs {

@@ -67,6 +67,7 @@ fn values_may_have_their_own_head_dim_which_out_and_dout_follow() {
     assert_eq!(out.shape(), &[1, 2, 3, 4]);
     let explicit = AttentionOptions {
         scale: Some(1.0 / 8f32.sqrt()),
+        ..Default::default()
     };
     let (same, _) = attention_fwd(&Causal, &q, &k, &v, &explicit).unwrap();
     assert_eq!(
@@ -149,6 +150,7 @@ fn scale_must_be_finite() {
     let q = tensor(&[1, 1, 2, 8]);
     let opts = AttentionOptions {
         scale: Some(f32::NAN),
+        ..Default::default()
     };
     let e = attention_fwd(&Full, &q, &q, &q, &opts).unwrap_err();
     assert!(matches!(e, Error::Scale(_)), "{e}");

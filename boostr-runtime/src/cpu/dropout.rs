@@ -230,14 +230,14 @@ mod tests {
             let block = draw.block(counter[1], counter[0]);
             assert_eq!(block[..4], want, "kernels' draw");
             // The vector draw's keep bits, at thresholds around each word.
-            for w in 0..4 {
-                for t in [want[w], want[w].wrapping_add(1)] {
+            for (w, &word) in want.iter().enumerate() {
+                for t in [word, word.wrapping_add(1)] {
                     let d = Draw {
                         threshold: t,
                         ..draw
                     };
                     let bit = d.keep_mask(counter[1], counter[0]) >> w & 1;
-                    assert_eq!(bit == 1, want[w] >= t, "word {w}, threshold {t:#x}");
+                    assert_eq!(bit == 1, word >= t, "word {w}, threshold {t:#x}");
                     assert_eq!(
                         d.keep_mask(counter[1], counter[0]),
                         d.keep_mask_portable(counter[1], counter[0])

@@ -142,7 +142,7 @@ impl Dialect for Wgsl {
     fn params_padding(f: &mut Formatter<'_>, start: usize, words: usize) -> fmt::Result {
         let end = start + words;
         let mut w = start;
-        while w % 4 != 0 && w < end {
+        while !w.is_multiple_of(4) && w < end {
             writeln!(f, "    pad_{}: u32,", w - start)?;
             w += 1;
         }
