@@ -541,41 +541,14 @@ impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {
         let cols = s.len() / rows;
         // The accumulator's row width: the head dim, or a padded one.
         let d = out.as_deref().map_or(0, |o| o.len() / rows);
+        // The bf16 tile kernels run neither dropout nor sigmoid weights
+        // (`cpu::plain`).
+        debug_assert!(p_bf16.is_none() || (!V::DROPOUT && !V::SIGMOID));
         let draw = if V::DROPOUT {
             Draw::new(head.p, head.b, head.h)
         } else {
             None
         };
-        if V::SIGMOID {
-            // No row statistics: each pair weighs sigmoid(score), 0 where
-            // hidden (`sigmoid(-inf) = 0`), and the accumulator is never
-            // rescaled.
-            alpha.fill(1.0);
-            for Band { rows: br, cols: c } in bands.iter().cloned() {
-                for i in br {
-                    let row = &mut s[i * cols + c.start..i * cols + c.end];
-                    let (qi, kj) = (q_lo + i as i32, kv_lo + c.start as i32);
-                    if scale != 1.0 {
-                        math::scale(row, scale);
-                    }
-                    score_and_mask(head.variant, head.b, head.h, qi, kj, class, row);
-                    math::sigmoid_in_place(row);
-                    if let Some(draw) = &draw {
-                        draw.drop_row(qi, kj, row);
-                    }
-                    if let Some(p) = p_bf16.as_deref_mut() {
-                        let p = &mut p[i * cols..(i + 1) * cols];
-                        p[..c.start].fill(0);
-                        p[c.end..].fill(0);
-                        for (o, &x) in p[c.clone()].iter_mut().zip(row.iter()) {
-                            *o = math::bf16_bits(x);
-                        }
-                    }
-                }
-            }
-            return;
-        }
-
         // Logits of every row, and each row's new running max (in `alpha`
         // for now).
         for Band { rows: br, cols: c } in bands.iter().cloned() {
@@ -586,8 +559,21 @@ impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {
                     math::scale(row, scale);
                 }
                 score_and_mask(head.variant, head.b, head.h, qi, kj, class, row);
-                alpha[i] = m[i].max(math::max(row));
+                if V::SIGMOID {
+                    // Each pair weighs sigmoid(score), 0 where hidden.
+                    math::sigmoid_in_place(row);
+                    if let Some(draw) = &draw {
+                        draw.drop_row(qi, kj, row);
+                    }
+                } else {
+                    alpha[i] = m[i].max(math::max(row));
+                }
             }
+        }
+        if V::SIGMOID {
+            // No row statistics: the accumulator is never rescaled.
+            alpha.fill(1.0);
+            return;
         }
         // Rescale factors `e^(m_old − m_new)`, across rows at once: one
         // scalar `exp` per row would be a long dependency chain per row.
@@ -630,13 +616,7 @@ impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {
                 }
                 let (qi, kj) = (q_lo + i as i32, kv_lo + c.start as i32);
                 l[i] = match p16.take() {
-                    Some(p16) => {
-                        let l = math::exp_sub_lanes_bf16(row, m[i], l[i], p16);
-                        if let Some(draw) = &draw {
-                            draw.drop_row(qi, kj, p16);
-                        }
-                        l
-                    }
+                    Some(p16) => math::exp_sub_lanes_bf16(row, m[i], l[i], p16),
                     None => {
                         // The row's sum is of every pair's weight; the
                         // dropped ones leave only `P V`.
