@@ -13,6 +13,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod gpu;
 pub mod interface;
+pub mod source;
 pub mod wgsl;
 
 use crate::ir::Program;

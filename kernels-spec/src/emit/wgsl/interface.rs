@@ -6,7 +6,6 @@
 //! contract.
 
 use super::WgslTiles;
-use super::template::Piece;
 use crate::emit::interface::{Access, Buffer, Elem, Extent, GridTooLarge, Scalar, Sizes};
 use std::fmt::{self, Display, Formatter};
 
@@ -118,7 +117,7 @@ pub struct Module {
     /// The entry points, in the order they run.
     pub entries: &'static [Entry],
     /// The templates of its kernels, in order.
-    pub templates: &'static [&'static [Piece]],
+    pub templates: &'static [&'static str],
 }
 
 fn storage_type(b: Buffer) -> &'static str {

@@ -1,8 +1,20 @@
 //! WGSL kernel templates: text, and loops over the head dims that the
 //! emitter writes either as loops or unrolled.
 //!
-//! Unrolled, each copy of a loop body is its own block that binds the
-//! counter as a constant, `{ const d = 3u; <body> }`, so private arrays
+//! A template (a section of a `.wgsl` file, see [`crate::emit::source`])
+//! is WGSL text in which three forms stand for loops over the head dims:
+//!
+//! - `@loop(D) { body }`: `for (var d = 0u; d < D; d++) { body }` (the
+//!   query/key head dim);
+//! - `@loop(DV) { body }`: the same over the value head dim;
+//! - `@loop(D, DV) { head } { value }`: one pass over both head dims, the
+//!   first body for `d < D`, the second for `d < DV`, in one loop where
+//!   the dims overlap (so a product over each costs one loop's iterations,
+//!   not two).
+//!
+//! A body reads the counter as `d` and does not assign it; its braces are
+//! balanced. Unrolled, each copy of a loop body is its own block that binds
+//! the counter as a constant, `{ const d = 3u; <body> }`, so private arrays
 //! indexed by `d` have constant indices (compilers keep them in registers
 //! or address them directly instead of gathering per invocation), and the
 //! loops no longer count against llvmpipe's iteration limit. The body is
@@ -10,19 +22,74 @@
 
 /// A piece of a template.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Piece {
+pub enum Piece<'a> {
     /// WGSL text, written as it is.
-    Text(&'static str),
-    /// The body of `for (var d = 0u; d < D; d++) { .. }` (the query/key
-    /// head dim); it reads the counter as `d` and does not assign it.
-    HeadDimLoop(&'static str),
-    /// The body of `for (var d = 0u; d < DV; d++) { .. }` (the value head
-    /// dim).
-    ValueDimLoop(&'static str),
-    /// One pass over both head dims: the first body for `d < D`, the
-    /// second for `d < DV`, in one loop where the dims overlap (so a
-    /// product over each costs one loop's iterations, not two).
-    BothDimsLoop(&'static str, &'static str),
+    Text(&'a str),
+    /// The body of a loop over the query/key head dim (`@loop(D)`).
+    HeadDimLoop(&'a str),
+    /// The body of a loop over the value head dim (`@loop(DV)`).
+    ValueDimLoop(&'a str),
+    /// The bodies of one pass over both head dims (`@loop(D, DV)`).
+    BothDimsLoop(&'a str, &'a str),
+}
+
+/// The opening of each loop form, and how many bodies it takes.
+const FORMS: [(&str, usize); 3] = [("@loop(D) ", 1), ("@loop(DV) ", 1), ("@loop(D, DV) ", 2)];
+
+/// The pieces of `template`.
+///
+/// # Panics
+/// If a loop form is not followed by its braced bodies (a template bug,
+/// which every test that renders the module finds).
+pub fn pieces(template: &str) -> Vec<Piece<'_>> {
+    let mut out = Vec::new();
+    let mut rest = template;
+    while let Some(at) = rest.find("@loop(") {
+        out.push(Piece::Text(&rest[..at]));
+        let (form, bodies) = FORMS
+            .iter()
+            .copied()
+            .find(|(form, _)| rest[at..].starts_with(form))
+            .unwrap_or_else(|| panic!("an unknown loop form at `{}`", &rest[at..at + 12]));
+        let mut after = &rest[at + form.len()..];
+        let mut found = Vec::with_capacity(bodies);
+        for i in 0..bodies {
+            if i > 0 {
+                after = after.strip_prefix(' ').expect("` ` between a loop's bodies");
+            }
+            let (body, tail) = braced(after);
+            found.push(body);
+            after = tail;
+        }
+        out.push(match (form, &found[..]) {
+            ("@loop(D) ", [b]) => Piece::HeadDimLoop(b),
+            ("@loop(DV) ", [b]) => Piece::ValueDimLoop(b),
+            (_, [h, v]) => Piece::BothDimsLoop(h, v),
+            _ => unreachable!("every form has its bodies"),
+        });
+        rest = after;
+    }
+    out.push(Piece::Text(rest));
+    out
+}
+
+/// The text inside the braces that `text` opens with, and what follows.
+fn braced(text: &str) -> (&str, &str) {
+    assert!(text.starts_with('{'), "a loop body in braces");
+    let mut depth = 0;
+    for (i, c) in text.char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return (&text[1..i], &text[i + 1..]);
+                }
+            }
+            _ => {}
+        }
+    }
+    panic!("an unclosed loop body");
 }
 
 /// How head-dim loops are written, for head dims `D` and `DV`.
@@ -74,11 +141,11 @@ impl Loops {
     }
 }
 
-/// Write `pieces` to `out`.
-pub fn render(out: &mut String, pieces: &[Piece], loops: Loops) {
+/// Write `template` to `out`, its loops as `loops` says.
+pub fn render(out: &mut String, template: &str, loops: Loops) {
     let (d, dv) = (loops.head_dim, loops.value_dim);
-    for piece in pieces {
-        match *piece {
+    for piece in pieces(template) {
+        match piece {
             Piece::Text(text) => out.push_str(text),
             Piece::HeadDimLoop(body) => loops.write(out, 0, d, &[body]),
             Piece::ValueDimLoop(body) => loops.write(out, 0, dv, &[body]),
@@ -95,23 +162,40 @@ pub fn render(out: &mut String, pieces: &[Piece], loops: Loops) {
 mod tests {
     use super::*;
 
-    const LOOP: &[Piece] = &[
-        Piece::Text("    "),
-        Piece::HeadDimLoop(" acc[d] *= alpha; "),
-        Piece::Text("\n"),
-    ];
+    const LOOP: &str = "    @loop(D) { acc[d] *= alpha; }\n";
 
-    const BOTH: &[Piece] = &[Piece::BothDimsLoop(" a += q[d]; ", " b += v[d]; ")];
+    const BOTH: &str = "@loop(D, DV) { a += q[d]; } { b += v[d]; }";
 
-    fn rendered(pieces: &[Piece], head_dim: u32, value_dim: u32, unrolled: bool) -> String {
+    fn rendered(template: &str, head_dim: u32, value_dim: u32, unrolled: bool) -> String {
         let mut out = String::new();
         let loops = Loops {
             head_dim,
             value_dim,
             unrolled,
         };
-        render(&mut out, pieces, loops);
+        render(&mut out, template, loops);
         out
+    }
+
+    #[test]
+    fn a_template_splits_into_text_and_loops() {
+        let nested = "x @loop(DV) { if a { b(); } } y";
+        assert_eq!(
+            pieces(nested),
+            [
+                Piece::Text("x "),
+                Piece::ValueDimLoop(" if a { b(); } "),
+                Piece::Text(" y")
+            ]
+        );
+        assert_eq!(
+            pieces(BOTH),
+            [
+                Piece::Text(""),
+                Piece::BothDimsLoop(" a += q[d]; ", " b += v[d]; "),
+                Piece::Text("")
+            ]
+        );
     }
 
     #[test]

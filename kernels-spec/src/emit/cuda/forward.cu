@@ -1,0 +1,280 @@
+// The forward module: its preamble, then each kernel's body; the
+// signatures are written from the descriptions in `kernels.rs`.
+//@@ preamble
+
+// ---- forward (FlashAttention-2 schedule) ----
+// Key rows k0 .. k0 + ROWS of kv head hk from pages, as bx_load_rows loads
+// them from a contiguous block: logical key j is slot j % page_size of page
+// captures[table + j / page_size] of src [pages, Hkv, page_size, R::W]. A
+// row lies in one page, so rows are staged in whole chunks; zeros past
+// rows_valid (whose table entries are never read).
+template <int ROWS, int NT, typename R, typename S>
+__device__ __forceinline__ void bx_load_paged(elem_t* dst, const S* __restrict__ src,
+                                              const unsigned* __restrict__ captures, unsigned table, int page_size,
+                                              int hk, int heads_kv, int k0, int rows_valid) {
+    bx_stage_rows<ROWS, NT, R>(dst, src, rows_valid, [&](int r) {
+        const int j = k0 + r;
+        const size_t page = captures[table + (unsigned)(j / page_size)];
+        return (page * heads_kv + hk) * (size_t)page_size + (size_t)(j % page_size);
+    });
+}
+
+#if BX_KV_FP8
+// Where key j's scales are in k_scale and v_scale: its kv head's ([Hkv],
+// keys in place), or its page's ([pages, Hkv], page · Hkv + hk).
+__device__ __forceinline__ size_t bx_kv_scale_at(const unsigned* __restrict__ captures, unsigned table,
+                                                 int page_size, int hk, int heads_kv, int j) {
+    if (page_size == 0) return (size_t)hk;
+    return (size_t)captures[table + (unsigned)(j / page_size)] * heads_kv + hk;
+}
+#endif
+
+// Online softmax over one tile of scores, one warp per row: turns scores
+// into probabilities exp(s - m_new) (in S, and as 16-bit in P on tensor
+// cores), updates the running max and sum, and leaves each row's rescale
+// factor exp(m_old - m_new) in row_a. A row with nothing visible yet keeps
+// m = -inf, sum 0, and gets P = 0 (never exp(-inf - -inf) = NaN). Over an
+// fp8 cache, column j of P (the operand of P·V, not the sum) is scaled by
+// vf[j], its key's V factor. With dropout, P's columns (not the sum) carry
+// each pair's factor, 0 or 1/(1 - p). With sigmoid weights there are no row
+// statistics: P = sigmoid(s), 0 where hidden, and row_a = 1. Row i is
+// packed row r0 + i: query head h0 + (r0 + i) / seq_q at position
+// (r0 + i) % seq_q + offset; column j is key k0 + j.
+__device__ __forceinline__ void bx_online_softmax(float* S, elem_t* P, float* row_m, float* row_l, float* row_a,
+                                                  const float* vf, const Params& params, int b, int h0, int r0,
+                                                  int seq_q, int offset, int k0) {
+    (void)vf;
+    const int lane = threadIdx.x & 31;
+    for (int i = threadIdx.x >> 5; i < BQ; i += FWD_THREADS / 32) {
+        float* s = S + i * FWD_LDS;
+        const int h = h0 + (r0 + i) / seq_q;
+        const int qp = (r0 + i) % seq_q + offset;
+        if (VARIANT_SIGMOID) {
+            for (int j = lane; j < BKV; j += 32) {
+                float pv = s[j] == bx_neg_inf() ? 0.0f : 1.0f / (1.0f + expf(-s[j]));
+                if (VARIANT_DROPOUT) pv *= variant_dropout(params, b, h, qp, k0 + j);
+#if BX_KV_FP8
+                pv *= vf[j];
+#endif
+                s[j] = pv;
+                if (BX_MMA) P[i * FWD_LDP + j] = bx_from_f32(pv);
+            }
+            if (lane == 0) row_a[i] = 1.0f;
+            continue;
+        }
+        float mx = bx_neg_inf();
+        for (int j = lane; j < BKV; j += 32) mx = fmaxf(mx, s[j]);
+        mx = bx_warp_max(mx);
+        const float m_old = row_m[i];
+        const float m_new = fmaxf(m_old, mx);
+        float alpha = 1.0f;
+        float sum = 0.0f;
+        if (m_new == bx_neg_inf()) {
+            for (int j = lane; j < BKV; j += 32) {
+                s[j] = 0.0f;
+                if (BX_MMA) P[i * FWD_LDP + j] = (elem_t)0;
+            }
+        } else {
+            alpha = expf(m_old - m_new);
+            for (int j = lane; j < BKV; j += 32) {
+                const float p = expf(s[j] - m_new);
+                sum += p;
+                float pv = p;
+                if (VARIANT_DROPOUT) pv *= variant_dropout(params, b, h, qp, k0 + j);
+#if BX_KV_FP8
+                pv *= vf[j];
+#endif
+                s[j] = pv;
+                if (BX_MMA) P[i * FWD_LDP + j] = bx_from_f32(pv);
+            }
+            sum = bx_warp_sum(sum);
+        }
+        if (lane == 0) {
+            row_m[i] = m_new;
+            row_l[i] = row_l[i] * alpha + sum;
+            row_a[i] = alpha;
+        }
+    }
+}
+//@@ boostr_attn_fwd
+    extern __shared__ __align__(16) unsigned char bx_smem[];
+    elem_t* sQ = reinterpret_cast<elem_t*>(bx_smem + FWD_Q);
+    elem_t* sK = reinterpret_cast<elem_t*>(bx_smem + FWD_K);
+    elem_t* sV = reinterpret_cast<elem_t*>(bx_smem + FWD_V);
+    float* sS = reinterpret_cast<float*>(bx_smem + FWD_S);
+#if BX_MMA
+    elem_t* sP = reinterpret_cast<elem_t*>(bx_smem + FWD_P);
+    constexpr int LDPA = FWD_LDP;
+#else
+    elem_t* sP = sS; // f32: P is read from the score tile itself
+    constexpr int LDPA = FWD_LDS;
+#endif
+    float* row_m = reinterpret_cast<float*>(bx_smem + FWD_ROW_M);
+    float* row_l = reinterpret_cast<float*>(bx_smem + FWD_ROW_L);
+    float* row_a = reinterpret_cast<float*>(bx_smem + FWD_ROW_A);
+    int* s_seen = reinterpret_cast<int*>(bx_smem + FWD_SEEN);
+#if BX_KV_FP8
+    float* s_kf = reinterpret_cast<float*>(bx_smem + FWD_KF); // per key: K scale · KV_UNIT
+    float* s_vf = reinterpret_cast<float*>(bx_smem + FWD_VF); // per key: V scale / v_ref
+#else
+    const float* s_vf = nullptr;
+#endif
+
+    // The block's rows: packed row r is row r % seq_q of query head
+    // hk·g + r / seq_q (the kv head's whole GQA group, so one pass over its
+    // keys serves every query head of it), rows r0 .. r0 + BQ. With
+    // n_split > 1, split `split` covers its share of the key tiles.
+    const int g = bx_group(heads_q, heads_kv);
+    const int n_split = splits > 1 ? splits : 1;
+    const int split = (int)(blockIdx.x % (unsigned)n_split);
+    const int r0 = (int)(blockIdx.x / (unsigned)n_split) * BQ;
+    const int hk = blockIdx.y;
+    const int b = blockIdx.z;
+    const int packed = g * seq_q;
+    const int sk = bx_seq_keys(captures, kv_lens, b, seq_k); // rows aligned to them
+    const int offset = sk - seq_q;
+    const size_t q_row0 = ((size_t)b * heads_q + (size_t)hk * g) * (size_t)seq_q + r0;
+    const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k;
+    const unsigned table = (unsigned)kv_pages + (unsigned)b * (unsigned)max_pages;
+#if BX_KV_FP8
+    // The V scale of the sequence's first key: P's columns carry each key's
+    // V scale relative to it (1 where they are equal: P keeps its range in
+    // f16), the output the rest. Not read without keys.
+    const float v_ref = sk > 0 ? v_scale[bx_kv_scale_at(captures, table, page_size, hk, heads_kv, 0)] : 1.0f;
+    const float out_factor = v_ref * KV_UNIT;
+#else
+    const float out_factor = 1.0f;
+#endif
+
+    bx_load_rows<BQ, FWD_THREADS, BxRowD>(sQ, q + q_row0 * D, packed - r0);
+    // The sink is one more logit with no value: the running max and sum of
+    // split 0 start from it (-inf and 0 without one).
+    for (int i = threadIdx.x; i < BQ; i += FWD_THREADS) {
+        const int r = min(r0 + i, packed - 1);
+        const float sink = split == 0
+            ? variant_sink(params, captures, b, hk * g + r / seq_q, r % seq_q + offset, r0 + i < packed)
+            : bx_neg_inf();
+        row_m[i] = sink;
+        row_l[i] = sink == bx_neg_inf() ? 0.0f : 1.0f;
+    }
+    BxAcc<BQ, FWD_THREADS, BxRowDV> acc; // out, DV wide
+    acc.zero();
+
+    // The query heads and positions the block's rows span.
+    const int r_hi = min(r0 + BQ, packed) - 1;
+    const int h_lo = hk * g + r0 / seq_q;
+    const int h_hi = hk * g + r_hi / seq_q;
+    const int q_lo = h_lo == h_hi ? r0 % seq_q + offset : offset;
+    const int q_hi = h_lo == h_hi ? r_hi % seq_q + offset : seq_q - 1 + offset;
+    const int n_kt = (sk + BKV - 1) / BKV;
+    const int per = (n_kt + n_split - 1) / n_split;
+    const int kt_lo = split * per;
+    const int kt_hi = min(kt_lo + per, n_kt);
+    for (int kt = kt_lo; kt < kt_hi; ++kt) {
+        const int k0 = kt * BKV;
+        const int kv_hi = min(k0 + BKV, sk) - 1;
+        // One class for every head of the block's rows: theirs if they
+        // agree, else Partial.
+        int cls = variant_classify(params, captures, b, h_lo, q_lo, q_hi, k0, kv_hi);
+        for (int hh = h_lo + 1; hh <= h_hi; ++hh)
+            if (variant_classify(params, captures, b, hh, q_lo, q_hi, k0, kv_hi) != cls) cls = TILE_PARTIAL;
+        if (cls == TILE_EMPTY) continue; // nothing visible (uniform over the block)
+        __syncthreads(); // the previous tile's readers of K, V, S, P are done
+        if (page_size == 0) {
+            bx_load_rows<BKV, FWD_THREADS, BxRowD>(sK, k + (kv_row0 + k0) * D, sk - k0);
+            bx_load_rows<BKV, FWD_THREADS, BxRowDV>(sV, v + (kv_row0 + k0) * DV, sk - k0);
+        } else {
+            bx_load_paged<BKV, FWD_THREADS, BxRowD>(sK, k, captures, table, page_size, hk, heads_kv, k0, sk - k0);
+            bx_load_paged<BKV, FWD_THREADS, BxRowDV>(sV, v, captures, table, page_size, hk, heads_kv, k0, sk - k0);
+        }
+        for (int j = threadIdx.x; j < BKV; j += FWD_THREADS) {
+            s_seen[j] = 0;
+#if BX_KV_FP8
+            float kf = 0.0f;
+            float vf = 0.0f;
+            if (k0 + j < sk) {
+                const size_t at = bx_kv_scale_at(captures, table, page_size, hk, heads_kv, k0 + j);
+                kf = k_scale[at] * KV_UNIT;
+                vf = __fdiv_rn(v_scale[at], v_ref);
+            }
+            s_kf[j] = kf;
+            s_vf[j] = vf;
+#endif
+        }
+        __syncthreads();
+        bx_dot_tile<BQ, BKV, FWD_LDS, FWD_THREADS, BxRowD>(sQ, sK, sS);
+        __syncthreads();
+        for (int e = threadIdx.x; e < BQ * BKV; e += FWD_THREADS) {
+            const int i = e / BKV;
+            const int j = e - i * BKV;
+            const int r = r0 + i;
+            const int h = hk * g + r / seq_q;
+            const int qp = r % seq_q + offset;
+            const int kp = k0 + j;
+            const bool vis = bx_visible(params, captures, cls, b, h, r, kp, packed, sk, qp, kp);
+            if (vis) s_seen[j] = 1;
+#if BX_KV_FP8
+            const float raw = __fmul_rn(sS[i * FWD_LDS + j], s_kf[j]); // the key's K scale
+#else
+            const float raw = sS[i * FWD_LDS + j];
+#endif
+            float x;
+            sS[i * FWD_LDS + j] = bx_score_at(params, captures, raw, scale, vis, b, h, qp, kp, x);
+        }
+        __syncthreads();
+        if (cls != TILE_FULL) bx_zero_unseen<BKV, FWD_THREADS, BxRowDV>(sV, s_seen); // read after the softmax's barrier
+        bx_online_softmax(sS, sP, row_m, row_l, row_a, s_vf, params, b, hk * g, r0, seq_q, offset, k0);
+        __syncthreads();
+        acc.scale_rows(row_a);
+        acc.template add<BKV, LDPA, 1>(sP, sV);
+    }
+    __syncthreads();
+    // out = acc / l; lse = m + log(l); a row with nothing visible (in this
+    // split): 0 and -inf. Split s writes rows s·B·Hq·Sq + row of split_out
+    // and split_lse (f32), for boostr_attn_fwd_merge.
+    const size_t at = n_split > 1 ? (size_t)split * ((size_t)batch * heads_q * seq_q) + q_row0 : q_row0;
+    float* lse_dst = n_split > 1 ? split_lse : lse;
+    for (int i = threadIdx.x; i < BQ; i += FWD_THREADS) {
+        const float l = row_l[i];
+        if (VARIANT_SIGMOID) {
+            // No normalisation and no lse (documented as 0).
+            row_a[i] = 1.0f;
+            if (r0 + i < packed) lse_dst[at + i] = 0.0f;
+            continue;
+        }
+        row_a[i] = l > 0.0f ? 1.0f / l : 0.0f;
+        if (r0 + i < packed) lse_dst[at + i] = l > 0.0f ? row_m[i] + logf(l) : bx_neg_inf();
+    }
+    __syncthreads();
+    if (n_split > 1) {
+        acc.store(split_out + at * DV, packed - r0, row_a, out_factor);
+    } else {
+        acc.store(out + at * DV, packed - r0, row_a, out_factor);
+    }
+}
+//@@ boostr_attn_fwd_merge
+    const long long rows = (long long)batch * heads_q * seq_q;
+    const long long row = (long long)blockIdx.x * (DELTA_THREADS / 32) + (threadIdx.x >> 5);
+    if (row >= rows) return; // whole warps leave together
+    const int lane = threadIdx.x & 31;
+    const int n = splits > 1 ? splits : 1;
+    // out = Σ_s out_s·e^(lse_s − m) / Σ_s e^(lse_s − m), lse = m + log Σ_s e^(lse_s − m),
+    // in split order (the same bits on every run). A split that sees nothing
+    // has lse -inf (weight 0) and out 0.
+    float m = bx_neg_inf();
+    for (int s = 0; s < n; ++s) m = fmaxf(m, split_lse[(size_t)s * rows + row]);
+    float l = 0.0f;
+    if (m != bx_neg_inf())
+        for (int s = 0; s < n; ++s) l += expf(split_lse[(size_t)s * rows + row] - m);
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int d = lane; d < DV; d += 32) {
+        float acc = 0.0f;
+        if (m != bx_neg_inf())
+            for (int s = 0; s < n; ++s) {
+                const size_t at = (size_t)s * rows + row;
+                acc = fmaf(expf(split_lse[at] - m), split_out[at * DV + d], acc);
+            }
+        bx_put(out + (size_t)row * DV + d, acc * inv);
+    }
+    if (lane == 0) lse[row] = l > 0.0f ? m + logf(l) : bx_neg_inf();
+}
