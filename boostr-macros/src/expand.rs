@@ -80,9 +80,8 @@ fn host_methods(program: &Program) -> TokenStream {
     let name = &program.name;
     let identity = program.score_is_identity;
     let has_mask = program.has_mask;
-    let has_sink = program.has_sink;
-    let dropout = program.has_dropout;
-    let sigmoid = program.normalize == kernels_spec::ir::Normalize::Sigmoid;
+    let grad_is_one = program.score_grad_is_one;
+    let weights = weights(program.weights);
     let checked = |f: &Function| {
         let mut found = false;
         f.body.walk(&mut |e| {
@@ -102,9 +101,8 @@ fn host_methods(program: &Program) -> TokenStream {
         const NAME: &'static str = #name;
         const SCORE_IS_IDENTITY: bool = #identity;
         const HAS_MASK: bool = #has_mask;
-        const HAS_SINK: bool = #has_sink;
-        const DROPOUT: bool = #dropout;
-        const SIGMOID: bool = #sigmoid;
+        const SCORE_GRAD_IS_ONE: bool = #grad_is_one;
+        const WEIGHTS: ::boostr_runtime::Weights = #weights;
         const SCORE_CHECKS_READS: bool = #score_checks;
         #score
         #score_grad
@@ -123,6 +121,22 @@ fn host_methods(program: &Program) -> TokenStream {
             ::core::option::Option::None #(#errors)*
         }
         #learnable
+    }
+}
+
+/// `weights` as a constant expression.
+fn weights(weights: kernels_spec::ir::Weights) -> TokenStream {
+    let normalize = match weights.normalize {
+        kernels_spec::ir::Normalize::Softmax => quote!(Softmax),
+        kernels_spec::ir::Normalize::Sigmoid => quote!(Sigmoid),
+    };
+    let (sink, dropout) = (weights.sink, weights.dropout);
+    quote! {
+        ::boostr_runtime::Weights {
+            normalize: ::boostr_runtime::Normalize::#normalize,
+            sink: #sink,
+            dropout: #dropout,
+        }
     }
 }
 
@@ -386,7 +400,7 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
             }
         }
     };
-    let dropout = if program.has_dropout {
+    let dropout = if program.weights.dropout {
         method(
             &RustEmitter::new(program, Float::F32),
             "dropout",

@@ -384,7 +384,7 @@ pub(crate) fn param_words<V: crate::Variant>(
     p: &Problem,
 ) -> kernels_spec::params::ParamWords {
     let mut words = variant.param_words();
-    if <V::Host as crate::HostVariant>::DROPOUT {
+    if <V::Host as crate::HostVariant>::WEIGHTS.dropout {
         let at = kernels_spec::dropout::Word::Threshold.index();
         words.0[at..at + kernels_spec::dropout::DROPOUT_WORDS].copy_from_slice(&p.dropout.words());
     }

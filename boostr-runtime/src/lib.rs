@@ -99,7 +99,7 @@ pub use ring::{
     RingOps, RingOptions, RingTimes, Schedule, Shards, last_ring_times, ring_attention,
     ring_attention_bwd, var_ring_attention,
 };
-pub use variant::{CompiledStages, HostVariant, Lowering, TileClass, Variant};
+pub use variant::{CompiledStages, HostVariant, Lowering, Normalize, TileClass, Variant, Weights};
 
 /// One module of generated tests: every instance checked on one backend.
 /// Each instance is a builder function of the enclosing module, generic over

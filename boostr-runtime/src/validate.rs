@@ -252,7 +252,7 @@ pub fn page_table<R: Runtime<DType = DType>>(
 /// probability must lie in `[0, 1)`, and the batch and query heads must
 /// fit the counter's 16 bits each ([`kernels_spec::dropout`]).
 pub fn call<V: Variant>(variant: &V, p: Problem, opts: &AttentionOptions) -> Result<Problem> {
-    if !<V::Host as HostVariant>::DROPOUT {
+    if !<V::Host as HostVariant>::WEIGHTS.dropout {
         return Ok(p);
     }
     let prob = variant.dropout();

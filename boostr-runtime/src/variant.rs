@@ -9,7 +9,7 @@ use crate::capture::{Capture, Learnable, ReadCheck, TensorDecl};
 use crate::error::{BackendError, Error, Result};
 use crate::problem::Problem;
 use kernels_spec::emit::Target;
-pub use kernels_spec::ir::TileClass;
+pub use kernels_spec::ir::{Normalize, TileClass, Weights};
 use kernels_spec::params::ParamWords;
 use std::fmt::Debug;
 
@@ -166,18 +166,18 @@ pub trait HostVariant: Send + Sync {
     const SCORE_IS_IDENTITY: bool;
     /// The variant declares a mask; without one every pair is visible.
     const HAS_MASK: bool;
-    /// The variant declares a sink: one more logit in every query row's
-    /// softmax, carrying no value (without one, [`sink`](HostVariant::sink)
-    /// is `-inf`).
-    const HAS_SINK: bool = false;
-    /// The variant declares `dropout`: each call keeps a pair with
-    /// probability `1 − p`, drawn from the call's seed
-    /// ([`Dropout`](crate::Dropout)), and scales what it keeps by
-    /// `1/(1 − p)`.
-    const DROPOUT: bool = false;
-    /// `normalize = sigmoid`: a pair's weight is `sigmoid(score)`, with no
-    /// sum over the row and no lse (FlashSigmoid), in place of the softmax.
-    const SIGMOID: bool = false;
+    /// `d score / d s` is the constant 1 (`score` is `s` plus terms that
+    /// do not depend on it: a bias, ALiBi): a backward multiplies nothing
+    /// by it.
+    const SCORE_GRAD_IS_ONE: bool = Self::SCORE_IS_IDENTITY;
+    /// How each row's scores become weights ([`Weights`]): a softmax (the
+    /// default) or sigmoid weights, with or without a sink (one more logit
+    /// in every query row's softmax, carrying no value; without one,
+    /// [`sink`](HostVariant::sink) is `-inf`), with or without dropout
+    /// (each call keeps a pair with probability `1 − p`, drawn from the
+    /// call's seed, [`Dropout`](crate::Dropout), and scales what it keeps
+    /// by `1/(1 − p)`).
+    const WEIGHTS: Weights = Weights::SOFTMAX;
     /// `score` or `score_grad` reads a tensor with a checked index: they are
     /// then evaluated at visible pairs only, where the reference evaluates
     /// them, so that an index out of range there (and only there) is

@@ -119,8 +119,8 @@ pub fn words(p: f32, seed: u64, offset: u32) -> Option<[u32; DROPOUT_WORDS]> {
 /// The draw in CUDA C: `bx_philox(counter, key)` and
 /// `variant_dropout(params, b, h, q, kv)`, which returns the pair's weight
 /// factor (`0` or `1/(1 − p)`; 1 for a call with `p = 0`). Without
-/// `dropout`, a `variant_dropout` that returns 1, which the kernels never
-/// call (`VARIANT_DROPOUT` is false) but name.
+/// `dropout`, a `variant_dropout` that returns 1, which the kernels call
+/// all the same (the compiler folds the product away).
 pub fn cuda_helpers(dropout: bool) -> String {
     if !dropout {
         return "__device__ __forceinline__ float variant_dropout(const Params& params, int b, int h, int q, int kv) {\n    \

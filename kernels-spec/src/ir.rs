@@ -729,6 +729,58 @@ impl TileClass {
     }
 }
 
+/// How a query row's scores become the weights of its values: its
+/// normalisation, whether the row has a sink logit, and whether pairs drop
+/// out.
+///
+/// The one description every kernel asks its questions of ([`has_lse`],
+/// [`merges_by_lse`], [`needs_delta`]), lowered once per target: for the
+/// GPU dialects by [`crate::emit::gpu::weights`] (the functions that start
+/// a row, weigh a tile's pairs, finish a row, merge partial rows and give
+/// a pair's gradient), for the CPU kernels and the test reference by one
+/// trait of the runtime.
+///
+/// [`has_lse`]: Weights::has_lse
+/// [`merges_by_lse`]: Weights::merges_by_lse
+/// [`needs_delta`]: Weights::needs_delta
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Weights {
+    /// The normalisation.
+    pub normalize: Normalize,
+    /// Each row has one more logit, with no value (softmax only).
+    pub sink: bool,
+    /// Each call drops pairs with the variant's probability `p` and
+    /// scales the kept ones by `1/(1 − p)` ([`crate::dropout`]).
+    pub dropout: bool,
+}
+
+impl Weights {
+    /// A plain softmax: no sink, no dropout.
+    pub const SOFTMAX: Weights = Weights {
+        normalize: Normalize::Softmax,
+        sink: false,
+        dropout: false,
+    };
+
+    /// A row keeps running statistics (its max and sum) and the forward
+    /// writes its log-sum-exp; without, the forward's `lse` is 0.
+    pub const fn has_lse(self) -> bool {
+        matches!(self.normalize, Normalize::Softmax)
+    }
+
+    /// Partial results of one row over disjoint keys (split-KV decode,
+    /// ring attention) combine by their lse; otherwise they add.
+    pub const fn merges_by_lse(self) -> bool {
+        self.has_lse()
+    }
+
+    /// The backward needs each row's `D_i = rowsum(dO ∘ O)`: a pair's
+    /// gradient depends on the other pairs of its row through the sum.
+    pub const fn needs_delta(self) -> bool {
+        self.has_lse()
+    }
+}
+
 /// How a query row's scores become the weights of its values.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Normalize {
@@ -773,19 +825,18 @@ pub struct Program {
     pub classify: Function,
     /// `score` is the identity (it was not given, or is `|s, ..| s`).
     pub score_is_identity: bool,
+    /// `score_grad` is the constant 1: `score` is `s` plus terms that do
+    /// not depend on it (a bias, ALiBi), so a backward multiplies nothing
+    /// by it.
+    pub score_grad_is_one: bool,
     /// A mask was given.
     pub has_mask: bool,
-    /// The variant declares a sink (without one, `sink` is `-inf`: no
-    /// extra logit).
-    pub has_sink: bool,
-    /// `normalize = ..`: softmax (the default) or sigmoid.
-    pub normalize: Normalize,
+    /// How each row's scores become weights: `normalize = ..`, the sink
+    /// (without one, `sink` is `-inf`: no extra logit) and `dropout`.
+    pub weights: Weights,
     /// `dropout() -> f32`: the probability of dropping a pair, an
     /// expression of the scalar fields (`0.0` without `dropout`).
     pub dropout: Function,
-    /// The variant declares `dropout`: its kernels draw a keep mask per
-    /// pair from the call's seed (see [`crate::dropout`]).
-    pub has_dropout: bool,
     /// Per-variant tile size overrides `(q, kv)`.
     pub tile: (Option<u32>, Option<u32>),
     /// The learnable tensors ([`Program::tensors`] indices), in field

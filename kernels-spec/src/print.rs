@@ -47,11 +47,11 @@ pub fn declaration(program: &Program) -> String {
 /// Print every function of a program.
 pub fn program(program: &Program) -> String {
     let mut out = format!(
-        "{}\n  score is identity: {}\n  has mask: {}\n  has sink: {}\n  tile: q = {}, kv = {}\n\n",
+        "{}\n  score is identity: {}\n  has mask: {}\n  weights: {:?}\n  tile: q = {}, kv = {}\n\n",
         declaration(program),
         program.score_is_identity,
         program.has_mask,
-        program.has_sink,
+        program.weights,
         program
             .tile
             .0

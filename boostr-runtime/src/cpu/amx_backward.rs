@@ -44,8 +44,9 @@ use super::amx::{self, Kind, Products};
 use super::amx_forward::{Dims, dims, zero_unseen_keys};
 use super::backward::{
     KeyChunk, Probabilities, ScoreGrads, add_partials, carve, chunk_keys, deltas,
-    diagonal_tensor_grads, dq_partials, learnable_tasks, sinks, tensor_grads,
+    diagonal_tensor_grads, dq_partials, each_band_row, learnable_tasks, sinks, tensor_grads,
 };
+use super::dropout::Draw;
 use super::par::ForEachDyn as _;
 use super::tile::CpuTiles;
 use super::{Band, Positions, all_finite_bits, gemm, math, simd, tile_class};
@@ -216,8 +217,10 @@ struct Shared<'a, V> {
 struct Scratch {
     /// Scores, then P (`BQ × BK` f32).
     s: Aligned<f32>,
-    /// `score_grad` of the logits (empty for identity scores).
+    /// `score_grad` of the logits (empty where it is 1).
     g: Aligned<f32>,
+    /// With dropout, `P Z` (the weights `P V` used).
+    pd: Aligned<f32>,
     /// dP, then dS.
     dp: Aligned<f32>,
     /// P as pairs of rows (`BQ/2 × BK`), and `scale · dS` so.
@@ -251,7 +254,8 @@ impl Scratch {
         let learn = learn && V::SCORE_READS_LEARNABLE;
         Self {
             s: Aligned::zeroed(BQ * BK),
-            g: Aligned::zeroed(if V::SCORE_IS_IDENTITY { 0 } else { BQ * BK }),
+            g: Aligned::zeroed(if V::SCORE_GRAD_IS_ONE { 0 } else { BQ * BK }),
+            pd: Aligned::zeroed(if V::WEIGHTS.dropout { BQ * BK } else { 0 }),
             dp: Aligned::zeroed(BQ * BK),
             p_pairs: Aligned::zeroed(BQ / 2 * BK),
             ds_pairs: Aligned::zeroed(BQ / 2 * BK),
@@ -331,7 +335,7 @@ pub(super) fn backward<V: HostVariant>(
             &|sc, task| key_chunk(&shared, task, sc, &mut []),
         );
     }
-    if V::HAS_SINK {
+    if V::WEIGHTS.sink {
         sinks(variant, p, x.lse, &delta, tensor_grads);
     }
     add_partials(p, chunks, dq, &partials);
@@ -522,7 +526,7 @@ fn step<V: HostVariant>(
             *raw = x * scale;
         }
     }
-    let g = &mut sc.g[..if V::SCORE_IS_IDENTITY { 0 } else { rows * BK }];
+    let g = &mut sc.g[..if V::SCORE_GRAD_IS_ONE { 0 } else { rows * BK }];
     simd::dispatch(Probabilities {
         variant: sh.variant,
         b,
@@ -537,9 +541,23 @@ fn step<V: HostVariant>(
         bands: &sc.bands,
     });
     let (s, g) = (&*s, &*g);
-    pair_round(s, rows, cols, 1.0, &mut sc.p_pairs, None);
+    // With dropout, the weights the forward's `P V` used, `P Z`, and `dP`
+    // takes `Z` too (as in the f32 backward).
+    let draw = if V::WEIGHTS.dropout {
+        Draw::new(p, b, h)
+    } else {
+        None
+    };
+    let pd = draw.map(|draw| {
+        let pd = &mut sc.pd[..rows * BK];
+        each_band_row(&sc.bands, BK, q_lo, kv_lo, |at, qi, kj| {
+            draw.keep_scaled(qi, kj, &s[at.clone()], &mut pd[at]);
+        });
+        &*pd
+    });
+    pair_round(pd.unwrap_or(s), rows, cols, 1.0, &mut sc.p_pairs, None);
 
-    // dVᵀ += dOᵀ P.
+    // dVᵀ += dOᵀ (P Z).
     let kq = rows.next_multiple_of(amx::DEPTH);
     // SAFETY: as above.
     unsafe {
@@ -552,7 +570,7 @@ fn step<V: HostVariant>(
         );
     }
 
-    // dP = dO Vᵀ, then dS = P ∘ (dP − D) ∘ score_grad in place.
+    // dP = dO Vᵀ (times Z), then dS = d loss / d score ∘ score_grad in place.
     // SAFETY: as above.
     unsafe {
         tiles.product(
@@ -564,36 +582,23 @@ fn step<V: HostVariant>(
         );
     }
     let dp_t = &mut sc.dp[..rows * BK];
+    if let Some(draw) = draw {
+        each_band_row(&sc.bands, BK, q_lo, kv_lo, |at, qi, kj| {
+            draw.scale_kept(qi, kj, &mut dp_t[at]);
+        });
+    }
     if learn {
         let at = (b, h, q_lo, kv_lo);
         if V::SCORE_GRADS_BY_DIFFERENCE {
-            diagonal_tensor_grads(
-                sh.variant,
-                at,
-                &sc.bands,
-                (s, None),
-                dp_t,
-                delta,
-                &mut sc.diag,
-                grads,
-            );
+            let diag = &mut sc.diag;
+            diagonal_tensor_grads(sh.variant, at, &sc.bands, s, dp_t, delta, diag, grads);
         } else {
             let raw = &sc.raw[..rows * BK];
-            tensor_grads(
-                sh.variant,
-                at,
-                &sc.bands,
-                (s, None),
-                raw,
-                dp_t,
-                delta,
-                grads,
-            );
+            tensor_grads(sh.variant, at, &sc.bands, s, raw, dp_t, delta, grads);
         }
     }
     simd::dispatch(ScoreGrads::<V> {
         p: s,
-        pd: None,
         g,
         delta,
         dp: &mut *dp_t,

@@ -356,7 +356,7 @@ fn query_tiles<V: HostVariant>(
     drop(tiles);
     for (t, qt) in qts.iter().enumerate() {
         let r = t * BQ..t * BQ + qt.rows;
-        finish(qt, dv, &mut out[r.start * dv..r.end * dv], &mut lse[r]);
+        finish(head, qt, &mut out[r.start * dv..r.end * dv], &mut lse[r]);
     }
 }
 
@@ -463,7 +463,8 @@ fn step<V: HostVariant>(
 
 /// Query tile `qt`'s output rows (the first `dv` columns of its
 /// accumulator), normalised, and its lse.
-fn finish(qt: &QueryTile, dv: usize, out: &mut [f32], lse: &mut [f32]) {
+fn finish<V: HostVariant>(head: &Head<'_, V>, qt: &QueryTile, out: &mut [f32], lse: &mut [f32]) {
+    let dv = head.p.head_dim_v;
     let dvp = padded_dim(dv);
     if qt.first {
         out.fill(0.0);
@@ -472,5 +473,6 @@ fn finish(qt: &QueryTile, dv: usize, out: &mut [f32], lse: &mut [f32]) {
             dst.copy_from_slice(&src[..dv]);
         }
     }
-    finish_rows((&qt.m[..qt.rows], &qt.l[..qt.rows]), out, lse, 1.0, false);
+    let rows = (&qt.m[..qt.rows], &qt.l[..qt.rows]);
+    finish_rows(head.p, rows, out, lse, V::WEIGHTS);
 }

@@ -57,6 +57,7 @@ use super::math;
 use super::par::ForEachDyn as _;
 use super::simd::{self, Elementwise};
 use super::tile::CpuTiles;
+use super::weights::RowWeights as _;
 use super::{
     Axis, BackwardInputs, Band, L2_BUDGET, Positions, all_finite, band_products, class_bands,
     mean_visits, tile_class, zero_unused_rows,
@@ -172,7 +173,7 @@ struct Work {
     /// With dropout, `P · Z/(1 − p)`: the weights `P V` used (empty
     /// without dropout).
     pd: Aligned<f32>,
-    /// `score_grad` of the logits (empty when the score is the identity).
+    /// `score_grad` of the logits (empty where it is 1).
     g: Aligned<f32>,
     /// The tile's bands (see [`class_bands`]).
     bands: Vec<Band>,
@@ -194,11 +195,11 @@ impl Scratch {
         kv_group: usize,
         learn: bool,
     ) -> Self {
-        let g = if V::SCORE_IS_IDENTITY { 0 } else { t.q * t.kv };
+        let g = if V::SCORE_GRAD_IS_ONE { 0 } else { t.q * t.kv };
         let work = Work {
             s: Aligned::zeroed(t.q * t.kv),
             dp: Aligned::zeroed(t.q * t.kv),
-            pd: Aligned::zeroed(if V::DROPOUT { t.q * t.kv } else { 0 }),
+            pd: Aligned::zeroed(if V::WEIGHTS.dropout { t.q * t.kv } else { 0 }),
             g: Aligned::zeroed(g),
             bands: Vec::with_capacity(t.q.div_ceil(super::BAND_ROWS)),
             k_guarded: Vec::new(),
@@ -292,7 +293,7 @@ pub(super) fn backward<V: HostVariant>(
             &|sc, task| key_chunk(&shared, task, sc, &mut []),
         );
     }
-    if V::HAS_SINK {
+    if V::WEIGHTS.sink {
         sinks(variant, p, x.lse, &delta, tensor_grads);
     }
 
@@ -603,7 +604,7 @@ fn query_tile<V: HostVariant>(
     // Recompute P from the saved log-sum-exp.
     let s = &mut w.s[..rows * cols];
     band_products(s, cols, bands, (q_t, d), kv.kt, d, scale);
-    let g = &mut w.g[..if V::SCORE_IS_IDENTITY { 0 } else { rows * cols }];
+    let g = &mut w.g[..if V::SCORE_GRAD_IS_ONE { 0 } else { rows * cols }];
     let learn = V::SCORE_READS_LEARNABLE && !grads.is_empty();
     if learn && !V::SCORE_GRADS_BY_DIFFERENCE {
         w.raw[..rows * cols].copy_from_slice(s);
@@ -623,23 +624,22 @@ fn query_tile<V: HostVariant>(
         bands,
     });
     let (s, g) = (&*s, &*g);
-    // With dropout, the weights the forward's `P V` used: `P · Z/(1 − p)`.
-    let pd = match V::DROPOUT.then(|| Draw::new(p, b, h)).flatten() {
-        Some(draw) => {
-            let pd = &mut w.pd[..rows * cols];
-            for Band { rows: r, cols: c } in bands.iter().cloned() {
-                for i in r {
-                    let at = i * cols + c.start..i * cols + c.end;
-                    let qi = q_lo + i as i32;
-                    draw.keep_scaled(qi, kv_lo + c.start as i32, &s[at.clone()], &mut pd[at]);
-                }
-            }
-            Some(&*pd)
-        }
-        None => None,
+    // With dropout, the weights the forward's `P V` used, `P Z` (`Z` the
+    // pairs' factors, 0 or `1/(1 − p)`), and `dP` takes `Z` too.
+    let draw = if V::WEIGHTS.dropout {
+        Draw::new(p, b, h)
+    } else {
+        None
     };
+    let pd = draw.map(|draw| {
+        let pd = &mut w.pd[..rows * cols];
+        each_band_row(bands, cols, q_lo, kv_lo, |at, qi, kj| {
+            draw.keep_scaled(qi, kj, &s[at.clone()], &mut pd[at]);
+        });
+        &*pd
+    });
 
-    // dV += (P ∘ Z/(1 − p))ᵀ dO.
+    // dV += (P Z)ᵀ dO.
     for Band { rows: r, cols: c } in bands.iter().filter(|b| !b.cols.is_empty()) {
         matmul(
             MatMut::row_major(&mut kv.dv[c.start * d_v..c.end * d_v], c.len(), d_v),
@@ -650,19 +650,24 @@ fn query_tile<V: HostVariant>(
         );
     }
 
-    // dP = dO Vᵀ, then dS = P ∘ (dP − D) ∘ score_grad, in place.
+    // dP = dO Vᵀ (times Z), then dS = d loss / d score ∘ score_grad in place.
     let dp = &mut w.dp[..rows * cols];
     band_products(dp, cols, bands, (dout_t, d_v), kv.vt, d_v, 1.0);
+    if let Some(draw) = draw {
+        each_band_row(bands, cols, q_lo, kv_lo, |at, qi, kj| {
+            draw.scale_kept(qi, kj, &mut dp[at]);
+        });
+    }
     if learn {
         let at = (b, h, q_lo, kv_lo);
         if V::SCORE_GRADS_BY_DIFFERENCE {
-            diagonal_tensor_grads(variant, at, bands, (s, pd), dp, delta, &mut w.diag, grads);
+            diagonal_tensor_grads(variant, at, bands, s, dp, delta, &mut w.diag, grads);
         } else {
             tensor_grads(
                 variant,
                 at,
                 bands,
-                (s, pd),
+                s,
                 &w.raw[..rows * cols],
                 dp,
                 delta,
@@ -672,7 +677,6 @@ fn query_tile<V: HostVariant>(
     }
     simd::dispatch(ScoreGrads::<V> {
         p: s,
-        pd,
         g,
         delta,
         dp: &mut *dp,
@@ -710,27 +714,37 @@ fn query_tile<V: HostVariant>(
     }
 }
 
-/// `d loss / d score` of one visible pair with weight `p`, `pd` its
-/// weight after dropout (`p` without), `dp = d loss / d (P ∘ Z/(1 − p))`
-/// and its row's `D_i`: `P (dP Z/(1 − p) − D_i)` for a softmax,
-/// `dP Z/(1 − p) · σ(1 − σ)` for sigmoid weights.
-#[inline(always)]
-pub(super) fn pair_dz<V: HostVariant>(p: f32, pd: Option<f32>, dp: f32, di: f32) -> f32 {
-    match (V::SIGMOID, pd) {
-        (true, pd) => pd.unwrap_or(p) * (1.0 - p) * dp,
-        (false, Some(pd)) => pd * dp - p * di,
-        (false, None) => p * (dp - di),
+/// `f(at, qi, kj)` for each row of each band: `at` the row's elements in a
+/// tile of `cols` columns, `qi` its query's position, `kj` the position of
+/// its band's first key.
+pub(super) fn each_band_row(
+    bands: &[Band],
+    cols: usize,
+    q_lo: i32,
+    kv_lo: i32,
+    mut f: impl FnMut(Range<usize>, i32, i32),
+) {
+    for Band { rows: r, cols: c } in bands.iter().cloned() {
+        for i in r {
+            f(
+                i * cols + c.start..i * cols + c.end,
+                q_lo + i as i32,
+                kv_lo + c.start as i32,
+            );
+        }
     }
 }
 
 /// Learnable reads of `score` over one tile: every visible pair adds
-/// `dz · ∂score/∂read` with `dz` its [`pair_dz`], in row-major order.
+/// `dz · ∂score/∂read`, `dz` the normalisation's `d loss / d score` of its
+/// weight `p` and `d loss / d P` (`dp`, its dropout factor included), in
+/// row-major order.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn tensor_grads<V: HostVariant>(
     variant: &V,
     (b, h, q_lo, kv_lo): (i32, i32, i32, i32),
     bands: &[Band],
-    (p, pd): (&[f32], Option<&[f32]>),
+    p: &[f32],
     raw: &[f32],
     dp: &[f32],
     delta: &[f32],
@@ -746,7 +760,7 @@ pub(super) fn tensor_grads<V: HostVariant>(
                 if pij == 0.0 {
                     continue;
                 }
-                let dz = pair_dz::<V>(pij, pd.map(|pd| pd[at]), dp[at], delta[i]);
+                let dz = V::WEIGHTS.dz(pij, dp[at], delta[i]);
                 variant.score_tensor_grads(raw[at], b, h, qi, kv_lo + j as i32, dz, grads);
             }
         }
@@ -764,7 +778,7 @@ pub(super) fn diagonal_tensor_grads<V: HostVariant>(
     variant: &V,
     (b, h, q_lo, kv_lo): (i32, i32, i32, i32),
     bands: &[Band],
-    (p, pd): (&[f32], Option<&[f32]>),
+    p: &[f32],
     dp: &[f32],
     delta: &[f32],
     diag: &mut [f32],
@@ -781,21 +795,14 @@ pub(super) fn diagonal_tensor_grads<V: HostVariant>(
             let (p, dp) = (&p[at + c.start..at + c.end], &dp[at + c.start..at + c.end]);
             let d = &mut diag[rows - 1 - i + c.start..rows - 1 - i + c.end];
             let di = delta[i];
-            match pd {
-                None if !V::SIGMOID => {
-                    for ((x, &pij), &dpij) in d.iter_mut().zip(p).zip(dp) {
-                        // A hidden pair (P = 0) adds nothing, even where its
-                        // dP is NaN (a hidden key's V row).
-                        *x += if pij != 0.0 { pij * (dpij - di) } else { 0.0 };
-                    }
-                }
-                _ => {
-                    for (j, (x, &pij)) in d.iter_mut().zip(p).enumerate() {
-                        let pdj = pd.map(|pd| pd[at + c.start + j]);
-                        let dz = pair_dz::<V>(pij, pdj, dp[j], di);
-                        *x += if pij != 0.0 { dz } else { 0.0 };
-                    }
-                }
+            for ((x, &pij), &dpij) in d.iter_mut().zip(p).zip(dp) {
+                // A hidden pair (P = 0) adds nothing, even where its dP is
+                // NaN (a hidden key's V row).
+                *x += if pij != 0.0 {
+                    V::WEIGHTS.dz(pij, dpij, di)
+                } else {
+                    0.0
+                };
             }
         }
     }
@@ -868,53 +875,58 @@ impl<V: HostVariant> Elementwise for Probabilities<'_, V> {
                 if scale != 1.0 {
                     math::scale(row, scale);
                 }
+                let g = &mut g[if V::SCORE_GRAD_IS_ONE {
+                    0..0
+                } else {
+                    i * cols + c.start..i * cols + c.end
+                }];
                 if V::SCORE_CHECKS_READS && class == TileClass::Partial {
                     // A score with checked reads runs only at visible pairs
                     // (see the forward's `score_and_mask`).
-                    let g = &mut g[i * cols + c.start..i * cols + c.end];
-                    for (j, (g, x)) in g.iter_mut().zip(row.iter_mut()).enumerate() {
+                    for (j, x) in row.iter_mut().enumerate() {
                         let kv = kv_c + j as i32;
-                        if variant.mask(b, h, qi, kv) {
-                            *g = variant.score_grad(*x, b, h, qi, kv);
-                            *x = variant.score(*x, b, h, qi, kv);
-                        } else {
-                            *g = 0.0;
-                            *x = f32::NEG_INFINITY;
+                        let visible = variant.mask(b, h, qi, kv);
+                        if let Some(g) = g.get_mut(j) {
+                            *g = if visible {
+                                variant.score_grad(*x, b, h, qi, kv)
+                            } else {
+                                0.0
+                            };
                         }
+                        *x = if visible {
+                            variant.score(*x, b, h, qi, kv)
+                        } else {
+                            f32::NEG_INFINITY
+                        };
                     }
-                } else if !V::SCORE_IS_IDENTITY {
+                } else if !V::SCORE_GRAD_IS_ONE {
                     // d score/d s at the raw logit, then the score over it,
                     // in one loop so that what they share (softcap's `tanh`,
                     // say) is computed once.
-                    let g = &mut g[i * cols + c.start..i * cols + c.end];
                     for (j, (g, x)) in g.iter_mut().zip(row.iter_mut()).enumerate() {
                         let kv = kv_c + j as i32;
                         *g = variant.score_grad(*x, b, h, qi, kv);
                         *x = variant.score(*x, b, h, qi, kv);
                     }
+                } else if !V::SCORE_IS_IDENTITY {
+                    for (j, x) in row.iter_mut().enumerate() {
+                        *x = variant.score(*x, b, h, qi, kv_c + j as i32);
+                    }
                 }
                 apply_mask(variant, b, h, qi, kv_c, class, row);
-                if V::SIGMOID {
-                    // Each pair's own weight, 0 where hidden.
-                    math::sigmoid_in_place(row);
-                } else if lse[i] == f32::NEG_INFINITY {
-                    // No visible key in this row: P = 0 (and `x − lse`
-                    // would be NaN).
-                    row.fill(0.0);
-                } else {
-                    math::exp_sub(row, lse[i]);
-                }
+                V::WEIGHTS.prob_row(row, lse[i]);
             }
         }
     }
 }
 
-/// `dS = P ∘ (dP − D) ∘ score_grad`, in place over `dp`, for one tile.
+/// `dS = dz ∘ score_grad`, in place over `dp`, for one tile: `dz` the
+/// normalisation's `d loss / d score` of each pair's weight `P` and its
+/// `d loss / d P` (`dp`, the dropout factor included), `p (dP − D)` for a
+/// softmax.
 pub(super) struct ScoreGrads<'a, V> {
     pub(super) p: &'a [f32],
-    /// With dropout, `P ∘ Z/(1 − p)` (see [`pair_dz`]).
-    pub(super) pd: Option<&'a [f32]>,
-    /// `score_grad` values (empty when the score is the identity).
+    /// `score_grad` values (empty where it is 1).
     pub(super) g: &'a [f32],
     /// The tile rows' `D_i`.
     pub(super) delta: &'a [f32],
@@ -934,7 +946,6 @@ impl<V: HostVariant> Elementwise for ScoreGrads<'_, V> {
     fn run(self) {
         let Self {
             p,
-            pd,
             g,
             delta,
             dp,
@@ -942,37 +953,27 @@ impl<V: HostVariant> Elementwise for ScoreGrads<'_, V> {
             partial,
             ..
         } = self;
+        let w = V::WEIGHTS;
         let cols = p.len() / delta.len();
         for Band { rows: r, cols: c } in bands.iter().cloned() {
             for i in r {
                 let at = i * cols + c.start..i * cols + c.end;
                 let (ds, p, di) = (&mut dp[at.clone()], &p[at.clone()], delta[i]);
-                if V::SIGMOID || pd.is_some() {
+                if V::SCORE_GRAD_IS_ONE && !partial {
+                    for (ds, &p) in ds.iter_mut().zip(p) {
+                        *ds = w.dz(p, *ds, di);
+                    }
+                } else if V::SCORE_GRAD_IS_ONE {
                     // Hidden pairs (P = 0) stay exactly 0.
-                    let pd = pd.map(|pd| &pd[at.clone()]);
-                    for (j, (ds, &pj)) in ds.iter_mut().zip(p).enumerate() {
-                        let gj = if V::SCORE_IS_IDENTITY {
-                            1.0
-                        } else {
-                            g[at.start + j]
-                        };
-                        let v = pair_dz::<V>(pj, pd.map(|pd| pd[j]), *ds, di) * gj;
-                        *ds = if pj == 0.0 { 0.0 } else { v };
-                    }
-                } else if V::SCORE_IS_IDENTITY && !partial {
                     for (ds, &p) in ds.iter_mut().zip(p) {
-                        *ds = p * (*ds - di);
-                    }
-                } else if V::SCORE_IS_IDENTITY {
-                    for (ds, &p) in ds.iter_mut().zip(p) {
-                        let v = p * (*ds - di);
+                        let v = w.dz(p, *ds, di);
                         *ds = if p == 0.0 { 0.0 } else { v };
                     }
                 } else {
                     // Hidden pairs (P = 0) stay exactly 0 whatever
                     // score_grad says about a logit that was never used.
                     for ((ds, &p), &g) in ds.iter_mut().zip(p).zip(&g[at.clone()]) {
-                        let v = p * (*ds - di) * g;
+                        let v = w.dz(p, *ds, di) * g;
                         *ds = if p == 0.0 { 0.0 } else { v };
                     }
                 }

@@ -43,9 +43,8 @@ impl<V: HostVariant> HostVariant for Cached<'_, V> {
     const NAME: &'static str = V::NAME;
     const SCORE_IS_IDENTITY: bool = V::SCORE_IS_IDENTITY;
     const HAS_MASK: bool = true;
-    const HAS_SINK: bool = V::HAS_SINK;
-    const DROPOUT: bool = V::DROPOUT;
-    const SIGMOID: bool = V::SIGMOID;
+    const SCORE_GRAD_IS_ONE: bool = V::SCORE_GRAD_IS_ONE;
+    const WEIGHTS: crate::variant::Weights = V::WEIGHTS;
     const SCORE_CHECKS_READS: bool = V::SCORE_CHECKS_READS;
     const LEARNABLE: usize = V::LEARNABLE;
     const SCORE_READS_LEARNABLE: bool = V::SCORE_READS_LEARNABLE;

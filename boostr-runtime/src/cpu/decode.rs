@@ -36,6 +36,7 @@
 //! block's `Kᵀ` and `R ×` block scores.
 
 use super::aligned::Aligned;
+use super::dropout::Draw;
 use super::elem::Stored;
 use super::gemm::{MatMut, MatRef, Write, matmul, transpose};
 use super::gemv;
@@ -44,6 +45,7 @@ use super::operand::{Operand, Rows};
 use super::par::ForEachDyn as _;
 use super::simd::{self, Elementwise};
 use super::tile::CpuTiles;
+use super::weights::{self, RowWeights as _};
 use super::{Band, Positions, tile_class, zero_unused_rows};
 use crate::problem::Problem;
 use crate::variant::{HostVariant, TileClass};
@@ -168,7 +170,10 @@ pub(super) fn forward<V: HostVariant>(
             task.run(range, Partial { m, l, acc }, sc);
         });
 
-    // Merge each row's chunks in chunk order (the sink first).
+    // Merge each row's chunks in chunk order (the sink first), each
+    // partial rescaled to the row's largest max, then finish the row.
+    let w = V::WEIGHTS;
+    let keep = if w.dropout { p.dropout.scale() } else { 1.0 };
     out.par_chunks_mut(rows * dv)
         .zip(lse.par_chunks_mut(rows))
         .enumerate()
@@ -178,36 +183,22 @@ pub(super) fn forward<V: HostVariant>(
             for (r, (out_r, lse_r)) in out_g.chunks_mut(dv).zip(lse_g.iter_mut()).enumerate() {
                 let h = Positions::to_i32((bkv % p.heads_kv) * g + r / sq);
                 let (qi, _) = pos.query_range(r % sq, 1);
-                let sink = if V::HAS_SINK {
+                let sink = if w.sink {
                     variant.sink(b, h, qi)
                 } else {
                     f32::NEG_INFINITY
                 };
                 let at = |c: usize| (bkv * chunks + c) * rows + r;
-                let mx = (0..chunks)
-                    .filter(|&c| l[at(c)] > 0.0)
-                    .map(|c| m[at(c)])
-                    .fold(sink, f32::max);
+                let mx = (0..chunks).map(|c| m[at(c)]).fold(sink, f32::max);
+                let mut total = w.start(sink) * w.rescale(sink, mx);
                 out_r.fill(0.0);
-                if mx == f32::NEG_INFINITY {
-                    *lse_r = f32::NEG_INFINITY;
-                    continue;
-                }
-                let mut total = if sink == f32::NEG_INFINITY {
-                    0.0
-                } else {
-                    math::exp(sink - mx)
-                };
                 for c in 0..chunks {
                     let i = at(c);
-                    if l[i] > 0.0 {
-                        let w = math::exp(m[i] - mx);
-                        total += w * l[i];
-                        math::axpy(out_r, w, &acc[i * dv..(i + 1) * dv]);
-                    }
+                    let a = w.rescale(m[i], mx);
+                    total += a * l[i];
+                    math::axpy(out_r, a, &acc[i * dv..(i + 1) * dv]);
                 }
-                math::scale(out_r, 1.0 / total);
-                *lse_r = mx + total.ln();
+                *lse_r = weights::finish_row(w, (mx, total), out_r, keep);
             }
         });
 }
@@ -492,6 +483,8 @@ impl<V: HostVariant> Elementwise for BlockSoftmax<'_, '_, V> {
         let rows = g * sq;
         let cols = s.len() / rows;
         let b = Positions::to_i32(task.b);
+        let w = V::WEIGHTS;
+        // Each row's scores, and its new running max (in `alpha` for now).
         for (r, row) in s.chunks_mut(cols).enumerate() {
             let hh = r / sq;
             let h = Positions::to_i32(task.hkv * g + hh);
@@ -500,25 +493,22 @@ impl<V: HostVariant> Elementwise for BlockSoftmax<'_, '_, V> {
                 TileClass::Empty => row.fill(f32::NEG_INFINITY),
                 class => super::forward::score_and_mask(task.variant, b, h, qi, kv_lo, class, row),
             }
-            let m_new = m[r].max(math::max(row));
-            alpha[r] = if m_new == f32::NEG_INFINITY {
-                1.0
-            } else {
-                math::exp_softmax(m[r] - m_new)
-            };
-            m[r] = m_new;
+            alpha[r] = w.row_max(m[r], row);
         }
+        w.rescale_rows(m, alpha);
         for (r, row) in s.chunks_mut(cols).enumerate() {
-            if m[r] == f32::NEG_INFINITY {
-                // Nothing visible in this row yet: no `e^(-inf + inf)`.
-                row.fill(0.0);
-                continue;
-            }
             if alpha[r] != 1.0 {
                 l[r].iter_mut().for_each(|x| *x *= alpha[r]);
                 math::scale(&mut acc[r * dv..(r + 1) * dv], alpha[r]);
             }
-            l[r] = math::exp_sub_lanes(row, m[r], l[r]);
+            l[r] = w.weigh_row(row, m[r], l[r]);
+            if w.dropout {
+                let h = Positions::to_i32(task.hkv * g + r / sq);
+                if let Some(draw) = Draw::new(task.p, b, h) {
+                    let (qi, _) = task.pos.query_range(r % sq, 1);
+                    draw.drop_row(qi, kv_lo, row);
+                }
+            }
         }
     }
 }

@@ -168,11 +168,16 @@ impl Draw {
     /// `dst[j] = src[j] / (1 − p)` where pair `(q, kv_lo + j)` is kept, else 0.
     #[inline(always)]
     pub(super) fn keep_scaled(&self, q: i32, kv_lo: i32, src: &[f32], dst: &mut [f32]) {
-        let scale = self.scale;
-        for (d, &s) in dst.iter_mut().zip(src) {
-            *d = s * scale;
-        }
-        self.drop_row(q, kv_lo, dst);
+        dst.copy_from_slice(src);
+        self.scale_kept(q, kv_lo, dst);
+    }
+
+    /// `row[j]` times `1/(1 − p)` where pair `(q, kv_lo + j)` is kept, else
+    /// 0, in place: the pairs' factors on a tile row.
+    #[inline(always)]
+    pub(super) fn scale_kept(&self, q: i32, kv_lo: i32, row: &mut [f32]) {
+        super::math::scale(row, self.scale);
+        self.drop_row(q, kv_lo, row);
     }
 
     /// Whether pair `(q, kv)` is kept (one pair; for tests).

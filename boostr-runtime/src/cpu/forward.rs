@@ -28,6 +28,7 @@ use super::operand::{Operand, Rows};
 use super::par::ForEachDyn as _;
 use super::simd::{self, Elementwise};
 use super::tile::CpuTiles;
+use super::weights::{self, RowWeights as _, Weights};
 use super::{
     Axis, Band, L2_BUDGET, Positions, band_products, class_bands, mean_visits, tile_class,
     zero_unused_rows,
@@ -426,16 +427,12 @@ fn query_tiles<V: HostVariant>(
     for qt in sc.q_tiles.iter().filter(|t| t.first) {
         out[qt.rows.start * dv..qt.rows.end * dv].fill(0.0);
     }
-    let keep = if V::DROPOUT {
-        head.p.dropout.scale()
-    } else {
-        1.0
-    };
-    finish_rows((&sc.m[..rows], &sc.l[..rows]), out, lse, keep, V::SIGMOID);
+    finish_rows(head.p, (&sc.m[..rows], &sc.l[..rows]), out, lse, V::WEIGHTS);
 }
 
-/// The running max `m` and sum `l` of rows `row0 ..` before any key: -inf
-/// and 0, or the sink's, which is one more logit of the row with no value.
+/// The running max `m` and sum `l` of rows `row0 ..` before any key: the
+/// sink's (one more logit of the row, with no value), `-inf` without one,
+/// and the sum the normalisation starts from.
 pub(super) fn start_rows<V: HostVariant>(
     head: &Head<'_, V>,
     row0: usize,
@@ -444,47 +441,34 @@ pub(super) fn start_rows<V: HostVariant>(
 ) {
     m.fill(f32::NEG_INFINITY);
     l.fill([0.0; math::LANES]);
-    if V::HAS_SINK {
+    if V::WEIGHTS.sink {
         let (q0, _) = head.pos.query_range(row0, m.len());
         for (i, (m, l)) in m.iter_mut().zip(l.iter_mut()).enumerate() {
-            let sink = head.variant.sink(head.b, head.h, q0 + i as i32);
-            if sink != f32::NEG_INFINITY {
-                *m = sink;
-                l[0] = 1.0;
-            }
+            *m = head.variant.sink(head.b, head.h, q0 + i as i32);
+            l[0] = V::WEIGHTS.start(*m);
         }
     }
 }
 
-/// Each row of `out` (`lse.len()` rows) divided by its sum, and its lse;
-/// times `keep` too (`1/(1 − p)` with dropout, else 1). Without a softmax
-/// (`sigmoid`), the rows only take `keep`, and `lse` is 0.
+/// Each row of `out` (`lse.len()` rows) finished by `weights`
+/// ([`weights::finish_row`]): a softmax row divided by its sum, with its
+/// lse; every row times a dropout call's `1/(1 − p)`.
 pub(super) fn finish_rows(
+    p: &Problem,
     (m, l): (&[f32], &[math::Lanes]),
     out: &mut [f32],
     lse: &mut [f32],
-    keep: f32,
-    sigmoid: bool,
+    weights: Weights,
 ) {
     let d = out.len() / lse.len().max(1);
-    if sigmoid {
-        if keep != 1.0 {
-            math::scale(out, keep);
-        }
-        lse.fill(0.0);
-        return;
-    }
-    for (i, (m, l)) in m.iter().zip(l).enumerate() {
-        // `l > 0` exactly when some key or the sink was seen (the max
-        // contributes 1); with only the sink, `out` is 0 and `lse` the sink.
-        let l = math::sum_lanes(l);
-        if l > 0.0 {
-            math::scale(&mut out[i * d..(i + 1) * d], keep / l);
-            lse[i] = m + l.ln();
-        } else {
-            out[i * d..(i + 1) * d].fill(0.0);
-            lse[i] = f32::NEG_INFINITY;
-        }
+    let keep = if weights.dropout {
+        p.dropout.scale()
+    } else {
+        1.0
+    };
+    for (i, ((m, l), lse)) in m.iter().zip(l).zip(lse.iter_mut()).enumerate() {
+        let row = &mut out[i * d..(i + 1) * d];
+        *lse = weights::finish_row(weights, (*m, math::sum_lanes(l)), row, keep);
     }
 }
 
@@ -541,10 +525,8 @@ impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {
         let cols = s.len() / rows;
         // The accumulator's row width: the head dim, or a padded one.
         let d = out.as_deref().map_or(0, |o| o.len() / rows);
-        // The bf16 tile kernels run neither dropout nor sigmoid weights
-        // (`cpu::plain`).
-        debug_assert!(p_bf16.is_none() || (!V::DROPOUT && !V::SIGMOID));
-        let draw = if V::DROPOUT {
+        let w = V::WEIGHTS;
+        let draw = if w.dropout {
             Draw::new(head.p, head.b, head.h)
         } else {
             None
@@ -559,55 +541,15 @@ impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {
                     math::scale(row, scale);
                 }
                 score_and_mask(head.variant, head.b, head.h, qi, kj, class, row);
-                if V::SIGMOID {
-                    // Each pair weighs sigmoid(score), 0 where hidden.
-                    math::sigmoid_in_place(row);
-                    if let Some(draw) = &draw {
-                        draw.drop_row(qi, kj, row);
-                    }
-                } else {
-                    alpha[i] = m[i].max(math::max(row));
-                }
+                alpha[i] = w.row_max(m[i], row);
             }
         }
-        if V::SIGMOID {
-            // No row statistics: the accumulator is never rescaled.
-            alpha.fill(1.0);
-            return;
-        }
-        // Rescale factors `e^(m_old − m_new)`, across rows at once: one
-        // scalar `exp` per row would be a long dependency chain per row.
-        // `m_old = -inf < m_new` gives 0 (nothing accumulated yet); a row
-        // still at `m_new = -inf` keeps factor 1 instead of `e^NaN`. Factors
-        // under 2^-64 are 0, as for the probabilities themselves (see
-        // `math::SOFTMAX_FLUSH`): what they would keep is below rounding.
-        for (a, m) in alpha.iter_mut().zip(m.iter_mut()) {
-            let m_new = *a;
-            *a = if m_new == f32::NEG_INFINITY {
-                1.0
-            } else {
-                math::exp_softmax(*m - m_new)
-            };
-            *m = m_new;
-        }
+        // Rescale factors across rows at once: one scalar `exp` per row
+        // would be a long dependency chain per row.
+        w.rescale_rows(m, alpha);
         for Band { rows: br, cols: c } in bands.iter().cloned() {
             for i in br {
                 let row = &mut s[i * cols + c.start..i * cols + c.end];
-                let mut p16 = p_bf16.as_deref_mut().map(|p| {
-                    let p = &mut p[i * cols..(i + 1) * cols];
-                    p[..c.start].fill(0);
-                    p[c.end..].fill(0);
-                    &mut p[c.clone()]
-                });
-                if m[i] == f32::NEG_INFINITY {
-                    // Nothing visible in this row yet: `e^(x − m)` would be
-                    // `e^(-inf + inf)` = NaN. The row contributes nothing.
-                    match p16 {
-                        Some(p16) => p16.fill(0),
-                        None => row.fill(0.0),
-                    }
-                    continue;
-                }
                 if alpha[i] != 1.0 {
                     l[i].iter_mut().for_each(|x| *x *= alpha[i]);
                     if let Some(out) = out.as_deref_mut() {
@@ -615,12 +557,22 @@ impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {
                     }
                 }
                 let (qi, kj) = (q_lo + i as i32, kv_lo + c.start as i32);
-                l[i] = match p16.take() {
-                    Some(p16) => math::exp_sub_lanes_bf16(row, m[i], l[i], p16),
+                // The row's sum is of every pair's weight; the dropped ones
+                // leave only `P V`.
+                l[i] = match p_bf16.as_deref_mut() {
+                    Some(p) => {
+                        let p = &mut p[i * cols..(i + 1) * cols];
+                        p[..c.start].fill(0);
+                        p[c.end..].fill(0);
+                        let p16 = &mut p[c.clone()];
+                        let l = w.weigh_row_bf16(row, m[i], l[i], p16);
+                        if let Some(draw) = &draw {
+                            draw.drop_row(qi, kj, p16);
+                        }
+                        l
+                    }
                     None => {
-                        // The row's sum is of every pair's weight; the
-                        // dropped ones leave only `P V`.
-                        let l = math::exp_sub_lanes(row, m[i], l[i]);
+                        let l = w.weigh_row(row, m[i], l[i]);
                         if let Some(draw) = &draw {
                             draw.drop_row(qi, kj, row);
                         }

@@ -79,6 +79,7 @@ mod runtime;
 mod simd;
 mod threads;
 mod tile;
+pub(crate) mod weights;
 
 #[cfg(test)]
 pub(crate) mod tests;
@@ -219,7 +220,7 @@ fn forward_inputs<V: HostVariant>(
     check_outputs(p, out, lse);
     let tiles = CpuTiles::new(tiles.q, tiles.kv);
     let threads = rayon::current_num_threads();
-    if x.cache.is_none() && chunks.is_none() && (!decode::applies(p) || !plain::<V>()) {
+    if x.cache.is_none() && chunks.is_none() && !decode::applies(p) {
         let group = forward::group_size(variant, p, tiles, threads);
         return in_pool(|| forward::forward(variant, p, tiles, group, x.q, x.k, x.v, out, lse));
     }
@@ -272,7 +273,7 @@ pub(crate) fn forward_bf16_inputs<V: Variant>(
 ) -> Result<bool> {
     assert!(x.cache.is_none(), "the bf16 tile forward reads dense keys");
     check_outputs(p, out, lse);
-    if !amx_forward::applies(p) || !plain::<V::Host>() {
+    if !amx_forward::applies(p) {
         return Ok(false);
     }
     on_host(variant, p, |host| {
@@ -322,23 +323,10 @@ pub(crate) fn forward_stored_inputs<V: Variant>(
     out: &mut [f32],
     lse: &mut [f32],
 ) -> Result<()> {
-    if x.cache.is_some() && !plain::<V::Host>() {
-        return Err(crate::Error::LayoutUnsupported {
-            backend: "cpu",
-            layout: "a KV cache's forward with dropout or sigmoid normalisation (its decode \
-                     kernel merges key splits by lse; pass dense keys)",
-        });
-    }
     let tiles = CpuTiles::for_variant::<V>();
     on_host(variant, p, |host| {
         forward_inputs(host, p, (tiles, None), x, out, lse)
     })
-}
-
-/// A softmax without dropout: what the decode and bf16 tile kernels run
-/// (the others run every variant).
-fn plain<V: HostVariant>() -> bool {
-    !V::DROPOUT && !V::SIGMOID
 }
 
 /// The decode kernel (query rows per head up to 32; see `decode`) with the
@@ -527,9 +515,6 @@ type GradSlices<'g> = (&'g mut [f32], &'g mut [f32], &'g mut [f32]);
 trait BackwardElem: Copy {
     /// Whether [`Self::backward`] runs `p` on this CPU.
     fn runs(p: &Problem) -> bool;
-    /// Its kernels are the bf16 tile kernels, which run neither dropout nor
-    /// sigmoid normalisation.
-    const BF16_TILES: bool = false;
 
     /// The backward of `host`, the tile sizes the variant's `V`, into
     /// `grads` and the learnable tensors' gradients `tensor_grads` (one
@@ -561,8 +546,6 @@ impl BackwardElem for f32 {
 }
 
 impl BackwardElem for half::bf16 {
-    const BF16_TILES: bool = true;
-
     fn runs(p: &Problem) -> bool {
         amx_backward::applies(p)
     }
@@ -608,7 +591,7 @@ fn backward_stored<V: Variant, E: BackwardElem>(
         (i.out.len(), i.dout.len(), i.lse.len()),
         (&*grads.0, &*grads.1, &*grads.2),
     );
-    if !E::runs(p) || (E::BF16_TILES && !plain::<V::Host>()) {
+    if !E::runs(p) {
         return Ok(None);
     }
     on_host(variant, p, |host| {

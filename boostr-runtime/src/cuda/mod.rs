@@ -645,12 +645,7 @@ fn forward_over<V: Variant>(
     let client = CudaRuntime::default_client(q.device());
     let module = &kernels::FORWARD_MODULE;
     let tiles = compiled::<V>(&client, q.device().id(), p, (dtype, kv), module)?.tiles;
-    // Sigmoid weights have no lse to merge splits by.
-    let splits = if <V::Host as crate::HostVariant>::SIGMOID {
-        1
-    } else {
-        forward_splits(&client, p, &tiles)
-    };
+    let splits = forward_splits(&client, p, &tiles);
     let out = alloc(&p.out_shape(), dtype, &q)?;
     let lse = alloc(&p.lse_shape(), DType::F32, &q)?;
     // The splits' rows of `Dv` values (f32), or, unsplit, `lse` in their

@@ -176,7 +176,8 @@ impl<'v, V: Variant> Ring<'v, V> {
                 layout: "ring attention (its kernels place positions from the start of each call)",
             });
         }
-        if <V::Host as HostVariant>::DROPOUT || <V::Host as HostVariant>::SIGMOID {
+        let weights = <V::Host as HostVariant>::WEIGHTS;
+        if weights.dropout || !weights.merges_by_lse() {
             return Err(Error::LayoutUnsupported {
                 backend: "ring",
                 layout: "a variant with dropout or sigmoid normalisation (the ring merges \
@@ -293,7 +294,7 @@ impl<'v, V: Variant> Ring<'v, V> {
         let mut pairs = Vec::new();
         for (i, &qc) in self.chunks[self.link.rank].iter().enumerate() {
             for (j, &kc) in self.chunks[src].iter().enumerate() {
-                let sink = own && i == j && <V::Host as HostVariant>::HAS_SINK;
+                let sink = own && i == j && <V::Host as HostVariant>::WEIGHTS.sink;
                 if sink || self.visible(qc, kc) {
                     pairs.push(Pair { i, j, qc, kc, sink });
                 }

@@ -99,9 +99,8 @@ impl<H: HostVariant> HostVariant for PositionedHost<H> {
     const NAME: &'static str = H::NAME;
     const SCORE_IS_IDENTITY: bool = H::SCORE_IS_IDENTITY;
     const HAS_MASK: bool = H::HAS_MASK;
-    const HAS_SINK: bool = H::HAS_SINK;
-    const DROPOUT: bool = H::DROPOUT;
-    const SIGMOID: bool = H::SIGMOID;
+    const SCORE_GRAD_IS_ONE: bool = H::SCORE_GRAD_IS_ONE;
+    const WEIGHTS: crate::variant::Weights = H::WEIGHTS;
     const SCORE_CHECKS_READS: bool = H::SCORE_CHECKS_READS;
     const LEARNABLE: usize = H::LEARNABLE;
     const SCORE_READS_LEARNABLE: bool = H::SCORE_READS_LEARNABLE;

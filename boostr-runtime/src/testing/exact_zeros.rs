@@ -26,7 +26,7 @@ pub(crate) fn exact_zeros<V: HostVariant>(
         .enumerate()
         .map(|(r, &l)| {
             l == f64::NEG_INFINITY
-                || V::HAS_SINK && {
+                || V::WEIGHTS.sink && {
                     let (bh, i) = (r / p.seq_q, r % p.seq_q);
                     let (b, h) = ((bh / p.heads_q) as i32, (bh % p.heads_q) as i32);
                     (0..p.seq_k as i32).all(|j| !variant.mask_f64(b, h, q_pos(p, i), j))

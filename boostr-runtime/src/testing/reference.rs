@@ -37,11 +37,11 @@
 //! fixed order, so results do not depend on the thread count.
 
 use crate::cpu::par::ForEachDyn as _;
+pub use crate::cpu::weights::Float;
+use crate::cpu::weights::RowWeights as _;
 use crate::problem::Problem;
 use crate::variant::HostVariant;
 use rayon::prelude::*;
-use std::fmt::Debug;
-use std::ops::{Add, AddAssign, Div, Mul, Neg, Sub};
 
 mod sealed {
     pub trait Sealed {}
@@ -51,35 +51,9 @@ mod sealed {
 
 /// The float type the reference algorithm runs in: `f32` (the variant's f32
 /// closures) or `f64` (its f64 closures). Sealed.
-pub trait Real:
-    sealed::Sealed
-    + Copy
-    + Debug
-    + PartialOrd
-    + Send
-    + Sync
-    + 'static
-    + Add<Output = Self>
-    + Sub<Output = Self>
-    + Mul<Output = Self>
-    + Div<Output = Self>
-    + Neg<Output = Self>
-    + AddAssign
-{
-    /// `0`.
-    const ZERO: Self;
-    /// `−∞`.
-    const NEG_INFINITY: Self;
-    /// Exact widening (f64) or identity (f32).
-    fn from_f32(x: f32) -> Self;
+pub trait Real: sealed::Sealed + Float {
     /// Widen to f64 (exact).
     fn to_f64(self) -> f64;
-    /// `eˣ`.
-    fn exp(self) -> Self;
-    /// Natural logarithm.
-    fn ln(self) -> Self;
-    /// `|x|`.
-    fn abs(self) -> Self;
     /// The variant's `score` in this precision.
     fn score<V: HostVariant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self;
     /// The variant's `score_grad` in this precision.
@@ -105,23 +79,6 @@ pub trait Real:
         abs: bool,
         grads: &mut [&mut [Self]],
     );
-}
-
-/// The arithmetic of [`Real`] for a float type: its own.
-macro_rules! float_arithmetic {
-    ($t:ident) => {
-        const ZERO: Self = 0.0;
-        const NEG_INFINITY: Self = $t::NEG_INFINITY;
-        fn exp(self) -> Self {
-            $t::exp(self)
-        }
-        fn ln(self) -> Self {
-            $t::ln(self)
-        }
-        fn abs(self) -> Self {
-            $t::abs(self)
-        }
-    };
 }
 
 /// The [`Real`] functions that call the variant's functions of one
@@ -151,10 +108,6 @@ macro_rules! host_functions {
 }
 
 impl Real for f32 {
-    float_arithmetic!(f32);
-    fn from_f32(x: f32) -> Self {
-        x
-    }
     fn to_f64(self) -> f64 {
         f64::from(self)
     }
@@ -182,10 +135,6 @@ impl Real for f32 {
 }
 
 impl Real for f64 {
-    float_arithmetic!(f64);
-    fn from_f32(x: f32) -> Self {
-        f64::from(x)
-    }
     fn to_f64(self) -> f64 {
         self
     }
@@ -361,7 +310,6 @@ impl<T: Real> Row<T> {
                 max = z;
             }
         }
-        let one = T::from_f32(1.0);
         let factor = T::from_f32(p.dropout.scale());
         for (j, keep) in self.keep.iter_mut().enumerate() {
             *keep = if keeps(p, bi, hi, qi, j as i32) {
@@ -370,44 +318,21 @@ impl<T: Real> Row<T> {
                 T::ZERO
             };
         }
-        let any_key = self.z.iter().any(|&z| z != T::NEG_INFINITY);
-        if V::SIGMOID {
-            // No row statistics: each visible pair weighs sigmoid(z).
-            for (pj, &z) in self.p.iter_mut().zip(&self.z) {
-                *pj = if z == T::NEG_INFINITY {
-                    T::ZERO
-                } else {
-                    one / (one + (-z).exp())
-                };
-            }
-            self.lse = T::ZERO;
-            return any_key;
-        }
-        if !any_key {
-            self.p.fill(T::ZERO);
-            self.lse = sink;
-            return false;
-        }
-        // Second pass: exp and normalisation. A NaN score propagates (on
-        // purpose: the checks report it).
-        let mut sum = if sink == T::NEG_INFINITY {
-            T::ZERO
-        } else {
-            (sink - max).exp()
-        };
+        // Second pass: the weights from the whole row's max (the sink's
+        // share counted once), finished as the kernels finish a row. A NaN
+        // score propagates (on purpose: the checks report it).
+        let w = V::WEIGHTS;
+        let mut sum = w.start(sink) * w.rescale(sink, max);
         for (pj, &z) in self.p.iter_mut().zip(&self.z) {
-            *pj = if z == T::NEG_INFINITY {
-                T::ZERO
-            } else {
-                (z - max).exp()
-            };
+            *pj = w.pair(z, max);
             sum += *pj;
         }
+        let scale = w.scale(sum);
         for pj in &mut self.p {
-            *pj = *pj / sum;
+            *pj = *pj * scale;
         }
-        self.lse = max + sum.ln();
-        true
+        self.lse = w.lse(max, sum);
+        self.z.iter().any(|&z| z != T::NEG_INFINITY)
     }
 
     /// `P_j` recomputed from the row's log-sum-exp, `exp(z_j − lse)`, as a
@@ -416,13 +341,10 @@ impl<T: Real> Row<T> {
     /// every kernel's backward carries too; in f64 it equals `p`.
     fn p_from_lse<V: HostVariant>(&self, j: usize) -> T {
         let z = self.z[j];
-        if V::SIGMOID {
-            return self.p[j];
-        }
         if z == T::NEG_INFINITY {
             T::ZERO
         } else {
-            (z - self.lse).exp()
+            V::WEIGHTS.prob(z, self.lse)
         }
     }
 }
@@ -585,10 +507,10 @@ fn backward<T: Real, V: HostVariant>(
                     // `dP_ij − D_i` exactly, which no kernel does (its `D` comes
                     // from its forward's `out`); the naive f32 error must include
                     // that rounding.
-                    let d_i = if V::SIGMOID {
-                        T::ZERO
-                    } else {
+                    let d_i = if V::WEIGHTS.needs_delta() {
                         dot_rev(dor, &o)
+                    } else {
+                        T::ZERO
                     };
                     let sink = T::sink(variant, bi, hi, qi);
                     if V::LEARNABLE > 0 && sink != T::NEG_INFINITY {
@@ -610,14 +532,10 @@ fn backward<T: Real, V: HostVariant>(
                         // d loss / d P through the kept pairs' factor.
                         let dp = dot(dor, vr) * row.keep[j];
                         let g = T::score_grad(variant, s, bi, hi, qi, j as i32);
-                        let dz = if V::SIGMOID {
-                            // d sigmoid(z)/dz = σ(1 − σ).
-                            dp * pj * (T::from_f32(1.0) - pj)
-                        } else if magnitudes {
-                            pj * (dp + d_i)
-                        } else {
-                            pj * (dp - d_i)
-                        };
+                        // The magnitudes' bound: every term of `dP − D_i`
+                        // counted positive.
+                        let delta = if magnitudes { -d_i } else { d_i };
+                        let dz = V::WEIGHTS.dz(pj, dp, delta);
                         let ds = if magnitudes { dz * g.abs() } else { dz * g };
                         if V::LEARNABLE > 0 {
                             let at = (s, bi, hi, qi, j as i32);

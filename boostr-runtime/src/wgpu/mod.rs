@@ -684,14 +684,9 @@ fn forward_split<V: Variant>(
     let client = WgpuRuntime::default_client(q.device());
     let fwd = pass::<V>(&client, p, &kernels::FORWARD)?;
     let cfg = tiles::<V>(p)?;
-    // Sigmoid weights have no lse to merge splits by.
-    let splits = if <V::Host as crate::HostVariant>::SIGMOID {
-        1
-    } else {
-        splits
-            .unwrap_or_else(|| forward_splits(&client, p, &cfg))
-            .max(1)
-    };
+    let splits = splits
+        .unwrap_or_else(|| forward_splits(&client, p, &cfg))
+        .max(1);
     let out = alloc(&[p.batch, p.heads_q, p.seq_q, p.head_dim_v], &q)?;
     let lse = alloc(&[p.batch, p.heads_q, p.seq_q], &q)?;
     let rows = p.batch * p.heads_q * p.seq_q;

@@ -9,7 +9,7 @@ pub mod tiles;
 
 use crate::ast::TileOverride;
 use crate::check::Checked;
-use crate::ir::{Arg, Expr, ExprKind, Function, LearnableSite, Program, TensorDecl, Ty};
+use crate::ir::{Arg, Expr, ExprKind, Function, LearnableSite, Program, TensorDecl, Ty, Weights};
 
 /// Run every analysis and assemble the program.
 pub fn analyze(name: &str, checked: Checked, tile: Option<TileOverride>) -> Program {
@@ -75,11 +75,14 @@ pub fn analyze(name: &str, checked: Checked, tile: Option<TileOverride>) -> Prog
     Program {
         name: name.to_string(),
         score_is_identity: score.body.kind == ExprKind::Arg(Arg::S),
+        score_grad_is_one: score_grad.body.is_float(1.0),
         has_mask,
-        has_sink,
-        normalize: checked.normalize,
+        weights: Weights {
+            normalize: checked.normalize,
+            sink: has_sink,
+            dropout: has_dropout,
+        },
         dropout,
-        has_dropout,
         params: checked.params,
         tensors,
         layout: checked.layout,

@@ -80,7 +80,8 @@ const fn equal(bytes: &[u8], at: usize, prefix: &[u8]) -> bool {
 mod tests {
     use super::*;
 
-    const FILE: &str = "// commentary\n//@@ first\nline one\n//@@ second\n\nline two\n//@@ first_too\nx\n";
+    const FILE: &str =
+        "// commentary\n//@@ first\nline one\n//@@ second\n\nline two\n//@@ first_too\nx\n";
 
     #[test]
     fn a_section_runs_from_its_marker_to_the_next() {

@@ -5,24 +5,22 @@
 // ---- backward ----
 static_assert(!BX_KV_FP8, "the backward reads K and V in the element type (fp8 caches are for inference)");
 
-// d loss / d score of a visible pair with score sc in a row with lse L and
-// D_i delta, given dp = (dO·Vᵀ) at the pair and z its dropout factor (0 or
-// 1/(1 - p); 1 without dropout): P (dp z - D_i) for a softmax, sigmoid
-// weights σ(1 - σ) dp z. w gets the pair's weight in P·V, P z.
-__device__ __forceinline__ float bx_pair_grad(float sc, float L, float dp, float delta, float z, float& w) {
-    if (VARIANT_SIGMOID) {
-        const float p = 1.0f / (1.0f + expf(-sc));
-        w = p * z;
-        return p * (1.0f - p) * dp * z;
-    }
-    const float p = expf(sc - L);
+// d loss / d score of a visible pair (b, h, qp, kp) with score sc in a row
+// with lse L and D_i delta, given dp = (dO·Vᵀ) at the pair (the
+// normalisation's `weights_prob` and `weights_dz`, the pair's dropout
+// factor z on dP). w gets the pair's weight in P·V, P z.
+__device__ __forceinline__ float bx_pair_grad(const Params& params, float sc, float L, float dp, float delta, int b,
+                                              int h, int qp, int kp, float& w) {
+    const float z = variant_dropout(params, b, h, qp, kp);
+    const float p = weights_prob(sc, L);
     w = p * z;
-    return VARIANT_DROPOUT ? p * (dp * z - delta) : p * (dp - delta);
+    return weights_dz(p, dp * z, delta);
 }
 
 // The gradient tile of one (query tile, key tile), shared by dQ and dK/dV:
 // recompute each score with the forward's code (bx_dot_tile + bx_score_at),
-// then P = exp(score - lse) and dS = P·(dP - D_i)·score'(x). Invisible pairs,
+// then P (for a softmax exp(score - lse)) and dS = d loss / d score ·
+// score'(x) (bx_pair_grad). Invisible pairs,
 // rows with lse = -inf and rows/keys out of range give P = dS = 0. In: S the
 // raw Q·Kᵀ, dP the raw dO·Vᵀ. Out: P in S, dS in dP, and their 16-bit
 // copies in Pe, dSe on tensor cores.
@@ -43,8 +41,7 @@ __device__ __forceinline__ void bx_grad_tile(float* S, float* dP, elem_t* Pe, el
         float p = 0.0f;
         float ds = 0.0f;
         if (vis && L != bx_neg_inf() && sc != bx_neg_inf()) {
-            const float z = VARIANT_DROPOUT ? variant_dropout(params, b, h, qp, kp) : 1.0f;
-            const float dz = bx_pair_grad(sc, L, dP[i * BWD_LDS + j], s_delta[i], z, p);
+            const float dz = bx_pair_grad(params, sc, L, dP[i * BWD_LDS + j], s_delta[i], b, h, qp, kp, p);
             ds = dz * variant_score_grad(params, captures, x, b, h, qp, kp, true);
         }
         S[i * BWD_LDS + j] = p;
@@ -222,8 +219,7 @@ __device__ __forceinline__ void bx_grad_tile(float* S, float* dP, elem_t* Pe, el
         bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS, BxRowD>(sQ, sK, sS);
         bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS, BxRowDV>(sdO, sV, sdP);
         __syncthreads();
-        // d loss / d score = P (dP - D_i) at each visible pair, P as
-        // bx_grad_tile recomputes it.
+        // d loss / d score at each visible pair, as bx_grad_tile has it.
         for (int e = threadIdx.x; e < BBQ * BBKV; e += BWD_THREADS) {
             const int i = e / BBKV;
             const int j = e - i * BBKV;
@@ -234,9 +230,8 @@ __device__ __forceinline__ void bx_grad_tile(float* S, float* dP, elem_t* Pe, el
             const float sc = bx_score_at(params, captures, sS[i * BWD_LDS + j], scale, vis, b, h, qp, kp, x);
             const float L = s_lse[i];
             if (vis && L != bx_neg_inf() && sc != bx_neg_inf()) {
-                const float z = VARIANT_DROPOUT ? variant_dropout(params, b, h, qp, kp) : 1.0f;
                 float w;
-                const float dz = bx_pair_grad(sc, L, sdP[i * BWD_LDS + j], s_delta[i], z, w);
+                const float dz = bx_pair_grad(params, sc, L, sdP[i * BWD_LDS + j], s_delta[i], b, h, qp, kp, w);
                 if (dz != 0.0f) bx_learn_score(params, captures, dz, x, b, h, qp, kp);
             }
         }

@@ -140,19 +140,26 @@ impl Dialect for Cuda {
     }
 
     fn function_header(f: &mut Formatter<'_>, fun: &Function) -> fmt::Result {
-        write!(
-            f,
-            "__device__ __forceinline__ {} {}(const Params& params, unsigned* __restrict__ captures",
-            Self::ty(fun.ret),
-            fun.name
-        )?;
-        for (a, t) in &fun.args {
-            write!(f, ", {} {}", Self::ty(*t), a.name())?;
+        let mut args: Vec<String> = Vec::new();
+        if fun.block {
+            args.push("const Params& params".into());
+            args.push("unsigned* __restrict__ captures".into());
         }
+        args.extend(
+            fun.args
+                .iter()
+                .map(|(a, t)| format!("{} {a}", Self::ty(*t))),
+        );
         if fun.seen {
-            write!(f, ", bool {}", Name::Seen)?;
+            args.push(format!("bool {}", Name::Seen));
         }
-        writeln!(f, ") {{")
+        writeln!(
+            f,
+            "__device__ __forceinline__ {} {}({}) {{",
+            Self::ty(fun.ret),
+            fun.name,
+            args.join(", ")
+        )
     }
 
     fn params_member(f: &mut Formatter<'_>, name: &str, ty: Type) -> fmt::Result {
@@ -161,10 +168,6 @@ impl Dialect for Cuda {
 
     fn params_padding(f: &mut Formatter<'_>, _start: usize, words: usize) -> fmt::Result {
         writeln!(f, "    unsigned _pad[{words}];")
-    }
-
-    fn bool_constant(f: &mut Formatter<'_>, name: &str, value: bool) -> fmt::Result {
-        writeln!(f, "constexpr bool {name} = {value};")
     }
 
     fn dropout_helpers(dropout: bool) -> String {

@@ -1,6 +1,7 @@
 // ---- IR semantics helpers ----
 __device__ __forceinline__ float bx_inf() { return __int_as_float(0x7f800000); }
 __device__ __forceinline__ float bx_nan() { return __int_as_float(0x7fc00000); }
+__device__ __forceinline__ bool bx_is_neg_inf(float x) { return x == __int_as_float(0xff800000); }
 __device__ __forceinline__ int bx_add_i32(int a, int b) { return (int)((unsigned)a + (unsigned)b); }
 __device__ __forceinline__ int bx_sub_i32(int a, int b) { return (int)((unsigned)a - (unsigned)b); }
 __device__ __forceinline__ int bx_mul_i32(int a, int b) { return (int)((unsigned)a * (unsigned)b); }

@@ -123,6 +123,9 @@ pub enum Name {
     /// function there (a checked read reports an index out of range only
     /// then).
     Seen,
+    /// An argument of a function the compiler writes itself (the row
+    /// normalisation's, [`super::weights`]), by its name.
+    Var(&'static str),
 }
 
 /// The name of a name in every dialect: the argument's own, `l<N>` for a
@@ -135,6 +138,7 @@ impl fmt::Display for Name {
             Name::Params => f.write_str("params"),
             Name::Captures => f.write_str("captures"),
             Name::Seen => f.write_str("seen"),
+            Name::Var(name) => f.write_str(name),
         }
     }
 }
@@ -192,6 +196,9 @@ pub enum Expr {
     },
     /// The bits of a `u32` as a value of type `.0` (`f32` or `i32`).
     Bits(Type, Box<Expr>),
+    /// Whether an `f32` is `-inf` (a `bool`), by its bits: WGSL compilers
+    /// may assume floats finite in comparisons.
+    NegInf(Box<Expr>),
     /// The least (`max = false`) or greatest `i32` among `count` summary
     /// entries of the arena from word `first`, `stride` words apart; with
     /// `count = 0`, `i32::MIN` (`i32::MAX` for the greatest).
@@ -225,7 +232,11 @@ pub struct Function {
     /// Its name in the target (`variant_score`, ...).
     pub name: String,
     /// Its arguments, in order, with their types.
-    pub args: Vec<(Arg, Type)>,
+    pub args: Vec<(Name, Type)>,
+    /// It takes the parameter block and the capture arena first (every
+    /// variant function does; the normalisation's functions, which read
+    /// neither, do not).
+    pub block: bool,
     /// It takes a last argument `seen: bool` ([`Name::Seen`]): `score`,
     /// `score_grad` and `sink` do.
     pub seen: bool,

@@ -116,7 +116,12 @@ pub fn function(program: &Program, f: &ir::Function) -> Function {
     cx.stmts.push(Stmt::Return(value));
     Function {
         name: function_name(f),
-        args: f.args.iter().map(|a| (*a, a.ty().into())).collect(),
+        args: f
+            .args
+            .iter()
+            .map(|a| (Name::Arg(*a), a.ty().into()))
+            .collect(),
+        block: true,
         seen,
         ret: f.ret.into(),
         body: cx.stmts,

@@ -20,6 +20,7 @@
 
 pub mod ast;
 pub mod lower;
+pub mod weights;
 
 use self::ast::{BinaryOp, Expr, Func, Function, Literal, Name, ParamsStruct, Stmt, Type, UnaryOp};
 use super::Target;
@@ -158,13 +159,10 @@ pub trait Dialect: Sized + 'static {
     /// (`words > 0`).
     fn params_padding(f: &mut Formatter<'_>, start: usize, words: usize) -> fmt::Result;
 
-    /// A `bool` constant of the module (`VARIANT_SIGMOID`, `VARIANT_DROPOUT`).
-    fn bool_constant(f: &mut Formatter<'_>, name: &str, value: bool) -> fmt::Result;
-
     /// The draw of a dropout variant: `variant_dropout(b, h, q, kv)`
     /// (after [`VARIANT_ARGS`](Dialect::VARIANT_ARGS)), the pair's weight
     /// factor, `0` or `1/(1 − p)` ([`crate::dropout`]); without `dropout`,
-    /// one that returns 1 (the kernels name it, behind `VARIANT_DROPOUT`).
+    /// one that returns 1 (the kernels call it either way).
     fn dropout_helpers(dropout: bool) -> String;
 
     /// The end of the `Params` struct, after its members.
@@ -280,6 +278,7 @@ impl<D: Dialect> Display for Code<'_, D, Expr> {
                 }
                 f.write_str(")")
             }
+            Expr::NegInf(value) => write!(f, "bx_is_neg_inf({})", c(value)),
             Expr::Bits(to, value) => match D::bits(*to) {
                 CastForm::Call(name) => call(f, name, &[&c(value)]),
                 CastForm::CCast => write!(f, "(({})({}))", D::ty(*to), c(value)),
@@ -425,16 +424,10 @@ pub fn variant_section<D: Dialect>(program: &Program) -> String {
         }
     }
     s.push_str(&learn_functions::<D>(program));
-    struct Constants<D>(bool, bool, PhantomData<D>);
-    impl<D: Dialect> Display for Constants<D> {
-        fn fmt(&self, f: &mut Formatter<'_>) -> fmt::Result {
-            D::bool_constant(f, "VARIANT_SIGMOID", self.0)?;
-            D::bool_constant(f, "VARIANT_DROPOUT", self.1)
-        }
+    for f in weights::functions(program.weights) {
+        s.push_str(&code::<D, _>(&f).to_string());
     }
-    let sigmoid = program.normalize == crate::ir::Normalize::Sigmoid;
-    s.push_str(&Constants::<D>(sigmoid, program.has_dropout, PhantomData).to_string());
-    s.push_str(&D::dropout_helpers(program.has_dropout));
+    s.push_str(&D::dropout_helpers(program.weights.dropout));
     s
 }
 

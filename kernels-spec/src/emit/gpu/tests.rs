@@ -245,7 +245,7 @@ fn a_sink_is_a_function_of_the_row_that_reports_only_for_live_rows() {
         "#[attention(mask = |b, h, q, kv| kv <= q, sink = |b, h, q| self.sinks[h][q - 2]) ] \
          struct V<R: Runtime> { #[tensor(f32, [Hq, _])] sinks: Tensor<R> }",
     );
-    assert!(p.has_sink);
+    assert!(p.weights.sink);
     let (cuda, wgsl) = both(&p, &p.sink);
     assert!(
         wgsl.contains("fn variant_sink(b: i32, h: i32, q: i32, seen: bool) -> f32"),
@@ -257,7 +257,7 @@ fn a_sink_is_a_function_of_the_row_that_reports_only_for_live_rows() {
     assert!(wgsl.contains(", seen, 0u, "), "{wgsl}");
     // Without a sink: -inf, and no read.
     let none = program("#[attention(mask = |b, h, q, kv| kv <= q)] struct W;");
-    assert!(!none.has_sink);
+    assert!(!none.weights.sink);
     let (_, wgsl) = both(&none, &none.sink);
     assert!(wgsl.contains("return (- bx_inf());"), "{wgsl}");
 }

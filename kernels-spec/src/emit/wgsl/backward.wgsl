@@ -78,8 +78,7 @@ fn pair_terms(qr: ptr<function, array<f32, D>>, dor: ptr<function, array<f32, DV
     let p = pair_prob(variant_score(s, ib, ih, r.qp, kp, seen), r.lse, seen);
     // dp of a key the row does not see is never used: it may be NaN. With
     // dropout it carries the pair's factor: d loss / d P.
-    var z = 1.0f;
-    if VARIANT_DROPOUT { z = variant_dropout(ib, ih, r.qp, kp); }
+    let z = variant_dropout(ib, ih, r.qp, kp);
     return vec3<f32>(s, p, select(0.0f, dp * z, p != 0.0f));
 }
 
@@ -97,18 +96,10 @@ fn load_row(qr: ptr<function, array<f32, D>>, dor: ptr<function, array<f32, DV>>
 }
 //@@ pair_weights
 
-// The weight of a pair with score sc in a row with lse `lse`, 0 unless
-// seen: e^(sc - lse), or sigmoid(sc).
+// The weight of a visible pair with score sc in a row with lse `lse`
+// (weights_prob), 0 unless seen.
 fn pair_prob(sc: f32, lse: f32, seen: bool) -> f32 {
-    if VARIANT_SIGMOID { return select(0.0f, 1.0f / (1.0f + exp(-sc)), seen); }
-    return select(0.0f, exp(sc - lse), seen);
-}
-
-// d loss / d score of a pair with weight p, dpz = d loss / d P (dropout's
-// factor included) and its row's D_i: P (dP - D_i), or σ(1 - σ) dP.
-fn pair_dz(p: f32, dpz: f32, delta: f32) -> f32 {
-    if VARIANT_SIGMOID { return p * (1.0f - p) * dpz; }
-    return p * (dpz - delta);
+    return select(0.0f, weights_prob(sc, lse), seen);
 }
 //@@ dq
 
@@ -173,7 +164,7 @@ fn attn_bwd_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
         for (var j = 0u; j < BKV; j++) {
             let pt = pair_terms(&qr, &dor, r, j, k0, cls, t.ib, t.ih);
             let g = variant_score_grad(pt.x, t.ib, t.ih, r.qp, i32(k0 + j), pt.y != 0.0f);
-            let ds = select(0.0f, pair_dz(pt.y, pt.z, delta_i) * g, pt.y != 0.0f);
+            let ds = select(0.0f, weights_dz(pt.y, pt.z, delta_i) * g, pt.y != 0.0f);
             // A key the row does not see stays out even where its K row is
             // NaN or Inf; only a Partial tile has such keys.
             if cls == TILE_FULL {
@@ -296,9 +287,8 @@ fn attn_bwd_dkdv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
             let seen = live && !bx_is_neg_inf(lse_i) && (cls == TILE_FULL || variant_mask(ib, ih, qp, kp));
             let p = pair_prob(variant_score(s, ib, ih, qp, kp, seen), lse_i, seen);
             let g = variant_score_grad(s, ib, ih, qp, kp, p != 0.0f);
-            var z = 1.0f;
-            if VARIANT_DROPOUT { z = variant_dropout(ib, ih, qp, kp); }
-            let ds = select(0.0f, pair_dz(p, dp * z, delta_i) * g, p != 0.0f);
+            let z = variant_dropout(ib, ih, qp, kp);
+            let ds = select(0.0f, weights_dz(p, dp * z, delta_i) * g, p != 0.0f);
             let pz = p * z;
             @loop(D, DV) { dk_acc[d] += ds * q_tile[i * D + d]; } { dv_acc[d] += pz * do_tile[i * DV + d]; }
         }
@@ -331,7 +321,7 @@ fn attn_bwd_tensors(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoca
             let pt = pair_terms(&qr, &dor, r, j, k0, cls, t.ib, t.ih);
             // d loss / d score = P (dP - D_i), at the pairs the row sees.
             if pt.y != 0.0f {
-                bx_learn_score(pair_dz(pt.y, pt.z, delta_i), pt.x, t.ib, t.ih, r.qp, i32(k0 + j));
+                bx_learn_score(weights_dz(pt.y, pt.z, delta_i), pt.x, t.ib, t.ih, r.qp, i32(k0 + j));
             }
         }
     }

@@ -117,7 +117,7 @@ impl Dialect for Wgsl {
         let mut args: Vec<String> = fun
             .args
             .iter()
-            .map(|(a, t)| format!("{}: {}", a.name(), Self::ty(*t)))
+            .map(|(a, t)| format!("{a}: {}", Self::ty(*t)))
             .collect();
         if fun.seen {
             args.push(format!("{}: bool", Name::Seen));
@@ -155,10 +155,6 @@ impl Dialect for Wgsl {
             w += 1;
         }
         Ok(())
-    }
-
-    fn bool_constant(f: &mut Formatter<'_>, name: &str, value: bool) -> fmt::Result {
-        writeln!(f, "const {name}: bool = {value};")
     }
 
     fn dropout_helpers(dropout: bool) -> String {

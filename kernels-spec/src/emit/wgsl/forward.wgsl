@@ -45,7 +45,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     // split 0 start from it (-inf and 0 without one).
     var m = variant_sink(ib, ih, qp, live);
     if split != 0u { m = -bx_inf(); }
-    var l = select(1.0f, 0.0f, bx_is_neg_inf(m));
+    var l = weights_start(m);
     @loop(D, DV) {
         var x = 0.0f;
         if live { x = q[flat * D + d]; }
@@ -96,23 +96,20 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
             s_row[j] = s;
             if s > m_new { m_new = s; }
         }
-        // Nothing visible yet: m_new = -inf, and every p and alpha below is 0.
-        let m_ref = select(m_new, 0.0f, bx_is_neg_inf(m_new));
-        // Sigmoid weights keep no running max: the accumulator is never
-        // rescaled.
-        let alpha = select(exp(m - m_ref), 1.0f, VARIANT_SIGMOID);
+        // The normalisation's rescale of the running sum and output.
+        let alpha = weights_rescale(m, m_new);
         l *= alpha;
         @loop(DV) { acc[d] *= alpha; }
         if cls == TILE_FULL {
             for (var j = 0u; j < BKV; j++) {
-                let p = pair_weight(s_row[j], m_ref, &l, ib, ih, qp, i32(k0 + j));
+                let p = pair_weight(s_row[j], m_new, &l, ib, ih, qp, i32(k0 + j));
                 @loop(DV) { acc[d] += p * v_tile[j * DV + d]; }
             }
         } else {
             // A key this row does not see has p = 0 and stays out of its
             // sums even where its V row holds NaN or Inf (0·NaN is NaN).
             for (var j = 0u; j < BKV; j++) {
-                let p = pair_weight(s_row[j], m_ref, &l, ib, ih, qp, i32(k0 + j));
+                let p = pair_weight(s_row[j], m_new, &l, ib, ih, qp, i32(k0 + j));
                 @loop(DV) { acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); }
             }
         }
@@ -124,31 +121,24 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
         stats[at] = vec2<f32>(m, l);
         return;
     }
-    // A row with no visible key (in this split): out 0, lse -inf. Sigmoid
-    // weights are not normalised, and have no lse (0).
-    var inv = 0.0f;
-    if l > 0.0f { inv = 1.0f / l; }
-    if VARIANT_SIGMOID { inv = 1.0f; }
+    // The normalisation's finish (a softmax: out / l and m + log(l); a row
+    // with no visible key in this split: out 0, lse -inf).
+    let inv = weights_scale(l);
     @loop(DV) { out[at * DV + d] = acc[d] * inv; }
-    var x = -bx_inf();
-    if l > 0.0f { x = m + log(l); }
-    if VARIANT_SIGMOID { x = 0.0f; }
-    lse[at] = x;
+    lse[at] = weights_lse(m, l);
 }
 
 // The weight in P·V of a pair with score s (-inf where hidden) in a row
-// whose running max is m_ref: e^(s - m_ref), added to the row's sum l, or
-// sigmoid(s); times the pair's dropout factor (0 or 1/(1 - p)).
-fn pair_weight(s: f32, m_ref: f32, l: ptr<function, f32>, ib: i32, ih: i32, qp: i32, kp: i32) -> f32 {
-    var p = exp(s - m_ref);
-    if VARIANT_SIGMOID { p = select(1.0f / (1.0f + exp(-s)), 0.0f, bx_is_neg_inf(s)); }
+// whose running max is m (weights_pair), added to the row's sum l, then
+// times the pair's dropout factor (0 or 1/(1 - p); 1 without dropout).
+fn pair_weight(s: f32, m: f32, l: ptr<function, f32>, ib: i32, ih: i32, qp: i32, kp: i32) -> f32 {
+    let p = weights_pair(s, m);
     *l += p;
-    if VARIANT_DROPOUT { p *= variant_dropout(ib, ih, qp, kp); }
-    return p;
+    return p * variant_dropout(ib, ih, qp, kp);
 }
 //@@ merge
 
-// ---- split-KV merge: out = Σ_s out_s·e^(lse_s − lse), lse = log Σ_s e^(lse_s) ----
+// ---- split-KV merge: out = Σ_s out_s·w_s · weights_scale(Σ_s w_s), w_s = weights_merge(lse_s, m) ----
 @compute @workgroup_size(WG)
 fn attn_merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let sq = max(shape.seq_q, 1u);
@@ -166,19 +156,14 @@ fn attn_merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     @loop(DV) { acc[d] = 0.0f; }
     var l = 0.0f;
     // In split order: the same bits run to run. A split that sees nothing
-    // has lse -inf (weight 0) and out 0.
-    if !bx_is_neg_inf(m) {
-        for (var s = 0u; s < splits; s++) {
-            let w = exp(split_lse[s * rows + flat] - m);
-            let base = (s * rows + flat) * DV;
-            l += w;
-            @loop(DV) { acc[d] += w * split_out[base + d]; }
-        }
+    // has out 0 (and, a softmax, lse -inf: weight 0).
+    for (var s = 0u; s < splits; s++) {
+        let w = weights_merge(split_lse[s * rows + flat], m);
+        let base = (s * rows + flat) * DV;
+        l += w;
+        @loop(DV) { acc[d] += w * split_out[base + d]; }
     }
-    var inv = 0.0f;
-    if l > 0.0f { inv = 1.0f / l; }
+    let inv = weights_scale(l);
     @loop(DV) { out[flat * DV + d] = acc[d] * inv; }
-    var x = -bx_inf();
-    if l > 0.0f { x = m + log(l); }
-    lse[flat] = x;
+    lse[flat] = weights_lse(m, l);
 }

@@ -108,8 +108,7 @@ const MERGE_CODE: &str = section(FORWARD_WGSL, "merge");
 // and the terms of one (query row, staged key) pair.
 const QUERY_ROWS: &str = section(BACKWARD_WGSL, "query_rows");
 
-// The backward's weights of a pair and their derivative, for every
-// normalisation.
+// A visible pair's weight in the backward.
 const PAIR_WEIGHTS: &str = section(BACKWARD_WGSL, "pair_weights");
 
 // The code of `BACKWARD_DQ`'s entry points.

@@ -55,7 +55,9 @@ pub fn pieces(template: &str) -> Vec<Piece<'_>> {
         let mut found = Vec::with_capacity(bodies);
         for i in 0..bodies {
             if i > 0 {
-                after = after.strip_prefix(' ').expect("` ` between a loop's bodies");
+                after = after
+                    .strip_prefix(' ')
+                    .expect("` ` between a loop's bodies");
             }
             let (body, tail) = braced(after);
             found.push(body);
