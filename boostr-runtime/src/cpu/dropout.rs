@@ -25,6 +25,9 @@ pub(super) struct Draw {
     threshold: u32,
     /// `1/(1 − p)`.
     pub(super) scale: f32,
+    /// What the call's query and key positions are behind those the draw
+    /// is keyed by ([`Dropout::q_shift`](crate::Dropout::q_shift)).
+    shift: (i32, i32),
 }
 
 impl Draw {
@@ -39,6 +42,7 @@ impl Draw {
             offset: d.offset,
             threshold: d.threshold,
             scale: d.scale(),
+            shift: (d.q_shift, d.kv_shift),
         })
     }
 
@@ -135,6 +139,7 @@ impl Draw {
     /// is dropped.
     #[inline(always)]
     fn each_dropped(&self, q: i32, kv_lo: i32, n: usize, mut f: impl FnMut(usize)) {
+        let (q, kv_lo) = (q + self.shift.0, kv_lo + self.shift.1);
         let start = kv_lo as u32;
         // Blocks start at a multiple of four keys: the counter's first word.
         let mut base = start & !3;
@@ -231,6 +236,7 @@ mod tests {
                 offset: counter[3],
                 threshold: 0,
                 scale: 1.0,
+                shift: (0, 0),
             };
             let block = draw.block(counter[1], counter[0]);
             assert_eq!(block[..4], want, "kernels' draw");

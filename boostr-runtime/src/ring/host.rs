@@ -8,6 +8,8 @@
 //! Each returns `None` where it does not apply (another runtime, a layout
 //! it does not read), and the caller falls back to numr's ops.
 
+use crate::cpu::weights::RowWeights as _;
+use crate::variant::Weights;
 use half::{bf16, f16};
 use numr::dtype::DType;
 use numr::runtime::Runtime;
@@ -138,10 +140,11 @@ pub(super) fn add_into<R: Runtime>(acc: &mut Option<Tensor<R>>, x: &Tensor<R>) -
 }
 
 /// Merge the partial `(out, lse)` of more keys into `(acc_out, acc_lse)`
-/// (`[rows, Dv]` and `[rows]`) on the CPU, in one pass: the softmax over
-/// both key sets, in f32, as new tensors. `None` where this does not
-/// apply.
+/// (`[rows, Dv]` and `[rows]`) on the CPU, in one pass, as `weights`
+/// merges partial rows (the softmax over both key sets; sigmoid weights'
+/// sum), in f32, as new tensors. `None` where this does not apply.
 pub(super) fn merge<R: Runtime>(
+    weights: Weights,
     (acc_out, acc_lse): (&Tensor<R>, &Tensor<R>),
     out: &Tensor<R>,
     lse: &Tensor<R>,
@@ -170,16 +173,14 @@ pub(super) fn merge<R: Runtime>(
                 ($o2:expr, $wide:expr) => {
                     rows.for_each(|(r, ((o1, l1), &l2))| {
                         let m = l1.max(l2);
-                        if m == f32::NEG_INFINITY {
-                            return;
-                        }
-                        let (w1, w2) = ((*l1 - m).exp(), (l2 - m).exp());
+                        let (w1, w2) = (weights.merge(*l1, m), weights.merge(l2, m));
                         let sum = w1 + w2;
-                        let (a1, a2) = (w1 / sum, w2 / sum);
+                        let scale = weights.scale(sum);
+                        let (a1, a2) = (w1 * scale, w2 * scale);
                         for (o1, &o2) in o1.iter_mut().zip(&$o2[r * dv..(r + 1) * dv]) {
                             *o1 = a1 * *o1 + a2 * $wide(o2);
                         }
-                        *l1 = m + sum.ln();
+                        *l1 = weights.lse(m, sum);
                     })
                 };
             }

@@ -12,10 +12,12 @@
 //!   tile classifier finds empty for every batch and head is skipped (a
 //!   causal ring skips about half its pairs). Every variant runs
 //!   unchanged.
-//! - **Merging.** Partial results merge by their `lse`, in f32, in the
-//!   ring's order (fixed for a rank, so results are the same bits run to
-//!   run). A sink joins each row's softmax once: in the call of the row's
-//!   own chunk against itself.
+//! - **Merging.** Partial results merge as the variant's weights merge
+//!   partial rows (by their `lse` for a softmax; sigmoid weights add), in
+//!   f32, in the ring's order (fixed for a rank, so results are the same
+//!   bits run to run). A sink joins each row's softmax once: in the call of
+//!   the row's own chunk against itself. Dropout draws each call's pairs at
+//!   their positions in the whole sequence: the same pairs as one device.
 //! - **Backward.** dQ stays local. The dK/dV of each block travel the ring
 //!   behind it in f32, each rank adding its part, and return to the owner
 //!   after `world` hops. Learnable tensors' gradients are summed over the
@@ -54,11 +56,12 @@ pub fn last_ring_times() -> RingTimes {
 }
 
 use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, KeyLayout, Keys};
+use crate::cpu::weights::RowWeights as _;
 use crate::error::{Error, Result};
 use crate::op::AttentionOptions;
 use crate::problem::Problem;
 use crate::validate;
-use crate::variant::{HostVariant, TileClass, Variant};
+use crate::variant::{HostVariant, TileClass, Variant, Weights};
 use link::{Exchange, Link};
 use numr::autograd::{GradFn, TensorId, Var};
 use numr::dtype::DType;
@@ -176,14 +179,6 @@ impl<'v, V: Variant> Ring<'v, V> {
                 layout: "ring attention (its kernels place positions from the start of each call)",
             });
         }
-        let weights = <V::Host as HostVariant>::WEIGHTS;
-        if weights.dropout || !weights.merges_by_lse() {
-            return Err(Error::LayoutUnsupported {
-                backend: "ring",
-                layout: "a variant with dropout or sigmoid normalisation (the ring merges \
-                         partial results by lse and draws dropout at each call's own positions)",
-            });
-        }
         let (rank, world) = (comm.rank(), comm.world_size());
         if world == 0 || rank >= world {
             return Err(Error::Ring {
@@ -200,7 +195,8 @@ impl<'v, V: Variant> Ring<'v, V> {
         };
         // The header first: a rank whose own inputs are bad still joins
         // it (with zeros), so that every rank fails together.
-        let local = validate::problem(q, k, v, opts.attention.scale);
+        let local = validate::problem(q, k, v, opts.attention.scale)
+            .and_then(|p| validate::call(variant, p, &opts.attention));
         let local_ok = local.as_ref().ok();
         let header = header(variant, local_ok, q.dtype(), opts, pass, wanted);
         let agreed = link.agree::<R>(&header, q.device());
@@ -265,7 +261,9 @@ impl<'v, V: Variant> Ring<'v, V> {
             (qc.start, kc.start),
             sink,
         );
-        (positioned, p)
+        // The call's pairs drop as the whole sequence's do.
+        let dropout = p.dropout.shifted(positioned.q_shift, positioned.kv_shift);
+        (positioned, p.with_dropout(dropout))
     }
 
     /// Whether some pair of query chunk `qc` and key chunk `kc` may be
@@ -361,6 +359,11 @@ fn header<V: Variant>(
             p.map_or(0, |p| u64::from(p.scale.to_bits())),
         ),
         ("the dtype", dtype_code(dtype)),
+        ("the dropout seed", opts.attention.dropout_seed),
+        (
+            "the dropout offset",
+            u64::from(opts.attention.dropout_offset),
+        ),
         ("the learnable gradients wanted", wanted_bits),
     ]
 }
@@ -392,10 +395,12 @@ struct Partial<R: Runtime> {
     lse: Tensor<R>,
 }
 
-/// Merge the partial `(out, lse)` of more keys into `acc` (in f32): the
-/// softmax over both key sets. Rows no key of either set sees stay `out =
-/// 0`, `lse = −inf`.
+/// Merge the partial `(out, lse)` of more keys into `acc` (in f32), as
+/// `weights` merges partial rows: a softmax over both key sets (rows no key
+/// of either set sees stay `out = 0`, `lse = −inf`), or the sum of sigmoid
+/// weights' outputs.
 fn merge<R: Runtime<DType = DType>>(
+    weights: Weights,
     acc: Option<Partial<R>>,
     out: &Tensor<R>,
     lse: &Tensor<R>,
@@ -410,10 +415,16 @@ where
             lse: lse.contiguous()?,
         });
     };
-    if let Some((out, lse)) = host::merge((&acc.out, &acc.lse), out, lse) {
+    if let Some((out, lse)) = host::merge(weights, (&acc.out, &acc.lse), out, lse) {
         return Ok(Partial { out, lse });
     }
     let out = out.to_dtype(DType::F32)?;
+    if !weights.merges_by_lse() {
+        return Ok(Partial {
+            out: acc.out.to_dtype(DType::F32)?.add(&out)?,
+            lse: acc.lse,
+        });
+    }
     // m = max(l1, l2), −inf raised to the least f32 so that exp(l − m)
     // is 0 (not NaN) where both are −inf.
     let m = acc
@@ -602,10 +613,13 @@ where
                     dtype,
                     device,
                 )?);
+                // A row that sees no key: `lse = -inf` (0 for sigmoid
+                // weights, which have none).
+                let empty = <V::Host as HostVariant>::WEIGHTS.lse(f32::NEG_INFINITY, 0.0);
                 lses.push(Tensor::<R>::full_scalar(
                     &shape,
                     DType::F32,
-                    f64::NEG_INFINITY,
+                    f64::from(empty),
                     device,
                 )?);
             }
@@ -644,7 +658,8 @@ where
             scales: None,
         };
         let (out, lse) = R::attention_forward(&positioned, &p, &qs, keys)?;
-        acc[i] = Some(merge(acc[i].take(), &out, &lse)?);
+        let weights = <V::Host as HostVariant>::WEIGHTS;
+        acc[i] = Some(merge(weights, acc[i].take(), &out, &lse)?);
     }
     Ok(())
 }

@@ -5,8 +5,8 @@
 
 use super::*;
 use crate::stock::{
-    AlibiSlopes, Causal, CausalDocuments, CausalSlidingWindow, CausalSlidingWindowSinks, Full,
-    RelativeBias,
+    AlibiSlopes, Causal, CausalDocuments, CausalDropout, CausalSigmoid, CausalSlidingWindow,
+    CausalSlidingWindowSinks, Full, RelativeBias,
 };
 use crate::testing::rng::{Rng, SEED_ENV, choose_seed};
 use crate::testing::{MessageCount, ThreadComm};
@@ -149,7 +149,15 @@ fn check_against_single<V: Variant>(
 ) {
     let s = N * world;
     let x = Inputs::new(rng, s);
+    // A dropout variant draws from this seed and offset (the others
+    // ignore them).
+    let attention = AttentionOptions {
+        dropout_seed: 0x5eed_0f_d80f,
+        dropout_offset: 3,
+        ..AttentionOptions::default()
+    };
     let opts = RingOptions {
+        attention,
         shards,
         schedule,
         ..RingOptions::default()
@@ -315,6 +323,20 @@ fn sinks_count_once_per_row() {
             window: 3,
             sinks: learnable(rng, 1.0),
         }
+    });
+}
+
+#[test]
+fn sigmoid_weights_add_across_the_ring() {
+    each_layout(7, &[1, 2, 3], Schedule::Ring, |_, _| CausalSigmoid {
+        bias: -1.5,
+    });
+}
+
+#[test]
+fn dropout_draws_the_pairs_one_device_draws() {
+    each_layout(8, &[2, 3, 4], Schedule::Ring, |_, _| CausalDropout {
+        p: 0.3,
     });
 }
 

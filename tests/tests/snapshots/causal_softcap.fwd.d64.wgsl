@@ -212,8 +212,30 @@ fn bx_learn_score(dz: f32, s: f32, b: i32, h: i32, q: i32, kv: i32) {
 }
 fn bx_learn_sink(dz: f32, b: i32, h: i32, q: i32) {
 }
-const VARIANT_SIGMOID: bool = false;
-const VARIANT_DROPOUT: bool = false;
+fn weights_start(sink: f32) -> f32 {
+    return select(1.0f, 0.0f, bx_is_neg_inf(sink));
+}
+fn weights_rescale(m_old: f32, m_new: f32) -> f32 {
+    return select(exp((m_old - m_new)), 1.0f, bx_is_neg_inf(m_new));
+}
+fn weights_pair(s: f32, m: f32) -> f32 {
+    return select(exp((s - m)), 0.0f, bx_is_neg_inf(m));
+}
+fn weights_scale(l: f32) -> f32 {
+    return select(0.0f, (1.0f / l), (l > 0.0f));
+}
+fn weights_lse(m: f32, l: f32) -> f32 {
+    return select((- bx_inf()), (m + log(l)), (l > 0.0f));
+}
+fn weights_merge(lse: f32, m: f32) -> f32 {
+    return select(exp((lse - m)), 0.0f, bx_is_neg_inf(m));
+}
+fn weights_prob(s: f32, lse: f32) -> f32 {
+    return exp((s - lse));
+}
+fn weights_dz(p: f32, dpz: f32, delta: f32) -> f32 {
+    return (p * (dpz - delta));
+}
 fn variant_dropout(b: i32, h: i32, q: i32, kv: i32) -> f32 {
     return 1.0;
 }
@@ -260,7 +282,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     // split 0 start from it (-inf and 0 without one).
     var m = variant_sink(ib, ih, qp, live);
     if split != 0u { m = -bx_inf(); }
-    var l = select(1.0f, 0.0f, bx_is_neg_inf(m));
+    var l = weights_start(m);
     { { const d = 0u; var x = 0.0f;
         if live { x = q[flat * D + d]; }
         qr[d] = x; var a = 0.0f;
@@ -559,23 +581,20 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
             s_row[j] = s;
             if s > m_new { m_new = s; }
         }
-        // Nothing visible yet: m_new = -inf, and every p and alpha below is 0.
-        let m_ref = select(m_new, 0.0f, bx_is_neg_inf(m_new));
-        // Sigmoid weights keep no running max: the accumulator is never
-        // rescaled.
-        let alpha = select(exp(m - m_ref), 1.0f, VARIANT_SIGMOID);
+        // The normalisation's rescale of the running sum and output.
+        let alpha = weights_rescale(m, m_new);
         l *= alpha;
         { { const d = 0u; acc[d] *= alpha; } { const d = 1u; acc[d] *= alpha; } { const d = 2u; acc[d] *= alpha; } { const d = 3u; acc[d] *= alpha; } { const d = 4u; acc[d] *= alpha; } { const d = 5u; acc[d] *= alpha; } { const d = 6u; acc[d] *= alpha; } { const d = 7u; acc[d] *= alpha; } { const d = 8u; acc[d] *= alpha; } { const d = 9u; acc[d] *= alpha; } { const d = 10u; acc[d] *= alpha; } { const d = 11u; acc[d] *= alpha; } { const d = 12u; acc[d] *= alpha; } { const d = 13u; acc[d] *= alpha; } { const d = 14u; acc[d] *= alpha; } { const d = 15u; acc[d] *= alpha; } { const d = 16u; acc[d] *= alpha; } { const d = 17u; acc[d] *= alpha; } { const d = 18u; acc[d] *= alpha; } { const d = 19u; acc[d] *= alpha; } { const d = 20u; acc[d] *= alpha; } { const d = 21u; acc[d] *= alpha; } { const d = 22u; acc[d] *= alpha; } { const d = 23u; acc[d] *= alpha; } { const d = 24u; acc[d] *= alpha; } { const d = 25u; acc[d] *= alpha; } { const d = 26u; acc[d] *= alpha; } { const d = 27u; acc[d] *= alpha; } { const d = 28u; acc[d] *= alpha; } { const d = 29u; acc[d] *= alpha; } { const d = 30u; acc[d] *= alpha; } { const d = 31u; acc[d] *= alpha; } { const d = 32u; acc[d] *= alpha; } { const d = 33u; acc[d] *= alpha; } { const d = 34u; acc[d] *= alpha; } { const d = 35u; acc[d] *= alpha; } { const d = 36u; acc[d] *= alpha; } { const d = 37u; acc[d] *= alpha; } { const d = 38u; acc[d] *= alpha; } { const d = 39u; acc[d] *= alpha; } { const d = 40u; acc[d] *= alpha; } { const d = 41u; acc[d] *= alpha; } { const d = 42u; acc[d] *= alpha; } { const d = 43u; acc[d] *= alpha; } { const d = 44u; acc[d] *= alpha; } { const d = 45u; acc[d] *= alpha; } { const d = 46u; acc[d] *= alpha; } { const d = 47u; acc[d] *= alpha; } { const d = 48u; acc[d] *= alpha; } { const d = 49u; acc[d] *= alpha; } { const d = 50u; acc[d] *= alpha; } { const d = 51u; acc[d] *= alpha; } { const d = 52u; acc[d] *= alpha; } { const d = 53u; acc[d] *= alpha; } { const d = 54u; acc[d] *= alpha; } { const d = 55u; acc[d] *= alpha; } { const d = 56u; acc[d] *= alpha; } { const d = 57u; acc[d] *= alpha; } { const d = 58u; acc[d] *= alpha; } { const d = 59u; acc[d] *= alpha; } { const d = 60u; acc[d] *= alpha; } { const d = 61u; acc[d] *= alpha; } { const d = 62u; acc[d] *= alpha; } { const d = 63u; acc[d] *= alpha; } }
         if cls == TILE_FULL {
             for (var j = 0u; j < BKV; j++) {
-                let p = pair_weight(s_row[j], m_ref, &l, ib, ih, qp, i32(k0 + j));
+                let p = pair_weight(s_row[j], m_new, &l, ib, ih, qp, i32(k0 + j));
                 { { const d = 0u; acc[d] += p * v_tile[j * DV + d]; } { const d = 1u; acc[d] += p * v_tile[j * DV + d]; } { const d = 2u; acc[d] += p * v_tile[j * DV + d]; } { const d = 3u; acc[d] += p * v_tile[j * DV + d]; } { const d = 4u; acc[d] += p * v_tile[j * DV + d]; } { const d = 5u; acc[d] += p * v_tile[j * DV + d]; } { const d = 6u; acc[d] += p * v_tile[j * DV + d]; } { const d = 7u; acc[d] += p * v_tile[j * DV + d]; } { const d = 8u; acc[d] += p * v_tile[j * DV + d]; } { const d = 9u; acc[d] += p * v_tile[j * DV + d]; } { const d = 10u; acc[d] += p * v_tile[j * DV + d]; } { const d = 11u; acc[d] += p * v_tile[j * DV + d]; } { const d = 12u; acc[d] += p * v_tile[j * DV + d]; } { const d = 13u; acc[d] += p * v_tile[j * DV + d]; } { const d = 14u; acc[d] += p * v_tile[j * DV + d]; } { const d = 15u; acc[d] += p * v_tile[j * DV + d]; } { const d = 16u; acc[d] += p * v_tile[j * DV + d]; } { const d = 17u; acc[d] += p * v_tile[j * DV + d]; } { const d = 18u; acc[d] += p * v_tile[j * DV + d]; } { const d = 19u; acc[d] += p * v_tile[j * DV + d]; } { const d = 20u; acc[d] += p * v_tile[j * DV + d]; } { const d = 21u; acc[d] += p * v_tile[j * DV + d]; } { const d = 22u; acc[d] += p * v_tile[j * DV + d]; } { const d = 23u; acc[d] += p * v_tile[j * DV + d]; } { const d = 24u; acc[d] += p * v_tile[j * DV + d]; } { const d = 25u; acc[d] += p * v_tile[j * DV + d]; } { const d = 26u; acc[d] += p * v_tile[j * DV + d]; } { const d = 27u; acc[d] += p * v_tile[j * DV + d]; } { const d = 28u; acc[d] += p * v_tile[j * DV + d]; } { const d = 29u; acc[d] += p * v_tile[j * DV + d]; } { const d = 30u; acc[d] += p * v_tile[j * DV + d]; } { const d = 31u; acc[d] += p * v_tile[j * DV + d]; } { const d = 32u; acc[d] += p * v_tile[j * DV + d]; } { const d = 33u; acc[d] += p * v_tile[j * DV + d]; } { const d = 34u; acc[d] += p * v_tile[j * DV + d]; } { const d = 35u; acc[d] += p * v_tile[j * DV + d]; } { const d = 36u; acc[d] += p * v_tile[j * DV + d]; } { const d = 37u; acc[d] += p * v_tile[j * DV + d]; } { const d = 38u; acc[d] += p * v_tile[j * DV + d]; } { const d = 39u; acc[d] += p * v_tile[j * DV + d]; } { const d = 40u; acc[d] += p * v_tile[j * DV + d]; } { const d = 41u; acc[d] += p * v_tile[j * DV + d]; } { const d = 42u; acc[d] += p * v_tile[j * DV + d]; } { const d = 43u; acc[d] += p * v_tile[j * DV + d]; } { const d = 44u; acc[d] += p * v_tile[j * DV + d]; } { const d = 45u; acc[d] += p * v_tile[j * DV + d]; } { const d = 46u; acc[d] += p * v_tile[j * DV + d]; } { const d = 47u; acc[d] += p * v_tile[j * DV + d]; } { const d = 48u; acc[d] += p * v_tile[j * DV + d]; } { const d = 49u; acc[d] += p * v_tile[j * DV + d]; } { const d = 50u; acc[d] += p * v_tile[j * DV + d]; } { const d = 51u; acc[d] += p * v_tile[j * DV + d]; } { const d = 52u; acc[d] += p * v_tile[j * DV + d]; } { const d = 53u; acc[d] += p * v_tile[j * DV + d]; } { const d = 54u; acc[d] += p * v_tile[j * DV + d]; } { const d = 55u; acc[d] += p * v_tile[j * DV + d]; } { const d = 56u; acc[d] += p * v_tile[j * DV + d]; } { const d = 57u; acc[d] += p * v_tile[j * DV + d]; } { const d = 58u; acc[d] += p * v_tile[j * DV + d]; } { const d = 59u; acc[d] += p * v_tile[j * DV + d]; } { const d = 60u; acc[d] += p * v_tile[j * DV + d]; } { const d = 61u; acc[d] += p * v_tile[j * DV + d]; } { const d = 62u; acc[d] += p * v_tile[j * DV + d]; } { const d = 63u; acc[d] += p * v_tile[j * DV + d]; } }
             }
         } else {
             // A key this row does not see has p = 0 and stays out of its
             // sums even where its V row holds NaN or Inf (0·NaN is NaN).
             for (var j = 0u; j < BKV; j++) {
-                let p = pair_weight(s_row[j], m_ref, &l, ib, ih, qp, i32(k0 + j));
+                let p = pair_weight(s_row[j], m_new, &l, ib, ih, qp, i32(k0 + j));
                 { { const d = 0u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 1u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 2u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 3u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 4u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 5u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 6u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 7u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 8u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 9u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 10u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 11u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 12u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 13u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 14u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 15u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 16u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 17u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 18u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 19u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 20u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 21u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 22u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 23u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 24u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 25u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 26u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 27u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 28u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 29u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 30u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 31u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 32u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 33u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 34u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 35u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 36u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 37u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 38u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 39u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 40u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 41u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 42u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 43u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 44u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 45u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 46u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 47u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 48u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 49u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 50u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 51u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 52u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 53u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 54u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 55u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 56u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 57u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 58u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 59u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 60u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 61u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 62u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } { const d = 63u; acc[d] += select(0.0f, p * v_tile[j * DV + d], p != 0.0f); } }
             }
         }
@@ -587,27 +606,20 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
         stats[at] = vec2<f32>(m, l);
         return;
     }
-    // A row with no visible key (in this split): out 0, lse -inf. Sigmoid
-    // weights are not normalised, and have no lse (0).
-    var inv = 0.0f;
-    if l > 0.0f { inv = 1.0f / l; }
-    if VARIANT_SIGMOID { inv = 1.0f; }
+    // The normalisation's finish (a softmax: out / l and m + log(l); a row
+    // with no visible key in this split: out 0, lse -inf).
+    let inv = weights_scale(l);
     { { const d = 0u; out[at * DV + d] = acc[d] * inv; } { const d = 1u; out[at * DV + d] = acc[d] * inv; } { const d = 2u; out[at * DV + d] = acc[d] * inv; } { const d = 3u; out[at * DV + d] = acc[d] * inv; } { const d = 4u; out[at * DV + d] = acc[d] * inv; } { const d = 5u; out[at * DV + d] = acc[d] * inv; } { const d = 6u; out[at * DV + d] = acc[d] * inv; } { const d = 7u; out[at * DV + d] = acc[d] * inv; } { const d = 8u; out[at * DV + d] = acc[d] * inv; } { const d = 9u; out[at * DV + d] = acc[d] * inv; } { const d = 10u; out[at * DV + d] = acc[d] * inv; } { const d = 11u; out[at * DV + d] = acc[d] * inv; } { const d = 12u; out[at * DV + d] = acc[d] * inv; } { const d = 13u; out[at * DV + d] = acc[d] * inv; } { const d = 14u; out[at * DV + d] = acc[d] * inv; } { const d = 15u; out[at * DV + d] = acc[d] * inv; } { const d = 16u; out[at * DV + d] = acc[d] * inv; } { const d = 17u; out[at * DV + d] = acc[d] * inv; } { const d = 18u; out[at * DV + d] = acc[d] * inv; } { const d = 19u; out[at * DV + d] = acc[d] * inv; } { const d = 20u; out[at * DV + d] = acc[d] * inv; } { const d = 21u; out[at * DV + d] = acc[d] * inv; } { const d = 22u; out[at * DV + d] = acc[d] * inv; } { const d = 23u; out[at * DV + d] = acc[d] * inv; } { const d = 24u; out[at * DV + d] = acc[d] * inv; } { const d = 25u; out[at * DV + d] = acc[d] * inv; } { const d = 26u; out[at * DV + d] = acc[d] * inv; } { const d = 27u; out[at * DV + d] = acc[d] * inv; } { const d = 28u; out[at * DV + d] = acc[d] * inv; } { const d = 29u; out[at * DV + d] = acc[d] * inv; } { const d = 30u; out[at * DV + d] = acc[d] * inv; } { const d = 31u; out[at * DV + d] = acc[d] * inv; } { const d = 32u; out[at * DV + d] = acc[d] * inv; } { const d = 33u; out[at * DV + d] = acc[d] * inv; } { const d = 34u; out[at * DV + d] = acc[d] * inv; } { const d = 35u; out[at * DV + d] = acc[d] * inv; } { const d = 36u; out[at * DV + d] = acc[d] * inv; } { const d = 37u; out[at * DV + d] = acc[d] * inv; } { const d = 38u; out[at * DV + d] = acc[d] * inv; } { const d = 39u; out[at * DV + d] = acc[d] * inv; } { const d = 40u; out[at * DV + d] = acc[d] * inv; } { const d = 41u; out[at * DV + d] = acc[d] * inv; } { const d = 42u; out[at * DV + d] = acc[d] * inv; } { const d = 43u; out[at * DV + d] = acc[d] * inv; } { const d = 44u; out[at * DV + d] = acc[d] * inv; } { const d = 45u; out[at * DV + d] = acc[d] * inv; } { const d = 46u; out[at * DV + d] = acc[d] * inv; } { const d = 47u; out[at * DV + d] = acc[d] * inv; } { const d = 48u; out[at * DV + d] = acc[d] * inv; } { const d = 49u; out[at * DV + d] = acc[d] * inv; } { const d = 50u; out[at * DV + d] = acc[d] * inv; } { const d = 51u; out[at * DV + d] = acc[d] * inv; } { const d = 52u; out[at * DV + d] = acc[d] * inv; } { const d = 53u; out[at * DV + d] = acc[d] * inv; } { const d = 54u; out[at * DV + d] = acc[d] * inv; } { const d = 55u; out[at * DV + d] = acc[d] * inv; } { const d = 56u; out[at * DV + d] = acc[d] * inv; } { const d = 57u; out[at * DV + d] = acc[d] * inv; } { const d = 58u; out[at * DV + d] = acc[d] * inv; } { const d = 59u; out[at * DV + d] = acc[d] * inv; } { const d = 60u; out[at * DV + d] = acc[d] * inv; } { const d = 61u; out[at * DV + d] = acc[d] * inv; } { const d = 62u; out[at * DV + d] = acc[d] * inv; } { const d = 63u; out[at * DV + d] = acc[d] * inv; } }
-    var x = -bx_inf();
-    if l > 0.0f { x = m + log(l); }
-    if VARIANT_SIGMOID { x = 0.0f; }
-    lse[at] = x;
+    lse[at] = weights_lse(m, l);
 }
 
 // The weight in P·V of a pair with score s (-inf where hidden) in a row
-// whose running max is m_ref: e^(s - m_ref), added to the row's sum l, or
-// sigmoid(s); times the pair's dropout factor (0 or 1/(1 - p)).
-fn pair_weight(s: f32, m_ref: f32, l: ptr<function, f32>, ib: i32, ih: i32, qp: i32, kp: i32) -> f32 {
-    var p = exp(s - m_ref);
-    if VARIANT_SIGMOID { p = select(1.0f / (1.0f + exp(-s)), 0.0f, bx_is_neg_inf(s)); }
+// whose running max is m (weights_pair), added to the row's sum l, then
+// times the pair's dropout factor (0 or 1/(1 - p); 1 without dropout).
+fn pair_weight(s: f32, m: f32, l: ptr<function, f32>, ib: i32, ih: i32, qp: i32, kp: i32) -> f32 {
+    let p = weights_pair(s, m);
     *l += p;
-    if VARIANT_DROPOUT { p *= variant_dropout(ib, ih, qp, kp); }
-    return p;
+    return p * variant_dropout(ib, ih, qp, kp);
 }
 
 // K and V rows k0 .. k0 + BKV of kv head h_kv of sequence b (zeros from its

@@ -69,6 +69,7 @@ typedef elem_t kv_t;
 // ---- IR semantics helpers ----
 __device__ __forceinline__ float bx_inf() { return __int_as_float(0x7f800000); }
 __device__ __forceinline__ float bx_nan() { return __int_as_float(0x7fc00000); }
+__device__ __forceinline__ bool bx_is_neg_inf(float x) { return x == __int_as_float(0xff800000); }
 __device__ __forceinline__ int bx_add_i32(int a, int b) { return (int)((unsigned)a + (unsigned)b); }
 __device__ __forceinline__ int bx_sub_i32(int a, int b) { return (int)((unsigned)a - (unsigned)b); }
 __device__ __forceinline__ int bx_mul_i32(int a, int b) { return (int)((unsigned)a * (unsigned)b); }
@@ -185,8 +186,30 @@ __device__ __forceinline__ void bx_learn_score(const Params& params, unsigned* _
 }
 __device__ __forceinline__ void bx_learn_sink(const Params& params, unsigned* __restrict__ captures, float dz, int b, int h, int q) {
 }
-constexpr bool VARIANT_SIGMOID = false;
-constexpr bool VARIANT_DROPOUT = false;
+__device__ __forceinline__ float weights_start(float sink) {
+    return (bx_is_neg_inf(sink) ? 0.0f : 1.0f);
+}
+__device__ __forceinline__ float weights_rescale(float m_old, float m_new) {
+    return (bx_is_neg_inf(m_new) ? 1.0f : expf(__fsub_rn(m_old, m_new)));
+}
+__device__ __forceinline__ float weights_pair(float s, float m) {
+    return (bx_is_neg_inf(m) ? 0.0f : expf(__fsub_rn(s, m)));
+}
+__device__ __forceinline__ float weights_scale(float l) {
+    return ((l > 0.0f) ? __fdiv_rn(1.0f, l) : 0.0f);
+}
+__device__ __forceinline__ float weights_lse(float m, float l) {
+    return ((l > 0.0f) ? __fadd_rn(m, logf(l)) : __int_as_float((-8388608)));
+}
+__device__ __forceinline__ float weights_merge(float lse, float m) {
+    return (bx_is_neg_inf(m) ? 0.0f : expf(__fsub_rn(lse, m)));
+}
+__device__ __forceinline__ float weights_prob(float s, float lse) {
+    return expf(__fsub_rn(s, lse));
+}
+__device__ __forceinline__ float weights_dz(float p, float dpz, float delta) {
+    return __fmul_rn(p, __fsub_rn(dpz, delta));
+}
 __device__ __forceinline__ float variant_dropout(const Params& params, int b, int h, int q, int kv) {
     (void)params; (void)b; (void)h; (void)q; (void)kv;
     return 1.0f;
@@ -552,66 +575,41 @@ __device__ __forceinline__ size_t bx_kv_scale_at(const unsigned* __restrict__ ca
 }
 #endif
 
-// Online softmax over one tile of scores, one warp per row: turns scores
-// into probabilities exp(s - m_new) (in S, and as 16-bit in P on tensor
-// cores), updates the running max and sum, and leaves each row's rescale
-// factor exp(m_old - m_new) in row_a. A row with nothing visible yet keeps
-// m = -inf, sum 0, and gets P = 0 (never exp(-inf - -inf) = NaN). Over an
-// fp8 cache, column j of P (the operand of P·V, not the sum) is scaled by
-// vf[j], its key's V factor. With dropout, P's columns (not the sum) carry
-// each pair's factor, 0 or 1/(1 - p). With sigmoid weights there are no row
-// statistics: P = sigmoid(s), 0 where hidden, and row_a = 1. Row i is
-// packed row r0 + i: query head h0 + (r0 + i) / seq_q at position
-// (r0 + i) % seq_q + offset; column j is key k0 + j.
-__device__ __forceinline__ void bx_online_softmax(float* S, elem_t* P, float* row_m, float* row_l, float* row_a,
-                                                  const float* vf, const Params& params, int b, int h0, int r0,
-                                                  int seq_q, int offset, int k0) {
+// One tile of scores becomes weights, one warp per row (the normalisation's
+// functions, `weights_*`): each row's running max moves to the tile's, the
+// scores become unnormalised weights (in S, and as 16-bit in P on tensor
+// cores), the running sum takes them, and row_a gets the factor the output
+// accumulator is rescaled by. Column j of P (the operand of P·V, never the
+// sum) carries its pair's dropout factor and, over an fp8 cache, its key's
+// V factor vf[j]. Row i is packed row r0 + i: query head h0 + (r0 + i) /
+// seq_q at position (r0 + i) % seq_q + offset; column j is key k0 + j.
+__device__ __forceinline__ void bx_tile_weights(float* S, elem_t* P, float* row_m, float* row_l, float* row_a,
+                                                const float* vf, const Params& params, int b, int h0, int r0,
+                                                int seq_q, int offset, int k0) {
     (void)vf;
     const int lane = threadIdx.x & 31;
     for (int i = threadIdx.x >> 5; i < BQ; i += FWD_THREADS / 32) {
         float* s = S + i * FWD_LDS;
         const int h = h0 + (r0 + i) / seq_q;
         const int qp = (r0 + i) % seq_q + offset;
-        if (VARIANT_SIGMOID) {
-            for (int j = lane; j < BKV; j += 32) {
-                float pv = s[j] == bx_neg_inf() ? 0.0f : 1.0f / (1.0f + expf(-s[j]));
-                if (VARIANT_DROPOUT) pv *= variant_dropout(params, b, h, qp, k0 + j);
-#if BX_KV_FP8
-                pv *= vf[j];
-#endif
-                s[j] = pv;
-                if (BX_MMA) P[i * FWD_LDP + j] = bx_from_f32(pv);
-            }
-            if (lane == 0) row_a[i] = 1.0f;
-            continue;
-        }
         float mx = bx_neg_inf();
         for (int j = lane; j < BKV; j += 32) mx = fmaxf(mx, s[j]);
         mx = bx_warp_max(mx);
         const float m_old = row_m[i];
         const float m_new = fmaxf(m_old, mx);
-        float alpha = 1.0f;
+        const float alpha = weights_rescale(m_old, m_new);
         float sum = 0.0f;
-        if (m_new == bx_neg_inf()) {
-            for (int j = lane; j < BKV; j += 32) {
-                s[j] = 0.0f;
-                if (BX_MMA) P[i * FWD_LDP + j] = (elem_t)0;
-            }
-        } else {
-            alpha = expf(m_old - m_new);
-            for (int j = lane; j < BKV; j += 32) {
-                const float p = expf(s[j] - m_new);
-                sum += p;
-                float pv = p;
-                if (VARIANT_DROPOUT) pv *= variant_dropout(params, b, h, qp, k0 + j);
+        for (int j = lane; j < BKV; j += 32) {
+            const float p = weights_pair(s[j], m_new);
+            sum += p;
+            float pv = p * variant_dropout(params, b, h, qp, k0 + j);
 #if BX_KV_FP8
-                pv *= vf[j];
+            pv *= vf[j];
 #endif
-                s[j] = pv;
-                if (BX_MMA) P[i * FWD_LDP + j] = bx_from_f32(pv);
-            }
-            sum = bx_warp_sum(sum);
+            s[j] = pv;
+            if (BX_MMA) P[i * FWD_LDP + j] = bx_from_f32(pv);
         }
+        sum = bx_warp_sum(sum);
         if (lane == 0) {
             row_m[i] = m_new;
             row_l[i] = row_l[i] * alpha + sum;
@@ -702,7 +700,7 @@ boostr_attn_fwd(
             ? variant_sink(params, captures, b, hk * g + r / seq_q, r % seq_q + offset, r0 + i < packed)
             : bx_neg_inf();
         row_m[i] = sink;
-        row_l[i] = sink == bx_neg_inf() ? 0.0f : 1.0f;
+        row_l[i] = weights_start(sink);
     }
     BxAcc<BQ, FWD_THREADS, BxRowDV> acc; // out, DV wide
     acc.zero();
@@ -770,27 +768,22 @@ boostr_attn_fwd(
         }
         __syncthreads();
         if (cls != TILE_FULL) bx_zero_unseen<BKV, FWD_THREADS, BxRowDV>(sV, s_seen); // read after the softmax's barrier
-        bx_online_softmax(sS, sP, row_m, row_l, row_a, s_vf, params, b, hk * g, r0, seq_q, offset, k0);
+        bx_tile_weights(sS, sP, row_m, row_l, row_a, s_vf, params, b, hk * g, r0, seq_q, offset, k0);
         __syncthreads();
         acc.scale_rows(row_a);
         acc.template add<BKV, LDPA, 1>(sP, sV);
     }
     __syncthreads();
-    // out = acc / l; lse = m + log(l); a row with nothing visible (in this
-    // split): 0 and -inf. Split s writes rows s·B·Hq·Sq + row of split_out
-    // and split_lse (f32), for boostr_attn_fwd_merge.
+    // out = acc · weights_scale(l) and its lse (a softmax: acc / l, m +
+    // log(l); a row with nothing visible in this split: 0 and -inf). Split
+    // s writes rows s·B·Hq·Sq + row of split_out and split_lse (f32), for
+    // boostr_attn_fwd_merge.
     const size_t at = n_split > 1 ? (size_t)split * ((size_t)batch * heads_q * seq_q) + q_row0 : q_row0;
     float* lse_dst = n_split > 1 ? split_lse : lse;
     for (int i = threadIdx.x; i < BQ; i += FWD_THREADS) {
         const float l = row_l[i];
-        if (VARIANT_SIGMOID) {
-            // No normalisation and no lse (documented as 0).
-            row_a[i] = 1.0f;
-            if (r0 + i < packed) lse_dst[at + i] = 0.0f;
-            continue;
-        }
-        row_a[i] = l > 0.0f ? 1.0f / l : 0.0f;
-        if (r0 + i < packed) lse_dst[at + i] = l > 0.0f ? row_m[i] + logf(l) : bx_neg_inf();
+        row_a[i] = weights_scale(l);
+        if (r0 + i < packed) lse_dst[at + i] = weights_lse(row_m[i], l);
     }
     __syncthreads();
     if (n_split > 1) {
@@ -815,23 +808,22 @@ boostr_attn_fwd_merge(
     if (row >= rows) return; // whole warps leave together
     const int lane = threadIdx.x & 31;
     const int n = splits > 1 ? splits : 1;
-    // out = Σ_s out_s·e^(lse_s − m) / Σ_s e^(lse_s − m), lse = m + log Σ_s e^(lse_s − m),
+    // out = Σ_s out_s·w_s · weights_scale(Σ_s w_s), w_s = weights_merge(lse_s, m)
+    // (a softmax: e^(lse_s − m), m the largest lse), lse = weights_lse(m, Σ_s w_s),
     // in split order (the same bits on every run). A split that sees nothing
-    // has lse -inf (weight 0) and out 0.
+    // has out 0 (and, a softmax, lse -inf: weight 0).
     float m = bx_neg_inf();
     for (int s = 0; s < n; ++s) m = fmaxf(m, split_lse[(size_t)s * rows + row]);
     float l = 0.0f;
-    if (m != bx_neg_inf())
-        for (int s = 0; s < n; ++s) l += expf(split_lse[(size_t)s * rows + row] - m);
-    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int s = 0; s < n; ++s) l += weights_merge(split_lse[(size_t)s * rows + row], m);
+    const float inv = weights_scale(l);
     for (int d = lane; d < DV; d += 32) {
         float acc = 0.0f;
-        if (m != bx_neg_inf())
-            for (int s = 0; s < n; ++s) {
-                const size_t at = (size_t)s * rows + row;
-                acc = fmaf(expf(split_lse[at] - m), split_out[at * DV + d], acc);
-            }
+        for (int s = 0; s < n; ++s) {
+            const size_t at = (size_t)s * rows + row;
+            acc = fmaf(weights_merge(split_lse[at], m), split_out[at * DV + d], acc);
+        }
         bx_put(out + (size_t)row * DV + d, acc * inv);
     }
-    if (lane == 0) lse[row] = l > 0.0f ? m + logf(l) : bx_neg_inf();
+    if (lane == 0) lse[row] = weights_lse(m, l);
 }
