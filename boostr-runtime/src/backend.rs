@@ -133,20 +133,6 @@ impl<'a, R: Runtime> KeyLayout<'a, R> {
             Self::Paged(..) => "a paged KV cache",
         }
     }
-
-    /// The lengths of a layout whose keys sit in place (dense or a cache):
-    /// what the backward kernels read. A paged layout is
-    /// [`Error::LayoutUnsupported`](crate::Error::LayoutUnsupported) on
-    /// `backend`.
-    pub fn unpaged(&self, backend: &'static str) -> Result<Option<CacheLengths<'a, R>>> {
-        match self {
-            Self::Paged(..) => Err(crate::Error::LayoutUnsupported {
-                backend,
-                layout: "a paged KV cache (in the backward)",
-            }),
-            _ => Ok(self.lengths()),
-        }
-    }
 }
 
 /// What the backward returns: the gradients of the loss with respect to
@@ -170,11 +156,11 @@ pub struct AttentionGrads<R: Runtime> {
 pub struct BackwardTensors<'a, R: Runtime> {
     /// `q [B, Hq, Sq, D]`.
     pub q: &'a Tensor<R>,
-    /// The keys and values, dense or a KV cache: over a cache, `k, v` (and
-    /// `dk, dv`) hold `Sk` slots per sequence, of which sequence `b` has
-    /// `lengths.host[b]`; spare slots get zero gradients. A paged layout,
-    /// or a cache on a backend without a cache backward, is
-    /// [`Error::LayoutUnsupported`](crate::Error::LayoutUnsupported).
+    /// The keys and values, in any layout: over a cache, `k, v` (and `dk,
+    /// dv`) hold `Sk` slots per sequence, of which sequence `b` has
+    /// `lengths.host[b]`, and spare slots get zero gradients; over pages,
+    /// `dk, dv` are shaped as the pages, each page's gradient the sum of
+    /// its readers'.
     pub keys: Keys<'a, R>,
     /// The forward's `out [B, Hq, Sq, Dv]`.
     pub out: &'a Tensor<R>,

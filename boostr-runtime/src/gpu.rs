@@ -245,8 +245,8 @@ impl<R: Runtime<DType = DType>> ArenaPlan<R> {
 const GRAD_MAX_SUM: f64 = 1_073_741_824.0;
 
 /// The tensors every GPU backward reads, each checked and made contiguous
-/// by the backend's `input` (`lse`: f32); a paged layout is an `Err`.
-/// (`out` is left to the backends that read it.)
+/// by the backend's `input` (`lse`: f32; `k` and `v` as the keys are laid
+/// out, pages included). (`out` is left to the backends that read it.)
 pub(crate) struct BackwardOperands<R: Runtime> {
     pub(crate) q: Tensor<R>,
     pub(crate) k: Tensor<R>,
@@ -261,7 +261,6 @@ impl<R: Runtime<DType = DType>> BackwardOperands<R> {
         backend: &'static str,
         input: impl Fn(&'static str, &Tensor<R>) -> Result<Tensor<R>>,
     ) -> Result<Self> {
-        t.keys.layout.unpaged(backend)?;
         crate::validate::check_dtype("lse", t.lse, backend, &[DType::F32], "f32")?;
         Ok(Self {
             q: input("q", t.q)?,
@@ -271,6 +270,74 @@ impl<R: Runtime<DType = DType>> BackwardOperands<R> {
             lse: t.lse.contiguous()?,
         })
     }
+}
+
+/// The gradient of a paged cache's pages (`[pages, Hkv, page_size, dim]`)
+/// from that of its sequences' slots (`slots`, `[B, Hkv, Sk, dim]`, as the
+/// backward kernels write it): each page's row is the sum, in sequence
+/// order, of the slot rows that read it (a page shared by several
+/// sequences gets all of theirs), zero where no sequence's length reaches
+/// it. `slots` itself for keys in place. Gathers only (numr's
+/// `index_select`, one per sequence that shares a page): the same bits on
+/// every run.
+pub(crate) fn fold_pages<R: Runtime<DType = DType>>(
+    slots: Tensor<R>,
+    p: &Problem,
+    layout: &KeyLayout<'_, R>,
+    pages: usize,
+) -> Result<Tensor<R>>
+where
+    R::Client: numr::ops::IndexingOps<R>
+        + numr::ops::BinaryOps<R>
+        + numr::ops::ShapeOps<R>
+        + numr::ops::UtilityOps<R>,
+{
+    let (Some(lens), Some(table)) = (layout.lengths(), layout.pages()) else {
+        return Ok(slots);
+    };
+    let dim = slots.shape()[3];
+    let (h, ps, sk) = (p.heads_kv, table.page_size, p.seq_k);
+    let max_pages = sk / ps.max(1);
+    let slot_rows = p.batch * h * sk;
+    // Each page's readers (sequence, logical page), in sequence order.
+    let mut readers: Vec<Vec<(usize, usize)>> = vec![Vec::new(); pages];
+    for (b, &len) in lens.host.iter().enumerate() {
+        for lp in 0..len.div_ceil(ps.max(1)) {
+            readers[table.host[b * max_pages + lp]].push((b, lp));
+        }
+    }
+    let depth = readers.iter().map(Vec::len).max().unwrap_or(0);
+    let device = slots.device().clone();
+    // The slot rows and one zero row, which every page row without a
+    // reader gathers.
+    let zero = Tensor::<R>::zeros(&[1, dim], slots.dtype(), &device)?;
+    let rows = Tensor::cat(&[&slots.reshape(&[slot_rows, dim])?, &zero], 0)?;
+    let page_rows = pages * h * ps;
+    let mut out: Option<Tensor<R>> = None;
+    for r in 0..depth.max(1) {
+        let mut index = vec![slot_rows as i32; page_rows];
+        for (page, readers) in readers.iter().enumerate() {
+            let Some(&(b, lp)) = readers.get(r) else {
+                continue;
+            };
+            for hh in 0..h {
+                for slot in 0..ps {
+                    let j = lp * ps + slot;
+                    if j < lens.host[b] {
+                        index[(page * h + hh) * ps + slot] = ((b * h + hh) * sk + j) as i32;
+                    }
+                }
+            }
+        }
+        let index = Tensor::<R>::from_slice(&index, &[page_rows], &device)?;
+        let gathered = rows.index_select(0, &index)?;
+        out = Some(match out {
+            None => gathered,
+            Some(acc) => acc.add(&gathered)?,
+        });
+    }
+    let out = out.expect("one gather at least");
+    Ok(out.reshape(&[pages, h, ps, dim])?)
 }
 
 /// Whether a backward computes the gradient of some learnable tensor.

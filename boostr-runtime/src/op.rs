@@ -174,6 +174,62 @@ pub struct PagedKvCache<'a, R: numr::runtime::Runtime> {
     pub scales: Option<KvScales<'a, R>>,
 }
 
+impl<'a, R: numr::runtime::Runtime> PagedKvCache<'a, R> {
+    /// The problem of `q` against these pages, with the values of the
+    /// lengths and of the page table (each checked against the pages).
+    fn validate(&self, q: &Tensor<R>, scale: Option<f32>) -> Result<PagedHost>
+    where
+        R: numr::runtime::Runtime<DType = numr::dtype::DType>,
+    {
+        let (problem, page_size) =
+            validate::paged_problem(q, self.k_pages, self.v_pages, self.page_table, scale)?;
+        let lengths = validate::cache_lengths(self.lengths, &problem)?;
+        let pages = self.k_pages.shape()[0];
+        let table = validate::page_table(self.page_table, &lengths, page_size, pages)?;
+        Ok(PagedHost {
+            problem,
+            page_size,
+            pages,
+            lengths,
+            table,
+        })
+    }
+
+    /// The pages as a call's keys, with the lengths' and page table's
+    /// values in `host`.
+    fn keys<'k>(&self, host: &'k PagedHost, scales: Option<CacheScales<'k>>) -> Keys<'k, R>
+    where
+        'a: 'k,
+    {
+        let layout = KeyLayout::Paged(
+            CacheLengths {
+                tensor: self.lengths,
+                host: &host.lengths,
+            },
+            PageTable {
+                tensor: self.page_table,
+                host: &host.table,
+                page_size: host.page_size,
+            },
+        );
+        Keys {
+            k: self.k_pages,
+            v: self.v_pages,
+            layout,
+            scales,
+        }
+    }
+}
+
+/// A paged call's problem, and its lengths and page table on the host.
+struct PagedHost {
+    problem: Problem,
+    page_size: usize,
+    pages: usize,
+    lengths: Vec<usize>,
+    table: Vec<usize>,
+}
+
 /// Fused attention forward over a paged KV cache: as
 /// [`attention_fwd_cache`] with the keys gathered through the page table,
 /// in place (`kv` is the logical position, so every variant works
@@ -186,41 +242,55 @@ pub fn attention_fwd_paged<V: Variant, R: AttentionRuntime>(
     cache: &PagedKvCache<'_, R>,
     opts: &AttentionOptions,
 ) -> Result<(Tensor<R>, Tensor<R>)> {
-    let (problem, page_size) = validate::paged_problem(
-        q,
-        cache.k_pages,
-        cache.v_pages,
-        cache.page_table,
-        opts.scale,
-    )?;
-    let lengths = validate::cache_lengths(cache.lengths, &problem)?;
-    let pages = cache.k_pages.shape()[0];
-    let table = validate::page_table(cache.page_table, &lengths, page_size, pages)?;
-    let layout = KeyLayout::Paged(
-        CacheLengths {
-            tensor: cache.lengths,
-            host: &lengths,
-        },
-        PageTable {
-            tensor: cache.page_table,
-            host: &table,
-            page_size,
-        },
-    );
+    let host = cache.validate(q, opts.scale)?;
+    let problem = validate::call(variant, host.problem, opts)?;
     let (k, v) = (cache.k_pages, cache.v_pages);
-    let scales = validate::cache_scales(k, v, cache.scales, Some(pages))?;
+    let scales = validate::cache_scales(k, v, cache.scales, Some(host.pages))?;
     let scales = scales.as_ref().map(|(k, v)| CacheScales { k, v });
-    R::attention_forward(
-        variant,
-        &problem,
-        q,
-        Keys {
-            k,
-            v,
-            layout,
-            scales,
-        },
-    )
+    R::attention_forward(variant, &problem, q, cache.keys(&host, scales))
+}
+
+/// The backward of [`attention_fwd_paged`]: `(dq, dk, dv)` given its `out`
+/// and `lse`, with `dk` and `dv` shaped as the pages (`[pages, Hkv,
+/// page_size, D]` and `[.., Dv]`). A page's gradient is the sum, in
+/// sequence order, of the gradients of the keys that read it: a page that
+/// several sequences share (a common prefix) gets all of theirs, and one
+/// that no sequence's length reaches gets zeros. For training on sequences
+/// that live in a paged cache, every variant, on every backend.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd_paged<V: Variant, R: AttentionRuntime>(
+    variant: &V,
+    dout: &Tensor<R>,
+    q: &Tensor<R>,
+    cache: &PagedKvCache<'_, R>,
+    out: &Tensor<R>,
+    lse: &Tensor<R>,
+    opts: &AttentionOptions,
+) -> Result<(Tensor<R>, Tensor<R>, Tensor<R>)> {
+    let host = cache.validate(q, opts.scale)?;
+    let problem = validate::call(variant, host.problem, opts)?;
+    let (k, v) = (cache.k_pages, cache.v_pages);
+    no_fp8_backward(validate::cache_scales(
+        k,
+        v,
+        cache.scales,
+        Some(host.pages),
+    )?)?;
+    let keys = cache.keys(&host, None);
+    let g = backward(variant, &problem, [dout, q, out, lse], keys, &[])?;
+    Ok((g.dq, g.dk, g.dv))
+}
+
+/// The backward of an fp8 cache (with `scales`) is an error.
+fn no_fp8_backward<T>(scales: Option<T>) -> Result<()> {
+    match scales {
+        Some(_) => Err(crate::Error::CacheScales {
+            rule: "the backward reads keys and values in q's dtype (fp8 caches are for \
+                   inference)",
+            got: "an fp8 cache with its scales".to_string(),
+        }),
+        None => Ok(()),
+    }
 }
 
 /// Fused attention backward: returns `(dq, dk, dv)` given the forward's
@@ -328,12 +398,12 @@ pub fn attention_bwd_cache<V: Variant, R: AttentionRuntime>(
         opts,
     )?;
     let host = validate::cache_lengths(cache.lengths, &problem)?;
-    if validate::cache_scales(cache.k, cache.v, cache.scales, None)?.is_some() {
-        return Err(crate::Error::LayoutUnsupported {
-            backend: "every",
-            layout: "an fp8 KV cache in the backward (fp8 caches are for inference)",
-        });
-    }
+    no_fp8_backward(validate::cache_scales(
+        cache.k,
+        cache.v,
+        cache.scales,
+        None,
+    )?)?;
     let keys = cache.keys(&host, None);
     let g = backward(variant, &problem, [dout, q, out, lse], keys, &[])?;
     Ok((g.dq, g.dk, g.dv))

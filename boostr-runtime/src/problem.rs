@@ -50,14 +50,6 @@ pub struct Dropout {
     pub seed: u64,
     /// The call's offset, the counter's last word.
     pub offset: u32,
-    /// What the call's query positions are behind those the draw is keyed
-    /// by: a call that is a window of a longer sequence (ring attention)
-    /// draws at the whole sequence's positions, the same pairs as one
-    /// device. 0 for a whole call.
-    pub q_shift: i32,
-    /// What the call's key positions are behind those the draw is keyed
-    /// by (see [`q_shift`](Dropout::q_shift)).
-    pub kv_shift: i32,
 }
 
 impl Dropout {
@@ -67,8 +59,6 @@ impl Dropout {
         scale_bits: 0x3f80_0000,
         seed: 0,
         offset: 0,
-        q_shift: 0,
-        kv_shift: 0,
     };
 
     /// Probability `p` with `seed` and `offset`; `None` for a `p` outside
@@ -79,19 +69,7 @@ impl Dropout {
             scale_bits: kernels_spec::dropout::keep_scale(p).to_bits(),
             seed,
             offset,
-            q_shift: 0,
-            kv_shift: 0,
         })
-    }
-
-    /// The draw of a window of the call's sequence whose query and key
-    /// positions are `q_shift` and `kv_shift` behind the sequence's.
-    pub fn shifted(self, q_shift: i32, kv_shift: i32) -> Dropout {
-        Dropout {
-            q_shift: self.q_shift + q_shift,
-            kv_shift: self.kv_shift + kv_shift,
-            ..self
-        }
     }
 
     /// Some pair may be dropped (`p > 0`).
@@ -105,11 +83,8 @@ impl Dropout {
     }
 
     /// The words the GPU kernels read at the end of the parameter block
-    /// ([`kernels_spec::dropout::Word`]). The GPU kernels draw at each
-    /// call's own positions: a shifted draw never reaches them
-    /// (`AttentionRuntime::GLOBAL_POSITIONS`).
+    /// ([`kernels_spec::dropout::Word`]).
     pub fn words(&self) -> [u32; kernels_spec::dropout::DROPOUT_WORDS] {
-        debug_assert_eq!((self.q_shift, self.kv_shift), (0, 0), "an unshifted draw");
         [
             self.threshold,
             self.scale_bits,

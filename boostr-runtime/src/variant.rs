@@ -210,6 +210,18 @@ pub trait HostVariant: Send + Sync {
     /// `mask` evaluated with f64 arithmetic, for the reference implementation.
     fn mask_f64(&self, b: i32, h: i32, q: i32, kv: i32) -> bool;
 
+    /// What the positions the kernels count in sequence `b` (query row `i`
+    /// at `i + Sk − Sq`, key `j` at `j`) are behind those the variant's
+    /// functions see: `(0, 0)`, but for a call that reads a KV cache (each
+    /// sequence's rows at its own length) or is a window of a longer
+    /// sequence (ring attention), whose variant shifts every position it is
+    /// given. The dropout draw is keyed by the shifted positions, so that a
+    /// pair drops alike however it is reached.
+    fn position_shift(&self, b: i32) -> (i32, i32) {
+        let _ = b;
+        (0, 0)
+    }
+
     /// The sink logit of query `q`'s row in batch `b`, query head `h`; `-inf`
     /// for none. It joins the row's softmax denominator (and its `lse`) and
     /// contributes no value, so a row that sees no key has `out = 0` and

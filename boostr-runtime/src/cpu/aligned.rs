@@ -57,6 +57,8 @@ unsafe impl Plain for f32 {}
 unsafe impl Plain for u16 {}
 // SAFETY: as above.
 unsafe impl Plain for u32 {}
+// SAFETY: a 16-bit float: every bit pattern is a value.
+unsafe impl Plain for half::bf16 {}
 
 /// One allocation: `bytes` bytes at `ptr`, aligned to [`ALIGN`].
 struct Block {

@@ -544,7 +544,7 @@ fn step<V: HostVariant>(
     // With dropout, the weights the forward's `P V` used, `P Z`, and `dP`
     // takes `Z` too (as in the f32 backward).
     let draw = if V::WEIGHTS.dropout {
-        Draw::new(p, b, h)
+        Draw::new(p, sh.variant, b, h)
     } else {
         None
     };

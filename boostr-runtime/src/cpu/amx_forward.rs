@@ -34,6 +34,7 @@ use super::aligned::Aligned;
 use super::amx::{self, Kind, Products};
 use super::elem::Stored;
 use super::forward::{Head, OnlineSoftmax, finish_rows, start_rows};
+use super::keys::KeyRows;
 use super::operand::{Operand, Rows};
 use super::par::ForEachDyn as _;
 use super::{Band, Positions, math, simd, tile_class};
@@ -86,11 +87,27 @@ pub(super) fn dims(p: &Problem) -> Dims {
 }
 
 /// [`pack`] for every kv head, in parallel (not generic over the variant,
-/// so its loop is compiled once).
-fn pack_heads(p: &Problem, k: Operand<'_>, v: Operand<'_>, dims: Dims) -> Vec<Packed> {
+/// so its loop is compiled once). Pages are gathered into their
+/// sequence's slots first (zeros past its length).
+fn pack_heads(p: &Problem, keys: KeyRows<'_>, dims: Dims) -> Vec<Packed> {
+    let ((d, _), (dv, _)) = dims;
     (0..p.batch * p.heads_kv)
         .into_par_iter()
-        .map(|bkv| pack(k.head(bkv), v.head(bkv), dims))
+        .map(|bkv| {
+            let (b, hkv) = (bkv / p.heads_kv, bkv % p.heads_kv);
+            if let Some((k, v)) = keys.head(b, hkv) {
+                return pack(k, v, dims);
+            }
+            let (mut k, mut v) = (vec![0u16; p.seq_k * d], vec![0u16; p.seq_k * dv]);
+            keys.gather_head(b, hkv, (&mut k, &mut v), |x, dst| {
+                dst.copy_from_slice(bits(x));
+            });
+            pack(
+                Rows::packed(Stored::Bf16(&k), d),
+                Rows::packed(Stored::Bf16(&v), dv),
+                dims,
+            )
+        })
         .collect()
 }
 
@@ -265,8 +282,7 @@ pub(super) fn forward<V: HostVariant>(
     variant: &V,
     p: &Problem,
     q: Operand<'_>,
-    k: Operand<'_>,
-    v: Operand<'_>,
+    keys: KeyRows<'_>,
     out: &mut [f32],
     lse: &mut [f32],
 ) {
@@ -275,7 +291,7 @@ pub(super) fn forward<V: HostVariant>(
     let (sq, sk, g) = (p.seq_q, p.seq_k, p.group());
     let sizes @ ((_, dp), (dv, dvp)) = dims(p);
     let pos = Positions::new(p);
-    let packed = pack_heads(p, k, v, sizes);
+    let packed = pack_heads(p, keys, sizes);
     let heads: Vec<Head<'_, V>> = (0..p.batch * p.heads_q)
         .map(|bh| Head {
             variant,

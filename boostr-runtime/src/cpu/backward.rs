@@ -627,7 +627,7 @@ fn query_tile<V: HostVariant>(
     // With dropout, the weights the forward's `P V` used, `P Z` (`Z` the
     // pairs' factors, 0 or `1/(1 − p)`), and `dP` takes `Z` too.
     let draw = if V::WEIGHTS.dropout {
-        Draw::new(p, b, h)
+        Draw::new(p, variant, b, h)
     } else {
         None
     };

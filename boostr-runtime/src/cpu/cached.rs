@@ -13,7 +13,7 @@ use crate::variant::{HostVariant, TileClass};
 
 /// `inner` over a KV cache of `Sk` slots per sequence, of which sequence
 /// `b` holds `len[b]`.
-pub(super) struct Cached<'a, V> {
+pub(crate) struct Cached<'a, V> {
     inner: &'a V,
     /// Per sequence, `Sk − len[b]`: what the kernels' positions are ahead.
     shift: Vec<i32>,
@@ -23,7 +23,7 @@ pub(super) struct Cached<'a, V> {
 
 impl<'a, V> Cached<'a, V> {
     /// `inner` over `p.batch` sequences of `lens` keys in `p.seq_k` slots.
-    pub(super) fn new(inner: &'a V, p: &crate::Problem, lens: &[usize]) -> Self {
+    pub(crate) fn new(inner: &'a V, p: &crate::Problem, lens: &[usize]) -> Self {
         assert_eq!(lens.len(), p.batch, "one length per sequence");
         let i32_of = |x: usize| i32::try_from(x).expect("lengths fit i32");
         Cached {
@@ -104,6 +104,11 @@ impl<V: HostVariant> HostVariant for Cached<'_, V> {
     fn mask_f64(&self, b: i32, h: i32, q: i32, kv: i32) -> bool {
         let (q, len) = self.at(b, q);
         kv < len && (!V::HAS_MASK || self.inner.mask_f64(b, h, q, kv))
+    }
+
+    fn position_shift(&self, b: i32) -> (i32, i32) {
+        let (dq, dkv) = self.inner.position_shift(b);
+        (dq - self.shift[b as usize], dkv)
     }
 
     fn sink(&self, b: i32, h: i32, q: i32) -> f32 {

@@ -40,8 +40,9 @@ use super::dropout::Draw;
 use super::elem::Stored;
 use super::gemm::{MatMut, MatRef, Write, matmul, transpose};
 use super::gemv;
+use super::keys::KeyRows;
 use super::math;
-use super::operand::{Operand, Rows};
+use super::operand::Rows;
 use super::par::ForEachDyn as _;
 use super::simd::{self, Elementwise};
 use super::tile::CpuTiles;
@@ -84,24 +85,6 @@ pub(super) fn chunks(p: &Problem, tiles: CpuTiles, threads: usize) -> usize {
     wanted.clamp(1, most)
 }
 
-/// Where the keys and values live, as stored.
-#[derive(Clone, Copy, Debug)]
-pub(super) enum Keys<'a> {
-    /// `k [B, Hkv, Sk, D]`, `v [B, Hkv, Sk, Dv]`.
-    Contiguous { k: Operand<'a>, v: Operand<'a> },
-    /// `k [pages, Hkv, page_size, D]`, `v [pages, Hkv, page_size, Dv]`;
-    /// logical key `j` of sequence `b` is slot `j % page_size` of page
-    /// `table[b · max_pages + j / page_size]` (every page a sequence's
-    /// length reaches is valid).
-    Paged {
-        k: Operand<'a>,
-        v: Operand<'a>,
-        table: &'a [usize],
-        max_pages: usize,
-        page_size: usize,
-    },
-}
-
 /// One task's partial result: per packed row its running max and sum, and
 /// its unnormalised output row.
 struct Partial<'a> {
@@ -111,19 +94,17 @@ struct Partial<'a> {
 }
 
 /// The forward for decode shapes, with the keys of each (batch, kv head)
-/// cut into `chunks` chunks of whole key tiles. With `lens`, sequence `b`
-/// has keys `0 .. lens[b]` of its `Sk` slots (a KV cache with spare
-/// capacity: the others are never read) and its query row `i` sits at
-/// position `i + lens[b] − Sq`; without, every sequence has `Sk` keys.
+/// cut into `chunks` chunks of whole key tiles. Sequence `b` has the keys
+/// `keys` gives it (a KV cache's spare slots are never read), and its
+/// query row `i` sits at position `i + len[b] − Sq`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn forward<V: HostVariant>(
     variant: &V,
     p: &Problem,
     tiles: CpuTiles,
     chunks: usize,
-    lens: Option<&[usize]>,
     q: &[f32],
-    keys: Keys<'_>,
+    keys: KeyRows<'_>,
     out: &mut [f32],
     lse: &mut [f32],
 ) {
@@ -131,7 +112,7 @@ pub(super) fn forward<V: HostVariant>(
     let (d, dv) = (p.head_dim, p.head_dim_v);
     let rows = g * sq;
     Positions::new(p);
-    let len = |b: usize| lens.map_or(sk, |l| l[b].min(sk));
+    let len = |b: usize| keys.len(b);
     let pos = |b: usize| Positions {
         q_offset: Positions::to_i32(len(b)) - Positions::to_i32(sq),
     };
@@ -245,39 +226,10 @@ struct Task<'a, V> {
     hkv: usize,
     /// The group's `R × D` query rows.
     q: &'a [f32],
-    keys: Keys<'a>,
+    keys: KeyRows<'a>,
 }
 
 impl<V: HostVariant> Task<'_, V> {
-    /// The keys and values `kv0 ..` of this task's (batch, kv head), at
-    /// most `cols` of them and never past a page.
-    fn run_of(&self, kv0: usize, cols: usize) -> (Rows<'_>, Rows<'_>) {
-        match self.keys {
-            Keys::Contiguous { k, v } => {
-                let keys = kv0..kv0 + cols;
-                (
-                    k.at(self.b, self.hkv).sub(keys.clone()),
-                    v.at(self.b, self.hkv).sub(keys),
-                )
-            }
-            Keys::Paged {
-                k,
-                v,
-                table,
-                max_pages,
-                page_size,
-            } => {
-                let (page, slot) = (kv0 / page_size, kv0 % page_size);
-                let slots = slot..slot + cols.min(page_size - slot);
-                let page = table[self.b * max_pages + page];
-                (
-                    k.at(page, self.hkv).sub(slots.clone()),
-                    v.at(page, self.hkv).sub(slots),
-                )
-            }
-        }
-    }
-
     /// The block of keys from `kv0` (at most a key tile, none past `end`)
     /// as runs of rows into `k` and `v`: for the matrix-vector products
     /// (`gemv`) across pages, else within one. Returns its keys.
@@ -294,7 +246,7 @@ impl<V: HostVariant> Task<'_, V> {
         let want = self.tiles.kv.min(end.saturating_sub(kv0));
         let mut cols = 0;
         while cols < want && k.len() < gemv::MAX_RUNS {
-            let (kr, vr) = self.run_of(kv0 + cols, want - cols);
+            let (kr, vr) = self.keys.run(self.b, self.hkv, kv0 + cols, want - cols);
             cols += kr.len();
             k.push(kr);
             v.push(vr);
@@ -504,7 +456,7 @@ impl<V: HostVariant> Elementwise for BlockSoftmax<'_, '_, V> {
             l[r] = w.weigh_row(row, m[r], l[r]);
             if w.dropout {
                 let h = Positions::to_i32(task.hkv * g + r / sq);
-                if let Some(draw) = Draw::new(task.p, b, h) {
+                if let Some(draw) = Draw::new(task.p, task.variant, b, h) {
                     let (qi, _) = task.pos.query_range(r % sq, 1);
                     draw.drop_row(qi, kv_lo, row);
                 }

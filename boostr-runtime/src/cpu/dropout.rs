@@ -8,6 +8,7 @@
 //! offset], seed)` is at least the call's threshold.
 
 use crate::problem::Problem;
+use crate::variant::HostVariant;
 use kernels_spec::dropout::{M0, M1, ROUNDS, W0, W1};
 
 /// Counters per block: sixteen lanes, 64 keys.
@@ -25,16 +26,16 @@ pub(super) struct Draw {
     threshold: u32,
     /// `1/(1 − p)`.
     pub(super) scale: f32,
-    /// What the call's query and key positions are behind those the draw
-    /// is keyed by ([`Dropout::q_shift`](crate::Dropout::q_shift)).
+    /// What the kernels' query and key positions are behind those the draw
+    /// is keyed by ([`HostVariant::position_shift`]).
     shift: (i32, i32),
 }
 
 impl Draw {
-    /// The draw of `(b, h)` under `p`'s dropout; `None` where it keeps
-    /// every pair (no dropout, or `p = 0`).
+    /// The draw of `(b, h)` of `variant` under `p`'s dropout; `None` where
+    /// it keeps every pair (no dropout, or `p = 0`).
     #[inline(always)]
-    pub(super) fn new(p: &Problem, b: i32, h: i32) -> Option<Draw> {
+    pub(super) fn new<V: HostVariant>(p: &Problem, variant: &V, b: i32, h: i32) -> Option<Draw> {
         let d = p.dropout;
         d.active().then(|| Draw {
             key: [d.seed as u32, (d.seed >> 32) as u32],
@@ -42,7 +43,7 @@ impl Draw {
             offset: d.offset,
             threshold: d.threshold,
             scale: d.scale(),
-            shift: (d.q_shift, d.kv_shift),
+            shift: variant.position_shift(b),
         })
     }
 
@@ -206,6 +207,7 @@ fn avx512() -> bool {
 mod tests {
     use super::*;
     use crate::problem::Dropout;
+    use crate::testing::fixtures::Unmasked as Plain;
     use crate::testing::reference::{keeps, philox4x32_10};
 
     /// Random123's known-answer vectors for Philox 4×32-10.
@@ -265,7 +267,7 @@ mod tests {
         let p = Problem::new(3, (5, 5), (7, 300), 8)
             .with_dropout(Dropout::new(0.3, 0xDEAD_BEEF_0123_4567, 9).unwrap());
         for (b, h, q) in [(0, 0, 0), (2, 4, 299), (1, 3, 17)] {
-            let draw = Draw::new(&p, b, h).unwrap();
+            let draw = Draw::new(&p, &Plain, b, h).unwrap();
             for kv_lo in [0, 1, 3, 61, 64, 130] {
                 let mut row = vec![1.0f32; 137];
                 draw.drop_row(q, kv_lo, &mut row);
@@ -287,7 +289,7 @@ mod tests {
                 Problem::new(2, (2, 2), (1, 1), 8).with_dropout(Dropout::new(prob, 42, 0).unwrap());
             let (mut kept, mut n) = (0u64, 0u64);
             for (b, h) in [(0, 0), (1, 1)] {
-                let draw = Draw::new(&p, b, h).unwrap();
+                let draw = Draw::new(&p, &Plain, b, h).unwrap();
                 for q in 0..500 {
                     let mut row = vec![1u8; 1000];
                     draw.drop_row(q, 0, &mut row);
@@ -309,7 +311,7 @@ mod tests {
         };
         let row = |p: &Problem, b, h, q| {
             let mut row = vec![1u8; 256];
-            Draw::new(p, b, h).unwrap().drop_row(q, 0, &mut row);
+            Draw::new(p, &Plain, b, h).unwrap().drop_row(q, 0, &mut row);
             row
         };
         let base = row(&p(0), 0, 0, 0);
@@ -321,6 +323,6 @@ mod tests {
         ] {
             assert_ne!(base, other);
         }
-        assert!(Draw::new(&Problem::new(1, (1, 1), (1, 1), 8), 0, 0).is_none());
+        assert!(Draw::new(&Problem::new(1, (1, 1), (1, 1), 8), &Plain, 0, 0).is_none());
     }
 }

@@ -23,6 +23,7 @@ use super::aligned::Aligned;
 use super::dropout::Draw;
 use super::elem::Stored;
 use super::gemm::{MatMut, MatRef, Write, matmul};
+use super::keys::KeyRows;
 use super::math;
 use super::operand::{Operand, Rows};
 use super::par::ForEachDyn as _;
@@ -174,13 +175,12 @@ pub(super) fn forward<V: HostVariant>(
     tiles: CpuTiles,
     group: usize,
     q: Operand<'_>,
-    k: Operand<'_>,
-    v: Operand<'_>,
+    keys: KeyRows<'_>,
     out: &mut [f32],
     lse: &mut [f32],
 ) {
     let (sq, sk, d, dv) = (p.seq_q, p.seq_k, p.head_dim, p.head_dim_v);
-    debug_assert_eq!((q.dim(), k.dim(), v.dim()), (d, d, dv));
+    debug_assert_eq!((q.dim(), keys.k.dim(), keys.v.dim()), (d, d, dv));
     debug_assert_eq!((out.len(), lse.len()), (p.out_len(), p.lse_len()));
     debug_assert!(group > 0);
     let pos = Positions::new(p);
@@ -197,9 +197,11 @@ pub(super) fn forward<V: HostVariant>(
     // it start, not all heads' up front: then it is still in the caches
     // when they read it, instead of being written out to memory and read
     // back. Aligned to a cache line, as every tile's rows then are (see
-    // `aligned`). A 16-bit V is widened per kv head likewise.
+    // `aligned`). A V not in place as f32 (16-bit, far-apart rows, pages)
+    // is copied per kv head likewise. Only each sequence's keys are read
+    // (a cache's spare slots, or pages past its length, never).
     let mut kt = Aligned::<f32>::scratch(p.k_len());
-    let v_f32 = in_place(v.head(0)).is_some();
+    let v_f32 = keys.head(0, 0).and_then(|(_, v)| in_place(v)).is_some();
     let mut v_wide = Aligned::<f32>::scratch(if v_f32 { 0 } else { p.v_len() });
     let mut v_heads: Vec<Option<&mut [f32]>> = if v_wide.is_empty() {
         (0..p.batch * p.heads_kv).map(|_| None).collect()
@@ -219,27 +221,41 @@ pub(super) fn forward<V: HostVariant>(
         .zip(v_heads.par_iter_mut())
         .enumerate()
         .for_each_dyn(&|(bkv, (((out_g, lse_g), kt), v_wide))| {
-            let (k, v) = (k.head(bkv), v.head(bkv));
+            let (b, hkv) = (bkv / p.heads_kv, bkv % p.heads_kv);
+            let len = keys.len(b);
             kt.par_chunks_mut(tiles.kv * d)
                 .enumerate()
                 .for_each_dyn(&|(t, kt)| {
                     let cols = kt.len() / d;
                     let at = t * tiles.kv;
-                    k.sub(at..at + cols).transpose(kt, cols);
+                    let end = len.clamp(at, at + cols);
+                    keys.each_run(b, hkv, at..end, |k, _, j| {
+                        k.transpose(&mut kt[j - at..], cols)
+                    });
+                    // Keys past the sequence's: zero, never read as data.
+                    for row in kt.chunks_mut(cols) {
+                        row[end - at..].fill(0.0);
+                    }
                 });
             let kt = &*kt;
-            let (v, v_rs): (&[f32], usize) = match (in_place(v), v_wide.take()) {
+            let in_place_v = keys.head(b, hkv).and_then(|(_, v)| in_place(v));
+            let (v, v_rs): (&[f32], usize) = match (in_place_v, v_wide.take()) {
                 (Some(v), _) => v,
                 (None, Some(wide)) => {
                     wide.par_chunks_mut(tiles.kv * dv)
                         .enumerate()
                         .for_each_dyn(&|(t, w)| {
                             let at = t * tiles.kv;
-                            v.sub(at..at + w.len() / dv).widen(w);
+                            let end = len.clamp(at, at + w.len() / dv);
+                            keys.each_run(b, hkv, at..end, |_, v, j| {
+                                let n = v.len() * dv;
+                                v.widen(&mut w[(j - at) * dv..][..n]);
+                            });
+                            w[(end - at) * dv..].fill(0.0);
                         });
                     (wide, dv)
                 }
-                (None, None) => unreachable!("a 16-bit V has a widened copy"),
+                (None, None) => unreachable!("a V not in place has a copy"),
             };
             let v_rows = Rows::new(Stored::F32(v), sk, dv, v_rs);
             let v_nonfinite: Vec<bool> = (0..sk)
@@ -527,7 +543,7 @@ impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {
         let d = out.as_deref().map_or(0, |o| o.len() / rows);
         let w = V::WEIGHTS;
         let draw = if w.dropout {
-            Draw::new(head.p, head.b, head.h)
+            Draw::new(head.p, head.variant, head.b, head.h)
         } else {
             None
         };

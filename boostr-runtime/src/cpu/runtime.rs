@@ -4,8 +4,9 @@
 
 use super::aligned::Aligned;
 use super::elem::Stored;
+use super::keys::KeyRows;
 use super::operand::Operand;
-use super::{BackwardInputs, Bf16BackwardInputs, CacheLayout, ForwardInputs, PageTable};
+use super::{BackwardInputs, Bf16BackwardInputs, CacheLayout, ForwardInputs, Pages};
 use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, KeyLayout, Keys};
 use crate::error::{Error, Result};
 use crate::problem::Problem;
@@ -280,23 +281,10 @@ impl Output {
     }
 }
 
-/// The forward's inputs.
-fn inputs<'a>(
-    (q, k, v): (&'a HostOperand, &'a HostOperand, &'a HostOperand),
-    cache: Option<CacheLayout<'a>>,
-) -> ForwardInputs<'a> {
-    ForwardInputs {
-        q: q.operand(),
-        k: k.operand(),
-        v: v.operand(),
-        cache,
-    }
-}
-
 /// The CPU kernels' description of a cache layout (`None`: dense keys).
 fn cache_layout<'a>(layout: &KeyLayout<'a, CpuRuntime>) -> Option<CacheLayout<'a>> {
     let lens = layout.lengths()?.host;
-    let pages = layout.pages().map(|t| PageTable {
+    let pages = layout.pages().map(|t| Pages {
         table: t.host,
         page_size: t.page_size,
     });
@@ -336,17 +324,18 @@ impl AttentionRuntime for CpuRuntime {
             HostOperand::kv("k", keys.k, kv_dtype(keys.k))?,
             HostOperand::kv("v", keys.v, kv_dtype(keys.v))?,
         );
-        let cache = cache_layout(&keys.layout);
-        // bf16 tile products where the CPU has them (AMX, `vdpbf16ps`),
-        // except for decode shapes and caches, whose kernel packs a GQA
-        // group's rows.
-        let mut x = inputs((&q, &k, &v), cache);
+        let (mut k, mut v) = (k.operand(), v.operand());
         if let Some(scales) = keys.scales {
-            x.k = x.k.with_scales(scales.k);
-            x.v = x.v.with_scales(scales.v);
+            k = k.with_scales(scales.k);
+            v = v.with_scales(scales.v);
         }
+        let x = ForwardInputs {
+            q: q.operand(),
+            keys: KeyRows::new(k, v, cache_layout(&keys.layout), p),
+        };
+        // bf16 tile products where the CPU has them (AMX, `vdpbf16ps`),
+        // except for decode shapes, whose kernel packs a GQA group's rows.
         let tiles = dtype == DType::BF16
-            && cache.is_none()
             && !super::is_decode(p)
             && super::forward_bf16_inputs(variant, p, x, o, l)?;
         if !tiles {
@@ -360,13 +349,14 @@ impl AttentionRuntime for CpuRuntime {
         p: &Problem,
         t: BackwardTensors<'_, Self>,
     ) -> Result<AttentionGrads<Self>> {
-        let lens = t.keys.layout.unpaged(CPU)?.map(|l| l.host);
+        let cache = cache_layout(&t.keys.layout);
         let (dtype, device) = (t.q.dtype(), t.q.device());
         check_input("q", t.q, dtype)?;
         validate::check_dtype("lse", t.lse, CPU, &[DType::F32], "f32 for lse")?;
         let mut dq = Output::new(&p.q_shape(), dtype, device)?;
-        let mut dk = Output::new(&p.k_shape(), dtype, device)?;
-        let mut dv = Output::new(&p.v_shape(), dtype, device)?;
+        // dK and dV as the keys are laid out: slots, or pages.
+        let mut dk = Output::new(t.keys.k.shape(), dtype, device)?;
+        let mut dv = Output::new(t.keys.v.shape(), dtype, device)?;
         let grads = (dq.slice_mut(), dk.slice_mut(), dv.slice_mut());
         let lse = HostF32::new("lse", t.lse, DType::F32)?;
         let wanted = t.tensor_grads;
@@ -393,7 +383,7 @@ impl AttentionRuntime for CpuRuntime {
                 }
             };
             let (dq, dk, dv) = (&mut *grads.0, &mut *grads.1, &mut *grads.2);
-            tensors = super::backward_bf16(variant, p, lens, inputs, dq, dk, dv, wanted)?;
+            tensors = super::backward_bf16(variant, p, cache, inputs, dq, dk, dv, wanted)?;
         }
         let tensors = match tensors {
             Some(tensors) => tensors,
@@ -410,7 +400,7 @@ impl AttentionRuntime for CpuRuntime {
                     dout: dout.slice(),
                 };
                 let (dq, dk, dv) = grads;
-                super::backward(variant, p, lens, inputs, dq, dk, dv, wanted)?
+                super::backward(variant, p, cache, inputs, dq, dk, dv, wanted)?
             }
         };
         let learnables = variant.learnables();

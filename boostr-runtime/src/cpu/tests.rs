@@ -2,10 +2,14 @@
 
 use super::backward::{self, key_chunks};
 use super::*;
+use crate::problem::Problem;
 use crate::testing::fixtures::{
     CausalSoftcap, Unmasked, causal_class, fill_spare_slots, identity_score, no_mask_to_call,
 };
 use crate::variant::HostVariant;
+use crate::variant::{TileClass, Variant};
+use keys::KeyRows;
+use operand::Operand;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -251,7 +255,8 @@ impl Grads {
         wanted: &[bool],
     ) -> TensorGrads {
         let (dq, dk, dv) = (&mut self.dq, &mut self.dk, &mut self.dv);
-        backward(var, p, lens, i, dq, dk, dv, wanted).expect("the f32 backward")
+        let cache = lens.map(CacheLayout::lengths);
+        backward(var, p, cache, i, dq, dk, dv, wanted).expect("the f32 backward")
     }
 
     /// [`backward_bf16`] into these: `None` where it declines.
@@ -264,7 +269,8 @@ impl Grads {
         wanted: &[bool],
     ) -> Option<TensorGrads> {
         let (dq, dk, dv) = (&mut self.dq, &mut self.dk, &mut self.dv);
-        backward_bf16(var, p, lens, i, dq, dk, dv, wanted).expect("the bf16 backward")
+        let cache = lens.map(CacheLayout::lengths);
+        backward_bf16(var, p, cache, i, dq, dk, dv, wanted).expect("the bf16 backward")
     }
 
     /// Every spare cache slot (past its sequence's length) got exactly
@@ -593,7 +599,7 @@ fn check_forward_grouped<V: HostVariant>(
     let mut lse = vec![f32::NAN; p.lse_len()];
     let run = |(q, k, v_): (&[_], &[_], &[_]), out: &mut [f32], lse: &mut [f32]| {
         let x = ForwardInputs::packed(p, q, (k, v_), None);
-        forward::forward(v, p, t, group, x.q, x.k, x.v, out, lse);
+        forward::forward(v, p, t, group, x.q, x.keys, out, lse);
     };
     run((&x.q, &x.k, &x.v), &mut out, &mut lse);
     let ctx = format!("{} {p:?} {t:?} group {group}", V::NAME);
@@ -608,7 +614,7 @@ fn check_forward_grouped<V: HostVariant>(
     run((&qw, &kw, &vw), &mut want.0, &mut want.1);
     let mut got = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
     let x = ForwardInputs::packed(p, &q[..], (&k[..], &vv[..]), None);
-    forward::forward(v, p, t, group, x.q, x.k, x.v, &mut got.0, &mut got.1);
+    forward::forward(v, p, t, group, x.q, x.keys, &mut got.0, &mut got.1);
     let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
     assert!(
         same(&got.0, &want.0) && same(&got.1, &want.1),
@@ -1134,7 +1140,7 @@ fn bf(v: &[f32]) -> Vec<half::bf16> {
 
 /// The paged layout of `lens` over `table`.
 fn paging<'a>(lens: &'a [usize], table: &'a [usize], page_size: usize) -> CacheLayout<'a> {
-    let pages = Some(PageTable { table, page_size });
+    let pages = Some(Pages { table, page_size });
     CacheLayout { lens, pages }
 }
 
@@ -1891,9 +1897,7 @@ fn strided_operands_give_the_bits_of_packed_ones() {
         let sv_ = Spread::new(&x.v, [b, hkv, sk, p.head_dim_v], elem);
         let spread = ForwardInputs {
             q: sq_.operand(),
-            k: sk_.operand(),
-            v: sv_.operand(),
-            cache,
+            keys: KeyRows::new(sk_.operand(), sv_.operand(), cache, p),
         };
         let packed = ForwardInputs::packed(p, &q, (&k, &v), cache);
         let mut results = Vec::new();

@@ -729,8 +729,10 @@ impl AttentionRuntime for CudaRuntime {
         ])?;
         let delta = alloc(&p.lse_shape(), DType::F32, q)?;
         let dq = alloc(q.shape(), dtype, q)?;
-        let dk = alloc(k.shape(), dtype, k)?;
-        let dv = alloc(v.shape(), dtype, v)?;
+        // dK and dV of each sequence's slots; a paged call's are folded
+        // into its pages at the end.
+        let dk = alloc(&p.k_shape(), dtype, k)?;
+        let dv = alloc(&p.v_shape(), dtype, v)?;
         let buffers = [
             (Buffer::Q, q),
             (Buffer::K, k),
@@ -760,10 +762,11 @@ impl AttentionRuntime for CudaRuntime {
             1,
         )?;
         let tensors = arena.grads::<V>(t.tensor_grads)?;
+        let pages = k.shape()[0];
         Ok(AttentionGrads {
             dq,
-            dk,
-            dv,
+            dk: gpu::fold_pages(dk, p, &t.keys.layout, pages)?,
+            dv: gpu::fold_pages(dv, p, &t.keys.layout, pages)?,
             tensors,
         })
     }

@@ -261,9 +261,7 @@ impl<'v, V: Variant> Ring<'v, V> {
             (qc.start, kc.start),
             sink,
         );
-        // The call's pairs drop as the whole sequence's do.
-        let dropout = p.dropout.shifted(positioned.q_shift, positioned.kv_shift);
-        (positioned, p.with_dropout(dropout))
+        (positioned, p)
     }
 
     /// Whether some pair of query chunk `qc` and key chunk `kc` may be

@@ -155,6 +155,11 @@ impl<H: HostVariant> HostVariant for PositionedHost<H> {
             .mask_f64(b, h, q + self.q_shift, kv + self.kv_shift)
     }
 
+    fn position_shift(&self, b: i32) -> (i32, i32) {
+        let (dq, dkv) = self.inner.position_shift(b);
+        (dq + self.q_shift, dkv + self.kv_shift)
+    }
+
     fn sink(&self, b: i32, h: i32, q: i32) -> f32 {
         if self.sink {
             self.inner.sink(b, h, q + self.q_shift)

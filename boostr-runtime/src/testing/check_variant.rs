@@ -7,6 +7,7 @@ use super::contract::contract;
 use super::data::TestData;
 use super::exact_zeros::exact_zeros;
 use super::inputs::{Expected, Inputs, learnable_names};
+use super::layouts::{LAYOUT_CASES, check_layouts};
 use super::report::{CaseReport, run_cases};
 use super::rng::{SEED_ENV, choose_seed};
 use super::run_backend::expect_out_of_range;
@@ -118,10 +119,15 @@ pub fn check_variant_built_on<R: TestBackend, V: Variant>(
     };
     let seed = choose_seed();
     let label = format!("{} on {}", V::NAME, R::NAME);
-    let failures = run_cases(cases, &label, |stream, case| {
+    let mut failures = run_cases(cases, &label, |stream, case| {
         let mut data = TestData::new(case.problem(), &device, seed, stream);
         let variant = build(&mut data);
         run_case::<R, V>(&variant, &device, case, seed, stream)
+    });
+    // The same variant over a KV cache and over pages.
+    let streams = cases.len() as u64;
+    failures += &run_cases(LAYOUT_CASES, &label, |stream, case| {
+        check_layouts::<R, V>(&mut build, &device, case, seed, streams + stream)
     });
     assert!(
         failures.is_empty(),

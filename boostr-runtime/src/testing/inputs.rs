@@ -75,6 +75,11 @@ impl Inputs {
         }
     }
 
+    /// `q, k, v, dout`, to change in place.
+    pub(crate) fn slices_mut(&mut self) -> [&mut [f32]; 4] {
+        [&mut self.q, &mut self.k, &mut self.v, &mut self.dout]
+    }
+
     pub(crate) fn slices(&self) -> [&[f32]; 4] {
         [&self.q, &self.k, &self.v, &self.dout]
     }

@@ -44,6 +44,7 @@ mod exact_zeros;
 pub(crate) mod fixtures;
 mod gradcheck;
 mod inputs;
+mod layouts;
 mod naive;
 mod parity;
 pub(crate) mod reference;

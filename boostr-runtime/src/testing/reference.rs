@@ -311,8 +311,10 @@ impl<T: Real> Row<T> {
             }
         }
         let factor = T::from_f32(p.dropout.scale());
+        // The draw is keyed by the positions the variant's functions see.
+        let (dq, dkv) = variant.position_shift(bi);
         for (j, keep) in self.keep.iter_mut().enumerate() {
-            *keep = if keeps(p, bi, hi, qi, j as i32) {
+            *keep = if keeps(p, bi, hi, qi + dq, j as i32 + dkv) {
                 factor
             } else {
                 T::ZERO

@@ -824,8 +824,10 @@ impl AttentionRuntime for WgpuRuntime {
         // Per query row: running sums between dispatches, then lse and D_i.
         let rows = alloc(&[p.batch, p.heads_q, p.seq_q, 4], q)?;
         let dq = alloc(q.shape(), q)?;
-        let dk = alloc(k.shape(), k)?;
-        let dv = alloc(v.shape(), v)?;
+        // dK and dV of each sequence's slots; a paged call's are folded
+        // into its pages at the end.
+        let dk = alloc(&p.k_shape(), k)?;
+        let dv = alloc(&p.v_shape(), v)?;
         let tensors = [
             (Buffer::Q, q),
             (Buffer::K, k),
@@ -847,10 +849,11 @@ impl AttentionRuntime for WgpuRuntime {
             .collect();
         let arena = run(&client, variant, p, &cfg, &steps, learn, &t.keys.layout, 1)?;
         let tensors = arena.grads::<V>(t.tensor_grads)?;
+        let pages = k.shape()[0];
         Ok(AttentionGrads {
             dq,
-            dk,
-            dv,
+            dk: gpu::fold_pages(dk, p, &t.keys.layout, pages)?,
+            dv: gpu::fold_pages(dv, p, &t.keys.layout, pages)?,
             tensors,
         })
     }

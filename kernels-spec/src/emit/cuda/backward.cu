@@ -5,18 +5,6 @@
 // ---- backward ----
 static_assert(!BX_KV_FP8, "the backward reads K and V in the element type (fp8 caches are for inference)");
 
-// d loss / d score of a visible pair (b, h, qp, kp) with score sc in a row
-// with lse L and D_i delta, given dp = (dO·Vᵀ) at the pair (the
-// normalisation's `weights_prob` and `weights_dz`, the pair's dropout
-// factor z on dP). w gets the pair's weight in P·V, P z.
-__device__ __forceinline__ float bx_pair_grad(const Params& params, float sc, float L, float dp, float delta, int b,
-                                              int h, int qp, int kp, float& w) {
-    const float z = variant_dropout(params, b, h, qp, kp);
-    const float p = weights_prob(sc, L);
-    w = p * z;
-    return weights_dz(p, dp * z, delta);
-}
-
 // The gradient tile of one (query tile, key tile), shared by dQ and dK/dV:
 // recompute each score with the forward's code (bx_dot_tile + bx_score_at),
 // then P (for a softmax exp(score - lse)) and dS = d loss / d score ·
@@ -102,7 +90,7 @@ __device__ __forceinline__ void bx_grad_tile(float* S, float* dP, elem_t* Pe, el
     const int sk = bx_seq_keys(captures, kv_lens, b, seq_k); // spare slots: zero gradients
     const int offset = sk - seq_q;
     const size_t q_row0 = ((size_t)b * heads_q + h) * (size_t)seq_q + q0;
-    const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k;
+    const BxKeys keys = bx_keys(captures, kv_pages, page_size, max_pages, heads_kv, seq_k, b, hk);
 
     bx_load_rows<BBQ, BWD_THREADS, BxRowD>(sQ, q + q_row0 * D, seq_q - q0);
     bx_load_rows<BBQ, BWD_THREADS, BxRowDV>(sdO, dout + q_row0 * DV, seq_q - q0);
@@ -119,8 +107,8 @@ __device__ __forceinline__ void bx_grad_tile(float* S, float* dP, elem_t* Pe, el
         const int cls = variant_classify(params, captures, b, h, q_lo, q_hi, k0, min(k0 + BBKV, sk) - 1);
         if (cls == TILE_EMPTY) continue;
         __syncthreads();
-        bx_load_rows<BBKV, BWD_THREADS, BxRowD>(sK, k + (kv_row0 + k0) * D, sk - k0);
-        bx_load_rows<BBKV, BWD_THREADS, BxRowDV>(sV, v + (kv_row0 + k0) * DV, sk - k0);
+        bx_load_keys<BBKV, BWD_THREADS, BxRowD>(sK, k, keys, k0, sk - k0);
+        bx_load_keys<BBKV, BWD_THREADS, BxRowDV>(sV, v, keys, k0, sk - k0);
         for (int j = threadIdx.x; j < BBKV; j += BWD_THREADS) s_seen[j] = 0;
         __syncthreads();
         bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS, BxRowD>(sQ, sK, sS);
@@ -147,11 +135,14 @@ __device__ __forceinline__ void bx_grad_tile(float* S, float* dP, elem_t* Pe, el
     const int group = bx_group(heads_q, heads_kv);
     const int sk = bx_seq_keys(captures, kv_lens, b, seq_k); // spare slots: zero gradients
     const int offset = sk - seq_q;
+    // dK and dV rows of the sequence's slots (a paged call's are folded
+    // into its pages after).
     const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k + k0;
     const int kv_hi = min(k0 + BBKV, sk) - 1;
+    const BxKeys keys = bx_keys(captures, kv_pages, page_size, max_pages, heads_kv, seq_k, b, hk);
 
-    bx_load_rows<BBKV, BWD_THREADS, BxRowD>(sK, k + kv_row0 * D, sk - k0);
-    bx_load_rows<BBKV, BWD_THREADS, BxRowDV>(sV, v + kv_row0 * DV, sk - k0);
+    bx_load_keys<BBKV, BWD_THREADS, BxRowD>(sK, k, keys, k0, sk - k0);
+    bx_load_keys<BBKV, BWD_THREADS, BxRowDV>(sV, v, keys, k0, sk - k0);
     BxAcc<BBKV, BWD_THREADS, BxRowD> acc_k;  // dK, D wide
     BxAcc<BBKV, BWD_THREADS, BxRowDV> acc_v; // dV, DV wide
     acc_k.zero();
@@ -198,7 +189,7 @@ __device__ __forceinline__ void bx_grad_tile(float* S, float* dP, elem_t* Pe, el
     const int sk = bx_seq_keys(captures, kv_lens, b, seq_k); // spare slots: zero gradients
     const int offset = sk - seq_q;
     const size_t q_row0 = ((size_t)b * heads_q + h) * (size_t)seq_q + q0;
-    const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k;
+    const BxKeys keys = bx_keys(captures, kv_pages, page_size, max_pages, heads_kv, seq_k, b, hk);
 
     bx_load_rows<BBQ, BWD_THREADS, BxRowD>(sQ, q + q_row0 * D, seq_q - q0);
     bx_load_rows<BBQ, BWD_THREADS, BxRowDV>(sdO, dout + q_row0 * DV, seq_q - q0);
@@ -213,8 +204,8 @@ __device__ __forceinline__ void bx_grad_tile(float* S, float* dP, elem_t* Pe, el
         const int cls = variant_classify(params, captures, b, h, q_lo, q_hi, k0, min(k0 + BBKV, sk) - 1);
         if (cls == TILE_EMPTY) continue;
         __syncthreads(); // the previous tile's readers are done
-        bx_load_rows<BBKV, BWD_THREADS, BxRowD>(sK, k + (kv_row0 + k0) * D, sk - k0);
-        bx_load_rows<BBKV, BWD_THREADS, BxRowDV>(sV, v + (kv_row0 + k0) * DV, sk - k0);
+        bx_load_keys<BBKV, BWD_THREADS, BxRowD>(sK, k, keys, k0, sk - k0);
+        bx_load_keys<BBKV, BWD_THREADS, BxRowDV>(sV, v, keys, k0, sk - k0);
         __syncthreads();
         bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS, BxRowD>(sQ, sK, sS);
         bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS, BxRowDV>(sdO, sV, sdP);

@@ -6,13 +6,6 @@ __device__ __forceinline__ float bx_neg_inf() { return __int_as_float(0xff800000
 // *p = x in p's type: f32, or rounded to the 16-bit element type.
 __device__ __forceinline__ void bx_put(float* p, float x) { *p = x; }
 
-// The keys of sequence b: its KV cache length (arena word kv_lens + b, at
-// most seq_k; its spare slots are never read), or seq_k without a cache
-// (kv_lens < 0).
-__device__ __forceinline__ int bx_seq_keys(const unsigned* __restrict__ captures, int kv_lens, int b, int seq_k) {
-    return kv_lens < 0 ? seq_k : min((int)captures[kv_lens + b], seq_k);
-}
-
 // Query heads per kv head (GQA group), never 0.
 __device__ __forceinline__ int bx_group(int heads_q, int heads_kv) {
     const int g = heads_kv > 0 ? heads_q / heads_kv : 1;

@@ -3,74 +3,6 @@
 //@@ preamble
 
 // ---- forward (FlashAttention-2 schedule) ----
-// Key rows k0 .. k0 + ROWS of kv head hk from pages, as bx_load_rows loads
-// them from a contiguous block: logical key j is slot j % page_size of page
-// captures[table + j / page_size] of src [pages, Hkv, page_size, R::W]. A
-// row lies in one page, so rows are staged in whole chunks; zeros past
-// rows_valid (whose table entries are never read).
-template <int ROWS, int NT, typename R, typename S>
-__device__ __forceinline__ void bx_load_paged(elem_t* dst, const S* __restrict__ src,
-                                              const unsigned* __restrict__ captures, unsigned table, int page_size,
-                                              int hk, int heads_kv, int k0, int rows_valid) {
-    bx_stage_rows<ROWS, NT, R>(dst, src, rows_valid, [&](int r) {
-        const int j = k0 + r;
-        const size_t page = captures[table + (unsigned)(j / page_size)];
-        return (page * heads_kv + hk) * (size_t)page_size + (size_t)(j % page_size);
-    });
-}
-
-#if BX_KV_FP8
-// Where key j's scales are in k_scale and v_scale: its kv head's ([Hkv],
-// keys in place), or its page's ([pages, Hkv], page · Hkv + hk).
-__device__ __forceinline__ size_t bx_kv_scale_at(const unsigned* __restrict__ captures, unsigned table,
-                                                 int page_size, int hk, int heads_kv, int j) {
-    if (page_size == 0) return (size_t)hk;
-    return (size_t)captures[table + (unsigned)(j / page_size)] * heads_kv + hk;
-}
-#endif
-
-// One tile of scores becomes weights, one warp per row (the normalisation's
-// functions, `weights_*`): each row's running max moves to the tile's, the
-// scores become unnormalised weights (in S, and as 16-bit in P on tensor
-// cores), the running sum takes them, and row_a gets the factor the output
-// accumulator is rescaled by. Column j of P (the operand of P·V, never the
-// sum) carries its pair's dropout factor and, over an fp8 cache, its key's
-// V factor vf[j]. Row i is packed row r0 + i: query head h0 + (r0 + i) /
-// seq_q at position (r0 + i) % seq_q + offset; column j is key k0 + j.
-__device__ __forceinline__ void bx_tile_weights(float* S, elem_t* P, float* row_m, float* row_l, float* row_a,
-                                                const float* vf, const Params& params, int b, int h0, int r0,
-                                                int seq_q, int offset, int k0) {
-    (void)vf;
-    const int lane = threadIdx.x & 31;
-    for (int i = threadIdx.x >> 5; i < BQ; i += FWD_THREADS / 32) {
-        float* s = S + i * FWD_LDS;
-        const int h = h0 + (r0 + i) / seq_q;
-        const int qp = (r0 + i) % seq_q + offset;
-        float mx = bx_neg_inf();
-        for (int j = lane; j < BKV; j += 32) mx = fmaxf(mx, s[j]);
-        mx = bx_warp_max(mx);
-        const float m_old = row_m[i];
-        const float m_new = fmaxf(m_old, mx);
-        const float alpha = weights_rescale(m_old, m_new);
-        float sum = 0.0f;
-        for (int j = lane; j < BKV; j += 32) {
-            const float p = weights_pair(s[j], m_new);
-            sum += p;
-            float pv = p * variant_dropout(params, b, h, qp, k0 + j);
-#if BX_KV_FP8
-            pv *= vf[j];
-#endif
-            s[j] = pv;
-            if (BX_MMA) P[i * FWD_LDP + j] = bx_from_f32(pv);
-        }
-        sum = bx_warp_sum(sum);
-        if (lane == 0) {
-            row_m[i] = m_new;
-            row_l[i] = row_l[i] * alpha + sum;
-            row_a[i] = alpha;
-        }
-    }
-}
 //@@ boostr_attn_fwd
     extern __shared__ __align__(16) unsigned char bx_smem[];
     elem_t* sQ = reinterpret_cast<elem_t*>(bx_smem + FWD_Q);
@@ -109,13 +41,12 @@ __device__ __forceinline__ void bx_tile_weights(float* S, elem_t* P, float* row_
     const int sk = bx_seq_keys(captures, kv_lens, b, seq_k); // rows aligned to them
     const int offset = sk - seq_q;
     const size_t q_row0 = ((size_t)b * heads_q + (size_t)hk * g) * (size_t)seq_q + r0;
-    const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k;
-    const unsigned table = (unsigned)kv_pages + (unsigned)b * (unsigned)max_pages;
+    const BxKeys keys = bx_keys(captures, kv_pages, page_size, max_pages, heads_kv, seq_k, b, hk);
 #if BX_KV_FP8
     // The V scale of the sequence's first key: P's columns carry each key's
     // V scale relative to it (1 where they are equal: P keeps its range in
     // f16), the output the rest. Not read without keys.
-    const float v_ref = sk > 0 ? v_scale[bx_kv_scale_at(captures, table, page_size, hk, heads_kv, 0)] : 1.0f;
+    const float v_ref = sk > 0 ? v_scale[bx_key_scale(keys, 0)] : 1.0f;
     const float out_factor = v_ref * KV_UNIT;
 #else
     const float out_factor = 1.0f;
@@ -155,20 +86,15 @@ __device__ __forceinline__ void bx_tile_weights(float* S, elem_t* P, float* row_
             if (variant_classify(params, captures, b, hh, q_lo, q_hi, k0, kv_hi) != cls) cls = TILE_PARTIAL;
         if (cls == TILE_EMPTY) continue; // nothing visible (uniform over the block)
         __syncthreads(); // the previous tile's readers of K, V, S, P are done
-        if (page_size == 0) {
-            bx_load_rows<BKV, FWD_THREADS, BxRowD>(sK, k + (kv_row0 + k0) * D, sk - k0);
-            bx_load_rows<BKV, FWD_THREADS, BxRowDV>(sV, v + (kv_row0 + k0) * DV, sk - k0);
-        } else {
-            bx_load_paged<BKV, FWD_THREADS, BxRowD>(sK, k, captures, table, page_size, hk, heads_kv, k0, sk - k0);
-            bx_load_paged<BKV, FWD_THREADS, BxRowDV>(sV, v, captures, table, page_size, hk, heads_kv, k0, sk - k0);
-        }
+        bx_load_keys<BKV, FWD_THREADS, BxRowD>(sK, k, keys, k0, sk - k0);
+        bx_load_keys<BKV, FWD_THREADS, BxRowDV>(sV, v, keys, k0, sk - k0);
         for (int j = threadIdx.x; j < BKV; j += FWD_THREADS) {
             s_seen[j] = 0;
 #if BX_KV_FP8
             float kf = 0.0f;
             float vf = 0.0f;
             if (k0 + j < sk) {
-                const size_t at = bx_kv_scale_at(captures, table, page_size, hk, heads_kv, k0 + j);
+                const size_t at = bx_key_scale(keys, k0 + j);
                 kf = k_scale[at] * KV_UNIT;
                 vf = __fdiv_rn(v_scale[at], v_ref);
             }
@@ -221,29 +147,4 @@ __device__ __forceinline__ void bx_tile_weights(float* S, elem_t* P, float* row_
     } else {
         acc.store(out + at * DV, packed - r0, row_a, out_factor);
     }
-}
-//@@ boostr_attn_fwd_merge
-    const long long rows = (long long)batch * heads_q * seq_q;
-    const long long row = (long long)blockIdx.x * (DELTA_THREADS / 32) + (threadIdx.x >> 5);
-    if (row >= rows) return; // whole warps leave together
-    const int lane = threadIdx.x & 31;
-    const int n = splits > 1 ? splits : 1;
-    // out = Σ_s out_s·w_s · weights_scale(Σ_s w_s), w_s = weights_merge(lse_s, m)
-    // (a softmax: e^(lse_s − m), m the largest lse), lse = weights_lse(m, Σ_s w_s),
-    // in split order (the same bits on every run). A split that sees nothing
-    // has out 0 (and, a softmax, lse -inf: weight 0).
-    float m = bx_neg_inf();
-    for (int s = 0; s < n; ++s) m = fmaxf(m, split_lse[(size_t)s * rows + row]);
-    float l = 0.0f;
-    for (int s = 0; s < n; ++s) l += weights_merge(split_lse[(size_t)s * rows + row], m);
-    const float inv = weights_scale(l);
-    for (int d = lane; d < DV; d += 32) {
-        float acc = 0.0f;
-        for (int s = 0; s < n; ++s) {
-            const size_t at = (size_t)s * rows + row;
-            acc = fmaf(weights_merge(split_lse[at], m), split_out[at * DV + d], acc);
-        }
-        bx_put(out + (size_t)row * DV + d, acc * inv);
-    }
-    if (lane == 0) lse[row] = weights_lse(m, l);
 }

@@ -210,8 +210,9 @@ impl Display for Kernel {
 pub struct Module {
     /// A short name for file names and messages (`fwd`, `bwd`).
     pub name: &'static str,
-    /// Device code before the kernels.
-    pub preamble: &'static str,
+    /// Device code before the kernels, in pieces (a source that holds
+    /// several modules writes a piece they share once).
+    pub preamble: &'static [&'static str],
     /// The kernels with their bodies (from the opening brace's next line).
     pub kernels: &'static [(&'static Kernel, &'static str)],
 }

@@ -1,10 +1,11 @@
 //! The attention kernels: one [`Kernel`] description each (entry point,
 //! arguments, launch geometry) and its body, a CUDA C text template around
 //! the lowered variant functions. The text lives in `.cu` files beside
-//! this one, a section per piece ([`crate::emit::source`]): `types.cu`
-//! (element types, how K and V are stored), `common.cu` (tile building
-//! blocks), `forward.cu` and `backward.cu` (each module's preamble and
-//! kernel bodies), `summary.cu`. A source writes each kernel's signature
+//! this one, a section per piece ([`crate::emit::source`]), split by job:
+//! `types.cu` (element types, how K and V are stored), `common.cu` (tile
+//! building blocks), `keys.cu` (where a key lives), `weights.cu` (the row
+//! normalisation), `forward.cu`, `decode.cu` (the split-KV merge) and
+//! `backward.cu` (each module's preamble and kernel bodies), `summary.cu`. A source writes each kernel's signature
 //! from its description, then the body. Each template uses only the
 //! constants [`header`] writes from a [`CudaTiles`] (tile sizes, strides,
 //! shared-memory offsets, tile classes), plus the element-type definitions
@@ -57,8 +58,14 @@ use crate::emit::source::section;
 const TYPES: &str = include_str!("types.cu");
 /// The tile building blocks (`common.cu`).
 const COMMON_CU: &str = include_str!("common.cu");
+/// Where each key lives (`keys.cu`).
+const KEYS_CU: &str = include_str!("keys.cu");
+/// The row normalisation around the `weights_*` functions (`weights.cu`).
+const WEIGHTS_CU: &str = include_str!("weights.cu");
 /// The forward module (`forward.cu`).
 const FORWARD_CU: &str = include_str!("forward.cu");
+/// The split-KV merge (`decode.cu`).
+const DECODE_CU: &str = include_str!("decode.cu");
 /// The backward modules (`backward.cu`).
 const BACKWARD_CU: &str = include_str!("backward.cu");
 
@@ -222,7 +229,17 @@ const FORWARD_PREAMBLE: &str = section(FORWARD_CU, "preamble");
 
 const FORWARD_BODY: &str = section(FORWARD_CU, "boostr_attn_fwd");
 
-const MERGE_BODY: &str = section(FORWARD_CU, "boostr_attn_fwd_merge");
+const MERGE_BODY: &str = section(DECODE_CU, "boostr_attn_fwd_merge");
+
+/// The keys' layouts: `bx_seq_keys`, `BxKeys` with `bx_key_row` and
+/// `bx_key_scale`, and the staging of key rows (`bx_load_keys`).
+const KEYS: &str = section(KEYS_CU, "keys");
+
+/// A tile of scores into weights (`bx_tile_weights`).
+const WEIGHTS_FORWARD: &str = section(WEIGHTS_CU, "forward");
+
+/// A pair's weight and gradient in the backward (`bx_pair_grad`).
+const WEIGHTS_BACKWARD: &str = section(WEIGHTS_CU, "backward");
 
 const BACKWARD_PREAMBLE: &str = section(BACKWARD_CU, "preamble");
 
@@ -355,6 +372,9 @@ pub const DQ: Kernel = Kernel {
         Arg::Scalar(Scalar::SeqK),
         Arg::Scalar(Scalar::Scale),
         Arg::Scalar(Scalar::KvLens),
+        Arg::Scalar(Scalar::KvPages),
+        Arg::Scalar(Scalar::PageSize),
+        Arg::Scalar(Scalar::MaxPages),
         Arg::Params,
         Arg::Captures,
     ],
@@ -389,6 +409,9 @@ pub const DKDV: Kernel = Kernel {
         Arg::Scalar(Scalar::SeqK),
         Arg::Scalar(Scalar::Scale),
         Arg::Scalar(Scalar::KvLens),
+        Arg::Scalar(Scalar::KvPages),
+        Arg::Scalar(Scalar::PageSize),
+        Arg::Scalar(Scalar::MaxPages),
         Arg::Params,
         Arg::Captures,
     ],
@@ -425,6 +448,9 @@ pub const TENSORS: Kernel = Kernel {
         Arg::Scalar(Scalar::SeqK),
         Arg::Scalar(Scalar::Scale),
         Arg::Scalar(Scalar::KvLens),
+        Arg::Scalar(Scalar::KvPages),
+        Arg::Scalar(Scalar::PageSize),
+        Arg::Scalar(Scalar::MaxPages),
         Arg::Params,
         Arg::Captures,
     ],
@@ -442,7 +468,7 @@ pub const TENSORS: Kernel = Kernel {
 /// forward ran in splits.
 pub const FORWARD_MODULE: Module = Module {
     name: "fwd",
-    preamble: FORWARD_PREAMBLE,
+    preamble: &[KEYS, WEIGHTS_FORWARD, FORWARD_PREAMBLE],
     kernels: &[(&FORWARD, FORWARD_BODY), (&MERGE, MERGE_BODY)],
 };
 
@@ -452,7 +478,7 @@ pub const FORWARD_MODULE: Module = Module {
 /// [`TENSORS_MODULE`]'s, whose atomics add integers).
 pub const BACKWARD_MODULE: Module = Module {
     name: "bwd",
-    preamble: BACKWARD_PREAMBLE,
+    preamble: &[KEYS, WEIGHTS_BACKWARD, BACKWARD_PREAMBLE],
     kernels: &[(&DELTA, DELTA_BODY), (&DQ, DQ_BODY), (&DKDV, DKDV_BODY)],
 };
 
@@ -461,7 +487,7 @@ pub const BACKWARD_MODULE: Module = Module {
 /// them. Its preamble is the backward's (a source with both has it once).
 pub const TENSORS_MODULE: Module = Module {
     name: "bwd_tensors",
-    preamble: BACKWARD_PREAMBLE,
+    preamble: &[KEYS, WEIGHTS_BACKWARD, BACKWARD_PREAMBLE],
     kernels: &[(&TENSORS, TENSORS_BODY)],
 };
 

@@ -583,8 +583,9 @@ impl Tiling for CudaTiles {
 /// `variant_section` (the variant's CUDA lowering,
 /// [`variant_section::<Cuda>`](crate::emit::gpu::variant_section)): the
 /// configuration header, the variant section, the shared tile building
-/// blocks, then each module's preamble (once, where modules share one) and
-/// each of its kernels' signature (from its description) and body.
+/// blocks, then each module's preamble (each piece once, where modules
+/// share it) and each of its kernels' signature (from its description) and
+/// body.
 pub fn source(
     variant_section: &str,
     modules: &[&Module],
@@ -594,11 +595,13 @@ pub fn source(
     let mut s = kernels::header(cfg);
     s.push_str(variant_section);
     s.push_str(kernels::COMMON);
-    let mut preambles: Vec<&str> = Vec::new();
+    let mut written: Vec<&str> = Vec::new();
     for module in modules {
-        if !preambles.contains(&module.preamble) {
-            preambles.push(module.preamble);
-            s.push_str(module.preamble);
+        for piece in module.preamble {
+            if !written.contains(piece) {
+                written.push(piece);
+                s.push_str(piece);
+            }
         }
         for (kernel, body) in module.kernels {
             s.push('\n');

@@ -1,6 +1,5 @@
-// WGSL templates: text, and `@loop(D) { .. }`, `@loop(DV) { .. }` and
-// `@loop(D, DV) { .. } { .. }`, the loops over the head dims that
-// `template::render` writes rolled or unrolled.
+// The backward: D_i and dQ over query rows, dK/dV over key rows, the
+// learnable tensors' gradients (templates as in `common.wgsl`).
 //@@ query_rows
 
 // ---- backward: D_i and dQ (one query row per invocation) ----
@@ -93,13 +92,6 @@ fn load_row(qr: ptr<function, array<f32, D>>, dor: ptr<function, array<f32, DV>>
         if r.live { y = dout[r.row * DV + d]; }
         (*dor)[d] = y;
     }
-}
-//@@ pair_weights
-
-// The weight of a visible pair with score sc in a row with lse `lse`
-// (weights_prob), 0 unless seen.
-fn pair_prob(sc: f32, lse: f32, seen: bool) -> f32 {
-    return select(0.0f, weights_prob(sc, lse), seen);
 }
 //@@ dq
 
@@ -242,11 +234,15 @@ fn attn_bwd_dkdv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
     var vr: array<f32, DV>;
     var dk_acc: array<f32, D>;
     var dv_acc: array<f32, DV>;
+    // The key's row (in place, or in a page); dK and dV go to its
+    // sequence's slots (a paged call's are folded into its pages after).
+    var row = 0u;
+    if live { row = key_row(b, h_kv, col); }
     @loop(D, DV) {
         var x = 0.0f;
         var a = 0.0f;
         if live {
-            x = k[(kv_base + col) * D + d];
+            x = k[row * D + d];
             if !is_first() { a = dk[(kv_base + col) * D + d]; }
         }
         kr[d] = x;
@@ -255,7 +251,7 @@ fn attn_bwd_dkdv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
         var y = 0.0f;
         var c = 0.0f;
         if live {
-            y = v[(kv_base + col) * DV + d];
+            y = v[row * DV + d];
             if !is_first() { c = dv[(kv_base + col) * DV + d]; }
         }
         vr[d] = y;

@@ -1,6 +1,7 @@
-// WGSL templates: text, and `@loop(D) { .. }`, `@loop(DV) { .. }` and
-// `@loop(D, DV) { .. } { .. }`, the loops over the head dims that
-// `template::render` writes rolled or unrolled.
+// What every module shares: its dispatch's place in the tile loop, the
+// staging counts, GQA. (Templates: text, and `@loop(D) { .. }`,
+// `@loop(DV) { .. }` and `@loop(D, DV) { .. } { .. }`, the loops over the
+// head dims that `template::render` writes rolled or unrolled.)
 //@@ common
 
 // ---- shared ----
@@ -20,48 +21,4 @@ const N_O: u32 = (BQ * DV + WG - 1u) / WG;
 
 fn gqa_group() -> u32 {
     return max(shape.heads_q / max(shape.heads_kv, 1u), 1u);
-}
-
-// The keys of sequence b: its KV cache length (arena word shape.kv_lens + b,
-// at most Sk), or Sk without a cache.
-fn seq_keys(b: u32) -> u32 {
-    if shape.kv_lens == NO_WORD { return shape.seq_k; }
-    return min(atomicLoad(&captures[shape.kv_lens + b]), shape.seq_k);
-}
-
-// The row of k and v (times D and DV: the element offsets) of key r of
-// (b, h_kv): contiguous [B, Hkv, Sk, ·], or with pages (page_size > 0) slot
-// r % page_size of page pages[b * max_pages + r / page_size] in
-// [pages, Hkv, page_size, ·].
-fn key_row(b: u32, h_kv: u32, r: u32) -> u32 {
-    if shape.page_size == 0u { return (b * shape.heads_kv + h_kv) * shape.seq_k + r; }
-    let page = atomicLoad(&captures[shape.kv_pages + b * shape.max_pages + r / shape.page_size]);
-    return (page * shape.heads_kv + h_kv) * shape.page_size + r % shape.page_size;
-}
-//@@ stage_kv
-
-// K and V rows k0 .. k0 + BKV of kv head h_kv of sequence b (zeros from its
-// sk keys on: a cache's spare slots are never read).
-var<workgroup> k_tile: array<f32, BKV * D>;
-var<workgroup> v_tile: array<f32, BKV * DV>;
-
-fn stage_kv(lid: u32, b: u32, h_kv: u32, k0: u32, sk: u32) {
-    for (var t = 0u; t < N_K; t++) {
-        let e = lid + t * WG;
-        if e < BKV * D {
-            let r = k0 + e / D;
-            var x = 0.0f;
-            if r < sk { x = k[key_row(b, h_kv, r) * D + e % D]; }
-            k_tile[e] = x;
-        }
-    }
-    for (var t = 0u; t < N_V; t++) {
-        let e = lid + t * WG;
-        if e < BKV * DV {
-            let r = k0 + e / DV;
-            var y = 0.0f;
-            if r < sk { y = v[key_row(b, h_kv, r) * DV + e % DV]; }
-            v_tile[e] = y;
-        }
-    }
 }

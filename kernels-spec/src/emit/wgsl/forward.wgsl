@@ -1,6 +1,5 @@
-// WGSL templates: text, and `@loop(D) { .. }`, `@loop(DV) { .. }` and
-// `@loop(D, DV) { .. } { .. }`, the loops over the head dims that
-// `template::render` writes rolled or unrolled.
+// The forward: FlashAttention-2's online softmax, one query row per
+// invocation (templates as in `common.wgsl`).
 //@@ forward
 
 // ---- forward (FlashAttention-2 online softmax, one query row per invocation) ----
@@ -126,44 +125,4 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     let inv = weights_scale(l);
     @loop(DV) { out[at * DV + d] = acc[d] * inv; }
     lse[at] = weights_lse(m, l);
-}
-
-// The weight in P·V of a pair with score s (-inf where hidden) in a row
-// whose running max is m (weights_pair), added to the row's sum l, then
-// times the pair's dropout factor (0 or 1/(1 - p); 1 without dropout).
-fn pair_weight(s: f32, m: f32, l: ptr<function, f32>, ib: i32, ih: i32, qp: i32, kp: i32) -> f32 {
-    let p = weights_pair(s, m);
-    *l += p;
-    return p * variant_dropout(ib, ih, qp, kp);
-}
-//@@ merge
-
-// ---- split-KV merge: out = Σ_s out_s·w_s · weights_scale(Σ_s w_s), w_s = weights_merge(lse_s, m) ----
-@compute @workgroup_size(WG)
-fn attn_merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let sq = max(shape.seq_q, 1u);
-    let g = gqa_group();
-    let b = wid.y / shape.heads_kv;
-    let h_kv = wid.y % shape.heads_kv;
-    let r = wid.x * WG + lid;
-    if r >= g * sq { return; }
-    let flat = (b * shape.heads_q + h_kv * g) * sq + r;
-    let rows = shape.batch * shape.heads_q * sq;
-    let splits = max(shape.splits, 1u);
-    var m = -bx_inf();
-    for (var s = 0u; s < splits; s++) { m = max(m, split_lse[s * rows + flat]); }
-    var acc: array<f32, DV>;
-    @loop(DV) { acc[d] = 0.0f; }
-    var l = 0.0f;
-    // In split order: the same bits run to run. A split that sees nothing
-    // has out 0 (and, a softmax, lse -inf: weight 0).
-    for (var s = 0u; s < splits; s++) {
-        let w = weights_merge(split_lse[s * rows + flat], m);
-        let base = (s * rows + flat) * DV;
-        l += w;
-        @loop(DV) { acc[d] += w * split_out[base + d]; }
-    }
-    let inv = weights_scale(l);
-    @loop(DV) { out[flat * DV + d] = acc[d] * inv; }
-    lse[flat] = weights_lse(m, l);
 }

@@ -2,8 +2,9 @@
 //! points, launch geometry) and its templates, WGSL text around the lowered
 //! variant functions. The templates live in `.wgsl` files beside this one,
 //! a section each ([`crate::emit::source`]; `@loop` forms in
-//! [`super::template`]): `common.wgsl`, `forward.wgsl`, `backward.wgsl`,
-//! `summary.wgsl`. Each template uses only the WGSL constants `D`, `DV`,
+//! [`super::template`]), split by job: `common.wgsl`, `keys.wgsl` (where a
+//! key lives), `weights.wgsl` (the row normalisation), `forward.wgsl`,
+//! `decode.wgsl` (the split-KV merge), `backward.wgsl`, `summary.wgsl`. Each template uses only the WGSL constants `D`, `DV`,
 //! `BQ`, `BKV`, `WG`, the tile classes and the flags that [`header`] writes from a
 //! [`WgslTiles`] (sizes derived from them are WGSL `const` expressions
 //! inside the templates), and the bindings by the names the description
@@ -55,11 +56,17 @@ use crate::emit::gpu::tile_class_constants;
 use crate::emit::interface::{Access, Buffer, Dim, Extent, NO_WORD};
 use crate::emit::source::section;
 
-/// The helpers every module shares, and the key/value staging
-/// (`common.wgsl`).
+/// The helpers every module shares (`common.wgsl`).
 const COMMON_WGSL: &str = include_str!("common.wgsl");
-/// The forward and the split-KV merge (`forward.wgsl`).
+/// Where each key lives, and the key/value staging (`keys.wgsl`).
+const KEYS_WGSL: &str = include_str!("keys.wgsl");
+/// The row normalisation around the `weights_*` functions
+/// (`weights.wgsl`).
+const WEIGHTS_WGSL: &str = include_str!("weights.wgsl");
+/// The forward (`forward.wgsl`).
 const FORWARD_WGSL: &str = include_str!("forward.wgsl");
+/// The split-KV merge (`decode.wgsl`).
+const DECODE_WGSL: &str = include_str!("decode.wgsl");
 /// The backward's modules (`backward.wgsl`).
 const BACKWARD_WGSL: &str = include_str!("backward.wgsl");
 
@@ -90,26 +97,32 @@ pub fn header(cfg: &WgslTiles) -> String {
     s
 }
 
-/// Helpers shared by all kernels: the dispatch range, GQA, and where a key
-/// row lives (a contiguous `[B, Hkv, Sk, D]`, a KV cache with per-sequence
-/// lengths, or pages).
+/// Helpers shared by all kernels: the dispatch range, the staging counts,
+/// GQA.
 pub const COMMON: &str = section(COMMON_WGSL, "common");
 
+/// Where a key row lives (a contiguous `[B, Hkv, Sk, D]`, a KV cache with
+/// per-sequence lengths, or pages): `seq_keys`, `key_row`.
+const KEYS: &str = section(KEYS_WGSL, "keys");
+
 /// The key/value staging shared by the forward, `D_i` and dQ kernels.
-const STAGE_KV: &str = section(COMMON_WGSL, "stage_kv");
+const STAGE_KV: &str = section(KEYS_WGSL, "stage_kv");
+
+/// A pair's weight in `P·V` (`pair_weight`).
+const WEIGHTS_FORWARD: &str = section(WEIGHTS_WGSL, "forward");
+
+/// A visible pair's weight in the backward (`pair_prob`).
+const WEIGHTS_BACKWARD: &str = section(WEIGHTS_WGSL, "backward");
 
 // The code of `FORWARD`.
 const FORWARD_CODE: &str = section(FORWARD_WGSL, "forward");
 
 // The code of `MERGE`.
-const MERGE_CODE: &str = section(FORWARD_WGSL, "merge");
+const MERGE_CODE: &str = section(DECODE_WGSL, "merge");
 
 // What `BACKWARD_DQ` and `BACKWARD_TENSORS` share: the query tile and row,
 // and the terms of one (query row, staged key) pair.
 const QUERY_ROWS: &str = section(BACKWARD_WGSL, "query_rows");
-
-// A visible pair's weight in the backward.
-const PAIR_WEIGHTS: &str = section(BACKWARD_WGSL, "pair_weights");
 
 // The code of `BACKWARD_DQ`'s entry points.
 const DQ_CODE: &str = section(BACKWARD_WGSL, "dq");
@@ -155,7 +168,7 @@ pub const FORWARD: Module = Module {
         ],
         tiles: Extent::PerSplit(&Extent::Tiles(Dim::SeqK, Size::BlockKv)),
     }],
-    templates: &[FORWARD_CODE, STAGE_KV],
+    templates: &[FORWARD_CODE, WEIGHTS_FORWARD, KEYS, STAGE_KV],
 };
 
 /// The split-KV forward's merge, `attn_merge`, after [`FORWARD`] with
@@ -230,7 +243,7 @@ pub const BACKWARD_DQ: Module = Module {
         over_key_tiles("attn_bwd_delta"),
         over_key_tiles("attn_bwd_dq"),
     ],
-    templates: &[QUERY_ROWS, PAIR_WEIGHTS, DQ_CODE, STAGE_KV],
+    templates: &[QUERY_ROWS, WEIGHTS_BACKWARD, DQ_CODE, KEYS, STAGE_KV],
 };
 
 /// The backward's second module, `attn_bwd_dkdv`: one workgroup per (WG key rows, b·Hkv + h_kv),
@@ -265,7 +278,7 @@ pub const BACKWARD_DKDV: Module = Module {
             Extent::Tiles(Dim::SeqQ, Size::BlockQ),
         ]),
     }],
-    templates: &[PAIR_WEIGHTS, DKDV_CODE],
+    templates: &[WEIGHTS_BACKWARD, DKDV_CODE, KEYS],
 };
 
 /// The backward's gradients of learnable tensors, `attn_bwd_tensors`, run
@@ -292,7 +305,7 @@ pub const BACKWARD_TENSORS: Module = Module {
         Binding::Storage(Buffer::Rows, Access::Read),
     ],
     entries: &[over_key_tiles("attn_bwd_tensors")],
-    templates: &[QUERY_ROWS, PAIR_WEIGHTS, TENSORS_CODE, STAGE_KV],
+    templates: &[QUERY_ROWS, WEIGHTS_BACKWARD, TENSORS_CODE, KEYS, STAGE_KV],
 };
 
 /// The backward's modules, in the order they run.
