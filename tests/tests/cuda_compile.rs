@@ -29,8 +29,9 @@
 mod fixtures;
 
 use boostr_runtime::stock::{
-    AlibiSlopes, Causal, CausalDocuments, CausalSlidingWindow, CausalSlidingWindowSinks, Documents,
-    KvLengths, PrefixLm, RelativeBias, SlidingWindow, Softcap, T5Bias,
+    AlibiSlopes, Causal, CausalDocuments, CausalDropout, CausalSigmoid, CausalSlidingWindow,
+    CausalSlidingWindowSinks, Documents, KvLengths, PrefixLm, RelativeBias, SlidingWindow, Softcap,
+    T5Bias,
 };
 use boostr_runtime::testing::{
     CpuRuntime, Rng, TestData, reference_backward, reference_forward, seen_keys,
@@ -922,7 +923,20 @@ where
         problem.seq_q,
         problem.seq_k
     );
-    let params = variant.param_words();
+    // A dropout variant draws from a fixed seed: the call's state in the
+    // block's last words, as the runtime writes it.
+    let problem = if <V::Host as HostVariant>::WEIGHTS.dropout {
+        let dropout = boostr_runtime::Dropout::new(variant.dropout(), 0x5eed_d0d0, 7);
+        problem.with_dropout(dropout.expect("p in [0, 1)"))
+    } else {
+        problem
+    };
+    let mut params = variant.param_words();
+    if <V::Host as HostVariant>::WEIGHTS.dropout {
+        let at = kernels_spec::dropout::Word::Threshold.index();
+        params.0[at..at + kernels_spec::dropout::DROPOUT_WORDS]
+            .copy_from_slice(&problem.dropout.words());
+    }
     let tensors: Vec<Tensor<CpuRuntime>> = variant
         .captures()
         .iter()
@@ -981,13 +995,13 @@ where
 struct CacheCase {
     inputs: [Vec<f32>; 4],
     kv: [i32; 4],
-    /// `out`, `lse`, and for a contiguous cache `dq`, `dk`, `dv`.
+    /// `out`, `lse`, `dq`, and `dk`, `dv` in each sequence's slots.
     want: Vec<Vec<f64>>,
 }
 
-/// A forward over a KV cache of `lens` (f32): contiguous, or with
-/// `page_size`, in `B · max_pages` pages in shuffled order; lengths and
-/// page table after the arena's words.
+/// A forward and backward over a KV cache of `lens` (f32): contiguous, or
+/// with `page_size`, in `B · max_pages` pages in shuffled order; lengths
+/// and page table after the arena's words.
 fn host_cache_case<V: Variant>(
     variant: V,
     problem: Problem,
@@ -998,7 +1012,7 @@ where
     V::Host: 'static,
 {
     let mut case = host_case(variant.clone(), CudaDType::F32, problem);
-    let p = problem;
+    let p = case.problem;
     let (d, dv, cap) = (p.head_dim, p.head_dim_v, p.seq_k);
     let mut rng = Rng::new(0xcac4e, lens.len() as u64);
     let q = rng.normal_f32(p.q_len(), 1.0);
@@ -1026,6 +1040,7 @@ where
     );
     let lens_word = case.arena.len();
     case.arena.extend(lens.iter().map(|&l| l as u32));
+    let slots = (k.clone(), v.clone());
     let (kv, k, v) = match page_size {
         None => ([lens_word as i32, -1, 0, 0], k, v),
         Some(ps) => {
@@ -1057,35 +1072,35 @@ where
         }
     };
     let dout = rng.normal_f32(p.out_len(), 1.0);
-    // The backward over a contiguous cache (pages have none).
+    // The backward over the contiguous cache: the kernels read the keys in
+    // place or through the pages, and write dK and dV into each sequence's
+    // slots either way (the runtime folds a paged call's into its pages).
     let mut want = vec![out.clone(), lse.clone()];
-    if page_size.is_none() {
-        let (mut dq, mut dk, mut dv) = (
-            vec![0.0f32; p.q_len()],
-            vec![0.0f32; p.k_len()],
-            vec![0.0f32; p.v_len()],
-        );
-        let inputs = boostr_runtime::cpu::BackwardInputs {
-            q: &q,
-            k: &k,
-            v: &v,
-            out: &out,
-            lse: &lse,
-            dout: &dout,
-        };
-        boostr_runtime::cpu::backward(
-            &variant,
-            &p,
-            Some(&host_lens),
-            inputs,
-            &mut dq,
-            &mut dk,
-            &mut dv,
-            &[],
-        )
-        .expect("the case's tensors fit");
-        want.extend([dq, dk, dv]);
-    }
+    let (mut dq, mut dk, mut dv) = (
+        vec![0.0f32; p.q_len()],
+        vec![0.0f32; p.k_len()],
+        vec![0.0f32; p.v_len()],
+    );
+    let inputs = boostr_runtime::cpu::BackwardInputs {
+        q: &q,
+        k: &slots.0,
+        v: &slots.1,
+        out: &out,
+        lse: &lse,
+        dout: &dout,
+    };
+    boostr_runtime::cpu::backward(
+        &variant,
+        &p,
+        Some(boostr_runtime::cpu::CacheLayout::lengths(&host_lens)),
+        inputs,
+        &mut dq,
+        &mut dk,
+        &mut dv,
+        &[],
+    )
+    .expect("the case's tensors fit");
+    want.extend([dq, dk, dv]);
     case.tag.push_str(&match page_size {
         None => format!(" cache {lens:?}"),
         Some(ps) => format!(" pages of {ps} {lens:?}"),
@@ -1906,6 +1921,39 @@ fn host_emulation_matches_the_reference() {
                 Some(16),
             ),
             2,
+        ),
+        // Dropout and sigmoid weights: dense in each element type, over
+        // pages (the backward reads them), and sigmoid partials added in
+        // splits over a cache.
+        host_case(
+            CausalDropout { p: 0.3 },
+            CudaDType::F32,
+            problem(45, 61, 40),
+        ),
+        host_case(
+            CausalDropout { p: 0.3 },
+            CudaDType::Bf16,
+            problem(33, 64, 64),
+        ),
+        host_case(
+            CausalSigmoid { bias: -1.0 },
+            CudaDType::F16,
+            problem(33, 40, 64),
+        ),
+        host_cache_case(
+            CausalDropout { p: 0.25 },
+            Problem::new(3, (4, 2), (4, 192), 64),
+            &[5, 192, 77],
+            Some(24),
+        ),
+        split(
+            host_cache_case(
+                CausalSigmoid { bias: 0.5 },
+                Problem::new(3, (4, 2), (3, 192), 64).with_head_dim_v(32),
+                &[0, 150, 77],
+                None,
+            ),
+            3,
         ),
         // A KV cache (the backward too) and pages in splits.
         host_cache_case(

@@ -43,10 +43,9 @@ use super::aligned::Aligned;
 use super::amx::{self, Kind, Products};
 use super::amx_forward::{Dims, dims, zero_unseen_keys};
 use super::backward::{
-    KeyChunk, Probabilities, ScoreGrads, add_partials, carve, chunk_keys, deltas,
-    diagonal_tensor_grads, dq_partials, each_band_row, learnable_tasks, sinks, tensor_grads,
+    KeyChunk, add_partials, carve, chunk_keys, deltas, dq_partials, learnable_tasks, sinks,
 };
-use super::dropout::Draw;
+use super::grads::{Probabilities, ScoreGrads, dropped, learnable_terms};
 use super::par::ForEachDyn as _;
 use super::tile::CpuTiles;
 use super::{Band, Positions, all_finite_bits, gemm, math, simd, tile_class};
@@ -541,20 +540,29 @@ fn step<V: HostVariant>(
         bands: &sc.bands,
     });
     let (s, g) = (&*s, &*g);
-    // With dropout, the weights the forward's `P V` used, `P Z`, and `dP`
-    // takes `Z` too (as in the f32 backward).
-    let draw = if V::WEIGHTS.dropout {
-        Draw::new(p, sh.variant, b, h)
-    } else {
-        None
-    };
-    let pd = draw.map(|draw| {
-        let pd = &mut sc.pd[..rows * BK];
-        each_band_row(&sc.bands, BK, q_lo, kv_lo, |at, qi, kj| {
-            draw.keep_scaled(qi, kj, &s[at.clone()], &mut pd[at]);
-        });
-        &*pd
-    });
+
+    // dP = dO Vᵀ; with dropout, `P Z` and `dP Z` (as in the f32 backward).
+    // SAFETY: as above.
+    unsafe {
+        tiles.product(
+            (dop.rows[r0 * dvp..].as_ptr(), dvp),
+            (kv.v_dims[kv0..].as_ptr(), sk_pad),
+            (sc.dp.as_mut_ptr(), BK),
+            (m, n, dvp),
+            false,
+        );
+    }
+    let dp_t = &mut sc.dp[..rows * BK];
+    let pd = &mut sc.pd[..if V::WEIGHTS.dropout { rows * BK } else { 0 }];
+    let pd = dropped(
+        p,
+        sh.variant,
+        (b, h),
+        (q_lo, kv_lo),
+        &sc.bands,
+        BK,
+        (s, pd, dp_t),
+    );
     pair_round(pd.unwrap_or(s), rows, cols, 1.0, &mut sc.p_pairs, None);
 
     // dVᵀ += dOᵀ (P Z).
@@ -570,32 +578,24 @@ fn step<V: HostVariant>(
         );
     }
 
-    // dP = dO Vᵀ (times Z), then dS = d loss / d score ∘ score_grad in place.
-    // SAFETY: as above.
-    unsafe {
-        tiles.product(
-            (dop.rows[r0 * dvp..].as_ptr(), dvp),
-            (kv.v_dims[kv0..].as_ptr(), sk_pad),
-            (sc.dp.as_mut_ptr(), BK),
-            (m, n, dvp),
-            false,
-        );
-    }
-    let dp_t = &mut sc.dp[..rows * BK];
-    if let Some(draw) = draw {
-        each_band_row(&sc.bands, BK, q_lo, kv_lo, |at, qi, kj| {
-            draw.scale_kept(qi, kj, &mut dp_t[at]);
-        });
-    }
+    // dS = d loss / d score ∘ score_grad in place over dP.
     if learn {
         let at = (b, h, q_lo, kv_lo);
-        if V::SCORE_GRADS_BY_DIFFERENCE {
-            let diag = &mut sc.diag;
-            diagonal_tensor_grads(sh.variant, at, &sc.bands, s, dp_t, delta, diag, grads);
+        let raw = &sc.raw[..if V::SCORE_GRADS_BY_DIFFERENCE {
+            0
         } else {
-            let raw = &sc.raw[..rows * BK];
-            tensor_grads(sh.variant, at, &sc.bands, s, raw, dp_t, delta, grads);
-        }
+            rows * BK
+        }];
+        learnable_terms(
+            sh.variant,
+            at,
+            &sc.bands,
+            (s, raw),
+            dp_t,
+            delta,
+            &mut sc.diag,
+            grads,
+        );
     }
     simd::dispatch(ScoreGrads::<V> {
         p: s,
@@ -627,22 +627,39 @@ fn step<V: HostVariant>(
         k_keys = zero_unseen_keys(k_keys, dp, s, BK, cols, &mut sc.k_guarded);
     }
     let kk = cols.next_multiple_of(amx::DEPTH);
-    // In place where the tile's rows are whole tiles of the head dim;
-    // else through 64 rows of scratch.
-    let direct = rows == m && dp == d;
+    // SAFETY: as above.
+    unsafe { dq_product(tiles, (&sc.ds, k_keys), (d, dp), (m, kk), dq_t, &mut sc.dq) };
+}
+
+/// `dq_t += ds · k_keys` (`ds` `m` rows of [`BK`] bf16, `k_keys` the key
+/// pairs over `dp` dims, `kk` keys): in place where `dq_t`'s rows are whole
+/// tiles of the head dim (`m` rows of `d = dp`), else through `scratch`.
+///
+/// # Safety
+/// The products are configured (`tiles`), `ds` holds `m` rows of [`BK`],
+/// `k_keys` `kk / 2` rows of `dp` pairs, `scratch` [`BQ`] rows of `dp`.
+unsafe fn dq_product(
+    tiles: &Products,
+    (ds, k_keys): (&[u16], &[u32]),
+    (d, dp): (usize, usize),
+    (m, kk): (usize, usize),
+    dq_t: &mut [f32],
+    scratch: &mut [f32],
+) {
+    let direct = dq_t.len() == m * d && dp == d;
     let dq_rows = if direct {
         dq_t.as_mut_ptr()
     } else {
-        sc.dq.fill(0.0);
-        for (dst, src) in sc.dq.chunks_exact_mut(dp).zip(dq_t.chunks_exact(d)) {
+        scratch.fill(0.0);
+        for (dst, src) in scratch.chunks_exact_mut(dp).zip(dq_t.chunks_exact(d)) {
             dst[..d].copy_from_slice(src);
         }
-        sc.dq.as_mut_ptr()
+        scratch.as_mut_ptr()
     };
-    // SAFETY: as above; dq_rows holds m rows of dp.
+    // SAFETY: the caller's promises; dq_rows holds m rows of dp.
     unsafe {
         tiles.product(
-            (sc.ds.as_ptr(), BK),
+            (ds.as_ptr(), BK),
             (k_keys.as_ptr(), dp),
             (dq_rows, dp),
             (m, dp, kk),
@@ -650,7 +667,7 @@ fn step<V: HostVariant>(
         );
     }
     if !direct {
-        for (dst, src) in dq_t.chunks_exact_mut(d).zip(sc.dq.chunks_exact(dp)) {
+        for (dst, src) in dq_t.chunks_exact_mut(d).zip(scratch.chunks_exact(dp)) {
             dst.copy_from_slice(&src[..d]);
         }
     }
