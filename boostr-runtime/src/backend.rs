@@ -23,8 +23,8 @@ pub trait AttentionRuntime: Runtime<DType = DType> + std::fmt::Debug {
     const GLOBAL_POSITIONS: bool = false;
 
     /// Run the forward kernel on validated inputs, its keys laid out as
-    /// `keys.layout` says; returns `(out, lse)`. Backends without a kernel
-    /// for a layout return [`Error::LayoutUnsupported`](crate::Error::LayoutUnsupported).
+    /// `keys.layout` says (every backend runs every layout); returns `(out,
+    /// lse)`.
     fn attention_forward<V: Variant>(
         variant: &V,
         problem: &Problem,
@@ -121,16 +121,6 @@ impl<'a, R: Runtime> KeyLayout<'a, R> {
         match *self {
             Self::Paged(_, table) => Some(table),
             _ => None,
-        }
-    }
-
-    /// The layout as a backend names it in
-    /// [`Error::LayoutUnsupported`](crate::Error::LayoutUnsupported).
-    pub fn name(&self) -> &'static str {
-        match self {
-            Self::Dense => "dense keys",
-            Self::Cache(_) => "a KV cache with per-sequence lengths",
-            Self::Paged(..) => "a paged KV cache",
         }
     }
 }

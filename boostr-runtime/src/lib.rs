@@ -71,9 +71,11 @@ mod error;
 mod flash;
 #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
 mod gpu;
+mod node;
 mod op;
 mod problem;
 mod ring;
+mod shifted;
 pub mod stock;
 pub mod testing;
 mod validate;

@@ -6,12 +6,12 @@ use crate::backend::{
     PageTable,
 };
 use crate::error::Result;
+use crate::node::{self, Saved};
 use crate::problem::Problem;
 use crate::validate;
 use crate::variant::Variant;
-use numr::autograd::{GradFn, TensorId, Var};
+use numr::autograd::Var;
 use numr::tensor::Tensor;
-use std::sync::Arc;
 
 /// Options of one attention call.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -31,8 +31,7 @@ pub struct AttentionOptions {
 
 /// Fused attention forward of `q [B, Hq, Sq, D]` against `k [B, Hkv, Sk,
 /// D]` and `v [B, Hkv, Sk, Dv]`: returns `(out [B, Hq, Sq, Dv], lse [B, Hq,
-/// Sq])`. `Dv` may differ from `D` (on the CPU; the GPU backends return
-/// [`Error::LayoutUnsupported`](crate::Error::LayoutUnsupported)).
+/// Sq])`. `Dv` may differ from `D`, on every backend.
 ///
 /// `lse` is the natural log-sum-exp of each query row's masked, modified,
 /// scaled logits (and its sink, if the variant declares one); a row with no
@@ -428,11 +427,6 @@ pub fn var_attention<V: Variant, R: AttentionRuntime>(
         validate::problem(q.tensor(), k.tensor(), v.tensor(), opts.scale)?,
         opts,
     )?;
-    let learnables = variant
-        .learnables()
-        .iter()
-        .map(|l| l.on::<R>())
-        .collect::<Result<Vec<&Var<R>>>>()?;
     let (k_t, v_t) = (k.tensor(), v.tensor());
     let keys = Keys {
         k: k_t,
@@ -440,103 +434,27 @@ pub fn var_attention<V: Variant, R: AttentionRuntime>(
         layout: KeyLayout::Dense,
         scales: None,
     };
-    let (out, lse) = R::attention_forward(variant, &problem, q.tensor(), keys)?;
-    let tensor_grads: Vec<bool> = learnables.iter().map(|t| t.requires_grad()).collect();
-    let any_tensor = tensor_grads.iter().any(|&w| w);
-    if !(q.requires_grad() || k.requires_grad() || v.requires_grad() || any_tensor) {
-        return Ok(Var::new(out, false));
-    }
-    let inputs: Vec<&Var<R>> = [q, k, v]
-        .into_iter()
-        .chain(learnables.iter().copied().filter(|t| t.requires_grad()))
-        .collect();
-    let grad_fn = AttentionBackward {
-        variant: variant.clone(),
-        problem,
-        input_ids: inputs.iter().map(|x| x.graph_id()).collect(),
-        input_grad_fns: inputs.iter().map(|x| x.grad_fn().cloned()).collect(),
-        tensor_grads,
-        saved: [
-            q.tensor().clone(),
-            k.tensor().clone(),
-            v.tensor().clone(),
-            out.clone(),
-            lse,
-        ],
-    };
-    Ok(Var::from_op(out, Arc::new(grad_fn)))
-}
-
-/// The backward node of [`var_attention`]: saves `q, k, v, out, lse`; its
-/// inputs are `q, k, v` and then the learnable tensors that require grad.
-struct AttentionBackward<V: Variant, R: AttentionRuntime> {
-    variant: V,
-    problem: Problem,
-    input_ids: Vec<TensorId>,
-    input_grad_fns: Vec<Option<Arc<dyn GradFn<R>>>>,
-    /// Per learnable slot: it requires grad (and is an input).
-    tensor_grads: Vec<bool>,
-    /// `[q, k, v, out, lse]`.
-    saved: [Tensor<R>; 5],
-}
-
-impl<V: Variant, R: AttentionRuntime> GradFn<R> for AttentionBackward<V, R> {
-    fn backward(
-        &self,
-        grad_output: &Tensor<R>,
-        needed: &[bool],
-    ) -> numr::error::Result<Vec<Option<Tensor<R>>>> {
-        let [q, k, v, out, lse] = &self.saved;
-        validate::shape_of("grad_output", grad_output, &self.problem.out_shape())?;
-        let need = |i: usize| needed.get(i).copied().unwrap_or(true);
-        // The learnable inputs follow q, k, v: input 3 + n is the n-th
-        // learnable slot that requires grad.
-        let mut wanted = self.tensor_grads.clone();
-        for (input, w) in (3..).zip(wanted.iter_mut().filter(|w| **w)) {
-            *w = need(input);
-        }
-        // dq, dk and dv fall out of the same recomputed P and dS, so one fused
-        // kernel computes all three; unneeded ones are dropped, not skipped.
-        let layout = KeyLayout::Dense;
+    let out = R::attention_forward(variant, &problem, q.tensor(), keys)?;
+    let variant_ = variant.clone();
+    let gradients = move |[q, k, v, out, lse]: &Saved<R>, dout: &Tensor<R>, wanted: &[bool]| {
+        validate::shape_of("grad_output", dout, &problem.out_shape())?;
+        let keys = Keys {
+            k,
+            v,
+            layout: KeyLayout::Dense,
+            scales: None,
+        };
         let tensors = BackwardTensors {
             q,
-            keys: Keys {
-                k,
-                v,
-                layout,
-                scales: None,
-            },
+            keys,
             out,
             lse,
-            dout: grad_output,
-            tensor_grads: &wanted,
+            dout,
+            tensor_grads: wanted,
         };
-        let g = R::attention_backward(&self.variant, &self.problem, tensors)?;
-        let keep = |i: usize, t: Tensor<R>| need(i).then_some(t);
-        let mut grads = vec![keep(0, g.dq), keep(1, g.dk), keep(2, g.dv)];
-        for (slot, t) in g.tensors.into_iter().enumerate() {
-            if self.tensor_grads[slot] {
-                grads.push(t);
-            }
-        }
-        Ok(grads)
-    }
-
-    fn inputs(&self) -> &[TensorId] {
-        &self.input_ids
-    }
-
-    fn input_grad_fns(&self) -> Vec<Option<Arc<dyn GradFn<R>>>> {
-        self.input_grad_fns.clone()
-    }
-
-    fn saved_tensors(&self) -> &[Tensor<R>] {
-        &self.saved
-    }
-
-    fn name(&self) -> &'static str {
-        "AttentionBackward"
-    }
+        R::attention_backward(&variant_, &problem, tensors)
+    };
+    node::attach(variant, [q, k, v], out, ("AttentionBackward", gradients))
 }
 
 /// One learnable tensor's field name and its gradient, if any (see

@@ -613,6 +613,7 @@ inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v)
     return o;
 }
 inline unsigned __float_as_uint(float f) { return bx_bits(f); }
+inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 inline long long __float2ll_rn(float x) { return (long long)std::nearbyint((double)x); } // ties to even
 inline void __threadfence() {}
 inline float bx_f16_bits_to_f32(unsigned short x) { _Float16 h; std::memcpy(&h, &x, 2); return (float)h; }

@@ -31,7 +31,7 @@
 //! Scope: as the AMX forward (head dims up to 256, padded inside to a
 //! multiple of 32: the pad columns of Q, dO, K and V are zeros, and only
 //! the first `D` columns of dQ, dK and dV are kept); any variant the tile
-//! kernels run, a KV cache's lengths included (through `cached::Cached`).
+//! kernels run, a KV cache's lengths included (through `shifted::Cached`).
 //! Learnable tensors read by `score` get their gradients pair by pair (or
 //! by diagonal) from the tile's f32 `P` and `dP`, exactly as in the f32
 //! backward, grouped into partial sums in a fixed order (see

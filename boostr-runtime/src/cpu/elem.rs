@@ -164,16 +164,7 @@ pub(super) fn transpose(
     dst: &mut [f32],
     dst_rs: usize,
 ) {
-    assert!(src_rs >= cols, "transpose source rows overlap");
-    assert!(
-        rows == 0 || cols == 0 || src.len() >= (rows - 1) * src_rs + cols,
-        "transpose source out of bounds"
-    );
-    assert!(
-        rows == 0 || cols == 0 || dst.len() >= (cols - 1) * dst_rs + rows,
-        "transpose destination out of bounds"
-    );
-    if rows == 0 || cols == 0 {
+    if !gemm::transpose_bounds(src.len(), (rows, cols, src_rs), dst.len(), dst_rs) {
         return;
     }
     if let Some(x) = src.as_f32() {
@@ -186,7 +177,7 @@ pub(super) fn transpose(
     if super::simd::avx512() {
         use super::microkernel::{Bf16s, E4m3s, E5m2s, F16s, transpose};
         let out = dst.as_mut_ptr();
-        // SAFETY: AVX-512F/BW/VL detected; the asserts above bound every
+        // SAFETY: AVX-512F/BW/VL detected; `transpose_bounds` bounds every
         // element read and written; `dst` is a unique borrow.
         unsafe {
             match src {

@@ -2,16 +2,17 @@
 //! that each shape, element type and key layout runs. Every entry point
 //! describes its keys as one [`KeyRows`] (dense, a cache's slots, pages;
 //! any strides; fp8 with scales); the tile kernels run a cache through
-//! [`Cached`](super::cached::Cached), each sequence at its own length's
+//! [`Cached`], each sequence at its own length's
 //! positions.
 
 use super::aligned::{Aligned, Plain};
 use super::keys::{CacheLayout, Gathered, KeyRows, fold_pages};
 use super::operand::Operand;
 use super::par::in_pool;
-use super::{CpuTiles, KvElem, amx_backward, amx_forward, cached, decode, elem};
+use super::{CpuTiles, KvElem, amx_backward, amx_forward, decode, elem};
 use crate::error::Result;
 use crate::problem::Problem;
+use crate::shifted::Cached;
 use crate::variant::{HostVariant, Variant};
 
 /// The tensors the backward reads; all contiguous, in the layout of
@@ -123,7 +124,7 @@ fn check_outputs(p: &Problem, out: &[f32], lse: &[f32]) {
 /// The forward of [`ForwardInputs`], reading each as stored: the decode
 /// kernel for decode shapes, or where `chunks` (keys per (batch, kv head)
 /// cut into that many chunks) is given; else the tile kernel, over a cache
-/// through [`Cached`](cached::Cached).
+/// through [`Cached`].
 fn forward_inputs<V: HostVariant>(
     variant: &V,
     p: &Problem,
@@ -138,14 +139,7 @@ fn forward_inputs<V: HostVariant>(
     if chunks.is_none() && !decode::applies(p) {
         return match x.keys.lens() {
             None => tile_forward(variant, p, tiles, x, out, lse),
-            Some(lens) => tile_forward(
-                &cached::Cached::new(variant, p, lens),
-                p,
-                tiles,
-                x,
-                out,
-                lse,
-            ),
+            Some(lens) => tile_forward(&Cached::new(variant, p, lens), p, tiles, x, out, lse),
         };
     }
     // The decode kernel packs a GQA group's query rows, as contiguous f32:
@@ -196,7 +190,7 @@ pub fn forward_bf16<V: Variant>(
 }
 
 /// [`forward_bf16`] of bf16 [`ForwardInputs`] (over a cache through
-/// [`Cached`](cached::Cached)).
+/// [`Cached`]).
 pub(crate) fn forward_bf16_inputs<V: Variant>(
     variant: &V,
     p: &Problem,
@@ -212,7 +206,7 @@ pub(crate) fn forward_bf16_inputs<V: Variant>(
         in_pool(|| match x.keys.lens() {
             None => amx_forward::forward(host, p, x.q, x.keys, out, lse),
             Some(lens) => {
-                let cached = cached::Cached::new(host, p, lens);
+                let cached = Cached::new(host, p, lens);
                 amx_forward::forward(&cached, p, x.q, x.keys, out, lse)
             }
         })
@@ -335,7 +329,7 @@ pub fn forward_cache_tiled<V: HostVariant, E: KvElem>(
 /// Over a KV cache (`cache`: sequence `b` has `lens[b]` of the `Sk`
 /// slots, as in [`CacheLayout::lengths`]), the other slots get `dk = dv =
 /// 0` and are never part of a product: the tile kernels run unchanged over
-/// the cache's positions and mask (`cached::Cached`), so every variant
+/// the cache's positions and mask (`Cached`), so every variant
 /// works. Over pages, `k`, `v`, `dk` and `dv` are `[pages, Hkv, page_size,
 /// ·]`: the keys are gathered into their sequences' slots first, and each
 /// page's gradient is the sum, in sequence order, of those of the slots
@@ -509,7 +503,7 @@ fn backward_stored<V: Variant, E: BackwardElem>(
 }
 
 /// [`backward_stored`] over keys in their sequences' slots (`lens`: each
-/// sequence's, through [`Cached`](cached::Cached)).
+/// sequence's, through [`Cached`]).
 fn backward_slots<V: Variant, E: BackwardElem>(
     variant: &V,
     p: &Problem,
@@ -532,7 +526,7 @@ fn backward_slots<V: Variant, E: BackwardElem>(
         match lens {
             None => E::backward::<V, _>(host, p, i, grads, &mut slots),
             Some(lens) => {
-                let cached = cached::Cached::new(host, p, lens);
+                let cached = Cached::new(host, p, lens);
                 E::backward::<V, _>(&cached, p, i, grads, &mut slots);
             }
         }

@@ -347,6 +347,31 @@ pub fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32], dst_rs:
     transpose_uninit(src, (rows, cols, cols), dst, dst_rs);
 }
 
+/// Check a transpose's bounds: `src` holds `rows` rows of `cols`, `src_rs`
+/// apart, and `dst` (`dst_len` long) its `cols` rows of `rows`, `dst_rs`
+/// apart. Returns whether there is anything to move.
+///
+/// # Panics
+/// If either slice is too short or the source rows overlap.
+pub(super) fn transpose_bounds(
+    src_len: usize,
+    (rows, cols, src_rs): (usize, usize, usize),
+    dst_len: usize,
+    dst_rs: usize,
+) -> bool {
+    assert!(src_rs >= cols, "transpose source rows overlap");
+    let empty = rows == 0 || cols == 0;
+    assert!(
+        empty || src_len >= (rows - 1) * src_rs + cols,
+        "transpose source out of bounds"
+    );
+    assert!(
+        empty || dst_len >= (cols - 1) * dst_rs + rows,
+        "transpose destination out of bounds"
+    );
+    !empty
+}
+
 /// [`transpose`] of rows `src_rs` apart into memory that need not be
 /// initialised: afterwards every `dst[c·dst_rs + r]` (`r < rows`, `c <
 /// cols`) is, and nothing else is written. Lets a fresh buffer skip being
@@ -357,22 +382,13 @@ pub fn transpose_uninit(
     dst: &mut [MaybeUninit<f32>],
     dst_rs: usize,
 ) {
-    assert!(src_rs >= cols, "transpose source rows overlap");
-    assert!(
-        rows == 0 || cols == 0 || src.len() >= (rows - 1) * src_rs + cols,
-        "transpose source out of bounds"
-    );
-    assert!(
-        rows == 0 || cols == 0 || dst.len() >= (cols - 1) * dst_rs + rows,
-        "transpose destination out of bounds"
-    );
-    if rows == 0 || cols == 0 {
+    if !transpose_bounds(src.len(), (rows, cols, src_rs), dst.len(), dst_rs) {
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if super::simd::avx512() && std::arch::is_x86_feature_detected!("avx512f") {
         let out = dst.as_mut_ptr().cast::<f32>();
-        // SAFETY: AVX-512F detected; the asserts above bound every element
+        // SAFETY: AVX-512F detected; `transpose_bounds` bounds every element
         // read and written; `dst` is a unique borrow, so it does not
         // overlap `src`.
         unsafe {

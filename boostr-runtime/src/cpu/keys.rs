@@ -47,6 +47,16 @@ impl<'a> CacheLayout<'a> {
     pub fn lengths(lens: &'a [usize]) -> Self {
         Self { lens, pages: None }
     }
+
+    /// The CPU kernels' view of a call's key layout (`None`: dense keys).
+    pub(crate) fn of<R: numr::runtime::Runtime>(layout: &crate::KeyLayout<'a, R>) -> Option<Self> {
+        let lens = layout.lengths()?.host;
+        let pages = layout.pages().map(|t| Pages {
+            table: t.host,
+            page_size: t.page_size,
+        });
+        Some(CacheLayout { lens, pages })
+    }
 }
 
 /// The keys and values of one call as the kernels read them.

@@ -146,25 +146,35 @@ pub fn exp2(x: f32) -> f32 {
 #[inline(always)]
 #[allow(clippy::excessive_precision)]
 fn exp_poly_softmax(r: f32) -> f32 {
-    let mut y = 8.290_221_914_649e-3f32;
-    y = y.mul_add(r, 4.189_794_510_603e-2);
-    y = y.mul_add(r, 1.666_763_722_896_6e-1);
-    y = y.mul_add(r, 4.999_915_063_381_2e-1);
-    y = y.mul_add(r, 9.999_997_019_767_8e-1);
-    y.mul_add(r, 1.0)
+    const Q: [f32; 5] = [
+        8.290_221_914_649e-3,
+        4.189_794_510_603e-2,
+        1.666_763_722_896_6e-1,
+        4.999_915_063_381_2e-1,
+        9.999_997_019_767_8e-1,
+    ];
+    horner(&Q, r).mul_add(r, 1.0)
+}
+
+/// `c[0]·r^(n−1) + … + c[n−1]` by Horner's rule, one FMA a step.
+#[inline(always)]
+fn horner<const N: usize>(c: &[f32; N], r: f32) -> f32 {
+    c[1..].iter().fold(c[0], |y, &k| y.mul_add(r, k))
 }
 
 /// `e^r` for `|r| ≤ ln2/2` (the Cephes `expf` polynomial shared with [`exp`]).
 #[inline(always)]
 #[allow(clippy::excessive_precision)]
 fn exp_poly(r: f32) -> f32 {
-    let mut y = 1.987_569_150_0e-4f32;
-    y = y.mul_add(r, 1.398_199_950_7e-3);
-    y = y.mul_add(r, 8.333_451_907_3e-3);
-    y = y.mul_add(r, 4.166_579_589_4e-2);
-    y = y.mul_add(r, 1.666_666_545_9e-1);
-    y = y.mul_add(r, 5.000_000_120_1e-1);
-    y.mul_add(r * r, r) + 1.0
+    const P: [f32; 6] = [
+        1.987_569_150_0e-4,
+        1.398_199_950_7e-3,
+        8.333_451_907_3e-3,
+        4.166_579_589_4e-2,
+        1.666_666_545_9e-1,
+        5.000_000_120_1e-1,
+    ];
+    horner(&P, r).mul_add(r * r, r) + 1.0
 }
 
 /// `tanh(x)` in f32, branch-free, from one `expm1`: with

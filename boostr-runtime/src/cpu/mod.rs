@@ -62,7 +62,6 @@ mod amx_backward;
 mod amx_forward;
 mod backward;
 mod bf16_dot;
-pub(crate) mod cached;
 mod decode;
 mod dropout;
 mod elem;

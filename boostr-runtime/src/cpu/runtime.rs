@@ -6,8 +6,8 @@ use super::aligned::Aligned;
 use super::elem::Stored;
 use super::keys::KeyRows;
 use super::operand::Operand;
-use super::{BackwardInputs, Bf16BackwardInputs, CacheLayout, ForwardInputs, Pages};
-use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, KeyLayout, Keys};
+use super::{BackwardInputs, Bf16BackwardInputs, CacheLayout, ForwardInputs};
+use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, Keys};
 use crate::error::{Error, Result};
 use crate::problem::Problem;
 use crate::validate;
@@ -281,16 +281,6 @@ impl Output {
     }
 }
 
-/// The CPU kernels' description of a cache layout (`None`: dense keys).
-fn cache_layout<'a>(layout: &KeyLayout<'a, CpuRuntime>) -> Option<CacheLayout<'a>> {
-    let lens = layout.lengths()?.host;
-    let pages = layout.pages().map(|t| Pages {
-        table: t.host,
-        page_size: t.page_size,
-    });
-    Some(CacheLayout { lens, pages })
-}
-
 impl AttentionRuntime for CpuRuntime {
     const GLOBAL_POSITIONS: bool = true;
 
@@ -331,7 +321,7 @@ impl AttentionRuntime for CpuRuntime {
         }
         let x = ForwardInputs {
             q: q.operand(),
-            keys: KeyRows::new(k, v, cache_layout(&keys.layout), p),
+            keys: KeyRows::new(k, v, CacheLayout::of(&keys.layout), p),
         };
         // bf16 tile products where the CPU has them (AMX, `vdpbf16ps`),
         // except for decode shapes, whose kernel packs a GQA group's rows.
@@ -349,7 +339,7 @@ impl AttentionRuntime for CpuRuntime {
         p: &Problem,
         t: BackwardTensors<'_, Self>,
     ) -> Result<AttentionGrads<Self>> {
-        let cache = cache_layout(&t.keys.layout);
+        let cache = CacheLayout::of(&t.keys.layout);
         let (dtype, device) = (t.q.dtype(), t.q.device());
         check_input("q", t.q, dtype)?;
         validate::check_dtype("lse", t.lse, CPU, &[DType::F32], "f32 for lse")?;

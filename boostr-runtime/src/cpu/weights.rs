@@ -342,7 +342,7 @@ mod tests {
             for tile in z.chunks(2) {
                 let m_new = tile.iter().copied().fold(m, f64::max);
                 let alpha = w.rescale(m, m_new);
-                l = l * alpha;
+                l *= alpha;
                 p.iter_mut().for_each(|x: &mut f64| *x *= alpha);
                 p.extend(tile.iter().map(|&s| w.pair(s, m_new)));
                 l += tile.iter().map(|&s| w.pair(s, m_new)).sum::<f64>();

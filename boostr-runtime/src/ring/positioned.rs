@@ -7,12 +7,14 @@
 //! `kv + kv_shift`. The variant's captured tensors are read for the whole
 //! sequence (its `Sq = Sk = S`), so they are indexed by global position
 //! too, and their range proofs still hold. Only one call per query row
-//! carries the sink, so that the merged softmax counts it once.
+//! carries the sink, so that the merged softmax counts it once. The host
+//! functions are the variant's through [`Shifted`].
 
 use crate::capture::{Capture, Learnable};
 use crate::error::Result;
 use crate::problem::Problem;
-use crate::variant::{CompiledStages, HostVariant, TileClass, Variant};
+use crate::shifted::{Shifted, Window};
+use crate::variant::{CompiledStages, Variant};
 
 /// `inner` on a window of the sequence of problem `whole`.
 #[derive(Clone, Debug)]
@@ -43,6 +45,14 @@ impl<V> Positioned<V> {
             sink,
         }
     }
+
+    fn window(&self) -> RingWindow {
+        RingWindow {
+            q_shift: self.q_shift,
+            kv_shift: self.kv_shift,
+            sink: self.sink,
+        }
+    }
 }
 
 impl<V: Variant> Variant for Positioned<V> {
@@ -52,23 +62,19 @@ impl<V: Variant> Variant for Positioned<V> {
     const TENSORS: &'static [crate::capture::TensorDecl] = V::TENSORS;
     const LEARNABLE: &'static [usize] = V::LEARNABLE;
 
-    type Host = PositionedHost<V::Host>;
+    type Host = Shifted<Box<V::Host>, RingWindow>;
 
     fn host(&self, _: &Problem) -> Result<Self::Host> {
-        Ok(PositionedHost {
-            inner: self.inner.host(&self.whole)?,
-            q_shift: self.q_shift,
-            kv_shift: self.kv_shift,
-            sink: self.sink,
+        Ok(Shifted {
+            inner: Box::new(self.inner.host(&self.whole)?),
+            window: self.window(),
         })
     }
 
     fn host_copy(&self, _: &Problem) -> Result<Self::Host> {
-        Ok(PositionedHost {
-            inner: self.inner.host_copy(&self.whole)?,
-            q_shift: self.q_shift,
-            kv_shift: self.kv_shift,
-            sink: self.sink,
+        Ok(Shifted {
+            inner: Box::new(self.inner.host_copy(&self.whole)?),
+            window: self.window(),
         })
     }
 
@@ -87,157 +93,22 @@ impl<V: Variant> Variant for Positioned<V> {
     }
 }
 
-/// The host functions of [`Positioned`].
-pub(crate) struct PositionedHost<H> {
-    inner: H,
+/// A ring call's window: its positions behind the global ones by
+/// `q_shift` and `kv_shift`, its rows carrying the sink or not.
+pub(crate) struct RingWindow {
     q_shift: i32,
     kv_shift: i32,
     sink: bool,
 }
 
-impl<H: HostVariant> HostVariant for PositionedHost<H> {
-    const NAME: &'static str = H::NAME;
-    const SCORE_IS_IDENTITY: bool = H::SCORE_IS_IDENTITY;
-    const HAS_MASK: bool = H::HAS_MASK;
-    const SCORE_GRAD_IS_ONE: bool = H::SCORE_GRAD_IS_ONE;
-    const WEIGHTS: crate::variant::Weights = H::WEIGHTS;
-    const SCORE_CHECKS_READS: bool = H::SCORE_CHECKS_READS;
-    const LEARNABLE: usize = H::LEARNABLE;
-    const SCORE_READS_LEARNABLE: bool = H::SCORE_READS_LEARNABLE;
-    // Both shifts are constant over the call, so a function of `kv − q`
-    // stays one.
-    const SCORE_GRADS_BY_DIFFERENCE: bool = H::SCORE_GRADS_BY_DIFFERENCE;
+impl Window for RingWindow {
+    const HIDES_KEYS: bool = false;
 
-    #[inline(always)]
-    fn score(&self, s: f32, b: i32, h: i32, q: i32, kv: i32) -> f32 {
-        self.inner
-            .score(s, b, h, q + self.q_shift, kv + self.kv_shift)
+    fn shift(&self, _: i32) -> (i32, i32) {
+        (self.q_shift, self.kv_shift)
     }
 
-    #[inline(always)]
-    fn score_grad(&self, s: f32, b: i32, h: i32, q: i32, kv: i32) -> f32 {
-        self.inner
-            .score_grad(s, b, h, q + self.q_shift, kv + self.kv_shift)
-    }
-
-    #[inline(always)]
-    fn mask(&self, b: i32, h: i32, q: i32, kv: i32) -> bool {
-        self.inner.mask(b, h, q + self.q_shift, kv + self.kv_shift)
-    }
-
-    #[inline]
-    fn classify_tile(
-        &self,
-        b: i32,
-        h: i32,
-        q_lo: i32,
-        q_hi: i32,
-        kv_lo: i32,
-        kv_hi: i32,
-    ) -> TileClass {
-        let (dq, dkv) = (self.q_shift, self.kv_shift);
-        self.inner
-            .classify_tile(b, h, q_lo + dq, q_hi + dq, kv_lo + dkv, kv_hi + dkv)
-    }
-
-    fn score_f64(&self, s: f64, b: i32, h: i32, q: i32, kv: i32) -> f64 {
-        self.inner
-            .score_f64(s, b, h, q + self.q_shift, kv + self.kv_shift)
-    }
-
-    fn score_grad_f64(&self, s: f64, b: i32, h: i32, q: i32, kv: i32) -> f64 {
-        self.inner
-            .score_grad_f64(s, b, h, q + self.q_shift, kv + self.kv_shift)
-    }
-
-    fn mask_f64(&self, b: i32, h: i32, q: i32, kv: i32) -> bool {
-        self.inner
-            .mask_f64(b, h, q + self.q_shift, kv + self.kv_shift)
-    }
-
-    fn position_shift(&self, b: i32) -> (i32, i32) {
-        let (dq, dkv) = self.inner.position_shift(b);
-        (dq + self.q_shift, dkv + self.kv_shift)
-    }
-
-    fn sink(&self, b: i32, h: i32, q: i32) -> f32 {
-        if self.sink {
-            self.inner.sink(b, h, q + self.q_shift)
-        } else {
-            f32::NEG_INFINITY
-        }
-    }
-
-    fn sink_f64(&self, b: i32, h: i32, q: i32) -> f64 {
-        if self.sink {
-            self.inner.sink_f64(b, h, q + self.q_shift)
-        } else {
-            f64::NEG_INFINITY
-        }
-    }
-
-    fn learnable_numel(&self, slot: usize) -> usize {
-        self.inner.learnable_numel(slot)
-    }
-
-    #[inline(always)]
-    fn score_tensor_grads(
-        &self,
-        s: f32,
-        b: i32,
-        h: i32,
-        q: i32,
-        kv: i32,
-        dz: f32,
-        grads: &mut [&mut [f32]],
-    ) {
-        let (q, kv) = (q + self.q_shift, kv + self.kv_shift);
-        self.inner.score_tensor_grads(s, b, h, q, kv, dz, grads);
-    }
-
-    fn score_tensor_grads_f64(
-        &self,
-        s: f64,
-        b: i32,
-        h: i32,
-        q: i32,
-        kv: i32,
-        dz: f64,
-        abs: bool,
-        grads: &mut [&mut [f64]],
-    ) {
-        let (q, kv) = (q + self.q_shift, kv + self.kv_shift);
-        self.inner
-            .score_tensor_grads_f64(s, b, h, q, kv, dz, abs, grads);
-    }
-
-    fn sink_tensor_grads(&self, b: i32, h: i32, q: i32, dz: f32, grads: &mut [&mut [f32]]) {
-        if self.sink {
-            self.inner
-                .sink_tensor_grads(b, h, q + self.q_shift, dz, grads);
-        }
-    }
-
-    fn sink_tensor_grads_f64(
-        &self,
-        b: i32,
-        h: i32,
-        q: i32,
-        dz: f64,
-        abs: bool,
-        grads: &mut [&mut [f64]],
-    ) {
-        if self.sink {
-            self.inner
-                .sink_tensor_grads_f64(b, h, q + self.q_shift, dz, abs, grads);
-        }
-    }
-
-    fn perturb_learnable(&mut self, slot: usize, at: usize, delta: f32) -> f32 {
-        self.inner.perturb_learnable(slot, at, delta)
-    }
-
-    fn out_of_range(&self) -> Option<crate::Error> {
-        self.inner.out_of_range()
+    fn carries_sink(&self) -> bool {
+        self.sink
     }
 }

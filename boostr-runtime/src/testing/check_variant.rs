@@ -74,10 +74,11 @@ use numr::runtime::Runtime;
 /// worst element of each failing tensor: index, got, want, naive f32 value
 /// and error.
 pub fn check_variant<R: TestBackend, V: Variant>(variant: &V) {
-    check_variant_on::<R, V>(variant, R::cases());
+    check_variant_built::<R, V>(|_| variant.clone());
 }
 
-/// [`check_variant`] on the given cases instead of the backend's own list.
+/// [`check_variant`] on the given cases instead of the backend's own list
+/// (and not over a cache or pages).
 ///
 /// # Panics
 ///
@@ -102,17 +103,28 @@ pub fn check_variant_on<R: TestBackend, V: Variant>(variant: &V, cases: &[Case])
 pub fn check_variant_built<R: TestBackend, V: Variant>(
     build: impl FnMut(&mut TestData<'_, R::Runtime>) -> V,
 ) {
-    check_variant_built_on::<R, V>(build, R::cases());
+    check_built::<R, V>(build, R::cases(), LAYOUT_CASES);
 }
 
-/// [`check_variant_built`] on the given cases.
+/// [`check_variant_built`] on the given cases (and not over a cache or
+/// pages).
 ///
 /// # Panics
 ///
 /// As [`check_variant`].
 pub fn check_variant_built_on<R: TestBackend, V: Variant>(
+    build: impl FnMut(&mut TestData<'_, R::Runtime>) -> V,
+    cases: &[Case],
+) {
+    check_built::<R, V>(build, cases, &[]);
+}
+
+/// The check of `cases`, then of the variant over a KV cache and over
+/// pages on `layout_cases`.
+fn check_built<R: TestBackend, V: Variant>(
     mut build: impl FnMut(&mut TestData<'_, R::Runtime>) -> V,
     cases: &[Case],
+    layout_cases: &[Case],
 ) {
     let Some(device) = device_or_skip::<R>(&format!("the check of variant `{}`", V::NAME)) else {
         return;
@@ -126,7 +138,7 @@ pub fn check_variant_built_on<R: TestBackend, V: Variant>(
     });
     // The same variant over a KV cache and over pages.
     let streams = cases.len() as u64;
-    failures += &run_cases(LAYOUT_CASES, &label, |stream, case| {
+    failures += &run_cases(layout_cases, &label, |stream, case| {
         check_layouts::<R, V>(&mut build, &device, case, seed, streams + stream)
     });
     assert!(

@@ -17,11 +17,11 @@ use super::data::TestData;
 use super::inputs::{Expected, Inputs};
 use super::report::CaseReport;
 use super::tolerance::{Layout, NAIVE_FACTOR, compare};
-use crate::cpu::cached::Cached;
 use crate::op::{
     KvCache, PagedKvCache, attention_bwd_cache, attention_bwd_paged, attention_fwd_cache,
     attention_fwd_paged,
 };
+use crate::shifted::Cached;
 use crate::validate;
 use crate::variant::{HostVariant as _, Variant};
 use numr::runtime::Runtime;

@@ -82,9 +82,17 @@ pub trait Real: sealed::Sealed + Float {
 }
 
 /// The [`Real`] functions that call the variant's functions of one
-/// precision, by name.
+/// precision, by name; `abs` is passed on (`pass`) in f64, which takes
+/// the magnitudes, and not (`drop`) in f32.
 macro_rules! host_functions {
-    ($score:ident, $score_grad:ident, $mask:ident, $sink:ident) => {
+    (@grads pass, $v:ident.$f:ident($($arg:ident),*), $abs:ident, $grads:ident) => {
+        $v.$f($($arg,)* $abs, $grads)
+    };
+    (@grads drop, $v:ident.$f:ident($($arg:ident),*), $abs:ident, $grads:ident) => {
+        $v.$f($($arg,)* $grads)
+    };
+    ($score:ident, $score_grad:ident, $mask:ident, $sink:ident,
+     $score_tensor_grads:ident, $sink_tensor_grads:ident, $abs:ident) => {
         fn score<V: HostVariant>(variant: &V, s: Self, b: i32, h: i32, q: i32, kv: i32) -> Self {
             variant.$score(s, b, h, q, kv)
         }
@@ -104,6 +112,26 @@ macro_rules! host_functions {
         fn sink<V: HostVariant>(variant: &V, b: i32, h: i32, q: i32) -> Self {
             variant.$sink(b, h, q)
         }
+        fn score_tensor_grads<V: HostVariant>(
+            variant: &V,
+            (s, b, h, q, kv): (Self, i32, i32, i32, i32),
+            dz: Self,
+            abs: bool,
+            grads: &mut [&mut [Self]],
+        ) {
+            debug_assert!(!abs || size_of::<Self>() == 8, "magnitudes are taken in f64");
+            host_functions!(@grads $abs, variant.$score_tensor_grads(s, b, h, q, kv, dz), abs, grads);
+        }
+        fn sink_tensor_grads<V: HostVariant>(
+            variant: &V,
+            (b, h, q): (i32, i32, i32),
+            dz: Self,
+            abs: bool,
+            grads: &mut [&mut [Self]],
+        ) {
+            debug_assert!(!abs || size_of::<Self>() == 8, "magnitudes are taken in f64");
+            host_functions!(@grads $abs, variant.$sink_tensor_grads(b, h, q, dz), abs, grads);
+        }
     };
 }
 
@@ -111,52 +139,30 @@ impl Real for f32 {
     fn to_f64(self) -> f64 {
         f64::from(self)
     }
-    host_functions!(score, score_grad, mask, sink);
-    fn score_tensor_grads<V: HostVariant>(
-        variant: &V,
-        (s, b, h, q, kv): (Self, i32, i32, i32, i32),
-        dz: Self,
-        abs: bool,
-        grads: &mut [&mut [Self]],
-    ) {
-        debug_assert!(!abs, "magnitudes are taken in f64");
-        variant.score_tensor_grads(s, b, h, q, kv, dz, grads);
-    }
-    fn sink_tensor_grads<V: HostVariant>(
-        variant: &V,
-        (b, h, q): (i32, i32, i32),
-        dz: Self,
-        abs: bool,
-        grads: &mut [&mut [Self]],
-    ) {
-        debug_assert!(!abs, "magnitudes are taken in f64");
-        variant.sink_tensor_grads(b, h, q, dz, grads);
-    }
+    host_functions!(
+        score,
+        score_grad,
+        mask,
+        sink,
+        score_tensor_grads,
+        sink_tensor_grads,
+        drop
+    );
 }
 
 impl Real for f64 {
     fn to_f64(self) -> f64 {
         self
     }
-    host_functions!(score_f64, score_grad_f64, mask_f64, sink_f64);
-    fn score_tensor_grads<V: HostVariant>(
-        variant: &V,
-        (s, b, h, q, kv): (Self, i32, i32, i32, i32),
-        dz: Self,
-        abs: bool,
-        grads: &mut [&mut [Self]],
-    ) {
-        variant.score_tensor_grads_f64(s, b, h, q, kv, dz, abs, grads);
-    }
-    fn sink_tensor_grads<V: HostVariant>(
-        variant: &V,
-        (b, h, q): (i32, i32, i32),
-        dz: Self,
-        abs: bool,
-        grads: &mut [&mut [Self]],
-    ) {
-        variant.sink_tensor_grads_f64(b, h, q, dz, abs, grads);
-    }
+    host_functions!(
+        score_f64,
+        score_grad_f64,
+        mask_f64,
+        sink_f64,
+        score_tensor_grads_f64,
+        sink_tensor_grads_f64,
+        pass
+    );
 }
 
 /// Forward results: `out [B, Hq, Sq, Dv]` and `lse [B, Hq, Sq]`, row-major.

@@ -1,0 +1,123 @@
+//! The autograd node of every attention op on [`Var`]: single-device
+//! ([`var_attention`](crate::var_attention)) and ring
+//! ([`var_ring_attention`](crate::var_ring_attention)) differ only in how
+//! they compute the gradients from what the node saved.
+
+use crate::backend::{AttentionGrads, AttentionRuntime};
+use crate::error::Result;
+use crate::variant::Variant;
+use numr::autograd::{GradFn, TensorId, Var};
+use numr::tensor::Tensor;
+use std::sync::Arc;
+
+/// What the forward saved: `[q, k, v, out, lse]`.
+pub(crate) type Saved<R> = [Tensor<R>; 5];
+
+/// How a node computes its gradients from what it saved and `dout`:
+/// `(dq, dk, dv)` and the gradient of each learnable slot whose `wanted`
+/// is set (others may be computed too, and are dropped).
+pub(crate) trait Gradients<R: AttentionRuntime>:
+    Fn(&Saved<R>, &Tensor<R>, &[bool]) -> Result<AttentionGrads<R>> + Send + Sync + 'static
+{
+}
+
+impl<R: AttentionRuntime, G> Gradients<R> for G where
+    G: Fn(&Saved<R>, &Tensor<R>, &[bool]) -> Result<AttentionGrads<R>> + Send + Sync + 'static
+{
+}
+
+/// `out` as a [`Var`] whose node takes `q, k, v` and the learnable tensors
+/// of `variant` that require grad as inputs; no node (and `out` a leaf)
+/// when none of them requires grad. `name` names the node in numr's graph.
+pub(crate) fn attach<V: Variant, R: AttentionRuntime, G: Gradients<R>>(
+    variant: &V,
+    [q, k, v]: [&Var<R>; 3],
+    (out, lse): (Tensor<R>, Tensor<R>),
+    (name, gradients): (&'static str, G),
+) -> Result<Var<R>> {
+    let learnables = variant
+        .learnables()
+        .iter()
+        .map(|l| l.on::<R>())
+        .collect::<Result<Vec<&Var<R>>>>()?;
+    let tensor_grads: Vec<bool> = learnables.iter().map(|t| t.requires_grad()).collect();
+    let any_tensor = tensor_grads.iter().any(|&w| w);
+    if !(q.requires_grad() || k.requires_grad() || v.requires_grad() || any_tensor) {
+        return Ok(Var::new(out, false));
+    }
+    let inputs: Vec<&Var<R>> = [q, k, v]
+        .into_iter()
+        .chain(learnables.iter().copied().filter(|t| t.requires_grad()))
+        .collect();
+    let node = Node {
+        name,
+        gradients,
+        input_ids: inputs.iter().map(|x| x.graph_id()).collect(),
+        input_grad_fns: inputs.iter().map(|x| x.grad_fn().cloned()).collect(),
+        tensor_grads,
+        saved: [
+            q.tensor().clone(),
+            k.tensor().clone(),
+            v.tensor().clone(),
+            out.clone(),
+            lse,
+        ],
+    };
+    Ok(Var::from_op(out, Arc::new(node)))
+}
+
+/// The node: its inputs are `q, k, v` and then the learnable tensors that
+/// require grad.
+struct Node<R: AttentionRuntime, G> {
+    name: &'static str,
+    gradients: G,
+    input_ids: Vec<TensorId>,
+    input_grad_fns: Vec<Option<Arc<dyn GradFn<R>>>>,
+    /// Per learnable slot: it requires grad (and is an input).
+    tensor_grads: Vec<bool>,
+    saved: Saved<R>,
+}
+
+impl<R: AttentionRuntime, G: Gradients<R>> GradFn<R> for Node<R, G> {
+    fn backward(
+        &self,
+        grad_output: &Tensor<R>,
+        needed: &[bool],
+    ) -> numr::error::Result<Vec<Option<Tensor<R>>>> {
+        let need = |i: usize| needed.get(i).copied().unwrap_or(true);
+        // The learnable inputs follow q, k, v: input 3 + n is the n-th
+        // learnable slot that requires grad.
+        let mut wanted = self.tensor_grads.clone();
+        for (input, w) in (3..).zip(wanted.iter_mut().filter(|w| **w)) {
+            *w = need(input);
+        }
+        // dq, dk and dv fall out of the same recomputed P and dS, so one
+        // fused kernel computes all three; unneeded ones are dropped, not
+        // skipped.
+        let g = (self.gradients)(&self.saved, grad_output, &wanted)?;
+        let keep = |i: usize, t: Tensor<R>| need(i).then_some(t);
+        let mut grads = vec![keep(0, g.dq), keep(1, g.dk), keep(2, g.dv)];
+        for (slot, t) in g.tensors.into_iter().enumerate() {
+            if self.tensor_grads[slot] {
+                grads.push(t.filter(|_| wanted[slot]));
+            }
+        }
+        Ok(grads)
+    }
+
+    fn inputs(&self) -> &[TensorId] {
+        &self.input_ids
+    }
+
+    fn input_grad_fns(&self) -> Vec<Option<Arc<dyn GradFn<R>>>> {
+        self.input_grad_fns.clone()
+    }
+
+    fn saved_tensors(&self) -> &[Tensor<R>] {
+        &self.saved
+    }
+
+    fn name(&self) -> &'static str {
+        self.name
+    }
+}
