@@ -152,17 +152,20 @@ impl<'a> KeyRows<'a> {
     }
 
     /// Each sequence's keys, for a cache (`None`: every sequence has `Sk`).
+    #[inline]
     pub(crate) fn lens(&self) -> Option<&'a [usize]> {
         self.lens
     }
 
     /// The keys sequence `b` holds.
+    #[inline]
     pub(crate) fn len(&self, b: usize) -> usize {
         self.lens.map_or(self.seq_k, |l| l[b].min(self.seq_k))
     }
 
     /// K's and V's rows of keys `kv0 ..` of `(b, hkv)`: at most `cols` of
     /// them, and never past a page.
+    #[inline]
     pub(crate) fn run(
         &self,
         b: usize,
@@ -196,6 +199,7 @@ impl<'a> KeyRows<'a> {
 
     /// K's and V's rows of all `Sk` slots of `(b, hkv)`, where they are in
     /// place (`None` for pages).
+    #[inline]
     pub(crate) fn head(&self, b: usize, hkv: usize) -> Option<(Rows<'a>, Rows<'a>)> {
         self.pages
             .is_none()
@@ -204,6 +208,7 @@ impl<'a> KeyRows<'a> {
 
     /// `f(run of K, run of V, first key)` for each run of keys `keys` of
     /// `(b, hkv)`, in order.
+    #[inline]
     pub(crate) fn each_run(
         &self,
         b: usize,

@@ -413,6 +413,13 @@ pub(crate) fn assert_close(what: &str, got: &[f32], want: &[f64], tol: f64) {
     }
 }
 
+/// `out` and `lse` buffers of `p`, NaN so that an element a kernel does
+/// not write fails its check.
+fn poisoned(p: impl std::borrow::Borrow<Problem>) -> (Vec<f32>, Vec<f32>) {
+    let p = p.borrow();
+    (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()])
+}
+
 struct Outputs {
     out: Vec<f32>,
     lse: Vec<f32>,
@@ -595,8 +602,7 @@ fn check_forward_grouped<V: HostVariant>(
     x: &Inputs,
 ) {
     let want = reference(v, p, x);
-    let mut out = vec![f32::NAN; p.out_len()];
-    let mut lse = vec![f32::NAN; p.lse_len()];
+    let (mut out, mut lse) = poisoned(p);
     let run = |(q, k, v_): (&[_], &[_], &[_]), out: &mut [f32], lse: &mut [f32]| {
         let x = ForwardInputs::packed(p, q, (k, v_), None);
         forward::forward(v, p, t, group, x.q, x.keys, out, lse);
@@ -610,9 +616,9 @@ fn check_forward_grouped<V: HostVariant>(
     let (q, k, vv) = (bf16s(&x.q), bf16s(&x.k), bf16s(&x.v));
     let wide = |x: &[half::bf16]| x.iter().map(|y| y.to_f32()).collect::<Vec<f32>>();
     let (qw, kw, vw) = (wide(&q), wide(&k), wide(&vv));
-    let mut want = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
+    let mut want = poisoned(p);
     run((&qw, &kw, &vw), &mut want.0, &mut want.1);
-    let mut got = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
+    let mut got = poisoned(p);
     let x = ForwardInputs::packed(p, &q[..], (&k[..], &vv[..]), None);
     forward::forward(v, p, t, group, x.q, x.keys, &mut got.0, &mut got.1);
     let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
@@ -830,8 +836,7 @@ fn empty_tiles_and_chunks_are_skipped_and_full_tiles_unmasked() {
     let tiles = CpuTiles::new(16, 32);
     let x = Inputs::new(&p, 11, 1.0);
     let var = CountingCausal::default();
-    let mut out = vec![f32::NAN; p.out_len()];
-    let mut lse = vec![f32::NAN; p.lse_len()];
+    let (mut out, mut lse) = poisoned(p);
     forward_tiled(&var, &p, tiles, &x.q, &x.k, &x.v, &mut out, &mut lse);
 
     // Expected: score on every element of each Full tile; score and mask,
@@ -947,8 +952,7 @@ fn decode<V: HostVariant>(
     chunks: usize,
     x: &Inputs,
 ) -> (Vec<f32>, Vec<f32>) {
-    let mut out = vec![f32::NAN; p.out_len()];
-    let mut lse = vec![f32::NAN; p.lse_len()];
+    let (mut out, mut lse) = poisoned(p);
     forward_decode(v, p, t, chunks, &x.q, &x.k, &x.v, &mut out, &mut lse);
     (out, lse)
 }
@@ -1045,8 +1049,7 @@ fn check_cache<V: HostVariant>(v: &V, p: &Problem, t: CpuTiles, lens: &[usize]) 
         }
     }
     let want = reference_lens(v, p, &x, Some(lens));
-    let mut out = vec![f32::NAN; p.out_len()];
-    let mut lse = vec![f32::NAN; p.lse_len()];
+    let (mut out, mut lse) = poisoned(p);
     forward_cache_tiled(
         v,
         p,
@@ -1087,9 +1090,9 @@ fn a_full_cache_is_the_plain_forward() {
     let x = Inputs::new(&p, 7, 1.0);
     let v = CausalSoftcap::new(30.0);
     let t = CpuTiles::new(64, 64);
-    let (mut out, mut lse) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
+    let (mut out, mut lse) = poisoned(p);
     forward_tiled(&v, &p, t, &x.q, &x.k, &x.v, &mut out, &mut lse);
-    let (mut out2, mut lse2) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
+    let (mut out2, mut lse2) = poisoned(p);
     forward_cache_tiled(
         &v,
         &p,
@@ -1200,7 +1203,7 @@ fn paged_caches_match_the_contiguous_cache() {
     let x = Inputs::new(&p, 0x9a9e, 1.0);
     let v = CausalSoftcap::new(20.0);
     let want = reference_lens(&v, &p, &x, Some(&lens));
-    let (mut out, mut lse) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
+    let (mut out, mut lse) = poisoned(p);
     forward_cache_tiled(
         &v,
         &p,
@@ -1217,7 +1220,7 @@ fn paged_caches_match_the_contiguous_cache() {
     // cut blocks at page boundaries: within rounding.
     for page_size in [64, 192, 48, 16, 96] {
         let (kp, vp, table) = paged(&p, &x, &lens, page_size);
-        let (mut po, mut pl) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
+        let (mut po, mut pl) = poisoned(p);
         forward_cache_tiled(
             &v,
             &p,
@@ -1298,7 +1301,7 @@ fn value_head_dims_apart_from_key_head_dims_match_the_reference() {
         let want = reference_lens(&Unmasked, &p, &x, Some(&lens));
         for page_size in [30, 50] {
             let (kp, vp, table) = paged(&p, &x, &lens, page_size);
-            let (mut out, mut lse) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
+            let (mut out, mut lse) = poisoned(p);
             let cache = paging(&lens, &table, page_size);
             forward_cache(&Unmasked, &p, cache, &x.q, &kp, &vp, &mut out, &mut lse).unwrap();
             let ctx = format!("{p:?} pages of {page_size}");
@@ -1331,8 +1334,7 @@ where
 {
     let host = v.host(p).expect("host");
     let want = reference_lens(&host, p, x, Some(lens));
-    let mut out = vec![f32::NAN; p.out_len()];
-    let mut lse = vec![f32::NAN; p.lse_len()];
+    let (mut out, mut lse) = poisoned(p);
     forward_cache(
         v,
         p,
@@ -1373,7 +1375,7 @@ fn a_16_bit_cache_reads_as_its_widened_copy() {
     );
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     let run = |k: &[f32], vv: &[f32]| {
-        let (mut out, mut lse) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
+        let (mut out, mut lse) = poisoned(p);
         forward_cache_tiled(
             &v,
             &p,
@@ -1391,7 +1393,7 @@ fn a_16_bit_cache_reads_as_its_widened_copy() {
         bf.0.iter().map(|y| y.to_f32()).collect(),
         bf.1.iter().map(|y| y.to_f32()).collect(),
     );
-    let (mut out, mut lse) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
+    let (mut out, mut lse) = poisoned(p);
     forward_cache_tiled(
         &v,
         &p,
@@ -1416,8 +1418,8 @@ fn a_16_bit_cache_reads_as_its_widened_copy() {
     // Pages of 32 (half a key tile) holding the f16 cache in order.
     let (max_pages, ps) = (192 / 32, 32);
     let table: Vec<usize> = (0..lens.len() * max_pages).collect();
-    let (mut out, mut lse) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
-    let (mut wout, mut wlse) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
+    let (mut out, mut lse) = poisoned(p);
+    let (mut wout, mut wlse) = poisoned(p);
     // Pages [pages, Hkv, ps, D] from [B, Hkv, Sk, D]: page n of sequence s
     // is its keys n·ps .. for every kv head.
     let paged_of = |src: &[f32]| -> Vec<f32> {
@@ -1581,7 +1583,7 @@ fn bf16_tiles_match_the_reference_within_the_bf16_yardstick() {
                     _ => amx::Kind::Dot,
                 };
                 assert_eq!(amx::kind(), Some(kind), "capped at {level:?}");
-                let (mut out, mut lse) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
+                let (mut out, mut lse) = poisoned(p);
                 let ran =
                     forward_bf16(var, &p, &bf(&x.q), &bf(&x.k), &bf(&x.v), &mut out, &mut lse)
                         .unwrap();
@@ -1608,7 +1610,7 @@ fn bf16_tiles_match_the_reference_within_the_bf16_yardstick() {
         }
         // Capped at AVX-512, the calls decline without writing.
         let pool = capped(Level::Avx512, 1);
-        let (mut untouched, mut lse) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
+        let (mut untouched, mut lse) = poisoned(p);
         let bf16 = Bf16Backward::new(&x, &x.dout);
         let declined = pool.install(|| {
             forward_bf16(var, &p, &bf16.q, &bf16.k, &bf16.v, &mut untouched, &mut lse).unwrap()
@@ -1902,7 +1904,7 @@ fn strided_operands_give_the_bits_of_packed_ones() {
         let packed = ForwardInputs::packed(p, &q, (&k, &v), cache);
         let mut results = Vec::new();
         for x in [packed, spread] {
-            let (mut out, mut lse) = (vec![f32::NAN; p.out_len()], vec![f32::NAN; p.lse_len()]);
+            let (mut out, mut lse) = poisoned(p);
             if bf16_tiles {
                 assert!(forward_bf16_inputs(&Causal, p, x, &mut out, &mut lse).unwrap());
             } else {

@@ -86,6 +86,7 @@ pub(super) struct Positions {
 }
 
 impl Positions {
+    #[inline]
     pub(super) fn new(p: &Problem) -> Self {
         // Positions are i32 in the variant's signature; sequences beyond
         // 2^31 would not fit any of its index arguments.
@@ -95,11 +96,13 @@ impl Positions {
     }
 
     /// An index (batch, head, position) as the variant's `i32`.
+    #[inline]
     pub(super) fn to_i32(x: usize) -> i32 {
         i32::try_from(x).expect("index fits i32")
     }
 
     /// Inclusive positions of `rows` query rows starting at row `row0`.
+    #[inline]
     pub(super) fn query_range(self, row0: usize, rows: usize) -> (i32, i32) {
         let lo = Self::to_i32(row0) + self.q_offset;
         (lo, lo + Self::to_i32(rows) - 1)
@@ -248,6 +251,7 @@ pub(super) fn class_bands<V: HostVariant>(
 /// `dst = beta · A Bᵀ` on each band of the `rows × cols` tile `dst`: the
 /// band's rows of `a` (rows of `d`, `a_rs` apart) against its columns of `bt` (`Bᵀ`,
 /// `d × cols`). Elements outside the bands are not written.
+#[inline]
 pub(super) fn band_products(
     dst: &mut [f32],
     cols: usize,
@@ -270,12 +274,14 @@ pub(super) fn band_products(
 
 /// Whether every element of `x` is finite (no NaN, no infinity).
 /// [`all_finite`] of bf16 bits.
+#[inline]
 pub(super) fn all_finite_bits(x: &[u16]) -> bool {
     x.iter()
         .fold(0u16, |acc, v| acc | u16::from(v & 0x7f80 == 0x7f80))
         == 0
 }
 
+#[inline]
 pub(super) fn all_finite(x: &[f32]) -> bool {
     // Branch-free over the bits, so it vectorises: an exponent of all ones
     // is an infinity or a NaN.

@@ -52,6 +52,17 @@ impl Inputs {
             dout: normal(rng, [B, HQ, s, DV]),
         }
     }
+
+    /// Rank `rank`'s shards of `q, k, v, dout`.
+    fn shard(&self, shards: Shards, rank: usize, world: usize) -> Result<[T; 4]> {
+        let shard = |t: &T| shards.shard(t, 2, rank, world);
+        Ok([
+            shard(&self.q)?,
+            shard(&self.k)?,
+            shard(&self.v)?,
+            shard(&self.dout)?,
+        ])
+    }
 }
 
 /// One rank's results.
@@ -68,21 +79,38 @@ fn run_ring<V: Variant>(
     comms: &[Arc<dyn Communicator>],
     opts: &RingOptions,
 ) -> Vec<Result<RankOut>> {
-    let world = comms.len();
+    on_ranks(comms, |rank, comm| {
+        let [q, k, v, dout] = x.shard(opts.shards, rank, comms.len())?;
+        let (out, lse) = ring_attention(variant, &q, &k, &v, comm, opts)?;
+        let grads = ring_attention_bwd(variant, &dout, &q, &k, &v, &out, &lse, comm, opts)?;
+        Ok(RankOut { out, lse, grads })
+    })
+}
+
+/// Rank `rank`'s ring forward over its shard of `x`, its result dropped.
+fn forward_on<V: Variant>(
+    variant: &V,
+    x: &Inputs,
+    (rank, comm): (usize, &Arc<dyn Communicator>),
+    opts: &RingOptions,
+) -> Result<()> {
+    let [q, k, v, _] = x.shard(opts.shards, rank, comm.world_size())?;
+    ring_attention(variant, &q, &k, &v, comm, opts).map(drop)
+}
+
+/// `call` on every rank of `comms`, each on its own thread; the results
+/// in rank order.
+fn on_ranks<O: Send>(
+    comms: &[Arc<dyn Communicator>],
+    call: impl Fn(usize, &Arc<dyn Communicator>) -> O + Sync,
+) -> Vec<O> {
     std::thread::scope(|s| {
         let handles: Vec<_> = comms
             .iter()
             .enumerate()
             .map(|(rank, comm)| {
-                s.spawn(move || -> Result<RankOut> {
-                    let shard = |t: &T| opts.shards.shard(t, 2, rank, world);
-                    let (q, k, v, dout) =
-                        (shard(&x.q)?, shard(&x.k)?, shard(&x.v)?, shard(&x.dout)?);
-                    let (out, lse) = ring_attention(variant, &q, &k, &v, comm, opts)?;
-                    let grads =
-                        ring_attention_bwd(variant, &dout, &q, &k, &v, &out, &lse, comm, opts)?;
-                    Ok(RankOut { out, lse, grads })
-                })
+                let call = &call;
+                s.spawn(move || call(rank, comm))
             })
             .collect();
         handles
@@ -90,6 +118,43 @@ fn run_ring<V: Variant>(
             .map(|h| h.join().expect("a rank panicked"))
             .collect()
     })
+}
+
+/// Ring options with `shards` and `schedule`, the rest default.
+fn options(shards: Shards, schedule: Schedule) -> RingOptions {
+    RingOptions {
+        shards,
+        schedule,
+        ..RingOptions::default()
+    }
+}
+
+/// A seed, its stream `stream`, and the inputs of a whole sequence of
+/// `world` shards.
+fn inputs(stream: u64, world: usize) -> (u64, Rng, Inputs) {
+    let seed = choose_seed();
+    let mut rng = Rng::new(seed, stream);
+    let x = Inputs::new(&mut rng, N * world);
+    (seed, rng, x)
+}
+
+/// Single-device attention on the whole sequence: `out`, `lse` and every
+/// gradient.
+fn one_device<V: Variant>(
+    variant: &V,
+    x: &Inputs,
+    opts: &AttentionOptions,
+) -> (T, T, AttentionGrads<CpuRuntime>) {
+    let (out, lse) = attention_fwd(variant, &x.q, &x.k, &x.v, opts).expect("single device");
+    let grads = attention_bwd_tensors(variant, &x.dout, &x.q, &x.k, &x.v, &out, &lse, opts)
+        .expect("single device backward");
+    (out, lse, grads)
+}
+
+/// The whole sequence's tensor of which rank `r` holds `part(r)`.
+fn gathered(ranks: &[RankOut], shards: Shards, part: impl Fn(&RankOut) -> &T) -> T {
+    let parts: Vec<T> = ranks.iter().map(|r| part(r).clone()).collect();
+    shards.unshard(&parts, 2).expect("unshard")
 }
 
 fn thread_group(world: usize) -> (Vec<Arc<ThreadComm>>, Vec<Arc<dyn Communicator>>) {
@@ -166,48 +231,21 @@ fn check_against_single<V: Variant>(
         "{} world {world} {shards:?} {schedule:?}; seed {seed}, rerun with {SEED_ENV}={seed}",
         V::NAME
     );
-    let (out, lse) =
-        attention_fwd(variant, &x.q, &x.k, &x.v, &opts.attention).expect("single device");
-    let want = attention_bwd_tensors(
-        variant,
-        &x.dout,
-        &x.q,
-        &x.k,
-        &x.v,
-        &out,
-        &lse,
-        &opts.attention,
-    )
-    .expect("single device backward");
+    let (out, lse, want) = one_device(variant, &x, &opts.attention);
     let (group, comms) = thread_group(world);
     let ranks: Vec<RankOut> = run_ring(variant, &x, &comms, &opts)
         .into_iter()
         .map(|r| r.unwrap_or_else(|e| panic!("{context}: {e}")))
         .collect();
-    let gather = |f: &dyn Fn(&RankOut) -> T, dim: usize| {
-        let parts: Vec<T> = ranks.iter().map(f).collect();
-        shards.unshard(&parts, dim).expect("unshard")
-    };
-    assert_close("out", &gather(&|r| r.out.clone(), 2), &out, &context);
-    assert_close("lse", &gather(&|r| r.lse.clone(), 2), &lse, &context);
-    assert_close(
-        "dq",
-        &gather(&|r| r.grads.dq.clone(), 2),
-        &want.dq,
-        &context,
-    );
-    assert_close(
-        "dk",
-        &gather(&|r| r.grads.dk.clone(), 2),
-        &want.dk,
-        &context,
-    );
-    assert_close(
-        "dv",
-        &gather(&|r| r.grads.dv.clone(), 2),
-        &want.dv,
-        &context,
-    );
+    for (what, got, want) in [
+        ("out", gathered(&ranks, shards, |r| &r.out), &out),
+        ("lse", gathered(&ranks, shards, |r| &r.lse), &lse),
+        ("dq", gathered(&ranks, shards, |r| &r.grads.dq), &want.dq),
+        ("dk", gathered(&ranks, shards, |r| &r.grads.dk), &want.dk),
+        ("dv", gathered(&ranks, shards, |r| &r.grads.dv), &want.dv),
+    ] {
+        assert_close(what, &got, want, &context);
+    }
     for (slot, want) in want.tensors.iter().enumerate() {
         let want = want.as_ref().expect("every tensor gradient was asked for");
         for (rank, r) in ranks.iter().enumerate() {
@@ -347,36 +385,26 @@ fn the_all_gather_schedule_matches_one_device() {
 
 #[test]
 fn numrs_local_communicator_runs_the_all_gather_schedule_and_refuses_the_ring_on_every_rank() {
-    let seed = choose_seed();
-    let mut rng = Rng::new(seed, 15);
     let world = 3;
-    let x = Inputs::new(&mut rng, N * world);
+    let (seed, _, x) = inputs(15, world);
     let group = |_| {
         LocalCommunicator::with_timeout(world, Duration::from_secs(30))
             .into_iter()
             .map(|c| Arc::new(c) as Arc<dyn Communicator>)
             .collect::<Vec<_>>()
     };
-    let gathered = RingOptions {
-        schedule: Schedule::AllGather,
-        shards: Shards::Zigzag,
-        ..RingOptions::default()
-    };
+    let all_gather = options(Shards::Zigzag, Schedule::AllGather);
     let (out, _) =
-        attention_fwd(&Causal, &x.q, &x.k, &x.v, &gathered.attention).expect("one device");
-    let ranks: Vec<RankOut> = run_ring(&Causal, &x, &group(()), &gathered)
+        attention_fwd(&Causal, &x.q, &x.k, &x.v, &all_gather.attention).expect("one device");
+    let ranks: Vec<RankOut> = run_ring(&Causal, &x, &group(()), &all_gather)
         .into_iter()
         .map(|r| r.expect("all-gather on LocalCommunicator"))
         .collect();
-    let parts: Vec<T> = ranks.iter().map(|r| r.out.clone()).collect();
-    let got = Shards::Zigzag.unshard(&parts, 2).expect("unshard");
+    let got = gathered(&ranks, Shards::Zigzag, |r| &r.out);
     assert_close("out", &got, &out, &format!("seed {seed}"));
     // The ring needs point-to-point messages, which LocalCommunicator
     // refuses: every rank says so, none waits.
-    let ring = RingOptions {
-        schedule: Schedule::Ring,
-        ..RingOptions::default()
-    };
+    let ring = options(Shards::Contiguous, Schedule::Ring);
     let started = std::time::Instant::now();
     for r in run_ring(&Causal, &x, &group(()), &ring) {
         let e = r.err().expect("no rank succeeds").to_string();
@@ -387,18 +415,12 @@ fn numrs_local_communicator_runs_the_all_gather_schedule_and_refuses_the_ring_on
 
 #[test]
 fn results_are_the_same_bits_run_to_run() {
-    let seed = choose_seed();
-    let mut rng = Rng::new(seed, 16);
     let world = 3;
-    let x = Inputs::new(&mut rng, N * world);
+    let (_, mut rng, x) = inputs(16, world);
     let variant = AlibiSlopes {
         slopes: learnable(&mut rng, 0.2),
     };
-    let opts = RingOptions {
-        shards: Shards::Zigzag,
-        schedule: Schedule::Ring,
-        ..RingOptions::default()
-    };
+    let opts = options(Shards::Zigzag, Schedule::Ring);
     let bits = || -> Vec<Vec<u32>> {
         let (_, comms) = thread_group(world);
         run_ring(&variant, &x, &comms, &opts)
@@ -427,36 +449,18 @@ fn errors_of(
     call: impl Fn(usize, &Arc<dyn Communicator>) -> Result<()> + Sync,
 ) -> Vec<String> {
     let (_group, comms) = thread_group_waiting(world, timeout);
-    std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .iter()
-            .enumerate()
-            .map(|(rank, comm)| {
-                let call = &call;
-                s.spawn(move || call(rank, comm))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| match h.join().expect("no panic") {
-                Ok(()) => "Ok".to_string(),
-                Err(e) => e.to_string(),
-            })
-            .collect()
+    on_ranks(&comms, |rank, comm| match call(rank, comm) {
+        Ok(()) => "Ok".to_string(),
+        Err(e) => e.to_string(),
     })
 }
 
 #[test]
 fn ranks_that_disagree_all_get_the_same_error() {
-    let seed = choose_seed();
-    let mut rng = Rng::new(seed, 17);
     let world = 3;
-    let x = Inputs::new(&mut rng, N * world);
+    let (_, _, x) = inputs(17, world);
     let shard = |t: &T, rank: usize| Shards::Contiguous.shard(t, 2, rank, world).expect("shard");
-    let opts = RingOptions {
-        schedule: Schedule::Ring,
-        ..RingOptions::default()
-    };
+    let opts = options(Shards::Contiguous, Schedule::Ring);
     let cases: [(&str, &RankCall<'_>); 4] = [
         ("the shard length", &|rank, comm| {
             // Rank 1 holds one row fewer.
@@ -526,21 +530,9 @@ fn a_rank_whose_kernel_fails_mid_ring_fails_every_rank() {
         table,
         max_distance: 8,
     };
-    let opts = RingOptions {
-        schedule: Schedule::Ring,
-        ..RingOptions::default()
-    };
+    let opts = options(Shards::Contiguous, Schedule::Ring);
     let errors = errors_of(world, Duration::from_secs(30), |rank, comm| {
-        let shard = |t: &T| Shards::Contiguous.shard(t, 2, rank, world).expect("shard");
-        ring_attention(
-            &variant,
-            &shard(&x.q),
-            &shard(&x.k),
-            &shard(&x.v),
-            comm,
-            &opts,
-        )
-        .map(drop)
+        forward_on(&variant, &x, (rank, comm), &opts)
     });
     for rank in [0, 1] {
         assert!(
@@ -560,14 +552,11 @@ fn a_rank_whose_kernel_fails_mid_ring_fails_every_rank() {
 
 #[test]
 fn a_rank_that_never_joins_is_an_error_within_the_timeout() {
-    let seed = choose_seed();
-    let mut rng = Rng::new(seed, 19);
     let world = 3;
-    let x = Inputs::new(&mut rng, N * world);
+    let (_, _, x) = inputs(19, world);
     let opts = RingOptions {
-        schedule: Schedule::Ring,
         timeout: Duration::from_secs(2),
-        ..RingOptions::default()
+        ..options(Shards::Contiguous, Schedule::Ring)
     };
     let started = std::time::Instant::now();
     let errors = errors_of(world, Duration::from_secs(2), |rank, comm| {
@@ -579,16 +568,7 @@ fn a_rank_that_never_joins_is_an_error_within_the_timeout() {
                 got: String::new(),
             });
         }
-        let shard = |t: &T| Shards::Contiguous.shard(t, 2, rank, world).expect("shard");
-        ring_attention(
-            &Causal,
-            &shard(&x.q),
-            &shard(&x.k),
-            &shard(&x.v),
-            comm,
-            &opts,
-        )
-        .map(drop)
+        forward_on(&Causal, &x, (rank, comm), &opts)
     });
     assert!(errors.iter().all(|e| e != "Ok"), "{errors:?}");
     assert!(
@@ -600,19 +580,13 @@ fn a_rank_that_never_joins_is_an_error_within_the_timeout() {
 
 #[test]
 fn the_autograd_op_runs_the_ring_backward_on_every_rank() {
-    let seed = choose_seed();
-    let mut rng = Rng::new(seed, 20);
     let world = 2;
-    let x = Inputs::new(&mut rng, N * world);
+    let (seed, mut rng, x) = inputs(20, world);
     let variant = CausalSlidingWindowSinks {
         window: 7,
         sinks: learnable(&mut rng, 1.0),
     };
-    let opts = RingOptions {
-        shards: Shards::Zigzag,
-        schedule: Schedule::Ring,
-        ..RingOptions::default()
-    };
+    let opts = options(Shards::Zigzag, Schedule::Ring);
     let client = CpuRuntime::default_client(&device());
     // Loss = Σ out ∘ dout, so d loss / d out = dout.
     let loss_grads = |out: &Var<CpuRuntime>, dout: &T| {
@@ -634,37 +608,17 @@ fn the_autograd_op_runs_the_ring_backward_on_every_rank() {
         .clone();
     let want_dk = grads.get(k.id()).expect("dk").clone();
     let (_, comms) = thread_group(world);
-    let results: Vec<(T, T)> = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .iter()
-            .enumerate()
-            .map(|(rank, comm)| {
-                let (variant, x, opts, loss_grads) = (&variant, &x, &opts, &loss_grads);
-                s.spawn(move || {
-                    let shard = |t: &T| opts.shards.shard(t, 2, rank, world).expect("shard");
-                    let k = Var::new(shard(&x.k), true);
-                    let out = var_ring_attention(
-                        variant,
-                        &Var::new(shard(&x.q), true),
-                        &k,
-                        &Var::new(shard(&x.v), true),
-                        comm,
-                        opts,
-                    )
-                    .expect("ring");
-                    let grads = loss_grads(&out, &shard(&x.dout));
-                    let sinks = crate::learnable_grads(variant, &grads).expect("by name")[0]
-                        .1
-                        .expect("sinks' gradient")
-                        .clone();
-                    (grads.get(k.id()).expect("dk").clone(), sinks)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank"))
-            .collect()
+    let results: Vec<(T, T)> = on_ranks(&comms, |rank, comm| {
+        let [q, k, v, dout] = x.shard(opts.shards, rank, world).expect("shard");
+        let k = Var::new(k, true);
+        let (q, v) = (Var::new(q, true), Var::new(v, true));
+        let out = var_ring_attention(&variant, &q, &k, &v, comm, &opts).expect("ring");
+        let grads = loss_grads(&out, &dout);
+        let sinks = crate::learnable_grads(&variant, &grads).expect("by name")[0]
+            .1
+            .expect("sinks' gradient")
+            .clone();
+        (grads.get(k.id()).expect("dk").clone(), sinks)
     });
     let dks: Vec<T> = results.iter().map(|(dk, _)| dk.clone()).collect();
     let context = format!("seed {seed}");
@@ -681,10 +635,8 @@ fn the_autograd_op_runs_the_ring_backward_on_every_rank() {
 
 #[test]
 fn bf16_shards_match_one_device_in_bf16() {
-    let seed = choose_seed();
-    let mut rng = Rng::new(seed, 21);
     let world = 2;
-    let x = Inputs::new(&mut rng, N * world);
+    let (seed, _, x) = inputs(21, world);
     let bf16 = |t: &T| t.to_dtype(DType::BF16).expect("bf16");
     let x = Inputs {
         q: bf16(&x.q),
@@ -692,32 +644,14 @@ fn bf16_shards_match_one_device_in_bf16() {
         v: bf16(&x.v),
         dout: bf16(&x.dout),
     };
-    let opts = RingOptions {
-        shards: Shards::Zigzag,
-        schedule: Schedule::Ring,
-        ..RingOptions::default()
-    };
-    let (out, lse) = attention_fwd(&Causal, &x.q, &x.k, &x.v, &opts.attention).expect("one device");
-    let want = attention_bwd_tensors(
-        &Causal,
-        &x.dout,
-        &x.q,
-        &x.k,
-        &x.v,
-        &out,
-        &lse,
-        &opts.attention,
-    )
-    .expect("one device backward");
+    let opts = options(Shards::Zigzag, Schedule::Ring);
+    let (out, lse, want) = one_device(&Causal, &x, &opts.attention);
     let (_, comms) = thread_group(world);
     let ranks: Vec<RankOut> = run_ring(&Causal, &x, &comms, &opts)
         .into_iter()
         .map(|r| r.expect("ring"))
         .collect();
-    let gather = |f: &dyn Fn(&RankOut) -> T| {
-        let parts: Vec<T> = ranks.iter().map(f).collect();
-        opts.shards.unshard(&parts, 2).expect("unshard")
-    };
+    let gather = |f: fn(&RankOut) -> &T| gathered(&ranks, opts.shards, f);
     // Both round every result to bf16 once, from f32 sums in different
     // orders: a few bf16 steps (2^-8 relative) apart at most.
     let close = |what: &str, got: &T, want: &T| {
@@ -731,14 +665,9 @@ fn bf16_shards_match_one_device_in_bf16() {
             );
         }
     };
-    close("out", &gather(&|r| r.out.clone()), &out);
-    close("dq", &gather(&|r| r.grads.dq.clone()), &want.dq);
-    close("dk", &gather(&|r| r.grads.dk.clone()), &want.dk);
-    close("dv", &gather(&|r| r.grads.dv.clone()), &want.dv);
-    assert_close(
-        "lse",
-        &gather(&|r| r.lse.clone()),
-        &lse,
-        &format!("seed {seed}"),
-    );
+    close("out", &gather(|r| &r.out), &out);
+    close("dq", &gather(|r| &r.grads.dq), &want.dq);
+    close("dk", &gather(|r| &r.grads.dk), &want.dk);
+    close("dv", &gather(|r| &r.grads.dv), &want.dv);
+    assert_close("lse", &gather(|r| &r.lse), &lse, &format!("seed {seed}"));
 }
