@@ -1049,21 +1049,24 @@ fn check_cache<V: HostVariant>(v: &V, p: &Problem, t: CpuTiles, lens: &[usize]) 
         }
     }
     let want = reference_lens(v, p, &x, Some(lens));
-    let (mut out, mut lse) = poisoned(p);
-    forward_cache_tiled(
-        v,
-        p,
-        t,
-        CacheLayout::lengths(lens),
-        &x.q,
-        &x.k,
-        &x.v,
-        &mut out,
-        &mut lse,
-    );
+    let (out, lse) = cache_forward(v, p, t, lens, &x);
     let ctx = format!("{} {p:?} lens {lens:?}", V::NAME);
     assert_close(&format!("out {ctx}"), &out, &want.out, 2e-5);
     assert_close(&format!("lse {ctx}"), &lse, &want.lse, 2e-5);
+}
+
+/// The tile forward of `x` over a cache of `lens`, into poisoned buffers.
+fn cache_forward<V: HostVariant>(
+    v: &V,
+    p: &Problem,
+    t: CpuTiles,
+    lens: &[usize],
+    x: &Inputs,
+) -> (Vec<f32>, Vec<f32>) {
+    let (mut out, mut lse) = poisoned(p);
+    let cache = CacheLayout::lengths(lens);
+    forward_cache_tiled(v, p, t, cache, &x.q, &x.k, &x.v, &mut out, &mut lse);
+    (out, lse)
 }
 
 #[test]
@@ -1334,18 +1337,7 @@ where
 {
     let host = v.host(p).expect("host");
     let want = reference_lens(&host, p, x, Some(lens));
-    let (mut out, mut lse) = poisoned(p);
-    forward_cache(
-        v,
-        p,
-        CacheLayout::lengths(lens),
-        &x.q,
-        &x.k,
-        &x.v,
-        &mut out,
-        &mut lse,
-    )
-    .expect("forward");
+    let (out, lse) = cache_forward(&host, p, CpuTiles::for_variant::<V>(), lens, x);
     let mut g = Grads::poisoned(p);
     g.f32(v, p, Some(lens), x.backward(&out, &lse), &[]);
     let ctx = format!("{} {p:?} lens {lens:?}", V::NAME);

@@ -404,3 +404,26 @@ impl<S: Copy + Display + 'static> Display for Extent<S> {
         }
     }
 }
+
+/// `parts` one after the other, as one array of `N` (a compile-time error
+/// unless `N` is their total length): for lists that share runs, as the
+/// backward kernels' arguments do.
+pub const fn concat<T: Copy, const N: usize>(parts: &[&[T]]) -> [T; N] {
+    let mut first = 0;
+    while parts[first].is_empty() {
+        first += 1;
+    }
+    let mut out = [parts[first][0]; N];
+    let (mut i, mut n) = (0, 0);
+    while i < parts.len() {
+        let mut j = 0;
+        while j < parts[i].len() {
+            out[n] = parts[i][j];
+            n += 1;
+            j += 1;
+        }
+        i += 1;
+    }
+    assert!(n == N, "the parts' lengths add up to N");
+    out
+}

@@ -51,7 +51,7 @@
 use super::interface::{Kernel, Module, Size, Smem, Threads};
 use super::{Cuda, CudaDType, CudaKv, CudaTiles, SmemLayout};
 use crate::emit::gpu::tile_class_constants;
-use crate::emit::interface::{Arg, Buffer, Dim, Extent, Scalar};
+use crate::emit::interface::{Arg, Buffer, Dim, Extent, Scalar, concat};
 use crate::emit::source::section;
 
 /// The element types and how keys and values are stored (`types.cu`).
@@ -309,9 +309,9 @@ pub const FORWARD: Kernel = Kernel {
 /// The split-KV forward's merge, after [`FORWARD`] with `splits` > 1: one
 /// warp per query row combines the splits' `split_out` rows by their
 /// `split_lse` into `out` and `lse`.
-pub const MERGE: Kernel = Kernel {
-    entry: "boostr_attn_fwd_merge",
-    args: &[
+pub const MERGE: Kernel = per_row(
+    "boostr_attn_fwd_merge",
+    &[
         Arg::read(Buffer::SplitOut),
         Arg::read(Buffer::SplitLse),
         Arg::write(Buffer::Out),
@@ -321,21 +321,29 @@ pub const MERGE: Kernel = Kernel {
         Arg::Scalar(Scalar::SeqQ),
         Arg::Scalar(Scalar::Splits),
     ],
-    grid: [
-        Extent::Tiles(Dim::Rows, Size::DeltaRows),
-        Extent::One,
-        Extent::One,
-    ],
-    threads: Threads::Delta,
-    smem: Smem::None,
-    min_blocks: None,
-};
+);
+
+/// A kernel of one warp per query row: [`MERGE`] and [`DELTA`].
+const fn per_row(entry: &'static str, args: &'static [Arg]) -> Kernel {
+    Kernel {
+        entry,
+        args,
+        grid: [
+            Extent::Tiles(Dim::Rows, Size::DeltaRows),
+            Extent::One,
+            Extent::One,
+        ],
+        threads: Threads::Delta,
+        smem: Smem::None,
+        min_blocks: None,
+    }
+}
 
 /// The backward's pre-pass, run first: `delta = rowsum(dout ∘ out)` over
 /// the `DV` columns in f32, one warp per row.
-pub const DELTA: Kernel = Kernel {
-    entry: "boostr_attn_bwd_delta",
-    args: &[
+pub const DELTA: Kernel = per_row(
+    "boostr_attn_bwd_delta",
+    &[
         Arg::read(Buffer::Out),
         Arg::read(Buffer::Dout),
         Arg::write(Buffer::Delta),
@@ -343,87 +351,82 @@ pub const DELTA: Kernel = Kernel {
         Arg::Scalar(Scalar::HeadsQ),
         Arg::Scalar(Scalar::SeqQ),
     ],
-    grid: [
-        Extent::Tiles(Dim::Rows, Size::DeltaRows),
-        Extent::One,
-        Extent::One,
-    ],
-    threads: Threads::Delta,
-    smem: Smem::None,
-    min_blocks: None,
-};
+);
+
+/// What every backward kernel after [`DELTA`] reads.
+const BACKWARD_READS: &[Arg] = &[
+    Arg::read(Buffer::Q),
+    Arg::read(Buffer::K),
+    Arg::read(Buffer::V),
+    Arg::read(Buffer::Dout),
+    Arg::read(Buffer::Lse),
+    Arg::read(Buffer::Delta),
+];
+
+/// The sizes, keys and blocks of every backward kernel after [`DELTA`].
+const BACKWARD_SCALARS: &[Arg] = &[
+    Arg::Scalar(Scalar::Batch),
+    Arg::Scalar(Scalar::HeadsQ),
+    Arg::Scalar(Scalar::HeadsKv),
+    Arg::Scalar(Scalar::SeqQ),
+    Arg::Scalar(Scalar::SeqK),
+    Arg::Scalar(Scalar::Scale),
+    Arg::Scalar(Scalar::KvLens),
+    Arg::Scalar(Scalar::KvPages),
+    Arg::Scalar(Scalar::PageSize),
+    Arg::Scalar(Scalar::MaxPages),
+    Arg::Params,
+    Arg::Captures,
+];
+
+/// A backward kernel after [`DELTA`]: its entry, what it writes between
+/// [`BACKWARD_READS`] and [`BACKWARD_SCALARS`], and the tiles (of `Sq` or
+/// `Sk`) and heads its blocks run over.
+const fn backward(
+    entry: &'static str,
+    args: &'static [Arg],
+    (seq, tile, heads): (Dim, Size, Dim),
+) -> Kernel {
+    Kernel {
+        entry,
+        args,
+        grid: [
+            Extent::Tiles(seq, tile),
+            Extent::Dim(heads),
+            Extent::Dim(Dim::Batch),
+        ],
+        threads: Threads::Backward,
+        smem: Smem::Backward,
+        min_blocks: Some(1),
+    }
+}
+
+const DQ_ARGS: [Arg; 19] = concat(&[BACKWARD_READS, &[Arg::write(Buffer::Dq)], BACKWARD_SCALARS]);
+
+const DKDV_ARGS: [Arg; 20] = concat(&[
+    BACKWARD_READS,
+    &[Arg::write(Buffer::Dk), Arg::write(Buffer::Dv)],
+    BACKWARD_SCALARS,
+]);
+
+const TENSORS_ARGS: [Arg; 18] = concat(&[BACKWARD_READS, BACKWARD_SCALARS]);
 
 /// dQ: one block per (query tile, query head, batch), `dQ = scale·Σ_kv dS·K`
 /// over the key tiles the classifier does not prove empty.
-pub const DQ: Kernel = Kernel {
-    entry: "boostr_attn_bwd_dq",
-    args: &[
-        Arg::read(Buffer::Q),
-        Arg::read(Buffer::K),
-        Arg::read(Buffer::V),
-        Arg::read(Buffer::Dout),
-        Arg::read(Buffer::Lse),
-        Arg::read(Buffer::Delta),
-        Arg::write(Buffer::Dq),
-        Arg::Scalar(Scalar::Batch),
-        Arg::Scalar(Scalar::HeadsQ),
-        Arg::Scalar(Scalar::HeadsKv),
-        Arg::Scalar(Scalar::SeqQ),
-        Arg::Scalar(Scalar::SeqK),
-        Arg::Scalar(Scalar::Scale),
-        Arg::Scalar(Scalar::KvLens),
-        Arg::Scalar(Scalar::KvPages),
-        Arg::Scalar(Scalar::PageSize),
-        Arg::Scalar(Scalar::MaxPages),
-        Arg::Params,
-        Arg::Captures,
-    ],
-    grid: [
-        Extent::Tiles(Dim::SeqQ, Size::BwdBlockQ),
-        Extent::Dim(Dim::HeadsQ),
-        Extent::Dim(Dim::Batch),
-    ],
-    threads: Threads::Backward,
-    smem: Smem::Backward,
-    min_blocks: Some(1),
-};
+pub const DQ: Kernel = backward(
+    "boostr_attn_bwd_dq",
+    &DQ_ARGS,
+    (Dim::SeqQ, Size::BwdBlockQ, Dim::HeadsQ),
+);
 
 /// dK and dV: one block per (key tile, kv head, batch), looping over every
 /// query tile of every query head of its GQA group: `dV = Σ Pᵀ·dO`,
 /// `dK = scale·Σ dSᵀ·Q`. Keys no query sees get exact zeros.
-pub const DKDV: Kernel = Kernel {
-    entry: "boostr_attn_bwd_dkdv",
-    args: &[
-        Arg::read(Buffer::Q),
-        Arg::read(Buffer::K),
-        Arg::read(Buffer::V),
-        Arg::read(Buffer::Dout),
-        Arg::read(Buffer::Lse),
-        Arg::read(Buffer::Delta),
-        Arg::write(Buffer::Dk),
-        Arg::write(Buffer::Dv),
-        Arg::Scalar(Scalar::Batch),
-        Arg::Scalar(Scalar::HeadsQ),
-        Arg::Scalar(Scalar::HeadsKv),
-        Arg::Scalar(Scalar::SeqQ),
-        Arg::Scalar(Scalar::SeqK),
-        Arg::Scalar(Scalar::Scale),
-        Arg::Scalar(Scalar::KvLens),
-        Arg::Scalar(Scalar::KvPages),
-        Arg::Scalar(Scalar::PageSize),
-        Arg::Scalar(Scalar::MaxPages),
-        Arg::Params,
-        Arg::Captures,
-    ],
-    grid: [
-        Extent::Tiles(Dim::SeqK, Size::BwdBlockKv),
-        Extent::Dim(Dim::HeadsKv),
-        Extent::Dim(Dim::Batch),
-    ],
-    threads: Threads::Backward,
-    smem: Smem::Backward,
-    min_blocks: Some(1),
-};
+pub const DKDV: Kernel = backward(
+    "boostr_attn_bwd_dkdv",
+    &DKDV_ARGS,
+    (Dim::SeqK, Size::BwdBlockKv, Dim::HeadsKv),
+);
 
 /// The gradients of learnable tensors, after [`DELTA`]: one block per
 /// (query tile, query head, batch) recomputes `P` and `dP` over the key
@@ -432,37 +435,11 @@ pub const DKDV: Kernel = Kernel {
 /// accumulator in the capture arena (64-bit integer atomics: the same bits
 /// in any order, see [`crate::params`], "Gradient accumulators"), then
 /// `−P_sink D_i · ∂sink/∂read` once per row.
-pub const TENSORS: Kernel = Kernel {
-    entry: "boostr_attn_bwd_tensors",
-    args: &[
-        Arg::read(Buffer::Q),
-        Arg::read(Buffer::K),
-        Arg::read(Buffer::V),
-        Arg::read(Buffer::Dout),
-        Arg::read(Buffer::Lse),
-        Arg::read(Buffer::Delta),
-        Arg::Scalar(Scalar::Batch),
-        Arg::Scalar(Scalar::HeadsQ),
-        Arg::Scalar(Scalar::HeadsKv),
-        Arg::Scalar(Scalar::SeqQ),
-        Arg::Scalar(Scalar::SeqK),
-        Arg::Scalar(Scalar::Scale),
-        Arg::Scalar(Scalar::KvLens),
-        Arg::Scalar(Scalar::KvPages),
-        Arg::Scalar(Scalar::PageSize),
-        Arg::Scalar(Scalar::MaxPages),
-        Arg::Params,
-        Arg::Captures,
-    ],
-    grid: [
-        Extent::Tiles(Dim::SeqQ, Size::BwdBlockQ),
-        Extent::Dim(Dim::HeadsQ),
-        Extent::Dim(Dim::Batch),
-    ],
-    threads: Threads::Backward,
-    smem: Smem::Backward,
-    min_blocks: Some(1),
-};
+pub const TENSORS: Kernel = backward(
+    "boostr_attn_bwd_tensors",
+    &TENSORS_ARGS,
+    (Dim::SeqQ, Size::BwdBlockQ, Dim::HeadsQ),
+);
 
 /// The forward translation unit: [`FORWARD`], then [`MERGE`] where the
 /// forward ran in splits.

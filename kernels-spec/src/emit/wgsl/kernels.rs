@@ -53,7 +53,7 @@
 use super::interface::{Binding, Entry, Module, Size};
 use super::{FLAG_FIRST, FLAG_LAST, Wgsl, WgslTiles};
 use crate::emit::gpu::tile_class_constants;
-use crate::emit::interface::{Access, Buffer, Dim, Extent, NO_WORD};
+use crate::emit::interface::{Access, Buffer, Dim, Extent, NO_WORD, concat};
 use crate::emit::source::section;
 
 /// The helpers every module shares (`common.wgsl`).
@@ -196,6 +196,18 @@ pub const MERGE: Module = Module {
     templates: &[MERGE_CODE],
 };
 
+/// The bindings every backward module starts with: the blocks, then the
+/// tensors each of them reads.
+const BACKWARD_READS: &[Binding] = &[
+    Binding::Params,
+    Binding::Shape,
+    Binding::Captures,
+    Binding::Storage(Buffer::Q, Access::Read),
+    Binding::Storage(Buffer::K, Access::Read),
+    Binding::Storage(Buffer::V, Access::Read),
+    Binding::Storage(Buffer::Dout, Access::Read),
+];
+
 /// An entry point with one invocation per query row (workgroups along x
 /// over the rows, along y over (batch, query head)) whose tile loop runs
 /// over the key tiles.
@@ -227,18 +239,14 @@ const fn over_key_tiles(name: &'static str) -> Entry {
 /// the keys. The cost is one more pass of the `QKᵀ` and `dO·Vᵀ` products.
 pub const BACKWARD_DQ: Module = Module {
     name: "bwd_dq",
-    bindings: &[
-        Binding::Params,
-        Binding::Shape,
-        Binding::Captures,
-        Binding::Storage(Buffer::Q, Access::Read),
-        Binding::Storage(Buffer::K, Access::Read),
-        Binding::Storage(Buffer::V, Access::Read),
-        Binding::Storage(Buffer::Dout, Access::Read),
-        Binding::Storage(Buffer::Lse, Access::Read),
-        Binding::Storage(Buffer::Rows, Access::ReadWrite),
-        Binding::Storage(Buffer::Dq, Access::ReadWrite),
-    ],
+    bindings: &concat::<_, 10>(&[
+        BACKWARD_READS,
+        &[
+            Binding::Storage(Buffer::Lse, Access::Read),
+            Binding::Storage(Buffer::Rows, Access::ReadWrite),
+            Binding::Storage(Buffer::Dq, Access::ReadWrite),
+        ],
+    ]),
     entries: &[
         over_key_tiles("attn_bwd_delta"),
         over_key_tiles("attn_bwd_dq"),
@@ -254,18 +262,14 @@ pub const BACKWARD_DQ: Module = Module {
 /// between dispatches `dk`, `dv` hold the accumulators (`dk` unscaled).
 pub const BACKWARD_DKDV: Module = Module {
     name: "bwd_dkdv",
-    bindings: &[
-        Binding::Params,
-        Binding::Shape,
-        Binding::Captures,
-        Binding::Storage(Buffer::Q, Access::Read),
-        Binding::Storage(Buffer::K, Access::Read),
-        Binding::Storage(Buffer::V, Access::Read),
-        Binding::Storage(Buffer::Dout, Access::Read),
-        Binding::Storage(Buffer::Rows, Access::Read),
-        Binding::Storage(Buffer::Dk, Access::ReadWrite),
-        Binding::Storage(Buffer::Dv, Access::ReadWrite),
-    ],
+    bindings: &concat::<_, 10>(&[
+        BACKWARD_READS,
+        &[
+            Binding::Storage(Buffer::Rows, Access::Read),
+            Binding::Storage(Buffer::Dk, Access::ReadWrite),
+            Binding::Storage(Buffer::Dv, Access::ReadWrite),
+        ],
+    ]),
     entries: &[Entry {
         name: "attn_bwd_dkdv",
         grid: [
@@ -293,17 +297,13 @@ pub const BACKWARD_DKDV: Module = Module {
 /// products, and one 64-bit add (two atomics) per pair and read.
 pub const BACKWARD_TENSORS: Module = Module {
     name: "bwd_tensors",
-    bindings: &[
-        Binding::Params,
-        Binding::Shape,
-        Binding::Captures,
-        Binding::Storage(Buffer::Q, Access::Read),
-        Binding::Storage(Buffer::K, Access::Read),
-        Binding::Storage(Buffer::V, Access::Read),
-        Binding::Storage(Buffer::Dout, Access::Read),
-        Binding::Storage(Buffer::Lse, Access::Read),
-        Binding::Storage(Buffer::Rows, Access::Read),
-    ],
+    bindings: &concat::<_, 9>(&[
+        BACKWARD_READS,
+        &[
+            Binding::Storage(Buffer::Lse, Access::Read),
+            Binding::Storage(Buffer::Rows, Access::Read),
+        ],
+    ]),
     entries: &[over_key_tiles("attn_bwd_tensors")],
     templates: &[QUERY_ROWS, WEIGHTS_BACKWARD, TENSORS_CODE, KEYS, STAGE_KV],
 };
