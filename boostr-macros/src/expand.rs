@@ -327,79 +327,15 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
     let vis = &item.vis;
     let (impl_generics, ty_generics, where_clause) = item.generics.split_for_impl();
     let name = ident.to_string();
-    let text = explain(program);
-    let summary = kernels_spec::summary(program);
     let some = |size: Option<u32>| match size {
         Some(v) => quote!(::core::option::Option::Some(#v)),
         None => quote!(::core::option::Option::None),
     };
     let (tile_q, tile_kv) = (some(program.tile.0), some(program.tile.1));
-    let lowerings = gpu_lowerings(program).into_iter().map(|(target, section)| {
-        let target = format_ident!("{}", format!("{target:?}"));
-        quote!(::boostr_runtime::Lowering {
-            target: ::boostr_runtime::Target::#target,
-            section: #section,
-        })
-    });
     let host_methods = host_methods(program);
 
-    // The parameter block: scalars by their encoding, tensors by their
-    // shapes and place in the arena.
-    let mut words = Vec::new();
-    let mut tensor_slots = Vec::new();
-    for slot in program.layout.slots() {
-        let field = format_ident!("{}", slot.name);
-        let word = slot.word;
-        match (slot.kind, slot.encoding()) {
-            (SlotKind::Scalar(_), Some(e)) => {
-                let value = match e {
-                    Encoding::F32Bits => quote!(f32::to_bits(self.#field)),
-                    Encoding::I32Bits => quote!(self.#field as u32),
-                    Encoding::U32 => quote!(self.#field),
-                    Encoding::Bool => quote!(u32::from(self.#field)),
-                };
-                words.push(quote!(words.0[#word] = #value;));
-            }
-            (SlotKind::Tensor { rank, .. }, _) => tensor_slots.push(quote!((#word, #rank))),
-            (_, None) => {}
-        }
-    }
-    let tensor_fields: Vec<syn::Ident> = program
-        .tensors
-        .iter()
-        .map(|t| format_ident!("{}", t.name))
-        .collect();
-    if !tensor_fields.is_empty() {
-        words.push(quote! {
-            ::boostr_runtime::capture::place_tensors(
-                &mut words,
-                &[#(#tensor_slots),*],
-                &[#(self.#tensor_fields.shape()),*],
-                <Self as ::boostr_runtime::Variant>::SUMMARIES,
-                <Self as ::boostr_runtime::Variant>::LEARNABLE,
-            );
-        });
-    }
-    let param_words = quote! {
-        #[allow(unused_mut, clippy::all)]
-        fn param_words(&self) -> ::boostr_runtime::ParamWords {
-            let mut words = ::boostr_runtime::ParamWords::ZERO;
-            #(#words)*
-            words
-        }
-    };
-    let classify_loops = program.classify_loop_iterations();
-    let compiled = quote! {
-        fn compiled() -> ::boostr_runtime::CompiledStages {
-            ::boostr_runtime::CompiledStages {
-                name: #name,
-                text: #text,
-                summary: #summary,
-                lowerings: &[#(#lowerings),*],
-                classify_loop_iterations: #classify_loops,
-            }
-        }
-    };
+    let param_words = param_words(program);
+    let compiled = compiled(program, &name);
     let dropout = if program.weights.dropout {
         method(
             &RustEmitter::new(program, Float::F32),
@@ -436,101 +372,23 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
 
     let host = format_ident!("__BoostrHost{}", ident);
     let variant_where = variant_where(item);
-    let decls = program.tensors.iter().map(|t| {
-        let name = &t.name;
-        let elem = match t.elem {
-            Ty::I32 => quote!(I32),
-            Ty::U32 => quote!(U32),
-            _ => quote!(F32),
-        };
-        let dims = t.dims.iter().map(|d| dim_decl(*d));
-        quote!(::boostr_runtime::capture::TensorDecl {
-            name: #name,
-            elem: ::boostr_runtime::capture::Ty::#elem,
-            dims: &[#(#dims),*],
-        })
-    });
+    let tensor_fields: Vec<syn::Ident> = program
+        .tensors
+        .iter()
+        .map(|t| format_ident!("{}", t.name))
+        .collect();
+    let decls = tensor_decls(program);
     let summaries = program.summaries.iter().map(|(t, a)| quote!((#t, #a)));
-    let read_checks = program.read_conditions.iter().map(|c| {
-        let (site, tensor) = (c.site, c.tensor);
-        let mut signed = Vec::new();
-        for f in program.reading_functions() {
-            f.body.walk(&mut |e| {
-                if let kernels_spec::ir::ExprKind::Read(r) = &e.kind
-                    && r.site == site
-                    && signed.is_empty()
-                {
-                    signed = r.indices.iter().map(|i| i.ty == Ty::I32).collect();
-                }
-            });
-        }
-        let holds = c.holds.iter().map(|h| match h {
-            Holds::Never => quote!(::boostr_runtime::capture::Holds::Never),
-            Holds::NonNegative(f) => {
-                let f = size_form(f);
-                quote!(::boostr_runtime::capture::Holds::NonNegative(#f))
-            }
-            Holds::BelowDim(f, axis) => {
-                let f = size_form(f);
-                quote!(::boostr_runtime::capture::Holds::BelowDim(#f, #axis))
-            }
-        });
-        quote!(::boostr_runtime::capture::ReadCheck {
-            site: #site,
-            tensor: #tensor,
-            signed: &[#(#signed),*],
-            holds: &[#(#holds),*],
-        })
-    });
+    let read_checks = read_checks(program);
     let scalar_fields: Vec<syn::Ident> = program
         .params
         .iter()
         .map(|p| format_ident!("{}", p.name))
         .collect();
-    let scalar_types: Vec<TokenStream> = program
-        .params
-        .iter()
-        .map(|p| match p.ty {
-            Ty::Bool => quote!(bool),
-            other => elem_type(other),
-        })
-        .collect();
-    let tensor_types: Vec<TokenStream> = program
-        .tensors
-        .iter()
-        .map(|t| {
-            let elem = elem_type(t.elem);
-            let rank = t.dims.len();
-            quote!(::boostr_runtime::capture::HostTensor<#elem, #rank>)
-        })
-        .collect();
-    let capture_fields = |how: TokenStream| {
-        program
-            .tensors
-            .iter()
-            .enumerate()
-            .map(|(i, t)| {
-                let field = format_ident!("{}", t.name);
-                let axes = program
-                    .summaries
-                    .iter()
-                    .filter(|(st, _)| *st == i)
-                    .map(|(_, a)| *a);
-                let tensor = tensor_of(&field, t.learnable);
-                quote! {
-                    #field: ::boostr_runtime::capture::HostTensor::#how(
-                        &<Self as ::boostr_runtime::Variant>::TENSORS[#i],
-                        #tensor,
-                        p,
-                        &[#(#axes),*],
-                    )?
-                }
-            })
-            .collect::<Vec<_>>()
-    };
+    let (scalar_types, tensor_types) = host_field_types(program);
     let (captured, copied) = (
-        capture_fields(quote!(capture)),
-        capture_fields(quote!(copy)),
+        capture_fields(program, quote!(capture)),
+        capture_fields(program, quote!(copy)),
     );
     let captures = program.tensors.iter().enumerate().map(|(i, t)| {
         let tensor = tensor_of(&format_ident!("{}", t.name), t.learnable);
@@ -599,6 +457,190 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
             #param_words
         }
     }
+}
+
+/// The variant's `TENSORS`: each captured tensor's declaration.
+fn tensor_decls(program: &Program) -> Vec<TokenStream> {
+    program
+        .tensors
+        .iter()
+        .map(|t| {
+            let name = &t.name;
+            let elem = match t.elem {
+                Ty::I32 => quote!(I32),
+                Ty::U32 => quote!(U32),
+                _ => quote!(F32),
+            };
+            let dims = t.dims.iter().map(|d| dim_decl(*d));
+            quote!(::boostr_runtime::capture::TensorDecl {
+                name: #name,
+                elem: ::boostr_runtime::capture::Ty::#elem,
+                dims: &[#(#dims),*],
+            })
+        })
+        .collect()
+}
+
+/// The Rust types of the host struct's scalar and tensor fields.
+fn host_field_types(program: &Program) -> (Vec<TokenStream>, Vec<TokenStream>) {
+    let scalar_types: Vec<TokenStream> = program
+        .params
+        .iter()
+        .map(|p| match p.ty {
+            Ty::Bool => quote!(bool),
+            other => elem_type(other),
+        })
+        .collect();
+    let tensor_types: Vec<TokenStream> = program
+        .tensors
+        .iter()
+        .map(|t| {
+            let elem = elem_type(t.elem);
+            let rank = t.dims.len();
+            quote!(::boostr_runtime::capture::HostTensor<#elem, #rank>)
+        })
+        .collect();
+    (scalar_types, tensor_types)
+}
+
+/// The variant's `param_words`: scalars by their encoding, tensors by
+/// their shapes and place in the arena.
+fn param_words(program: &Program) -> TokenStream {
+    let mut words = Vec::new();
+    let mut tensor_slots = Vec::new();
+    for slot in program.layout.slots() {
+        let field = format_ident!("{}", slot.name);
+        let word = slot.word;
+        match (slot.kind, slot.encoding()) {
+            (SlotKind::Scalar(_), Some(e)) => {
+                let value = match e {
+                    Encoding::F32Bits => quote!(f32::to_bits(self.#field)),
+                    Encoding::I32Bits => quote!(self.#field as u32),
+                    Encoding::U32 => quote!(self.#field),
+                    Encoding::Bool => quote!(u32::from(self.#field)),
+                };
+                words.push(quote!(words.0[#word] = #value;));
+            }
+            (SlotKind::Tensor { rank, .. }, _) => tensor_slots.push(quote!((#word, #rank))),
+            (_, None) => {}
+        }
+    }
+    let tensor_fields: Vec<syn::Ident> = program
+        .tensors
+        .iter()
+        .map(|t| format_ident!("{}", t.name))
+        .collect();
+    if !tensor_fields.is_empty() {
+        words.push(quote! {
+            ::boostr_runtime::capture::place_tensors(
+                &mut words,
+                &[#(#tensor_slots),*],
+                &[#(self.#tensor_fields.shape()),*],
+                <Self as ::boostr_runtime::Variant>::SUMMARIES,
+                <Self as ::boostr_runtime::Variant>::LEARNABLE,
+            );
+        });
+    }
+    quote! {
+        #[allow(unused_mut, clippy::all)]
+        fn param_words(&self) -> ::boostr_runtime::ParamWords {
+            let mut words = ::boostr_runtime::ParamWords::ZERO;
+            #(#words)*
+            words
+        }
+    }
+}
+
+/// The variant's `compiled`: what the compiler made of it.
+fn compiled(program: &Program, name: &str) -> TokenStream {
+    let text = explain(program);
+    let summary = kernels_spec::summary(program);
+    let lowerings = gpu_lowerings(program).into_iter().map(|(target, section)| {
+        let target = format_ident!("{}", format!("{target:?}"));
+        quote!(::boostr_runtime::Lowering {
+            target: ::boostr_runtime::Target::#target,
+            section: #section,
+        })
+    });
+    let classify_loops = program.classify_loop_iterations();
+    quote! {
+        fn compiled() -> ::boostr_runtime::CompiledStages {
+            ::boostr_runtime::CompiledStages {
+                name: #name,
+                text: #text,
+                summary: #summary,
+                lowerings: &[#(#lowerings),*],
+                classify_loop_iterations: #classify_loops,
+            }
+        }
+    }
+}
+
+/// The variant's `READ_CHECKS`: each checked read's conditions, with the
+/// signedness of its indices.
+fn read_checks(program: &Program) -> Vec<TokenStream> {
+    program
+        .read_conditions
+        .iter()
+        .map(|c| {
+            let (site, tensor) = (c.site, c.tensor);
+            let mut signed = Vec::new();
+            for f in program.reading_functions() {
+                f.body.walk(&mut |e| {
+                    if let kernels_spec::ir::ExprKind::Read(r) = &e.kind
+                        && r.site == site
+                        && signed.is_empty()
+                    {
+                        signed = r.indices.iter().map(|i| i.ty == Ty::I32).collect();
+                    }
+                });
+            }
+            let holds = c.holds.iter().map(|h| match h {
+                Holds::Never => quote!(::boostr_runtime::capture::Holds::Never),
+                Holds::NonNegative(f) => {
+                    let f = size_form(f);
+                    quote!(::boostr_runtime::capture::Holds::NonNegative(#f))
+                }
+                Holds::BelowDim(f, axis) => {
+                    let f = size_form(f);
+                    quote!(::boostr_runtime::capture::Holds::BelowDim(#f, #axis))
+                }
+            });
+            quote!(::boostr_runtime::capture::ReadCheck {
+                site: #site,
+                tensor: #tensor,
+                signed: &[#(#signed),*],
+                holds: &[#(#holds),*],
+            })
+        })
+        .collect()
+}
+
+/// The host struct's tensor fields, each built by `HostTensor::<how>`
+/// (`capture` or `copy`) from the variant's field.
+fn capture_fields(program: &Program, how: TokenStream) -> Vec<TokenStream> {
+    program
+        .tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let field = format_ident!("{}", t.name);
+            let axes = program
+                .summaries
+                .iter()
+                .filter(|(st, _)| *st == i)
+                .map(|(_, a)| *a);
+            let tensor = tensor_of(&field, t.learnable);
+            quote! {
+                #field: ::boostr_runtime::capture::HostTensor::#how(
+                    &<Self as ::boostr_runtime::Variant>::TENSORS[#i],
+                    #tensor,
+                    p,
+                    &[#(#axes),*],
+                )?
+            }
+        })
+        .collect::<Vec<_>>()
 }
 
 /// After an error: impls whose bodies are never reached, so that one

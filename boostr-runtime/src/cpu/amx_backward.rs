@@ -539,7 +539,7 @@ fn step<V: HostVariant>(
         g: &mut *g,
         bands: &sc.bands,
     });
-    let (s, g) = (&*s, &*g);
+    let s = &*s;
 
     // dP = dO Vᵀ; with dropout, `P Z` and `dP Z` (as in the f32 backward).
     // SAFETY: as above.
@@ -579,8 +579,49 @@ fn step<V: HostVariant>(
     }
 
     // dS = d loss / d score ∘ score_grad in place over dP.
+    let at = (b, h, q_lo, kv_lo);
+    score_grads(sh, sc, at, (rows, cols, class), delta, learn, grads);
+    let s = &sc.s[..rows * BK];
+
+    // dKᵀ += Qᵀ (scale·dS).
+    // SAFETY: as above.
+    unsafe {
+        tiles.product(
+            (qp.cols.as_ptr().cast::<u16>().add(r0), sq_pad),
+            (sc.ds_pairs.as_ptr(), BK),
+            (dkt, BK),
+            (dp, n, kq),
+            true,
+        );
+    }
+
+    // dQ += (scale·dS) K. On a partial tile a key no row sees has dS = 0
+    // in every row, and must not bring a NaN of its K row into the product.
+    let mut k_keys = &kv.k_keys[kv0 / 2 * dp..(kv0 + BK) / 2 * dp];
+    if class == TileClass::Partial && kv.k_nonfinite[kv0 / BK] {
+        k_keys = zero_unseen_keys(k_keys, dp, s, BK, cols, &mut sc.k_guarded);
+    }
+    let kk = cols.next_multiple_of(amx::DEPTH);
+    // SAFETY: as above.
+    unsafe { dq_product(tiles, (&sc.ds, k_keys), (d, dp), (m, kk), dq_t, &mut sc.dq) };
+}
+
+/// dS = d loss / d score ∘ score_grad in place over the tile's dP (after
+/// adding the learnable tensors' terms, where `learn`), then its bf16
+/// pairs scaled by `scale` into `sc.ds_pairs` and `sc.ds`.
+fn score_grads<V: HostVariant>(
+    sh: &Shared<'_, V>,
+    sc: &mut Scratch,
+    at: (i32, i32, i32, i32),
+    (rows, cols, class): (usize, usize, TileClass),
+    delta: &[f32],
+    learn: bool,
+    grads: &mut [&mut [f32]],
+) {
+    let s = &sc.s[..rows * BK];
+    let g = &sc.g[..if V::SCORE_GRAD_IS_ONE { 0 } else { rows * BK }];
+    let dp_t = &mut sc.dp[..rows * BK];
     if learn {
-        let at = (b, h, q_lo, kv_lo);
         let raw = &sc.raw[..if V::SCORE_GRADS_BY_DIFFERENCE {
             0
         } else {
@@ -606,29 +647,14 @@ fn step<V: HostVariant>(
         partial: class == TileClass::Partial,
         variant: PhantomData,
     });
-    pair_round(dp_t, rows, cols, scale, &mut sc.ds_pairs, Some(&mut sc.ds));
-
-    // dKᵀ += Qᵀ (scale·dS).
-    // SAFETY: as above.
-    unsafe {
-        tiles.product(
-            (qp.cols.as_ptr().cast::<u16>().add(r0), sq_pad),
-            (sc.ds_pairs.as_ptr(), BK),
-            (dkt, BK),
-            (dp, n, kq),
-            true,
-        );
-    }
-
-    // dQ += (scale·dS) K. On a partial tile a key no row sees has dS = 0
-    // in every row, and must not bring a NaN of its K row into the product.
-    let mut k_keys = &kv.k_keys[kv0 / 2 * dp..(kv0 + BK) / 2 * dp];
-    if class == TileClass::Partial && kv.k_nonfinite[kv0 / BK] {
-        k_keys = zero_unseen_keys(k_keys, dp, s, BK, cols, &mut sc.k_guarded);
-    }
-    let kk = cols.next_multiple_of(amx::DEPTH);
-    // SAFETY: as above.
-    unsafe { dq_product(tiles, (&sc.ds, k_keys), (d, dp), (m, kk), dq_t, &mut sc.dq) };
+    pair_round(
+        dp_t,
+        rows,
+        cols,
+        sh.p.scale,
+        &mut sc.ds_pairs,
+        Some(&mut sc.ds),
+    );
 }
 
 /// `dq_t += ds · k_keys` (`ds` `m` rows of [`BK`] bf16, `k_keys` the key
