@@ -60,23 +60,6 @@ fn gqa_group() -> u32 {
     return max(shape.heads_q / max(shape.heads_kv, 1u), 1u);
 }
 
-// The keys of sequence b: its KV cache length (arena word shape.kv_lens + b,
-// at most Sk), or Sk without a cache.
-fn seq_keys(b: u32) -> u32 {
-    if shape.kv_lens == NO_WORD { return shape.seq_k; }
-    return min(atomicLoad(&captures[shape.kv_lens + b]), shape.seq_k);
-}
-
-// The row of k and v (times D and DV: the element offsets) of key r of
-// (b, h_kv): contiguous [B, Hkv, Sk, ·], or with pages (page_size > 0) slot
-// r % page_size of page pages[b * max_pages + r / page_size] in
-// [pages, Hkv, page_size, ·].
-fn key_row(b: u32, h_kv: u32, r: u32) -> u32 {
-    if shape.page_size == 0u { return (b * shape.heads_kv + h_kv) * shape.seq_k + r; }
-    let page = atomicLoad(&captures[shape.kv_pages + b * shape.max_pages + r / shape.page_size]);
-    return (page * shape.heads_kv + h_kv) * shape.page_size + r % shape.page_size;
-}
-
 // ---- IR semantics helpers ----
 fn bx_inf() -> f32 {
     var bits: u32 = 0x7f800000u; // a var: never constant-folded
@@ -620,6 +603,24 @@ fn pair_weight(s: f32, m: f32, l: ptr<function, f32>, ib: i32, ih: i32, qp: i32,
     let p = weights_pair(s, m);
     *l += p;
     return p * variant_dropout(ib, ih, qp, kp);
+}
+
+// ---- keys: where key r of sequence b lives ----
+// The keys of sequence b: its KV cache length (arena word shape.kv_lens + b,
+// at most Sk), or Sk without a cache.
+fn seq_keys(b: u32) -> u32 {
+    if shape.kv_lens == NO_WORD { return shape.seq_k; }
+    return min(atomicLoad(&captures[shape.kv_lens + b]), shape.seq_k);
+}
+
+// The row of k and v (times D and DV: the element offsets) of key r of
+// (b, h_kv): contiguous [B, Hkv, Sk, ·], or with pages (page_size > 0) slot
+// r % page_size of page pages[b * max_pages + r / page_size] in
+// [pages, Hkv, page_size, ·].
+fn key_row(b: u32, h_kv: u32, r: u32) -> u32 {
+    if shape.page_size == 0u { return (b * shape.heads_kv + h_kv) * shape.seq_k + r; }
+    let page = atomicLoad(&captures[shape.kv_pages + b * shape.max_pages + r / shape.page_size]);
+    return (page * shape.heads_kv + h_kv) * shape.page_size + r % shape.page_size;
 }
 
 // K and V rows k0 .. k0 + BKV of kv head h_kv of sequence b (zeros from its

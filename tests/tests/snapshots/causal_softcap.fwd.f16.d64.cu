@@ -220,13 +220,6 @@ __device__ __forceinline__ float bx_neg_inf() { return __int_as_float(0xff800000
 // *p = x in p's type: f32, or rounded to the 16-bit element type.
 __device__ __forceinline__ void bx_put(float* p, float x) { *p = x; }
 
-// The keys of sequence b: its KV cache length (arena word kv_lens + b, at
-// most seq_k; its spare slots are never read), or seq_k without a cache
-// (kv_lens < 0).
-__device__ __forceinline__ int bx_seq_keys(const unsigned* __restrict__ captures, int kv_lens, int b, int seq_k) {
-    return kv_lens < 0 ? seq_k : min((int)captures[kv_lens + b], seq_k);
-}
-
 // Query heads per kv head (GQA group), never 0.
 __device__ __forceinline__ int bx_group(int heads_q, int heads_kv) {
     const int g = heads_kv > 0 ? heads_q / heads_kv : 1;
@@ -548,33 +541,65 @@ struct BxAcc {
 };
 #endif
 
-// ---- forward (FlashAttention-2 schedule) ----
-// Key rows k0 .. k0 + ROWS of kv head hk from pages, as bx_load_rows loads
-// them from a contiguous block: logical key j is slot j % page_size of page
-// captures[table + j / page_size] of src [pages, Hkv, page_size, R::W]. A
-// row lies in one page, so rows are staged in whole chunks; zeros past
-// rows_valid (whose table entries are never read).
+// ---- keys: where key j of sequence b lives ----
+// The keys of sequence b: its KV cache length (arena word kv_lens + b, at
+// most seq_k; its spare slots are never read), or seq_k without a cache
+// (kv_lens < 0).
+__device__ __forceinline__ int bx_seq_keys(const unsigned* __restrict__ captures, int kv_lens, int b, int seq_k) {
+    return kv_lens < 0 ? seq_k : min((int)captures[kv_lens + b], seq_k);
+}
+
+// The keys of (batch b, kv head hk) as a launch lays them out: in place,
+// k [B, Hkv, Sk, D] and v [B, Hkv, Sk, DV]; or, with page_size > 0, in
+// pages, k [pages, Hkv, page_size, D] and v [.., DV], logical key j in
+// slot j % page_size of page captures[table + j / page_size] (the
+// sequence's row of the [B, max_pages] page table at arena word
+// kv_pages).
+struct BxKeys {
+    const unsigned* __restrict__ captures;
+    unsigned table;
+    int page_size;
+    int heads_kv;
+    int hk;
+    size_t head_row0; // in place: the head's first row
+};
+
+__device__ __forceinline__ BxKeys bx_keys(const unsigned* __restrict__ captures, int kv_pages, int page_size,
+                                          int max_pages, int heads_kv, int seq_k, int b, int hk) {
+    BxKeys keys;
+    keys.captures = captures;
+    keys.table = (unsigned)kv_pages + (unsigned)b * (unsigned)max_pages;
+    keys.page_size = page_size;
+    keys.heads_kv = heads_kv;
+    keys.hk = hk;
+    keys.head_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k;
+    return keys;
+}
+
+// The row of key j in k (times D) and in v (times DV).
+__device__ __forceinline__ size_t bx_key_row(const BxKeys& keys, int j) {
+    if (keys.page_size == 0) return keys.head_row0 + (size_t)j;
+    const size_t page = keys.captures[keys.table + (unsigned)(j / keys.page_size)];
+    return (page * keys.heads_kv + keys.hk) * (size_t)keys.page_size + (size_t)(j % keys.page_size);
+}
+
+// Where key j's fp8 scales are in k_scale and v_scale: its kv head's
+// ([Hkv], keys in place), or its page's ([pages, Hkv], page · Hkv + hk).
+__device__ __forceinline__ size_t bx_key_scale(const BxKeys& keys, int j) {
+    if (keys.page_size == 0) return (size_t)keys.hk;
+    return (size_t)keys.captures[keys.table + (unsigned)(j / keys.page_size)] * keys.heads_kv + keys.hk;
+}
+
+// Key rows k0 .. k0 + ROWS of src (k or v) into a tile, as bx_load_rows
+// loads a contiguous block: a row lies in one page, so rows are staged in
+// whole chunks; zeros past rows_valid (whose rows are never located).
 template <int ROWS, int NT, typename R, typename S>
-__device__ __forceinline__ void bx_load_paged(elem_t* dst, const S* __restrict__ src,
-                                              const unsigned* __restrict__ captures, unsigned table, int page_size,
-                                              int hk, int heads_kv, int k0, int rows_valid) {
-    bx_stage_rows<ROWS, NT, R>(dst, src, rows_valid, [&](int r) {
-        const int j = k0 + r;
-        const size_t page = captures[table + (unsigned)(j / page_size)];
-        return (page * heads_kv + hk) * (size_t)page_size + (size_t)(j % page_size);
-    });
+__device__ __forceinline__ void bx_load_keys(elem_t* dst, const S* __restrict__ src, const BxKeys& keys, int k0,
+                                             int rows_valid) {
+    bx_stage_rows<ROWS, NT, R>(dst, src, rows_valid, [&](int r) { return bx_key_row(keys, k0 + r); });
 }
 
-#if BX_KV_FP8
-// Where key j's scales are in k_scale and v_scale: its kv head's ([Hkv],
-// keys in place), or its page's ([pages, Hkv], page · Hkv + hk).
-__device__ __forceinline__ size_t bx_kv_scale_at(const unsigned* __restrict__ captures, unsigned table,
-                                                 int page_size, int hk, int heads_kv, int j) {
-    if (page_size == 0) return (size_t)hk;
-    return (size_t)captures[table + (unsigned)(j / page_size)] * heads_kv + hk;
-}
-#endif
-
+// ---- weights: a tile of scores into weights ----
 // One tile of scores becomes weights, one warp per row (the normalisation's
 // functions, `weights_*`): each row's running max moves to the tile's, the
 // scores become unnormalised weights (in S, and as 16-bit in P on tensor
@@ -617,6 +642,8 @@ __device__ __forceinline__ void bx_tile_weights(float* S, elem_t* P, float* row_
         }
     }
 }
+
+// ---- forward (FlashAttention-2 schedule) ----
 
 extern "C" __global__ void __launch_bounds__(FWD_THREADS, 1)
 boostr_attn_fwd(
@@ -679,13 +706,12 @@ boostr_attn_fwd(
     const int sk = bx_seq_keys(captures, kv_lens, b, seq_k); // rows aligned to them
     const int offset = sk - seq_q;
     const size_t q_row0 = ((size_t)b * heads_q + (size_t)hk * g) * (size_t)seq_q + r0;
-    const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k;
-    const unsigned table = (unsigned)kv_pages + (unsigned)b * (unsigned)max_pages;
+    const BxKeys keys = bx_keys(captures, kv_pages, page_size, max_pages, heads_kv, seq_k, b, hk);
 #if BX_KV_FP8
     // The V scale of the sequence's first key: P's columns carry each key's
     // V scale relative to it (1 where they are equal: P keeps its range in
     // f16), the output the rest. Not read without keys.
-    const float v_ref = sk > 0 ? v_scale[bx_kv_scale_at(captures, table, page_size, hk, heads_kv, 0)] : 1.0f;
+    const float v_ref = sk > 0 ? v_scale[bx_key_scale(keys, 0)] : 1.0f;
     const float out_factor = v_ref * KV_UNIT;
 #else
     const float out_factor = 1.0f;
@@ -725,20 +751,15 @@ boostr_attn_fwd(
             if (variant_classify(params, captures, b, hh, q_lo, q_hi, k0, kv_hi) != cls) cls = TILE_PARTIAL;
         if (cls == TILE_EMPTY) continue; // nothing visible (uniform over the block)
         __syncthreads(); // the previous tile's readers of K, V, S, P are done
-        if (page_size == 0) {
-            bx_load_rows<BKV, FWD_THREADS, BxRowD>(sK, k + (kv_row0 + k0) * D, sk - k0);
-            bx_load_rows<BKV, FWD_THREADS, BxRowDV>(sV, v + (kv_row0 + k0) * DV, sk - k0);
-        } else {
-            bx_load_paged<BKV, FWD_THREADS, BxRowD>(sK, k, captures, table, page_size, hk, heads_kv, k0, sk - k0);
-            bx_load_paged<BKV, FWD_THREADS, BxRowDV>(sV, v, captures, table, page_size, hk, heads_kv, k0, sk - k0);
-        }
+        bx_load_keys<BKV, FWD_THREADS, BxRowD>(sK, k, keys, k0, sk - k0);
+        bx_load_keys<BKV, FWD_THREADS, BxRowDV>(sV, v, keys, k0, sk - k0);
         for (int j = threadIdx.x; j < BKV; j += FWD_THREADS) {
             s_seen[j] = 0;
 #if BX_KV_FP8
             float kf = 0.0f;
             float vf = 0.0f;
             if (k0 + j < sk) {
-                const size_t at = bx_kv_scale_at(captures, table, page_size, hk, heads_kv, k0 + j);
+                const size_t at = bx_key_scale(keys, k0 + j);
                 kf = k_scale[at] * KV_UNIT;
                 vf = __fdiv_rn(v_scale[at], v_ref);
             }
