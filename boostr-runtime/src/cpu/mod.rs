@@ -1,5 +1,5 @@
 //! Fused attention kernels for the CPU: FlashAttention-2 forward and backward
-//! over contiguous f32 slices, generic over the variant's [`HostVariant`]
+//! over contiguous f32 slices, generic over the variant's [`HostVariant`](crate::HostVariant)
 //! functions so that `score`,
 //! `score_grad`, `mask` and `classify_tile` inline into the tile loops.
 //!
@@ -18,7 +18,7 @@
 //! CPUID, and tests cap it to run each path (the `vdpbf16ps` one on any
 //! CPU that has the instruction) and the widened one.
 //!
-//! Layout and semantics are those of [`Problem`]: `q, out [B, Hq, Sq, D]`,
+//! Layout and semantics are those of [`Problem`](crate::Problem): `q, out [B, Hq, Sq, D]`,
 //! `k, v [B, Hkv, Sk, D]`, `lse [B, Hq, Sq]`, query head `h` reads kv head
 //! `h / (Hq / Hkv)`, query row `i` sits at position `i + Sk − Sq`.
 //!
