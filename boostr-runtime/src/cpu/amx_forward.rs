@@ -451,9 +451,13 @@ fn step<V: HostVariant>(
         l: &mut qt.l[..rows],
         alpha: &mut qt.alpha[..rows],
         out: (!first).then_some(&mut qt.o[..rows * dvp]),
-        p_bf16: Some(&mut w.p[..rows * BK]),
         bands: w.bands,
     });
+    // P to bf16 for its product, zero past the tile's keys.
+    for (src, dst) in s.chunks_exact(BK).zip(w.p.chunks_exact_mut(BK)) {
+        math::round_bf16(&src[..cols], &mut dst[..cols]);
+        dst[cols..].fill(0);
+    }
     let chunks = cols.div_ceil(amx::DEPTH);
     let p = &w.p[..rows * BK];
     // On a partial tile, keys no row sees must not bring a NaN of their V

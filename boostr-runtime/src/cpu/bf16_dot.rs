@@ -82,6 +82,49 @@ pub(super) unsafe fn product(
     }
 }
 
+/// `dst[i]` = `src[i]` rounded to bf16 bits, to nearest even, 32 at a
+/// time by `vcvtne2ps2bf16` (see [`super::math::round_bf16`]).
+///
+/// # Safety
+/// [`present`]; `dst.len() == src.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+pub(super) unsafe fn round(src: &[f32], dst: &mut [u16]) {
+    let n = src.len();
+    let mut i = 0;
+    // SAFETY (whole body): every access is below `n`, in both slices.
+    unsafe {
+        while i + 32 <= n {
+            let lo = _mm512_loadu_ps(src.as_ptr().add(i));
+            let hi = _mm512_loadu_ps(src.as_ptr().add(i + 16));
+            let pair = _mm512_cvtne2ps_pbh(hi, lo);
+            _mm512_storeu_si512(
+                dst.as_mut_ptr().add(i).cast(),
+                std::mem::transmute::<__m512bh, __m512i>(pair),
+            );
+            i += 32;
+        }
+        if i < n {
+            let rest = n - i;
+            let mask = if rest >= 16 {
+                u16::MAX
+            } else {
+                (1u16 << rest) - 1
+            };
+            let lo = _mm512_maskz_loadu_ps(mask, src.as_ptr().add(i));
+            let hi_mask = if rest > 16 {
+                (1u16 << (rest - 16)) - 1
+            } else {
+                0
+            };
+            let hi = _mm512_maskz_loadu_ps(hi_mask, src.as_ptr().add(i + 16.min(rest)));
+            let pair = std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+            let words = (1u32 << rest).wrapping_sub(1);
+            _mm512_mask_storeu_epi16(dst.as_mut_ptr().add(i).cast(), words, pair);
+        }
+    }
+}
+
 /// Rows of `C` per register block.
 const ROWS: usize = 4;
 
@@ -135,6 +178,38 @@ unsafe fn block<const NB: usize>(
 mod tests {
     use super::*;
     use half::bf16;
+
+    /// `vcvtne2ps2bf16` rounds as `math::bf16_bits` does, whole vectors
+    /// and every tail length, and writes nothing past the end.
+    #[test]
+    fn rounding_to_bf16_matches_the_integer_rounding() {
+        if !present() {
+            eprintln!("boostr: skipping: no AVX512-BF16 on this CPU");
+            return;
+        }
+        let mut rng = crate::testing::Rng::new(9, 0);
+        for n in 0..70 {
+            // Magnitudes from 2^-60 to 2^4, and ties to even.
+            let mut src: Vec<f32> = rng
+                .normal_f32(n, 1.0)
+                .into_iter()
+                .enumerate()
+                .map(|(i, x)| x * (2f32).powi(i as i32 % 64 - 60))
+                .collect();
+            if n > 3 {
+                src[1] = f32::from_bits(0x3f80_8000); // a tie, rounds down to even
+                src[2] = f32::from_bits(0x3f81_8000); // a tie, rounds up to even
+                src[3] = 0.0;
+            }
+            let mut got = vec![0xdeadu16; n + 1];
+            // SAFETY: present; equal lengths.
+            unsafe { round(&src, &mut got[..n]) };
+            for (i, &x) in src.iter().enumerate() {
+                assert_eq!(got[i], crate::cpu::math::bf16_bits(x), "n {n}, [{i}] = {x}");
+            }
+            assert_eq!(got[n], 0xdead, "n {n}: written past the end");
+        }
+    }
 
     /// `C += A · B` on `vdpbf16ps` (96 × 64 of C, both column blocks, k =
     /// 64) against the f64 sums of the same bf16 products.

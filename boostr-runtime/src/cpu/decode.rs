@@ -445,7 +445,7 @@ impl<V: HostVariant> Elementwise for BlockSoftmax<'_, '_, V> {
                 TileClass::Empty => row.fill(f32::NEG_INFINITY),
                 class => super::forward::score_and_mask(task.variant, b, h, qi, kv_lo, class, row),
             }
-            alpha[r] = w.row_max(m[r], row);
+            alpha[r] = w.row_max(m[r], row, 1.0);
         }
         w.rescale_rows(m, alpha);
         for (r, row) in s.chunks_mut(cols).enumerate() {
@@ -453,7 +453,7 @@ impl<V: HostVariant> Elementwise for BlockSoftmax<'_, '_, V> {
                 l[r].iter_mut().for_each(|x| *x *= alpha[r]);
                 math::scale(&mut acc[r * dv..(r + 1) * dv], alpha[r]);
             }
-            l[r] = w.weigh_row(row, m[r], l[r]);
+            l[r] = w.weigh_row(row, (m[r], 1.0), l[r]);
             if w.dropout {
                 let h = Positions::to_i32(task.hkv * g + r / sq);
                 if let Some(draw) = Draw::new(task.p, task.variant, b, h) {

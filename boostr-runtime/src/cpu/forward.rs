@@ -395,7 +395,6 @@ fn query_tiles<V: HostVariant>(
                 l: &mut sc.l[r.clone()],
                 alpha: &mut sc.alpha[r.clone()],
                 out: (!first).then_some(&mut *out_t),
-                p_bf16: None,
                 bands: &sc.bands,
             });
 
@@ -509,10 +508,6 @@ pub(super) struct OnlineSoftmax<'a, 'h, V> {
     /// `D`); `None` on the first visible tile, before anything has been
     /// accumulated.
     pub(super) out: Option<&'a mut [f32]>,
-    /// Where the bf16 kernels want `P`: rounded to bf16 (bits), in rows of
-    /// the tile's width, zero outside each row's band, instead of in `s`
-    /// (which then keeps the logits). `None`: `P` in `s`, in f32.
-    pub(super) p_bf16: Option<&'a mut [u16]>,
     /// The tile's bands (see [`class_bands`]): each row's logits are those of
     /// its band's keys; the rest of the row is neither read nor written.
     pub(super) bands: &'a [Band],
@@ -534,7 +529,6 @@ impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {
             l,
             alpha,
             mut out,
-            mut p_bf16,
             bands,
         } = self;
         let rows = m.len();
@@ -547,17 +541,25 @@ impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {
         } else {
             None
         };
+        // An identity score leaves the logits unscaled in `s` and the
+        // weights scale them as they read them (the same bits, one pass
+        // fewer); any other score needs the scaled logit.
+        let weigh_scale = if V::SCORE_IS_IDENTITY && scale > 0.0 {
+            scale
+        } else {
+            1.0
+        };
         // Logits of every row, and each row's new running max (in `alpha`
         // for now).
         for Band { rows: br, cols: c } in bands.iter().cloned() {
             for i in br {
                 let row = &mut s[i * cols + c.start..i * cols + c.end];
                 let (qi, kj) = (q_lo + i as i32, kv_lo + c.start as i32);
-                if scale != 1.0 {
+                if scale != weigh_scale {
                     math::scale(row, scale);
                 }
                 score_and_mask(head.variant, head.b, head.h, qi, kj, class, row);
-                alpha[i] = w.row_max(m[i], row);
+                alpha[i] = w.row_max(m[i], row, weigh_scale);
             }
         }
         // Rescale factors across rows at once: one scalar `exp` per row
@@ -575,26 +577,10 @@ impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {
                 let (qi, kj) = (q_lo + i as i32, kv_lo + c.start as i32);
                 // The row's sum is of every pair's weight; the dropped ones
                 // leave only `P V`.
-                l[i] = match p_bf16.as_deref_mut() {
-                    Some(p) => {
-                        let p = &mut p[i * cols..(i + 1) * cols];
-                        p[..c.start].fill(0);
-                        p[c.end..].fill(0);
-                        let p16 = &mut p[c.clone()];
-                        let l = w.weigh_row_bf16(row, m[i], l[i], p16);
-                        if let Some(draw) = &draw {
-                            draw.drop_row(qi, kj, p16);
-                        }
-                        l
-                    }
-                    None => {
-                        let l = w.weigh_row(row, m[i], l[i]);
-                        if let Some(draw) = &draw {
-                            draw.drop_row(qi, kj, row);
-                        }
-                        l
-                    }
-                };
+                l[i] = w.weigh_row(row, (m[i], weigh_scale), l[i]);
+                if let Some(draw) = &draw {
+                    draw.drop_row(qi, kj, row);
+                }
             }
         }
     }

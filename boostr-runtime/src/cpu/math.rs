@@ -345,54 +345,32 @@ fn max2(a: f32, b: f32) -> f32 {
 /// pairs) become exactly `0`, as does anything below `e^SOFTMAX_FLUSH`.
 #[inline(always)]
 pub fn exp_sub_sum(xs: &mut [f32], shift: f32) -> f32 {
-    sum_lanes(&exp_sub_lanes(xs, shift, [0.0; LANES]))
+    sum_lanes(&exp_sub_lanes(xs, (1.0, shift), [0.0; LANES]))
 }
 
 /// [`exp_sub_sum`] without the final reduction: returns the lane sums
 /// `sums` plus the new values (element `j` of `xs` into lane `j % LANES`),
 /// so that a running softmax denominator can stay in lanes across key tiles
 /// and be reduced once per row ([`sum_lanes`]) instead of once per tile.
-/// Same preconditions as [`exp_sub_sum`]. (The sums go in and out by value
+/// Each element is first multiplied by `scale` (rounded, then `shift`
+/// subtracted: the bits of a row scaled beforehand). Same preconditions as
+/// [`exp_sub_sum`], for the scaled elements. (The sums go in and out by value
 /// so that they stay in one register across the row: through a reference,
 /// LLVM kept them on the stack once the row started at an offset known
 /// only at run time.)
 #[inline(always)]
-pub fn exp_sub_lanes(xs: &mut [f32], shift: f32, mut sums: Lanes) -> Lanes {
+pub fn exp_sub_lanes(xs: &mut [f32], (scale, shift): (f32, f32), mut sums: Lanes) -> Lanes {
     let (chunks, tail) = xs.as_chunks_mut::<LANES>();
     for c in chunks {
-        for k in 0..LANES {
-            let e = exp_softmax(c[k] - shift);
-            c[k] = e;
-            sums[k] += e;
-        }
+        // Whole values, not `sums[k] += e`: the sums then stay in a
+        // register instead of a stack slot each vector loads and stores.
+        let e: Lanes = std::array::from_fn(|k| exp_softmax(c[k] * scale - shift));
+        *c = e;
+        sums = std::array::from_fn(|k| sums[k] + e[k]);
     }
     for (a, x) in sums.iter_mut().zip(tail) {
-        let e = exp_softmax(*x - shift);
+        let e = exp_softmax(*x * scale - shift);
         *x = e;
-        *a += e;
-    }
-    sums
-}
-
-/// [`exp_sub_lanes`] that writes the new values rounded to bf16 into `out`
-/// (bits, to nearest, ties to even; `out.len() == xs.len()`) instead of
-/// back into `xs`; the lane sums are of the unrounded values. For the bf16
-/// kernels, whose `P V` product takes `P` in bf16: one pass from the
-/// scores to the rounded probabilities.
-#[inline(always)]
-pub fn exp_sub_lanes_bf16(xs: &[f32], shift: f32, mut sums: Lanes, out: &mut [u16]) -> Lanes {
-    let (chunks, tail) = xs.as_chunks::<LANES>();
-    let (outs, out_tail) = out.as_chunks_mut::<LANES>();
-    for (c, o) in chunks.iter().zip(outs) {
-        for k in 0..LANES {
-            let e = exp_softmax(c[k] - shift);
-            o[k] = bf16_bits(e);
-            sums[k] += e;
-        }
-    }
-    for ((a, x), o) in sums.iter_mut().zip(tail).zip(out_tail) {
-        let e = exp_softmax(*x - shift);
-        *o = bf16_bits(e);
         *a += e;
     }
     sums
@@ -404,6 +382,24 @@ pub fn exp_sub_lanes_bf16(xs: &[f32], shift: f32, mut sums: Lanes, out: &mut [u1
 pub fn bf16_bits(x: f32) -> u16 {
     let b = x.to_bits();
     (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+/// `dst[i] = bf16_bits(src[i])` for the finite values the bf16 kernels
+/// round (`dst.len() == src.len()`): by AVX512-BF16's `vcvtne2ps2bf16`,
+/// two vectors an instruction, where the CPU has it (the same bits: it
+/// rounds to nearest even, and the kernels' values are never subnormal).
+#[inline]
+pub fn round_bf16(src: &[f32], dst: &mut [u16]) {
+    assert_eq!(src.len(), dst.len(), "one bf16 per f32");
+    #[cfg(target_arch = "x86_64")]
+    if super::bf16_dot::present() {
+        // SAFETY: AVX512-BF16 (and F) present; equal lengths.
+        unsafe { super::bf16_dot::round(src, dst) };
+        return;
+    }
+    for (d, &x) in dst.iter_mut().zip(src) {
+        *d = bf16_bits(x);
+    }
 }
 
 /// `xs[i] = e^(xs[i] - shift)` in place, `shift` finite (see [`exp_sub_sum`]).

@@ -134,9 +134,11 @@ pub trait RowWeights: Copy {
     /// for a softmax, `p (1 − p) dpz` for sigmoid weights.
     fn dz<T: Float>(self, p: T, dpz: T, delta: T) -> T;
 
-    /// The running max of a row after a tile of its scores (`row`):
-    /// `max(m, max(row))`, or `m` for sigmoid weights, which keep none.
-    fn row_max(self, m: f32, row: &[f32]) -> f32;
+    /// The running max of a row after a tile of its scores, `scale` times
+    /// the logits in `row` (`scale > 0`; 1 where `row` holds the scores):
+    /// `max(m, scale · max(row))`, or `m` for sigmoid weights, which keep
+    /// none.
+    fn row_max(self, m: f32, row: &[f32], scale: f32) -> f32;
 
     /// The rescale factors of several rows at once: `alpha` holds each
     /// row's new running max on entry and its factor on return, `m` each
@@ -145,15 +147,13 @@ pub trait RowWeights: Copy {
     /// to 0 as the weights themselves are; 1 while a row sees nothing).
     fn rescale_rows(self, m: &mut [f32], alpha: &mut [f32]);
 
-    /// A tile of one row's scores (`-inf` hidden) into its weights in
-    /// place, `m` the row's running max after the tile; returns the
-    /// running sum's lanes `l` plus them (unchanged for sigmoid weights).
-    fn weigh_row(self, row: &mut [f32], m: f32, l: Lanes) -> Lanes;
-
-    /// [`weigh_row`](RowWeights::weigh_row) with the weights rounded to
-    /// bf16 into `out` (bits, to nearest) and the scores left in `row`;
-    /// the sum is of the unrounded weights.
-    fn weigh_row_bf16(self, row: &[f32], m: f32, l: Lanes, out: &mut [u16]) -> Lanes;
+    /// A tile of one row's scores, `scale` times the logits in `row`
+    /// (`-inf` hidden; as in [`row_max`](RowWeights::row_max)), into its
+    /// weights in place, `m` the row's running max after the tile; returns
+    /// the running sum's lanes `l` plus them (unchanged for sigmoid
+    /// weights). A score is rounded to f32 before its weight is taken, so
+    /// that a scale here gives the bits a scaled row would.
+    fn weigh_row(self, row: &mut [f32], m_scale: (f32, f32), l: Lanes) -> Lanes;
 
     /// A tile of one row's scores (`-inf` hidden) into the backward's
     /// weights in place, from the row's lse: 0 where hidden, and
@@ -232,9 +232,9 @@ impl RowWeights for Weights {
     }
 
     #[inline(always)]
-    fn row_max(self, m: f32, row: &[f32]) -> f32 {
+    fn row_max(self, m: f32, row: &[f32], scale: f32) -> f32 {
         match self.normalize {
-            Normalize::Softmax => m.max(math::max(row)),
+            Normalize::Softmax => m.max(scale * math::max(row)),
             Normalize::Sigmoid => m,
         }
     }
@@ -258,7 +258,7 @@ impl RowWeights for Weights {
     }
 
     #[inline(always)]
-    fn weigh_row(self, row: &mut [f32], m: f32, l: Lanes) -> Lanes {
+    fn weigh_row(self, row: &mut [f32], (m, scale): (f32, f32), l: Lanes) -> Lanes {
         match self.normalize {
             // Nothing visible in this row yet: `e^(x − m)` would be
             // `e^(-inf + inf)` = NaN. The row contributes nothing.
@@ -266,26 +266,12 @@ impl RowWeights for Weights {
                 row.fill(0.0);
                 l
             }
-            Normalize::Softmax => math::exp_sub_lanes(row, m, l),
+            Normalize::Softmax => math::exp_sub_lanes(row, (scale, m), l),
             Normalize::Sigmoid => {
-                math::sigmoid_in_place(row);
-                l
-            }
-        }
-    }
-
-    #[inline(always)]
-    fn weigh_row_bf16(self, row: &[f32], m: f32, l: Lanes, out: &mut [u16]) -> Lanes {
-        match self.normalize {
-            Normalize::Softmax if m == f32::NEG_INFINITY => {
-                out.fill(0);
-                l
-            }
-            Normalize::Softmax => math::exp_sub_lanes_bf16(row, m, l, out),
-            Normalize::Sigmoid => {
-                for (o, &x) in out.iter_mut().zip(row) {
-                    *o = math::bf16_bits(math::sigmoid(x));
+                if scale != 1.0 {
+                    math::scale(row, scale);
                 }
+                math::sigmoid_in_place(row);
                 l
             }
         }
@@ -389,13 +375,13 @@ mod tests {
     fn a_row_that_sees_nothing_has_no_nan() {
         for w in [Weights::SOFTMAX, SIGMOID] {
             let ninf = f32::NEG_INFINITY;
-            let m = w.row_max(ninf, &[ninf; 3]);
+            let m = w.row_max(ninf, &[ninf; 3], 1.0);
             assert_eq!(w.rescale(ninf, m), 1.0);
             let mut row = [ninf; 20];
-            let l = w.weigh_row(&mut row, m, [0.0; math::LANES]);
+            let l = w.weigh_row(&mut row, (m, 1.0), [0.0; math::LANES]);
             assert!(row.iter().all(|&x| x == 0.0), "{w:?}");
             let mut bits = [7u16; 20];
-            w.weigh_row_bf16(&[ninf; 20], m, [0.0; math::LANES], &mut bits);
+            math::round_bf16(&row, &mut bits);
             assert!(bits.iter().all(|&x| x == 0), "{w:?}");
             let mut out = [f32::NAN; 4];
             let lse = finish_row(w, (m, math::sum_lanes(&l)), &mut out, 1.0);
