@@ -150,8 +150,18 @@ struct RowPack {
     /// `sq_pad × Dp` bf16, zero past the last row and dim.
     rows: Aligned<u16>,
     /// `Dp × sq_pad` bf16 (the transpose), zero past the last row: `Dp`
-    /// rows of `sq_pad / 2` query pairs.
+    /// rows of `sq_pad / 2` query pairs, [`skewed`] apart.
     cols: Aligned<u32>,
+    /// The row stride of `cols`, in bf16.
+    cols_stride: usize,
+}
+
+/// A row stride of `n` u32 for the products' operands, one cache line
+/// longer: rows a multiple of 4 KiB apart would share their L1 sets (and
+/// alias each other's loads), and a product reads 4 rows of its left
+/// operand, or its right operand's rows one after another, at once.
+fn skewed(n: usize) -> usize {
+    n + 16
 }
 
 /// `sq × d` bf16 rows packed for a tile size of [`BQ`], over `dp` dims.
@@ -162,16 +172,24 @@ fn pack_rows(src: &[u16], sq: usize, d: usize, dp: usize) -> RowPack {
     rows[..sq * dp].copy_from_slice(&src);
     let mut pairs = Aligned::zeroed(sq_pad / 2 * dp);
     pair_rows(&src, dp, &mut pairs);
-    let mut cols = Aligned::zeroed(dp * sq_pad / 2);
-    transpose_u32(&pairs, sq_pad / 2, dp, &mut cols, sq_pad / 2);
-    RowPack { rows, cols }
+    let stride = skewed(sq_pad / 2);
+    let mut cols = Aligned::zeroed(dp * stride);
+    transpose_u32(&pairs, sq_pad / 2, dp, &mut cols, stride);
+    RowPack {
+        rows,
+        cols,
+        cols_stride: 2 * stride,
+    }
 }
 
 /// One kv head's K and V, as the products read them (`sk_pad` keys, zero
 /// past the last, and `Dp` dims for K, `Dvp` for V, zero past the last).
 struct KvPack {
-    /// `Dp/2` rows of `sk_pad` u32: `(K[key][2c], K[key][2c + 1])`.
+    /// `Dp/2` rows of `sk_pad` u32, `dims_stride` apart: `(K[key][2c],
+    /// K[key][2c + 1])`.
     k_dims: Aligned<u32>,
+    /// The row stride of `k_dims` and `v_dims` ([`skewed`]).
+    dims_stride: usize,
     /// `sk_pad / 2` rows of `Dp` u32: `(K[2r][c], K[2r + 1][c])`.
     k_keys: Aligned<u32>,
     /// As `k_dims`, for V: `Dvp/2` rows.
@@ -184,14 +202,16 @@ fn pack_kv(k: &[u16], v: &[u16], sk: usize, ((d, dp), (dv, dvp)): Dims) -> KvPac
     let k_nonfinite = k.chunks(BK * d).map(|t| !all_finite_bits(t)).collect();
     let (k, v) = (padded(k, d, dp), padded(v, dv, dvp));
     let sk_pad = sk.next_multiple_of(BK);
-    let mut k_dims = Aligned::zeroed(dp / 2 * sk_pad);
-    let mut v_dims = Aligned::zeroed(dvp / 2 * sk_pad);
-    dim_pairs(&k, sk, dp, &mut k_dims, sk_pad);
-    dim_pairs(&v, sk, dvp, &mut v_dims, sk_pad);
+    let stride = skewed(sk_pad);
+    let mut k_dims = Aligned::zeroed(dp / 2 * stride);
+    let mut v_dims = Aligned::zeroed(dvp / 2 * stride);
+    dim_pairs(&k, sk, dp, &mut k_dims, stride);
+    dim_pairs(&v, sk, dvp, &mut v_dims, stride);
     let mut k_keys = Aligned::zeroed(sk_pad / 2 * dp);
     pair_rows(&k, dp, &mut k_keys);
     KvPack {
         k_dims,
+        dims_stride: stride,
         k_keys,
         v_dims,
         k_nonfinite,
@@ -225,7 +245,8 @@ struct Scratch {
     /// P as pairs of rows (`BQ/2 × BK`), and `scale · dS` so.
     p_pairs: Aligned<u32>,
     ds_pairs: Aligned<u32>,
-    /// `scale · dS` row-major bf16 (`BQ × BK`).
+    /// `scale · dS` row-major bf16 of a query tile against the pass's key
+    /// tiles side by side (`BQ × kv_group·BK`).
     ds: Aligned<u16>,
     /// dQ rows of a query tile whose rows the product cannot take in
     /// place (fewer than 64, or a padded head dim): `BQ × Dp`.
@@ -258,7 +279,7 @@ impl Scratch {
             dp: Aligned::zeroed(BQ * BK),
             p_pairs: Aligned::zeroed(BQ / 2 * BK),
             ds_pairs: Aligned::zeroed(BQ / 2 * BK),
-            ds: Aligned::zeroed(BQ * BK),
+            ds: Aligned::zeroed(BQ * kv_group * BK),
             dq: Aligned::zeroed(BQ * dp),
             dkt: Aligned::zeroed(kv_group * dp * BK),
             dvt: Aligned::zeroed(kv_group * dvp * BK),
@@ -411,6 +432,8 @@ fn key_chunk<V: HostVariant>(
             for r0 in (0..sq).step_by(BQ) {
                 let rows = BQ.min(sq - r0);
                 let dq_t = &mut dq[(hl * sq + r0) * d..(hl * sq + r0 + rows) * d];
+                // The key tiles this query tile computed, first to last.
+                let mut done = (n_tiles, 0);
                 for t in 0..n_tiles {
                     let k0 = kv0 + t * BK;
                     let at = TileAt {
@@ -422,8 +445,15 @@ fn key_chunk<V: HostVariant>(
                         kv0: k0,
                         cols: BK.min(kv0 + keys - k0),
                         acc: t,
+                        wide: n_tiles * BK,
                     };
-                    step(sh, &tiles, kv, at, dq_t, sc, grads);
+                    if step(sh, &tiles, kv, at, sc, grads) {
+                        done = (done.0.min(t), t + 1);
+                    }
+                }
+                if done.0 < done.1 {
+                    let pass = (kv0, keys, n_tiles);
+                    dq_tiles(sh, &tiles, kv, pass, done, rows, dq_t, sc);
                 }
             }
         }
@@ -455,24 +485,27 @@ struct TileAt {
     rows: usize,
     kv0: usize,
     cols: usize,
-    /// The key tile's accumulators in the pass.
+    /// The key tile's accumulators in the pass, and its columns of the
+    /// query tile's `scale · dS` rows (of `wide` keys: the pass's).
     acc: usize,
+    wide: usize,
 }
 
-/// The contribution of one (query tile × key tile) to dK, dV and dQ, and
-/// to the learnable tensors' gradients in `grads` (empty: none wanted).
+/// The contribution of one (query tile × key tile) to dK and dV and to
+/// the learnable tensors' gradients in `grads` (empty: none wanted), and
+/// its `scale · dS` for the query tile's dQ (see [`dq_tiles`]). Returns
+/// whether the tile was computed (else its `dS` columns are zero).
 fn step<V: HostVariant>(
     sh: &Shared<'_, V>,
     tiles: &Products,
     kv: &KvPack,
     at: TileAt,
-    dq_t: &mut [f32],
     sc: &mut Scratch,
     grads: &mut [&mut [f32]],
-) {
+) -> bool {
     let p = sh.p;
     let (sq, scale) = (p.seq_q, p.scale);
-    let ((d, dp), (_, dvp)) = dims(p);
+    let ((_, dp), (_, dvp)) = dims(p);
     let TileAt {
         rows,
         cols,
@@ -484,9 +517,11 @@ fn step<V: HostVariant>(
     let (q_lo, q_hi) = sh.pos.query_range(r0, rows);
     let class = tile_class(sh.variant, b, h, (q_lo, q_hi), kv0, cols);
     if class == TileClass::Empty {
-        return;
+        for row in sc.ds.chunks_exact_mut(at.wide).take(BQ) {
+            row[at.acc * BK..(at.acc + 1) * BK].fill(0);
+        }
+        return false;
     }
-    let (sq_pad, sk_pad) = (sq.next_multiple_of(BQ), p.seq_k.next_multiple_of(BK));
     let (qp, dop) = (&sh.q[at.bh], &sh.dout[at.bh]);
     // Rows and keys in whole 32s for the products (zero past the last).
     let m = rows.next_multiple_of(2 * T);
@@ -506,7 +541,7 @@ fn step<V: HostVariant>(
     unsafe {
         tiles.product(
             (qp.rows[r0 * dp..].as_ptr(), dp),
-            (kv.k_dims[kv0..].as_ptr(), sk_pad),
+            (kv.k_dims[kv0..].as_ptr(), kv.dims_stride),
             (sc.s.as_mut_ptr(), BK),
             (m, n, dp),
             false,
@@ -546,7 +581,7 @@ fn step<V: HostVariant>(
     unsafe {
         tiles.product(
             (dop.rows[r0 * dvp..].as_ptr(), dvp),
-            (kv.v_dims[kv0..].as_ptr(), sk_pad),
+            (kv.v_dims[kv0..].as_ptr(), kv.dims_stride),
             (sc.dp.as_mut_ptr(), BK),
             (m, n, dvp),
             false,
@@ -570,7 +605,7 @@ fn step<V: HostVariant>(
     // SAFETY: as above.
     unsafe {
         tiles.product(
-            (dop.cols.as_ptr().cast::<u16>().add(r0), sq_pad),
+            (dop.cols.as_ptr().cast::<u16>().add(r0), dop.cols_stride),
             (sc.p_pairs.as_ptr(), BK),
             (dvt, BK),
             (dvp, n, kq),
@@ -579,45 +614,80 @@ fn step<V: HostVariant>(
     }
 
     // dS = d loss / d score ∘ score_grad in place over dP.
+    let ds_at = (at.acc * BK, at.wide);
     let at = (b, h, q_lo, kv_lo);
-    score_grads(sh, sc, at, (rows, cols, class), delta, learn, grads);
-    let s = &sc.s[..rows * BK];
+    score_grads(sh, sc, at, (rows, cols, class), delta, grads, ds_at);
 
     // dKᵀ += Qᵀ (scale·dS).
     // SAFETY: as above.
     unsafe {
         tiles.product(
-            (qp.cols.as_ptr().cast::<u16>().add(r0), sq_pad),
+            (qp.cols.as_ptr().cast::<u16>().add(r0), qp.cols_stride),
             (sc.ds_pairs.as_ptr(), BK),
             (dkt, BK),
             (dp, n, kq),
             true,
         );
     }
+    true
+}
 
-    // dQ += (scale·dS) K. On a partial tile a key no row sees has dS = 0
-    // in every row, and must not bring a NaN of its K row into the product.
-    let mut k_keys = &kv.k_keys[kv0 / 2 * dp..(kv0 + BK) / 2 * dp];
-    if class == TileClass::Partial && kv.k_nonfinite[kv0 / BK] {
-        k_keys = zero_unseen_keys(k_keys, dp, s, BK, cols, &mut sc.k_guarded);
+/// dQ += (scale·dS) K for one query tile of `rows` rows over the pass's
+/// key tiles `t0 .. t1` (`pass`: its first key, keys and tiles), as one
+/// product: the query tile's `scale · dS` rows in `sc.ds` hold every key
+/// tile of the pass side by side, so dQ is read and written once per pass
+/// instead of once per key tile. A key no row sees has dS = 0 in every
+/// row, and must not bring a NaN of its K row into the product.
+#[allow(clippy::too_many_arguments)]
+fn dq_tiles<V: HostVariant>(
+    sh: &Shared<'_, V>,
+    tiles: &Products,
+    kv: &KvPack,
+    (kv0, keys, n_tiles): (usize, usize, usize),
+    (t0, t1): (usize, usize),
+    rows: usize,
+    dq_t: &mut [f32],
+    sc: &mut Scratch,
+) {
+    let ((d, dp), _) = dims(sh.p);
+    let wide = n_tiles * BK;
+    let k_lo = kv0 + t0 * BK;
+    let span = (kv0 + keys).min(kv0 + t1 * BK) - k_lo;
+    let kk = span.next_multiple_of(amx::DEPTH);
+    let mut k_keys = &kv.k_keys[k_lo / 2 * dp..(k_lo + kk) / 2 * dp];
+    let ds = &sc.ds[t0 * BK..(BQ - 1) * wide + t0 * BK + span];
+    if (t0..t1).any(|t| kv.k_nonfinite[(kv0 + t * BK) / BK]) {
+        k_keys = zero_unseen_keys(k_keys, dp, ds, wide, span, &mut sc.k_guarded);
     }
-    let kk = cols.next_multiple_of(amx::DEPTH);
-    // SAFETY: as above.
-    unsafe { dq_product(tiles, (&sc.ds, k_keys), (d, dp), (m, kk), dq_t, &mut sc.dq) };
+    let m = rows.next_multiple_of(2 * T);
+    // SAFETY: the products are configured; `ds` holds m rows of `wide`
+    // from its start, k_keys kk / 2 rows of dp pairs, sc.dq BQ rows of dp.
+    unsafe {
+        dq_product(
+            tiles,
+            (ds, wide, k_keys),
+            (d, dp),
+            (m, kk),
+            dq_t,
+            &mut sc.dq,
+        )
+    };
 }
 
 /// dS = d loss / d score ∘ score_grad in place over the tile's dP (after
-/// adding the learnable tensors' terms, where `learn`), then its bf16
-/// pairs scaled by `scale` into `sc.ds_pairs` and `sc.ds`.
+/// adding the learnable tensors' terms, where `grads` wants them), then
+/// its bf16 pairs scaled by `scale` into `sc.ds_pairs`, and its rows into
+/// `sc.ds` from column `ds_col`, `ds_stride` apart.
 fn score_grads<V: HostVariant>(
     sh: &Shared<'_, V>,
     sc: &mut Scratch,
     at: (i32, i32, i32, i32),
     (rows, cols, class): (usize, usize, TileClass),
     delta: &[f32],
-    learn: bool,
     grads: &mut [&mut [f32]],
+    (ds_col, ds_stride): (usize, usize),
 ) {
+    let learn = V::SCORE_READS_LEARNABLE && !grads.is_empty();
     let s = &sc.s[..rows * BK];
     let g = &sc.g[..if V::SCORE_GRAD_IS_ONE { 0 } else { rows * BK }];
     let dp_t = &mut sc.dp[..rows * BK];
@@ -647,14 +717,8 @@ fn score_grads<V: HostVariant>(
         partial: class == TileClass::Partial,
         variant: PhantomData,
     });
-    pair_round(
-        dp_t,
-        rows,
-        cols,
-        sh.p.scale,
-        &mut sc.ds_pairs,
-        Some(&mut sc.ds),
-    );
+    let ds = (&mut sc.ds[ds_col..], ds_stride);
+    pair_round(dp_t, rows, cols, sh.p.scale, &mut sc.ds_pairs, Some(ds));
 }
 
 /// `dq_t += ds · k_keys` (`ds` `m` rows of [`BK`] bf16, `k_keys` the key
@@ -666,7 +730,7 @@ fn score_grads<V: HostVariant>(
 /// `k_keys` `kk / 2` rows of `dp` pairs, `scratch` [`BQ`] rows of `dp`.
 unsafe fn dq_product(
     tiles: &Products,
-    (ds, k_keys): (&[u16], &[u32]),
+    (ds, ds_stride, k_keys): (&[u16], usize, &[u32]),
     (d, dp): (usize, usize),
     (m, kk): (usize, usize),
     dq_t: &mut [f32],
@@ -685,7 +749,7 @@ unsafe fn dq_product(
     // SAFETY: the caller's promises; dq_rows holds m rows of dp.
     unsafe {
         tiles.product(
-            (ds.as_ptr(), BK),
+            (ds.as_ptr(), ds_stride),
             (k_keys.as_ptr(), dp),
             (dq_rows, dp),
             (m, dp, kk),
@@ -701,14 +765,15 @@ unsafe fn dq_product(
 
 /// `scale · x` (rows of [`BK`], the first `cols` of each of `rows` rows)
 /// rounded to bf16 into `pairs` as pairs of rows, and row-major into
-/// `plain` if given; zero elsewhere in both, to whole tiles.
+/// `plain` if given (rows `stride` apart, [`BK`] of each); zero elsewhere
+/// in both, to whole tiles.
 fn pair_round(
     x: &[f32],
     rows: usize,
     cols: usize,
     scale: f32,
     pairs: &mut [u32],
-    plain: Option<&mut [u16]>,
+    plain: Option<(&mut [u16], usize)>,
 ) {
     // SAFETY: every CPU with AMX has AVX-512 (checked by `applies`).
     unsafe { pair_round_avx512(x, rows, cols, scale, pairs, plain) };
@@ -721,7 +786,7 @@ fn pair_round_avx512(
     cols: usize,
     scale: f32,
     pairs: &mut [u32],
-    mut plain: Option<&mut [u16]>,
+    mut plain: Option<(&mut [u16], usize)>,
 ) {
     const ZERO: [f32; BK] = [0.0; BK];
     let row = |i: usize| -> &[f32; BK] {
@@ -738,9 +803,9 @@ fn pair_round_avx512(
             dst[j] = round(lo[j]) | (round(hi[j]) << 16);
         }
         dst[cols..].fill(0);
-        if let Some(plain) = plain.as_deref_mut() {
+        if let Some((plain, stride)) = plain.as_mut() {
             for (i, src) in [(2 * r, lo), (2 * r + 1, hi)] {
-                let out: &mut [u16; BK] = (&mut plain[i * BK..(i + 1) * BK])
+                let out: &mut [u16; BK] = (&mut plain[i * *stride..i * *stride + BK])
                     .try_into()
                     .expect("a row of BK");
                 for j in 0..BK {
