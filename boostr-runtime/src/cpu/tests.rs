@@ -1687,6 +1687,72 @@ fn within(what: &str, got: &[f32], want: &[f64], yard: &[f64]) {
     );
 }
 
+/// A prefix every query sees, then a causal window: at `Sq < Sk`, the key
+/// tiles between the prefix and the window are empty for every query
+/// tile, in the middle of the bf16 backward's passes of several key tiles.
+#[crate::attention(mask = |_b, _h, q, kv| kv < 64 || (kv <= q && q - kv < 40))]
+#[derive(Clone, Debug)]
+struct PrefixWindow;
+
+/// The bf16 backward with one to four key tiles per pass (its dQ one
+/// product over a pass's tiles): empty tiles in the middle of a pass, NaN
+/// in the K and V rows no query sees, against the f64 reference under the
+/// bf16 yardstick, on each bf16 level this CPU has.
+#[test]
+fn bf16_backward_passes_of_several_key_tiles_match_the_reference() {
+    let levels = bf16_levels();
+    if levels.is_empty() {
+        return;
+    }
+    // Sq < Sk: the keys between prefix and window are hidden from every
+    // query (NaN there). Sq = Sk: query tile 2 computes key tile 1, which
+    // is empty for query tile 3, between the prefix's tile and its own.
+    for (sq, hidden) in [(96, true), (384, false)] {
+        let p = problem(1, 2, 1, sq, 384, 64);
+        let host = PrefixWindow.host(&p).unwrap();
+        let mut x = Inputs::new(&p, 0x9a55 ^ sq as u64, 1.0);
+        x.round_to_bf16();
+        let seen = crate::testing::seen_keys(&host, &p);
+        assert_eq!(seen.iter().any(|s| !s), hidden);
+        for (key, seen) in seen.iter().enumerate() {
+            if !seen {
+                x.k[key * 64..(key + 1) * 64].fill(f32::NAN);
+                x.v[key * 64..(key + 1) * 64].fill(f32::NAN);
+            }
+        }
+        let want = reference_lens(&host, &p, &x, None);
+        let yard = reference_rounded(&host, &p, &x, None, |x| f64::from(bf16_round(x as f32)));
+        for &level in &levels {
+            capped(level, 2).install(|| {
+                let (mut out, mut lse) = poisoned(p);
+                let (q, k, v) = (bf(&x.q), bf(&x.k), bf(&x.v));
+                assert!(forward_bf16(&PrefixWindow, &p, &q, &k, &v, &mut out, &mut lse).unwrap());
+                let bits =
+                    |x: &[half::bf16]| -> Vec<u16> { x.iter().map(|y| y.to_bits()).collect() };
+                let (outb, doutb) = (bits(&bf(&out)), bits(&bf(&x.dout)));
+                let (qb, kb, vb) = (bits(&q), bits(&k), bits(&v));
+                for kv_group in [1, 2, 4] {
+                    let inputs = amx_backward::Inputs {
+                        q: &qb,
+                        k: &kb,
+                        v: &vb,
+                        out: &outb,
+                        dout: &doutb,
+                        lse: &lse,
+                    };
+                    let mut g = Grads::poisoned(&p);
+                    let (dq, dk, dv) = (&mut g.dq, &mut g.dk, &mut g.dv);
+                    amx_backward::backward(&host, &p, 1, kv_group, inputs, dq, dk, dv, &mut []);
+                    let ctx = format!("Sq {sq}, {level:?}, {kv_group} key tiles a pass");
+                    within(&format!("{ctx}: dq"), &g.dq, &want.dq, &yard.dq);
+                    within(&format!("{ctx}: dk"), &g.dk, &want.dk, &yard.dk);
+                    within(&format!("{ctx}: dv"), &g.dv, &want.dv, &yard.dv);
+                }
+            });
+        }
+    }
+}
+
 /// A learnable bias per (query head, key), causal: a read of `score`
 /// whose element depends on the key itself, not on `kv − q`, so its
 /// gradient goes pair by pair (not by diagonal).
