@@ -10,6 +10,7 @@
 //! tile <m> <n> <k> <n|t> <iters>                  -> ok <tile kernel seconds|none> <gemm crate seconds>
 //! peak <iters> [all]                                               -> ok <seconds|none>
 //! amxpeak <iters>                                                  -> ok <seconds|none>
+//! dotpeak <iters>  (vdpbf16ps, every thread at once)               -> ok <seconds|none>
 //! mem <variant> <hq> <hkv> <seq> <dim>                             -> ok <json>
 //! docs <len,len,...>                                               -> ok <documents>
 //! host <hq> <hkv> <seq> <dim>                                      -> ok <seconds>
@@ -218,6 +219,13 @@ impl Server {
                     Some("all") => boostr_runtime::cpu::time_fma_peak_all(iters),
                     Some(other) => return Err(format!("peak {other:?}: all or nothing").into()),
                 };
+                Ok(Some(
+                    t.map_or("ok none".to_string(), |t| format!("ok {t:.9}")),
+                ))
+            }
+            Some("dotpeak") => {
+                let iters = num(1)?;
+                let t = boostr_runtime::cpu::time_bf16_dot_peak_all(iters);
                 Ok(Some(
                     t.map_or("ok none".to_string(), |t| format!("ok {t:.9}")),
                 ))

@@ -125,6 +125,47 @@ pub(super) unsafe fn round(src: &[f32], dst: &mut [u16]) {
     }
 }
 
+/// Seconds for `iters` rounds of 24 independent `vdpbf16ps` on registers
+/// only, on the calling thread (`None` without AVX512-BF16): `iters · 24 ·
+/// 64` flops at the core's bf16 dot-product peak.
+pub(super) fn time_peak(iters: usize) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    if present() {
+        let start = std::time::Instant::now();
+        // SAFETY: AVX512-BF16 and F were just detected.
+        let sum = unsafe { peak_loop(iters) };
+        let seconds = start.elapsed().as_secs_f64();
+        std::hint::black_box(sum);
+        return Some(seconds);
+    }
+    let _ = iters;
+    None
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+fn peak_loop(iters: usize) -> f32 {
+    // Opaque operands, so that the loop is not folded.
+    let mut acc = std::hint::black_box([_mm512_set1_ps(0.0); 24]);
+    let (a, b) = std::hint::black_box((
+        _mm512_set1_epi32(0x3f80_3f80),
+        _mm512_set1_epi32(0x3380_3380),
+    ));
+    // SAFETY: the transmutes reinterpret 512 bits as 32 bf16 lanes.
+    let (a, b) = unsafe {
+        (
+            std::mem::transmute::<__m512i, __m512bh>(a),
+            std::mem::transmute::<__m512i, __m512bh>(b),
+        )
+    };
+    for _ in 0..iters {
+        for x in acc.iter_mut() {
+            *x = _mm512_dpbf16_ps(*x, a, b);
+        }
+    }
+    acc.iter().map(|&x| _mm512_reduce_add_ps(x)).sum()
+}
+
 /// Rows of `C` per register block.
 const ROWS: usize = 4;
 

@@ -234,16 +234,28 @@ fn crate_gemm(dst: &mut MatMut<'_>, write: Write, lhs: MatRef<'_>, rhs: MatRef<'
 }
 
 /// Seconds for `iters` rounds of [`time_fma_peak`]'s loop on every rayon
-/// thread at once, from a common start until the last thread is done
-/// (`threads · iters · 24 · 32` flops at the FMA peak of all threads);
-/// `None` without AVX-512F. For the examples' peak shares; not part of
-/// the API.
+/// thread at once, the slowest thread's own time (`threads · iters · 24 ·
+/// 32` flops at the FMA peak of all threads, under the clock they run at
+/// together; a thread's wake-up is not counted); `None` without AVX-512F.
+/// For the examples' peak shares; not part of the API.
 #[doc(hidden)]
 pub fn time_fma_peak_all(iters: usize) -> Option<f64> {
-    let start = std::time::Instant::now();
-    let done = rayon::broadcast(|_| time_fma_peak(iters).map(|_| start.elapsed().as_secs_f64()));
+    let done = rayon::broadcast(|_| time_fma_peak(iters));
     done.into_iter()
-        .try_fold(0.0, |latest, t| t.map(|t| f64::max(latest, t)))
+        .try_fold(0.0, |slowest, t| t.map(|t| f64::max(slowest, t)))
+}
+
+/// Seconds for `iters` rounds of 24 independent `vdpbf16ps` on registers
+/// on every rayon thread at once, the slowest thread's own time
+/// (`threads · iters · 24 · 64` flops at the bf16 dot-product peak of all
+/// threads); `None` without AVX512-BF16. The ceiling of the bf16 kernels
+/// where they run on `vdpbf16ps`. For the examples' peak shares; not part
+/// of the API.
+#[doc(hidden)]
+pub fn time_bf16_dot_peak_all(iters: usize) -> Option<f64> {
+    let done = rayon::broadcast(|_| super::bf16_dot::time_peak(iters));
+    done.into_iter()
+        .try_fold(0.0, |slowest, t| t.map(|t| f64::max(slowest, t)))
 }
 
 /// Seconds for `iters` rounds of 24 16-lane FMAs on registers only, on the

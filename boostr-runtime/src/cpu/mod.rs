@@ -94,7 +94,9 @@ pub use entry::{
     forward_tiled, is_decode,
 };
 #[doc(hidden)] // for the benchmark examples
-pub use gemm::{time_amx_peak, time_fma_peak, time_fma_peak_all, time_tile_products};
+pub use gemm::{
+    time_amx_peak, time_bf16_dot_peak_all, time_fma_peak, time_fma_peak_all, time_tile_products,
+};
 pub use keys::{CacheLayout, Pages};
 pub use threads::pin_threads;
 pub use tile::CpuTiles;
