@@ -205,12 +205,19 @@ impl<V: HostVariant> Elementwise for Probabilities<'_, V> {
             bands,
         } = self;
         let cols = s.len() / lse.len();
+        // As in the forward: an identity score's logits are scaled as the
+        // weights read them.
+        let weigh_scale = if V::SCORE_IS_IDENTITY && scale > 0.0 {
+            scale
+        } else {
+            1.0
+        };
         for Band { rows: r, cols: c } in bands.iter().cloned() {
             let kv_c = kv_lo + c.start as i32;
             for i in r {
                 let qi = q_lo + i as i32;
                 let row = &mut s[i * cols + c.start..i * cols + c.end];
-                if scale != 1.0 {
+                if scale != weigh_scale {
                     math::scale(row, scale);
                 }
                 let g = &mut g[if V::SCORE_GRAD_IS_ONE {
@@ -252,7 +259,7 @@ impl<V: HostVariant> Elementwise for Probabilities<'_, V> {
                     }
                 }
                 apply_mask(variant, b, h, qi, kv_c, class, row);
-                V::WEIGHTS.prob_row(row, lse[i]);
+                V::WEIGHTS.prob_row(row, (lse[i], weigh_scale));
             }
         }
     }

@@ -402,11 +402,12 @@ pub fn round_bf16(src: &[f32], dst: &mut [u16]) {
     }
 }
 
-/// `xs[i] = e^(xs[i] - shift)` in place, `shift` finite (see [`exp_sub_sum`]).
+/// `xs[i] = e^(scale · xs[i] − shift)` in place (the product rounded first,
+/// as in [`exp_sub_lanes`]), `shift` finite (see [`exp_sub_sum`]).
 #[inline(always)]
-pub fn exp_sub(xs: &mut [f32], shift: f32) {
+pub fn exp_sub(xs: &mut [f32], (scale, shift): (f32, f32)) {
     for x in xs {
-        *x = exp_softmax(*x - shift);
+        *x = exp_softmax(*x * scale - shift);
     }
 }
 

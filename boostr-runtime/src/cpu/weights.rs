@@ -155,10 +155,12 @@ pub trait RowWeights: Copy {
     /// that a scale here gives the bits a scaled row would.
     fn weigh_row(self, row: &mut [f32], m_scale: (f32, f32), l: Lanes) -> Lanes;
 
-    /// A tile of one row's scores (`-inf` hidden) into the backward's
-    /// weights in place, from the row's lse: 0 where hidden, and
-    /// everywhere in a softmax row that saw nothing (`lse = -inf`).
-    fn prob_row(self, row: &mut [f32], lse: f32);
+    /// A tile of one row's scores, `scale` times the logits in `row`
+    /// (`-inf` hidden; `scale > 0`, as in [`weigh_row`](RowWeights::weigh_row)),
+    /// into the backward's weights in place, from the row's lse: 0 where
+    /// hidden, and everywhere in a softmax row that saw nothing (`lse =
+    /// -inf`).
+    fn prob_row(self, row: &mut [f32], lse_scale: (f32, f32));
 }
 
 impl RowWeights for Weights {
@@ -278,13 +280,18 @@ impl RowWeights for Weights {
     }
 
     #[inline(always)]
-    fn prob_row(self, row: &mut [f32], lse: f32) {
+    fn prob_row(self, row: &mut [f32], (lse, scale): (f32, f32)) {
         match self.normalize {
             // No visible key in this row: P = 0 (and `x − lse` would be
             // NaN).
             Normalize::Softmax if lse == f32::NEG_INFINITY => row.fill(0.0),
-            Normalize::Softmax => math::exp_sub(row, lse),
-            Normalize::Sigmoid => math::sigmoid_in_place(row),
+            Normalize::Softmax => math::exp_sub(row, (scale, lse)),
+            Normalize::Sigmoid => {
+                if scale != 1.0 {
+                    math::scale(row, scale);
+                }
+                math::sigmoid_in_place(row);
+            }
         }
     }
 }
@@ -389,7 +396,7 @@ mod tests {
                 assert!(out.iter().all(|&x| x == 0.0));
                 assert_eq!(lse, ninf);
                 let mut probs = [1.0f32; 3];
-                w.prob_row(&mut probs, lse);
+                w.prob_row(&mut probs, (lse, 1.0));
                 assert_eq!(probs, [0.0; 3]);
             } else {
                 assert_eq!(lse, 0.0);
