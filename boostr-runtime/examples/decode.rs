@@ -74,15 +74,14 @@ fn main() -> BoxResult<()> {
             let v = tensor(&mut rng, &[b, HKV, sk, D], dtype, &device)?;
             let lengths = Tensor::<CpuRuntime>::from_slice(&vec![sk as i32; b], &[b], &device)?;
             let opts = AttentionOptions::default();
-            let cache = KvCache {
-                k: &k,
-                v: &v,
-                lengths: &lengths,
-                scales: fp8.then_some(KvScales::PerHead {
+            let mut cache = KvCache::new(&k, &v, &lengths);
+            if fp8 {
+                let per_head = KvScales::PerHead {
                     k: &scales,
                     v: &scales,
-                }),
-            };
+                };
+                cache = cache.with_scales(per_head);
+            }
             let mut run = || {
                 let out = if dtype == DType::F32 {
                     attention_fwd(&Causal, &q, &k, &v, &opts)
@@ -126,15 +125,14 @@ fn mla(device: &CpuDevice, rng: &mut Rng, reader: &Reader, reps: usize) -> BoxRe
             let latent = tensor(rng, &[1, 1, sk, d], dtype, device)?;
             let v = latent.narrow(3, 0, dv)?;
             let lengths = Tensor::<CpuRuntime>::from_slice(&[sk as i32], &[1], device)?;
-            let cache = KvCache {
-                k: &latent,
-                v: &v,
-                lengths: &lengths,
-                scales: (dtype == DType::FP8E4M3).then_some(KvScales::PerHead {
+            let mut cache = KvCache::new(&latent, &v, &lengths);
+            if dtype == DType::FP8E4M3 {
+                let per_head = KvScales::PerHead {
                     k: &scale,
                     v: &scale,
-                }),
-            };
+                };
+                cache = cache.with_scales(per_head);
+            }
             let opts = AttentionOptions::default();
             let (t, read) = reader.time_between_reads(reps, &mut || {
                 std::hint::black_box(attention_fwd_cache(&Causal, &q, &cache, &opts).expect("mla"));
@@ -254,12 +252,7 @@ fn paged(device: &CpuDevice, rng: &mut Rng, reps: usize) -> BoxResult<()> {
     let lengths = ti(&vec![sk as i32; b], &[b])?;
     let opts = AttentionOptions::default();
     let (kt, vt) = (t(&k, &[b, HKV, sk, D])?, t(&v, &[b, HKV, sk, D])?);
-    let cache = KvCache {
-        k: &kt,
-        v: &vt,
-        lengths: &lengths,
-        scales: None,
-    };
+    let cache = KvCache::new(&kt, &vt, &lengths);
     let contiguous = time(reps, &mut || {
         std::hint::black_box(attention_fwd_cache(&Causal, &q, &cache, &opts).expect("cache"));
     });
@@ -288,13 +281,7 @@ fn paged(device: &CpuDevice, rng: &mut Rng, reps: usize) -> BoxResult<()> {
         }
         let (kp, vp) = (t(&kp, &[pages, HKV, ps, D])?, t(&vp, &[pages, HKV, ps, D])?);
         let page_table = ti(&table, &[b, max_pages])?;
-        let cache = PagedKvCache {
-            k_pages: &kp,
-            v_pages: &vp,
-            page_table: &page_table,
-            lengths: &lengths,
-            scales: None,
-        };
+        let cache = PagedKvCache::new(&kp, &vp, &page_table, &lengths);
         let paged = time(reps, &mut || {
             std::hint::black_box(attention_fwd_paged(&Causal, &q, &cache, &opts).expect("paged"));
         });

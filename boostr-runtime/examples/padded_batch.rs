@@ -61,12 +61,7 @@ fn main() -> BoxResult<()> {
     let (k, v) = (t(&k, &kv_shape)?, t(&v, &kv_shape)?);
     let lens: Vec<i32> = LENGTHS.iter().map(|&l| l as i32).collect();
     let lengths = Tensor::<CpuRuntime>::from_slice(&lens, &[b], &device)?;
-    let cache = KvCache {
-        k: &k,
-        v: &v,
-        lengths: &lengths,
-        scales: None,
-    };
+    let cache = KvCache::new(&k, &v, &lengths);
     let opts = AttentionOptions::default();
     println!(
         "padded batch: lengths {LENGTHS:?}, capacity {CAPACITY}, Hq = {HQ}, Hkv = {HKV}, \

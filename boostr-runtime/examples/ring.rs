@@ -231,11 +231,9 @@ fn rank_pools() -> BoxResult<Vec<rayon::ThreadPool>> {
 
 /// One ring run: each pass's time is the slower rank's.
 fn ring(x: &Inputs, shards: Shards, pools: &[rayon::ThreadPool]) -> BoxResult<RingRun> {
-    let opts = RingOptions {
-        shards,
-        schedule: Schedule::Ring,
-        ..RingOptions::default()
-    };
+    let opts = RingOptions::default()
+        .with_shards(shards)
+        .with_schedule(Schedule::Ring);
     let group = ThreadComm::group(WORLD, Duration::from_secs(600));
     let comms: Vec<Arc<dyn Communicator>> = group
         .iter()

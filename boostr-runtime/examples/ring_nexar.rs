@@ -135,11 +135,9 @@ fn run_rank(rank: usize, world: usize, seed: SocketAddr, s: usize) -> BoxResult<
     let variant = CausalDocuments {
         doc: T::from_slice(&ids, &[1, s], &device)?,
     };
-    let opts = RingOptions {
-        shards: Shards::Zigzag,
-        schedule: Schedule::Ring,
-        ..RingOptions::default()
-    };
+    let opts = RingOptions::default()
+        .with_shards(Shards::Zigzag)
+        .with_schedule(Schedule::Ring);
     let shard = |t: &T| opts.shards.shard(t, 2, rank, world);
 
     let started = Instant::now();

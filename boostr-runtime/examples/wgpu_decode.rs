@@ -60,12 +60,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let k = tensor(&[b, hkv, sk, D]);
         let v = tensor(&[b, hkv, sk, D]);
         let lengths = Tensor::<WgpuRuntime>::from_slice(&vec![sk as i32; b], &[b], &device)?;
-        let cache = KvCache {
-            k: &k,
-            v: &v,
-            lengths: &lengths,
-            scales: None,
-        };
+        let cache = KvCache::new(&k, &v, &lengths);
         let chosen = boostr_runtime::testing::wgpu_forward_splits::<Causal>(&q, &cache, &opts)?;
         let unsplit = time(reps, || {
             wgpu_forward_cache_in_splits(&Causal, &q, &cache, &opts, 1)

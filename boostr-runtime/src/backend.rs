@@ -128,6 +128,7 @@ impl<'a, R: Runtime> KeyLayout<'a, R> {
 /// What the backward returns: the gradients of the loss with respect to
 /// `q, k, v`, and to the variant's learnable tensors.
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct AttentionGrads<R: Runtime> {
     /// `d loss / d q [B, Hq, Sq, D]`.
     pub dq: Tensor<R>,

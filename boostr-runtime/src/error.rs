@@ -9,6 +9,7 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 /// Why an attention call was refused or failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// A tensor's rank is not 4.
     #[error("{name} must have rank 4 [batch, heads, seq, head_dim], got shape {shape:?}")]
@@ -282,6 +283,7 @@ pub enum Error {
 /// Why a GPU backend could not build or launch a kernel. `Clone`, so a
 /// kernel cache keeps a failed build as its error and every caller gets it.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum BackendError {
     /// The variant has no lowering for the target: a hand-written
     /// [`Variant`](crate::Variant) impl runs on the CPU only.

@@ -54,9 +54,12 @@
 //!   gets its rows of the single-device result, positions global, every
 //!   variant unchanged (on the CPU).
 //!
-//! Backends: numr's `CpuRuntime` always (f32, and f16/bf16 computed in f32);
-//! with the `wgpu` cargo feature, numr's `WgpuRuntime` too (the WGSL kernels,
-//! f32 only); with the `cuda` feature, numr's `CudaRuntime` (f32, f16, bf16).
+//! Backends: numr's `CpuRuntime` always (f32; bf16 on AMX tiles or
+//! AVX512-BF16 where the CPU has them, else, and f16, computed in f32; fp8
+//! KV caches); with the `wgpu` cargo feature, numr's `WgpuRuntime` too (the
+//! WGSL kernels, f32); with the `cuda` feature, numr's `CudaRuntime` (f32,
+//! f16, bf16, fp8 KV caches). Every op runs on every backend, but ring
+//! attention, which runs on the CPU only.
 
 #![warn(missing_docs)]
 

@@ -13,8 +13,16 @@ use crate::variant::Variant;
 use numr::autograd::Var;
 use numr::tensor::Tensor;
 
-/// Options of one attention call.
+/// Options of one attention call: `AttentionOptions::default()`, then the
+/// `with_` methods for what differs.
+///
+/// ```
+/// use boostr_runtime::AttentionOptions;
+/// let opts = AttentionOptions::default().with_scale(0.125).with_dropout(7, 3);
+/// assert_eq!((opts.scale, opts.dropout_seed, opts.dropout_offset), (Some(0.125), 7, 3));
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[non_exhaustive]
 pub struct AttentionOptions {
     /// Multiplier of `q·k` before `score`; `None` means `1/sqrt(head_dim)`.
     pub scale: Option<f32>,
@@ -27,6 +35,26 @@ pub struct AttentionOptions {
     /// layers of one step, say) take different offsets to draw
     /// independently.
     pub dropout_offset: u32,
+}
+
+impl AttentionOptions {
+    /// These options with `q·k` multiplied by `scale` (not `1/sqrt(D)`).
+    pub fn with_scale(self, scale: f32) -> Self {
+        AttentionOptions {
+            scale: Some(scale),
+            ..self
+        }
+    }
+
+    /// These options with a dropout variant's draw keyed by `seed` and
+    /// `offset` (see [`AttentionOptions::dropout_seed`]).
+    pub fn with_dropout(self, seed: u64, offset: u32) -> Self {
+        AttentionOptions {
+            dropout_seed: seed,
+            dropout_offset: offset,
+            ..self
+        }
+    }
 }
 
 /// Fused attention forward of `q [B, Hq, Sq, D]` against `k [B, Hkv, Sk,
@@ -63,9 +91,13 @@ pub fn attention_fwd<V: Variant, R: AttentionRuntime>(
 /// (`lengths`: `[B]` `i32` on the call's device). Slots past a sequence's
 /// length are never read, so they may hold anything (NaN included).
 ///
-/// `k` and `v` are in `q`'s dtype, or both fp8 (`FP8E4M3`, `FP8E5M2`) with
-/// their [`KvScales`] (on the CPU, forward only).
+/// `k` and `v` are in `q`'s dtype, or both in one fp8 format (`FP8E4M3`
+/// or `FP8E5M2`) with their [`KvScales`]: forward only, on the CPU and
+/// CUDA (numr's wgpu runtime holds no 8-bit tensors).
+///
+/// Built with [`KvCache::new`] (and [`KvCache::with_scales`] for fp8).
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct KvCache<'a, R: numr::runtime::Runtime> {
     /// `k [B, Hkv, capacity, D]`.
     pub k: &'a Tensor<R>,
@@ -81,6 +113,7 @@ pub struct KvCache<'a, R: numr::runtime::Runtime> {
 /// finite: a stored element's value is its fp8 value times the scale of
 /// its kv head (and page). The variant names the layout.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum KvScales<'a, R: numr::runtime::Runtime> {
     /// One scale per kv head: `k` and `v` each `[Hkv]`.
     PerHead {
@@ -108,6 +141,25 @@ impl<R: numr::runtime::Runtime> Clone for KvScales<'_, R> {
 impl<R: numr::runtime::Runtime> Copy for KvScales<'_, R> {}
 
 impl<'a, R: numr::runtime::Runtime> KvCache<'a, R> {
+    /// A cache of `k`, `v` in `q`'s dtype and the sequences' `lengths`.
+    pub fn new(k: &'a Tensor<R>, v: &'a Tensor<R>, lengths: &'a Tensor<R>) -> Self {
+        KvCache {
+            k,
+            v,
+            lengths,
+            scales: None,
+        }
+    }
+
+    /// This cache read as fp8 with `scales` (`k` and `v` in one fp8
+    /// format; [`KvScales::PerHead`]).
+    pub fn with_scales(self, scales: KvScales<'a, R>) -> Self {
+        KvCache {
+            scales: Some(scales),
+            ..self
+        }
+    }
+
     /// The cache as a call's keys, with its lengths' and scales' values.
     fn keys<'k>(&self, host: &'k [usize], scales: Option<CacheScales<'k>>) -> Keys<'k, R>
     where
@@ -158,7 +210,11 @@ pub fn attention_fwd_cache<V: Variant, R: AttentionRuntime>(
 /// Sequence `b` holds `lengths[b]` keys (`[B]` `i32`, each at most
 /// `max_pages · page_size`); page table entries past a sequence's length
 /// and pages no entry names are never read.
+///
+/// Built with [`PagedKvCache::new`] (and [`PagedKvCache::with_scales`]
+/// for fp8 pages).
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct PagedKvCache<'a, R: numr::runtime::Runtime> {
     /// `k_pages [pages, Hkv, page_size, D]`.
     pub k_pages: &'a Tensor<R>,
@@ -174,6 +230,32 @@ pub struct PagedKvCache<'a, R: numr::runtime::Runtime> {
 }
 
 impl<'a, R: numr::runtime::Runtime> PagedKvCache<'a, R> {
+    /// Pages `k_pages`, `v_pages` in `q`'s dtype, the `page_table` and the
+    /// sequences' `lengths`.
+    pub fn new(
+        k_pages: &'a Tensor<R>,
+        v_pages: &'a Tensor<R>,
+        page_table: &'a Tensor<R>,
+        lengths: &'a Tensor<R>,
+    ) -> Self {
+        PagedKvCache {
+            k_pages,
+            v_pages,
+            page_table,
+            lengths,
+            scales: None,
+        }
+    }
+
+    /// These pages read as fp8 with `scales` (`k_pages` and `v_pages` in
+    /// one fp8 format; [`KvScales::PerHead`] or [`KvScales::PerPage`]).
+    pub fn with_scales(self, scales: KvScales<'a, R>) -> Self {
+        PagedKvCache {
+            scales: Some(scales),
+            ..self
+        }
+    }
+
     /// The problem of `q` against these pages, with the values of the
     /// lengths and of the page table (each checked against the pages).
     fn validate(&self, q: &Tensor<R>, scale: Option<f32>) -> Result<PagedHost>

@@ -358,6 +358,9 @@ pub fn cache_scales<R: Runtime<DType = DType>>(
             dtypes,
         );
     }
+    if k.dtype() != v.dtype() {
+        return err("k and v of an fp8 cache share one format", dtypes);
+    }
     let hkv = k.shape().get(1).copied().unwrap_or(0);
     let (ks, vs, shape) = match scales {
         KvScales::PerHead { k, v } => (k, v, vec![hkv]),

@@ -65,10 +65,7 @@ fn values_may_have_their_own_head_dim_which_out_and_dout_follow() {
     let opts = AttentionOptions::default();
     let (out, lse) = attention_fwd(&Causal, &q, &k, &v, &opts).unwrap();
     assert_eq!(out.shape(), &[1, 2, 3, 4]);
-    let explicit = AttentionOptions {
-        scale: Some(1.0 / 8f32.sqrt()),
-        ..Default::default()
-    };
+    let explicit = AttentionOptions::default().with_scale(1.0 / 8f32.sqrt());
     let (same, _) = attention_fwd(&Causal, &q, &k, &v, &explicit).unwrap();
     assert_eq!(
         out.to_vec::<f32>(),
@@ -148,10 +145,7 @@ fn unsupported_and_mixed_dtypes_are_rejected_on_the_cpu() {
 #[test]
 fn scale_must_be_finite() {
     let q = tensor(&[1, 1, 2, 8]);
-    let opts = AttentionOptions {
-        scale: Some(f32::NAN),
-        ..Default::default()
-    };
+    let opts = AttentionOptions::default().with_scale(f32::NAN);
     let e = attention_fwd(&Full, &q, &q, &q, &opts).unwrap_err();
     assert!(matches!(e, Error::Scale(_)), "{e}");
 }

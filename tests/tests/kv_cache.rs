@@ -59,12 +59,7 @@ impl Case {
         let v = self.tensor(&self.v, &[b, HKV, CAP, D]);
         let lengths = Tensor::<CpuRuntime>::from_slice(&self.lens, &[b], &CpuDevice::new())
             .expect("a host tensor");
-        let cache = KvCache {
-            k: &k,
-            v: &v,
-            lengths: &lengths,
-            scales: None,
-        };
+        let cache = KvCache::new(&k, &v, &lengths);
         let (out, lse) = attention_fwd_cache(variant, &q, &cache, &AttentionOptions::default())?;
         Ok((out.to_vec(), lse.to_vec()))
     }
@@ -164,12 +159,7 @@ fn bad_lengths_are_errors() {
     let k = c.tensor(&c.k, &[2, HKV, CAP, D]);
     let v = c.tensor(&c.v, &[2, HKV, CAP, D]);
     let three = Tensor::<CpuRuntime>::from_slice(&[1i32, 2, 3], &[3], &CpuDevice::new()).unwrap();
-    let cache = KvCache {
-        k: &k,
-        v: &v,
-        lengths: &three,
-        scales: None,
-    };
+    let cache = KvCache::new(&k, &v, &three);
     let err = attention_fwd_cache(&Causal, &q, &cache, &AttentionOptions::default()).unwrap_err();
     assert!(
         matches!(
@@ -183,12 +173,7 @@ fn bad_lengths_are_errors() {
     );
     // i32 only.
     let float = Tensor::<CpuRuntime>::from_slice(&[1.0f32, 2.0], &[2], &CpuDevice::new()).unwrap();
-    let cache = KvCache {
-        k: &k,
-        v: &v,
-        lengths: &float,
-        scales: None,
-    };
+    let cache = KvCache::new(&k, &v, &float);
     let err = attention_fwd_cache(&Causal, &q, &cache, &AttentionOptions::default()).unwrap_err();
     assert!(
         matches!(
@@ -253,22 +238,11 @@ fn pages_are_the_contiguous_cache_in_place() {
     let opts = AttentionOptions::default();
     let variant = CausalSoftcap { cap: 10.0 };
     let (k, v) = (t(&k, &[b, HKV, cap, D]), t(&v, &[b, HKV, cap, D]));
-    let contiguous = KvCache {
-        k: &k,
-        v: &v,
-        lengths: &lengths,
-        scales: None,
-    };
+    let contiguous = KvCache::new(&k, &v, &lengths);
     let (out, lse) = attention_fwd_cache(&variant, &q, &contiguous, &opts).expect("contiguous");
     let (kp, vp) = (t(&kp, &[pages, HKV, ps, D]), t(&vp, &[pages, HKV, ps, D]));
     let page_table = ti(&table, &[b, max_pages]);
-    let paged = PagedKvCache {
-        k_pages: &kp,
-        v_pages: &vp,
-        page_table: &page_table,
-        lengths: &lengths,
-        scales: None,
-    };
+    let paged = PagedKvCache::new(&kp, &vp, &page_table, &lengths);
     let (pout, plse) = attention_fwd_paged(&variant, &q, &paged, &opts).expect("paged");
     let bits = |x: Tensor<CpuRuntime>| {
         x.to_vec::<f32>()
@@ -288,10 +262,7 @@ fn pages_are_the_contiguous_cache_in_place() {
     let mut bad = table.clone();
     bad[max_pages + 2] = pages as i32; // sequence 1 uses all three pages
     let bad = ti(&bad, &[b, max_pages]);
-    let cache = PagedKvCache {
-        page_table: &bad,
-        ..paged
-    };
+    let cache = PagedKvCache::new(&kp, &vp, &bad, &lengths);
     match attention_fwd_paged(&variant, &q, &cache, &opts) {
         Err(Error::PageIndex {
             batch: 1, page: 2, ..
@@ -299,10 +270,7 @@ fn pages_are_the_contiguous_cache_in_place() {
         other => panic!("bad page: {other:?}"),
     }
     let long = ti(&[5, 193, 0, 64, 100], &[b]);
-    let cache = PagedKvCache {
-        lengths: &long,
-        ..paged
-    };
+    let cache = PagedKvCache::new(&kp, &vp, &page_table, &long);
     match attention_fwd_paged(&variant, &q, &cache, &opts) {
         Err(Error::CacheLength {
             batch: 1,
@@ -330,12 +298,7 @@ fn the_cache_backward_is_each_sequence_alone() {
     let v = case.tensor(&case.v, &[b, HKV, CAP, D]);
     let dout_t = case.tensor(&dout, &[b, HQ, sq, D]);
     let lengths = Tensor::<CpuRuntime>::from_slice(&lens, &[b], &device).unwrap();
-    let cache = KvCache {
-        k: &k,
-        v: &v,
-        lengths: &lengths,
-        scales: None,
-    };
+    let cache = KvCache::new(&k, &v, &lengths);
     let opts = AttentionOptions::default();
     let (out, lse) = attention_fwd_cache(&variant, &q, &cache, &opts).unwrap();
     let (dq, dk, dv) =
@@ -535,12 +498,8 @@ fn fp8_caches_match_the_reference_on_their_dequantized_values() {
                 fp8_tensor(fmt, &kb, &p.k_shape()),
                 fp8_tensor(fmt, &vb, &p.v_shape()),
             );
-            let cache = KvCache {
-                k: &kt,
-                v: &vt,
-                lengths: &lengths,
-                scales: Some(KvScales::PerHead { k: &ks, v: &vs }),
-            };
+            let cache =
+                KvCache::new(&kt, &vt, &lengths).with_scales(KvScales::PerHead { k: &ks, v: &vs });
             let got = attention_fwd_cache(&Causal, &qt, &cache, &opts).expect("an fp8 cache");
             check("contiguous", &want, got);
 
@@ -586,13 +545,7 @@ fn fp8_caches_match_the_reference_on_their_dequantized_values() {
                 } else {
                     KvScales::PerHead { k: &ks, v: &vs }
                 };
-                let paged = PagedKvCache {
-                    k_pages: &kt,
-                    v_pages: &vt,
-                    page_table: &tt,
-                    lengths: &lengths,
-                    scales: Some(scales),
-                };
+                let paged = PagedKvCache::new(&kt, &vt, &tt, &lengths).with_scales(scales);
                 let got = attention_fwd_paged(&Causal, &qt, &paged, &opts).expect("fp8 pages");
                 check(&format!("paged, per page {per_page}"), &want, got);
             }
@@ -613,23 +566,31 @@ fn fp8_cache_scales_break_rules_as_errors() {
     let lengths = Tensor::<CpuRuntime>::from_slice(&[cap as i32], &[b], &dev).unwrap();
     let good = t(&[0.5, 2.0], &[hkv]);
     let opts = AttentionOptions::default();
-    let run = |k: &Tensor<CpuRuntime>, scales: Option<KvScales<'_, CpuRuntime>>| {
-        let cache = KvCache {
-            k,
-            v: k,
-            lengths: &lengths,
-            scales,
+    let run_kv = |k: &Tensor<CpuRuntime>,
+                  v: &Tensor<CpuRuntime>,
+                  scales: Option<KvScales<'_, CpuRuntime>>| {
+        let cache = KvCache::new(k, v, &lengths);
+        let cache = match scales {
+            Some(scales) => cache.with_scales(scales),
+            None => cache,
         };
         attention_fwd_cache(&Causal, &q, &cache, &opts)
     };
+    let run =
+        |k: &Tensor<CpuRuntime>, scales: Option<KvScales<'_, CpuRuntime>>| run_kv(k, k, scales);
+    let e5m2 = fp8_tensor(Fp8::E5m2, &vec![0x3c; b * hkv * cap * d], &[b, hkv, cap, d]);
     run(&kv, Some(KvScales::PerHead { k: &good, v: &good })).expect("a good fp8 cache");
     let f64s = good.to_dtype(numr::dtype::DType::F64).unwrap();
     let wrong_shape = t(&[0.5, 2.0, 1.0], &[3]);
     let zero = t(&[0.5, 0.0], &[hkv]);
     let nan = t(&[f32::NAN, 1.0], &[hkv]);
     let per_page = t(&[1.0; 2], &[1, hkv]);
-    let cases: [(&str, Result<_, _>); 7] = [
+    let cases: [(&str, Result<_, _>); 8] = [
         ("needs its scales", run(&kv, None)),
+        (
+            "share one format",
+            run_kv(&kv, &e5m2, Some(KvScales::PerHead { k: &good, v: &good })),
+        ),
         (
             "apply to fp8 caches",
             run(&kv32, Some(KvScales::PerHead { k: &good, v: &good })),
@@ -677,12 +638,8 @@ fn fp8_cache_scales_break_rules_as_errors() {
     }
     // The backward of an fp8 cache.
     let (out, lse) = run(&kv, Some(KvScales::PerHead { k: &good, v: &good })).unwrap();
-    let cache = KvCache {
-        k: &kv,
-        v: &kv,
-        lengths: &lengths,
-        scales: Some(KvScales::PerHead { k: &good, v: &good }),
-    };
+    let cache =
+        KvCache::new(&kv, &kv, &lengths).with_scales(KvScales::PerHead { k: &good, v: &good });
     let err = attention_bwd_cache(&Causal, &out, &q, &cache, &out, &lse, &opts)
         .expect_err("fp8 backward");
     assert!(err.to_string().contains("fp8"), "{err}");

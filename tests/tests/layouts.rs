@@ -116,12 +116,7 @@ fn values_as_a_view_of_the_keys_are_read_in_place() {
 
         let lengths = Tensor::<CpuRuntime>::from_slice(&[150i32, 200], &[b], &CpuDevice::new())
             .expect("lengths");
-        let cache = |v| KvCache {
-            k: &latent,
-            v,
-            lengths: &lengths,
-            scales: None,
-        };
+        let cache = |v| KvCache::new(&latent, v, &lengths);
         let (out, lse) = attention_fwd_cache(&Causal, &q, &cache(&v), &opts).expect("the view");
         let (want, want_lse) =
             attention_fwd_cache(&Causal, &q, &cache(&v_copy), &opts).expect("the copy");
@@ -156,14 +151,11 @@ fn fp8_values_as_a_view_of_the_keys_give_the_bits_of_a_copy() {
     let scale = |x: f32| T::from_slice(&[x], &[1], &device).expect("a scale");
     let (k_scale, v_scale) = (scale(0.125), scale(0.0625));
     for v_scale in [&k_scale, &v_scale] {
-        let cache = |v| KvCache {
-            k: &latent,
-            v,
-            lengths: &lengths,
-            scales: Some(KvScales::PerHead {
+        let cache = |v| {
+            KvCache::new(&latent, v, &lengths).with_scales(KvScales::PerHead {
                 k: &k_scale,
                 v: v_scale,
-            }),
+            })
         };
         let opts = AttentionOptions::default();
         let (out, lse) = attention_fwd_cache(&Causal, &q, &cache(&v), &opts).expect("the view");
@@ -196,13 +188,7 @@ fn paged_values_as_a_view_of_the_key_pages_never_read_past_it() {
         Tensor::<CpuRuntime>::from_slice(&[50i32, 64], &[2], &CpuDevice::new()).expect("lengths");
     let opts = AttentionOptions::default();
     let run = |v| {
-        let cache = PagedKvCache {
-            k_pages: &k_copy,
-            v_pages: v,
-            page_table: &table,
-            lengths: &lengths,
-            scales: None,
-        };
+        let cache = PagedKvCache::new(&k_copy, v, &table, &lengths);
         attention_fwd_paged(&Causal, &q, &cache, &opts).expect("a paged call")
     };
     let ((out, lse), (want, want_lse)) = (run(&v), run(&v_copy));

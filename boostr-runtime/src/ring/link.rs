@@ -40,6 +40,7 @@ impl std::fmt::Debug for Link {
 /// Where the time of a rank's last ring call went (see
 /// [`last_ring_times`](crate::last_ring_times)).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RingTimes {
     /// Communications run (exchanges and collectives).
     pub ops: u32,

@@ -77,6 +77,7 @@ use std::time::Duration;
 
 /// How the blocks of keys and values reach every rank.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Schedule {
     /// [`AllGather`](Schedule::AllGather) where the gathered keys and
     /// values take no more memory than the rank's own `q` and `out`
@@ -107,7 +108,9 @@ impl Schedule {
 }
 
 /// Options of a ring attention call; every rank passes the same.
+/// `RingOptions::default()`, then the `with_` methods for what differs.
 #[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct RingOptions {
     /// The attention's own options (scale).
     pub attention: AttentionOptions,
@@ -118,6 +121,28 @@ pub struct RingOptions {
     /// How long a rank waits for any one communication before it gives up
     /// with [`Error::RingTimeout`].
     pub timeout: Duration,
+}
+
+impl RingOptions {
+    /// These options with the attention's own `options` (scale, dropout).
+    pub fn with_attention(self, attention: AttentionOptions) -> Self {
+        RingOptions { attention, ..self }
+    }
+
+    /// These options with the sequence sharded as `shards`.
+    pub fn with_shards(self, shards: Shards) -> Self {
+        RingOptions { shards, ..self }
+    }
+
+    /// These options with keys and values moved by `schedule`.
+    pub fn with_schedule(self, schedule: Schedule) -> Self {
+        RingOptions { schedule, ..self }
+    }
+
+    /// These options with each communication given up after `timeout`.
+    pub fn with_timeout(self, timeout: Duration) -> Self {
+        RingOptions { timeout, ..self }
+    }
 }
 
 impl Default for RingOptions {

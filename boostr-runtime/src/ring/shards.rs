@@ -9,6 +9,7 @@ use numr::tensor::Tensor;
 /// each holding `S / world` of them (its shard of q, k and v, in position
 /// order).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Shards {
     /// Rank `r` holds positions `r·n .. (r+1)·n` (`n = S / world`). Under
     /// a causal mask rank `r` has `r + ½` shards of work, so the last rank
