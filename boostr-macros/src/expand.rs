@@ -72,7 +72,11 @@ fn host_methods(program: &Program) -> TokenStream {
     let mask = method(&f32s, "mask", &program.mask);
     let score_f64 = method(&f64s, "score_f64", &program.score);
     let score_grad_f64 = method(&f64s, "score_grad_f64", &program.score_grad);
-    let mask_f64 = method(&f64s, "mask_f64", &program.mask);
+    let mask_exact = method(
+        &RustEmitter::exact_f32(program),
+        "mask_exact",
+        &program.mask,
+    );
     let sink = method(&f32s, "sink", &program.sink);
     let sink_f64 = method(&f64s, "sink_f64", &program.sink);
     let classify_params = f32s.params(&program.classify);
@@ -114,7 +118,7 @@ fn host_methods(program: &Program) -> TokenStream {
         }
         #score_f64
         #score_grad_f64
-        #mask_f64
+        #mask_exact
         #sink
         #sink_f64
         fn out_of_range(&self) -> ::core::option::Option<::boostr_runtime::Error> {
@@ -660,7 +664,7 @@ fn stub_impl(item: &syn::ItemStruct) -> TokenStream {
             -> ::boostr_runtime::TileClass { unreachable!() }
         fn score_f64(&self, s: f64, b: i32, h: i32, q: i32, kv: i32) -> f64 { unreachable!() }
         fn score_grad_f64(&self, s: f64, b: i32, h: i32, q: i32, kv: i32) -> f64 { unreachable!() }
-        fn mask_f64(&self, b: i32, h: i32, q: i32, kv: i32) -> bool { unreachable!() }
+        fn mask_exact(&self, b: i32, h: i32, q: i32, kv: i32) -> bool { unreachable!() }
     };
     let generic = !item.generics.params.is_empty();
     let (host_ty, host_impl) = if generic {

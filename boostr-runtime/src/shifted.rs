@@ -187,10 +187,10 @@ where
         self.inner.score_grad_f64(s, b, h, q, kv)
     }
 
-    fn mask_f64(&self, b: i32, h: i32, q: i32, kv: i32) -> bool {
+    fn mask_exact(&self, b: i32, h: i32, q: i32, kv: i32) -> bool {
         let seen = !W::HIDES_KEYS || kv < self.window.key_end(b);
         let (q, kv) = self.at(b, q, kv);
-        seen && (!<I::Target as HostVariant>::HAS_MASK || self.inner.mask_f64(b, h, q, kv))
+        seen && (!<I::Target as HostVariant>::HAS_MASK || self.inner.mask_exact(b, h, q, kv))
     }
 
     fn position_shift(&self, b: i32) -> (i32, i32) {

@@ -207,8 +207,11 @@ pub trait HostVariant: Send + Sync {
     fn score_f64(&self, s: f64, b: i32, h: i32, q: i32, kv: i32) -> f64;
     /// `score_grad` evaluated in f64, for the reference implementation.
     fn score_grad_f64(&self, s: f64, b: i32, h: i32, q: i32, kv: i32) -> f64;
-    /// `mask` evaluated with f64 arithmetic, for the reference implementation.
-    fn mask_f64(&self, b: i32, h: i32, q: i32, kv: i32) -> bool;
+    /// `mask` in the language's f32 arithmetic with every operation
+    /// rounded once (a division stays a division) and `std`'s functions,
+    /// for the reference implementation: a mask is a decision, and at an
+    /// exact tie f64 arithmetic could decide otherwise than every kernel.
+    fn mask_exact(&self, b: i32, h: i32, q: i32, kv: i32) -> bool;
 
     /// What the positions the kernels count in sequence `b` (query row `i`
     /// at `i + Sk − Sq`, key `j` at `j`) are behind those the variant's
@@ -354,7 +357,7 @@ pub trait HostVariant: Send + Sync {
 ///     }
 ///     fn score_f64(&self, s: f64, _: i32, _: i32, _: i32, _: i32) -> f64 { 0.5 * s }
 ///     fn score_grad_f64(&self, _: f64, _: i32, _: i32, _: i32, _: i32) -> f64 { 0.5 }
-///     fn mask_f64(&self, _: i32, _: i32, _: i32, _: i32) -> bool { true }
+///     fn mask_exact(&self, _: i32, _: i32, _: i32, _: i32) -> bool { true }
 /// }
 /// boostr_runtime::hand_written_variant!(Halved);
 ///

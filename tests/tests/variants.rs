@@ -67,3 +67,44 @@ fn tile_overrides_reach_the_variant() {
     assert_eq!(OddTiles::TILE_KV, Some(13));
     assert_eq!(Documents::TILE_Q, None);
 }
+
+/// A neighbourhood in units of `w` positions, by float division (NATTEN's
+/// 2-D neighbourhoods with a width that is no power of two): at `w = 6,
+/// window = 3` the quotients of query 2 and key 20 differ by exactly 3, a
+/// tie that a product with the reciprocal of `w` breaks. The key is
+/// visible, in f32 as in f64, on every backend.
+#[attention(
+    mask = |_b, _h, q, kv| {
+        abs((q as f32) / (self.w as f32) - (kv as f32) / (self.w as f32)) <= (self.window as f32)
+    },
+    tests = [Neighbourhood { w: 6, window: 3 }, Neighbourhood { w: 7, window: 2 }],
+)]
+#[derive(Clone, Debug)]
+pub struct Neighbourhood {
+    pub w: i32,
+    pub window: i32,
+}
+
+#[test]
+fn a_mask_divides_exactly_at_ties() {
+    use boostr_runtime::HostVariant;
+    let v = Neighbourhood { w: 6, window: 3 };
+    // Every pair of 97 positions: the mask the kernels evaluate is the
+    // language's f32 arithmetic, as the reference's is; a product with the
+    // reciprocal decides 46 of these pairs otherwise, (2, 20) among them.
+    let (w, window) = (6.0f32, 3.0f32);
+    let mut broken_by_reciprocal = 0;
+    for q in 0..97 {
+        for kv in 0..97 {
+            let (qf, kf) = (q as f32, kv as f32);
+            let exact = (qf / w - kf / w).abs() <= window;
+            assert_eq!(v.mask(0, 0, q, kv), exact, "q {q}, kv {kv}");
+            assert_eq!(v.mask_exact(0, 0, q, kv), exact, "q {q}, kv {kv}");
+            let r = 1.0 / w;
+            broken_by_reciprocal += usize::from(((qf * r - kf * r).abs() <= window) != exact);
+        }
+    }
+    assert_eq!(broken_by_reciprocal, 46);
+    let r = 1.0 / w;
+    assert!((2.0 * r - 20.0 * r).abs() > window && v.mask(0, 0, 2, 20));
+}

@@ -41,7 +41,7 @@ impl HostVariant for SlidingWindow {
             TileClass::Partial
         }
     }
-    fn mask_f64(&self, _: i32, _: i32, q: i32, kv: i32) -> bool {
+    fn mask_exact(&self, _: i32, _: i32, q: i32, kv: i32) -> bool {
         kv <= q && q - kv < self.window
     }
 }
@@ -107,7 +107,7 @@ impl HostVariant for CountingCausal {
     fn score_grad_f64(&self, _: f64, _: i32, _: i32, _: i32, _: i32) -> f64 {
         1.0
     }
-    fn mask_f64(&self, _: i32, _: i32, q: i32, kv: i32) -> bool {
+    fn mask_exact(&self, _: i32, _: i32, q: i32, kv: i32) -> bool {
         kv <= q
     }
 }
@@ -350,7 +350,7 @@ fn reference_rounded<V: HostVariant>(
                 for j in 0..sk {
                     let krow = &k[(kvb + j) * d..][..d];
                     s[j] = qrow.iter().zip(krow).map(|(a, b)| a * b).sum::<f64>() * scale;
-                    if var.mask_f64(bi, hi, qi, j as i32) {
+                    if var.mask_exact(bi, hi, qi, j as i32) {
                         x[j] = var.score_f64(s[j], bi, hi, qi, j as i32);
                     }
                 }
@@ -1500,7 +1500,7 @@ fn naive_bf16<V: HostVariant>(var: &V, p: &Problem, x: &Inputs) -> Vec<f64> {
                             .map(|(a, b)| f64::from(*a) * f64::from(*b))
                             .sum::<f64>()
                             * scale;
-                        if var.mask_f64(b as i32, h as i32, qi, j as i32) {
+                        if var.mask_exact(b as i32, h as i32, qi, j as i32) {
                             var.score_f64(s, b as i32, h as i32, qi, j as i32)
                         } else {
                             f64::NEG_INFINITY

@@ -62,7 +62,7 @@ use numr::runtime::Runtime;
 ///   query have exactly `0` in `dk` and `dv`;
 /// - the naive f32 is itself within `1e-2 · (1 + M)` of the reference
 ///   (else the variant's f32 and f64 closures disagree);
-/// - the variant's own contract: `mask` and `mask_f64` agree; no mask means
+/// - the variant's own contract: `mask` and `mask_exact` agree; no mask means
 ///   every pair is visible; an identity score is the identity with
 ///   derivative 1; `classify_tile` never says `Empty` or `Full` wrongly
 ///   (several tilings of every case).

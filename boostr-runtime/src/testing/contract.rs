@@ -1,4 +1,4 @@
-//! The variant's own contract: `mask` and `mask_f64` agree, no mask means
+//! The variant's own contract: `mask` and `mask_exact` agree, no mask means
 //! every pair is visible, an identity score is the identity, and the tile
 //! classifier never says `Empty` or `Full` wrongly.
 
@@ -28,7 +28,7 @@ pub(crate) fn contract<V: HostVariant>(variant: &V, p: &Problem, failures: &mut 
                     let ji = j as i32;
                     let (m32, m64) = (
                         variant.mask(bi, hi, qi, ji),
-                        variant.mask_f64(bi, hi, qi, ji),
+                        variant.mask_exact(bi, hi, qi, ji),
                     );
                     vis[i * sk + j] = m32;
                     if m32 != m64 && mismatch.is_none() {
@@ -42,7 +42,7 @@ pub(crate) fn contract<V: HostVariant>(variant: &V, p: &Problem, failures: &mut 
             if let Some((qi, ji, m32, m64)) = mismatch.filter(|_| !mask_reported) {
                 mask_reported = true;
                 failures.push(format!(
-                    "variant `{name}`: mask({b}, {h}, q={qi}, kv={ji}) = {m32} but mask_f64 = {m64}"
+                    "variant `{name}`: mask({b}, {h}, q={qi}, kv={ji}) = {m32} but mask_exact = {m64}"
                 ));
             }
             if let Some((qi, ji)) = unmasked_hidden.filter(|_| !unmasked_reported) {

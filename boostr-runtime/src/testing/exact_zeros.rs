@@ -7,7 +7,7 @@ use crate::variant::HostVariant;
 
 /// Rows with no visible key must give exactly 0 in `out` and `dq` (with a
 /// sink too: their `lse` is the sink); keys that no query sees (under
-/// `mask_f64`) exactly 0 in `dk` and `dv`. `rows` are two `out`s and two
+/// `mask_exact`) exactly 0 in `dk` and `dv`. `rows` are two `out`s and two
 /// `dq`s, `keys` a `dk`, a `dv`, a `dk` and a `dv`, in that order (their
 /// rows are `Dv` and `D` wide).
 pub(crate) fn exact_zeros<V: HostVariant>(
@@ -29,7 +29,7 @@ pub(crate) fn exact_zeros<V: HostVariant>(
                 || V::WEIGHTS.sink && {
                     let (bh, i) = (r / p.seq_q, r % p.seq_q);
                     let (b, h) = ((bh / p.heads_q) as i32, (bh % p.heads_q) as i32);
-                    (0..p.seq_k as i32).all(|j| !variant.mask_f64(b, h, q_pos(p, i), j))
+                    (0..p.seq_k as i32).all(|j| !variant.mask_exact(b, h, q_pos(p, i), j))
                 }
         })
         .collect();
@@ -67,7 +67,7 @@ pub(crate) fn exact_zeros<V: HostVariant>(
 }
 
 /// Which keys some query sees: `seen[(b·Hkv + hk)·Sk + j]` when a query of
-/// kv head `hk`'s group in batch `b` sees key `j` (under `mask_f64`). The
+/// kv head `hk`'s group in batch `b` sees key `j` (under `mask_exact`). The
 /// checks fill the K and V rows of the others with NaN and infinities.
 pub fn seen_keys<V: HostVariant>(variant: &V, p: &Problem) -> Vec<bool> {
     let mut seen = vec![false; p.batch * p.heads_kv * p.seq_k];
@@ -77,7 +77,7 @@ pub fn seen_keys<V: HostVariant>(variant: &V, p: &Problem) -> Vec<bool> {
             for i in 0..p.seq_q {
                 for j in 0..p.seq_k {
                     let s = &mut seen[(b * p.heads_kv + hk) * p.seq_k + j];
-                    if !*s && variant.mask_f64(b as i32, h as i32, q_pos(p, i), j as i32) {
+                    if !*s && variant.mask_exact(b as i32, h as i32, q_pos(p, i), j as i32) {
                         *s = true;
                     }
                 }

@@ -24,7 +24,7 @@ pub(crate) use identity_score;
 
 /// The mask functions of a variant without a mask (`HAS_MASK = false`):
 /// the kernels must never call `mask` or `classify_tile`, which panic; the
-/// reference's `mask_f64` sees every key.
+/// reference's `mask_exact` sees every key.
 macro_rules! no_mask_to_call {
     () => {
         fn mask(&self, _: i32, _: i32, _: i32, _: i32) -> bool {
@@ -41,7 +41,7 @@ macro_rules! no_mask_to_call {
         ) -> $crate::variant::TileClass {
             panic!("classify_tile called on a variant without a mask")
         }
-        fn mask_f64(&self, _: i32, _: i32, _: i32, _: i32) -> bool {
+        fn mask_exact(&self, _: i32, _: i32, _: i32, _: i32) -> bool {
             true
         }
     };
@@ -63,7 +63,7 @@ impl HostVariant for Plain {
     fn classify_tile(&self, _: i32, _: i32, _: i32, _: i32, _: i32, _: i32) -> TileClass {
         TileClass::Full
     }
-    fn mask_f64(&self, _: i32, _: i32, _: i32, _: i32) -> bool {
+    fn mask_exact(&self, _: i32, _: i32, _: i32, _: i32) -> bool {
         true
     }
 }
@@ -159,7 +159,7 @@ impl HostVariant for CausalSoftcap {
         let t = (s / f64::from(self.cap)).tanh();
         1.0 - t * t
     }
-    fn mask_f64(&self, _: i32, _: i32, q: i32, kv: i32) -> bool {
+    fn mask_exact(&self, _: i32, _: i32, q: i32, kv: i32) -> bool {
         kv <= q
     }
 }

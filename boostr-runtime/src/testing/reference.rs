@@ -3,8 +3,10 @@
 //!
 //! The algorithm is written once, generic over [`Real`]:
 //!
-//! - in **f64** it calls `score_f64`, `score_grad_f64` and `mask_f64`: this is
-//!   the reference every kernel is compared with;
+//! - in **f64** it calls `score_f64`, `score_grad_f64` and `mask_exact` (the
+//!   mask in the language's f32 arithmetic, each operation rounded once: a
+//!   mask is a decision, which f64 could make otherwise at an exact tie):
+//!   this is the reference every kernel is compared with;
 //! - in **f32** it calls `score`, `score_grad` and `mask`: this is the "naive
 //!   f32 implementation" whose own error against the f64 reference sets the
 //!   tolerance of the kernels (see [`check_variant`](super::check_variant)).
@@ -157,7 +159,7 @@ impl Real for f64 {
     host_functions!(
         score_f64,
         score_grad_f64,
-        mask_f64,
+        mask_exact,
         sink_f64,
         score_tensor_grads_f64,
         sink_tensor_grads_f64,

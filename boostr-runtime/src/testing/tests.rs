@@ -35,7 +35,7 @@ impl HostVariant for ClampPerHead {
     fn score_grad_f64(&self, s: f64, _: i32, h: i32, _: i32, _: i32) -> f64 {
         f64::from(u8::from(s.abs() < 1.0)) + 0.1 * f64::from(h)
     }
-    fn mask_f64(&self, b: i32, _: i32, _: i32, kv: i32) -> bool {
+    fn mask_exact(&self, b: i32, _: i32, _: i32, kv: i32) -> bool {
         b == 0 || kv != 0
     }
 }

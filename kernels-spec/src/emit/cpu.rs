@@ -8,7 +8,11 @@
 //! `%` by zero give 0, `clamp` never panics. One liberty in f32: a division
 //! by a value made of parameters and constants only is a multiplication by
 //! its reciprocal (one rounding apart from the quotient), so that the
-//! kernels' row loops carry no vector division.
+//! kernels' row loops carry no vector division — but only where the
+//! quotient flows smoothly into the result. Where it reaches a comparison,
+//! `floor`/`ceil`, a cast, a float `%` or a tensor index (a mask, a
+//! bucket), one rounding can flip the answer at an exact tie, so there the
+//! division stays a division, as on the GPUs and in the f64 reference.
 
 use crate::ir::{Arg, BinOp, Builtin, Const, Expr, ExprKind, Function, Local, Program, Ty, UnOp};
 use proc_macro2::{Ident, Literal, Span, TokenStream};
@@ -28,12 +32,47 @@ pub enum Float {
 pub struct RustEmitter<'a> {
     program: &'a Program,
     float: Float,
+    /// Whether the expression being emitted reaches a discontinuous use
+    /// (see [`RustEmitter::exact`]): its divisions stay divisions.
+    exact: bool,
+    /// Transcendental functions from `std` rather than the runtime's
+    /// vectorisable ones (see [`RustEmitter::exact_f32`]).
+    std_math: bool,
 }
 
 impl<'a> RustEmitter<'a> {
     /// An emitter for `program` with float type `float`.
     pub fn new(program: &'a Program, float: Float) -> Self {
-        Self { program, float }
+        Self {
+            program,
+            float,
+            exact: false,
+            std_math: float == Float::F64,
+        }
+    }
+
+    /// An emitter of the language's f32 arithmetic as written: every
+    /// operation rounded once (no reciprocal products), `std`'s functions.
+    /// The reference evaluates masks with it, because a mask is a decision:
+    /// at a tie (`q / 6.0 - kv / 6.0 <= 3.0` exactly) f64 arithmetic can
+    /// answer otherwise than every kernel does in f32.
+    pub fn exact_f32(program: &'a Program) -> Self {
+        Self {
+            program,
+            float: Float::F32,
+            exact: true,
+            std_math: true,
+        }
+    }
+
+    /// This emitter for a subexpression whose value reaches a comparison,
+    /// `floor`/`ceil`, a cast, a float `%` or an index: a rounding there
+    /// can change the result by a step, not by a rounding.
+    fn exact(&self) -> Self {
+        Self {
+            exact: true,
+            ..*self
+        }
     }
 
     /// The Rust type of an IR type.
@@ -160,17 +199,23 @@ impl<'a> RustEmitter<'a> {
             ExprKind::Call(f, args) => self.call(*f, args),
             ExprKind::Cast(a) => {
                 let ty = self.ty(e.ty);
-                let inner = self.expr(a);
+                let inner = self.exact().expr(a);
                 quote!((#inner as #ty))
             }
             ExprKind::Select(c, t, f) => {
-                let (c, t, f) = (self.expr(c), self.expr(t), self.expr(f));
+                let (c, t, f) = (self.exact().expr(c), self.expr(t), self.expr(f));
                 quote!((if #c { #t } else { #f }))
             }
             ExprKind::Let(l, v, body) => {
                 let id = local_ident(*l);
                 let ty = self.ty(v.ty);
-                let (v, body) = (self.expr(v), self.expr(body));
+                // The value is as exact as its most demanding use.
+                let value = if self.exact || used_exactly(body, *l, false) {
+                    self.exact()
+                } else {
+                    *self
+                };
+                let (v, body) = (value.expr(v), self.expr(body));
                 quote!({ let #id: #ty = #v; #body })
             }
             ExprKind::Read(r) => {
@@ -218,7 +263,7 @@ impl<'a> RustEmitter<'a> {
         indices
             .iter()
             .map(|i| {
-                let i = self.expr(i);
+                let i = self.exact().expr(i);
                 quote!(((#i) as i64))
             })
             .collect()
@@ -226,7 +271,8 @@ impl<'a> RustEmitter<'a> {
 
     fn binary(&self, op: BinOp, a: &Expr, b: &Expr) -> TokenStream {
         let int = a.ty.is_int();
-        let (x, y) = (self.expr(a), self.expr(b));
+        let operands = if steps(op, a) { self.exact() } else { *self };
+        let (x, y) = (operands.expr(a), operands.expr(b));
         let zero = if a.ty == Ty::U32 {
             quote!(0u32)
         } else {
@@ -239,7 +285,7 @@ impl<'a> RustEmitter<'a> {
             // depends only on parameters and constants becomes a product
             // with its reciprocal, which the compiler hoists out of the row
             // loop. The quotient may differ from `x / y` by one rounding.
-            BinOp::Div if !int && self.float == Float::F32 && is_uniform(b) => {
+            BinOp::Div if !int && !self.exact && self.float == Float::F32 && is_uniform(b) => {
                 let one = self.float_lit(1.0);
                 quote!((#x * (#one / #y)))
             }
@@ -261,13 +307,18 @@ impl<'a> RustEmitter<'a> {
 
     fn call(&self, f: Builtin, args: &[Expr]) -> TokenStream {
         let ty = args[0].ty;
-        let a: Vec<TokenStream> = args.iter().map(|x| self.expr(x)).collect();
+        let args_emitter = if matches!(f, Builtin::Floor | Builtin::Ceil) {
+            self.exact()
+        } else {
+            *self
+        };
+        let a: Vec<TokenStream> = args.iter().map(|x| args_emitter.expr(x)).collect();
         let x = &a[0];
         let float = ty == Ty::F32;
         // In f32, the transcendental functions call the runtime's branch-free
         // versions (libm calls would stop the per-element score loops from
         // vectorizing); the f64 reference keeps std, independent of them.
-        if self.float == Float::F32 {
+        if !self.std_math {
             let name = match f {
                 Builtin::Exp => Some("exp"),
                 Builtin::Exp2 => Some("exp2"),
@@ -325,6 +376,43 @@ impl<'a> RustEmitter<'a> {
                 quote!((#x).#m(#y))
             }
         }
+    }
+}
+
+/// Whether `op` on operands like `a` is a step function of them: a
+/// comparison, or a float remainder.
+fn steps(op: BinOp, a: &Expr) -> bool {
+    match op {
+        BinOp::Eq | BinOp::Ne | BinOp::Lt | BinOp::Le | BinOp::Gt | BinOp::Ge => true,
+        BinOp::Rem => a.ty == Ty::F32,
+        _ => false,
+    }
+}
+
+/// Whether local `l` is read in `e` where its value reaches a step (see
+/// [`RustEmitter::exact`]); `exact` says whether `e` itself does.
+fn used_exactly(e: &Expr, l: Local, exact: bool) -> bool {
+    let at = |x: &Expr, exact: bool| used_exactly(x, l, exact);
+    match &e.kind {
+        ExprKind::Local(m) => exact && *m == l,
+        ExprKind::Const(_) | ExprKind::Arg(_) | ExprKind::Param(_) | ExprKind::Dim(..) => false,
+        ExprKind::Unary(_, a) => at(a, exact),
+        ExprKind::Cast(a) => at(a, true),
+        ExprKind::Binary(op, a, b) => {
+            let exact = exact || steps(*op, a);
+            at(a, exact) || at(b, exact)
+        }
+        ExprKind::Call(f, args) => {
+            let exact = exact || matches!(f, Builtin::Floor | Builtin::Ceil);
+            args.iter().any(|x| at(x, exact))
+        }
+        ExprKind::Select(c, t, f) => at(c, true) || at(t, exact) || at(f, exact),
+        ExprKind::Let(m, v, body) => {
+            let v_exact = exact || used_exactly(body, *m, false);
+            at(v, v_exact) || at(body, exact)
+        }
+        ExprKind::Read(r) => r.indices.iter().any(|i| at(i, true)),
+        ExprKind::ReadRange(r) => r.indices.iter().any(|i| at(i, true)) || at(&r.hi, true),
     }
 }
 
@@ -390,5 +478,20 @@ mod tests {
         // The f64 reference divides.
         let body = score_body("s / self.cap", Float::F64);
         assert!(!body.contains("1f64 /") && body.contains(" / "), "{body}");
+        // A quotient that reaches a step keeps its division: a rounding
+        // there moves the answer by a step at an exact tie.
+        for stepped in [
+            "if (q as f32) / self.cap <= 3.0 { s } else { 0.0 }",
+            "s + floor((kv as f32) / self.cap)",
+            "s + (((q as f32) / self.cap) as i32) as f32",
+            "s + ((q as f32) / self.cap) % 2.0",
+            "{ let x = (q as f32) / self.cap; if x < 1.0 { s } else { s * x } }",
+        ] {
+            let body = score_body(stepped, Float::F32);
+            assert!(!body.contains("1f32 /"), "{stepped}: {body}");
+        }
+        // Smooth uses beside a step keep theirs.
+        let body = score_body("if q < kv { s / self.cap } else { s }", Float::F32);
+        assert!(body.contains("* (1f32 / self . cap)"), "{body}");
     }
 }
