@@ -144,13 +144,16 @@ macro_rules! __backend_tests {
 // inside a macro's expansion is evaluated in the caller's crate.
 
 /// The wgpu part of [`__backend_tests`]: against the reference, on the
-/// shapes the CPU is checked on too (`testing::CPU_CASES`).
+/// shapes the CPU is checked on too (`testing::CPU_CASES`), for the first
+/// instance. On a software adapter most of a check's time is compiling the
+/// variant's pipelines, and further instances differ in parameter values
+/// (a uniform) and test data, which the CPU checks on every instance.
 #[cfg(feature = "wgpu")]
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __wgpu_tests {
-    ($($name:ident,)*) => {
-        $crate::__backend_test_module! { wgpu, Wgpu; $($name,)* }
+    ($first:ident, $($rest:ident,)*) => {
+        $crate::__backend_test_module! { wgpu, Wgpu; $first, }
     };
 }
 

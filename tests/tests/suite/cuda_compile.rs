@@ -26,7 +26,7 @@
 //! reference (needs a C++20 compiler: `BOOSTR_CXX`, or `c++`/`g++` on PATH);
 //! over an fp8 cache, the reference of its dequantized values.
 
-mod fixtures;
+use crate::fixtures;
 
 use boostr_runtime::stock::{
     AlibiSlopes, Causal, CausalDocuments, CausalDropout, CausalSigmoid, CausalSlidingWindow,

@@ -6,7 +6,7 @@
 //! corner cases of constant folding, where a constant expression that
 //! overflows or is not finite would be a shader-creation error.
 
-mod fixtures;
+use crate::fixtures;
 
 use boostr_runtime::Target;
 use kernels_spec::compile_str;

@@ -2,7 +2,7 @@
 //! D = 64) and the WGSL forward module (D = 64) of the stock Gemma-2 style
 //! variant (causal, soft-capped logits). A change to an emitter shows up here
 //! as a reviewable diff; after checking it, rewrite the files with
-//! `BOOSTR_BLESS=1 cargo test -p boostr-tests --test snapshots`.
+//! `BOOSTR_BLESS=1 cargo test -p boostr-tests --test suite snapshots`.
 
 use boostr_runtime::stock::CausalSoftcap;
 use boostr_runtime::{Target, Variant};
@@ -37,7 +37,7 @@ fn check_snapshot(name: &str, actual: &str) {
     }
     let expected = std::fs::read_to_string(&path).unwrap_or_else(|e| {
         panic!(
-            "reading {}: {e}\nto create it, run BOOSTR_BLESS=1 cargo test -p boostr-tests --test snapshots",
+            "reading {}: {e}\nto create it, run BOOSTR_BLESS=1 cargo test -p boostr-tests --test suite snapshots",
             path.display()
         )
     });
@@ -62,7 +62,7 @@ fn check_snapshot(name: &str, actual: &str) {
     panic!(
         "{name} differs from the emitted source at line {} ({} lines stored, {} emitted)\n\
          ---- stored ----\n{}---- emitted ----\n{}\
-         If the change is intended, run BOOSTR_BLESS=1 cargo test -p boostr-tests --test snapshots \
+         If the change is intended, run BOOSTR_BLESS=1 cargo test -p boostr-tests --test suite snapshots \
          and review the diff of {}.",
         first + 1,
         exp.len(),
