@@ -732,8 +732,15 @@ impl<'a> Checker<'a> {
         expected: Option<Ty>,
         span: Span,
     ) -> Option<Expr> {
+        if let Some(floor) = Floored::from_name(&name.to_string()) {
+            return self.floored(floor, args, expected, span);
+        }
         let Some(f) = Builtin::from_name(&name.to_string()) else {
-            let known: Vec<&str> = Builtin::USER.iter().map(|b| b.name()).collect();
+            let known: Vec<&str> = Builtin::USER
+                .iter()
+                .map(|b| b.name())
+                .chain(Floored::ALL.iter().map(|f| f.name()))
+                .collect();
             self.diags.error_spanned(
                 name,
                 format!(
@@ -791,6 +798,105 @@ impl<'a> Checker<'a> {
             kind: ExprKind::Call(f, checked),
             ty,
         })
+    }
+}
+
+/// The floored division and remainder of Python's `//` and `%`
+/// (`div_floor(a, b)`, `rem_floor(a, b)`): the quotient rounded toward
+/// −∞, and the remainder with the divisor's sign. Written in the IR's own
+/// operations (no backend has more to do), each operand evaluated once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Floored {
+    Div,
+    Rem,
+}
+
+impl Floored {
+    const ALL: [Floored; 2] = [Floored::Div, Floored::Rem];
+
+    fn name(self) -> &'static str {
+        match self {
+            Floored::Div => "div_floor",
+            Floored::Rem => "rem_floor",
+        }
+    }
+
+    fn from_name(name: &str) -> Option<Floored> {
+        Self::ALL.into_iter().find(|f| f.name() == name)
+    }
+}
+
+impl Checker<'_> {
+    /// `div_floor(a, b)` or `rem_floor(a, b)` of two numbers of one type.
+    /// i32: the truncated quotient less one where the remainder is non-zero
+    /// and its sign differs from the divisor's (the remainder plus the
+    /// divisor); by zero, 0 as `/` and `%`. u32: `/` and `%`. f32:
+    /// `floor(a / b)` and `a − b · floor(a / b)`.
+    fn floored(
+        &mut self,
+        op: Floored,
+        args: &[ast::Expr],
+        expected: Option<Ty>,
+        span: Span,
+    ) -> Option<Expr> {
+        use crate::analysis::build::{and, binary, call, let_, lt, mul, ne, select, sub};
+        if args.len() != 2 {
+            self.diags.error(
+                span,
+                format!("`{}` takes 2 arguments, found {}", op.name(), args.len()),
+            );
+            return None;
+        }
+        let (a, b) = self.operands(&args[0], &args[1], expected.filter(|t| t.is_numeric()))?;
+        if !a.ty.is_numeric() {
+            self.diags.error(
+                args[0].span,
+                format!("`{}` takes numbers, found {}", op.name(), a.ty),
+            );
+            return None;
+        }
+        let ty = a.ty;
+        let mut fresh = || {
+            let local = Local(self.next_local);
+            self.next_local += 1;
+            local
+        };
+        let (la, lb) = (fresh(), fresh());
+        let (x, y) = (Expr::local(la, ty), Expr::local(lb, ty));
+        let int = |v: i64, ty: Ty| Expr {
+            kind: ExprKind::Const(Const::Int(v)),
+            ty,
+        };
+        let zero = |ty| int(0, ty);
+        let body = match (ty, op) {
+            (Ty::F32, Floored::Div) => call(Builtin::Floor, vec![binary(BinOp::Div, x, y)]),
+            (Ty::F32, Floored::Rem) => {
+                let q = call(
+                    Builtin::Floor,
+                    vec![binary(BinOp::Div, x.clone(), y.clone())],
+                );
+                sub(x, mul(y, q))
+            }
+            (Ty::U32, Floored::Div) => binary(BinOp::Div, x, y),
+            (Ty::U32, Floored::Rem) => binary(BinOp::Rem, x, y),
+            (_, op) => {
+                let (lq, lr) = (fresh(), fresh());
+                let (q, r) = (Expr::local(lq, ty), Expr::local(lr, ty));
+                // Truncation went the wrong way when the remainder is
+                // non-zero and its sign is not the divisor's.
+                let off = and(
+                    ne(r.clone(), zero(ty)),
+                    ne(lt(r.clone(), zero(ty)), lt(y.clone(), zero(ty))),
+                );
+                let body = match op {
+                    Floored::Div => select(off, sub(q.clone(), int(1, ty)), q),
+                    Floored::Rem => select(off, binary(BinOp::Add, r.clone(), y.clone()), r),
+                };
+                let body = let_(lr, binary(BinOp::Rem, x.clone(), y.clone()), body);
+                let_(lq, binary(BinOp::Div, x, y), body)
+            }
+        };
+        Some(let_(la, a, let_(lb, b, body)))
     }
 }
 

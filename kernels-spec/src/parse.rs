@@ -520,6 +520,30 @@ fn unsupported(diags: &mut Diagnostics, tokens: impl quote::ToTokens, what: &str
     None
 }
 
+/// `f32::INFINITY` and `f32::NEG_INFINITY` (also as `core::f32::..` or
+/// `std::f32::..`): the values FlexAttention's mods write as `-inf`.
+fn float_constant(p: &syn::ExprPath) -> Option<f64> {
+    if p.qself.is_some() {
+        return None;
+    }
+    let names: Vec<String> = p
+        .path
+        .segments
+        .iter()
+        .map(|s| s.ident.to_string())
+        .collect();
+    let tail = match names.as_slice() {
+        [f, c] if f == "f32" => c,
+        [root, f, c] if (root == "core" || root == "std") && f == "f32" => c,
+        _ => return None,
+    };
+    match tail.as_str() {
+        "INFINITY" => Some(f64::INFINITY),
+        "NEG_INFINITY" => Some(f64::NEG_INFINITY),
+        _ => None,
+    }
+}
+
 /// Parse one expression; `None` after recording an error.
 fn parse_expr(expr: &syn::Expr, diags: &mut Diagnostics) -> Option<Expr> {
     let span = expr_span(expr);
@@ -533,8 +557,18 @@ fn parse_expr(expr: &syn::Expr, diags: &mut Diagnostics) -> Option<Expr> {
         }
         syn::Expr::Group(g) => return parse_expr(&g.expr, diags),
         syn::Expr::Path(p) => {
+            if let Some(value) = float_constant(p) {
+                return Some(Expr {
+                    kind: ExprKind::Float(value),
+                    span,
+                });
+            }
             let Some(ident) = p.path.get_ident().filter(|_| p.qself.is_none()) else {
-                return unsupported(diags, p, "a path");
+                return unsupported(
+                    diags,
+                    p,
+                    "a path (the constants are `f32::INFINITY` and `f32::NEG_INFINITY`)",
+                );
             };
             ExprKind::Name(ident.clone())
         }

@@ -168,6 +168,12 @@ impl Differentiator {
             Builtin::Tanh => self.bind(call(f, vec![a]), |t| {
                 mul(sub(Expr::float(1.0), mul(t.clone(), t)), da)
             }),
+            Builtin::Sin => mul(call(Builtin::Cos, vec![a]), da),
+            Builtin::Cos => neg(mul(call(Builtin::Sin, vec![a]), da)),
+            // tan' = 1 + tan².
+            Builtin::Tan => self.bind(call(f, vec![a]), |t| {
+                mul(add(Expr::float(1.0), mul(t.clone(), t)), da)
+            }),
             Builtin::Sigmoid => self.bind(call(f, vec![a]), |t| {
                 mul(mul(t.clone(), sub(Expr::float(1.0), t)), da)
             }),

@@ -17,6 +17,7 @@
 use crate::ir::{Arg, BinOp, Builtin, Const, Expr, ExprKind, Function, Local, Program, Ty, UnOp};
 use proc_macro2::{Ident, Literal, Span, TokenStream};
 use quote::{format_ident, quote};
+use std::collections::HashSet;
 
 /// The Rust type that IR `f32` values get.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -38,6 +39,10 @@ pub struct RustEmitter<'a> {
     /// Transcendental functions from `std` rather than the runtime's
     /// vectorisable ones (see [`RustEmitter::exact_f32`]).
     std_math: bool,
+    /// The `let`-bound locals of the function being emitted whose value
+    /// reaches a step (see [`exact_locals`]), when [`RustEmitter::body`]
+    /// computed them.
+    exact_locals: Option<&'a HashSet<Local>>,
 }
 
 impl<'a> RustEmitter<'a> {
@@ -48,6 +53,7 @@ impl<'a> RustEmitter<'a> {
             float,
             exact: false,
             std_math: float == Float::F64,
+            exact_locals: None,
         }
     }
 
@@ -62,6 +68,7 @@ impl<'a> RustEmitter<'a> {
             float: Float::F32,
             exact: true,
             std_math: true,
+            exact_locals: None,
         }
     }
 
@@ -109,7 +116,15 @@ impl<'a> RustEmitter<'a> {
             .filter(|a| !f.body.uses_arg(**a))
             .map(|a| arg_ident(*a))
             .collect();
-        let expr = self.expr(&f.body);
+        let locals = exact_locals(&f.body);
+        let emitter = RustEmitter {
+            program: self.program,
+            float: self.float,
+            exact: self.exact,
+            std_math: self.std_math,
+            exact_locals: Some(&locals),
+        };
+        let expr = emitter.expr(&f.body);
         quote!({
             #( let _ = #unused; )*
             #expr
@@ -210,7 +225,11 @@ impl<'a> RustEmitter<'a> {
                 let id = local_ident(*l);
                 let ty = self.ty(v.ty);
                 // The value is as exact as its most demanding use.
-                let value = if self.exact || used_exactly(body, *l, false) {
+                let used = match self.exact_locals {
+                    Some(locals) => locals.contains(l),
+                    None => exact_locals(body).contains(l),
+                };
+                let value = if self.exact || used {
                     self.exact()
                 } else {
                     *self
@@ -340,6 +359,10 @@ impl<'a> RustEmitter<'a> {
             Builtin::Log2 => quote!((#x).log2()),
             Builtin::Sqrt => quote!((#x).sqrt()),
             Builtin::Tanh => quote!((#x).tanh()),
+            // std's, in f32 too: correctly reduced over the whole range.
+            Builtin::Sin => quote!((#x).sin()),
+            Builtin::Cos => quote!((#x).cos()),
+            Builtin::Tan => quote!((#x).tan()),
             Builtin::Floor => quote!((#x).floor()),
             Builtin::Ceil => quote!((#x).ceil()),
             Builtin::Sigmoid => {
@@ -389,31 +412,49 @@ fn steps(op: BinOp, a: &Expr) -> bool {
     }
 }
 
-/// Whether local `l` is read in `e` where its value reaches a step (see
-/// [`RustEmitter::exact`]); `exact` says whether `e` itself does.
-fn used_exactly(e: &Expr, l: Local, exact: bool) -> bool {
-    let at = |x: &Expr, exact: bool| used_exactly(x, l, exact);
-    match &e.kind {
-        ExprKind::Local(m) => exact && *m == l,
-        ExprKind::Const(_) | ExprKind::Arg(_) | ExprKind::Param(_) | ExprKind::Dim(..) => false,
-        ExprKind::Unary(_, a) => at(a, exact),
-        ExprKind::Cast(a) => at(a, true),
-        ExprKind::Binary(op, a, b) => {
-            let exact = exact || steps(*op, a);
-            at(a, exact) || at(b, exact)
+/// The `let`-bound locals of `e` whose value reaches a step (see
+/// [`RustEmitter::exact`]): in one pass, each `let`'s body before its
+/// value, so that the value is visited knowing how its local is used.
+fn exact_locals(e: &Expr) -> HashSet<Local> {
+    fn walk(e: &Expr, exact: bool, out: &mut HashSet<Local>) {
+        match &e.kind {
+            ExprKind::Local(m) => {
+                if exact {
+                    out.insert(*m);
+                }
+            }
+            ExprKind::Const(_) | ExprKind::Arg(_) | ExprKind::Param(_) | ExprKind::Dim(..) => {}
+            ExprKind::Unary(_, a) => walk(a, exact, out),
+            ExprKind::Cast(a) => walk(a, true, out),
+            ExprKind::Binary(op, a, b) => {
+                let exact = exact || steps(*op, a);
+                walk(a, exact, out);
+                walk(b, exact, out);
+            }
+            ExprKind::Call(f, args) => {
+                let exact = exact || matches!(f, Builtin::Floor | Builtin::Ceil);
+                args.iter().for_each(|x| walk(x, exact, out));
+            }
+            ExprKind::Select(c, t, f) => {
+                walk(c, true, out);
+                walk(t, exact, out);
+                walk(f, exact, out);
+            }
+            ExprKind::Let(m, v, body) => {
+                walk(body, exact, out);
+                let v_exact = exact || out.contains(m);
+                walk(v, v_exact, out);
+            }
+            ExprKind::Read(r) => r.indices.iter().for_each(|i| walk(i, true, out)),
+            ExprKind::ReadRange(r) => {
+                r.indices.iter().for_each(|i| walk(i, true, out));
+                walk(&r.hi, true, out);
+            }
         }
-        ExprKind::Call(f, args) => {
-            let exact = exact || matches!(f, Builtin::Floor | Builtin::Ceil);
-            args.iter().any(|x| at(x, exact))
-        }
-        ExprKind::Select(c, t, f) => at(c, true) || at(t, exact) || at(f, exact),
-        ExprKind::Let(m, v, body) => {
-            let v_exact = exact || used_exactly(body, *m, false);
-            at(v, v_exact) || at(body, exact)
-        }
-        ExprKind::Read(r) => r.indices.iter().any(|i| at(i, true)),
-        ExprKind::ReadRange(r) => r.indices.iter().any(|i| at(i, true)) || at(&r.hi, true),
     }
+    let mut out = HashSet::new();
+    walk(e, false, &mut out);
+    out
 }
 
 /// Whether `e` depends only on parameters and constants (never on the

@@ -218,6 +218,12 @@ pub enum Builtin {
     Sqrt,
     /// `tanh(x)` (f32)
     Tanh,
+    /// `sin(x)`, radians (f32)
+    Sin,
+    /// `cos(x)`, radians (f32)
+    Cos,
+    /// `tan(x)`, radians (f32)
+    Tan,
     /// `sigmoid(x) = 1 / (1 + exp(-x))` (f32)
     Sigmoid,
     /// `abs(x)` (f32, i32 wrapping, u32 identity)
@@ -253,13 +259,16 @@ pub enum Domain {
 
 impl Builtin {
     /// The user-visible functions, by name.
-    pub const USER: [Builtin; 13] = [
+    pub const USER: [Builtin; 16] = [
         Builtin::Exp,
         Builtin::Exp2,
         Builtin::Log,
         Builtin::Log2,
         Builtin::Sqrt,
         Builtin::Tanh,
+        Builtin::Sin,
+        Builtin::Cos,
+        Builtin::Tan,
         Builtin::Sigmoid,
         Builtin::Abs,
         Builtin::Min,
@@ -283,6 +292,9 @@ impl Builtin {
             Builtin::Log2 => "log2",
             Builtin::Sqrt => "sqrt",
             Builtin::Tanh => "tanh",
+            Builtin::Sin => "sin",
+            Builtin::Cos => "cos",
+            Builtin::Tan => "tan",
             Builtin::Sigmoid => "sigmoid",
             Builtin::Abs => "abs",
             Builtin::Min => "min",

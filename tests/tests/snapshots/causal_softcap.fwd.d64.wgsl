@@ -103,6 +103,44 @@ fn bx_f32_to_u32(x: f32) -> u32 {
     if x >= 4294967296.0f { return 4294967295u; }
     return u32(x);
 }
+// sin, cos and tan, not the builtins: WGSL bounds their error only on
+// [-pi, pi] (2^-11 absolute). The argument is reduced by k = round(x * 2/pi)
+// with pi/2 in three parts (the first exact in 8 bits, so k * P1 is exact
+// for |k| < 2^16), then Cephes' single-precision polynomials on
+// [-pi/4, pi/4] for the quadrant k mod 4: within 2 ulp for |x| < 1e5.
+fn bx_quadrant(x: f32) -> vec2<f32> {
+    let k = round(x * 0.636619772f);
+    let y = ((x - k * 1.5703125f) - k * 4.837512969970703125e-4f) - k * 7.54978995489188216e-8f;
+    return vec2<f32>(y, k - 4.0f * floor(k * 0.25f));
+}
+fn bx_sin_poly(y: f32) -> f32 {
+    let z = y * y;
+    return y + y * z * (-1.6666654611e-1f + z * (8.3321608736e-3f + z * -1.9515295891e-4f));
+}
+fn bx_cos_poly(y: f32) -> f32 {
+    let z = y * y;
+    return 1.0f - 0.5f * z
+        + z * z * (4.166664568298827e-2f + z * (-1.388731625493765e-3f + z * 2.443315711809948e-5f));
+}
+fn bx_sin(x: f32) -> f32 {
+    let r = bx_quadrant(x);
+    let q = r.y;
+    let v = select(bx_sin_poly(r.x), bx_cos_poly(r.x), q == 1.0f || q == 3.0f);
+    return select(v, -v, q >= 2.0f);
+}
+fn bx_cos(x: f32) -> f32 {
+    let r = bx_quadrant(x);
+    let q = r.y;
+    let v = select(bx_cos_poly(r.x), bx_sin_poly(r.x), q == 1.0f || q == 3.0f);
+    return select(v, -v, q == 1.0f || q == 2.0f);
+}
+fn bx_tan(x: f32) -> f32 {
+    let r = bx_quadrant(x);
+    let s = bx_sin_poly(r.x);
+    let c = bx_cos_poly(r.x);
+    let odd = r.y == 1.0f || r.y == 3.0f;
+    return select(s / c, -c / s, odd);
+}
 fn bx_min_f32(a: f32, b: f32) -> f32 {
     if bx_is_nan(a) { return b; }
     if bx_is_nan(b) { return a; }

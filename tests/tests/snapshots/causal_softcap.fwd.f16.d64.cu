@@ -118,6 +118,50 @@ __device__ __forceinline__ float bx_tanh(float x) {
     const float r = __fdiv_rn(__fsub_rn(1.0f, t), __fadd_rn(1.0f, t));
     return x < 0.0f ? -r : r;
 }
+// sin, cos and tan as the WGSL target computes them (not sinf: its
+// large-argument path keeps a local array, which the kernels never use):
+// k = round(x * 2/pi), y = x - k * pi/2 with pi/2 in three parts (the first
+// exact in 8 bits), Cephes' polynomials on [-pi/4, pi/4] by quadrant.
+// Within 2 ulp for |x| < 1e5.
+__device__ __forceinline__ float bx_trig_reduce(float x, float* q) {
+    const float k = rintf(__fmul_rn(x, 0.636619772f));
+    *q = __fsub_rn(k, __fmul_rn(4.0f, floorf(__fmul_rn(k, 0.25f))));
+    float y = __fsub_rn(x, __fmul_rn(k, 1.5703125f));
+    y = __fsub_rn(y, __fmul_rn(k, 4.837512969970703125e-4f));
+    return __fsub_rn(y, __fmul_rn(k, 7.54978995489188216e-8f));
+}
+__device__ __forceinline__ float bx_sin_poly(float y) {
+    const float z = __fmul_rn(y, y);
+    float p = -1.9515295891e-4f;
+    p = __fadd_rn(__fmul_rn(p, z), 8.3321608736e-3f);
+    p = __fadd_rn(__fmul_rn(p, z), -1.6666654611e-1f);
+    return __fadd_rn(y, __fmul_rn(__fmul_rn(y, z), p));
+}
+__device__ __forceinline__ float bx_cos_poly(float y) {
+    const float z = __fmul_rn(y, y);
+    float p = 2.443315711809948e-5f;
+    p = __fadd_rn(__fmul_rn(p, z), -1.388731625493765e-3f);
+    p = __fadd_rn(__fmul_rn(p, z), 4.166664568298827e-2f);
+    return __fadd_rn(__fsub_rn(1.0f, __fmul_rn(0.5f, z)), __fmul_rn(__fmul_rn(z, z), p));
+}
+__device__ __forceinline__ float bx_sin(float x) {
+    float q;
+    const float y = bx_trig_reduce(x, &q);
+    const float v = (q == 1.0f || q == 3.0f) ? bx_cos_poly(y) : bx_sin_poly(y);
+    return q >= 2.0f ? -v : v;
+}
+__device__ __forceinline__ float bx_cos(float x) {
+    float q;
+    const float y = bx_trig_reduce(x, &q);
+    const float v = (q == 1.0f || q == 3.0f) ? bx_sin_poly(y) : bx_cos_poly(y);
+    return (q == 1.0f || q == 2.0f) ? -v : v;
+}
+__device__ __forceinline__ float bx_tan(float x) {
+    float q;
+    const float y = bx_trig_reduce(x, &q);
+    const float s = bx_sin_poly(y), c = bx_cos_poly(y);
+    return (q == 1.0f || q == 3.0f) ? -__fdiv_rn(c, s) : __fdiv_rn(s, c);
+}
 __device__ __forceinline__ float bx_sigmoid(float x) {
     return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x)));
 }

@@ -108,3 +108,124 @@ fn a_mask_divides_exactly_at_ties() {
     let r = 1.0 / w;
     assert!((2.0 * r - 20.0 * r).abs() > window && v.mask(0, 0, 2, 20));
 }
+
+/// Python's `//` and `%` (`div_floor`, `rem_floor`: toward −∞, the
+/// remainder with the divisor's sign) on negative operands, and the
+/// trigonometric functions, as FlexAttention mods use them: a periodic
+/// relative bias, and a mask that drops every `period`-th key behind the
+/// query and keeps `blocks` blocks of keys behind it.
+#[attention(
+    score = |s, _b, h, q, kv| {
+        let rel = (kv - q) as f32;
+        s + self.gain * (sin(self.freq * rel) + cos(self.freq * (kv as f32)) * tan(0.1 * (h + 1) as f32))
+            + 0.01 * div_floor(rel, 3.5) + 0.1 * rem_floor(rel, -2.5)
+    },
+    mask = |_b, _h, q, kv| {
+        div_floor(kv - q, self.block) >= -self.blocks && rem_floor(kv - q, self.period) != 1
+    },
+    tests = [Periodic { gain: 0.5, freq: 0.37, block: 8, blocks: 3, period: 5 }, Periodic { gain: 1.5, freq: 2.1, block: -6, blocks: -2, period: -4 }],
+)]
+#[derive(Clone, Debug)]
+pub struct Periodic {
+    pub gain: f32,
+    pub freq: f32,
+    pub block: i32,
+    pub blocks: i32,
+    pub period: i32,
+}
+
+/// `div_floor` / `rem_floor` as Python evaluates `//` and `%`, for every
+/// sign of either operand and a zero divisor (0, as `/` and `%`), in i32
+/// and f32; `sin`, `cos`, `tan` as f64 does, within f32 rounding.
+#[test]
+fn floored_division_and_trigonometry_follow_python() {
+    use boostr_runtime::HostVariant;
+    // score = floor division and remainder of (q − kv) by `w`, in i32 and
+    // in f32, packed into one number each.
+    #[attention(
+        score = |s, _b, _h, q, kv| {
+            (div_floor(q - kv, self.w) * 1000 + rem_floor(q - kv, self.w)) as f32
+                + s * (div_floor((q - kv) as f32, self.x) * 1000.0 + rem_floor((q - kv) as f32, self.x))
+        },
+    )]
+    #[derive(Clone, Debug)]
+    struct Floors {
+        w: i32,
+        x: f32,
+    }
+    let python = |a: f64, b: f64| {
+        if b == 0.0 {
+            return (0.0, 0.0);
+        }
+        let q = (a / b).floor();
+        (q, a - b * q)
+    };
+    for w in [-7, -3, -1, 0, 1, 3, 7] {
+        let x = if w == 0 { 1.25 } else { w as f32 * 0.5 };
+        let v = Floors { w, x };
+        for (q, kv) in [
+            (0, 0),
+            (3, 10),
+            (10, 3),
+            (-5, 2),
+            (17, 17),
+            (2, -9),
+            (-8, -1),
+        ] {
+            let (qi, ri) = python((q - kv) as f64, w as f64);
+            let int = v.score(0.0, 0, 0, q, kv);
+            assert_eq!(
+                int,
+                (qi * 1000.0 + ri) as f32,
+                "div/rem_floor({}, {w})",
+                q - kv
+            );
+            let (qf, rf) = python((q - kv) as f64, x as f64);
+            let float = v.score(1.0, 0, 0, q, kv) - int;
+            assert_eq!(
+                float,
+                (qf * 1000.0 + rf) as f32,
+                "div/rem_floor({}, {x})",
+                q - kv
+            );
+        }
+    }
+
+    #[attention(score = |s, _b, _h, q, _kv| s * sin(q as f32 * self.f) + cos(q as f32 * self.f) + tan(q as f32 * self.g))]
+    #[derive(Clone, Debug)]
+    struct Trig {
+        f: f32,
+        g: f32,
+    }
+    let v = Trig {
+        f: 0.731,
+        g: 0.0137,
+    };
+    for q in [0, 1, 5, 100, 1000, 20000] {
+        let (a, b) = ((q as f32 * 0.731) as f64, (q as f32 * 0.0137) as f64);
+        let got = (v.score(1.0, 0, 0, q, 0) - v.score(0.0, 0, 0, q, 0)) as f64;
+        assert!(
+            (got - a.sin()).abs() <= 1e-6,
+            "sin at {q}: {got} vs {}",
+            a.sin()
+        );
+        let got = v.score(0.0, 0, 0, q, 0) as f64;
+        let want = a.cos() + b.tan();
+        assert!(
+            (got - want).abs() <= 1e-6 * (1.0 + want.abs()) * 4.0,
+            "cos + tan at {q}: {got} vs {want}"
+        );
+    }
+}
+
+/// A mask written as a score, as FlexAttention's `score_mod` returns
+/// `-inf`: `f32::NEG_INFINITY` hides the pair (a row whose keys are all
+/// hidden gets zeros, as under a mask).
+#[attention(
+    score = |s, _b, _h, q, kv| if kv > q + self.ahead { f32::NEG_INFINITY } else { s },
+    tests = [ScoreMask { ahead: 2 }, ScoreMask { ahead: -3 }],
+)]
+#[derive(Clone, Debug)]
+pub struct ScoreMask {
+    pub ahead: i32,
+}

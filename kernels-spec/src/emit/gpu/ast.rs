@@ -92,6 +92,12 @@ pub enum Func {
     Tanh,
     /// `1 / (1 + e^-x)` (f32).
     Sigmoid,
+    /// Sine, radians, within 2 ulp for |x| < 1e5 (f32).
+    Sin,
+    /// Cosine, likewise (f32).
+    Cos,
+    /// Tangent, likewise (f32).
+    Tan,
     /// Absolute value (f32, i32 wrapping; never u32, which the lowering
     /// drops).
     Abs,

@@ -74,6 +74,8 @@ pub fn function(program: &Program, f: &ir::Function) -> Function {
         stmts: Vec::new(),
         closed_locals: Vec::new(),
         next_local: build::next_local(&f.body),
+        names: Vec::new(),
+        bound: std::collections::HashSet::new(),
     };
     let (mut reads_params, mut reads_tensors) = (false, false);
     f.body.walk(&mut |e| match e.kind {
@@ -198,6 +200,12 @@ struct Lowering<'a> {
     closed_locals: Vec<(Local, ir::Expr)>,
     /// The next local free for conditions the lowering binds itself.
     next_local: u32,
+    /// The names of the IR's locals in scope, innermost last: a `let`
+    /// that the IR holds twice (a subexpression a derivative rule copies)
+    /// is bound again under a fresh name, since a kernel body is one scope.
+    names: Vec<(Local, Local)>,
+    /// The names bound so far.
+    bound: std::collections::HashSet<Local>,
 }
 
 fn literal(v: Value) -> Expr {
@@ -371,7 +379,10 @@ impl Lowering<'_> {
                     word
                 }
             }
-            ExprKind::Local(l) => Expr::Name(Name::Local(*l)),
+            ExprKind::Local(l) => {
+                let name = self.names.iter().rev().find(|(from, _)| from == l);
+                Expr::Name(Name::Local(name.map_or(*l, |(_, to)| *to)))
+            }
             _ if self.is_closed(e) => literal(self.fold(e)),
             ExprKind::Unary(op, a) => {
                 let op = match op {
@@ -414,6 +425,9 @@ impl Lowering<'_> {
                     Builtin::Ceil => Func::Ceil,
                     Builtin::Tanh => Func::Tanh,
                     Builtin::Sigmoid => Func::Sigmoid,
+                    Builtin::Sin => Func::Sin,
+                    Builtin::Cos => Func::Cos,
+                    Builtin::Tan => Func::Tan,
                     Builtin::Abs if arg_ty == Ty::U32 => return a.remove(0),
                     Builtin::Abs => Func::Abs,
                     Builtin::Min => Func::Min,
@@ -456,11 +470,21 @@ impl Lowering<'_> {
             }
             ExprKind::Let(l, v, body) => {
                 let value = self.expr(v, guard);
-                self.stmts.push(Stmt::Let(*l, v.ty.into(), value));
+                let name = if self.bound.contains(l) {
+                    self.next_local += 1;
+                    Local(self.next_local - 1)
+                } else {
+                    *l
+                };
+                self.bound.insert(name);
+                self.stmts.push(Stmt::Let(name, v.ty.into(), value));
                 if self.is_closed(v) {
                     self.closed_locals.push((*l, (**v).clone()));
                 }
-                self.expr(body, guard)
+                self.names.push((*l, name));
+                let body = self.expr(body, guard);
+                self.names.pop();
+                body
             }
             ExprKind::Read(r) => self.read(r, e.ty, guard),
             ExprKind::ReadRange(r) => self.read_range(r, guard),

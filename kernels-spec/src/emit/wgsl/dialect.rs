@@ -58,6 +58,9 @@ impl Dialect for Wgsl {
             Func::Ceil => "ceil",
             Func::Tanh => "bx_tanh",
             Func::Sigmoid => "bx_sigmoid",
+            Func::Sin => "bx_sin",
+            Func::Cos => "bx_cos",
+            Func::Tan => "bx_tan",
             // WGSL's abs(i32::MIN) is i32::MIN: it wraps, as the IR's.
             Func::Abs => "abs",
             Func::Min if float => "bx_min_f32",
