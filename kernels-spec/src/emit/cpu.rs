@@ -33,16 +33,15 @@ pub enum Float {
 pub struct RustEmitter<'a> {
     program: &'a Program,
     float: Float,
-    /// Whether the expression being emitted reaches a discontinuous use
-    /// (see [`RustEmitter::exact`]): its divisions stay divisions.
+    /// Every division stays a division (see [`RustEmitter::exact_f32`]).
     exact: bool,
     /// Transcendental functions from `std` rather than the runtime's
     /// vectorisable ones (see [`RustEmitter::exact_f32`]).
     std_math: bool,
-    /// The `let`-bound locals of the function being emitted whose value
-    /// reaches a step (see [`exact_locals`]), when [`RustEmitter::body`]
-    /// computed them.
-    exact_locals: Option<&'a HashSet<Local>>,
+    /// The divisions of the function being emitted whose quotient reaches
+    /// a step (see [`stepped_divisions`]), when [`RustEmitter::body`]
+    /// found them; without them no division becomes a product.
+    stepped: Option<&'a HashSet<*const Expr>>,
 }
 
 impl<'a> RustEmitter<'a> {
@@ -53,7 +52,7 @@ impl<'a> RustEmitter<'a> {
             float,
             exact: false,
             std_math: float == Float::F64,
-            exact_locals: None,
+            stepped: None,
         }
     }
 
@@ -68,18 +67,17 @@ impl<'a> RustEmitter<'a> {
             float: Float::F32,
             exact: true,
             std_math: true,
-            exact_locals: None,
+            stepped: None,
         }
     }
 
-    /// This emitter for a subexpression whose value reaches a comparison,
-    /// `floor`/`ceil`, a cast, a float `%` or an index: a rounding there
-    /// can change the result by a step, not by a rounding.
-    fn exact(&self) -> Self {
-        Self {
-            exact: true,
-            ..*self
-        }
+    /// Whether division `e` may be a product with the reciprocal: its
+    /// quotient flows smoothly into the result.
+    fn smooth(&self, e: &Expr) -> bool {
+        !self.exact
+            && self
+                .stepped
+                .is_some_and(|s| !s.contains(&std::ptr::from_ref(e)))
     }
 
     /// The Rust type of an IR type.
@@ -116,13 +114,13 @@ impl<'a> RustEmitter<'a> {
             .filter(|a| !f.body.uses_arg(**a))
             .map(|a| arg_ident(*a))
             .collect();
-        let locals = exact_locals(&f.body);
+        let stepped = stepped_divisions(&f.body);
         let emitter = RustEmitter {
             program: self.program,
             float: self.float,
             exact: self.exact,
             std_math: self.std_math,
-            exact_locals: Some(&locals),
+            stepped: Some(&stepped),
         };
         let expr = emitter.expr(&f.body);
         quote!({
@@ -210,31 +208,21 @@ impl<'a> RustEmitter<'a> {
                 let a = self.expr(a);
                 quote!((!#a))
             }
-            ExprKind::Binary(op, a, b) => self.binary(*op, a, b),
+            ExprKind::Binary(op, a, b) => self.binary(e, *op, a, b),
             ExprKind::Call(f, args) => self.call(*f, args),
             ExprKind::Cast(a) => {
                 let ty = self.ty(e.ty);
-                let inner = self.exact().expr(a);
+                let inner = self.expr(a);
                 quote!((#inner as #ty))
             }
             ExprKind::Select(c, t, f) => {
-                let (c, t, f) = (self.exact().expr(c), self.expr(t), self.expr(f));
+                let (c, t, f) = (self.expr(c), self.expr(t), self.expr(f));
                 quote!((if #c { #t } else { #f }))
             }
             ExprKind::Let(l, v, body) => {
                 let id = local_ident(*l);
                 let ty = self.ty(v.ty);
-                // The value is as exact as its most demanding use.
-                let used = match self.exact_locals {
-                    Some(locals) => locals.contains(l),
-                    None => exact_locals(body).contains(l),
-                };
-                let value = if self.exact || used {
-                    self.exact()
-                } else {
-                    *self
-                };
-                let (v, body) = (value.expr(v), self.expr(body));
+                let (v, body) = (self.expr(v), self.expr(body));
                 quote!({ let #id: #ty = #v; #body })
             }
             ExprKind::Read(r) => {
@@ -282,16 +270,15 @@ impl<'a> RustEmitter<'a> {
         indices
             .iter()
             .map(|i| {
-                let i = self.exact().expr(i);
+                let i = self.expr(i);
                 quote!(((#i) as i64))
             })
             .collect()
     }
 
-    fn binary(&self, op: BinOp, a: &Expr, b: &Expr) -> TokenStream {
+    fn binary(&self, e: &Expr, op: BinOp, a: &Expr, b: &Expr) -> TokenStream {
         let int = a.ty.is_int();
-        let operands = if steps(op, a) { self.exact() } else { *self };
-        let (x, y) = (operands.expr(a), operands.expr(b));
+        let (x, y) = (self.expr(a), self.expr(b));
         let zero = if a.ty == Ty::U32 {
             quote!(0u32)
         } else {
@@ -304,7 +291,7 @@ impl<'a> RustEmitter<'a> {
             // depends only on parameters and constants becomes a product
             // with its reciprocal, which the compiler hoists out of the row
             // loop. The quotient may differ from `x / y` by one rounding.
-            BinOp::Div if !int && !self.exact && self.float == Float::F32 && is_uniform(b) => {
+            BinOp::Div if !int && self.float == Float::F32 && is_uniform(b) && self.smooth(e) => {
                 let one = self.float_lit(1.0);
                 quote!((#x * (#one / #y)))
             }
@@ -326,12 +313,7 @@ impl<'a> RustEmitter<'a> {
 
     fn call(&self, f: Builtin, args: &[Expr]) -> TokenStream {
         let ty = args[0].ty;
-        let args_emitter = if matches!(f, Builtin::Floor | Builtin::Ceil) {
-            self.exact()
-        } else {
-            *self
-        };
-        let a: Vec<TokenStream> = args.iter().map(|x| args_emitter.expr(x)).collect();
+        let a: Vec<TokenStream> = args.iter().map(|x| self.expr(x)).collect();
         let x = &a[0];
         let float = ty == Ty::F32;
         // In f32, the transcendental functions call the runtime's branch-free
@@ -412,49 +394,61 @@ fn steps(op: BinOp, a: &Expr) -> bool {
     }
 }
 
-/// The `let`-bound locals of `e` whose value reaches a step (see
-/// [`RustEmitter::exact`]): in one pass, each `let`'s body before its
-/// value, so that the value is visited knowing how its local is used.
-fn exact_locals(e: &Expr) -> HashSet<Local> {
-    fn walk(e: &Expr, exact: bool, out: &mut HashSet<Local>) {
-        match &e.kind {
-            ExprKind::Local(m) => {
-                if exact {
-                    out.insert(*m);
+/// The divisions in `e` whose quotient reaches a step: a comparison,
+/// `floor`/`ceil`, a cast, a float `%`, a condition or a tensor index,
+/// where one rounding can change the result by a step. One pass, each
+/// `let`'s body before its value, so that the value is visited knowing
+/// whether its local reaches a step.
+fn stepped_divisions(e: &Expr) -> HashSet<*const Expr> {
+    #[derive(Default)]
+    struct Walk {
+        locals: HashSet<Local>,
+        out: HashSet<*const Expr>,
+    }
+    impl Walk {
+        fn walk(&mut self, e: &Expr, exact: bool) {
+            match &e.kind {
+                ExprKind::Local(m) => {
+                    if exact {
+                        self.locals.insert(*m);
+                    }
                 }
-            }
-            ExprKind::Const(_) | ExprKind::Arg(_) | ExprKind::Param(_) | ExprKind::Dim(..) => {}
-            ExprKind::Unary(_, a) => walk(a, exact, out),
-            ExprKind::Cast(a) => walk(a, true, out),
-            ExprKind::Binary(op, a, b) => {
-                let exact = exact || steps(*op, a);
-                walk(a, exact, out);
-                walk(b, exact, out);
-            }
-            ExprKind::Call(f, args) => {
-                let exact = exact || matches!(f, Builtin::Floor | Builtin::Ceil);
-                args.iter().for_each(|x| walk(x, exact, out));
-            }
-            ExprKind::Select(c, t, f) => {
-                walk(c, true, out);
-                walk(t, exact, out);
-                walk(f, exact, out);
-            }
-            ExprKind::Let(m, v, body) => {
-                walk(body, exact, out);
-                let v_exact = exact || out.contains(m);
-                walk(v, v_exact, out);
-            }
-            ExprKind::Read(r) => r.indices.iter().for_each(|i| walk(i, true, out)),
-            ExprKind::ReadRange(r) => {
-                r.indices.iter().for_each(|i| walk(i, true, out));
-                walk(&r.hi, true, out);
+                ExprKind::Const(_) | ExprKind::Arg(_) | ExprKind::Param(_) | ExprKind::Dim(..) => {}
+                ExprKind::Unary(_, a) => self.walk(a, exact),
+                ExprKind::Cast(a) => self.walk(a, true),
+                ExprKind::Binary(op, a, b) => {
+                    if exact && *op == BinOp::Div {
+                        self.out.insert(std::ptr::from_ref(e));
+                    }
+                    let exact = exact || steps(*op, a);
+                    self.walk(a, exact);
+                    self.walk(b, exact);
+                }
+                ExprKind::Call(f, args) => {
+                    let exact = exact || matches!(f, Builtin::Floor | Builtin::Ceil);
+                    args.iter().for_each(|x| self.walk(x, exact));
+                }
+                ExprKind::Select(c, t, f) => {
+                    self.walk(c, true);
+                    self.walk(t, exact);
+                    self.walk(f, exact);
+                }
+                ExprKind::Let(m, v, body) => {
+                    self.walk(body, exact);
+                    let v_exact = exact || self.locals.contains(m);
+                    self.walk(v, v_exact);
+                }
+                ExprKind::Read(r) => r.indices.iter().for_each(|i| self.walk(i, true)),
+                ExprKind::ReadRange(r) => {
+                    r.indices.iter().for_each(|i| self.walk(i, true));
+                    self.walk(&r.hi, true);
+                }
             }
         }
     }
-    let mut out = HashSet::new();
-    walk(e, false, &mut out);
-    out
+    let mut w = Walk::default();
+    w.walk(e, false);
+    w.out
 }
 
 /// Whether `e` depends only on parameters and constants (never on the
