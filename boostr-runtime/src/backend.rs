@@ -159,6 +159,11 @@ pub struct BackwardTensors<'a, R: Runtime> {
     pub lse: &'a Tensor<R>,
     /// `d loss / d out [B, Hq, Sq, Dv]`.
     pub dout: &'a Tensor<R>,
+    /// `d loss / d lse [B, Hq, Sq]` (f32) where the loss reads the
+    /// forward's lse too (a merge of partial attentions by lse): it joins
+    /// every row's `D_i` as `D_i − dlse_i`, since `∂lse_i / ∂z_ij = P_ij`.
+    /// `None` is a zero gradient.
+    pub dlse: Option<&'a Tensor<R>>,
     /// Which learnable tensors' gradients to compute, by slot
     /// ([`Variant::LEARNABLE`]); missing slots are not computed (`&[]`: no
     /// tensor gradient, no extra work).

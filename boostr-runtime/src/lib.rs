@@ -96,8 +96,9 @@ pub use kernels_spec::emit::Target;
 pub use kernels_spec::params::ParamWords;
 pub use op::{
     AttentionOptions, KvCache, KvScales, LearnableGrad, PagedKvCache, attention_bwd,
-    attention_bwd_cache, attention_bwd_paged, attention_bwd_tensors, attention_fwd,
-    attention_fwd_cache, attention_fwd_paged, learnable_grads, var_attention,
+    attention_bwd_cache, attention_bwd_lse, attention_bwd_paged, attention_bwd_tensors,
+    attention_fwd, attention_fwd_cache, attention_fwd_paged, learnable_grads, var_attention,
+    var_attention_lse,
 };
 pub use problem::{Dropout, Problem};
 pub use ring::{

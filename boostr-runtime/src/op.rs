@@ -358,7 +358,7 @@ pub fn attention_bwd_paged<V: Variant, R: AttentionRuntime>(
         Some(host.pages),
     )?)?;
     let keys = cache.keys(&host, None);
-    let g = backward(variant, &problem, [dout, q, out, lse], keys, &[])?;
+    let g = backward(variant, &problem, ([dout, q, out, lse], None), keys, &[])?;
     Ok((g.dq, g.dk, g.dv))
 }
 
@@ -388,8 +388,30 @@ pub fn attention_bwd<V: Variant, R: AttentionRuntime>(
     lse: &Tensor<R>,
     opts: &AttentionOptions,
 ) -> Result<(Tensor<R>, Tensor<R>, Tensor<R>)> {
-    let g = dense_backward(variant, [dout, q, k, v, out, lse], opts, &[])?;
+    let g = dense_backward(variant, [dout, q, k, v, out, lse], None, opts, &[])?;
     Ok((g.dq, g.dk, g.dv))
+}
+
+/// The backward of a loss that reads the forward's `lse` as well as its
+/// `out` (partial attentions merged by lse, an lse penalty): given `dlse =
+/// d loss / d lse [B, Hq, Sq]` (f32) besides `dout`, returns `(dq, dk,
+/// dv)` and the gradient of every learnable tensor, from the same fused
+/// backward ([`attention_bwd_tensors`] with `dlse` zero). Rows where
+/// `lse` is `-inf` (nothing visible) get no gradient whatever `dlse`
+/// holds there. [`var_attention_lse`] is the autograd form.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd_lse<V: Variant, R: AttentionRuntime>(
+    variant: &V,
+    (dout, dlse): (&Tensor<R>, &Tensor<R>),
+    q: &Tensor<R>,
+    k: &Tensor<R>,
+    v: &Tensor<R>,
+    out: &Tensor<R>,
+    lse: &Tensor<R>,
+    opts: &AttentionOptions,
+) -> Result<AttentionGrads<R>> {
+    let all = vec![true; V::LEARNABLE.len()];
+    dense_backward(variant, [dout, q, k, v, out, lse], Some(dlse), opts, &all)
 }
 
 /// [`attention_bwd`] that also returns the gradient of every learnable
@@ -407,13 +429,14 @@ pub fn attention_bwd_tensors<V: Variant, R: AttentionRuntime>(
     opts: &AttentionOptions,
 ) -> Result<AttentionGrads<R>> {
     let all = vec![true; V::LEARNABLE.len()];
-    dense_backward(variant, [dout, q, k, v, out, lse], opts, &all)
+    dense_backward(variant, [dout, q, k, v, out, lse], None, opts, &all)
 }
 
 /// The backward over dense `k, v`, with the tensor gradients `wanted`.
 fn dense_backward<V: Variant, R: AttentionRuntime>(
     variant: &V,
     [dout, q, k, v, out, lse]: [&Tensor<R>; 6],
+    dlse: Option<&Tensor<R>>,
     opts: &AttentionOptions,
     wanted: &[bool],
 ) -> Result<AttentionGrads<R>> {
@@ -422,7 +445,7 @@ fn dense_backward<V: Variant, R: AttentionRuntime>(
     backward(
         variant,
         &problem,
-        [dout, q, out, lse],
+        ([dout, q, out, lse], dlse),
         Keys {
             k,
             v,
@@ -434,24 +457,28 @@ fn dense_backward<V: Variant, R: AttentionRuntime>(
 }
 
 /// The backward of `q` against `keys` (their problem already validated),
-/// with the tensor gradients `wanted`, after checking `out`, `dout` and
-/// `lse` against the problem.
+/// with the tensor gradients `wanted`, after checking `out`, `dout`,
+/// `lse` and `dlse` against the problem.
 fn backward<V: Variant, R: AttentionRuntime>(
     variant: &V,
     problem: &Problem,
-    [dout, q, out, lse]: [&Tensor<R>; 4],
+    ([dout, q, out, lse], dlse): ([&Tensor<R>; 4], Option<&Tensor<R>>),
     keys: Keys<'_, R>,
     wanted: &[bool],
 ) -> Result<AttentionGrads<R>> {
     validate::shape_of("out", out, &problem.out_shape())?;
     validate::shape_of("dout", dout, &problem.out_shape())?;
     validate::shape_of("lse", lse, &problem.lse_shape())?;
+    if let Some(dlse) = dlse {
+        validate::shape_of("dlse", dlse, &problem.lse_shape())?;
+    }
     let tensors = BackwardTensors {
         q,
         keys,
         out,
         lse,
         dout,
+        dlse,
         tensor_grads: wanted,
     };
     R::attention_backward(variant, problem, tensors)
@@ -486,7 +513,7 @@ pub fn attention_bwd_cache<V: Variant, R: AttentionRuntime>(
         None,
     )?)?;
     let keys = cache.keys(&host, None);
-    let g = backward(variant, &problem, [dout, q, out, lse], keys, &[])?;
+    let g = backward(variant, &problem, ([dout, q, out, lse], None), keys, &[])?;
     Ok((g.dq, g.dk, g.dv))
 }
 
@@ -496,7 +523,7 @@ pub fn attention_bwd_cache<V: Variant, R: AttentionRuntime>(
 /// The node's inputs are `q, k, v` and every learnable tensor of the
 /// variant (a `Var<R>` field) that requires grad, whose gradient the same
 /// backward computes. When none of them requires grad, no graph node is
-/// created.
+/// created. [`var_attention_lse`] also returns the lse, differentiable.
 pub fn var_attention<V: Variant, R: AttentionRuntime>(
     variant: &V,
     q: &Var<R>,
@@ -504,6 +531,46 @@ pub fn var_attention<V: Variant, R: AttentionRuntime>(
     v: &Var<R>,
     opts: &AttentionOptions,
 ) -> Result<Var<R>> {
+    Ok(var_attention_lse(variant, q, k, v, opts)?.0)
+}
+
+/// [`var_attention`] that also returns `lse [B, Hq, Sq]` (f32) as a
+/// differentiable output, as FlexAttention's `return_lse`: a loss may read
+/// both (partial attentions merged by their lse, an lse penalty), and one
+/// fused backward takes `dout` and `dlse` together (`dlse` joins each
+/// row's `D_i`; a loss that reads only `out` costs nothing more).
+///
+/// ```
+/// # use boostr_runtime::{AttentionOptions, stock::Causal, var_attention_lse};
+/// # use numr::autograd::{Var, backward, var_add, var_sum};
+/// # use numr::prelude::{CpuDevice, CpuRuntime, Runtime, Tensor};
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let device = CpuDevice::new();
+/// let client = CpuRuntime::default_client(&device);
+/// let x = |seed: f32| {
+///     let data: Vec<f32> = (0..2 * 8 * 16).map(|i| (i as f32 * seed).sin()).collect();
+///     Tensor::<CpuRuntime>::from_slice(&data, &[1, 2, 8, 16], &device)
+/// };
+/// let (q, k, v) = (Var::new(x(0.37)?, true), Var::new(x(0.41)?, true), Var::new(x(0.43)?, true));
+/// let (out, lse) = var_attention_lse(&Causal, &q, &k, &v, &AttentionOptions::default())?;
+/// // A loss of both: the sum of the outputs plus the sum of the lse.
+/// let loss = var_add(
+///     &var_sum(&out, &[0, 1, 2, 3], false, &client)?,
+///     &var_sum(&lse, &[0, 1, 2], false, &client)?,
+///     &client,
+/// )?;
+/// let grads = backward(&loss, &client)?;
+/// assert_eq!(grads.get(q.id()).expect("q requires grad").shape(), &[1, 2, 8, 16]);
+/// # Ok(())
+/// # }
+/// ```
+pub fn var_attention_lse<V: Variant, R: AttentionRuntime>(
+    variant: &V,
+    q: &Var<R>,
+    k: &Var<R>,
+    v: &Var<R>,
+    opts: &AttentionOptions,
+) -> Result<(Var<R>, Var<R>)> {
     let problem = validate::call(
         variant,
         validate::problem(q.tensor(), k.tensor(), v.tensor(), opts.scale)?,
@@ -518,7 +585,9 @@ pub fn var_attention<V: Variant, R: AttentionRuntime>(
     };
     let out = R::attention_forward(variant, &problem, q.tensor(), keys)?;
     let variant_ = variant.clone();
-    let gradients = move |[q, k, v, out, lse]: &Saved<R>, dout: &Tensor<R>, wanted: &[bool]| {
+    let gradients = move |[q, k, v, out, lse]: &Saved<R>,
+                          (dout, dlse): (&Tensor<R>, Option<&Tensor<R>>),
+                          wanted: &[bool]| {
         validate::shape_of("grad_output", dout, &problem.out_shape())?;
         let keys = Keys {
             k,
@@ -532,6 +601,7 @@ pub fn var_attention<V: Variant, R: AttentionRuntime>(
             out,
             lse,
             dout,
+            dlse,
             tensor_grads: wanted,
         };
         R::attention_backward(&variant_, &problem, tensors)

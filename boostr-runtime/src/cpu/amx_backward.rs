@@ -79,6 +79,7 @@ pub(super) struct Inputs<'a> {
     pub(super) out: &'a [u16],
     pub(super) dout: &'a [u16],
     pub(super) lse: &'a [f32],
+    pub(super) dlse: Option<&'a [f32]>,
 }
 
 /// bf16 bits widened to f32.
@@ -322,7 +323,7 @@ pub(super) fn backward<V: HostVariant>(
     assert!(applies(p), "the bf16 backward runs {p:?}");
     let kind = amx::kind().expect("applies");
     let sizes = dims(p);
-    let delta = deltas(x.dout, x.out, p.head_dim_v, |a, b| {
+    let delta = deltas((x.dout, x.out, x.dlse), p.head_dim_v, |a, b| {
         a.iter().zip(b).map(|(&a, &b)| widen(a) * widen(b)).sum()
     });
     let Packs { q, dout, kv } = Packs::new(p, &x);

@@ -244,7 +244,7 @@ struct Shared<'a, V> {
     kv_group: usize,
     pos: Positions,
     x: BackwardInputs<'a>,
-    /// `D_i = rowsum(dO_i ∘ O_i)`, `[B, Hq, Sq]`.
+    /// `D_i = rowsum(dO_i ∘ O_i) − dlse_i`, `[B, Hq, Sq]`.
     delta: &'a [f32],
 }
 
@@ -264,7 +264,7 @@ pub(super) fn backward<V: HostVariant>(
     let dims = (p.head_dim, p.head_dim_v);
     let learn = tensor_grads.iter().any(|g| !g.is_empty());
 
-    let delta = deltas(x.dout, x.out, p.head_dim_v, math::dot);
+    let delta = deltas((x.dout, x.out, x.dlse), p.head_dim_v, math::dot);
     let (chunk_keys, chunks) = chunk_keys(p, tiles, chunks);
     let mut partials = dq_partials(p, chunks);
     let tasks = carve(p, chunk_keys, dq, dk, dv, &mut partials);
@@ -298,11 +298,10 @@ pub(super) fn backward<V: HostVariant>(
     add_partials(p, chunks, dq, &partials);
 }
 
-/// `D_i = rowsum(dO_i ∘ O_i)` for every row of `d` (the value head dim;
-/// `dot` reads the elements as stored).
+/// `D_i = rowsum(dO_i ∘ O_i) − dlse_i` for every row of `d` (the value
+/// head dim; `dot` reads the elements as stored; no `dlse`: zero).
 pub(super) fn deltas<E: Sync>(
-    dout: &[E],
-    out: &[E],
+    (dout, out, dlse): (&[E], &[E], Option<&[f32]>),
     d: usize,
     dot: fn(&[E], &[E]) -> f32,
 ) -> Aligned<f32> {
@@ -313,8 +312,9 @@ pub(super) fn deltas<E: Sync>(
         .enumerate()
         .for_each(|(c, block)| {
             for (i, di) in block.iter_mut().enumerate() {
-                let r = (c * ELEMENTWISE_BLOCK + i) * d;
-                *di = dot(&dout[r..r + d], &out[r..r + d]);
+                let row = c * ELEMENTWISE_BLOCK + i;
+                let r = row * d;
+                *di = dot(&dout[r..r + d], &out[r..r + d]) - dlse.map_or(0.0, |g| g[row]);
             }
         });
     delta

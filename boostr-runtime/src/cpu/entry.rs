@@ -32,6 +32,9 @@ pub struct BackwardInputs<'a, E = f32> {
     pub lse: &'a [f32],
     /// Gradient of the loss with respect to `out`, `[B, Hq, Sq, D]`.
     pub dout: &'a [E],
+    /// Gradient of the loss with respect to `lse`, `[B, Hq, Sq]`, where
+    /// the loss reads it (`None`: zero).
+    pub dlse: Option<&'a [f32]>,
 }
 
 /// Attention forward with the variant's [`CpuTiles`]: writes `out` and `lse`.
@@ -449,6 +452,7 @@ impl BackwardElem for half::bf16 {
             out: i.out.reinterpret_cast(),
             dout: i.dout.reinterpret_cast(),
             lse: i.lse,
+            dlse: i.dlse,
         };
         let learn = H::SCORE_READS_LEARNABLE && grads.iter().any(|g| !g.is_empty());
         let chunks = super::backward::key_chunks(p, amx_backward::TILES, chunk_threads(learn));

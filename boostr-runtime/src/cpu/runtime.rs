@@ -349,6 +349,11 @@ impl AttentionRuntime for CpuRuntime {
         let mut dv = Output::new(t.keys.v.shape(), dtype, device)?;
         let grads = (dq.slice_mut(), dk.slice_mut(), dv.slice_mut());
         let lse = HostF32::new("lse", t.lse, DType::F32)?;
+        let dlse = t
+            .dlse
+            .map(|g| HostF32::new("dlse", g, DType::F32))
+            .transpose()?;
+        let dlse = dlse.as_ref().map(|g| g.slice());
         let wanted = t.tensor_grads;
         let mut tensors = None;
         if dtype == DType::BF16 {
@@ -370,6 +375,7 @@ impl AttentionRuntime for CpuRuntime {
                     out: out.slice(),
                     lse: lse.slice(),
                     dout: dout.slice(),
+                    dlse,
                 }
             };
             let (dq, dk, dv) = (&mut *grads.0, &mut *grads.1, &mut *grads.2);
@@ -388,6 +394,7 @@ impl AttentionRuntime for CpuRuntime {
                     out: out.slice(),
                     lse: lse.slice(),
                     dout: dout.slice(),
+                    dlse,
                 };
                 let (dq, dk, dv) = grads;
                 super::backward(variant, p, cache, inputs, dq, dk, dv, wanted)?

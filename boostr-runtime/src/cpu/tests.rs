@@ -147,6 +147,8 @@ pub(crate) struct Inputs {
     pub(crate) k: Vec<f32>,
     pub(crate) v: Vec<f32>,
     pub(crate) dout: Vec<f32>,
+    /// `d loss / d lse`: the backward's `D_i − dlse_i`.
+    pub(crate) dlse: Vec<f32>,
 }
 
 impl Inputs {
@@ -156,6 +158,7 @@ impl Inputs {
             k: random(p.k_len(), seed + 1, qk_amp),
             v: random(p.v_len(), seed + 2, 1.0),
             dout: random(p.out_len(), seed + 3, 1.0),
+            dlse: random(p.lse_len(), seed + 4, 1.0),
         }
     }
 
@@ -176,6 +179,7 @@ impl Inputs {
             out,
             lse,
             dout,
+            dlse: Some(&self.dlse),
         }
     }
 
@@ -199,6 +203,7 @@ struct Bf16Backward {
     v: Vec<half::bf16>,
     out: Vec<half::bf16>,
     dout: Vec<half::bf16>,
+    dlse: Vec<f32>,
 }
 
 impl Bf16Backward {
@@ -209,6 +214,7 @@ impl Bf16Backward {
             v: bf(&x.v),
             out: bf(out),
             dout: bf(&x.dout),
+            dlse: x.dlse.clone(),
         }
     }
 
@@ -222,6 +228,7 @@ impl Bf16Backward {
             out,
             lse,
             dout,
+            dlse: Some(&self.dlse),
         }
     }
 }
@@ -328,6 +335,7 @@ fn reference_rounded<V: HostVariant>(
     let cap = p.seq_k;
     let scale = p.scale as f64;
     let f = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+    let dlse = f(&x.dlse);
     let (q, k, v, dout) = (f(&x.q), f(&x.k), f(&x.v), f(&x.dout));
     let mut r = Reference {
         out: vec![0.0; p.out_len()],
@@ -370,7 +378,8 @@ fn reference_rounded<V: HostVariant>(
                 }
                 let o = r.out[(bh * sq + i) * dv..][..dv].to_vec();
                 let dorow = &dout[(bh * sq + i) * dv..][..dv];
-                let di: f64 = dorow.iter().zip(&o).map(|(a, &b)| a * round(b)).sum();
+                let di: f64 = dorow.iter().zip(&o).map(|(a, &b)| a * round(b)).sum::<f64>()
+                    - dlse[bh * sq + i];
                 for j in 0..sk {
                     if pr[j] == 0.0 {
                         continue;
@@ -1464,6 +1473,7 @@ fn a_16_bit_cache_reads_as_its_widened_copy() {
         k: wide_hf.0.clone(),
         v: wide_hf.1.clone(),
         dout: x.dout.clone(),
+        dlse: x.dlse.clone(),
     };
     let want = reference_lens(&v, &p, &xr, Some(&lens));
     assert_close("f16 pages out", &out, &want.out, 2e-5);
@@ -1739,6 +1749,7 @@ fn bf16_backward_passes_of_several_key_tiles_match_the_reference() {
                         out: &outb,
                         dout: &doutb,
                         lse: &lse,
+                        dlse: Some(&x.dlse),
                     };
                     let mut g = Grads::poisoned(&p);
                     let (dq, dk, dv) = (&mut g.dq, &mut g.dk, &mut g.dv);

@@ -34,6 +34,7 @@ use kernels_spec::emit::cuda::{CudaDType, CudaKv, CudaTiles, kernels, source};
 use kernels_spec::emit::interface::{Arg, Buffer, NO_WORD, Scalar};
 use kernels_spec::params::{ERROR_WORDS, ParamWords};
 use numr::dtype::DType;
+use numr::ops::UnaryOps as _;
 use numr::runtime::cuda::{CudaClient, CudaRuntime};
 use numr::runtime::{Device as _, Runtime};
 use numr::tensor::Tensor;
@@ -727,7 +728,15 @@ impl AttentionRuntime for CudaRuntime {
             ("out", &out),
             ("dout", &x.dout),
         ])?;
-        let delta = alloc(&p.lse_shape(), DType::F32, q)?;
+        // `D_i − dlse_i`: the pre-pass adds each row's `rowsum(dO ∘ O)` to
+        // what `delta` holds.
+        let delta = match t.dlse {
+            Some(g) => {
+                validate::check_dtype("dlse", g, CUDA, &[DType::F32], "f32")?;
+                CudaRuntime::default_client(q.device()).neg(g)?
+            }
+            None => Tensor::<CudaRuntime>::zeros(&p.lse_shape(), DType::F32, q.device())?,
+        };
         let dq = alloc(q.shape(), dtype, q)?;
         // dK and dV of each sequence's slots; a paged call's are folded
         // into its pages at the end.

@@ -326,6 +326,7 @@ where
             out: &outs,
             lse: &lses.contiguous()?,
             dout: &douts,
+            dlse: None,
             tensor_grads: wanted,
         };
         let g = R::attention_backward(&positioned, &p, tensors)?;

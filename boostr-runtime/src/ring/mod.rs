@@ -512,14 +512,18 @@ where
     let (variant_, comm, opts) = (variant.clone(), Arc::clone(comm), *opts);
     // Every rank computes every gradient whatever it needs: the ring's
     // traffic must be the same on all of them.
-    let gradients = move |[q, k, v, out, lse]: &node::Saved<R>, dout: &Tensor<R>, _: &[bool]| {
+    // (The node's lse is not returned, so no `dlse` reaches it.)
+    let gradients = move |[q, k, v, out, lse]: &node::Saved<R>,
+                          (dout, _): (&Tensor<R>, Option<&Tensor<R>>),
+                          _: &[bool]| {
         let inputs = [dout, q, k, v, out, lse];
         backward::backward_with(&variant_, inputs, &comm, &opts, &tensor_grads)
     };
-    node::attach(
+    let (out, _lse) = node::attach(
         variant,
         [q, k, v],
         out,
         ("RingAttentionBackward", gradients),
-    )
+    )?;
+    Ok(out)
 }

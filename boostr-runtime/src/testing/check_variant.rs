@@ -176,7 +176,7 @@ fn run_case<R: TestBackend, V: Variant>(
         expect_out_of_range::<R, V>(variant, device, case, &inputs, &expected, &mut failures);
         return CaseReport::new(failures, format!("fails as it must: {expected}"));
     }
-    let (p, got) = match run_backend::<R, V>(variant, device, case, inputs.slices(), &inputs.opts) {
+    let (p, got) = match run_backend::<R, V>(variant, device, case, &inputs) {
         Ok(results) => results,
         Err(e) => return CaseReport::error(e),
     };

@@ -1,7 +1,7 @@
 //! Finite-difference check of the reference's analytic backward.
 
 use super::data::TestData;
-use super::reference::{reference_backward, reference_forward};
+use super::reference::{reference_backward_lse, reference_forward};
 use super::rng::{Rng, SEED_ENV, choose_seed};
 use super::unravel;
 use crate::problem::Problem;
@@ -124,10 +124,17 @@ pub fn check_reference_gradients_built<V: Variant>(
     }
 }
 
-/// `L = Σ out ∘ g` of the f64 reference.
-fn loss<V: HostVariant>(variant: &V, p: &Problem, x: &[Vec<f64>; 3], g: &[f64]) -> f64 {
+/// `L = Σ out ∘ g + Σ lse ∘ h` of the f64 reference (over the rows whose
+/// lse is finite: the others see no key, and no input moves them).
+fn loss<V: HostVariant>(
+    variant: &V,
+    p: &Problem,
+    x: &[Vec<f64>; 3],
+    (g, h): (&[f64], &[f64]),
+) -> f64 {
     let f = reference_forward(variant, p, &x[0], &x[1], &x[2]);
-    f.out.iter().zip(g).map(|(o, g)| o * g).sum()
+    let by_lse: f64 = f.lse.iter().zip(h).filter(|(l, _)| l.is_finite()).map(|(l, h)| l * h).sum();
+    f.out.iter().zip(g).map(|(o, g)| o * g).sum::<f64>() + by_lse
 }
 
 fn check_shape<V: HostVariant>(
@@ -144,18 +151,20 @@ fn check_shape<V: HostVariant>(
         rng.normal_f64(p.k_len(), QK_STD),
         rng.normal_f64(p.v_len(), 1.0),
     ];
-    let g = rng.normal_f64(p.out_len(), 1.0);
-    let grads = reference_backward(&variant, p, &inputs[0], &inputs[1], &inputs[2], &g);
-    let l0 = loss(&variant, p, &inputs, &g);
+    let (g, h) = (rng.normal_f64(p.out_len(), 1.0), rng.normal_f64(p.lse_len(), 1.0));
+    let g = (&g[..], &h[..]);
+    let [q, k, v] = &inputs;
+    let grads = reference_backward_lse(&variant, p, [q, k, v], g);
+    let l0 = loss(&variant, p, &inputs, g);
     for (slot, analytic) in grads.tensors.iter().enumerate() {
         let gmax = analytic.iter().fold(0.0f64, |m, x| m.max(x.abs()));
         let mut worst = Worst::default();
         for (e, &an) in analytic.iter().enumerate() {
             let hp = f64::from(variant.perturb_learnable(slot, e, TENSOR_STEP));
-            let lp = loss(&variant, p, &inputs, &g);
+            let lp = loss(&variant, p, &inputs, g);
             variant.perturb_learnable(slot, e, -(hp as f32));
             let hm = -f64::from(variant.perturb_learnable(slot, e, -TENSOR_STEP));
-            let lm = loss(&variant, p, &inputs, &g);
+            let lm = loss(&variant, p, &inputs, g);
             variant.perturb_learnable(slot, e, hm as f32);
             let fd = (lp - lm) / (hp + hm);
             let err = (fd - an).abs();
@@ -182,9 +191,9 @@ fn check_shape<V: HostVariant>(
         for e in 0..analytic.len() {
             let x0 = inputs[t][e];
             inputs[t][e] = x0 + STEP;
-            let (hp, lp) = (inputs[t][e] - x0, loss(&variant, p, &inputs, &g));
+            let (hp, lp) = (inputs[t][e] - x0, loss(&variant, p, &inputs, g));
             inputs[t][e] = x0 - STEP;
-            let (hm, lm) = (x0 - inputs[t][e], loss(&variant, p, &inputs, &g));
+            let (hm, lm) = (x0 - inputs[t][e], loss(&variant, p, &inputs, g));
             inputs[t][e] = x0;
             let fd = (lp - lm) / (hp + hm);
             let an = analytic[e];

@@ -6,7 +6,7 @@ use super::cases::{Case, Logits};
 use super::exact_zeros::seen_keys;
 use super::naive::naive_f32;
 use super::reference::{
-    Forward, Gradients, reference_backward, reference_forward, reference_magnitudes,
+    Forward, Gradients, reference_backward_lse, reference_forward, reference_magnitudes,
 };
 use super::rng::Rng;
 use crate::op::AttentionOptions;
@@ -51,6 +51,8 @@ pub(crate) struct Inputs {
     k: Vec<f32>,
     v: Vec<f32>,
     dout: Vec<f32>,
+    /// `d loss / d lse`, read with `dout` by the backward.
+    pub(crate) dlse: Vec<f32>,
     pub(crate) opts: AttentionOptions,
 }
 
@@ -60,6 +62,7 @@ impl Inputs {
         let (q, k) = draw_qk(case, &mut rng);
         let v = rng.normal_f32(case.problem().v_len(), 1.0);
         let dout = rng.normal_f32(case.problem().out_len(), 1.0);
+        let dlse = rng.normal_f32(case.problem().lse_len(), 1.0);
         // A fresh draw of dropout pairs per case (ignored without dropout).
         let opts = AttentionOptions {
             scale: case.scale,
@@ -71,6 +74,7 @@ impl Inputs {
             k,
             v,
             dout,
+            dlse,
             opts,
         }
     }
@@ -144,9 +148,12 @@ impl Expected {
         let [q, k, v, dout] = inputs.slices();
         let (q64, k64, v64, dout64) = (widen(q), widen(k), widen(v), widen(dout));
         let fwd = reference_forward(variant, p, &q64, &k64, &v64);
-        let grads = reference_backward(variant, p, &q64, &k64, &v64, &dout64);
-        let (naive_fwd, naive_grads) = naive_f32(variant, p, inputs.slices(), &fwd, &grads);
-        let (mag_out, mag_g) = reference_magnitudes(variant, p, [&q64, &k64, &v64, &dout64]);
+        let dlse64 = widen(&inputs.dlse);
+        let grads = reference_backward_lse(variant, p, [&q64, &k64, &v64], (&dout64, &dlse64));
+        let (naive_fwd, naive_grads) =
+            naive_f32(variant, p, inputs.slices(), &inputs.dlse, &fwd, &grads);
+        let (mag_out, mag_g) =
+            reference_magnitudes(variant, p, [&q64, &k64, &v64, &dout64], Some(&dlse64));
         let max_abs = |x: &[f64]| x.iter().fold(0.0f64, |m, v| m.max(v.abs()));
         Expected {
             fwd,

@@ -75,6 +75,8 @@ pub(crate) fn check_layouts<R: TestBackend, V: Variant>(
     let mut inputs = Inputs::draw(case, seed, stream);
     inputs.share_prefix(&p, (1, 2), PAGE);
     inputs.poison_slots(&p, &LENS);
+    // The cache and page ops take no `dlse`.
+    inputs.dlse.fill(0.0);
     let p = match validate::call(&variant, p, &inputs.opts) {
         Ok(p) => p,
         Err(e) => return CaseReport::error(format!("{}: {e}", V::NAME)),

@@ -76,7 +76,9 @@ pub use gradcheck::{check_reference_gradients, check_reference_gradients_built};
 #[doc(hidden)]
 pub use numr::runtime::cpu::CpuRuntime;
 pub use parity::{check_parity, check_parity_built};
-pub use reference::{Forward, Gradients, Real, reference_backward, reference_forward};
+pub use reference::{
+    Forward, Gradients, Real, reference_backward, reference_backward_lse, reference_forward,
+};
 pub use rng::{Rng, SEED_ENV};
 
 /// Row-major coordinates of flat `index` in `shape`.

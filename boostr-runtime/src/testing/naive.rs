@@ -1,6 +1,6 @@
 //! The naive f32 implementation, the yardstick of the tolerance rule.
 
-use super::reference::{Forward, Gradients, reference_backward, reference_forward};
+use super::reference::{Forward, Gradients, reference_backward_lse, reference_forward};
 use crate::problem::Problem;
 use crate::variant::HostVariant;
 
@@ -16,6 +16,7 @@ pub(crate) fn naive_f32<V: HostVariant>(
     variant: &V,
     p: &Problem,
     [q, k, v, dout]: [&[f32]; 4],
+    dlse: &[f32],
     want_f: &Forward<f64>,
     want_g: &Gradients<f64>,
 ) -> (Forward<f32>, Gradients<f32>) {
@@ -32,10 +33,10 @@ pub(crate) fn naive_f32<V: HostVariant>(
     let flip = |x: &[f32], d: usize| rotate(x, d, d / 2);
     let unflip = |x: &[f32], d: usize| rotate(x, d, d - d / 2);
     let f = reference_forward(variant, p, q, k, v);
-    let g = reference_backward(variant, p, q, k, v, dout);
+    let g = reference_backward_lse(variant, p, [q, k, v], (dout, dlse));
     let (qr, kr, vr, dr) = (flip(q, d), flip(k, d), flip(v, d_v), flip(dout, d_v));
     let fr = reference_forward(variant, p, &qr, &kr, &vr);
-    let gr = reference_backward(variant, p, &qr, &kr, &vr, &dr);
+    let gr = reference_backward_lse(variant, p, [&qr, &kr, &vr], (&dr, dlse));
     // Keep, per element, whichever is further from `want` (NaN counts as
     // furthest, so the checks still see it).
     let worse = |a: Vec<f32>, b: &[f32], want: &[f64]| -> Vec<f32> {

@@ -68,8 +68,8 @@ pub fn check_parity_built<A: TestBackend, B: TestBackend, VA: Variant, VB: Varia
             return CaseReport::new(Vec::new(), format!("skipped (reads out of range: {e})"));
         }
         let (a, b) = (
-            run_backend::<A, VA>(&va, &dev_a, case, inputs.slices(), &inputs.opts),
-            run_backend::<B, VB>(&vb, &dev_b, case, inputs.slices(), &inputs.opts),
+            run_backend::<A, VA>(&va, &dev_a, case, &inputs),
+            run_backend::<B, VB>(&vb, &dev_b, case, &inputs),
         );
         match (a, b) {
             (Err(e), _) => CaseReport::error(format!("{}: {e}", A::NAME)),

@@ -423,7 +423,24 @@ pub fn reference_backward<T: Real, V: HostVariant>(
     v: &[T],
     dout: &[T],
 ) -> Gradients<T> {
-    backward(variant, problem, [q, k, v, dout], false)
+    backward(variant, problem, [q, k, v, dout], None, false)
+}
+
+/// [`reference_backward`] of a loss that reads `lse` too, `dlse = d loss
+/// / d lse` (`[B, Hq, Sq]`): `d loss / d z_ij = P_ij (dP_ij − D_i +
+/// dlse_i)` under a softmax (lse is the constant 0 under sigmoid weights,
+/// and `dlse` changes nothing).
+///
+/// # Panics
+///
+/// When a slice's length does not match `problem`.
+pub fn reference_backward_lse<T: Real, V: HostVariant>(
+    variant: &V,
+    problem: &Problem,
+    [q, k, v]: [&[T]; 3],
+    (dout, dlse): (&[T], &[T]),
+) -> Gradients<T> {
+    backward(variant, problem, [q, k, v, dout], Some(dlse), false)
 }
 
 /// Magnitudes of the terms that make up each result, for the absolute slack
@@ -443,17 +460,20 @@ pub(crate) fn reference_magnitudes<V: HostVariant>(
     variant: &V,
     problem: &Problem,
     [q, k, v, dout]: [&[f64]; 4],
+    dlse: Option<&[f64]>,
 ) -> (Vec<f64>, Gradients<f64>) {
     let v_abs: Vec<f64> = v.iter().map(|x| x.abs()).collect();
     let out = reference_forward(variant, problem, q, k, &v_abs).out;
-    (out, backward(variant, problem, [q, k, v, dout], true))
+    (out, backward(variant, problem, [q, k, v, dout], dlse, true))
 }
 
-/// The backward; with `magnitudes`, the sums of [`reference_magnitudes`].
+/// The backward (`dlse`: none is zero); with `magnitudes`, the sums of
+/// [`reference_magnitudes`].
 fn backward<T: Real, V: HostVariant>(
     variant: &V,
     problem: &Problem,
     [q, k, v, dout]: [&[T]; 4],
+    dlse: Option<&[T]>,
     magnitudes: bool,
 ) -> Gradients<T> {
     let p = problem;
@@ -461,6 +481,9 @@ fn backward<T: Real, V: HostVariant>(
     check_len("k", k.len(), p.k_len(), p);
     check_len("v", v.len(), p.v_len(), p);
     check_len("dout", dout.len(), p.out_len(), p);
+    if let Some(dlse) = dlse {
+        check_len("dlse", dlse.len(), p.lse_len(), p);
+    }
     let (d, d_v) = (p.head_dim, p.head_dim_v);
     let scale = T::from_f32(p.scale);
     // The factors multiplied into the sums: signed, or their magnitudes.
@@ -493,7 +516,11 @@ fn backward<T: Real, V: HostVariant>(
                 let mut row = Row::new(p.seq_k);
                 let mut o = vec![T::ZERO; d_v];
                 for i in 0..p.seq_q {
-                    if !row.compute(variant, p, q, k, b, h, i) {
+                    let visible = row.compute(variant, p, q, k, b, h, i);
+                    // A row that sees nothing has out 0 and `lse = sink`:
+                    // its sink's gradient is `dlse` alone.
+                    let sink_seen = V::LEARNABLE > 0 && row.lse != T::NEG_INFINITY;
+                    if !visible && !sink_seen {
                         continue;
                     }
                     let qi = q_pos(p, i);
@@ -517,10 +544,14 @@ fn backward<T: Real, V: HostVariant>(
                     // `dP_ij − D_i` exactly, which no kernel does (its `D` comes
                     // from its forward's `out`); the naive f32 error must include
                     // that rounding.
-                    let d_i = if V::WEIGHTS.needs_delta() {
-                        dot_rev(dor, &o)
-                    } else {
+                    // `D_i − dlse_i` (its magnitude: `Σ|dO_i||O_i| + |dlse_i|`).
+                    let g_lse = dlse.map_or(T::ZERO, |g| g[row_i]);
+                    let d_i = if !V::WEIGHTS.needs_delta() {
                         T::ZERO
+                    } else if magnitudes {
+                        dot_rev(dor, &o) + g_lse.abs()
+                    } else {
+                        dot_rev(dor, &o) - g_lse
                     };
                     let sink = T::sink(variant, bi, hi, qi);
                     if V::LEARNABLE > 0 && sink != T::NEG_INFINITY {

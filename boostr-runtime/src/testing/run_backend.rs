@@ -7,12 +7,12 @@ use super::inputs::Inputs;
 use super::reference::{Forward, Gradients};
 use crate::error::Error;
 use crate::op::{
-    AttentionOptions, attention_bwd, attention_bwd_tensors, attention_fwd, var_attention,
+    attention_bwd, attention_bwd_lse, attention_fwd, var_attention, var_attention_lse,
 };
 use crate::problem::Problem;
 use crate::validate;
 use crate::variant::Variant;
-use numr::autograd::{Var, backward, var_mul, var_sum};
+use numr::autograd::{Var, backward, var_add, var_mul, var_sum};
 use numr::runtime::Runtime;
 use numr::tensor::Tensor;
 
@@ -20,22 +20,24 @@ use numr::tensor::Tensor;
 pub(crate) struct BackendResults {
     /// `attention_fwd`'s `out` and `lse`.
     pub(crate) fwd: Forward<f32>,
-    /// `attention_bwd`'s gradients.
+    /// `attention_bwd_lse`'s gradients.
     pub(crate) grads: Gradients<f32>,
-    /// `var_attention`'s `out`.
+    /// `var_attention_lse`'s `out`.
     pub(crate) var_out: Vec<f32>,
     /// The gradients autograd's backward produced through the `GradFn`.
     pub(crate) var_grads: Gradients<f32>,
 }
 
-/// Run the backend's ops and the autograd path; host copies of every result.
+/// Run the backend's ops and the autograd path, each backward of a loss
+/// that reads `out` and `lse` (`dout` and `dlse`); host copies of every
+/// result.
 pub(crate) fn run_backend<R: TestBackend, V: Variant>(
     variant: &V,
     device: &<R::Runtime as Runtime>::Device,
     case: &Case,
-    [q, k, v, dout]: [&[f32]; 4],
-    opts: &AttentionOptions,
+    inputs: &Inputs,
 ) -> Result<(Problem, BackendResults), String> {
+    let ([q, k, v, dout], opts) = (inputs.slices(), &inputs.opts);
     let host = |t: &Tensor<R::Runtime>| t.to_vec::<f32>();
     let upload = |name: &str, data: &[f32], shape: &[usize]| {
         Tensor::<R::Runtime>::from_slice(data, shape, device)
@@ -46,38 +48,35 @@ pub(crate) fn run_backend<R: TestBackend, V: Variant>(
     let kt = upload("k", k, &shapes.k_shape())?;
     let vt = upload("v", v, &shapes.v_shape())?;
     let dt = upload("dout", dout, &shapes.out_shape())?;
+    let dlse = upload("dlse", &inputs.dlse, &shapes.lse_shape())?;
     let p = validate::problem(&qt, &kt, &vt, opts.scale)
         .and_then(|p| validate::call(variant, p, opts))
         .map_err(|e| format!("validation: {e}"))?;
 
     let (out, lse) =
         attention_fwd(variant, &qt, &kt, &vt, opts).map_err(|e| format!("attention_fwd: {e}"))?;
-    let (dq, dk, dv) = attention_bwd(variant, &dt, &qt, &kt, &vt, &out, &lse, opts)
-        .map_err(|e| format!("attention_bwd: {e}"))?;
-    // With learnable tensors: the op that returns their gradients too (its
-    // dq, dk, dv are checked through the autograd path, which runs it).
+    let g = attention_bwd_lse(variant, (&dt, &dlse), &qt, &kt, &vt, &out, &lse, opts)
+        .map_err(|e| format!("attention_bwd_lse: {e}"))?;
     let mut tensors = Vec::new();
     if !V::LEARNABLE.is_empty() {
-        let g = attention_bwd_tensors(variant, &dt, &qt, &kt, &vt, &out, &lse, opts)
-            .map_err(|e| format!("attention_bwd_tensors: {e}"))?;
         for (slot, t) in g.tensors.iter().enumerate() {
             let t = t
                 .as_ref()
-                .ok_or_else(|| format!("attention_bwd_tensors: no gradient for slot {slot}"))?;
+                .ok_or_else(|| format!("attention_bwd_lse: no gradient for slot {slot}"))?;
             tensors.push(host(t));
         }
         // Deterministic: the same call again gives the same bits (the GPU
         // backends add in whatever order their threads run).
-        let again = attention_bwd_tensors(variant, &dt, &qt, &kt, &vt, &out, &lse, opts)
-            .map_err(|e| format!("attention_bwd_tensors, again: {e}"))?;
+        let again = attention_bwd_lse(variant, (&dt, &dlse), &qt, &kt, &vt, &out, &lse, opts)
+            .map_err(|e| format!("attention_bwd_lse, again: {e}"))?;
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
         for (slot, (first, t)) in tensors.iter().zip(&again.tensors).enumerate() {
             let t = t.as_ref().ok_or_else(|| {
-                format!("attention_bwd_tensors, again: no gradient for slot {slot}")
+                format!("attention_bwd_lse, again: no gradient for slot {slot}")
             })?;
             if bits(first) != bits(&host(t)) {
                 return Err(format!(
-                    "attention_bwd_tensors: two identical calls gave different bits for the \
+                    "attention_bwd_lse: two identical calls gave different bits for the \
                      gradient of learnable slot {slot}"
                 ));
             }
@@ -90,12 +89,19 @@ pub(crate) fn run_backend<R: TestBackend, V: Variant>(
         Var::new(kt.clone(), true),
         Var::new(vt.clone(), true),
     );
-    let out_v =
-        var_attention(variant, &qv, &kv, &vv, opts).map_err(|e| format!("var_attention: {e}"))?;
+    let (out_v, lse_v) = var_attention_lse(variant, &qv, &kv, &vv, opts)
+        .map_err(|e| format!("var_attention_lse: {e}"))?;
     let dout_v = Var::new(dt.clone(), false);
+    // L = sum(out ∘ dout) + sum(lse ∘ dlse). (Its value is no number
+    // where a row sees nothing, lse = −inf; the backward reads only its
+    // gradients, and such a row's dlse must change nothing.)
     let loss = var_mul(&out_v, &dout_v, &client)
         .and_then(|prod| var_sum(&prod, &[0, 1, 2, 3], false, &client))
-        .map_err(|e| format!("building L = sum(out * dout): {e}"))?;
+        .and_then(|l_out| {
+            let l_lse = var_mul(&lse_v, &Var::new(dlse.clone(), false), &client)?;
+            var_add(&l_out, &var_sum(&l_lse, &[0, 1, 2], false, &client)?, &client)
+        })
+        .map_err(|e| format!("building L = sum(out * dout) + sum(lse * dlse): {e}"))?;
     let grads = backward(&loss, &client).map_err(|e| format!("autograd backward: {e}"))?;
     let grad = |name: &str, var: &Var<R::Runtime>| {
         grads
@@ -124,9 +130,9 @@ pub(crate) fn run_backend<R: TestBackend, V: Variant>(
                 lse: host(&lse),
             },
             grads: Gradients {
-                dq: host(&dq),
-                dk: host(&dk),
-                dv: host(&dv),
+                dq: host(&g.dq),
+                dk: host(&g.dk),
+                dv: host(&g.dv),
                 tensors,
             },
             var_out: host(out_v.tensor()),

@@ -264,7 +264,8 @@ fn magnitudes_bound_the_results_and_see_through_cancellation() {
     let variant = CausalSoftcap::new(2.0);
     let f = reference_forward(&variant, &p, &x[0], &x[1], &x[2]);
     let g = reference_backward(&variant, &p, &x[0], &x[1], &x[2], &x[3]);
-    let (m_out, m) = reference::reference_magnitudes(&variant, &p, [&x[0], &x[1], &x[2], &x[3]]);
+    let (m_out, m) =
+        reference::reference_magnitudes(&variant, &p, [&x[0], &x[1], &x[2], &x[3]], None);
     for (r, m) in [
         (&f.out, &m_out),
         (&g.dq, &m.dq),

@@ -21,6 +21,7 @@ use kernels_spec::emit::wgsl::interface::{Binding, MAX_WORKGROUPS, Module, SHAPE
 use kernels_spec::emit::wgsl::{FLAG_FIRST, FLAG_LAST, WgslTiles, kernels, module_source};
 use kernels_spec::params::ERROR_WORDS;
 use numr::dtype::DType;
+use numr::ops::ShapeOps as _;
 use numr::runtime::wgpu::{WgpuClient, WgpuDevice, WgpuRuntime, get_buffer};
 use numr::runtime::{Runtime, RuntimeClient};
 use numr::tensor::Tensor;
@@ -179,6 +180,25 @@ fn pass<V: Variant>(
 fn input(name: &'static str, t: &Tensor<WgpuRuntime>) -> Result<Tensor<WgpuRuntime>> {
     validate::check_dtype(name, t, WGPU, &[DType::F32], WGPU_DTYPES)?;
     Ok(t.contiguous()?)
+}
+
+/// The backward's per-row scratch `[B, Hq, Sq, 4]`, `dlse` (zero without
+/// one) in component `z` and zero elsewhere.
+fn rows_with_dlse(
+    client: &WgpuClient,
+    p: &Problem,
+    dlse: Option<&Tensor<WgpuRuntime>>,
+) -> Result<Tensor<WgpuRuntime>> {
+    let zeros = |n| {
+        let shape = [p.batch, p.heads_q, p.seq_q, n];
+        Tensor::<WgpuRuntime>::zeros(&shape, DType::F32, client.device())
+    };
+    let Some(dlse) = dlse else {
+        return Ok(zeros(4)?);
+    };
+    validate::check_dtype("dlse", dlse, WGPU, &[DType::F32], "f32")?;
+    let z = dlse.reshape(&[p.batch, p.heads_q, p.seq_q, 1])?;
+    Ok(client.cat(&[&zeros(2)?, &z, &zeros(1)?], -1)?)
 }
 
 fn alloc(shape: &[usize], t: &Tensor<WgpuRuntime>) -> Result<Tensor<WgpuRuntime>> {
@@ -821,8 +841,9 @@ impl AttentionRuntime for WgpuRuntime {
             .map(|module| Ok((*module, pass::<V>(&client, p, module)?)))
             .collect::<Result<Vec<_>>>()?;
         let cfg = tiles::<V>(p)?;
-        // Per query row: running sums between dispatches, then lse and D_i.
-        let rows = alloc(&[p.batch, p.heads_q, p.seq_q, 4], q)?;
+        // Per query row: dlse on entry, running sums between dispatches,
+        // then lse and D_i − dlse_i.
+        let rows = rows_with_dlse(&client, p, t.dlse)?;
         let dq = alloc(q.shape(), q)?;
         // dK and dV of each sequence's slots; a paged call's are folded
         // into its pages at the end.

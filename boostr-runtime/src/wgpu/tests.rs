@@ -422,6 +422,7 @@ fn split_kv_decode_matches_the_unsplit_kernel() {
             k: k.clone(),
             v: v.clone(),
             dout: vec![0.0; b * hq * sq * dv],
+            dlse: vec![0.0; b * hq * sq],
         };
         let reference = crate::cpu::tests::reference_lens(&host, &p, &inputs, Some(&host_lens));
         let mut results = Vec::new();
@@ -522,6 +523,7 @@ fn cache_backward_matches_the_cpu() {
             k: k.clone(),
             v: v.clone(),
             dout: dout.clone(),
+            dlse: vec![0.0; b * hq * sq],
         };
         let host_lens: Vec<usize> = lens.iter().map(|&l| l as usize).collect();
         let reference = crate::cpu::tests::reference_lens(

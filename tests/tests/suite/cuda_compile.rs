@@ -1089,6 +1089,7 @@ where
         out: &out,
         lse: &lse,
         dout: &dout,
+        dlse: None,
     };
     boostr_runtime::cpu::backward(
         &variant,

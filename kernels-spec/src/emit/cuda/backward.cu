@@ -77,7 +77,7 @@ __device__ __forceinline__ void bx_grad_tile(float* S, float* dP, elem_t* Pe, el
     float s = 0.0f;
     for (int d = lane; d < DV; d += 32) s = fmaf(bx_to_f32(dout[base + d]), bx_to_f32(out[base + d]), s);
     s = bx_warp_sum(s);
-    if (lane == 0) delta[row] = s;
+    if (lane == 0) delta[row] += s; // delta holds -dlse on entry
 }
 //@@ boostr_attn_bwd_dq
     BX_BWD_SMEM

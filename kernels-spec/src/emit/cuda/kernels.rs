@@ -339,8 +339,9 @@ const fn per_row(entry: &'static str, args: &'static [Arg]) -> Kernel {
     }
 }
 
-/// The backward's pre-pass, run first: `delta = rowsum(dout ∘ out)` over
-/// the `DV` columns in f32, one warp per row.
+/// The backward's pre-pass, run first: `delta += rowsum(dout ∘ out)` over
+/// the `DV` columns in f32, one warp per row; `delta` holds `−dlse` (zero
+/// where the loss does not read lse) on entry.
 pub const DELTA: Kernel = per_row(
     "boostr_attn_bwd_delta",
     &[

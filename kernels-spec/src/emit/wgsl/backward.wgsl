@@ -103,7 +103,12 @@ fn attn_bwd_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocati
     var dor: array<f32, DV>;
     load_row(&qr, &dor, r);
     var sums = vec2<f32>(0.0f);
-    if r.live && !is_first() { sums = rows[r.row].xy; }
+    // z: dlse (the caller's, or 0), held until the last dispatch.
+    var dlse = 0.0f;
+    if r.live {
+        dlse = rows[r.row].z;
+        if !is_first() { sums = rows[r.row].xy; }
+    }
 
     for (var kt = shape.tile_begin; kt < min(shape.tile_end, t.n_tiles); kt++) {
         let k0 = kt * BKV;
@@ -119,14 +124,14 @@ fn attn_bwd_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocati
     }
     if !r.live { return; }
     if !is_last() {
-        rows[r.row] = vec4<f32>(sums, 0.0f, 0.0f);
+        rows[r.row] = vec4<f32>(sums, dlse, 0.0f);
     } else {
         // The sink's probability joins the normalisation (its dP is 0).
         let sink = variant_sink(t.ib, t.ih, r.qp, r.live);
         let p_sink = select(exp(sink - r.lse), 0.0f, bx_is_neg_inf(sink) || bx_is_neg_inf(r.lse));
         var dl = 0.0f;
         if sums.x + p_sink > 0.0f { dl = sums.y / (sums.x + p_sink); }
-        rows[r.row] = vec4<f32>(sums, r.lse, dl);
+        rows[r.row] = vec4<f32>(sums, r.lse, dl - dlse);
     }
 }
 

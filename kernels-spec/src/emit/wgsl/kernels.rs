@@ -227,8 +227,9 @@ const fn over_key_tiles(name: &'static str) -> Entry {
 /// (`P_sink = e^(sink − lse)`, 0 without a sink), then
 /// `attn_bwd_dq` the dQ rows. Both: one workgroup per (WG query rows,
 /// b·Hq + h), one invocation per query row, dispatched per range of key
-/// tiles. `rows` holds per query row the two sums (between dispatches),
-/// then lse and `D_i` for the dK/dV kernel; `dq` holds the unscaled
+/// tiles. `rows` holds per query row `dlse` in `z` on entry (zero where
+/// the loss does not read lse), the two sums between dispatches, then lse
+/// and `D_i − dlse_i` for the dK/dV kernel; `dq` holds the unscaled
 /// accumulator between dispatches.
 ///
 /// `D_i` is `rowsum(dO ∘ O)` in exact arithmetic, but taking it from the
