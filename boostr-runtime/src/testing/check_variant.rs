@@ -19,14 +19,14 @@ use numr::runtime::Runtime;
 /// Check `R`'s attention kernels for `variant` on every case of
 /// [`TestBackend::cases`] ([`CASES`](super::CASES) unless the backend says otherwise).
 ///
-/// For each case, fresh random `q, k, v, dout` (seed from the clock, or from
-/// `BOOSTR_TEST_SEED`) go through
+/// For each case, fresh random `q, k, v, dout, dlse` (seed from the clock,
+/// or from `BOOSTR_TEST_SEED`) go through
 ///
 /// 1. [`attention_fwd`](crate::attention_fwd) and
-///    [`attention_bwd`](crate::attention_bwd), and
-/// 2. [`var_attention`](crate::var_attention) and
-///    [`numr::autograd::backward`] of `L = sum(out ∘ dout)` (the `GradFn`
-///    path),
+///    [`attention_bwd_lse`](crate::attention_bwd_lse), and
+/// 2. [`var_attention_lse`](crate::var_attention_lse) and
+///    [`numr::autograd::backward`] of `L = sum(out ∘ dout) + sum(lse ∘
+///    dlse)` (the `GradFn` path),
 ///
 /// and `out, lse, dq, dk, dv` of both are compared with the f64 reference
 /// ([`reference_forward`](super::reference_forward),
