@@ -40,6 +40,10 @@ pub trait AttentionRuntime: Runtime<DType = DType> + std::fmt::Debug {
         problem: &Problem,
         tensors: BackwardTensors<'_, Self>,
     ) -> Result<AttentionGrads<Self>>;
+
+    /// `t [B, ..]` summed over its batch into `[1, ..]`: the gradient of
+    /// keys shared by every sequence of a batch.
+    fn sum_batch(t: &Tensor<Self>) -> Result<Tensor<Self>>;
 }
 
 /// A call's validated keys and values, and which slots hold which

@@ -64,6 +64,12 @@ impl AttentionOptions {
 /// `lse` is the natural log-sum-exp of each query row's masked, modified,
 /// scaled logits (and its sink, if the variant declares one); a row with no
 /// visible key has `out = 0` and `lse = -inf` (its sink, with one).
+///
+/// `k` and `v` of batch 1 with `q` of batch `B` are one sequence of keys
+/// shared by every query sequence (a common prefix, a shared memory), as
+/// PyTorch broadcasts them: read in place on the CPU, and in the backward
+/// ([`attention_bwd`], [`var_attention`]) their gradients are the sums over
+/// the batch, shaped `[1, ..]`.
 pub fn attention_fwd<V: Variant, R: AttentionRuntime>(
     variant: &V,
     q: &Tensor<R>,
@@ -71,6 +77,8 @@ pub fn attention_fwd<V: Variant, R: AttentionRuntime>(
     v: &Tensor<R>,
     opts: &AttentionOptions,
 ) -> Result<(Tensor<R>, Tensor<R>)> {
+    let dense = DenseKeys::new(q, k, v)?;
+    let (k, v) = (&dense.k, &dense.v);
     let problem = validate::call(variant, validate::problem(q, k, v, opts.scale)?, opts)?;
     let layout = KeyLayout::Dense;
     R::attention_forward(
@@ -84,6 +92,51 @@ pub fn attention_fwd<V: Variant, R: AttentionRuntime>(
             scales: None,
         },
     )
+}
+
+/// A dense call's `k` and `v`, broadcast to `q`'s batch where they hold
+/// one sequence shared by every query sequence.
+struct DenseKeys<R: AttentionRuntime> {
+    k: Tensor<R>,
+    v: Tensor<R>,
+    /// `k` and `v` were of batch 1, broadcast (a zero stride) to `q`'s.
+    shared: bool,
+}
+
+impl<R: AttentionRuntime> DenseKeys<R> {
+    fn new(q: &Tensor<R>, k: &Tensor<R>, v: &Tensor<R>) -> Result<Self> {
+        let batch = |t: &Tensor<R>| (t.ndim() == 4).then(|| t.shape()[0]);
+        let shared = match (batch(q), batch(k), batch(v)) {
+            (Some(b), Some(1), Some(1)) => b != 1,
+            _ => false,
+        };
+        if !shared {
+            return Ok(Self {
+                k: k.clone(),
+                v: v.clone(),
+                shared,
+            });
+        }
+        let b = q.shape()[0];
+        let wide = |t: &Tensor<R>| {
+            let s = t.shape();
+            t.broadcast_to(&[b, s[1], s[2], s[3]])
+        };
+        Ok(Self {
+            k: wide(k)?,
+            v: wide(v)?,
+            shared,
+        })
+    }
+
+    /// `g` with `dk`, `dv` summed over the batch where the keys were shared.
+    fn fold(&self, mut g: AttentionGrads<R>) -> Result<AttentionGrads<R>> {
+        if self.shared {
+            g.dk = R::sum_batch(&g.dk)?;
+            g.dv = R::sum_batch(&g.dv)?;
+        }
+        Ok(g)
+    }
 }
 
 /// Keys and values in a cache with spare capacity: `k, v [B, Hkv, capacity,
@@ -440,9 +493,11 @@ fn dense_backward<V: Variant, R: AttentionRuntime>(
     opts: &AttentionOptions,
     wanted: &[bool],
 ) -> Result<AttentionGrads<R>> {
+    let dense = DenseKeys::new(q, k, v)?;
+    let (k, v) = (&dense.k, &dense.v);
     let problem = validate::call(variant, validate::problem(q, k, v, opts.scale)?, opts)?;
     let layout = KeyLayout::Dense;
-    backward(
+    let g = backward(
         variant,
         &problem,
         ([dout, q, out, lse], dlse),
@@ -453,7 +508,8 @@ fn dense_backward<V: Variant, R: AttentionRuntime>(
             scales: None,
         },
         wanted,
-    )
+    );
+    dense.fold(g?)
 }
 
 /// The backward of `q` against `keys` (their problem already validated),
@@ -571,15 +627,15 @@ pub fn var_attention_lse<V: Variant, R: AttentionRuntime>(
     v: &Var<R>,
     opts: &AttentionOptions,
 ) -> Result<(Var<R>, Var<R>)> {
+    let dense = DenseKeys::new(q.tensor(), k.tensor(), v.tensor())?;
     let problem = validate::call(
         variant,
-        validate::problem(q.tensor(), k.tensor(), v.tensor(), opts.scale)?,
+        validate::problem(q.tensor(), &dense.k, &dense.v, opts.scale)?,
         opts,
     )?;
-    let (k_t, v_t) = (k.tensor(), v.tensor());
     let keys = Keys {
-        k: k_t,
-        v: v_t,
+        k: &dense.k,
+        v: &dense.v,
         layout: KeyLayout::Dense,
         scales: None,
     };
@@ -589,9 +645,10 @@ pub fn var_attention_lse<V: Variant, R: AttentionRuntime>(
                           (dout, dlse): (&Tensor<R>, Option<&Tensor<R>>),
                           wanted: &[bool]| {
         validate::shape_of("grad_output", dout, &problem.out_shape())?;
+        let dense = DenseKeys::new(q, k, v)?;
         let keys = Keys {
-            k,
-            v,
+            k: &dense.k,
+            v: &dense.v,
             layout: KeyLayout::Dense,
             scales: None,
         };
@@ -604,7 +661,7 @@ pub fn var_attention_lse<V: Variant, R: AttentionRuntime>(
             dlse,
             tensor_grads: wanted,
         };
-        R::attention_backward(&variant_, &problem, tensors)
+        dense.fold(R::attention_backward(&variant_, &problem, tensors)?)
     };
     node::attach(variant, [q, k, v], out, ("AttentionBackward", gradients))
 }

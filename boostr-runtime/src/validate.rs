@@ -294,7 +294,10 @@ pub fn problem<R: Runtime<DType = DType>>(
         v: v.shape().to_vec(),
     };
     if bq != bk || bq != bv {
-        return Err(shapes("q, k and v must have the same batch size (dim 0)"));
+        return Err(shapes(
+            "q, k and v must have the same batch size (dim 0), or k and v a batch of 1 \
+             (keys shared by every sequence)",
+        ));
     }
     if hk != hv {
         return Err(shapes("k and v must have the same number of heads (dim 1)"));

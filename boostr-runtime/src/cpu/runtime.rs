@@ -282,6 +282,11 @@ impl Output {
 }
 
 impl AttentionRuntime for CpuRuntime {
+    fn sum_batch(t: &Tensor<Self>) -> Result<Tensor<Self>> {
+        use numr::ops::ReduceOps as _;
+        Ok(Self::default_client(t.device()).sum(t, &[0], true)?)
+    }
+
     const GLOBAL_POSITIONS: bool = true;
 
     fn attention_forward<V: Variant>(

@@ -378,7 +378,11 @@ fn reference_rounded<V: HostVariant>(
                 }
                 let o = r.out[(bh * sq + i) * dv..][..dv].to_vec();
                 let dorow = &dout[(bh * sq + i) * dv..][..dv];
-                let di: f64 = dorow.iter().zip(&o).map(|(a, &b)| a * round(b)).sum::<f64>()
+                let di: f64 = dorow
+                    .iter()
+                    .zip(&o)
+                    .map(|(a, &b)| a * round(b))
+                    .sum::<f64>()
                     - dlse[bh * sq + i];
                 for j in 0..sk {
                     if pr[j] == 0.0 {

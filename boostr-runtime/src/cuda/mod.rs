@@ -704,6 +704,11 @@ fn forward_splits(client: &CudaClient, p: &Problem, cfg: &CudaTiles) -> u32 {
 }
 
 impl AttentionRuntime for CudaRuntime {
+    fn sum_batch(t: &Tensor<Self>) -> Result<Tensor<Self>> {
+        use numr::ops::ReduceOps as _;
+        Ok(Self::default_client(t.device()).sum(t, &[0], true)?)
+    }
+
     fn attention_forward<V: Variant>(
         variant: &V,
         p: &Problem,

@@ -12,6 +12,7 @@ use super::report::{CaseReport, run_cases};
 use super::rng::{SEED_ENV, choose_seed};
 use super::run_backend::expect_out_of_range;
 use super::run_backend::run_backend;
+use super::shared_keys::check_shared_keys;
 use super::tolerance::{NAIVE_FACTOR, SLACK, compare_results};
 use crate::variant::{HostVariant, Variant};
 use numr::runtime::Runtime;
@@ -181,6 +182,11 @@ fn run_case<R: TestBackend, V: Variant>(
         Err(e) => return CaseReport::error(e),
     };
     let mut summary = compare_results(&p, &got, &want, NAIVE_FACTOR, &mut failures);
+    if let Some(shared) =
+        check_shared_keys::<R, V>(variant, device, case, (seed, stream), &mut failures)
+    {
+        summary.push_str(&format!(", {shared}"));
+    }
     if poisoned > 0 {
         summary.push_str(&format!(", {poisoned} hidden keys of NaN/inf K, V"));
     }

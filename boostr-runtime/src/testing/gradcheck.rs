@@ -133,7 +133,13 @@ fn loss<V: HostVariant>(
     (g, h): (&[f64], &[f64]),
 ) -> f64 {
     let f = reference_forward(variant, p, &x[0], &x[1], &x[2]);
-    let by_lse: f64 = f.lse.iter().zip(h).filter(|(l, _)| l.is_finite()).map(|(l, h)| l * h).sum();
+    let by_lse: f64 = f
+        .lse
+        .iter()
+        .zip(h)
+        .filter(|(l, _)| l.is_finite())
+        .map(|(l, h)| l * h)
+        .sum();
     f.out.iter().zip(g).map(|(o, g)| o * g).sum::<f64>() + by_lse
 }
 
@@ -151,7 +157,10 @@ fn check_shape<V: HostVariant>(
         rng.normal_f64(p.k_len(), QK_STD),
         rng.normal_f64(p.v_len(), 1.0),
     ];
-    let (g, h) = (rng.normal_f64(p.out_len(), 1.0), rng.normal_f64(p.lse_len(), 1.0));
+    let (g, h) = (
+        rng.normal_f64(p.out_len(), 1.0),
+        rng.normal_f64(p.lse_len(), 1.0),
+    );
     let g = (&g[..], &h[..]);
     let [q, k, v] = &inputs;
     let grads = reference_backward_lse(&variant, p, [q, k, v], g);

@@ -51,6 +51,7 @@ pub(crate) mod reference;
 mod report;
 pub(crate) mod rng;
 mod run_backend;
+mod shared_keys;
 mod tolerance;
 
 #[cfg(feature = "wgpu")]

@@ -71,9 +71,9 @@ pub(crate) fn run_backend<R: TestBackend, V: Variant>(
             .map_err(|e| format!("attention_bwd_lse, again: {e}"))?;
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
         for (slot, (first, t)) in tensors.iter().zip(&again.tensors).enumerate() {
-            let t = t.as_ref().ok_or_else(|| {
-                format!("attention_bwd_lse, again: no gradient for slot {slot}")
-            })?;
+            let t = t
+                .as_ref()
+                .ok_or_else(|| format!("attention_bwd_lse, again: no gradient for slot {slot}"))?;
             if bits(first) != bits(&host(t)) {
                 return Err(format!(
                     "attention_bwd_lse: two identical calls gave different bits for the \
@@ -99,7 +99,11 @@ pub(crate) fn run_backend<R: TestBackend, V: Variant>(
         .and_then(|prod| var_sum(&prod, &[0, 1, 2, 3], false, &client))
         .and_then(|l_out| {
             let l_lse = var_mul(&lse_v, &Var::new(dlse.clone(), false), &client)?;
-            var_add(&l_out, &var_sum(&l_lse, &[0, 1, 2], false, &client)?, &client)
+            var_add(
+                &l_out,
+                &var_sum(&l_lse, &[0, 1, 2], false, &client)?,
+                &client,
+            )
         })
         .map_err(|e| format!("building L = sum(out * dout) + sum(lse * dlse): {e}"))?;
     let grads = backward(&loss, &client).map_err(|e| format!("autograd backward: {e}"))?;

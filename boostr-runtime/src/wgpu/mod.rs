@@ -810,6 +810,11 @@ pub fn forward_splits_of<V: Variant>(
 }
 
 impl AttentionRuntime for WgpuRuntime {
+    fn sum_batch(t: &Tensor<Self>) -> Result<Tensor<Self>> {
+        use numr::ops::ReduceOps as _;
+        Ok(Self::default_client(t.device()).sum(t, &[0], true)?)
+    }
+
     fn attention_forward<V: Variant>(
         variant: &V,
         p: &Problem,
