@@ -475,10 +475,16 @@ fn tensor_decls(program: &Program) -> Vec<TokenStream> {
                 Ty::U32 => quote!(U32),
                 _ => quote!(F32),
             };
+            let given = match t.given {
+                kernels_spec::ir::Given::Elem => quote!(Elem),
+                kernels_spec::ir::Given::Bool => quote!(Bool),
+                kernels_spec::ir::Given::I64 => quote!(I64),
+            };
             let dims = t.dims.iter().map(|d| dim_decl(*d));
             quote!(::boostr_runtime::capture::TensorDecl {
                 name: #name,
                 elem: ::boostr_runtime::capture::Ty::#elem,
+                given: ::boostr_runtime::capture::Given::#given,
                 dims: &[#(#dims),*],
             })
         })

@@ -26,26 +26,30 @@ use std::any::Any;
 use std::fmt;
 use std::sync::Mutex;
 
-pub use kernels_spec::ir::{DimDecl, Holds, Size, SizeForm, Ty};
+pub use kernels_spec::ir::{DimDecl, Given, Holds, Size, SizeForm, Ty};
 
 /// A captured tensor as the compiler declared it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TensorDecl {
     /// The field's name.
     pub name: &'static str,
-    /// Its element type (`i32`, `u32` or `f32`).
+    /// The element type the kernels hold (`i32`, `u32` or `f32`).
     pub elem: Ty,
-    /// Its declared shape, outermost first.
+    /// What the caller passes, where it differs (`bool`, `i64`).
+    pub given: Given,
+    /// Its declared shape, outermost first (none: one value).
     pub dims: &'static [DimDecl],
 }
 
 impl TensorDecl {
-    /// The numr dtype of its elements.
+    /// The numr dtype the caller passes.
     pub fn dtype(&self) -> DType {
-        match self.elem {
-            Ty::I32 => DType::I32,
-            Ty::U32 => DType::U32,
-            _ => DType::F32,
+        match (self.given, self.elem) {
+            (Given::Bool, _) => DType::Bool,
+            (Given::I64, _) => DType::I64,
+            (Given::Elem, Ty::I32) => DType::I32,
+            (Given::Elem, Ty::U32) => DType::U32,
+            (Given::Elem, _) => DType::F32,
         }
     }
 
@@ -201,8 +205,42 @@ impl<'a> Capture<'a> {
                 got: self.runtime,
             })?;
         check(self.decl, t.shape(), t.dtype(), p)?;
-        Ok(t.contiguous()?)
+        held(self.decl, t.contiguous()?)
     }
+}
+
+/// A checked captured tensor in the element type the kernels hold: `bool`
+/// as u32 0 or 1, `i64` as i32 (a value outside i32 is an error), each
+/// converted on the host; any other as it is.
+fn held<R: Runtime<DType = DType>>(decl: &TensorDecl, t: Tensor<R>) -> Result<Tensor<R>> {
+    let words: Vec<i32> = match decl.given {
+        Given::Elem => return Ok(t),
+        Given::Bool => t
+            .try_to_vec::<u8>()?
+            .into_iter()
+            .map(|b| i32::from(b != 0))
+            .collect(),
+        Given::I64 => t
+            .try_to_vec::<i64>()?
+            .into_iter()
+            .enumerate()
+            .map(|(at, value)| {
+                i32::try_from(value).map_err(|_| Error::CaptureValue {
+                    field: decl.name,
+                    at,
+                    value,
+                    rule: "an i64 tensor's values must fit in i32",
+                })
+            })
+            .collect::<Result<_>>()?,
+    };
+    Ok(match decl.elem {
+        Ty::U32 => {
+            let words: Vec<u32> = words.into_iter().map(|w| w as u32).collect();
+            Tensor::<R>::from_slice(&words, t.shape(), t.device())?
+        }
+        _ => Tensor::<R>::from_slice(&words, t.shape(), t.device())?,
+    })
 }
 
 /// A learnable tensor of a variant (a `Var<R>` field), type-erased: the
@@ -250,7 +288,9 @@ impl<'a> Learnable<'a> {
 
 /// Check a tensor's shape and dtype against its declaration for `p`.
 pub fn check(decl: &TensorDecl, shape: &[usize], dtype: DType, p: &Problem) -> Result<()> {
-    if dtype != decl.dtype() {
+    // A `bool` tensor may come as numr's `Bool` or as `U8` (0 false).
+    let bytes = decl.given == Given::Bool && dtype == DType::U8;
+    if dtype != decl.dtype() && !bytes {
         return Err(Error::CaptureDType {
             field: decl.name,
             expected: decl.dtype(),
@@ -694,6 +734,7 @@ mod tests {
         const DECLS: &[TensorDecl] = &[TensorDecl {
             name: "doc",
             elem: Ty::I32,
+            given: Given::Elem,
             dims: &[DimDecl::Size(Size::B), DimDecl::Size(Size::Sk)],
         }];
         const CHECKS: &[ReadCheck] = &[ReadCheck {

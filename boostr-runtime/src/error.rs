@@ -182,6 +182,19 @@ pub enum Error {
         /// The tensor's.
         got: DType,
     },
+    /// An element of a captured tensor the kernels cannot hold (an `i64`
+    /// tensor's value outside i32).
+    #[error("captured tensor `{field}` holds {value} at element {at}; {rule}")]
+    CaptureValue {
+        /// The field.
+        field: &'static str,
+        /// The element's linear position.
+        at: usize,
+        /// Its value.
+        value: i64,
+        /// What the value must satisfy.
+        rule: &'static str,
+    },
     /// A captured tensor's shape does not match its declaration.
     #[error("captured tensor `{field}` must have shape {expected} (as declared), got {got:?}")]
     CaptureShape {

@@ -51,6 +51,8 @@ pub struct Param {
 pub struct TensorAttr {
     /// The element type, if it is one the language reads.
     pub elem: Option<Scalar>,
+    /// What the caller passes (`bool`, `i64`: converted to `elem`).
+    pub given: crate::ir::Given,
     /// The element type's token, for errors.
     pub elem_span: Span,
     /// The declared dimensions, outermost first.

@@ -54,12 +54,17 @@ pub fn check(spec: &ast::Spec, diags: &mut Diagnostics) -> Checked {
                 .push((p.name.clone(), FieldRef::Tensor(fields.tensors.len())));
             let elem = t.elem.expect("checked above");
             let learnable = crate::parse::is_var(&p.ty);
-            if learnable && elem != Ty::F32 {
+            if learnable && (elem != Ty::F32 || t.given != crate::ir::Given::Elem) {
+                let declared = match t.given {
+                    crate::ir::Given::Bool => "bool".to_string(),
+                    crate::ir::Given::I64 => "i64".to_string(),
+                    crate::ir::Given::Elem => elem.to_string(),
+                };
                 diags.error(
                     t.elem_span,
                     format!(
                         "learnable tensor `{}` (a `Var`) must hold f32 to have a gradient, \
-                         declared {elem}; pass a `Tensor` to read it without one",
+                         declared {declared}; pass a `Tensor` to read it without one",
                         p.name
                     ),
                 );
@@ -67,6 +72,7 @@ pub fn check(spec: &ast::Spec, diags: &mut Diagnostics) -> Checked {
             fields.tensors.push(TensorDecl {
                 name: p.name.to_string(),
                 elem,
+                given: t.given,
                 dims: t.dims.clone(),
                 learnable,
             });
@@ -501,6 +507,10 @@ impl<'a> Checker<'a> {
                 kind: ExprKind::Param(index),
                 ty: self.fields.params[index].ty,
             }),
+            // A tensor of no dimensions is one value.
+            Some(FieldRef::Tensor(t)) if self.fields.tensors[t].dims.is_empty() => {
+                self.read(name, t, Vec::new())
+            }
             Some(FieldRef::Tensor(t)) => {
                 let decl = &self.fields.tensors[t];
                 self.diags.error_spanned(
@@ -551,16 +561,8 @@ impl<'a> Checker<'a> {
         };
         let decl = &self.fields.tensors[tensor];
         if decl.learnable && self.roles == MASK_ARGS {
-            // `mask(b, h, q, kv)`: boolean, so no gradient reaches its reads.
-            self.diags.error_spanned(
-                name,
-                format!(
-                    "learnable tensor `{name}` (a `Var`) is read in `mask`, which is boolean and \
-                     carries no gradient; read it in `score` or `sink`, or capture a read-only \
-                     `Tensor` for the mask"
-                ),
-            );
-            return None;
+            // Reported by `read`, before the indices.
+            return self.read(name, tensor, Vec::new());
         }
         let mut checked = Vec::with_capacity(indices.len());
         let mut ok = true;
@@ -594,16 +596,46 @@ impl<'a> Checker<'a> {
         if !ok {
             return None;
         }
+        self.read(name, tensor, checked)
+    }
+
+    /// A read of captured tensor `tensor` at `indices` (one per dimension,
+    /// checked), numbered; a `bool` tensor's (held as u32) is `!= 0`.
+    fn read(&mut self, name: &syn::Ident, tensor: usize, indices: Vec<Expr>) -> Option<Expr> {
+        let decl = &self.fields.tensors[tensor];
+        if decl.learnable && self.roles == MASK_ARGS {
+            // `mask(b, h, q, kv)`: boolean, so no gradient reaches its reads.
+            self.diags.error_spanned(
+                name,
+                format!(
+                    "learnable tensor `{name}` (a `Var`) is read in `mask`, which is boolean and \
+                     carries no gradient; read it in `score` or `sink`, or capture a read-only \
+                     `Tensor` for the mask"
+                ),
+            );
+            return None;
+        }
         let site = *self.sites;
         *self.sites += 1;
-        Some(Expr {
+        let read = Expr {
             ty: decl.elem,
             kind: ExprKind::Read(Read {
                 tensor,
-                checks: vec![IndexCheck::BOTH; checked.len()],
-                indices: checked,
+                checks: vec![IndexCheck::BOTH; indices.len()],
+                indices,
                 site,
             }),
+        };
+        if decl.given != crate::ir::Given::Bool {
+            return Some(read);
+        }
+        let zero = Expr {
+            ty: Ty::U32,
+            kind: ExprKind::Const(crate::ir::Const::Int(0)),
+        };
+        Some(Expr {
+            ty: Ty::Bool,
+            kind: ExprKind::Binary(BinOp::Ne, Box::new(read), Box::new(zero)),
         })
     }
 

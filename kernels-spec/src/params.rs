@@ -517,6 +517,7 @@ mod tests {
         let doc = TensorDecl {
             name: "doc".into(),
             elem: Ty::I32,
+            given: crate::ir::Given::Elem,
             dims: vec![DimDecl::Any, DimDecl::Fixed(3)],
             learnable: false,
         };

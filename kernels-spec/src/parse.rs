@@ -194,6 +194,7 @@ pub(crate) fn is_var(ty: &syn::Type) -> bool {
 fn parse_tensor_attr(attr: &syn::Attribute, diags: &mut Diagnostics) -> Option<TensorAttr> {
     Some(tensor_attr(attr, diags).unwrap_or(TensorAttr {
         elem: None,
+        given: crate::ir::Given::Elem,
         elem_span: attr.span(),
         dims: Vec::new(),
         span: attr.span(),
@@ -225,23 +226,29 @@ fn tensor_attr(attr: &syn::Attribute, diags: &mut Diagnostics) -> Option<TensorA
             return None;
         }
     };
-    let scalar = match elem.to_string().as_str() {
-        "i32" => Some(Scalar::I32),
-        "u32" => Some(Scalar::U32),
-        "f32" => Some(Scalar::F32),
+    use crate::ir::Given;
+    let (scalar, given) = match elem.to_string().as_str() {
+        "i32" => (Some(Scalar::I32), Given::Elem),
+        "u32" => (Some(Scalar::U32), Given::Elem),
+        "f32" => (Some(Scalar::F32), Given::Elem),
+        "bool" => (Some(Scalar::U32), Given::Bool),
+        "i64" => (Some(Scalar::I32), Given::I64),
         _ => {
             diags.error_spanned(
                 &elem,
-                format!("unsupported tensor element type `{elem}`; captured tensors hold i32, u32 or f32"),
+                format!(
+                    "unsupported tensor element type `{elem}`; captured tensors hold i32, u32, \
+                     f32, bool or i64"
+                ),
             );
-            None
+            (None, Given::Elem)
         }
     };
-    if dims.is_empty() || dims.len() > 4 {
+    if dims.len() > 4 {
         diags.error(
             bracket.span.join(),
             format!(
-                "a captured tensor has 1 to 4 dimensions, this declares {}",
+                "a captured tensor has 0 to 4 dimensions, this declares {}",
                 dims.len()
             ),
         );
@@ -289,6 +296,7 @@ fn tensor_attr(attr: &syn::Attribute, diags: &mut Diagnostics) -> Option<TensorA
     }
     Some(TensorAttr {
         elem: scalar,
+        given,
         elem_span: elem.span(),
         dims: out,
         span: attr.span(),

@@ -181,6 +181,27 @@ impl<'a, R: Runtime<DType = DType>> TestData<'a, R> {
         Var::new(t, true)
     }
 
+    /// A `bool` tensor (numr's `DType::Bool`) of `shape`, each element
+    /// true with probability `p_true`.
+    pub fn bools(&mut self, shape: &[usize], p_true: f64) -> Tensor<R>
+    where
+        R: Runtime<DType = numr::dtype::DType>,
+    {
+        let n = shape.iter().product();
+        let bytes: Vec<u8> = (0..n)
+            .map(|_| u8::from(self.rng.uniform() < p_true))
+            .collect();
+        Tensor::<R>::from_bytes(&bytes, shape, numr::dtype::DType::Bool, self.device)
+            .unwrap_or_else(|e| panic!("boostr: test data of shape {shape:?}: {e}"))
+    }
+
+    /// An `i64` tensor of `shape`, uniform in `lo ..= hi`.
+    pub fn i64s(&mut self, shape: &[usize], lo: i64, hi: i64) -> Tensor<R> {
+        let n = shape.iter().product();
+        let values: Vec<i64> = (0..n).map(|_| self.int(lo, hi)).collect();
+        self.tensor(&values, shape)
+    }
+
     /// An `i32` tensor of `shape`, uniform in `lo ..= hi`.
     pub fn i32s(&mut self, shape: &[usize], lo: i32, hi: i32) -> Tensor<R> {
         let n = shape.iter().product();

@@ -611,13 +611,31 @@ pub struct ParamDecl {
 pub struct TensorDecl {
     /// Field name.
     pub name: String,
-    /// Element type (`i32`, `u32` or `f32`).
+    /// Element type the kernels hold (`i32`, `u32` or `f32`).
     pub elem: Ty,
-    /// The declared shape, outermost first (1 to 4 dimensions).
+    /// What the caller passes, where it differs from `elem`.
+    pub given: Given,
+    /// The declared shape, outermost first (0 to 4 dimensions; none: one
+    /// value, read as `self.field`).
     pub dims: Vec<DimDecl>,
     /// A learnable tensor: the field is a `Var<R>` (of `f32`), whose reads
     /// in `score` and `sink` get gradients.
     pub learnable: bool,
+}
+
+/// What a captured tensor's caller passes, where the kernels hold another
+/// element type (PyTorch's masks as data and index tensors).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Given {
+    /// The element type itself.
+    #[default]
+    Elem,
+    /// `bool` (numr's `DType::Bool`): held as a u32 0 or 1, and a read is
+    /// a `bool`.
+    Bool,
+    /// `i64`: held as i32, every value checked to fit at each call; a read
+    /// is an `i32`.
+    I64,
 }
 
 /// A read of a learnable tensor in `score` or `sink`: what the backward

@@ -229,3 +229,82 @@ fn floored_division_and_trigonometry_follow_python() {
 pub struct ScoreMask {
     pub ahead: i32,
 }
+
+/// Captured data as PyTorch code holds it: a boolean mask as data, an
+/// `i64` index tensor and a 0-d scalar tensor, each passed as it is.
+#[attention(
+    score = |s, _b, h, _q, kv| s * self.temperature + 0.25 * (self.bucket[h][kv] as f32),
+    mask = |b, _h, q, kv| kv <= q && (self.keep[b][kv] || kv == q),
+    tests = [|data| TorchData {
+        keep: data.bools(&[data.batch(), data.seq_k()], 0.7),
+        bucket: data.i64s(&[data.heads_q(), data.seq_k()], -3, 3),
+        temperature: data.f32s(&[], 0.5, 1.5),
+    }],
+)]
+#[derive(Clone, Debug)]
+pub struct TorchData<R: numr::runtime::Runtime> {
+    #[tensor(bool, [B, Sk])]
+    pub keep: numr::tensor::Tensor<R>,
+    #[tensor(i64, [Hq, Sk])]
+    pub bucket: numr::tensor::Tensor<R>,
+    #[tensor(f32, [])]
+    pub temperature: numr::tensor::Tensor<R>,
+}
+
+/// A `bool` tensor may come as numr's `U8` too; an `i64` value outside
+/// i32 is an error naming the field and the element, never a wrapped
+/// index.
+#[test]
+fn bool_and_i64_tensors_convert_or_fail_clearly() {
+    use boostr_runtime::testing::CpuRuntime;
+    use boostr_runtime::{AttentionOptions, Error, attention_fwd};
+    use numr::dtype::DType;
+    use numr::runtime::cpu::CpuDevice;
+    use numr::tensor::Tensor;
+    let device = CpuDevice::new();
+    let (b, h, s, d) = (1, 2, 5, 8);
+    let x = |seed: f32, n: usize| -> Vec<f32> { (0..n).map(|i| (i as f32 * seed).sin()).collect() };
+    let t = |v: &[f32]| Tensor::<CpuRuntime>::from_slice(v, &[b, h, s, d], &device).unwrap();
+    let (q, k, v) = (
+        t(&x(0.3, b * h * s * d)),
+        t(&x(0.7, b * h * s * d)),
+        t(&x(1.1, b * h * s * d)),
+    );
+    let keep = |dtype| {
+        Tensor::<CpuRuntime>::from_bytes(&[1, 0, 1, 1, 0], &[b, s], dtype, &device).unwrap()
+    };
+    let bucket = |top: i64| {
+        let mut values = vec![0i64; h * s];
+        values[7] = top;
+        Tensor::<CpuRuntime>::from_slice(&values, &[h, s], &device).unwrap()
+    };
+    let temperature = Tensor::<CpuRuntime>::from_slice(&[0.5f32], &[], &device).unwrap();
+    let opts = AttentionOptions::default();
+    let run = |keep, bucket| {
+        let variant = TorchData {
+            keep,
+            bucket,
+            temperature: temperature.clone(),
+        };
+        attention_fwd(&variant, &q, &k, &v, &opts)
+    };
+    let (out_bool, _) = run(keep(DType::Bool), bucket(3)).unwrap();
+    let (out_u8, _) = run(keep(DType::U8), bucket(3)).unwrap();
+    assert_eq!(out_bool.to_vec::<f32>(), out_u8.to_vec::<f32>());
+    match run(keep(DType::Bool), bucket(1 << 40)) {
+        Err(Error::CaptureValue {
+            field, at, value, ..
+        }) => {
+            assert_eq!((field, at, value), ("bucket", 7, 1 << 40));
+        }
+        other => panic!("expected a CaptureValue error, got {other:?}"),
+    }
+    match run(keep(DType::I32), bucket(3)) {
+        Err(Error::CaptureDType {
+            field, expected, ..
+        }) => {
+            assert_eq!((field, expected), ("keep", DType::Bool));
+        }
+        other => panic!("expected a CaptureDType error, got {other:?}"),
+    }
+}

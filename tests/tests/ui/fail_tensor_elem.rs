@@ -5,7 +5,7 @@ use numr::tensor::Tensor;
 #[attention(mask = |b, _h, _q, kv| self.len[b] > kv)]
 #[derive(Clone, Debug)]
 struct Elem<R: Runtime> {
-    #[tensor(i64, [B])]
+    #[tensor(f64, [B])]
     len: Tensor<R>,
 }
 

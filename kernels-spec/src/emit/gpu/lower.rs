@@ -349,7 +349,8 @@ impl Lowering<'_> {
                 ),
             });
         }
-        lin.expect("a tensor has a dimension")
+        // A tensor of no dimensions holds one element.
+        lin.unwrap_or(Expr::Lit(Literal::U32(0)))
     }
 
     fn expr(&mut self, e: &ir::Expr, guard: &Expr) -> Expr {
