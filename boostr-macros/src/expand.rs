@@ -85,6 +85,7 @@ fn host_methods(program: &Program) -> TokenStream {
     let identity = program.score_is_identity;
     let has_mask = program.has_mask;
     let grad_is_one = program.score_grad_is_one;
+    let grad_given = program.score_grad_given;
     let weights = weights(program.weights);
     let checked = |f: &Function| {
         let mut found = false;
@@ -106,6 +107,7 @@ fn host_methods(program: &Program) -> TokenStream {
         const SCORE_IS_IDENTITY: bool = #identity;
         const HAS_MASK: bool = #has_mask;
         const SCORE_GRAD_IS_ONE: bool = #grad_is_one;
+        const SCORE_GRAD_GIVEN: bool = #grad_given;
         const WEIGHTS: ::boostr_runtime::Weights = #weights;
         const SCORE_CHECKS_READS: bool = #score_checks;
         #score

@@ -123,6 +123,7 @@ where
     const SCORE_IS_IDENTITY: bool = <I::Target as HostVariant>::SCORE_IS_IDENTITY;
     const HAS_MASK: bool = W::HIDES_KEYS || <I::Target as HostVariant>::HAS_MASK;
     const SCORE_GRAD_IS_ONE: bool = <I::Target as HostVariant>::SCORE_GRAD_IS_ONE;
+    const SCORE_GRAD_GIVEN: bool = <I::Target as HostVariant>::SCORE_GRAD_GIVEN;
     const WEIGHTS: Weights = <I::Target as HostVariant>::WEIGHTS;
     const SCORE_CHECKS_READS: bool = <I::Target as HostVariant>::SCORE_CHECKS_READS;
     const LEARNABLE: usize = <I::Target as HostVariant>::LEARNABLE;

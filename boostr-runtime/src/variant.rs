@@ -170,6 +170,11 @@ pub trait HostVariant: Send + Sync {
     /// do not depend on it: a bias, ALiBi): a backward multiplies nothing
     /// by it.
     const SCORE_GRAD_IS_ONE: bool = Self::SCORE_IS_IDENTITY;
+    /// `score_grad` is the variant's own (`score_grad = |..| ..`): the
+    /// backward multiplies `dS` by it rather than by the derivative of
+    /// `score`, and the reference's finite-difference check leaves dq and
+    /// dk (which it alone changes) out.
+    const SCORE_GRAD_GIVEN: bool = false;
     /// How each row's scores become weights ([`Weights`]): a softmax (the
     /// default) or sigmoid weights, with or without a sink (one more logit
     /// in every query row's softmax, carrying no value; without one,

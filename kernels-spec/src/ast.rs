@@ -19,6 +19,9 @@ pub struct Spec {
     pub runtime: Option<syn::Ident>,
     /// `score = |s, b, h, q, kv| ...`, if given.
     pub score: Option<Closure>,
+    /// `score_grad = |s, b, h, q, kv| ...`, if given: `d score / d s`
+    /// in place of the derived one.
+    pub score_grad: Option<Closure>,
     /// `mask = |b, h, q, kv| ...`, if given.
     pub mask: Option<Closure>,
     /// `sink = |b, h, q| ...`, if given.

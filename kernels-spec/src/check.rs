@@ -28,6 +28,8 @@ pub struct Checked {
     pub layout: ParamLayout,
     /// The score function, if declared.
     pub score: Option<Function>,
+    /// `d score / d s`, if declared (else derived from `score`).
+    pub score_grad: Option<Function>,
     /// The mask function, if declared.
     pub mask: Option<Function>,
     /// The sink function, if declared.
@@ -133,6 +135,18 @@ pub fn check(spec: &ast::Spec, diags: &mut Diagnostics) -> Checked {
         let args = [Arg::S, Arg::B, Arg::H, Arg::Q, Arg::Kv];
         Checker::new(&fields, c, &args, &mut sites, diags).function("score", Ty::F32)
     });
+    let score_grad = spec.score_grad.as_ref().and_then(|c| {
+        if spec.score.is_none() {
+            diags.error(
+                c.span,
+                "`score_grad` overrides the derivative of `score`, and no `score` is declared \
+                 (the identity's derivative is 1)",
+            );
+            return None;
+        }
+        let args = [Arg::S, Arg::B, Arg::H, Arg::Q, Arg::Kv];
+        Checker::new(&fields, c, &args, &mut sites, diags).function("score_grad", Ty::F32)
+    });
     let mask = spec.mask.as_ref().and_then(|c| {
         Checker::new(&fields, c, &MASK_ARGS, &mut sites, diags).function("mask", Ty::Bool)
     });
@@ -161,6 +175,7 @@ pub fn check(spec: &ast::Spec, diags: &mut Diagnostics) -> Checked {
         tensors: fields.tensors,
         layout,
         score,
+        score_grad,
         mask,
         sink,
         dropout,

@@ -107,7 +107,9 @@ pub fn summary(program: &ir::Program) -> String {
             joined
         }
     };
-    let derivative = if program.score_is_identity {
+    let derivative = if program.score_grad_given {
+        format!("{} (declared)", one_line(&program.score_grad))
+    } else if program.score_is_identity {
         "1 (score is the identity)".to_string()
     } else {
         one_line(&program.score_grad)

@@ -27,6 +27,7 @@ pub fn parse_spec(attr: TokenStream, item: &syn::ItemStruct, diags: &mut Diagnos
         score: None,
         mask: None,
         sink: None,
+        score_grad: None,
         dropout: None,
         normalize: None,
         tile: None,
@@ -319,13 +320,24 @@ fn parse_meta(meta: &Meta, spec: &mut Spec, diags: &mut Diagnostics) {
         );
         return;
     };
-    if key == symbol::SCORE || key == symbol::MASK || key == symbol::SINK {
+    if key == symbol::SCORE
+        || key == symbol::SCORE_GRAD
+        || key == symbol::MASK
+        || key == symbol::SINK
+    {
         let Meta::NameValue(nv) = meta else {
             diags.error_spanned(meta, format!("expected `{key} = |...| expression`"));
             return;
         };
         let (arity, slot, signature, symbol) = if key == symbol::SCORE {
             (5, &mut spec.score, "|s, b, h, q, kv|", symbol::SCORE)
+        } else if key == symbol::SCORE_GRAD {
+            (
+                5,
+                &mut spec.score_grad,
+                "|s, b, h, q, kv|",
+                symbol::SCORE_GRAD,
+            )
         } else if key == symbol::MASK {
             (4, &mut spec.mask, "|b, h, q, kv|", symbol::MASK)
         } else {

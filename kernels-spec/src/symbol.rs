@@ -9,6 +9,8 @@ pub struct Symbol(pub &'static str);
 
 /// `score = |s, b, h, q, kv| ...`
 pub const SCORE: Symbol = Symbol("score");
+/// `score_grad = |s, b, h, q, kv| ...`
+pub const SCORE_GRAD: Symbol = Symbol("score_grad");
 /// `mask = |b, h, q, kv| ...`
 pub const MASK: Symbol = Symbol("mask");
 /// `sink = |b, h, q| ...`
@@ -34,7 +36,8 @@ pub const TILE_KV: Symbol = Symbol("kv");
 pub const TENSOR: Symbol = Symbol("tensor");
 
 /// Every attribute keyword, for "expected one of" messages.
-pub const ATTRIBUTE_KEYS: &str = "`score`, `mask`, `sink`, `dropout`, `normalize`, `tile`, `tests`";
+pub const ATTRIBUTE_KEYS: &str =
+    "`score`, `score_grad`, `mask`, `sink`, `dropout`, `normalize`, `tile`, `tests`";
 
 impl PartialEq<Symbol> for syn::Ident {
     fn eq(&self, word: &Symbol) -> bool {

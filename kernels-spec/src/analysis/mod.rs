@@ -65,7 +65,14 @@ pub fn analyze(name: &str, checked: Checked, tile: Option<TileOverride>) -> Prog
         ret: Ty::F32,
         body: Expr::float(0.0),
     });
-    let score_grad = derivative::score_grad(&score);
+    let score_grad_given = checked.score_grad.is_some();
+    let score_grad = match checked.score_grad {
+        Some(f) => Function {
+            body: prove(f.body),
+            ..f
+        },
+        None => derivative::score_grad(&score),
+    };
     let (classify, summaries) = tiles::classifier(has_mask.then_some(&mask), &checked.params);
     let tile = tile.unwrap_or_default();
     let learnable: Vec<usize> = (0..tensors.len())
@@ -76,6 +83,7 @@ pub fn analyze(name: &str, checked: Checked, tile: Option<TileOverride>) -> Prog
         name: name.to_string(),
         score_is_identity: score.body.kind == ExprKind::Arg(Arg::S),
         score_grad_is_one: score_grad.body.is_float(1.0),
+        score_grad_given,
         has_mask,
         weights: Weights {
             normalize: checked.normalize,

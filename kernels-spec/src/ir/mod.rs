@@ -799,6 +799,10 @@ pub struct Program {
     /// not depend on it (a bias, ALiBi), so a backward multiplies nothing
     /// by it.
     pub score_grad_is_one: bool,
+    /// `score_grad` is the variant's own (`score_grad = |..| ..`), not the
+    /// derivative of `score`: a straight-through or clamped gradient,
+    /// which finite differences of `score` need not match.
+    pub score_grad_given: bool,
     /// A mask was given.
     pub has_mask: bool,
     /// How each row's scores become weights: `normalize = ..`, the sink

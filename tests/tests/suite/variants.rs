@@ -308,3 +308,38 @@ fn bool_and_i64_tensors_convert_or_fail_clearly() {
         other => panic!("expected a CaptureDType error, got {other:?}"),
     }
 }
+
+/// A gradient of the user's own in place of the derivative of `score`: a
+/// hard clamp whose gradient passes straight through (`leak = 0`) or fades
+/// past the cap (the derivative of `score` is 0 there). Continuous in `s`,
+/// so that a logit's rounding cannot flip it.
+#[attention(
+    score = |s, _b, _h, _q, _kv| clamp(s, -self.cap, self.cap),
+    score_grad = |s, _b, h, _q, _kv| {
+        (1.0 + 0.1 * h as f32) / (1.0 + self.leak * max(abs(s) - self.cap, 0.0))
+    },
+    mask = |_b, _h, q, kv| kv <= q,
+    tests = [StraightThrough { cap: 0.5, leak: 0.0 }, StraightThrough { cap: 1.0, leak: 0.25 }],
+)]
+#[derive(Clone, Debug)]
+pub struct StraightThrough {
+    pub cap: f32,
+    pub leak: f32,
+}
+
+/// The declared derivative is what the backward multiplies by, not the
+/// derivative of `score` (which is 0 past the cap).
+#[test]
+fn a_declared_score_grad_replaces_the_derived_one() {
+    use boostr_runtime::HostVariant;
+    let v = StraightThrough {
+        cap: 0.5,
+        leak: 0.25,
+    };
+    assert!(<StraightThrough as HostVariant>::SCORE_GRAD_GIVEN);
+    assert_eq!(v.score(3.0, 0, 1, 4, 2), 0.5);
+    assert!((v.score_grad(3.0, 0, 1, 4, 2) - 1.1 / 1.625).abs() < 1e-6);
+    assert!((v.score_grad(0.2, 0, 1, 4, 2) - 1.1).abs() < 1e-6);
+    let summary = <StraightThrough as boostr_runtime::Variant>::compiled().summary;
+    assert!(summary.contains("(declared)"), "{summary}");
+}
