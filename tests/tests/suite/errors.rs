@@ -36,8 +36,11 @@ fn rank_must_be_four() {
 #[test]
 fn batch_heads_lengths_and_dims_must_agree() {
     type Shape = &'static [usize];
-    let cases: [(Shape, Shape, Shape, &str); 4] = [
-        (&[2, 2, 3, 8], &[1, 2, 3, 8], &[1, 2, 3, 8], "batch"),
+    // (k and v of batch 1 with q of batch 2 are keys shared by the batch;
+    // k of one alone is not.)
+    let cases: [(Shape, Shape, Shape, &str); 5] = [
+        (&[2, 2, 3, 8], &[3, 2, 3, 8], &[3, 2, 3, 8], "batch"),
+        (&[2, 2, 3, 8], &[1, 2, 3, 8], &[2, 2, 3, 8], "batch"),
         (&[1, 2, 3, 8], &[1, 2, 3, 8], &[1, 1, 3, 8], "heads"),
         (
             &[1, 2, 3, 8],
