@@ -343,3 +343,21 @@ fn a_declared_score_grad_replaces_the_derived_one() {
     let summary = <StraightThrough as boostr_runtime::Variant>::compiled().summary;
     assert!(summary.contains("(declared)"), "{summary}");
 }
+
+/// Hand-given block sparsity, as FlexAttention's `BlockMask` carries it: a
+/// `[B, Hq, query blocks, key blocks]` map of the blocks to compute, read in
+/// the mask (each block `block` positions on a side), with a rule of the
+/// variant's own inside the blocks kept.
+#[attention(
+    mask = |b, h, q, kv| kv <= q && self.blocks[b][h][q / self.block][kv / self.block],
+    tests = [|data| {
+        let n = data.seq_k().div_ceil(16);
+        BlockSparse { block: 16, blocks: data.bools(&[data.batch(), data.heads_q(), n, n], 0.6) }
+    }],
+)]
+#[derive(Clone, Debug)]
+pub struct BlockSparse<R: numr::runtime::Runtime> {
+    pub block: i32,
+    #[tensor(bool, [B, Hq, _, _])]
+    pub blocks: numr::tensor::Tensor<R>,
+}
