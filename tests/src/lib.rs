@@ -18,6 +18,11 @@ pub struct Variants;
 #[doc = include_str!("../../docs/api.md")]
 pub struct Api;
 
+/// `docs/porting.md`.
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/porting.md")]
+pub struct Porting;
+
 /// `docs/ring.md`.
 #[cfg(doctest)]
 #[doc = include_str!("../../docs/ring.md")]
