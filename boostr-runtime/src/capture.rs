@@ -210,7 +210,7 @@ impl<'a> Capture<'a> {
 }
 
 /// A checked captured tensor in the element type the kernels hold: `bool`
-/// as u32 0 or 1, `i64` as i32 (a value outside i32 is an error), each
+/// as i32 0 or 1, `i64` as i32 (a value outside i32 is an error), each
 /// converted on the host; any other as it is.
 fn held<R: Runtime<DType = DType>>(decl: &TensorDecl, t: Tensor<R>) -> Result<Tensor<R>> {
     let words: Vec<i32> = match decl.given {

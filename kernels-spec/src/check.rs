@@ -615,7 +615,8 @@ impl<'a> Checker<'a> {
     }
 
     /// A read of captured tensor `tensor` at `indices` (one per dimension,
-    /// checked), numbered; a `bool` tensor's (held as u32) is `!= 0`.
+    /// checked), numbered; a `bool` tensor's (held as i32, which the tile
+    /// classifier bounds) is `!= 0`.
     fn read(&mut self, name: &syn::Ident, tensor: usize, indices: Vec<Expr>) -> Option<Expr> {
         let decl = &self.fields.tensors[tensor];
         if decl.learnable && self.roles == MASK_ARGS {
@@ -645,7 +646,7 @@ impl<'a> Checker<'a> {
             return Some(read);
         }
         let zero = Expr {
-            ty: Ty::U32,
+            ty: Ty::I32,
             kind: ExprKind::Const(crate::ir::Const::Int(0)),
         };
         Some(Expr {

@@ -232,7 +232,7 @@ fn tensor_attr(attr: &syn::Attribute, diags: &mut Diagnostics) -> Option<TensorA
         "i32" => (Some(Scalar::I32), Given::Elem),
         "u32" => (Some(Scalar::U32), Given::Elem),
         "f32" => (Some(Scalar::F32), Given::Elem),
-        "bool" => (Some(Scalar::U32), Given::Bool),
+        "bool" => (Some(Scalar::I32), Given::Bool),
         "i64" => (Some(Scalar::I32), Given::I64),
         _ => {
             diags.error_spanned(

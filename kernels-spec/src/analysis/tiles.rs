@@ -251,10 +251,24 @@ impl Interval<'_> {
         let varying: Vec<usize> = (0..ints.len())
             .filter(|&a| ints[a].0 != ints[a].1)
             .collect();
-        let axis = match varying[..] {
-            [] => None,
-            [a] => Some(a),
-            _ => return full_int(),
+        // Several indices that run over the tile (a block map read at `q /
+        // block` and `kv / block`): where each holds one value over this
+        // tile (blocks at least a tile), the element itself; where all but
+        // the last do, bounded along the last; else unbounded.
+        let (axis, single) = match varying[..] {
+            [] => (None, None),
+            [a] => (Some(a), None),
+            [.., last] => {
+                let same = |a: usize| eq(ints[a].0.clone(), ints[a].1.clone());
+                let others = varying[..varying.len() - 1]
+                    .iter()
+                    .map(|&a| same(a))
+                    .reduce(and)
+                    .expect("two or more");
+                let (others, point) = (self.share(others), same(last));
+                let point = self.share(point);
+                (Some(last), Some((others, point)))
+            }
         };
         if let Some(a) = axis
             && !self.summaries.contains(&(r.tensor, a))
@@ -273,7 +287,26 @@ impl Interval<'_> {
             }),
             ty: Ty::I32,
         };
-        let (lo, hi) = (bound(false), bound(true));
+        let element = |max: bool| Expr {
+            kind: ExprKind::ReadRange(ReadRange {
+                tensor: r.tensor,
+                axis: None,
+                indices: los.clone(),
+                hi: Box::new(los[0].clone()),
+                max,
+            }),
+            ty: Ty::I32,
+        };
+        let (lo, hi) = match single {
+            None => (bound(false), bound(true)),
+            Some((others, point)) => {
+                let at = |max: bool, unbounded: i32| {
+                    let along = select(point.clone(), element(max), bound(max));
+                    select(others.clone(), along, Expr::i32(unbounded))
+                };
+                (at(false, i32::MIN), at(true, i32::MAX))
+            }
+        };
         self.int(lo, hi, (I32_MIN, I32_MAX))
     }
 

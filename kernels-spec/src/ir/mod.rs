@@ -630,8 +630,8 @@ pub enum Given {
     /// The element type itself.
     #[default]
     Elem,
-    /// `bool` (numr's `DType::Bool`): held as a u32 0 or 1, and a read is
-    /// a `bool`.
+    /// `bool` (numr's `DType::Bool`, or `U8`): held as an i32 0 or 1 (so
+    /// that the tile classifier bounds it), and a read is a `bool`.
     Bool,
     /// `i64`: held as i32, every value checked to fit at each call; a read
     /// is an `i32`.

@@ -350,14 +350,60 @@ fn a_declared_score_grad_replaces_the_derived_one() {
 /// variant's own inside the blocks kept.
 #[attention(
     mask = |b, h, q, kv| kv <= q && self.blocks[b][h][q / self.block][kv / self.block],
-    tests = [|data| {
-        let n = data.seq_k().div_ceil(16);
-        BlockSparse { block: 16, blocks: data.bools(&[data.batch(), data.heads_q(), n, n], 0.6) }
-    }],
+    tests = [
+        |data| {
+            let n = data.seq_k().div_ceil(16);
+            BlockSparse { block: 16, blocks: data.bools(&[data.batch(), data.heads_q(), n, n], 0.6) }
+        },
+        |data| {
+            let n = data.seq_k().div_ceil(64);
+            BlockSparse { block: 64, blocks: data.bools(&[data.batch(), data.heads_q(), n, n], 0.5) }
+        },
+    ],
 )]
 #[derive(Clone, Debug)]
 pub struct BlockSparse<R: numr::runtime::Runtime> {
     pub block: i32,
     #[tensor(bool, [B, Hq, _, _])]
     pub blocks: numr::tensor::Tensor<R>,
+}
+
+/// The classifier reads a block map's element wherever a tile lies within
+/// one block (blocks at least a tile, as FlexAttention's 128), so whole
+/// tiles of false blocks are skipped; a tile across blocks is bounded by
+/// the map's summaries, or stays `Partial` (never wrong).
+#[test]
+fn a_block_map_skips_the_tiles_of_its_false_blocks() {
+    use boostr_runtime::testing::CpuRuntime;
+    use boostr_runtime::{HostVariant, Problem, TileClass, Variant};
+    use numr::dtype::DType;
+    use numr::runtime::cpu::CpuDevice;
+    use numr::tensor::Tensor;
+    // 4 × 4 blocks of 32: the diagonal, and query block 3 against key block 0.
+    let mut map = [0u8; 16];
+    for qb in 0..4 {
+        map[qb * 4 + qb] = 1;
+    }
+    map[3 * 4] = 1;
+    let blocks =
+        Tensor::<CpuRuntime>::from_bytes(&map, &[1, 1, 4, 4], DType::Bool, &CpuDevice::new())
+            .unwrap();
+    let v = BlockSparse { block: 32, blocks };
+    let host = v.host(&Problem::new(1, (1, 1), (128, 128), 16)).unwrap();
+    let tile = |q: (i32, i32), kv: (i32, i32)| host.classify_tile(0, 0, q.0, q.1, kv.0, kv.1);
+    assert_eq!(tile((64, 95), (0, 31)), TileClass::Empty);
+    assert_eq!(tile((96, 127), (0, 31)), TileClass::Full);
+    assert_eq!(tile((96, 127), (32, 63)), TileClass::Empty);
+    assert_ne!(tile((96, 127), (32, 95)), TileClass::Full);
+    assert_eq!(tile((32, 63), (32, 63)), TileClass::Partial);
+    assert_eq!(tile((64, 127), (0, 31)), TileClass::Partial);
+    // Pair by pair, the map and the causal rule.
+    for (q, kv, seen) in [
+        (100, 5, true),
+        (70, 5, false),
+        (40, 33, true),
+        (40, 50, false),
+    ] {
+        assert_eq!(host.mask(0, 0, q, kv), seen, "q {q}, kv {kv}");
+    }
 }
