@@ -129,9 +129,12 @@ fn attn_bwd_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocati
         // The sink's probability joins the normalisation (its dP is 0).
         let sink = variant_sink(t.ib, t.ih, r.qp, r.live);
         let p_sink = select(exp(sink - r.lse), 0.0f, bx_is_neg_inf(sink) || bx_is_neg_inf(r.lse));
-        var dl = 0.0f;
-        if sums.x + p_sink > 0.0f { dl = sums.y / (sums.x + p_sink); }
-        rows[r.row] = vec4<f32>(sums, r.lse, dl - dlse);
+        // dlse over the same sum: the row's dS then adds up to dlse times
+        // its weights' share (1 less the sink's) in f32 as well, whatever
+        // the rounding of the lse the weights were recomputed from.
+        var dl = -dlse;
+        if sums.x + p_sink > 0.0f { dl = (sums.y - dlse) / (sums.x + p_sink); }
+        rows[r.row] = vec4<f32>(sums, r.lse, dl);
     }
 }
 
