@@ -34,7 +34,8 @@ use boostr_runtime::stock::{
     T5Bias,
 };
 use boostr_runtime::testing::{
-    CpuRuntime, Rng, TestData, reference_backward, reference_forward, seen_keys,
+    CpuRuntime, Rng, TestData, reference_backward, reference_backward_lse, reference_forward,
+    seen_keys,
 };
 use boostr_runtime::{HostVariant, ParamWords, Problem, Target, Variant};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
@@ -798,6 +799,11 @@ int main(int argc, char** argv) {
     for (auto* t : {&k, &v})
         if (off) t->insert(t->begin(), (kv_t)0);
     std::vector<float> lse(nr), delta(nr);
+    {
+        // The backward's pre-pass adds each row's rowsum(dO ∘ O) to -dlse.
+        const auto dlse = read_f32s(path("dlse").c_str());
+        for (size_t i = 0; i < nr && i < dlse.size(); ++i) delta[i] = -dlse[i];
+    }
     auto captures = read_words(path("captures").c_str());
     // The summaries, then the launches of every kernel, written from their
     // descriptions.
@@ -868,11 +874,12 @@ fn relative_error(name: &str, got: &[f32], want: &[f64]) -> Result<f64, String> 
     Ok(err / if max > 0.0 { max } else { 1.0 })
 }
 
-/// The f64 reference of one case: `(problem, [q, k, v, dout])` →
-/// `[out, lse, dq, dk, dv]`, the learnable tensors' gradients, and the
-/// field of a read out of range, if the reference made one.
+/// The f64 reference of one case: `(problem, [q, k, v, dout, dlse])` →
+/// `[out, lse, dq, dk, dv]` (of a loss that reads out and lse), the
+/// learnable tensors' gradients, and the field of a read out of range, if
+/// the reference made one.
 type Reference = Box<
-    dyn Fn(&Problem, [&[f64]; 4]) -> ([Vec<f64>; 5], Vec<Vec<f64>>, Option<&'static str>)
+    dyn Fn(&Problem, [&[f64]; 5]) -> ([Vec<f64>; 5], Vec<Vec<f64>>, Option<&'static str>)
         + Send
         + Sync,
 >;
@@ -981,9 +988,9 @@ where
         splits: 1,
         jobs,
         hidden,
-        reference: Box::new(move |p, [q, k, v, dout]| {
+        reference: Box::new(move |p, [q, k, v, dout, dlse]| {
             let f = reference_forward::<f64, _>(&host, p, q, k, v);
-            let g = reference_backward::<f64, _>(&host, p, q, k, v, dout);
+            let g = reference_backward_lse::<f64, _>(&host, p, [q, k, v], (dout, dlse));
             let oob = host.out_of_range().map(|e| match e {
                 boostr_runtime::Error::IndexOutOfRange { field, .. } => field,
                 _ => "?",
@@ -1494,6 +1501,13 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
     for (name, data) in &inputs {
         write_f32(&dir.join(name), data);
     }
+    // d loss / d lse: drawn for a dense call (a cache's reference is the
+    // CPU's backward of out alone).
+    let dlse = match &case.cache {
+        Some(_) => vec![0.0; p.lse_len()],
+        None => rng.normal_f32(p.lse_len(), 1.0),
+    };
+    write_f32(&dir.join("dlse"), &dlse);
     if let Some(c) = &case.fp8 {
         let write = |name: &str, bytes: &[u8]| {
             std::fs::write(dir.join(name), bytes).map_err(|e| format!("{tag}: {e}"))
@@ -1582,8 +1596,11 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
         return Ok(line);
     }
     let rounded = ["q", "k", "v", "dout"].map(rounded);
-    let (want, want_tensors, oob) =
-        (case.reference)(p, [&rounded[0], &rounded[1], &rounded[2], &rounded[3]]);
+    let dlse: Vec<f64> = dlse.iter().map(|&x| f64::from(x)).collect();
+    let (want, want_tensors, oob) = (case.reference)(
+        p,
+        [&rounded[0], &rounded[1], &rounded[2], &rounded[3], &dlse],
+    );
     let record: Vec<u32> = std::fs::read(dir.join("record"))
         .map_err(|e| format!("{tag}: {e}"))?
         .chunks_exact(4)
