@@ -29,6 +29,11 @@ pub trait TestBackend {
     fn cases() -> &'static [Case] {
         CASES
     }
+    /// The kernels read a broadcast (zero-stride) batch of keys in place,
+    /// each kernel its own way: keys shared by a batch are checked on
+    /// every case of batch ≥ 2, not only on the first (a backend that
+    /// copies them runs one code path for them).
+    const READS_STRIDED: bool = false;
 }
 
 /// numr's CPU runtime.
@@ -38,6 +43,7 @@ pub struct Cpu;
 impl TestBackend for Cpu {
     type Runtime = CpuRuntime;
     const NAME: &'static str = "cpu";
+    const READS_STRIDED: bool = true;
     fn device() -> Option<CpuDevice> {
         Some(CpuDevice::new())
     }
