@@ -34,8 +34,7 @@ use boostr_runtime::stock::{
     T5Bias,
 };
 use boostr_runtime::testing::{
-    CpuRuntime, Rng, TestData, reference_backward, reference_backward_lse, reference_forward,
-    seen_keys,
+    CpuRuntime, Rng, TestData, reference_backward_lse, reference_forward, seen_keys,
 };
 use boostr_runtime::{HostVariant, ParamWords, Problem, Target, Variant};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
