@@ -25,11 +25,18 @@ pub(super) fn backward_with<V: Variant, R: AttentionRuntime>(
 where
     R::Client: RingOps<R>,
 {
-    let ring = Ring::start(variant, [q, k, v], comm, opts, Pass::Backward, wanted)?;
-    let p = &ring.local;
-    validate::shape_of("out", out, &p.out_shape())?;
-    validate::shape_of("dout", dout, &p.out_shape())?;
-    validate::shape_of("lse", lse, &p.lse_shape())?;
+    // `out`, `dout` and `lse` are this rank's inputs too: checked before
+    // the header, so that a bad one fails every rank at once.
+    let more = |p: &crate::problem::Problem| {
+        validate::shape_of("out", out, &p.out_shape())?;
+        validate::shape_of("dout", dout, &p.out_shape())?;
+        validate::shape_of("lse", lse, &p.lse_shape())?;
+        let like_q = [q.dtype()];
+        validate::check_dtype("out", out, R::name(), &like_q, "q's dtype")?;
+        validate::check_dtype("dout", dout, R::name(), &like_q, "q's dtype")?;
+        validate::check_dtype("lse", lse, R::name(), &[DType::F32], "f32")
+    };
+    let ring = Ring::start(variant, [q, k, v], comm, opts, Pass::Backward, wanted, more)?;
     backward(&ring, [dout, q, k, v, out, lse], wanted)
 }
 

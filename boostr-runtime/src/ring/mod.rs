@@ -191,7 +191,10 @@ struct Ring<'v, V: Variant> {
 }
 
 impl<'v, V: Variant> Ring<'v, V> {
-    /// Validate this rank's inputs and agree on the call with the others.
+    /// Validate this rank's inputs (`q, k, v`, then `more` of the pass's
+    /// own against the rank's problem) and agree on the call with the
+    /// others: a rank whose inputs are bad fails every rank at once.
+    #[allow(clippy::too_many_arguments)]
     fn start<R: AttentionRuntime>(
         variant: &'v V,
         [q, k, v]: [&Tensor<R>; 3],
@@ -199,6 +202,7 @@ impl<'v, V: Variant> Ring<'v, V> {
         opts: &RingOptions,
         pass: Pass,
         wanted: &[bool],
+        more: impl FnOnce(&Problem) -> Result<()>,
     ) -> Result<Self> {
         if !R::GLOBAL_POSITIONS {
             return Err(Error::LayoutUnsupported {
@@ -223,7 +227,8 @@ impl<'v, V: Variant> Ring<'v, V> {
         // The header first: a rank whose own inputs are bad still joins
         // it (with zeros), so that every rank fails together.
         let local = validate::problem(q, k, v, opts.attention.scale)
-            .and_then(|p| validate::call(variant, p, &opts.attention));
+            .and_then(|p| validate::call(variant, p, &opts.attention))
+            .and_then(|p| more(&p).map(|()| p));
         let local_ok = local.as_ref().ok();
         let header = header(variant, local_ok, q.dtype(), opts, pass, wanted);
         let agreed = link.agree::<R>(&header, q.device());
@@ -441,7 +446,9 @@ pub fn ring_attention<V: Variant, R: AttentionRuntime>(
 where
     R::Client: RingOps<R>,
 {
-    let ring = Ring::start(variant, [q, k, v], comm, opts, Pass::Forward, &[])?;
+    let ring = Ring::start(variant, [q, k, v], comm, opts, Pass::Forward, &[], |_| {
+        Ok(())
+    })?;
     forward::forward(&ring, q, k, v)
 }
 

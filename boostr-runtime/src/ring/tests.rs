@@ -671,3 +671,52 @@ fn bf16_shards_match_one_device_in_bf16() {
     close("dv", &gather(|r| &r.grads.dv), &want.dv);
     assert_close("lse", &gather(|r| &r.lse), &lse, &format!("seed {seed}"));
 }
+
+/// A rank whose backward inputs are bad (`dout` narrowed by 4 columns, an
+/// lse of another dtype) fails every rank at once: the header covers
+/// `out`, `dout` and `lse`, so the others never wait for its blocks.
+#[test]
+fn a_bad_backward_input_on_one_rank_fails_every_rank_at_once() {
+    let world = 3;
+    let (_, _, x) = inputs(23, world);
+    // A timeout far above the test's bound: waiting for it would fail.
+    let opts = options(Shards::Contiguous, Schedule::Ring).with_timeout(Duration::from_secs(60));
+    let bad_inputs: [(&str, fn(T, T) -> Result<(T, T)>); 2] = [
+        ("dout", |dout, lse| {
+            let cols = dout.shape()[3];
+            Ok((dout.narrow(3, 0, cols - 4)?.contiguous()?, lse))
+        }),
+        ("lse", |dout, lse| {
+            Ok((dout, lse.to_dtype(numr::dtype::DType::F64)?))
+        }),
+    ];
+    for (field, spoil) in bad_inputs {
+        let started = std::time::Instant::now();
+        let errors = errors_of(world, Duration::from_secs(60), |rank, comm| {
+            let [q, k, v, dout] = x.shard(opts.shards, rank, world)?;
+            let (out, lse) = ring_attention(&Causal, &q, &k, &v, comm, &opts)?;
+            let (dout, lse) = if rank == 2 {
+                spoil(dout, lse)?
+            } else {
+                (dout, lse)
+            };
+            ring_attention_bwd(&Causal, &dout, &q, &k, &v, &out, &lse, comm, &opts).map(drop)
+        });
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{field}: {:?}",
+            started.elapsed()
+        );
+        for (rank, e) in errors.iter().enumerate() {
+            let want = if rank == 2 {
+                field
+            } else {
+                "whether their own inputs are valid"
+            };
+            assert!(
+                e.contains(want),
+                "{field}, rank {rank}: {e} (wanted {want})"
+            );
+        }
+    }
+}
