@@ -681,7 +681,9 @@ fn a_bad_backward_input_on_one_rank_fails_every_rank_at_once() {
     let (_, _, x) = inputs(23, world);
     // A timeout far above the test's bound: waiting for it would fail.
     let opts = options(Shards::Contiguous, Schedule::Ring).with_timeout(Duration::from_secs(60));
-    let bad_inputs: [(&str, fn(T, T) -> Result<(T, T)>); 2] = [
+    /// `(dout, lse)` made bad.
+    type Spoil = fn(T, T) -> Result<(T, T)>;
+    let bad_inputs: [(&str, Spoil); 2] = [
         ("dout", |dout, lse| {
             let cols = dout.shape()[3];
             Ok((dout.narrow(3, 0, cols - 4)?.contiguous()?, lse))
