@@ -91,20 +91,7 @@ pub(crate) fn run_backend<R: TestBackend, V: Variant>(
     );
     let (out_v, lse_v) = var_attention_lse(variant, &qv, &kv, &vv, opts)
         .map_err(|e| format!("var_attention_lse: {e}"))?;
-    let dout_v = Var::new(dt.clone(), false);
-    // L = sum(out ∘ dout) + sum(lse ∘ dlse). (Its value is no number
-    // where a row sees nothing, lse = −inf; the backward reads only its
-    // gradients, and such a row's dlse must change nothing.)
-    let loss = var_mul(&out_v, &dout_v, &client)
-        .and_then(|prod| var_sum(&prod, &[0, 1, 2, 3], false, &client))
-        .and_then(|l_out| {
-            let l_lse = var_mul(&lse_v, &Var::new(dlse.clone(), false), &client)?;
-            var_add(
-                &l_out,
-                &var_sum(&l_lse, &[0, 1, 2], false, &client)?,
-                &client,
-            )
-        })
+    let loss = out_and_lse_loss(&client, (&out_v, &lse_v), (&dt, &dlse))
         .map_err(|e| format!("building L = sum(out * dout) + sum(lse * dlse): {e}"))?;
     let grads = backward(&loss, &client).map_err(|e| format!("autograd backward: {e}"))?;
     let grad = |name: &str, var: &Var<R::Runtime>| {
@@ -143,6 +130,33 @@ pub(crate) fn run_backend<R: TestBackend, V: Variant>(
             var_grads,
         },
     ))
+}
+
+/// `L = sum(out ∘ dout) + sum(lse ∘ dlse)`, whose gradients with respect
+/// to `out` and `lse` are `dout` and `dlse`. (Its value is no number where
+/// a row sees nothing, lse = −inf; a backward reads only its gradients, and
+/// such a row's dlse must change nothing.)
+pub(crate) fn out_and_lse_loss<R: Runtime<DType = numr::dtype::DType>>(
+    client: &R::Client,
+    (out, lse): (&Var<R>, &Var<R>),
+    (dout, dlse): (&Tensor<R>, &Tensor<R>),
+) -> numr::error::Result<Var<R>>
+where
+    R::Client: numr::ops::TensorOps<R>,
+{
+    let l_out = var_sum(
+        &var_mul(out, &Var::new(dout.clone(), false), client)?,
+        &[0, 1, 2, 3],
+        false,
+        client,
+    )?;
+    let l_lse = var_sum(
+        &var_mul(lse, &Var::new(dlse.clone(), false), client)?,
+        &[0, 1, 2],
+        false,
+        client,
+    )?;
+    var_add(&l_out, &l_lse, client)
 }
 
 /// The ops of a call whose tensor reads go out of range (the reference

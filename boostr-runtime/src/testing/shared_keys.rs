@@ -4,9 +4,10 @@
 use super::backends::TestBackend;
 use super::cases::Case;
 use super::inputs::Inputs;
+use super::run_backend::out_and_lse_loss;
 use crate::op::{attention_bwd_lse, attention_fwd, var_attention_lse};
 use crate::variant::Variant;
-use numr::autograd::{Var, backward, var_add, var_mul, var_sum};
+use numr::autograd::{Var, backward};
 use numr::runtime::Runtime;
 use numr::tensor::Tensor;
 
@@ -128,17 +129,8 @@ pub(crate) fn check_shared_keys<R: TestBackend, V: Variant>(
         );
         let (out_v, lse_v) =
             var_attention_lse(variant, &qv, &kv, &vv, opts).map_err(|e| e.to_string())?;
-        let loss = var_mul(&out_v, &Var::new(dt.clone(), false), &client)
-            .and_then(|x| var_sum(&x, &[0, 1, 2, 3], false, &client))
-            .and_then(|l_out| {
-                let l_lse = var_mul(&lse_v, &Var::new(dlse.clone(), false), &client)?;
-                var_add(
-                    &l_out,
-                    &var_sum(&l_lse, &[0, 1, 2], false, &client)?,
-                    &client,
-                )
-            })
-            .map_err(|e| e.to_string())?;
+        let loss =
+            out_and_lse_loss(&client, (&out_v, &lse_v), (&dt, &dlse)).map_err(|e| e.to_string())?;
         let grads = backward(&loss, &client).map_err(|e| e.to_string())?;
         for (what, var, want) in [("dk", &kv, &g_s.dk), ("dv", &vv, &g_s.dv)] {
             match grads.get(var.id()) {
