@@ -16,11 +16,14 @@ use numr::tensor::Tensor;
 /// runtimes are: a variant generic over its runtime derives `Debug`, which
 /// then holds for every `R: AttentionRuntime`.)
 pub trait AttentionRuntime: Runtime<DType = DType> + std::fmt::Debug {
-    /// The kernels take every position from the variant's host functions
-    /// (the CPU's do), so a call can be a window of a longer sequence at
-    /// global positions: what [`ring_attention`](crate::ring_attention)
-    /// runs. The GPU kernels place positions from the start of each call.
-    const GLOBAL_POSITIONS: bool = false;
+    /// Whether `comm` reads and writes this runtime's tensors where they
+    /// are: the CPU's with any communicator, CUDA's with NCCL. Where it
+    /// does not (wgpu's, or CUDA's over a host communicator), ring
+    /// attention stages its traffic through host memory.
+    fn communicator_reads_tensors(comm: &dyn numr::runtime::Communicator) -> bool {
+        let _ = comm;
+        false
+    }
 
     /// Run the forward kernel on validated inputs, its keys laid out as
     /// `keys.layout` says (every backend runs every layout); returns `(out,

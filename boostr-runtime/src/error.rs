@@ -118,14 +118,6 @@ pub enum Error {
         /// The pages there are.
         pages: usize,
     },
-    /// The backend has no kernel for this key/value layout.
-    #[error("the {backend} backend does not run {layout} yet; run the call on the CPU")]
-    LayoutUnsupported {
-        /// The backend.
-        backend: &'static str,
-        /// The layout.
-        layout: &'static str,
-    },
     /// `Hq` is not a multiple of `Hkv`.
     #[error("query heads must be a multiple of kv heads (GQA): Hq = {heads_q}, Hkv = {heads_kv}")]
     Heads {

@@ -165,10 +165,12 @@ impl<R: Runtime<DType = DType>> ArenaPlan<R> {
         p: &Problem,
         layout: &KeyLayout<'_, R>,
     ) -> Result<Self> {
+        // A window of a longer sequence reads tensors that span all of it.
+        let captured = variant.window().captured(p);
         let tensors = variant
             .captures()
             .iter()
-            .map(|c| c.on::<R>(p))
+            .map(|c| c.on::<R>(&captured))
             .collect::<Result<Vec<_>>>()?;
         let shapes: Vec<&[usize]> = tensors.iter().map(|t| t.shape()).collect();
         let arena = Arena::new(&shapes, V::SUMMARIES, V::LEARNABLE);
@@ -182,7 +184,7 @@ impl<R: Runtime<DType = DType>> ArenaPlan<R> {
         let jobs = (0..V::SUMMARIES.len())
             .map(|s| arena.job(s, &shapes, V::SUMMARIES))
             .collect();
-        let report = !capture::checks_hold(V::READ_CHECKS, p, &shapes);
+        let report = !capture::checks_hold(V::READ_CHECKS, &captured, &shapes);
         // The lengths, then the page table, after the arena's words.
         let mut words = arena.words;
         let mut cache = Vec::new();
@@ -443,14 +445,18 @@ pub(crate) fn sizes(p: &Problem) -> Sizes {
     split_sizes(p, 1)
 }
 
-/// The parameter block of a call: the variant's fields, and, for a
-/// variant with `dropout`, the call's draw in the block's last words
-/// ([`kernels_spec::dropout::Word`]).
+/// The parameter block of a call: the variant's fields; for a variant
+/// with `dropout`, the call's draw in the fields' last words
+/// ([`kernels_spec::dropout::Word`]); and where the call sits in the
+/// variant's sequence ([`kernels_spec::params::WindowWord`]).
 pub(crate) fn param_words<V: crate::Variant>(
     variant: &V,
     p: &Problem,
 ) -> kernels_spec::params::ParamWords {
-    let mut words = variant.param_words();
+    let window = variant.window();
+    let mut words = variant
+        .param_words()
+        .with_window(window.q_shift, window.kv_shift, window.sink);
     if <V::Host as crate::HostVariant>::WEIGHTS.dropout {
         let at = kernels_spec::dropout::Word::Threshold.index();
         words.0[at..at + kernels_spec::dropout::DROPOUT_WORDS].copy_from_slice(&p.dropout.words());

@@ -148,6 +148,58 @@ pub trait Variant: Clone + Debug + Send + Sync + 'static {
     fn param_words(&self) -> ParamWords {
         ParamWords::ZERO
     }
+
+    /// Where this variant's calls sit in its sequence: the whole of it
+    /// ([`CallWindow::WHOLE`]), but for the variant of one call of a ring
+    /// (a window of a longer sequence), which the GPU backends pass on to
+    /// the kernels. Not for implementing: the default is every variant's.
+    #[doc(hidden)]
+    fn window(&self) -> CallWindow {
+        CallWindow::WHOLE
+    }
+
+    /// The type whose compiled kernels this variant's calls launch (the
+    /// GPU backends' cache key): its own, but for a ring call's, which runs
+    /// its variant's kernels. Not for implementing.
+    #[doc(hidden)]
+    fn kernels() -> std::any::TypeId {
+        std::any::TypeId::of::<Self>()
+    }
+}
+
+/// Where a call sits in the variant's sequence, as the GPU kernels take
+/// it (the parameter block's window, `kernels_spec::params::WindowWord`):
+/// the shifts from the positions the kernels count (query row `i` at `i +
+/// Sk − Sq`, key `j` at `j`) to the variant's, whether the call's rows
+/// carry the sink, and the problem its captured tensors are checked
+/// against.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CallWindow {
+    /// What the variant's query positions are ahead of the call's.
+    pub q_shift: i32,
+    /// What the variant's key positions are ahead of the call's.
+    pub kv_shift: i32,
+    /// The call's rows carry the variant's sink.
+    pub sink: bool,
+    /// The whole sequence's problem, which the captured tensors span;
+    /// `None`: the call's own.
+    pub whole: Option<Problem>,
+}
+
+impl CallWindow {
+    /// A call that is its whole sequence.
+    pub const WHOLE: CallWindow = CallWindow {
+        q_shift: 0,
+        kv_shift: 0,
+        sink: true,
+        whole: None,
+    };
+
+    /// The problem the captured tensors of call `p` are checked against.
+    pub fn captured(&self, p: &Problem) -> Problem {
+        self.whole.unwrap_or(*p)
+    }
 }
 
 /// A variant's functions, as the CPU kernels and the f64 reference evaluate

@@ -29,7 +29,7 @@
 //! layers, say).
 //!
 //! On the GPU the call's state travels in the last [`DROPOUT_WORDS`] words
-//! of the parameter block ([`Word`]); the CPU kernels and the test kit's
+//! of the parameter block's fields ([`Word`]); the CPU kernels and the test kit's
 //! reference implement the same draw independently.
 
 pub use crate::params::DROPOUT_WORDS;
@@ -45,8 +45,8 @@ pub const W1: u32 = 0xBB67_AE85;
 /// Rounds.
 pub const ROUNDS: usize = 10;
 
-/// The call's state in the parameter block: word `PARAM_WORDS −
-/// DROPOUT_WORDS + w as usize`.
+/// The call's state in the parameter block: word `FIELD_WORDS −
+/// DROPOUT_WORDS + w as usize` (just before the call's window).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Word {
     /// `threshold(p)`: a pair whose draw is below it is dropped.
@@ -84,7 +84,7 @@ impl Word {
 
     /// Its index in the block.
     pub const fn index(self) -> usize {
-        crate::params::PARAM_WORDS - DROPOUT_WORDS + self as usize
+        crate::params::FIELD_WORDS - DROPOUT_WORDS + self as usize
     }
 }
 
@@ -141,9 +141,10 @@ pub fn cuda_helpers(dropout: bool) -> String {
          __device__ __forceinline__ uint4 bx_philox(uint4 c, uint2 k) {{\n{rounds}    return c;\n}}\n\
          __device__ __forceinline__ float variant_dropout(const Params& params, int b, int h, int q, int kv) {{\n    \
          if (params.{t} == 0u) return 1.0f;\n    \
-         const uint4 r = bx_philox(make_uint4((unsigned)kv >> 2, (unsigned)q, ((unsigned)b << 16) | (unsigned)h, params.{off}),\n                              \
+         const unsigned qg = (unsigned)(q + params.{wq}), kg = (unsigned)(kv + params.{wkv}); // the window's positions\n    \
+         const uint4 r = bx_philox(make_uint4(kg >> 2, qg, ((unsigned)b << 16) | (unsigned)h, params.{off}),\n                              \
          make_uint2(params.{lo}, params.{hi}));\n    \
-         const unsigned j = (unsigned)kv & 3u;\n    \
+         const unsigned j = kg & 3u;\n    \
          const unsigned w = j == 0u ? r.x : j == 1u ? r.y : j == 2u ? r.z : r.w;\n    \
          return w >= params.{t} ? __int_as_float((int)params.{s}) : 0.0f;\n}}\n",
         off = Word::Offset.member(),
@@ -151,6 +152,8 @@ pub fn cuda_helpers(dropout: bool) -> String {
         hi = Word::SeedHi.member(),
         t = Word::Threshold.member(),
         s = Word::Scale.member(),
+        wq = crate::params::WindowWord::Q.member(),
+        wkv = crate::params::WindowWord::Kv.member(),
     )
 }
 
@@ -183,15 +186,19 @@ pub fn wgsl_helpers(dropout: bool) -> String {
          var c = c0;\n    var k = k0;\n{rounds}    return c;\n}}\n\
          fn variant_dropout(b: i32, h: i32, q: i32, kv: i32) -> f32 {{\n    \
          if (params.{t} == 0u) {{ return 1.0; }}\n    \
-         let r = bx_philox(vec4<u32>(u32(kv) >> 2u, u32(q), (u32(b) << 16u) | u32(h), params.{off}),\n                      \
+         let qg = u32(q + params.{wq}); // the window's positions\n    \
+         let kg = u32(kv + params.{wkv});\n    \
+         let r = bx_philox(vec4<u32>(kg >> 2u, qg, (u32(b) << 16u) | u32(h), params.{off}),\n                      \
          vec2<u32>(params.{lo}, params.{hi}));\n    \
-         let w = r[u32(kv) & 3u];\n    \
+         let w = r[kg & 3u];\n    \
          return select(0.0, bitcast<f32>(params.{s}), w >= params.{t});\n}}\n",
         off = Word::Offset.member(),
         lo = Word::SeedLo.member(),
         hi = Word::SeedHi.member(),
         t = Word::Threshold.member(),
         s = Word::Scale.member(),
+        wq = crate::params::WindowWord::Q.member(),
+        wkv = crate::params::WindowWord::Kv.member(),
     )
 }
 
@@ -217,7 +224,7 @@ mod tests {
     fn the_words_are_in_block_order() {
         let w = words(0.5, 0x0123_4567_89AB_CDEF, 7).unwrap();
         assert_eq!(w, [1 << 31, 2.0f32.to_bits(), 0x89AB_CDEF, 0x0123_4567, 7]);
-        assert_eq!(Word::Offset.index(), crate::params::PARAM_WORDS - 1);
+        assert_eq!(Word::Offset.index(), crate::params::FIELD_WORDS - 1);
         for (i, w) in Word::ALL.iter().enumerate() {
             assert_eq!(*w as usize, i);
         }

@@ -4,7 +4,9 @@
 //! Every GPU kernel of every variant takes the same fixed-size block of
 //! [`PARAM_WORDS`] 32-bit words (a by-value `Params` struct in CUDA, a
 //! uniform buffer in WGSL), so a new parameter value never recompiles a
-//! kernel and every variant's kernels share one signature. The
+//! kernel and every variant's kernels share one signature. The fields take
+//! the first [`FIELD_WORDS`]; the last [`WINDOW_WORDS`] say where the call
+//! sits in its sequence ([`WindowWord`]). The
 //! [`ParamLayout`] says which words hold which field; it is built once, by
 //! [`check`](crate::check), and read by every emitter (to declare the
 //! struct), by the macro (to pack a value into [`ParamWords`]) and by the
@@ -44,13 +46,76 @@
 use crate::ir::{ParamDecl, TensorDecl, Ty};
 use std::fmt;
 
-/// 32-bit words in the parameter block of every kernel.
-pub const PARAM_WORDS: usize = 32;
+/// 32-bit words in the parameter block of every kernel: the fields'
+/// [`FIELD_WORDS`], then the call's window ([`WINDOW_WORDS`]).
+pub const PARAM_WORDS: usize = FIELD_WORDS + WINDOW_WORDS;
 
-/// Words at the end of the block that a variant with `dropout` reserves
-/// for each call's generator state ([`crate::dropout::Word`]); its fields
-/// have the words before them.
+/// Words the variant's fields may take (less [`DROPOUT_WORDS`] for a
+/// variant with `dropout`).
+pub const FIELD_WORDS: usize = 32;
+
+/// Words at the end of the fields' part of the block that a variant with
+/// `dropout` reserves for each call's generator state
+/// ([`crate::dropout::Word`]); its fields have the words before them.
 pub const DROPOUT_WORDS: usize = 5;
+
+/// Words at the very end of every block: where the call sits in its
+/// sequence ([`WindowWord`]). All zero for a call that is its whole
+/// sequence.
+pub const WINDOW_WORDS: usize = 4;
+
+/// The call's window in the parameter block: word `FIELD_WORDS + w as
+/// usize`. A call is a window of a longer sequence (one step of ring
+/// attention): the kernels count positions from the start of the call
+/// (query row `i` at `i + Sk − Sq`, key `j` at `j`), and every variant
+/// function (`score`, `mask`, `sink`, the tile classifier, the reads of
+/// learnable tensors, the dropout draw) adds the window's shifts to the
+/// positions it is given, so it sees the whole sequence's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WindowWord {
+    /// What the variant's query positions are ahead of the call's (`i32`).
+    Q = 0,
+    /// What the variant's key positions are ahead of the call's (`i32`).
+    Kv = 1,
+    /// 1: the call's rows do not carry the variant's sink (a ring adds it
+    /// to each row in one call only); 0: they do.
+    NoSink = 2,
+    /// Zero: the block stays a whole number of 16-byte rows.
+    Spare = 3,
+}
+
+impl WindowWord {
+    /// Every word, in block order.
+    pub const ALL: [WindowWord; WINDOW_WORDS] = [
+        WindowWord::Q,
+        WindowWord::Kv,
+        WindowWord::NoSink,
+        WindowWord::Spare,
+    ];
+
+    /// The member's name in the kernels' `Params` struct.
+    pub const fn member(self) -> &'static str {
+        match self {
+            WindowWord::Q => "win_q",
+            WindowWord::Kv => "win_kv",
+            WindowWord::NoSink => "win_no_sink",
+            WindowWord::Spare => "win_spare",
+        }
+    }
+
+    /// The member's type: `i32` for the shifts, `u32` otherwise.
+    pub const fn ty(self) -> Ty {
+        match self {
+            WindowWord::Q | WindowWord::Kv => Ty::I32,
+            _ => Ty::U32,
+        }
+    }
+
+    /// Its index in the block.
+    pub const fn index(self) -> usize {
+        FIELD_WORDS + self as usize
+    }
+}
 
 /// Words at the start of the capture arena that record the first read out
 /// of range: `[site + 1, index 0, index 1, index 2, index 3, 0, 0, 0]`
@@ -112,6 +177,15 @@ pub struct ParamWords(pub [u32; PARAM_WORDS]);
 impl ParamWords {
     /// All words zero: the block of a variant without fields.
     pub const ZERO: ParamWords = ParamWords([0; PARAM_WORDS]);
+
+    /// These words with the call's window: positions shifted by `q` and
+    /// `kv`, and the rows carrying the sink or not ([`WindowWord`]).
+    pub fn with_window(mut self, q: i32, kv: i32, sink: bool) -> ParamWords {
+        self.0[WindowWord::Q.index()] = q as u32;
+        self.0[WindowWord::Kv.index()] = kv as u32;
+        self.0[WindowWord::NoSink.index()] = u32::from(!sink);
+        self
+    }
 
     /// The words as little-endian bytes, as a uniform buffer holds them.
     pub fn to_le_bytes(&self) -> Vec<u8> {
@@ -267,7 +341,7 @@ pub struct ParamLayout {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Overflow {
     /// Index (in declaration order) of the first field that crosses
-    /// [`PARAM_WORDS`].
+    /// [`FIELD_WORDS`].
     pub field: usize,
     /// Words the fields up to and including it need.
     pub needed: usize,
@@ -278,7 +352,7 @@ impl fmt::Display for Overflow {
         write!(
             f,
             "the fields up to this one need {} parameter words; the kernels' parameter \
-             block holds {PARAM_WORDS} (one word per f32, i32, u32 or bool field, \
+             block holds {FIELD_WORDS} for fields (one word per f32, i32, u32 or bool field, \
              1 + 2·rank per tensor)",
             self.needed
         )
@@ -295,7 +369,7 @@ impl ParamLayout {
     /// [`new`](ParamLayout::new), with the last [`DROPOUT_WORDS`] words
     /// kept for the dropout state where `dropout` holds.
     pub fn with_dropout(fields: &[Field<'_>], dropout: bool) -> Result<ParamLayout, Overflow> {
-        let capacity = PARAM_WORDS - if dropout { DROPOUT_WORDS } else { 0 };
+        let capacity = FIELD_WORDS - if dropout { DROPOUT_WORDS } else { 0 };
         let mut slots = Vec::with_capacity(fields.len());
         let mut word = 0;
         for (field, f) in fields.iter().enumerate() {
@@ -315,7 +389,7 @@ impl ParamLayout {
             if needed > capacity {
                 return Err(Overflow {
                     field,
-                    needed: needed + PARAM_WORDS - capacity,
+                    needed: needed + FIELD_WORDS - capacity,
                 });
             }
             slots.push(slot);
@@ -357,10 +431,10 @@ impl ParamLayout {
         self.slots.last().map_or(0, |s| s.word + s.words())
     }
 
-    /// Zero words after the last field, up to [`PARAM_WORDS`] (or up to
+    /// Zero words after the last field, up to [`FIELD_WORDS`] (or up to
     /// the dropout state).
     pub fn padding_words(&self) -> usize {
-        PARAM_WORDS - self.used_words() - if self.dropout { DROPOUT_WORDS } else { 0 }
+        FIELD_WORDS - self.used_words() - if self.dropout { DROPOUT_WORDS } else { 0 }
     }
 }
 
@@ -550,19 +624,32 @@ mod tests {
     fn the_limit_is_exact() {
         let empty = ParamLayout::new(&[]).unwrap();
         assert_eq!((empty.used_words(), empty.padding_words()), (0, 32));
-        let d = decls(&[Ty::I32; PARAM_WORDS + 2]);
-        let full = ParamLayout::new(&scalars(&d[..PARAM_WORDS])).unwrap();
+        let d = decls(&[Ty::I32; FIELD_WORDS + 2]);
+        let full = ParamLayout::new(&scalars(&d[..FIELD_WORDS])).unwrap();
         assert_eq!(full.padding_words(), 0);
         let over = ParamLayout::new(&scalars(&d)).unwrap_err();
         assert_eq!(
             over,
             Overflow {
-                field: PARAM_WORDS,
-                needed: PARAM_WORDS + 1
+                field: FIELD_WORDS,
+                needed: FIELD_WORDS + 1
             }
         );
         assert!(over.to_string().contains("33 parameter words"), "{over}");
         assert!(over.to_string().contains("holds 32"), "{over}");
+    }
+
+    #[test]
+    fn the_window_ends_every_block() {
+        let words = ParamWords::ZERO.with_window(-3, 40, false);
+        assert_eq!(words.0[FIELD_WORDS..], [(-3i32) as u32, 40, 1, 0]);
+        assert!(words.0[..FIELD_WORDS].iter().all(|&w| w == 0));
+        let whole = ParamWords::ZERO.with_window(0, 0, true);
+        assert_eq!(whole, ParamWords::ZERO);
+        for (i, w) in WindowWord::ALL.iter().enumerate() {
+            assert_eq!(w.index(), FIELD_WORDS + i);
+        }
+        assert_eq!(PARAM_WORDS % 4, 0, "a whole number of 16-byte rows");
     }
 
     #[test]

@@ -118,7 +118,9 @@ fn a_masked_variant_section_contains_the_classifier() {
     );
     assert!(
         text.contains(
-            "fn variant_mask(b: i32, h: i32, q: i32, kv: i32) -> bool {\n    return ((kv + params.p_lag) <= q);\n}"
+            "fn variant_mask(b: i32, h: i32, q: i32, kv: i32) -> bool {\n    \
+             let l0: i32 = (q + params.win_q);\n    let l1: i32 = (kv + params.win_kv);\n    \
+             return ((l1 + params.p_lag) <= l0);\n}"
         ),
         "{text}"
     );
@@ -128,7 +130,7 @@ fn a_masked_variant_section_contains_the_classifier() {
 }
 
 #[test]
-fn params_block_is_32_words_and_bool_is_u32() {
+fn params_block_is_36_words_and_bool_is_u32() {
     let p = program(
         "#[attention(mask = |b, h, q, kv| self.on && kv <= q + self.w)] struct X { on: bool, w: i32 }",
     );
@@ -136,7 +138,8 @@ fn params_block_is_32_words_and_bool_is_u32() {
     assert!(
         text.contains(
             "struct Params {\n    p_on: u32,\n    p_w: i32,\n    pad_0: u32,\n    pad_1: u32,\n    \
-             pad: array<vec4<u32>, 7>,\n}"
+             pad: array<vec4<u32>, 7>,\n    win_q: i32,\n    win_kv: i32,\n    win_no_sink: u32,\n    \
+             win_spare: u32,\n}"
         ),
         "{text}"
     );
@@ -144,7 +147,7 @@ fn params_block_is_32_words_and_bool_is_u32() {
     let full = program("#[attention()] struct F;");
     assert!(
         variant_section::<Wgsl>(&full)
-            .contains("struct Params {\n    pad: array<vec4<u32>, 8>,\n}")
+            .contains("struct Params {\n    pad: array<vec4<u32>, 8>,\n    win_q: i32,\n")
     );
 }
 

@@ -287,7 +287,9 @@ impl AttentionRuntime for CpuRuntime {
         Ok(Self::default_client(t.device()).sum(t, &[0], true)?)
     }
 
-    const GLOBAL_POSITIONS: bool = true;
+    fn communicator_reads_tensors(_: &dyn numr::runtime::Communicator) -> bool {
+        true
+    }
 
     fn attention_forward<V: Variant>(
         variant: &V,

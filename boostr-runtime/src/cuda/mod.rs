@@ -168,7 +168,7 @@ fn compiled<V: Variant>(
         supported: CUDA_DTYPES,
     })?;
     let key = (
-        TypeId::of::<V>(),
+        V::kernels(),
         device,
         gpu::head_dims(p),
         cuda,
@@ -704,6 +704,12 @@ fn forward_splits(client: &CudaClient, p: &Problem, cfg: &CudaTiles) -> u32 {
 }
 
 impl AttentionRuntime for CudaRuntime {
+    /// NCCL moves device memory (it is the communicator that synchronises
+    /// with streams); a host communicator (nexar) does not.
+    fn communicator_reads_tensors(comm: &dyn numr::runtime::Communicator) -> bool {
+        comm.as_stream_sync().is_some()
+    }
+
     fn sum_batch(t: &Tensor<Self>) -> Result<Tensor<Self>> {
         use numr::ops::ReduceOps as _;
         Ok(Self::default_client(t.device()).sum(t, &[0], true)?)
@@ -810,5 +816,61 @@ mod tests {
         assert_eq!(name(kv_storage(F16, E4, E4, false)), "k");
         assert_eq!(name(kv_storage(F32, F16, F16, false)), "k");
         assert_eq!(name(kv_storage(F16, F16, BF16, false)), "v");
+    }
+
+    /// Ring attention on one GPU: ranks as threads over the in-process
+    /// communicator (a host communicator, so the blocks are staged),
+    /// against single-device attention on the same GPU; worlds 1 to 3,
+    /// both layouts. Needs a GPU (run by `bench/gpu.sh`).
+    mod ring {
+        use crate::Schedule;
+        use crate::ring::tests::{
+            a_failing_kernel_fails_every_rank_on, documents_on, each_layout_on, learnable_on,
+        };
+        use crate::stock::{AlibiSlopes, Causal, CausalSlidingWindowSinks};
+        use crate::testing::{Cuda, device_or_skip};
+        use numr::runtime::cuda::CudaRuntime;
+
+        #[test]
+        fn the_stock_families_match_one_device() {
+            let Some(device) = device_or_skip::<Cuda>("ring attention on CUDA") else {
+                return;
+            };
+            let run = |stream, worlds: &[usize]| {
+                each_layout_on::<_, CudaRuntime>(
+                    &device,
+                    stream,
+                    worlds,
+                    Schedule::Ring,
+                    |_, _, _| Causal,
+                )
+            };
+            run(40, &[1, 2, 3]);
+            each_layout_on::<_, CudaRuntime>(&device, 41, &[2, 3], Schedule::Ring, |_, w, d| {
+                documents_on::<CudaRuntime>(w, d)
+            });
+            each_layout_on::<_, CudaRuntime>(&device, 42, &[3], Schedule::Ring, |rng, _, d| {
+                AlibiSlopes {
+                    slopes: learnable_on::<CudaRuntime>(rng, 0.2, d),
+                }
+            });
+            each_layout_on::<_, CudaRuntime>(
+                &device,
+                43,
+                &[2],
+                Schedule::AllGather,
+                |rng, _, d| CausalSlidingWindowSinks {
+                    window: 3,
+                    sinks: learnable_on::<CudaRuntime>(rng, 1.0, d),
+                },
+            );
+        }
+
+        #[test]
+        fn a_failing_kernel_fails_every_rank() {
+            if let Some(device) = device_or_skip::<Cuda>("ring faults on CUDA") {
+                a_failing_kernel_fails_every_rank_on::<CudaRuntime>(&device);
+            }
+        }
     }
 }

@@ -9,10 +9,17 @@
 //! left behind with its buffers, so nothing it may still write is freed.
 //! After such an error the communicator's state is unknown and the group
 //! must be built again (as after an NCCL abort).
+//!
+//! A communicator that reads the runtime's tensors where they are (any
+//! with CPU tensors, NCCL with CUDA's: [`AttentionRuntime::communicator_reads_tensors`](crate::AttentionRuntime::communicator_reads_tensors))
+//! is handed them; for any other, every buffer is staged through host
+//! memory ([`Wire`]): device → host before a send, host → device after a
+//! receive.
 
 use crate::error::{Error, Result};
 use numr::dtype::DType;
-use numr::runtime::{Communicator, ReduceOp, Runtime};
+use numr::runtime::cpu::{CpuDevice, CpuRuntime};
+use numr::runtime::{Communicator, ReduceOp, Runtime, RuntimeClient};
 use numr::tensor::Tensor;
 use std::sync::Arc;
 use std::sync::mpsc;
@@ -25,6 +32,47 @@ pub(crate) struct Link {
     pub rank: usize,
     pub world: usize,
     pub timeout: Duration,
+    /// The communicator reads the runtime's tensors where they are; else
+    /// they are staged through host memory.
+    pub direct: bool,
+}
+
+/// A buffer as the communicator reads it: a contiguous tensor of the
+/// runtime, or (staged) a copy in host memory.
+pub(crate) enum Wire<R: Runtime> {
+    Tensor(Tensor<R>),
+    Host(Tensor<CpuRuntime>),
+}
+
+impl<R: Runtime<DType = DType>> Wire<R> {
+    fn ptr(&self) -> u64 {
+        match self {
+            Wire::Tensor(t) => t.ptr(),
+            Wire::Host(t) => t.ptr(),
+        }
+    }
+
+    fn numel(&self) -> usize {
+        match self {
+            Wire::Tensor(t) => t.numel(),
+            Wire::Host(t) => t.numel(),
+        }
+    }
+
+    fn dtype(&self) -> DType {
+        match self {
+            Wire::Tensor(t) => t.dtype(),
+            Wire::Host(t) => t.dtype(),
+        }
+    }
+
+    /// The buffer as a tensor of the runtime on `device`.
+    fn into_tensor(self, device: &R::Device) -> Result<Tensor<R>> {
+        Ok(match self {
+            Wire::Tensor(t) => t,
+            Wire::Host(t) => Tensor::<R>::from_bytes(&t.to_bytes()?, t.shape(), t.dtype(), device)?,
+        })
+    }
 }
 
 impl std::fmt::Debug for Link {
@@ -126,6 +174,44 @@ impl Link {
         (self.rank + self.world - 1) % self.world
     }
 
+    /// `t` as the communicator reads it: contiguous, copied to the host
+    /// where it is staged.
+    pub fn put<R: Runtime<DType = DType>>(&self, t: &Tensor<R>) -> Result<Wire<R>> {
+        let t = t.contiguous()?;
+        if self.direct {
+            // The communicator may read on a stream of its own: the
+            // kernels that wrote `t` finish first.
+            R::default_client(t.device()).synchronize();
+            return Ok(Wire::Tensor(t));
+        }
+        let host = Tensor::<CpuRuntime>::from_bytes(
+            &t.to_bytes()?,
+            t.shape(),
+            t.dtype(),
+            &CpuDevice::new(),
+        )?;
+        Ok(Wire::Host(host))
+    }
+
+    /// A buffer to receive `shape` elements of `dtype` into, where the
+    /// communicator writes.
+    pub fn slot<R: Runtime<DType = DType>>(
+        &self,
+        shape: &[usize],
+        dtype: DType,
+        device: &R::Device,
+    ) -> Result<Wire<R>> {
+        Ok(if self.direct {
+            Wire::Tensor(Tensor::<R>::empty(shape, dtype, device)?)
+        } else {
+            Wire::Host(Tensor::<CpuRuntime>::empty(
+                shape,
+                dtype,
+                &CpuDevice::new(),
+            )?)
+        })
+    }
+
     /// Start `f` on a helper thread.
     pub fn spawn<T: Send + 'static>(
         &self,
@@ -154,17 +240,23 @@ impl Link {
         device: &R::Device,
         tag: u32,
     ) -> Result<Pending<Vec<Tensor<R>>>> {
+        let send = x
+            .send
+            .iter()
+            .map(|t| self.put(t))
+            .collect::<Result<Vec<_>>>()?;
         let recv = x
             .recv
             .iter()
-            .map(|(shape, dtype)| Tensor::<R>::empty(shape, *dtype, device))
-            .collect::<numr::error::Result<Vec<_>>>()?;
+            .map(|(shape, dtype)| self.slot::<R>(shape, *dtype, device))
+            .collect::<Result<Vec<_>>>()?;
         let (next, prev, even) = (self.next(), self.prev(), self.rank.is_multiple_of(2));
+        let device = device.clone();
         Ok(self.spawn("the ring's exchange of blocks", move |comm| {
             let send_all = |comm: &dyn Communicator| -> Result<()> {
-                for (i, t) in x.send.iter().enumerate() {
-                    // SAFETY: `t` is a contiguous tensor on the
-                    // communicator's device, owned by this thread until
+                for (i, t) in send.iter().enumerate() {
+                    // SAFETY: `t` is a contiguous buffer where the
+                    // communicator reads, owned by this thread until
                     // `sync` below returns.
                     unsafe { comm.send(t.ptr(), t.numel(), t.dtype(), next, tag + i as u32)? };
                 }
@@ -186,12 +278,13 @@ impl Link {
                 send_all(comm)?;
             }
             comm.sync()?;
-            drop(x.send);
-            Ok(recv)
+            drop(send);
+            recv.into_iter().map(|t| t.into_tensor(&device)).collect()
         }))
     }
 
-    /// Every rank's `words`, in rank order (one all-gather).
+    /// Every rank's `words`, in rank order (one all-gather). Staged, they
+    /// never leave the host.
     pub fn gather_words<R: Runtime<DType = DType>>(
         &self,
         words: &[u64],
@@ -199,18 +292,19 @@ impl Link {
         what: &'static str,
     ) -> Result<Vec<Vec<u64>>> {
         let n = words.len();
-        let send = Tensor::<R>::from_slice(words, &[n], device)?;
-        let recv = Tensor::<R>::empty(&[self.world * n], DType::U64, device)?;
-        let gathered = self
-            .spawn(what, move |comm| {
-                // SAFETY: both tensors are contiguous, on the device, of
-                // `n` and `world · n` u64, and owned by this thread.
-                unsafe { comm.all_gather(send.ptr(), recv.ptr(), n, DType::U64)? };
-                comm.sync()?;
-                Ok(recv)
-            })
-            .wait(self)?;
-        let all: Vec<u64> = gathered.to_vec();
+        let send = if self.direct {
+            Wire::Tensor(Tensor::<R>::from_slice(words, &[n], device)?)
+        } else {
+            Wire::Host(Tensor::<CpuRuntime>::from_slice(
+                words,
+                &[n],
+                &CpuDevice::new(),
+            )?)
+        };
+        let all: Vec<u64> = match self.all_gather(send, &[n], device, what)? {
+            Wire::Tensor(t) => t.to_vec(),
+            Wire::Host(t) => t.to_vec(),
+        };
         Ok(all.chunks(n).map(<[u64]>::to_vec).collect())
     }
 
@@ -221,14 +315,29 @@ impl Link {
         tensor: &Tensor<R>,
         what: &'static str,
     ) -> Result<Tensor<R>> {
-        let send = tensor.contiguous()?;
-        let n = send.numel();
-        let mut shape = vec![self.world];
-        shape.extend_from_slice(send.shape());
-        let dtype = send.dtype();
-        let recv = Tensor::<R>::empty(&shape, dtype, send.device())?;
+        let send = self.put(tensor)?;
+        let device = tensor.device();
+        self.all_gather(send, tensor.shape(), device, what)?
+            .into_tensor(device)
+    }
+
+    /// Every rank's `send` of `shape`, stacked in rank order where the
+    /// communicator writes.
+    fn all_gather<R: Runtime<DType = DType>>(
+        &self,
+        send: Wire<R>,
+        shape: &[usize],
+        device: &R::Device,
+        what: &'static str,
+    ) -> Result<Wire<R>> {
+        let (n, dtype) = (send.numel(), send.dtype());
+        let mut all = vec![self.world];
+        all.extend_from_slice(shape);
+        let recv = self.slot::<R>(&all, dtype, device)?;
         self.spawn(what, move |comm| {
-            // SAFETY: as in `gather_words`, in `dtype`.
+            // SAFETY: `send` holds `n` elements of `dtype` and `recv`
+            // `world · n`, both contiguous where the communicator reads,
+            // and owned by this thread.
             unsafe { comm.all_gather(send.ptr(), recv.ptr(), n, dtype)? };
             comm.sync()?;
             Ok(recv)
@@ -244,16 +353,18 @@ impl Link {
         parts: Tensor<R>,
         what: &'static str,
     ) -> Result<Tensor<R>> {
-        let send = parts.contiguous()?;
-        let shape = send.shape()[1..].to_vec();
+        let shape = parts.shape()[1..].to_vec();
         let n: usize = shape.iter().product();
-        let recv = Tensor::<R>::empty(&shape, DType::F32, send.device())?;
+        let device = parts.device().clone();
+        let send = self.put(&parts)?;
+        let recv = self.slot::<R>(&shape, DType::F32, &device)?;
         self.spawn(what, move |comm| {
             // SAFETY: `send` holds `world · n` f32 and `recv` `n`, both
-            // contiguous on the device and owned by this thread.
+            // contiguous where the communicator reads, owned by this
+            // thread.
             unsafe { comm.reduce_scatter(send.ptr(), recv.ptr(), n, DType::F32, ReduceOp::Sum)? };
             comm.sync()?;
-            Ok(recv)
+            recv.into_tensor(&device)
         })
         .wait(self)
     }

@@ -32,9 +32,15 @@
 //!   `Err` after the ring; a peer that stops answering is an `Err` after
 //!   [`RingOptions::timeout`].
 //!
-//! Backends: the CPU (`AttentionRuntime::GLOBAL_POSITIONS`). The GPU kernels
-//! place positions from the start of each call; on them the op is an
-//! [`Error::LayoutUnsupported`] before any communication.
+//! Backends: every one. The CPU's kernels see the window through the
+//! variant's host functions; the GPU kernels take it in their parameter
+//! block (the call's query and key shifts, and whether its rows carry the
+//! sink: [`kernels_spec::params::WindowWord`]), so each call of the ring
+//! is one launch of the variant's own kernels. The merges and gradient
+//! sums run on the device (numr's ops; in place on the CPU). A
+//! communicator that cannot read the runtime's memory (wgpu's always, a
+//! host communicator's with CUDA tensors) gets every buffer staged through
+//! host memory; NCCL reads CUDA tensors in place.
 
 mod backward;
 mod forward;
@@ -44,7 +50,7 @@ mod positioned;
 mod shards;
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 pub use link::RingTimes;
 pub use shards::Shards;
@@ -70,7 +76,7 @@ use numr::dtype::DType;
 use numr::ops::{BinaryOps, ShapeOps, TypeConversionOps, UnaryOps, UtilityOps};
 use numr::runtime::{Communicator, Runtime};
 use numr::tensor::Tensor;
-use positioned::Positioned;
+pub(crate) use positioned::Positioned;
 use shards::Chunk;
 use std::sync::Arc;
 use std::time::Duration;
@@ -204,12 +210,6 @@ impl<'v, V: Variant> Ring<'v, V> {
         wanted: &[bool],
         more: impl FnOnce(&Problem) -> Result<()>,
     ) -> Result<Self> {
-        if !R::GLOBAL_POSITIONS {
-            return Err(Error::LayoutUnsupported {
-                backend: R::name(),
-                layout: "ring attention (its kernels place positions from the start of each call)",
-            });
-        }
         let (rank, world) = (comm.rank(), comm.world_size());
         if world == 0 || rank >= world {
             return Err(Error::Ring {
@@ -223,6 +223,7 @@ impl<'v, V: Variant> Ring<'v, V> {
             rank,
             world,
             timeout: opts.timeout,
+            direct: R::communicator_reads_tensors(&**comm),
         };
         // The header first: a rank whose own inputs are bad still joins
         // it (with zeros), so that every rank fails together.
@@ -452,9 +453,8 @@ where
     forward::forward(&ring, q, k, v)
 }
 
-/// numr's NCCL communicator is a ring transport, and the op type-checks on
-/// CUDA tensors (where it returns [`Error::LayoutUnsupported`] until the
-/// CUDA kernels take global positions).
+/// numr's NCCL communicator is a ring transport for CUDA tensors: the op,
+/// its backward and the autograd op type-check on it.
 #[cfg(feature = "nccl")]
 #[allow(dead_code)]
 fn nccl_rings_type_check(
@@ -466,6 +466,8 @@ fn nccl_rings_type_check(
     let opts = RingOptions::default();
     let (out, lse) = ring_attention(&variant, x[0], x[1], x[2], &comm, &opts)?;
     ring_attention_bwd(&variant, &out, x[0], x[1], x[2], &out, &lse, &comm, &opts)?;
+    let q = Var::new(x[0].clone(), true);
+    var_ring_attention(&variant, &q, &q, &q, &comm, &opts)?;
     Ok(())
 }
 

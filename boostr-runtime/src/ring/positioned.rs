@@ -8,13 +8,15 @@
 //! sequence (its `Sq = Sk = S`), so they are indexed by global position
 //! too, and their range proofs still hold. Only one call per query row
 //! carries the sink, so that the merged softmax counts it once. The host
-//! functions are the variant's through [`Shifted`].
+//! functions are the variant's through [`Shifted`]; the GPU kernels are
+//! the variant's own, given the window in their parameter block
+//! ([`Variant::window`]).
 
 use crate::capture::{Capture, Learnable};
 use crate::error::Result;
 use crate::problem::Problem;
 use crate::shifted::{Shifted, Window};
-use crate::variant::{CompiledStages, Variant};
+use crate::variant::{CallWindow, CompiledStages, Variant};
 
 /// `inner` on a window of the sequence of problem `whole`.
 #[derive(Clone, Debug)]
@@ -60,6 +62,8 @@ impl<V: Variant> Variant for Positioned<V> {
     const TILE_Q: Option<u32> = V::TILE_Q;
     const TILE_KV: Option<u32> = V::TILE_KV;
     const TENSORS: &'static [crate::capture::TensorDecl] = V::TENSORS;
+    const SUMMARIES: &'static [(usize, usize)] = V::SUMMARIES;
+    const READ_CHECKS: &'static [crate::capture::ReadCheck] = V::READ_CHECKS;
     const LEARNABLE: &'static [usize] = V::LEARNABLE;
 
     type Host = Shifted<Box<V::Host>, RingWindow>;
@@ -86,10 +90,31 @@ impl<V: Variant> Variant for Positioned<V> {
         self.inner.learnables()
     }
 
-    /// No GPU lowering: the GPU kernels place positions from the start of
-    /// the call ([`AttentionRuntime::GLOBAL_POSITIONS`](crate::AttentionRuntime::GLOBAL_POSITIONS)).
+    fn dropout(&self) -> f32 {
+        self.inner.dropout()
+    }
+
+    /// The variant's own kernels: they take the window from the
+    /// parameter block ([`window`](Variant::window)).
     fn compiled() -> CompiledStages {
-        CompiledStages::hand_written(V::NAME)
+        V::compiled()
+    }
+
+    fn param_words(&self) -> kernels_spec::params::ParamWords {
+        self.inner.param_words()
+    }
+
+    fn kernels() -> std::any::TypeId {
+        V::kernels()
+    }
+
+    fn window(&self) -> CallWindow {
+        CallWindow {
+            q_shift: self.q_shift,
+            kv_shift: self.kv_shift,
+            sink: self.sink,
+            whole: Some(self.whole),
+        }
     }
 }
 

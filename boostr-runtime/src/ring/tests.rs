@@ -29,33 +29,36 @@ fn device() -> CpuDevice {
     CpuDevice::new()
 }
 
-/// Random `[B, H, S, dim]` f32 from `rng`.
-fn normal(rng: &mut Rng, shape: [usize; 4]) -> T {
+/// Random `[B, H, S, dim]` f32 from `rng` on `device`.
+fn normal<R: AttentionRuntime>(rng: &mut Rng, shape: [usize; 4], device: &R::Device) -> Tensor<R> {
     let n: usize = shape.iter().product();
-    T::from_slice(&rng.normal_f32(n, 1.0), &shape, &device()).expect("a tensor")
+    Tensor::<R>::from_slice(&rng.normal_f32(n, 1.0), &shape, device).expect("a tensor")
 }
 
 /// The whole sequence's inputs: `q, k, v, dout`.
-struct Inputs {
-    q: T,
-    k: T,
-    v: T,
-    dout: T,
+pub(crate) struct Inputs<R: Runtime> {
+    q: Tensor<R>,
+    k: Tensor<R>,
+    v: Tensor<R>,
+    dout: Tensor<R>,
 }
 
-impl Inputs {
-    fn new(rng: &mut Rng, s: usize) -> Self {
+impl<R: AttentionRuntime> Inputs<R>
+where
+    R::Client: RingOps<R>,
+{
+    fn new(rng: &mut Rng, s: usize, device: &R::Device) -> Self {
         Inputs {
-            q: normal(rng, [B, HQ, s, D]),
-            k: normal(rng, [B, HKV, s, D]),
-            v: normal(rng, [B, HKV, s, DV]),
-            dout: normal(rng, [B, HQ, s, DV]),
+            q: normal(rng, [B, HQ, s, D], device),
+            k: normal(rng, [B, HKV, s, D], device),
+            v: normal(rng, [B, HKV, s, DV], device),
+            dout: normal(rng, [B, HQ, s, DV], device),
         }
     }
 
     /// Rank `rank`'s shards of `q, k, v, dout`.
-    fn shard(&self, shards: Shards, rank: usize, world: usize) -> Result<[T; 4]> {
-        let shard = |t: &T| shards.shard(t, 2, rank, world);
+    fn shard(&self, shards: Shards, rank: usize, world: usize) -> Result<[Tensor<R>; 4]> {
+        let shard = |t: &Tensor<R>| shards.shard(t, 2, rank, world);
         Ok([
             shard(&self.q)?,
             shard(&self.k)?,
@@ -66,19 +69,22 @@ impl Inputs {
 }
 
 /// One rank's results.
-struct RankOut {
-    out: T,
-    lse: T,
-    grads: AttentionGrads<CpuRuntime>,
+struct RankOut<R: Runtime> {
+    out: Tensor<R>,
+    lse: Tensor<R>,
+    grads: AttentionGrads<R>,
 }
 
 /// Run forward and backward on every rank of `comms`, each on its shard.
-fn run_ring<V: Variant>(
+fn run_ring<V: Variant, R: AttentionRuntime>(
     variant: &V,
-    x: &Inputs,
+    x: &Inputs<R>,
     comms: &[Arc<dyn Communicator>],
     opts: &RingOptions,
-) -> Vec<Result<RankOut>> {
+) -> Vec<Result<RankOut<R>>>
+where
+    R::Client: RingOps<R>,
+{
     on_ranks(comms, |rank, comm| {
         let [q, k, v, dout] = x.shard(opts.shards, rank, comms.len())?;
         let (out, lse) = ring_attention(variant, &q, &k, &v, comm, opts)?;
@@ -88,12 +94,15 @@ fn run_ring<V: Variant>(
 }
 
 /// Rank `rank`'s ring forward over its shard of `x`, its result dropped.
-fn forward_on<V: Variant>(
+fn forward_on<V: Variant, R: AttentionRuntime>(
     variant: &V,
-    x: &Inputs,
+    x: &Inputs<R>,
     (rank, comm): (usize, &Arc<dyn Communicator>),
     opts: &RingOptions,
-) -> Result<()> {
+) -> Result<()>
+where
+    R::Client: RingOps<R>,
+{
     let [q, k, v, _] = x.shard(opts.shards, rank, comm.world_size())?;
     ring_attention(variant, &q, &k, &v, comm, opts).map(drop)
 }
@@ -131,20 +140,20 @@ fn options(shards: Shards, schedule: Schedule) -> RingOptions {
 
 /// A seed, its stream `stream`, and the inputs of a whole sequence of
 /// `world` shards.
-fn inputs(stream: u64, world: usize) -> (u64, Rng, Inputs) {
+fn inputs(stream: u64, world: usize) -> (u64, Rng, Inputs<CpuRuntime>) {
     let seed = choose_seed();
     let mut rng = Rng::new(seed, stream);
-    let x = Inputs::new(&mut rng, N * world);
+    let x = Inputs::new(&mut rng, N * world, &device());
     (seed, rng, x)
 }
 
 /// Single-device attention on the whole sequence: `out`, `lse` and every
 /// gradient.
-fn one_device<V: Variant>(
+fn one_device<V: Variant, R: AttentionRuntime>(
     variant: &V,
-    x: &Inputs,
+    x: &Inputs<R>,
     opts: &AttentionOptions,
-) -> (T, T, AttentionGrads<CpuRuntime>) {
+) -> (Tensor<R>, Tensor<R>, AttentionGrads<R>) {
     let (out, lse) = attention_fwd(variant, &x.q, &x.k, &x.v, opts).expect("single device");
     let grads = attention_bwd_tensors(variant, &x.dout, &x.q, &x.k, &x.v, &out, &lse, opts)
         .expect("single device backward");
@@ -152,8 +161,15 @@ fn one_device<V: Variant>(
 }
 
 /// The whole sequence's tensor of which rank `r` holds `part(r)`.
-fn gathered(ranks: &[RankOut], shards: Shards, part: impl Fn(&RankOut) -> &T) -> T {
-    let parts: Vec<T> = ranks.iter().map(|r| part(r).clone()).collect();
+fn gathered<R: AttentionRuntime>(
+    ranks: &[RankOut<R>],
+    shards: Shards,
+    part: impl Fn(&RankOut<R>) -> &Tensor<R>,
+) -> Tensor<R>
+where
+    R::Client: RingOps<R>,
+{
+    let parts: Vec<Tensor<R>> = ranks.iter().map(|r| part(r).clone()).collect();
     shards.unshard(&parts, 2).expect("unshard")
 }
 
@@ -174,14 +190,20 @@ fn thread_group_waiting(
     (group, dyns)
 }
 
-fn values(t: &T) -> Vec<f32> {
+fn values<R: AttentionRuntime>(t: &Tensor<R>) -> Vec<f32>
+where
+    R::Client: RingOps<R>,
+{
     t.to_dtype(DType::F32).expect("f32").to_vec()
 }
 
 /// `got` equals `want` up to f32 rounding of a different summation order
 /// (`−inf` where `want` is).
 #[track_caller]
-fn assert_close(what: &str, got: &T, want: &T, context: &str) {
+fn assert_close<R: AttentionRuntime>(what: &str, got: &Tensor<R>, want: &Tensor<R>, context: &str)
+where
+    R::Client: RingOps<R>,
+{
     assert_eq!(got.shape(), want.shape(), "{what}: shape ({context})");
     let (g, w) = (values(got), values(want));
     let scale = w
@@ -202,18 +224,19 @@ fn assert_close(what: &str, got: &T, want: &T, context: &str) {
     }
 }
 
-/// Check every rank's results against single-device attention on the
-/// gathered sequence; returns the per-rank message counts.
-fn check_against_single<V: Variant>(
+/// Check every rank's results on `device` against single-device attention
+/// on the gathered sequence there, and every rank's traffic.
+fn check_against_single<V: Variant, R: AttentionRuntime>(
     variant: &V,
-    world: usize,
-    shards: Shards,
-    schedule: Schedule,
+    (world, shards, schedule): (usize, Shards, Schedule),
     rng: &mut Rng,
     seed: u64,
-) {
+    device: &R::Device,
+) where
+    R::Client: RingOps<R>,
+{
     let s = N * world;
-    let x = Inputs::new(rng, s);
+    let x = Inputs::<R>::new(rng, s, device);
     // A dropout variant draws from this seed and offset (the others
     // ignore them).
     let attention = AttentionOptions {
@@ -228,12 +251,13 @@ fn check_against_single<V: Variant>(
         ..RingOptions::default()
     };
     let context = format!(
-        "{} world {world} {shards:?} {schedule:?}; seed {seed}, rerun with {SEED_ENV}={seed}",
-        V::NAME
+        "{} on {} world {world} {shards:?} {schedule:?}; seed {seed}, rerun with {SEED_ENV}={seed}",
+        V::NAME,
+        R::name()
     );
     let (out, lse, want) = one_device(variant, &x, &opts.attention);
     let (group, comms) = thread_group(world);
-    let ranks: Vec<RankOut> = run_ring(variant, &x, &comms, &opts)
+    let ranks: Vec<RankOut<R>> = run_ring(variant, &x, &comms, &opts)
         .into_iter()
         .map(|r| r.unwrap_or_else(|e| panic!("{context}: {e}")))
         .collect();
@@ -293,28 +317,71 @@ fn check_against_single<V: Variant>(
     }
 }
 
-/// The variant `variant_of(rng, world)` against one device at each world
-/// size, in both layouts, under `schedule`.
+/// The variant `variant_of(rng, world, device)` on `device` against one
+/// device at each world size, in both layouts, under `schedule`.
+pub(crate) fn each_layout_on<V: Variant, R: AttentionRuntime>(
+    device: &R::Device,
+    stream: u64,
+    worlds: &[usize],
+    schedule: Schedule,
+    variant_of: impl Fn(&mut Rng, usize, &R::Device) -> V,
+) where
+    R::Client: RingOps<R>,
+{
+    let seed = choose_seed();
+    let mut rng = Rng::new(seed, stream);
+    for &world in worlds {
+        let variant = variant_of(&mut rng, world, device);
+        for shards in [Shards::Contiguous, Shards::Zigzag] {
+            check_against_single::<V, R>(
+                &variant,
+                (world, shards, schedule),
+                &mut rng,
+                seed,
+                device,
+            );
+        }
+    }
+}
+
+/// [`each_layout_on`] the CPU.
 fn each_layout<V: Variant>(
     stream: u64,
     worlds: &[usize],
     schedule: Schedule,
     variant_of: impl Fn(&mut Rng, usize) -> V,
 ) {
-    let seed = choose_seed();
-    let mut rng = Rng::new(seed, stream);
-    for &world in worlds {
-        let variant = variant_of(&mut rng, world);
-        for shards in [Shards::Contiguous, Shards::Zigzag] {
-            check_against_single(&variant, world, shards, schedule, &mut rng, seed);
-        }
-    }
+    each_layout_on::<V, CpuRuntime>(&device(), stream, worlds, schedule, |rng, world, _| {
+        variant_of(rng, world)
+    });
 }
 
-/// A `[HQ]` f32 tensor that requires grad, of standard deviation `std`.
-fn learnable(rng: &mut Rng, std: f32) -> Var<CpuRuntime> {
-    let t = T::from_slice(&rng.normal_f32(HQ, std), &[HQ], &device()).expect("a tensor");
+/// A `[HQ]` f32 tensor on `device` that requires grad, of standard
+/// deviation `std`.
+pub(crate) fn learnable_on<R: AttentionRuntime>(
+    rng: &mut Rng,
+    std: f32,
+    device: &R::Device,
+) -> Var<R> {
+    let t = Tensor::<R>::from_slice(&rng.normal_f32(HQ, std), &[HQ], device).expect("a tensor");
     Var::new(t, true)
+}
+
+/// [`learnable_on`] the CPU.
+fn learnable(rng: &mut Rng, std: f32) -> Var<CpuRuntime> {
+    learnable_on(rng, std, &device())
+}
+
+/// Documents of 7 positions (shifted by one per sequence) over `world`
+/// shards: they straddle the shards' edges.
+pub(crate) fn documents_on<R: AttentionRuntime>(
+    world: usize,
+    device: &R::Device,
+) -> CausalDocuments<R> {
+    let s = N * world;
+    let ids: Vec<i32> = (0..B * s).map(|i| ((i % s) / 7 + i / s) as i32).collect();
+    let doc = Tensor::<R>::from_slice(&ids, &[B, s], device).expect("ids");
+    CausalDocuments { doc }
 }
 
 #[test]
@@ -337,11 +404,7 @@ fn a_sliding_window_narrower_than_a_chunk_matches_one_device() {
 #[test]
 fn document_ids_are_read_at_global_positions() {
     each_layout(3, &[2, 3, 4], Schedule::Ring, |_, world| {
-        let s = N * world;
-        // Documents that straddle the shards' edges.
-        let ids: Vec<i32> = (0..B * s).map(|i| ((i % s) / 7 + i / s) as i32).collect();
-        let doc = T::from_slice(&ids, &[B, s], &device()).expect("ids");
-        CausalDocuments { doc }
+        documents_on::<CpuRuntime>(world, &device())
     });
 }
 
@@ -396,7 +459,7 @@ fn numrs_local_communicator_runs_the_all_gather_schedule_and_refuses_the_ring_on
     let all_gather = options(Shards::Zigzag, Schedule::AllGather);
     let (out, _) =
         attention_fwd(&Causal, &x.q, &x.k, &x.v, &all_gather.attention).expect("one device");
-    let ranks: Vec<RankOut> = run_ring(&Causal, &x, &group(()), &all_gather)
+    let ranks: Vec<RankOut<CpuRuntime>> = run_ring(&Causal, &x, &group(()), &all_gather)
         .into_iter()
         .map(|r| r.expect("all-gather on LocalCommunicator"))
         .collect();
@@ -453,6 +516,30 @@ fn errors_of(
         Ok(()) => "Ok".to_string(),
         Err(e) => e.to_string(),
     })
+}
+
+/// Ranks whose variants disagree (rank 2's window is 5, the others' 4)
+/// all return the same error, naming the variant, before any block moves.
+pub(crate) fn disagreeing_ranks_fail_alike_on<R: AttentionRuntime>(device: &R::Device)
+where
+    R::Client: RingOps<R>,
+{
+    let world = 3;
+    let mut rng = Rng::new(choose_seed(), 22);
+    let x = Inputs::<R>::new(&mut rng, N * world, device);
+    let opts = options(Shards::Zigzag, Schedule::Ring);
+    let errors = errors_of(world, Duration::from_secs(30), |rank, comm| {
+        let variant = CausalSlidingWindow {
+            window: if rank == 2 { 5 } else { 4 },
+        };
+        forward_on(&variant, &x, (rank, comm), &opts)
+    });
+    for (rank, e) in errors.iter().enumerate() {
+        assert!(
+            e.contains("the variant and its parameters"),
+            "rank {rank}: {e}"
+        );
+    }
 }
 
 #[test]
@@ -515,22 +602,28 @@ fn ranks_that_disagree_all_get_the_same_error() {
     }
 }
 
-#[test]
-fn a_rank_whose_kernel_fails_mid_ring_fails_every_rank() {
-    // Relative positions of 8 or more read past the table: with 4 rows
-    // per rank, ranks 2 and 3 meet them at their third step, ranks 0 and 1
-    // never do.
+/// A relative bias read past its table on some ranks only: with 4 rows
+/// per rank, relative positions of 8 or more (ranks 2 and 3, from their
+/// third step) read outside it, ranks 0 and 1 never do. The failing ranks
+/// return their own error, the others one that names them, and nobody
+/// waits for the timeout.
+pub(crate) fn a_failing_kernel_fails_every_rank_on<R: AttentionRuntime>(device: &R::Device)
+where
+    R::Client: RingOps<R>,
+{
     let seed = choose_seed();
     let mut rng = Rng::new(seed, 18);
     let (world, n) = (4, 4);
     let s = n * world;
-    let x = Inputs::new(&mut rng, s);
-    let table = T::from_slice(&rng.normal_f32(HQ * 16, 1.0), &[HQ, 16], &device()).expect("table");
+    let x = Inputs::<R>::new(&mut rng, s, device);
+    let table =
+        Tensor::<R>::from_slice(&rng.normal_f32(HQ * 16, 1.0), &[HQ, 16], device).expect("table");
     let variant = RelativeBias {
         table,
         max_distance: 8,
     };
     let opts = options(Shards::Contiguous, Schedule::Ring);
+    let started = std::time::Instant::now();
     let errors = errors_of(world, Duration::from_secs(30), |rank, comm| {
         forward_on(&variant, &x, (rank, comm), &opts)
     });
@@ -548,6 +641,16 @@ fn a_rank_whose_kernel_fails_mid_ring_fails_every_rank() {
             errors[rank]
         );
     }
+    assert!(
+        started.elapsed() < Duration::from_secs(25),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn a_rank_whose_kernel_fails_mid_ring_fails_every_rank() {
+    a_failing_kernel_fails_every_rank_on::<CpuRuntime>(&device());
 }
 
 #[test]
@@ -647,11 +750,11 @@ fn bf16_shards_match_one_device_in_bf16() {
     let opts = options(Shards::Zigzag, Schedule::Ring);
     let (out, lse, want) = one_device(&Causal, &x, &opts.attention);
     let (_, comms) = thread_group(world);
-    let ranks: Vec<RankOut> = run_ring(&Causal, &x, &comms, &opts)
+    let ranks: Vec<RankOut<CpuRuntime>> = run_ring(&Causal, &x, &comms, &opts)
         .into_iter()
         .map(|r| r.expect("ring"))
         .collect();
-    let gather = |f: fn(&RankOut) -> &T| gathered(&ranks, opts.shards, f);
+    let gather = |f: fn(&RankOut<CpuRuntime>) -> &T| gathered(&ranks, opts.shards, f);
     // Both round every result to bf16 once, from f32 sums in different
     // orders: a few bf16 steps (2^-8 relative) apart at most.
     let close = |what: &str, got: &T, want: &T| {

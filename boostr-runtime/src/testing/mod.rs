@@ -63,6 +63,8 @@ pub use crate::wgpu::{
 pub use backends::Cuda;
 #[cfg(feature = "wgpu")]
 pub use backends::Wgpu;
+#[cfg(all(test, feature = "cuda"))]
+pub(crate) use backends::device_or_skip;
 pub use backends::{Cpu, REQUIRE_DEVICE_ENV, TestBackend};
 pub use cases::{CASES, CPU_CASES, Case, HEAD_DIM_CASES, Logits, SMALL_CASES};
 pub use check_variant::{
@@ -81,6 +83,22 @@ pub use reference::{
     Forward, Gradients, Real, reference_backward, reference_backward_lse, reference_forward,
 };
 pub use rng::{Rng, SEED_ENV};
+
+/// `variant` as one kernel call of a ring: queries from position
+/// `starts.0` and keys from `starts.1` of the sequence of `whole` (`Sq =
+/// Sk`), the call's sizes `call`; its rows carry the sink where `sink`
+/// holds. Its host functions and its GPU kernels see the whole sequence's
+/// positions, and its captured tensors span the whole sequence. For
+/// checking a backend's kernels on windows against the reference.
+pub fn ring_call<V: crate::Variant>(
+    variant: V,
+    whole: crate::Problem,
+    call: &crate::Problem,
+    starts: (usize, usize),
+    sink: bool,
+) -> impl crate::Variant {
+    crate::ring::Positioned::new(variant, whole, call, starts, sink)
+}
 
 /// Row-major coordinates of flat `index` in `shape`.
 fn unravel(shape: &[usize], mut index: usize) -> Vec<usize> {

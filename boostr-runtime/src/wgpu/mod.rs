@@ -155,7 +155,7 @@ fn pass<V: Variant>(
 ) -> Result<Arc<Pass>> {
     let device = client.wgpu_device_arc();
     let key = (
-        TypeId::of::<V>(),
+        V::kernels(),
         Arc::as_ptr(device) as usize,
         (p.head_dim, p.head_dim_v),
         module.name,
@@ -199,6 +199,33 @@ fn rows_with_dlse(
     validate::check_dtype("dlse", dlse, WGPU, &[DType::F32], "f32")?;
     let z = dlse.reshape(&[p.batch, p.heads_q, p.seq_q, 1])?;
     Ok(client.cat(&[&zeros(2)?, &z, &zeros(1)?], -1)?)
+}
+
+/// The backward's per-row scratch of a call whose rows see only part of
+/// their keys (one call of a ring): `(0, 0, lse, D_i − dlse_i)` with `D_i =
+/// rowsum(dO ∘ O)` of the whole row's output, as `attn_bwd_delta` would
+/// leave it had the call seen every key.
+fn rows_of_window(
+    client: &WgpuClient,
+    p: &Problem,
+    (dout, out): (&Tensor<WgpuRuntime>, &Tensor<WgpuRuntime>),
+    lse: &Tensor<WgpuRuntime>,
+    dlse: Option<&Tensor<WgpuRuntime>>,
+) -> Result<Tensor<WgpuRuntime>> {
+    use numr::ops::{BinaryOps as _, ReduceOps as _};
+    let column = [p.batch, p.heads_q, p.seq_q, 1];
+    let mut delta = client.sum(&client.mul(dout, out)?, &[3], true)?;
+    if let Some(dlse) = dlse {
+        validate::check_dtype("dlse", dlse, WGPU, &[DType::F32], "f32")?;
+        delta = client.sub(&delta, &dlse.reshape(&column)?)?;
+    }
+    let zeros = Tensor::<WgpuRuntime>::zeros(
+        &[p.batch, p.heads_q, p.seq_q, 2],
+        DType::F32,
+        client.device(),
+    )?;
+    let lse = lse.reshape(&column)?;
+    Ok(client.cat(&[&zeros, &lse, &delta], -1)?)
 }
 
 fn alloc(shape: &[usize], t: &Tensor<WgpuRuntime>) -> Result<Tensor<WgpuRuntime>> {
@@ -524,6 +551,8 @@ struct Step<'a> {
     module: &'a Module,
     pass: &'a Pass,
     tensors: &'a [(Buffer, &'a Tensor<WgpuRuntime>)],
+    /// An entry point of the module not to run.
+    skip: Option<&'static str>,
 }
 
 /// Fills the arena, then binds and dispatches every entry point of
@@ -567,6 +596,7 @@ fn run<V: Variant>(
         module,
         pass,
         tensors,
+        skip,
     } in steps
     {
         let kernel = module.entries.first().map_or(module.name, |e| e.name);
@@ -590,6 +620,9 @@ fn run<V: Variant>(
             })
             .collect::<std::result::Result<Vec<_>, _>>()?;
         for (i, entry) in module.entries.iter().enumerate() {
+            if *skip == Some(entry.name) {
+                continue;
+            }
             let grid = entry
                 .workgroups(cfg, &sizes)
                 .map_err(|e| launch_error(entry.name, e.to_string()))?;
@@ -725,6 +758,7 @@ fn forward_split<V: Variant>(
             module: &kernels::FORWARD,
             pass: &fwd,
             tensors: &tensors,
+            skip: None,
         }];
         run(&client, variant, p, &cfg, &steps, false, &keys.layout, 1)?;
         return Ok((out, lse));
@@ -752,11 +786,13 @@ fn forward_split<V: Variant>(
             module: &kernels::FORWARD,
             pass: &fwd,
             tensors: &forward,
+            skip: None,
         },
         Step {
             module: &kernels::MERGE,
             pass: &merge,
             tensors: &merged,
+            skip: None,
         },
     ];
     run(
@@ -829,9 +865,11 @@ impl AttentionRuntime for WgpuRuntime {
         p: &Problem,
         t: BackwardTensors<'_, Self>,
     ) -> Result<AttentionGrads<Self>> {
-        // `out` is not read: D_i comes from the recomputed P (see
-        // `kernels::BACKWARD_DQ`).
+        // D_i comes from the recomputed P (see `kernels::BACKWARD_DQ`),
+        // but for a call whose rows see part of their keys (a ring's):
+        // from `rowsum(dO ∘ O)`, of the whole row's `out`.
         let x = gpu::BackwardOperands::new(&t, WGPU, input)?;
+        let window = variant.window().whole.is_some();
         let (q, k, v) = (&x.q, &x.k, &x.v);
         let client = WgpuRuntime::default_client(q.device());
         let learn = gpu::learns::<V>(t.tensor_grads);
@@ -847,8 +885,12 @@ impl AttentionRuntime for WgpuRuntime {
             .collect::<Result<Vec<_>>>()?;
         let cfg = tiles::<V>(p)?;
         // Per query row: dlse on entry, running sums between dispatches,
-        // then lse and D_i − dlse_i.
-        let rows = rows_with_dlse(&client, p, t.dlse)?;
+        // then lse and D_i − dlse_i; a window's given.
+        let rows = if window {
+            rows_of_window(&client, p, (&x.dout, &input("out", t.out)?), &x.lse, t.dlse)?
+        } else {
+            rows_with_dlse(&client, p, t.dlse)?
+        };
         let dq = alloc(q.shape(), q)?;
         // dK and dV of each sequence's slots; a paged call's are folded
         // into its pages at the end.
@@ -871,6 +913,7 @@ impl AttentionRuntime for WgpuRuntime {
                 module,
                 pass,
                 tensors: &tensors,
+                skip: window.then_some("attn_bwd_delta"),
             })
             .collect();
         let arena = run(&client, variant, p, &cfg, &steps, learn, &t.keys.layout, 1)?;

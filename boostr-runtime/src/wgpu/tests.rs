@@ -570,23 +570,60 @@ fn cache_backward_matches_the_cpu() {
     check(&SlidingWindow { window: 9 }, 12, &device, &cpu);
 }
 
-/// Ring attention needs kernels that take global positions; the WGSL
-/// kernels place them from the start of each call, so the op says so on
-/// every rank before it sends anything.
-#[test]
-fn ring_attention_is_refused_before_any_message() {
-    let Some(device) = device() else { return };
-    let x = Tensor::<WgpuRuntime>::from_slice(&[0.5f32; 2 * 8 * 16], &[1, 2, 8, 16], &device)
-        .expect("a tensor");
-    let group = crate::testing::ThreadComm::group(1, std::time::Duration::from_secs(5));
-    let comm: Arc<dyn numr::runtime::Communicator> = group[0].clone();
-    let e = crate::ring_attention(&Causal, &x, &x, &x, &comm, &crate::RingOptions::default())
-        .expect_err("no ring on wgpu");
-    assert!(
-        matches!(e, Error::LayoutUnsupported { layout, .. } if layout.contains("ring attention")),
-        "{e}"
-    );
-    assert_eq!(group[0].count(), crate::testing::MessageCount::default());
+/// Ring attention on wgpu, its traffic staged through host memory (the
+/// in-process communicator moves host buffers): every rank's rows equal
+/// the single-device result on the same backend (out, lse, dq, dk, dv,
+/// learnable gradients), both layouts.
+mod ring {
+    use super::device;
+    use crate::Schedule;
+    use crate::ring::tests::{
+        a_failing_kernel_fails_every_rank_on, disagreeing_ranks_fail_alike_on, documents_on,
+        each_layout_on, learnable_on,
+    };
+    use crate::stock::{AlibiSlopes, Causal, CausalSlidingWindow, CausalSlidingWindowSinks, Full};
+    use numr::runtime::wgpu::WgpuRuntime;
+
+    #[test]
+    fn full_and_causal_match_one_device() {
+        let Some(device) = device() else { return };
+        each_layout_on::<_, WgpuRuntime>(&device, 30, &[1, 2, 4], Schedule::Ring, |_, _, _| Full);
+        each_layout_on::<_, WgpuRuntime>(&device, 31, &[2, 3], Schedule::Ring, |_, _, _| Causal);
+    }
+
+    #[test]
+    fn a_window_and_documents_match_one_device() {
+        let Some(device) = device() else { return };
+        each_layout_on::<_, WgpuRuntime>(&device, 32, &[3], Schedule::Ring, |_, _, _| {
+            CausalSlidingWindow { window: 4 }
+        });
+        each_layout_on::<_, WgpuRuntime>(&device, 33, &[2, 3], Schedule::Ring, |_, w, d| {
+            documents_on::<WgpuRuntime>(w, d)
+        });
+    }
+
+    #[test]
+    fn a_learnable_bias_and_sinks_match_one_device() {
+        let Some(device) = device() else { return };
+        each_layout_on::<_, WgpuRuntime>(&device, 34, &[2, 3], Schedule::Ring, |rng, _, d| {
+            AlibiSlopes {
+                slopes: learnable_on::<WgpuRuntime>(rng, 0.2, d),
+            }
+        });
+        each_layout_on::<_, WgpuRuntime>(&device, 35, &[3], Schedule::AllGather, |rng, _, d| {
+            CausalSlidingWindowSinks {
+                window: 3,
+                sinks: learnable_on::<WgpuRuntime>(rng, 1.0, d),
+            }
+        });
+    }
+
+    #[test]
+    fn faults_fail_every_rank() {
+        let Some(device) = device() else { return };
+        disagreeing_ranks_fail_alike_on::<WgpuRuntime>(&device);
+        a_failing_kernel_fails_every_rank_on::<WgpuRuntime>(&device);
+    }
 }
 
 /// The same seed and offset drop the same pairs on the CPU, on WGSL and in

@@ -34,7 +34,7 @@ use boostr_runtime::stock::{
     T5Bias,
 };
 use boostr_runtime::testing::{
-    CpuRuntime, Rng, TestData, reference_backward_lse, reference_forward, seen_keys,
+    CpuRuntime, Rng, TestData, reference_backward_lse, reference_forward, ring_call, seen_keys,
 };
 use boostr_runtime::{HostVariant, ParamWords, Problem, Target, Variant};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
@@ -789,7 +789,8 @@ int main(int argc, char** argv) {
     auto dout = to_elem(read_f32(path("dout").c_str(), no));
     Params params;
     {
-        auto words = read_f32(path("params").c_str(), 32);
+        auto words = read_words(path("params").c_str());
+        if (words.size() * 4 != sizeof params) { std::fprintf(stderr, "params: %zu words\n", words.size()); return 2; }
         std::memcpy(&params, words.data(), sizeof params);
     }
     std::vector<elem_t> out(no), dq(nq), dk(nk), dv(nv);
@@ -938,17 +939,33 @@ where
     } else {
         problem
     };
-    let mut params = variant.param_words();
+    // The call's window (a ring's call: positions shifted, the sink in
+    // one call per row), as the runtime writes it.
+    let window = variant.window();
+    let tag = match window.whole {
+        Some(_) => format!(
+            "{tag} window q{:+} kv{:+}{}",
+            window.q_shift,
+            window.kv_shift,
+            if window.sink { " with the sink" } else { "" }
+        ),
+        None => tag,
+    };
+    let mut params =
+        variant
+            .param_words()
+            .with_window(window.q_shift, window.kv_shift, window.sink);
     if <V::Host as HostVariant>::WEIGHTS.dropout {
         let at = kernels_spec::dropout::Word::Threshold.index();
         params.0[at..at + kernels_spec::dropout::DROPOUT_WORDS]
             .copy_from_slice(&problem.dropout.words());
     }
+    let captured = window.captured(&problem);
     let tensors: Vec<Tensor<CpuRuntime>> = variant
         .captures()
         .iter()
         .map(|c| {
-            c.on::<CpuRuntime>(&problem)
+            c.on::<CpuRuntime>(&captured)
                 .expect("the case's tensors fit")
         })
         .collect();
@@ -1849,6 +1866,86 @@ fn host_emulation_matches_the_reference() {
             },
             CudaDType::F32,
             problem(20, 20, 64),
+        ),
+        // Calls of a ring: windows of a longer sequence at non-zero query
+        // and key offsets, the variant at the whole sequence's positions
+        // (its captured tensors span the whole sequence); the sink in the
+        // calls that carry it only; the dropout draw at global positions.
+        host_case(
+            ring_call(
+                Causal,
+                problem(130, 130, 64),
+                &problem(33, 70, 64),
+                (60, 10),
+                false,
+            ),
+            CudaDType::F32,
+            problem(33, 70, 64),
+        ),
+        host_case(
+            ring_call(
+                CausalDocuments {
+                    doc: data(problem(97, 97, 64), 11).documents(),
+                },
+                problem(97, 97, 64),
+                &problem(33, 40, 64),
+                (50, 30),
+                false,
+            ),
+            CudaDType::F16,
+            problem(33, 40, 64),
+        ),
+        host_case(
+            ring_call(
+                CausalSlidingWindowSinks {
+                    window: 25,
+                    sinks: data(problem(80, 80, 64), 12).learnable(&[4], -2.0, 2.0),
+                },
+                problem(80, 80, 64),
+                &problem(20, 40, 64),
+                (40, 10),
+                true,
+            ),
+            CudaDType::F32,
+            problem(20, 40, 64),
+        ),
+        host_case(
+            ring_call(
+                CausalSlidingWindowSinks {
+                    window: 25,
+                    sinks: data(problem(80, 80, 64), 13).learnable(&[4], -2.0, 2.0),
+                },
+                problem(80, 80, 64),
+                &problem(20, 40, 64),
+                (40, 10),
+                false,
+            ),
+            CudaDType::F32,
+            problem(20, 40, 64),
+        ),
+        host_case(
+            ring_call(
+                AlibiSlopes {
+                    slopes: data(problem(64, 64, 64), 14).learnable(&[4], 0.0, 0.5),
+                },
+                problem(64, 64, 64).with_head_dim_v(32),
+                &problem(24, 40, 64).with_head_dim_v(32),
+                (40, 0),
+                false,
+            ),
+            CudaDType::Bf16,
+            problem(24, 40, 64).with_head_dim_v(32),
+        ),
+        host_case(
+            ring_call(
+                CausalDropout { p: 0.3 },
+                problem(90, 90, 64),
+                &problem(30, 30, 64),
+                (60, 30),
+                false,
+            ),
+            CudaDType::F16,
+            problem(30, 30, 64),
         ),
         // Values of their own head dim (Dv ≠ D): q, k, dq, dk rows of D,
         // v, out, dout, dv rows of Dv, on every dtype, with GQA and Sq ≠ Sk.

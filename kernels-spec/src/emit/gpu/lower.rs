@@ -32,7 +32,7 @@ use super::ast::{BinaryOp, Expr, Func, Function, Literal, Member, Name, ParamsSt
 use crate::analysis::build;
 use crate::eval::{self, Value};
 use crate::ir::{self, Builtin, Const, ExprKind, Local, Program, Ty, UnOp};
-use crate::params::{ParamLayout, SUMMARY_BLOCK, SUMMARY_MAX_BLOCKS};
+use crate::params::{ParamLayout, SUMMARY_BLOCK, SUMMARY_MAX_BLOCKS, WindowWord};
 
 /// The name of a variant function in every target (`score` →
 /// `variant_score`).
@@ -53,17 +53,39 @@ pub fn params_struct(layout: &ParamLayout) -> ParamsStruct {
             })
             .collect(),
         padding_words: layout.padding_words(),
-        trailing: if layout.dropout() {
-            crate::dropout::Word::ALL
+        trailing: {
+            let dropout = crate::dropout::Word::ALL
                 .iter()
+                .filter(|_| layout.dropout())
                 .map(|w| Member {
                     name: w.member().to_string(),
                     ty: Type::U32,
-                })
-                .collect()
-        } else {
-            Vec::new()
+                });
+            let window = WindowWord::ALL.iter().map(|w| Member {
+                name: w.member().to_string(),
+                ty: w.ty().into(),
+            });
+            dropout.chain(window).collect()
         },
+    }
+}
+
+/// The window's shift of a position argument (`q`, `kv` and the tile's
+/// bounds), as the member of the parameter block that holds it; `None`
+/// for the others.
+fn window_shift(a: ir::Arg) -> Option<WindowWord> {
+    match a {
+        ir::Arg::Q | ir::Arg::QLo | ir::Arg::QHi => Some(WindowWord::Q),
+        ir::Arg::Kv | ir::Arg::KvLo | ir::Arg::KvHi => Some(WindowWord::Kv),
+        ir::Arg::S | ir::Arg::B | ir::Arg::H => None,
+    }
+}
+
+/// A window word of the parameter block.
+fn window_word(w: WindowWord) -> Expr {
+    Expr::Param {
+        member: w.member().to_string(),
+        ty: w.ty().into(),
     }
 }
 
@@ -76,10 +98,13 @@ pub fn function(program: &Program, f: &ir::Function) -> Function {
         next_local: build::next_local(&f.body),
         names: Vec::new(),
         bound: std::collections::HashSet::new(),
+        placed: Vec::new(),
     };
+    // Every position is shifted by the call's window, a word of the block.
     let (mut reads_params, mut reads_tensors) = (false, false);
     f.body.walk(&mut |e| match e.kind {
         ExprKind::Param(_) => reads_params = true,
+        ExprKind::Arg(a) if window_shift(a).is_some() => reads_params = true,
         ExprKind::Read(_) | ExprKind::ReadRange(_) | ExprKind::Dim(..) => {
             reads_params = true;
             reads_tensors |= !matches!(e.kind, ExprKind::Dim(..));
@@ -114,7 +139,34 @@ pub fn function(program: &Program, f: &ir::Function) -> Function {
         }
         Expr::Lit(Literal::Bool(true))
     };
-    let value = cx.expr(&f.body, &guard);
+    // Each position the body reads, once, where the window places it.
+    for &a in &f.args {
+        if let Some(w) = window_shift(a).filter(|_| f.body.uses_arg(a)) {
+            let l = Local(cx.next_local);
+            cx.next_local += 1;
+            let placed = Expr::Binary(
+                BinaryOp::Add,
+                Type::I32,
+                Box::new(Expr::Name(Name::Arg(a))),
+                Box::new(window_word(w)),
+            );
+            cx.stmts.push(Stmt::Let(l, Type::I32, placed));
+            cx.placed.push((a, l));
+        }
+    }
+    let mut value = cx.expr(&f.body, &guard);
+    if f.name == "sink" && program.weights.sink {
+        // A call whose rows do not carry the sink (all but one of a ring's
+        // calls per row) has none.
+        let no_sink = Expr::Binary(
+            BinaryOp::Ne,
+            Type::U32,
+            Box::new(window_word(WindowWord::NoSink)),
+            Box::new(Expr::Lit(Literal::U32(0))),
+        );
+        let none = Expr::Lit(Literal::F32(f32::NEG_INFINITY));
+        value = Expr::Select(Box::new(no_sink), Box::new(none), Box::new(value));
+    }
     cx.stmts.push(Stmt::Return(value));
     Function {
         name: function_name(f),
@@ -206,6 +258,9 @@ struct Lowering<'a> {
     names: Vec<(Local, Local)>,
     /// The names bound so far.
     bound: std::collections::HashSet<Local>,
+    /// Each position argument the body reads, and the local holding it
+    /// shifted by the call's window.
+    placed: Vec<(ir::Arg, Local)>,
 }
 
 fn literal(v: Value) -> Expr {
@@ -362,7 +417,10 @@ impl Lowering<'_> {
                 (Const::Int(v), _) => Literal::I32(v as i32),
                 (Const::Bool(b), _) => Literal::Bool(b),
             }),
-            ExprKind::Arg(a) => Expr::Name(Name::Arg(*a)),
+            ExprKind::Arg(a) => match self.placed.iter().find(|(p, _)| p == a) {
+                Some(&(_, l)) => Expr::Name(Name::Local(l)),
+                None => Expr::Name(Name::Arg(*a)),
+            },
             ExprKind::Param(i) => {
                 let slot = self.program.layout.scalar(*i);
                 let p = &self.program.params[*i];

@@ -411,6 +411,11 @@ pub fn variant_section<D: Dialect>(program: &Program) -> String {
     s.push_str("\n// ---- variant ");
     s.push_str(&program.name);
     s.push_str(" ----\n");
+    s.push_str(
+        "// Positions: the kernels' (query row i at i + Sk - Sq, key j at j) plus the\n\
+         // call's window (params.win_q, params.win_kv; 0 but in a ring's calls, whose\n\
+         // rows carry the sink only where params.win_no_sink is 0).\n",
+    );
     s.push_str(&code::<D, _>(&lower::params_struct(&program.layout)).to_string());
     s.push('\n');
     for f in program.functions() {

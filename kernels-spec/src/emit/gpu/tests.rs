@@ -79,18 +79,27 @@ fn operators_get_the_ir_semantics_in_each_dialect() {
          struct V { a: f32, k: i32, u: u32, on: bool }",
     );
     let (cuda, wgsl) = both(&p, &p.score);
+    // Positions are shifted by the call's window once, into locals.
+    assert!(
+        cuda.contains("const int l0 = bx_add_i32(q, params.win_q);"),
+        "{cuda}"
+    );
+    assert!(
+        wgsl.contains("let l1: i32 = (kv + params.win_kv);"),
+        "{wgsl}"
+    );
     for (c, w) in [
         // Floats never contract in CUDA; WGSL writes the operators.
         ("__fmul_rn(s, params.p_a)", "(s * params.p_a)"),
         // Integer division and remainder by zero give 0.
-        ("bx_div_i32(q, kv)", "bx_div_i32(q, kv)"),
-        ("bx_rem_i32(q, params.p_k)", "bx_rem_i32(q, params.p_k)"),
+        ("bx_div_i32(l0, l1)", "bx_div_i32(l0, l1)"),
+        ("bx_rem_i32(l0, params.p_k)", "bx_rem_i32(l0, params.p_k)"),
         // Signed negation wraps: UB in C++, defined in WGSL.
         (
-            "bx_neg_i32(bx_rem_i32(q, params.p_k))",
-            "(- bx_rem_i32(q, params.p_k))",
+            "bx_neg_i32(bx_rem_i32(l0, params.p_k))",
+            "(- bx_rem_i32(l0, params.p_k))",
         ),
-        ("((float)(bx_div_i32(q, kv)))", "f32(bx_div_i32(q, kv))"),
+        ("((float)(bx_div_i32(l0, l1)))", "f32(bx_div_i32(l0, l1))"),
         ("bx_sigmoid(s)", "bx_sigmoid(s)"),
         // A bool parameter is a word; `if` is a select.
         (
@@ -104,10 +113,10 @@ fn operators_get_the_ir_semantics_in_each_dialect() {
     let (cuda, wgsl) = both(&p, &p.mask);
     for (c, w) in [
         (
-            "bx_div_u32(((unsigned)(kv)), params.p_u)",
-            "bx_div_u32(bitcast<u32>(kv), params.p_u)",
+            "bx_div_u32(((unsigned)(l1)), params.p_u)",
+            "bx_div_u32(bitcast<u32>(l1), params.p_u)",
         ),
-        ("bx_min_i32(q, kv)", "min(q, kv)"),
+        ("bx_min_i32(l0, l1)", "min(l0, l1)"),
         // clamp is min(max(..)), never the target's clamp (lo > hi).
         ("bx_min_i32(bx_max_i32(h, 0), 4)", "min(max(h, 0i), 4i)"),
         // A NaN operand of min/max gives the other one.
@@ -142,11 +151,24 @@ fn unread_arguments_are_taken_and_marked_in_cuda_only() {
         cuda,
         "__device__ __forceinline__ bool variant_mask(const Params& params, unsigned* __restrict__ captures, \
          int b, int h, int q, int kv) {\n    \
-         (void)params;\n    (void)captures;\n    (void)b;\n    (void)h;\n    return (kv < q);\n}\n"
+         (void)captures;\n    (void)b;\n    (void)h;\n    \
+         const int l0 = bx_add_i32(q, params.win_q);\n    const int l1 = bx_add_i32(kv, params.win_kv);\n    \
+         return (l1 < l0);\n}\n"
     );
     assert_eq!(
         wgsl,
-        "fn variant_mask(b: i32, h: i32, q: i32, kv: i32) -> bool {\n    return (kv < q);\n}\n"
+        "fn variant_mask(b: i32, h: i32, q: i32, kv: i32) -> bool {\n    \
+         let l0: i32 = (q + params.win_q);\n    let l1: i32 = (kv + params.win_kv);\n    \
+         return (l1 < l0);\n}\n"
+    );
+    // Without positions, nothing is shifted and the block is unread.
+    let (cuda, _) = both(
+        &program("#[attention(score = |s, b, h, q, kv| 2.0 * s)] struct D;"),
+        &p.score,
+    );
+    assert!(
+        cuda.contains("(void)params;") && !cuda.contains("win_"),
+        "{cuda}"
     );
 }
 
@@ -179,7 +201,8 @@ fn the_params_struct_fills_the_block_in_both_dialects() {
     assert!(
         cuda.contains(
             "struct Params {\n    float p_cap;\n    unsigned p_on;\n    unsigned p_n;\n    int p_w;\n    \
-             unsigned _pad[28];\n};\nstatic_assert(sizeof(Params) == 128,"
+             unsigned _pad[28];\n    int win_q;\n    int win_kv;\n    unsigned win_no_sink;\n    \
+             unsigned win_spare;\n};\nstatic_assert(sizeof(Params) == 144,"
         ),
         "{cuda}"
     );
@@ -187,7 +210,8 @@ fn the_params_struct_fills_the_block_in_both_dialects() {
     assert!(
         wgsl.contains(
             "struct Params {\n    p_cap: f32,\n    p_on: u32,\n    p_n: u32,\n    p_w: i32,\n    \
-             pad: array<vec4<u32>, 7>,\n}"
+             pad: array<vec4<u32>, 7>,\n    win_q: i32,\n    win_kv: i32,\n    win_no_sink: u32,\n    \
+             win_spare: u32,\n}"
         ),
         "{wgsl}"
     );
@@ -213,11 +237,15 @@ fn tensor_reads_are_arena_words_and_checked_reads_report_on_their_path() {
         wgsl.contains("bitcast<f32>(bx_capture((params.p_w_off + bitcast<u32>(h))))"),
         "{wgsl}"
     );
-    assert!(wgsl.contains("let l0: bool = (kv > 3i);"), "{wgsl}");
+    assert!(
+        wgsl.contains("let l0: i32 = (kv + params.win_kv);"),
+        "{wgsl}"
+    );
+    assert!(wgsl.contains("let l1: bool = (l0 > 3i);"), "{wgsl}");
     assert!(
         wgsl.contains(
-            "bx_capture_checked((params.p_t_off + bitcast<u32>((kv - 4i))), \
-             (bitcast<u32>((kv - 4i)) < params.p_t_d0), (seen && l0), 0u, bitcast<u32>((kv - 4i)), 0u, 0u, 0u)"
+            "bx_capture_checked((params.p_t_off + bitcast<u32>((l0 - 4i))), \
+             (bitcast<u32>((l0 - 4i)) < params.p_t_d0), (seen && l1), 0u, bitcast<u32>((l0 - 4i)), 0u, 0u, 0u)"
         ),
         "{wgsl}"
     );
@@ -255,6 +283,12 @@ fn a_sink_is_a_function_of_the_row_that_reports_only_for_live_rows() {
     // `q - 2` may be out of range: checked, reported where the row exists.
     assert!(wgsl.contains("bx_capture_checked("), "{wgsl}");
     assert!(wgsl.contains(", seen, 0u, "), "{wgsl}");
+    // A call whose rows do not carry the sink (a ring's) has none.
+    assert!(
+        wgsl.contains("return select(bitcast<f32>(bx_capture_checked(")
+            && wgsl.contains("(- bx_inf()), (params.win_no_sink != 0u));"),
+        "{wgsl}"
+    );
     // Without a sink: -inf, and no read.
     let none = program("#[attention(mask = |b, h, q, kv| kv <= q)] struct W;");
     assert!(!none.weights.sink);
