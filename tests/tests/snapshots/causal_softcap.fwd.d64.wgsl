@@ -200,12 +200,19 @@ fn bx_sat_mul(a: i32, b: i32) -> i32 {
 }
 
 // ---- variant CausalSoftcap ----
+// Positions: the kernels' (query row i at i + Sk - Sq, key j at j) plus the
+// call's window (params.win_q, params.win_kv; 0 but in a ring's calls, whose
+// rows carry the sink only where params.win_no_sink is 0).
 struct Params {
     p_cap: f32,
     pad_0: u32,
     pad_1: u32,
     pad_2: u32,
     pad: array<vec4<u32>, 7>,
+    win_q: i32,
+    win_kv: i32,
+    win_no_sink: u32,
+    win_spare: u32,
 }
 
 fn variant_score(s: f32, b: i32, h: i32, q: i32, kv: i32, seen: bool) -> f32 {
@@ -218,7 +225,9 @@ fn variant_score_grad(s: f32, b: i32, h: i32, q: i32, kv: i32, seen: bool) -> f3
 }
 
 fn variant_mask(b: i32, h: i32, q: i32, kv: i32) -> bool {
-    return (kv <= q);
+    let l0: i32 = (q + params.win_q);
+    let l1: i32 = (kv + params.win_kv);
+    return (l1 <= l0);
 }
 
 fn variant_sink(b: i32, h: i32, q: i32, seen: bool) -> f32 {
@@ -226,7 +235,11 @@ fn variant_sink(b: i32, h: i32, q: i32, seen: bool) -> f32 {
 }
 
 fn variant_classify(b: i32, h: i32, q_lo: i32, q_hi: i32, kv_lo: i32, kv_hi: i32) -> i32 {
-    return select(select(1i, 2i, (q_lo >= kv_hi)), 0i, (kv_lo > q_hi));
+    let l0: i32 = (q_lo + params.win_q);
+    let l1: i32 = (q_hi + params.win_q);
+    let l2: i32 = (kv_lo + params.win_kv);
+    let l3: i32 = (kv_hi + params.win_kv);
+    return select(select(1i, 2i, (l0 >= l3)), 0i, (l2 > l1));
 }
 
 fn bx_learn_score(dz: f32, s: f32, b: i32, h: i32, q: i32, kv: i32) {

@@ -173,11 +173,18 @@ __device__ __forceinline__ int bx_sat_sub(int a, int b) { return bx_sat_i32((lon
 __device__ __forceinline__ int bx_sat_mul(int a, int b) { return bx_sat_i32((long long)a * (long long)b); }
 
 // ---- variant CausalSoftcap ----
+// Positions: the kernels' (query row i at i + Sk - Sq, key j at j) plus the
+// call's window (params.win_q, params.win_kv; 0 but in a ring's calls, whose
+// rows carry the sink only where params.win_no_sink is 0).
 struct Params {
     float p_cap;
     unsigned _pad[31];
+    int win_q;
+    int win_kv;
+    unsigned win_no_sink;
+    unsigned win_spare;
 };
-static_assert(sizeof(Params) == 128, "Params is 32 words");
+static_assert(sizeof(Params) == 144, "Params is 36 words");
 
 __device__ __forceinline__ float variant_score(const Params& params, unsigned* __restrict__ captures, float s, int b, int h, int q, int kv, bool seen) {
     (void)captures;
@@ -201,11 +208,12 @@ __device__ __forceinline__ float variant_score_grad(const Params& params, unsign
 }
 
 __device__ __forceinline__ bool variant_mask(const Params& params, unsigned* __restrict__ captures, int b, int h, int q, int kv) {
-    (void)params;
     (void)captures;
     (void)b;
     (void)h;
-    return (kv <= q);
+    const int l0 = bx_add_i32(q, params.win_q);
+    const int l1 = bx_add_i32(kv, params.win_kv);
+    return (l1 <= l0);
 }
 
 __device__ __forceinline__ float variant_sink(const Params& params, unsigned* __restrict__ captures, int b, int h, int q, bool seen) {
@@ -219,11 +227,14 @@ __device__ __forceinline__ float variant_sink(const Params& params, unsigned* __
 }
 
 __device__ __forceinline__ int variant_classify(const Params& params, unsigned* __restrict__ captures, int b, int h, int q_lo, int q_hi, int kv_lo, int kv_hi) {
-    (void)params;
     (void)captures;
     (void)b;
     (void)h;
-    return ((kv_lo > q_hi) ? 0 : ((q_lo >= kv_hi) ? 2 : 1));
+    const int l0 = bx_add_i32(q_lo, params.win_q);
+    const int l1 = bx_add_i32(q_hi, params.win_q);
+    const int l2 = bx_add_i32(kv_lo, params.win_kv);
+    const int l3 = bx_add_i32(kv_hi, params.win_kv);
+    return ((l2 > l1) ? 0 : ((l0 >= l3) ? 2 : 1));
 }
 
 __device__ __forceinline__ void bx_learn_score(const Params& params, unsigned* __restrict__ captures, float dz, float s, int b, int h, int q, int kv) {

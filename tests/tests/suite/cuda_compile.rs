@@ -514,15 +514,15 @@ fn param_words_follow_the_layout() {
     // The CUDA struct declares the same words, padded to the block's size.
     assert!(section(&declared::<Everything>()).contains(
         "struct Params {\n    float p_cap;\n    float p_slope;\n    unsigned p_window;\n    \
-         unsigned p_causal;\n    unsigned p_alibi;\n    unsigned _pad[27];\n};"
+         unsigned p_causal;\n    unsigned p_alibi;\n    unsigned _pad[27];\n    int win_q;\n"
     ));
     assert!(
         section(&declared::<boostr_runtime::stock::Full>())
-            .contains("struct Params {\n    unsigned _pad[32];\n};")
+            .contains("struct Params {\n    unsigned _pad[32];\n    int win_q;\n")
     );
     assert!(
-        section(&declared::<ThirtyTwoWords>()).contains("    int p_w31;\n};"),
-        "no padding after 32 words"
+        section(&declared::<ThirtyTwoWords>()).contains("    int p_w31;\n    int win_q;\n"),
+        "no padding after 32 words of fields: the window follows"
     );
 }
 
