@@ -27,6 +27,7 @@
 //! over an fp8 cache, the reference of its dequantized values.
 
 use crate::fixtures;
+use crate::tool_cache;
 
 use boostr_runtime::stock::{
     AlibiSlopes, Causal, CausalDocuments, CausalDropout, CausalSigmoid, CausalSlidingWindow,
@@ -253,6 +254,13 @@ fn parse_ptxas(output: &str) -> Result<BTreeMap<String, KernelReport>, String> {
 }
 
 fn ptxas(ptxas: &Path, ptx: &str, arch: &str, tag: &str) -> Result<String, String> {
+    let tool = tool_cache::tool_identity(ptxas);
+    let key: [&[u8]; 3] = [&tool, ptx.as_bytes(), arch.as_bytes()];
+    tool_cache::text("ptxas", &key, || run_ptxas(ptxas, ptx, arch, tag))
+}
+
+/// `ptxas -v` on `ptx` for `arch`: its report.
+fn run_ptxas(ptxas: &Path, ptx: &str, arch: &str, tag: &str) -> Result<String, String> {
     static SERIAL: AtomicUsize = AtomicUsize::new(0);
     let n = SERIAL.fetch_add(1, Ordering::Relaxed);
     let dir = std::env::temp_dir();
@@ -435,14 +443,32 @@ fn every_kernel_compiles_without_spills() {
 }
 
 fn nvrtc(source: &str, nvrtc_arch: &'static str, tag: &str) -> Result<String, String> {
-    let opts = CompileOptions {
-        arch: Some(nvrtc_arch),
-        options: vec!["-std=c++17".into()],
-        ..Default::default()
-    };
-    compile_ptx_with_opts(source, opts)
-        .map(|ptx| ptx.to_src())
-        .map_err(|e| format!("{tag}: NVRTC failed: {e:?}\n---- source ----\n{source}"))
+    let version = nvrtc_version();
+    let key: [&[u8]; 4] = [
+        source.as_bytes(),
+        nvrtc_arch.as_bytes(),
+        b"-std=c++17",
+        &version,
+    ];
+    tool_cache::text("ptx", &key, || {
+        let opts = CompileOptions {
+            arch: Some(nvrtc_arch),
+            options: vec!["-std=c++17".into()],
+            ..Default::default()
+        };
+        compile_ptx_with_opts(source, opts)
+            .map(|ptx| ptx.to_src())
+            .map_err(|e| format!("{tag}: NVRTC failed: {e:?}\n---- source ----\n{source}"))
+    })
+}
+
+/// NVRTC's version (major, minor), which the PTX it makes depends on.
+fn nvrtc_version() -> Vec<u8> {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: two valid out-pointers; NVRTC is loaded (checked by the
+    // callers), and the call only writes them.
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    format!("{major}.{minor}").into_bytes()
 }
 
 fn assemble_and_check(
@@ -1542,21 +1568,39 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
         CudaDType::F16 => 1,
         CudaDType::Bf16 => 2,
     };
-    let exe = dir.join("harness");
-    let out = Command::new(cxx)
-        .args(["-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-w"])
-        .arg(format!("-DBX_HOST_DTYPE={dtype_code}"))
-        .arg(dir.join("harness.cpp"))
-        .arg("-o")
-        .arg(&exe)
-        .output()
-        .map_err(|e| format!("{tag}: running {}: {e}", cxx.display()))?;
-    if !out.status.success() {
-        return Err(format!(
-            "{tag}: host compile failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        ));
-    }
+    // The harness, built once per (compiler, kernel source, launches).
+    let flags = ["-std=c++20", "-O1", "-pthread", "-ffp-contract=off", "-w"];
+    let define = format!("-DBX_HOST_DTYPE={dtype_code}");
+    let launches = std::fs::read(dir.join("launches.inc")).map_err(|e| format!("{tag}: {e}"))?;
+    let compiler = tool_cache::tool_identity(cxx);
+    let flag_text = flags.join(" ");
+    let key: [&[u8]; 7] = [
+        &compiler,
+        flag_text.as_bytes(),
+        define.as_bytes(),
+        HOST_HARNESS.as_bytes(),
+        source.as_bytes(),
+        kernels::SUMMARY_SOURCE.as_bytes(),
+        &launches,
+    ];
+    let exe = tool_cache::file("harness", &key, |exe| {
+        let out = Command::new(cxx)
+            .args(flags)
+            .arg(&define)
+            .arg(dir.join("harness.cpp"))
+            .arg("-o")
+            .arg(exe)
+            .output()
+            .map_err(|e| format!("{tag}: running {}: {e}", cxx.display()))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{tag}: host compile failed:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            ))
+        }
+    })?;
     let out = Command::new(&exe)
         .arg(&dir)
         .args([p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k].map(|x| x.to_string()))

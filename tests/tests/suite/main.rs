@@ -10,5 +10,6 @@ mod kv_cache;
 mod layouts;
 mod learnable;
 mod snapshots;
+mod tool_cache;
 mod variants;
 mod wgsl_validate;
