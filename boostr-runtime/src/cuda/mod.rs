@@ -836,16 +836,9 @@ mod tests {
             let Some(device) = device_or_skip::<Cuda>("ring attention on CUDA") else {
                 return;
             };
-            let run = |stream, worlds: &[usize]| {
-                each_layout_on::<_, CudaRuntime>(
-                    &device,
-                    stream,
-                    worlds,
-                    Schedule::Ring,
-                    |_, _, _| Causal,
-                )
-            };
-            run(40, &[1, 2, 3]);
+            each_layout_on::<_, CudaRuntime>(&device, 40, &[1, 2, 3], Schedule::Ring, |_, _, _| {
+                Causal
+            });
             each_layout_on::<_, CudaRuntime>(&device, 41, &[2, 3], Schedule::Ring, |_, w, d| {
                 documents_on::<CudaRuntime>(w, d)
             });

@@ -66,6 +66,14 @@ impl<R: Runtime<DType = DType>> Wire<R> {
         }
     }
 
+    /// Its elements (`u64`), on the host.
+    fn words(&self) -> Vec<u64> {
+        match self {
+            Wire::Tensor(t) => t.to_vec(),
+            Wire::Host(t) => t.to_vec(),
+        }
+    }
+
     /// The buffer as a tensor of the runtime on `device`.
     fn into_tensor(self, device: &R::Device) -> Result<Tensor<R>> {
         Ok(match self {
@@ -174,23 +182,38 @@ impl Link {
         (self.rank + self.world - 1) % self.world
     }
 
-    /// `t` as the communicator reads it: contiguous, copied to the host
-    /// where it is staged.
-    pub fn put<R: Runtime<DType = DType>>(&self, t: &Tensor<R>) -> Result<Wire<R>> {
-        let t = t.contiguous()?;
+    /// `ts` as the communicator reads them: contiguous, copied to the host
+    /// where they are staged.
+    pub fn put<R: Runtime<DType = DType>>(&self, ts: &[Tensor<R>]) -> Result<Vec<Wire<R>>> {
         if self.direct {
+            let wires = ts
+                .iter()
+                .map(|t| Ok(Wire::Tensor(t.contiguous()?)))
+                .collect::<Result<Vec<_>>>()?;
             // The communicator may read on a stream of its own: the
-            // kernels that wrote `t` finish first.
-            R::default_client(t.device()).synchronize();
-            return Ok(Wire::Tensor(t));
+            // kernels that wrote them finish first.
+            if let Some(t) = ts.first() {
+                R::default_client(t.device()).synchronize();
+            }
+            return Ok(wires);
         }
-        let host = Tensor::<CpuRuntime>::from_bytes(
-            &t.to_bytes()?,
-            t.shape(),
-            t.dtype(),
-            &CpuDevice::new(),
-        )?;
-        Ok(Wire::Host(host))
+        ts.iter()
+            .map(|t| {
+                let host = Tensor::<CpuRuntime>::from_bytes(
+                    &t.to_bytes()?,
+                    t.shape(),
+                    t.dtype(),
+                    &CpuDevice::new(),
+                )?;
+                Ok(Wire::Host(host))
+            })
+            .collect()
+    }
+
+    /// `t` alone, as [`put`](Self::put).
+    fn put_one<R: Runtime<DType = DType>>(&self, t: &Tensor<R>) -> Result<Wire<R>> {
+        let mut wires = self.put(std::slice::from_ref(t))?;
+        Ok(wires.pop().expect("one tensor, one wire"))
     }
 
     /// A buffer to receive `shape` elements of `dtype` into, where the
@@ -240,11 +263,7 @@ impl Link {
         device: &R::Device,
         tag: u32,
     ) -> Result<Pending<Vec<Tensor<R>>>> {
-        let send = x
-            .send
-            .iter()
-            .map(|t| self.put(t))
-            .collect::<Result<Vec<_>>>()?;
+        let send = self.put(&x.send)?;
         let recv = x
             .recv
             .iter()
@@ -301,10 +320,7 @@ impl Link {
                 &CpuDevice::new(),
             )?)
         };
-        let all: Vec<u64> = match self.all_gather(send, &[n], device, what)? {
-            Wire::Tensor(t) => t.to_vec(),
-            Wire::Host(t) => t.to_vec(),
-        };
+        let all: Vec<u64> = self.all_gather(send, &[n], device, what)?.words();
         Ok(all.chunks(n).map(<[u64]>::to_vec).collect())
     }
 
@@ -315,7 +331,7 @@ impl Link {
         tensor: &Tensor<R>,
         what: &'static str,
     ) -> Result<Tensor<R>> {
-        let send = self.put(tensor)?;
+        let send = self.put_one(tensor)?;
         let device = tensor.device();
         self.all_gather(send, tensor.shape(), device, what)?
             .into_tensor(device)
@@ -356,7 +372,7 @@ impl Link {
         let shape = parts.shape()[1..].to_vec();
         let n: usize = shape.iter().product();
         let device = parts.device().clone();
-        let send = self.put(&parts)?;
+        let send = self.put_one(&parts)?;
         let recv = self.slot::<R>(&shape, DType::F32, &device)?;
         self.spawn(what, move |comm| {
             // SAFETY: `send` holds `world · n` f32 and `recv` `n`, both

@@ -182,50 +182,42 @@ fn input(name: &'static str, t: &Tensor<WgpuRuntime>) -> Result<Tensor<WgpuRunti
     Ok(t.contiguous()?)
 }
 
-/// The backward's per-row scratch `[B, Hq, Sq, 4]`, `dlse` (zero without
-/// one) in component `z` and zero elsewhere.
-fn rows_with_dlse(
+/// The backward's per-row scratch `[B, Hq, Sq, 4]`. For `attn_bwd_delta`
+/// to fill: `dlse` (zero without one) in component `z`, zero elsewhere.
+/// For a call whose rows see only part of their keys (one call of a ring,
+/// `whole_rows = Some((dout, out, lse))`), already as that kernel would
+/// leave it had the call seen every key: `(0, 0, lse, D_i − dlse_i)` with
+/// `D_i = rowsum(dO ∘ O)` of the whole row's output.
+fn backward_rows(
     client: &WgpuClient,
     p: &Problem,
     dlse: Option<&Tensor<WgpuRuntime>>,
+    whole_rows: Option<[&Tensor<WgpuRuntime>; 3]>,
 ) -> Result<Tensor<WgpuRuntime>> {
+    use numr::ops::{BinaryOps as _, ReduceOps as _};
+    let column = [p.batch, p.heads_q, p.seq_q, 1];
     let zeros = |n| {
         let shape = [p.batch, p.heads_q, p.seq_q, n];
         Tensor::<WgpuRuntime>::zeros(&shape, DType::F32, client.device())
     };
-    let Some(dlse) = dlse else {
-        return Ok(zeros(4)?);
+    let dlse = match dlse {
+        Some(g) => {
+            validate::check_dtype("dlse", g, WGPU, &[DType::F32], "f32")?;
+            Some(g.reshape(&column)?)
+        }
+        None => None,
     };
-    validate::check_dtype("dlse", dlse, WGPU, &[DType::F32], "f32")?;
-    let z = dlse.reshape(&[p.batch, p.heads_q, p.seq_q, 1])?;
-    Ok(client.cat(&[&zeros(2)?, &z, &zeros(1)?], -1)?)
-}
-
-/// The backward's per-row scratch of a call whose rows see only part of
-/// their keys (one call of a ring): `(0, 0, lse, D_i − dlse_i)` with `D_i =
-/// rowsum(dO ∘ O)` of the whole row's output, as `attn_bwd_delta` would
-/// leave it had the call seen every key.
-fn rows_of_window(
-    client: &WgpuClient,
-    p: &Problem,
-    (dout, out): (&Tensor<WgpuRuntime>, &Tensor<WgpuRuntime>),
-    lse: &Tensor<WgpuRuntime>,
-    dlse: Option<&Tensor<WgpuRuntime>>,
-) -> Result<Tensor<WgpuRuntime>> {
-    use numr::ops::{BinaryOps as _, ReduceOps as _};
-    let column = [p.batch, p.heads_q, p.seq_q, 1];
-    let mut delta = client.sum(&client.mul(dout, out)?, &[3], true)?;
-    if let Some(dlse) = dlse {
-        validate::check_dtype("dlse", dlse, WGPU, &[DType::F32], "f32")?;
-        delta = client.sub(&delta, &dlse.reshape(&column)?)?;
-    }
-    let zeros = Tensor::<WgpuRuntime>::zeros(
-        &[p.batch, p.heads_q, p.seq_q, 2],
-        DType::F32,
-        client.device(),
-    )?;
-    let lse = lse.reshape(&column)?;
-    Ok(client.cat(&[&zeros, &lse, &delta], -1)?)
+    Ok(match (whole_rows, dlse) {
+        (None, None) => zeros(4)?,
+        (None, Some(z)) => client.cat(&[&zeros(2)?, &z, &zeros(1)?], -1)?,
+        (Some([dout, out, lse]), dlse) => {
+            let mut delta = client.sum(&client.mul(dout, out)?, &[3], true)?;
+            if let Some(z) = dlse {
+                delta = client.sub(&delta, &z)?;
+            }
+            client.cat(&[&zeros(2)?, &lse.reshape(&column)?, &delta], -1)?
+        }
+    })
 }
 
 fn alloc(shape: &[usize], t: &Tensor<WgpuRuntime>) -> Result<Tensor<WgpuRuntime>> {
@@ -886,11 +878,13 @@ impl AttentionRuntime for WgpuRuntime {
         let cfg = tiles::<V>(p)?;
         // Per query row: dlse on entry, running sums between dispatches,
         // then lse and D_i − dlse_i; a window's given.
-        let rows = if window {
-            rows_of_window(&client, p, (&x.dout, &input("out", t.out)?), &x.lse, t.dlse)?
+        let out = if window {
+            Some(input("out", t.out)?)
         } else {
-            rows_with_dlse(&client, p, t.dlse)?
+            None
         };
+        let whole_rows = out.as_ref().map(|out| [&x.dout, out, &x.lse]);
+        let rows = backward_rows(&client, p, t.dlse, whole_rows)?;
         let dq = alloc(q.shape(), q)?;
         // dK and dV of each sequence's slots; a paged call's are folded
         // into its pages at the end.
