@@ -22,9 +22,7 @@
 
 use boostr_runtime::stock::CausalDocuments;
 use boostr_runtime::testing::Rng;
-use boostr_runtime::{
-    AttentionOptions, AttentionRuntime, Problem, Variant, attention, attention_fwd,
-};
+use boostr_runtime::{AttentionOptions, AttentionRuntime, Keys, Problem, Variant, attention};
 use numr::runtime::RuntimeClient;
 use numr::tensor::Tensor;
 use std::error::Error;
@@ -135,10 +133,10 @@ fn median(mut xs: Vec<f64>) -> f64 {
 fn forward<R: AttentionRuntime, V: Variant>(v: &V, x: &Tensor<R>) -> BoxResult<f64> {
     let client = R::default_client(x.device());
     let start = Instant::now();
-    let (out, lse) = attention_fwd(v, x, x, x, &AttentionOptions::default())?;
+    let y = attention(v, x, Keys::dense(x, x), &AttentionOptions::default())?;
     client.synchronize();
     let t = start.elapsed().as_secs_f64();
-    drop((out, lse));
+    drop(y);
     Ok(t)
 }
 

@@ -36,7 +36,7 @@
 //! variant does before its kernels: checking the ids and computing their
 //! per-block summaries (`Variant::host`).
 //! `attn` times one run (B = 1) on inputs made when the shape last changed;
-//! `fwdbwd` is `attention_fwd` followed by `attention_bwd`. `gemm` times one
+//! `fwdbwd` is `attention` followed by `attention_backward`. `gemm` times one
 //! `n × n × n` f32 product through the `gemm` crate on every rayon thread
 //! (boostr's tile products use it on CPUs without AVX-512). `tile` times
 //! `iters` single-threaded tile products `C += A·B` (`t`: `A` stored
@@ -59,7 +59,9 @@ use boostr_runtime::stock::{
     Alibi, Causal, CausalDocuments, CausalSlidingWindow, CausalSoftcap, Full, PrefixLm,
 };
 use boostr_runtime::testing::Rng;
-use boostr_runtime::{AttentionOptions, Problem, Variant, attention, attention_bwd, attention_fwd};
+use boostr_runtime::{
+    AttentionOptions, Backward, Keys, Problem, Variant, attention, attention_backward,
+};
 use numr::dtype::DType;
 use numr::prelude::{CpuDevice, CpuRuntime, Tensor};
 use std::error::Error;
@@ -382,9 +384,10 @@ fn time_named(
 fn time_attention<V: Variant>(v: &V, x: &Inputs, fwdbwd: bool) -> BoxResult<f64> {
     let opts = AttentionOptions::default();
     let start = Instant::now();
-    let (out, lse) = attention_fwd(v, &x.q, &x.k, &x.v, &opts)?;
+    let keys = Keys::dense(&x.k, &x.v);
+    let y = attention(v, &x.q, keys, &opts)?;
     if fwdbwd {
-        let grads = attention_bwd(v, &x.dout, &x.q, &x.k, &x.v, &out, &lse, &opts)?;
+        let grads = attention_backward(v, &x.q, keys, Backward::new(&y, &x.dout), &opts)?;
         drop(grads);
     }
     Ok(start.elapsed().as_secs_f64())

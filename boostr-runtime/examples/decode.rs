@@ -10,8 +10,8 @@
 //!
 //! Shapes: `Hq = 32`, `Hkv = 8`, `D = 128`, `stock::Causal`, for (B, Sk) in
 //! (1, 4k), (1, 16k), (1, 64k), (8, 4k), (8, 16k), with f32 tensors
-//! (`attention_fwd`), then bf16, f16 and fp8 E4M3 KV caches
-//! (`attention_fwd_cache`, every length full, bf16 queries against fp8
+//! (`Keys::dense`), then bf16, f16 and fp8 E4M3 KV caches
+//! (`Keys::cache`, every length full, bf16 queries against fp8
 //! keys; read as stored, widened in registers; bandwidth counts their 2- and
 //! 1-byte elements). Read bandwidth: a 1 GiB buffer read by
 //! all threads at once, one such read before each decode run; each shape's
@@ -20,16 +20,13 @@
 //! the first 512 columns of K read in place; bf16 and fp8 E4M3 caches, Sk
 //! 4k–32k) against the same read bandwidth. Then, at B = 8,
 //! Sk = 16k, the f32 keys as a KV cache against pages of 64 and of 16 keys
-//! in shuffled order (`attention_fwd_paged`). Medians of `reps`
+//! in shuffled order (`Keys::paged`). Medians of `reps`
 //! (default 7) runs, rayon's workers bound one per CPU. `bench/decode.py`
 //! runs this, then PyTorch's SDPA on the same shapes.
 
 use boostr_runtime::stock::Causal;
 use boostr_runtime::testing::Rng;
-use boostr_runtime::{
-    AttentionOptions, KvCache, KvScales, PagedKvCache, attention_fwd, attention_fwd_cache,
-    attention_fwd_paged,
-};
+use boostr_runtime::{AttentionOptions, Keys, KvScales, attention};
 use numr::dtype::DType;
 use numr::prelude::{CpuDevice, CpuRuntime, Tensor};
 use rayon::prelude::*;
@@ -74,7 +71,7 @@ fn main() -> BoxResult<()> {
             let v = tensor(&mut rng, &[b, HKV, sk, D], dtype, &device)?;
             let lengths = Tensor::<CpuRuntime>::from_slice(&vec![sk as i32; b], &[b], &device)?;
             let opts = AttentionOptions::default();
-            let mut cache = KvCache::new(&k, &v, &lengths);
+            let mut cache = Keys::cache(&k, &v, &lengths);
             if fp8 {
                 let per_head = KvScales::PerHead {
                     k: &scales,
@@ -83,11 +80,12 @@ fn main() -> BoxResult<()> {
                 cache = cache.with_scales(per_head);
             }
             let mut run = || {
-                let out = if dtype == DType::F32 {
-                    attention_fwd(&Causal, &q, &k, &v, &opts)
+                let keys = if dtype == DType::F32 {
+                    Keys::dense(&k, &v)
                 } else {
-                    attention_fwd_cache(&Causal, &q, &cache, &opts)
+                    cache
                 };
+                let out = attention(&Causal, &q, keys, &opts);
                 std::hint::black_box(out.expect("decode"));
             };
             let (t, read) = reader.time_between_reads(reps, &mut run);
@@ -125,7 +123,7 @@ fn mla(device: &CpuDevice, rng: &mut Rng, reader: &Reader, reps: usize) -> BoxRe
             let latent = tensor(rng, &[1, 1, sk, d], dtype, device)?;
             let v = latent.narrow(3, 0, dv)?;
             let lengths = Tensor::<CpuRuntime>::from_slice(&[sk as i32], &[1], device)?;
-            let mut cache = KvCache::new(&latent, &v, &lengths);
+            let mut cache = Keys::cache(&latent, &v, &lengths);
             if dtype == DType::FP8E4M3 {
                 let per_head = KvScales::PerHead {
                     k: &scale,
@@ -135,7 +133,7 @@ fn mla(device: &CpuDevice, rng: &mut Rng, reader: &Reader, reps: usize) -> BoxRe
             }
             let opts = AttentionOptions::default();
             let (t, read) = reader.time_between_reads(reps, &mut || {
-                std::hint::black_box(attention_fwd_cache(&Causal, &q, &cache, &opts).expect("mla"));
+                std::hint::black_box(attention(&Causal, &q, cache, &opts).expect("mla"));
             });
             let bytes = (sk * d * dtype.size_in_bytes()) as f64;
             println!(
@@ -252,9 +250,9 @@ fn paged(device: &CpuDevice, rng: &mut Rng, reps: usize) -> BoxResult<()> {
     let lengths = ti(&vec![sk as i32; b], &[b])?;
     let opts = AttentionOptions::default();
     let (kt, vt) = (t(&k, &[b, HKV, sk, D])?, t(&v, &[b, HKV, sk, D])?);
-    let cache = KvCache::new(&kt, &vt, &lengths);
+    let cache = Keys::cache(&kt, &vt, &lengths);
     let contiguous = time(reps, &mut || {
-        std::hint::black_box(attention_fwd_cache(&Causal, &q, &cache, &opts).expect("cache"));
+        std::hint::black_box(attention(&Causal, &q, cache, &opts).expect("cache"));
     });
     println!(
         "B = {b}, Sk = {sk}, f32 KV cache: {:.2} ms",
@@ -281,9 +279,9 @@ fn paged(device: &CpuDevice, rng: &mut Rng, reps: usize) -> BoxResult<()> {
         }
         let (kp, vp) = (t(&kp, &[pages, HKV, ps, D])?, t(&vp, &[pages, HKV, ps, D])?);
         let page_table = ti(&table, &[b, max_pages])?;
-        let cache = PagedKvCache::new(&kp, &vp, &page_table, &lengths);
+        let keys = Keys::paged(&kp, &vp, &page_table, &lengths);
         let paged = time(reps, &mut || {
-            std::hint::black_box(attention_fwd_paged(&Causal, &q, &cache, &opts).expect("paged"));
+            std::hint::black_box(attention(&Causal, &q, keys, &opts).expect("paged"));
         });
         println!(
             "B = {b}, Sk = {sk}, pages of {ps} (shuffled): {:.2} ms, {:.3}× the KV cache",

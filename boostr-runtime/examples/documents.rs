@@ -16,7 +16,7 @@
 
 use boostr_runtime::stock::Causal;
 use boostr_runtime::testing::{Rng, reference_backward, reference_forward};
-use boostr_runtime::{AttentionOptions, Problem, Variant, attention, attention_fwd, var_attention};
+use boostr_runtime::{AttentionOptions, Keys, Problem, Variant, attention, var_attention};
 use numr::autograd::{Var, backward, var_mul, var_sum};
 use numr::prelude::{CpuDevice, CpuRuntime, Runtime, Tensor};
 use std::process::ExitCode;
@@ -106,7 +106,7 @@ fn run() -> Result<bool, Box<dyn std::error::Error>> {
         Var::new(vt.clone(), true),
     );
     let opts = AttentionOptions::default();
-    let out = var_attention(&variant, &qv, &kv, &vv, &opts)?;
+    let out = var_attention(&variant, &qv, Keys::dense(&kv, &vv), &opts)?.out;
     let loss = var_sum(
         &var_mul(&out, &Var::new(dt, false), &client)?,
         &[0, 1, 2, 3],
@@ -174,8 +174,8 @@ fn run() -> Result<bool, Box<dyn std::error::Error>> {
             }
             Ok(start.elapsed().as_secs_f64() / 5.0)
         };
-    let docs = time(&|| attention_fwd(&variant, &qt, &kc, &kc, &opts).map(drop))?;
-    let causal = time(&|| attention_fwd(&Causal, &qt, &kc, &kc, &opts).map(drop))?;
+    let docs = time(&|| attention(&variant, &qt, Keys::dense(&kc, &kc), &opts).map(drop))?;
+    let causal = time(&|| attention(&Causal, &qt, Keys::dense(&kc, &kc), &opts).map(drop))?;
     let pairs: usize = ROWS
         .iter()
         .flat_map(|l| l.iter())

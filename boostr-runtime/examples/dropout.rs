@@ -17,7 +17,7 @@
 
 use boostr_runtime::stock::{Causal, CausalDropout, CausalSigmoid};
 use boostr_runtime::testing::Rng;
-use boostr_runtime::{AttentionOptions, Variant, attention_bwd, attention_fwd};
+use boostr_runtime::{AttentionOptions, Backward, Keys, Variant, attention, attention_backward};
 use numr::dtype::DType;
 use numr::prelude::{CpuDevice, CpuRuntime, Tensor};
 use std::time::{Duration, Instant};
@@ -134,10 +134,11 @@ fn time<V: Variant>(
     opts: &AttentionOptions,
 ) -> BoxResult<(Duration, Duration)> {
     let t0 = Instant::now();
-    let (out, lse) = attention_fwd(variant, &x.q, &x.k, &x.v, opts)?;
+    let keys = Keys::dense(&x.k, &x.v);
+    let y = attention(variant, &x.q, keys, opts)?;
     let fwd = t0.elapsed();
     let t1 = Instant::now();
-    let grads = attention_bwd(variant, &x.dout, &x.q, &x.k, &x.v, &out, &lse, opts)?;
+    let grads = attention_backward(variant, &x.q, keys, Backward::new(&y, &x.dout), opts)?;
     let bwd = t1.elapsed();
     drop(grads);
     Ok((fwd, bwd))

@@ -1,5 +1,5 @@
 //! CUDA benchmark of boostr's attention kernels: forward, and forward plus
-//! backward (`attention_fwd` then `attention_bwd`, the tensor ops, no
+//! backward (`attention` then `attention_backward`, the tensor ops, no
 //! autograd), for the stock variants, after a correctness spot check of every
 //! selected variant against the CPU backend.
 //!
@@ -30,7 +30,9 @@
 //! `lse` must be `-inf` exactly where the CPU's is.
 
 use boostr_runtime::stock::{Alibi, Causal, CausalSlidingWindow, CausalSoftcap};
-use boostr_runtime::{AttentionOptions, HostVariant, Variant, attention_bwd, attention_fwd};
+use boostr_runtime::{
+    AttentionOptions, Backward, HostVariant, Keys, Variant, attention, attention_backward,
+};
 use numr::prelude::*;
 use numr::runtime::cuda::{cuda_device, is_cuda_available};
 use std::process::ExitCode;
@@ -242,13 +244,14 @@ fn bench_variant<V: Variant + HostVariant>(
 ) -> BoxResult<Row> {
     let [q, k, v, dout] = inputs;
     let opts = AttentionOptions::default();
+    let keys = Keys::dense(k, v);
     let fwd_ms = time_ms(client, args.warmup, args.reps, || {
-        attention_fwd(variant, q, k, v, &opts)?;
+        attention(variant, q, keys, &opts)?;
         Ok(())
     })?;
     let fwdbwd_ms = time_ms(client, args.warmup, args.reps, || {
-        let (out, lse) = attention_fwd(variant, q, k, v, &opts)?;
-        attention_bwd(variant, dout, q, k, v, &out, &lse, &opts)?;
+        let y = attention(variant, q, keys, &opts)?;
+        attention_backward(variant, q, keys, Backward::new(&y, dout), &opts)?;
         Ok(())
     })?;
     let pairs = visible_pairs(variant, s) as f64;
@@ -302,11 +305,10 @@ fn check_variant<V: Variant + HostVariant>(
     for seed in 1..=4u64 {
         gpu.push(device_tensor(client, device, &shape, dtype, 1000 + seed)?);
     }
-    let (out, lse) = attention_fwd(variant, &gpu[0], &gpu[1], &gpu[2], &opts)?;
-    let (dq, dk, dv) = attention_bwd(
-        variant, &gpu[3], &gpu[0], &gpu[1], &gpu[2], &out, &lse, &opts,
-    )?;
-    let got = [&out, &lse, &dq, &dk, &dv]
+    let keys = Keys::dense(&gpu[1], &gpu[2]);
+    let y = attention(variant, &gpu[0], keys, &opts)?;
+    let g = attention_backward(variant, &gpu[0], keys, Backward::new(&y, &gpu[3]), &opts)?;
+    let got = [&y.out, &y.lse, &g.dq, &g.dk, &g.dv]
         .into_iter()
         .map(|t| to_f32(client, t))
         .collect::<BoxResult<Vec<_>>>()?;
@@ -323,11 +325,10 @@ fn check_variant<V: Variant + HostVariant>(
             )?)
         })
         .collect::<BoxResult<_>>()?;
-    let (c_out, c_lse) = attention_fwd(variant, &cpu[0], &cpu[1], &cpu[2], &opts)?;
-    let (c_dq, c_dk, c_dv) = attention_bwd(
-        variant, &cpu[3], &cpu[0], &cpu[1], &cpu[2], &c_out, &c_lse, &opts,
-    )?;
-    let want = [&c_out, &c_lse, &c_dq, &c_dk, &c_dv].map(|t| t.to_vec::<f32>());
+    let keys = Keys::dense(&cpu[1], &cpu[2]);
+    let c = attention(variant, &cpu[0], keys, &opts)?;
+    let c_g = attention_backward(variant, &cpu[0], keys, Backward::new(&c, &cpu[3]), &opts)?;
+    let want = [&c.out, &c.lse, &c_g.dq, &c_g.dk, &c_g.dv].map(|t| t.to_vec::<f32>());
 
     let mut ok = true;
     let mut parts = Vec::new();

@@ -17,9 +17,7 @@
 
 use boostr_runtime::stock::{CausalSlidingWindow, CausalSlidingWindowSinks, CausalT5Bias};
 use boostr_runtime::testing::Rng;
-use boostr_runtime::{
-    AttentionOptions, Variant, attention_bwd, attention_bwd_tensors, attention_fwd,
-};
+use boostr_runtime::{AttentionOptions, Backward, Keys, Variant, attention, attention_backward};
 use numr::autograd::Var;
 use numr::prelude::{CpuDevice, CpuRuntime, Tensor};
 use std::time::Instant;
@@ -125,21 +123,25 @@ fn interleaved(
     Ok((median(&mut times[0]), median(&mut times[1])))
 }
 
-/// One forward and backward; with `tensors`, the learnable tensors'
-/// gradients too.
+/// One forward and backward; `tensors`: whether the variant's learnable
+/// tensors require grad (their gradients then come from the same backward).
 fn step<V: Variant>(
     variant: &V,
     [q, k, v, dout]: [&Tensor<CpuRuntime>; 4],
     tensors: bool,
 ) -> Result<(), boostr_runtime::Error> {
     let opts = AttentionOptions::default();
-    let (out, lse) = attention_fwd(variant, q, k, v, &opts)?;
-    if tensors {
-        let g = attention_bwd_tensors(variant, dout, q, k, v, &out, &lse, &opts)?;
-        assert!(g.tensors.iter().all(Option::is_some));
-    } else {
-        attention_bwd(variant, dout, q, k, v, &out, &lse, &opts)?;
-    }
+    let y = attention(variant, q, Keys::dense(k, v), &opts)?;
+    // The backward computes the gradient of every learnable tensor whose
+    // `Var` requires grad, and of no other.
+    let g = attention_backward(
+        variant,
+        q,
+        Keys::dense(k, v),
+        Backward::new(&y, dout),
+        &opts,
+    )?;
+    assert!(g.tensors.iter().all(|t| t.is_some() == tensors));
     Ok(())
 }
 

@@ -13,7 +13,9 @@
 //! tolerance.
 
 use boostr_runtime::testing::{Rng, reference_backward, reference_forward};
-use boostr_runtime::{AttentionOptions, HostVariant, Problem, Variant, attention, var_attention};
+use boostr_runtime::{
+    AttentionOptions, HostVariant, Keys, Problem, Variant, attention, var_attention,
+};
 use numr::autograd::{Var, backward, var_mul, var_sum};
 use numr::prelude::{CpuDevice, CpuRuntime, Runtime, Tensor};
 use std::process::ExitCode;
@@ -92,7 +94,7 @@ fn run() -> Result<bool, Box<dyn std::error::Error>> {
     let mut result = None;
     for rep in 0..=REPS {
         let t0 = Instant::now();
-        let out = var_attention(&variant, &qv, &kv, &vv, &opts)?;
+        let out = var_attention(&variant, &qv, Keys::dense(&kv, &vv), &opts)?.out;
         let t1 = Instant::now();
         let loss = var_sum(
             &var_mul(&out, &doutv, &client)?,

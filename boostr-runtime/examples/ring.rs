@@ -7,11 +7,11 @@
 //!
 //! Causal attention, `B = 1`, `Hq = Hkv = 2`, `D = 128`, at `S = 8192`
 //! and `32768` (or the `S` given), f32 and bf16. Single device:
-//! `attention_fwd` and `attention_bwd` on rayon's pool of 2 workers, each
+//! `attention` and `attention_backward` on rayon's pool of 2 workers, each
 //! bound to its CPU. Ring: 2 ranks of an in-process group
 //! (`testing::ThreadComm`), each on its own 1-thread rayon pool bound to
-//! one CPU, calling `ring_attention` and `ring_attention_bwd` on its shard
-//! (zigzag; contiguous too at the smallest `S`). A run's time is the
+//! one CPU, calling `ring_attention` and `ring_attention_backward` on its
+//! shard (zigzag; contiguous too at the smallest `S`). A run's time is the
 //! slower rank's. Each repetition runs single device and then each ring
 //! layout; `reps` (default 3) of them after one to warm up. Overhead is
 //! ring ÷ single device − 1, of the medians and of the fastest runs (the
@@ -22,8 +22,8 @@
 use boostr_runtime::stock::Causal;
 use boostr_runtime::testing::{Rng, ThreadComm};
 use boostr_runtime::{
-    AttentionOptions, RingOptions, Schedule, Shards, attention_bwd, attention_fwd, last_ring_times,
-    ring_attention, ring_attention_bwd,
+    AttentionOptions, Backward, Keys, RingOptions, Schedule, Shards, attention, attention_backward,
+    last_ring_times, ring_attention, ring_attention_backward,
 };
 use numr::dtype::DType;
 use numr::prelude::{CpuDevice, CpuRuntime, Tensor};
@@ -176,9 +176,10 @@ fn median(mut xs: Vec<Duration>) -> Duration {
 fn single_device(x: &Inputs) -> BoxResult<(Duration, Duration)> {
     let opts = AttentionOptions::default();
     let t0 = Instant::now();
-    let (out, lse) = attention_fwd(&Causal, &x.q, &x.k, &x.v, &opts)?;
+    let keys = Keys::dense(&x.k, &x.v);
+    let y = attention(&Causal, &x.q, keys, &opts)?;
     let t1 = Instant::now();
-    attention_bwd(&Causal, &x.dout, &x.q, &x.k, &x.v, &out, &lse, &opts)?;
+    attention_backward(&Causal, &x.q, keys, Backward::new(&y, &x.dout), &opts)?;
     Ok((t1 - t0, t1.elapsed()))
 }
 
@@ -195,19 +196,16 @@ struct RingRun {
 }
 
 /// One rank's forward and backward, timed.
-fn rank_run(
-    x: &Inputs,
-    comm: &Arc<dyn Communicator>,
-    opts: &RingOptions,
-) -> BoxResult<[Duration; 4]> {
-    let rank = comm.rank();
+fn rank_run(x: &Inputs, opts: &RingOptions) -> BoxResult<[Duration; 4]> {
+    let rank = opts.comm.rank();
     let shard = |t: &T| opts.shards.shard(t, 2, rank, WORLD);
     let (q, k, v, dout) = (shard(&x.q)?, shard(&x.k)?, shard(&x.v)?, shard(&x.dout)?);
+    let keys = Keys::dense(&k, &v);
     let t0 = Instant::now();
-    let (out, lse) = ring_attention(&Causal, &q, &k, &v, comm, opts)?;
+    let y = ring_attention(&Causal, &q, keys, opts)?;
     let t1 = Instant::now();
     let fwd_times = last_ring_times();
-    ring_attention_bwd(&Causal, &dout, &q, &k, &v, &out, &lse, comm, opts)?;
+    ring_attention_backward(&Causal, &q, keys, Backward::new(&y, &dout), opts)?;
     let bwd_times = last_ring_times();
     Ok([
         t1 - t0,
@@ -231,21 +229,21 @@ fn rank_pools() -> BoxResult<Vec<rayon::ThreadPool>> {
 
 /// One ring run: each pass's time is the slower rank's.
 fn ring(x: &Inputs, shards: Shards, pools: &[rayon::ThreadPool]) -> BoxResult<RingRun> {
-    let opts = RingOptions::default()
-        .with_shards(shards)
-        .with_schedule(Schedule::Ring);
     let group = ThreadComm::group(WORLD, Duration::from_secs(600));
-    let comms: Vec<Arc<dyn Communicator>> = group
+    let opts: Vec<RingOptions> = group
         .iter()
-        .map(|c| Arc::clone(c) as Arc<dyn Communicator>)
+        .map(|c| {
+            RingOptions::new(Arc::clone(c) as Arc<dyn Communicator>)
+                .with_shards(shards)
+                .with_schedule(Schedule::Ring)
+        })
         .collect();
     let runs = std::thread::scope(|s| {
-        let handles: Vec<_> = comms
+        let handles: Vec<_> = opts
             .iter()
             .zip(pools)
-            .map(|(comm, pool)| {
-                let opts = &opts;
-                s.spawn(move || pool.install(|| rank_run(x, comm, opts).map_err(|e| e.to_string())))
+            .map(|(opts, pool)| {
+                s.spawn(move || pool.install(|| rank_run(x, opts).map_err(|e| e.to_string())))
             })
             .collect();
         handles

@@ -19,8 +19,8 @@
 use boostr_runtime::stock::CausalDocuments;
 use boostr_runtime::testing::Rng;
 use boostr_runtime::{
-    AttentionOptions, RingOptions, Schedule, Shards, attention_bwd, attention_fwd, last_ring_times,
-    var_ring_attention,
+    AttentionOptions, Backward, Keys, RingOptions, Schedule, Shards, attention, attention_backward,
+    last_ring_times, var_ring_attention,
 };
 use nexar::{ClusterConfig, CpuAdapter, NexarClient, SyncClient};
 use numr::autograd::{Var, backward, var_mul, var_sum};
@@ -135,7 +135,7 @@ fn run_rank(rank: usize, world: usize, seed: SocketAddr, s: usize) -> BoxResult<
     let variant = CausalDocuments {
         doc: T::from_slice(&ids, &[1, s], &device)?,
     };
-    let opts = RingOptions::default()
+    let opts = RingOptions::new(Arc::clone(&comm))
         .with_shards(Shards::Zigzag)
         .with_schedule(Schedule::Ring);
     let shard = |t: &T| opts.shards.shard(t, 2, rank, world);
@@ -146,7 +146,7 @@ fn run_rank(rank: usize, world: usize, seed: SocketAddr, s: usize) -> BoxResult<
         Var::new(shard(&k)?, true),
         Var::new(shard(&v)?, true),
     );
-    let out = var_ring_attention(&variant, &qv, &kv, &vv, &comm, &opts)?;
+    let out = var_ring_attention(&variant, &qv, Keys::dense(&kv, &vv), &opts)?.out;
     let fwd_times = last_ring_times();
     let loss = var_sum(
         &var_mul(&out, &Var::new(shard(&dout)?, false), &client)?,
@@ -160,8 +160,14 @@ fn run_rank(rank: usize, world: usize, seed: SocketAddr, s: usize) -> BoxResult<
 
     // The same rows of single-device attention.
     let one = AttentionOptions::default();
-    let (want_out, lse) = attention_fwd(&variant, &q, &k, &v, &one)?;
-    let (dq, dk, dv) = attention_bwd(&variant, &dout, &q, &k, &v, &want_out, &lse, &one)?;
+    let want = attention(&variant, &q, Keys::dense(&k, &v), &one)?;
+    let want_g = attention_backward(
+        &variant,
+        &q,
+        Keys::dense(&k, &v),
+        Backward::new(&want, &dout),
+        &one,
+    )?;
     let err = |got: &T, want: &T| -> BoxResult<f32> {
         let (g, w): (Vec<f32>, Vec<f32>) = (got.to_vec(), shard(want)?.to_vec());
         Ok(g.iter()
@@ -170,10 +176,10 @@ fn run_rank(rank: usize, world: usize, seed: SocketAddr, s: usize) -> BoxResult<
     };
     let grad = |id| grads.get(id).ok_or("a gradient");
     let errors = [
-        ("out", err(out.tensor(), &want_out)?),
-        ("dq", err(grad(qv.id())?, &dq)?),
-        ("dk", err(grad(kv.id())?, &dk)?),
-        ("dv", err(grad(vv.id())?, &dv)?),
+        ("out", err(out.tensor(), &want.out)?),
+        ("dq", err(grad(qv.id())?, &want_g.dq)?),
+        ("dk", err(grad(kv.id())?, &want_g.dk)?),
+        ("dv", err(grad(vv.id())?, &want_g.dv)?),
     ];
     let comm_ms = (fwd_times.comm + bwd_times.comm).as_secs_f64() * 1e3;
     let waited_ms = (fwd_times.waited + bwd_times.waited).as_secs_f64() * 1e3;
@@ -190,7 +196,7 @@ fn run_rank(rank: usize, world: usize, seed: SocketAddr, s: usize) -> BoxResult<
     if errors.iter().any(|(_, e)| e.is_nan() || *e > 1e-4) {
         return Err(format!("rank {rank}: the ring disagrees with one device").into());
     }
-    drop(comm);
+    drop((opts, comm));
     drop(rt);
     Ok(())
 }

@@ -10,12 +10,12 @@
 //! cache whose every sequence is full, for (B, Hkv, Sk) in (1, 1, 2k),
 //! (1, 1, 8k), (1, 2, 8k), (4, 2, 2k). Each call is timed from the launch to its output read
 //! back on the host; medians of `reps` (default 5) calls after one warm-up.
-//! The split count is what `attention_fwd_cache` chooses for the shape on
-//! this adapter.
+//! The split count is what `attention` over `Keys::cache` chooses for the
+//! shape on this adapter.
 
 use boostr_runtime::stock::Causal;
-use boostr_runtime::testing::{Rng, wgpu_forward_cache_in_splits};
-use boostr_runtime::{AttentionOptions, KvCache, attention_fwd_cache};
+use boostr_runtime::testing::{Rng, wgpu_forward_in_splits, wgpu_forward_splits};
+use boostr_runtime::{AttentionOptions, Keys, attention};
 use numr::runtime::Runtime;
 use numr::runtime::wgpu::{WgpuRuntime, is_wgpu_available, wgpu_device};
 use numr::tensor::Tensor;
@@ -60,12 +60,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let k = tensor(&[b, hkv, sk, D]);
         let v = tensor(&[b, hkv, sk, D]);
         let lengths = Tensor::<WgpuRuntime>::from_slice(&vec![sk as i32; b], &[b], &device)?;
-        let cache = KvCache::new(&k, &v, &lengths);
-        let chosen = boostr_runtime::testing::wgpu_forward_splits::<Causal>(&q, &cache, &opts)?;
+        let cache = Keys::cache(&k, &v, &lengths);
+        let chosen = wgpu_forward_splits(&Causal, &q, cache, &opts)?;
         let unsplit = time(reps, || {
-            wgpu_forward_cache_in_splits(&Causal, &q, &cache, &opts, 1)
+            wgpu_forward_in_splits(&Causal, &q, cache, &opts, 1)
         })?;
-        let split = time(reps, || attention_fwd_cache(&Causal, &q, &cache, &opts))?;
+        let split = time(reps, || {
+            attention(&Causal, &q, cache, &opts).map(|y| (y.out, y.lse))
+        })?;
         let bytes = (2 * b * hkv * sk * D * 4) as f64;
         println!(
             "{b:>3} {hkv:>3} {sk:>6} | {:>10.2} {:>8.2} | {chosen:>6} {:>10.2} {:>8.2} | {:>6.2}x",

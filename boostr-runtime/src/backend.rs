@@ -2,7 +2,7 @@
 //! (the CPU's in [`crate::cpu`], the GPUs' in their modules): there is no
 //! dispatch table over targets in shared code. What they share is the
 //! description of a call: the problem, and where its keys are
-//! ([`Keys`]), one type for every key layout, so that a new layout is
+//! ([`CallKeys`]), one type for every key layout, so that a new layout is
 //! written once per backend, not once per entry point.
 
 use crate::error::Result;
@@ -32,7 +32,7 @@ pub trait AttentionRuntime: Runtime<DType = DType> + std::fmt::Debug {
         variant: &V,
         problem: &Problem,
         q: &Tensor<Self>,
-        keys: Keys<'_, Self>,
+        keys: CallKeys<'_, Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)>;
 
     /// Run the backward kernels on validated inputs; returns `dq, dk, dv`
@@ -47,12 +47,38 @@ pub trait AttentionRuntime: Runtime<DType = DType> + std::fmt::Debug {
     /// `t [B, ..]` summed over its batch into `[1, ..]`: the gradient of
     /// keys shared by every sequence of a batch.
     fn sum_batch(t: &Tensor<Self>) -> Result<Tensor<Self>>;
+
+    /// Whether the kernels read packed sequences in place, as one row of
+    /// the kernels ([`KeyLayout::Varlen`]); where they do not, a packed
+    /// call gathers its sequences into a padded batch
+    /// ([`KeyLayout::Padded`]) and its results back.
+    const PACKED_IN_PLACE: bool = false;
+
+    /// The entries `index` (`i32`, on the device) of `t` along `dim`, an
+    /// index equal to `t`'s extent there selecting zeros.
+    fn select_rows(t: &Tensor<Self>, dim: usize, index: &Tensor<Self>) -> Result<Tensor<Self>>;
+}
+
+/// [`AttentionRuntime::select_rows`] with numr's ops.
+pub(crate) fn select_rows<R: Runtime<DType = DType>>(
+    t: &Tensor<R>,
+    dim: usize,
+    index: &Tensor<R>,
+) -> Result<Tensor<R>>
+where
+    R::Client: numr::ops::IndexingOps<R> + numr::ops::ShapeOps<R>,
+{
+    let mut zero = t.shape().to_vec();
+    zero[dim] = 1;
+    let zero = Tensor::<R>::zeros(&zero, t.dtype(), t.device())?;
+    let with_zero = Tensor::cat(&[t, &zero], dim as isize)?;
+    Ok(with_zero.index_select(dim, index)?)
 }
 
 /// A call's validated keys and values, and which slots hold which
 /// sequence's keys.
 #[derive(Debug)]
-pub struct Keys<'a, R: Runtime> {
+pub struct CallKeys<'a, R: Runtime> {
     /// `k [B, Hkv, Sk, D]`, or `[pages, Hkv, page_size, D]` when paged.
     pub k: &'a Tensor<R>,
     /// `v`, laid out as `k` but for its last dim, `Dv`.
@@ -82,13 +108,39 @@ pub enum KeyLayout<'a, R: Runtime> {
     /// keys.
     Dense,
     /// Slot `j` of `k, v [B, Hkv, capacity, D]` (`Sk` is the capacity),
-    /// for `j < lengths.host[b]` (see [`crate::KvCache`]).
+    /// for `j < lengths.host[b]` (see [`Keys::Cache`](crate::Keys::Cache)).
     Cache(CacheLengths<'a, R>),
     /// Slot `j % page_size` of page `table.host[b · max_pages + j /
     /// page_size]` of `k, v [pages, Hkv, page_size, D]`, for `j <
     /// lengths.host[b]` (`Sk` is `max_pages · page_size`; see
-    /// [`crate::PagedKvCache`]).
+    /// [`Keys::Paged`](crate::Keys::Paged)).
     Paged(CacheLengths<'a, R>, PageTable<'a, R>),
+    /// A right-padded batch: slot `j` of `k, v [B, Hkv, Sk, D]` for `j <
+    /// kv.host[b]`, and query rows `i < q.host[b]` of `q [B, Hq, Sq, D]`,
+    /// row `i` at position `i + kv.host[b] − q.host[b]`; the other rows
+    /// see no key (and carry no sink).
+    Padded {
+        /// Query rows per sequence, each at most `Sq`.
+        q: CacheLengths<'a, R>,
+        /// Keys per sequence, each at most `Sk`.
+        kv: CacheLengths<'a, R>,
+    },
+    /// Packed sequences, as one row of the kernels (`B = 1`, `Sq` and
+    /// `Sk` the packed totals): query row `t` belongs to the sequence `b`
+    /// with `q[b] <= t < q[b + 1]` and sees the keys `kv[b] .. kv[b + 1]`
+    /// only, the variant seeing batch `b` at the sequence's own positions
+    /// (see [`SeqMap`]).
+    Varlen(SeqMap<'a, R>),
+}
+
+/// The sequences of a packed call: the `cu_seqlens` of its queries and
+/// keys (`n + 1` offsets each).
+#[derive(Debug)]
+pub struct SeqMap<'a, R: Runtime> {
+    /// The queries' offsets.
+    pub q: CacheLengths<'a, R>,
+    /// The keys' offsets.
+    pub kv: CacheLengths<'a, R>,
 }
 
 /// The validated per-sequence key lengths of a KV cache: the `[B]` `i32`
@@ -115,11 +167,54 @@ pub struct PageTable<'a, R: Runtime> {
 }
 
 impl<'a, R: Runtime> KeyLayout<'a, R> {
-    /// The per-sequence lengths, for a cache (paged or not).
+    /// The keys each sequence holds of its slots: a cache's (paged or not)
+    /// and a padded batch's.
     pub fn lengths(&self) -> Option<CacheLengths<'a, R>> {
         match *self {
-            Self::Dense => None,
-            Self::Cache(lengths) | Self::Paged(lengths, _) => Some(lengths),
+            Self::Dense | Self::Varlen(_) => None,
+            Self::Cache(lengths) | Self::Paged(lengths, _) | Self::Padded { kv: lengths, .. } => {
+                Some(lengths)
+            }
+        }
+    }
+
+    /// The query rows each sequence holds of its padded rows.
+    pub fn query_lengths(&self) -> Option<CacheLengths<'a, R>> {
+        match *self {
+            Self::Padded { q, .. } => Some(q),
+            _ => None,
+        }
+    }
+
+    /// The problem the variant's functions see in a call of problem `p`
+    /// over these keys, which its captured tensors are checked against:
+    /// `p`, but for packed sequences, whose variant sees `n` sequences (its
+    /// batch) of at most the longest one's query rows and keys.
+    pub fn seen(&self, p: &Problem) -> Problem {
+        match *self {
+            Self::Varlen(map) => {
+                // At least 1 each, so that a batch of empty sequences
+                // still has a shape.
+                let longest = |cu: &[usize]| {
+                    let most = cu.windows(2).map(|w| w[1] - w[0]).max();
+                    most.unwrap_or(0).max(1)
+                };
+                Problem {
+                    batch: map.q.host.len().saturating_sub(1).max(1),
+                    seq_q: longest(map.q.host),
+                    seq_k: longest(map.kv.host),
+                    ..*p
+                }
+            }
+            _ => *p,
+        }
+    }
+
+    /// The sequences of a packed call.
+    pub fn packed(&self) -> Option<SeqMap<'a, R>> {
+        match *self {
+            Self::Varlen(map) => Some(map),
+            _ => None,
         }
     }
 
@@ -159,7 +254,7 @@ pub struct BackwardTensors<'a, R: Runtime> {
     /// `lengths.host[b]`, and spare slots get zero gradients; over pages,
     /// `dk, dv` are shaped as the pages, each page's gradient the sum of
     /// its readers'.
-    pub keys: Keys<'a, R>,
+    pub keys: CallKeys<'a, R>,
     /// The forward's `out [B, Hq, Sq, Dv]`.
     pub out: &'a Tensor<R>,
     /// The forward's `lse [B, Hq, Sq]` (f32).
@@ -191,4 +286,11 @@ macro_rules! copy_views {
     )*};
 }
 
-copy_views!(Keys, KeyLayout, CacheLengths, PageTable, BackwardTensors);
+copy_views!(
+    CallKeys,
+    KeyLayout,
+    CacheLengths,
+    PageTable,
+    SeqMap,
+    BackwardTensors
+);

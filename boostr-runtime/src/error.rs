@@ -11,11 +11,15 @@ pub type Result<T> = std::result::Result<T, Error>;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// A tensor's rank is not 4.
-    #[error("{name} must have rank 4 [batch, heads, seq, head_dim], got shape {shape:?}")]
+    /// A tensor's rank is not its layout's.
+    #[error("{name} must have rank {rank} {layout}, got shape {shape:?}")]
     Rank {
         /// Which tensor.
         name: &'static str,
+        /// The rank it must have.
+        rank: usize,
+        /// The layout of its dimensions.
+        layout: &'static str,
         /// Its shape.
         shape: Vec<usize>,
     },
@@ -82,21 +86,23 @@ pub enum Error {
         /// What was given.
         got: String,
     },
-    /// A KV cache's length is outside `0 ..= capacity`.
-    #[error(
-        "kv cache length of sequence {batch} is {length}; a length must be in 0..={capacity} \
-         (the cache's capacity, k's dimension 2)"
-    )]
-    CacheLength {
-        /// The sequence.
-        batch: usize,
-        /// Its length.
-        length: i64,
-        /// The cache's capacity.
-        capacity: usize,
+    /// A per-sequence length or offset (a cache's or padded batch's
+    /// lengths, `cu_seqlens`) breaks its rule.
+    #[error("{name}[{at}] = {value}; {rule} {bound}")]
+    Lengths {
+        /// The tensor (`lengths`, `q_lengths`, `cu_seqlens_k`, ...).
+        name: &'static str,
+        /// The rule, which the bound completes.
+        rule: &'static str,
+        /// The entry.
+        at: usize,
+        /// Its value.
+        value: i64,
+        /// The bound the rule names.
+        bound: usize,
     },
-    /// A KV cache's `lengths` or page table are not `i32`.
-    #[error("kv cache {name} must have dtype I32, got {got:?}")]
+    /// An index tensor (lengths, a page table, `cu_seqlens`) is not `i32`.
+    #[error("{name} must have dtype I32, got {got:?}")]
     CacheIndexDType {
         /// `lengths` or `page_table`.
         name: &'static str,

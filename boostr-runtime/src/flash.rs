@@ -3,7 +3,9 @@
 
 use crate::backend::AttentionRuntime;
 use crate::error::{Error, Result};
-use crate::op::{AttentionOptions, var_attention};
+use crate::keys::Keys;
+use crate::op::var_attention;
+use crate::options::AttentionOptions;
 use crate::stock::FlashMask;
 use numr::autograd::Var;
 
@@ -41,5 +43,6 @@ pub fn var_flash_attention<R: AttentionRuntime>(
     // A window longer than any sequence hides nothing; i32::MAX stands for it.
     let window = i32::try_from(window_size).unwrap_or(i32::MAX);
     let variant = FlashMask { causal, window };
-    var_attention(&variant, q, k, v, &AttentionOptions::default())
+    let y = var_attention(&variant, q, Keys::dense(k, v), &AttentionOptions::default())?;
+    Ok(y.out)
 }

@@ -117,21 +117,24 @@ pub(crate) struct ArenaPlan<R: Runtime> {
 }
 
 /// Where a call's keys are, as the GPU kernels take it (the scalars
-/// `kv_lens`, `kv_pages`, `page_size` and `max_pages`): the arena words of
-/// a cache's lengths and of its page table, or [`NO_WORD`] where there is
-/// none, then keys per page and page table entries per sequence (0 for
-/// keys in place).
+/// `kv_lens`, `q_lens`, `kv_pages`, `page_size` and `max_pages`): the arena
+/// words of a cache's (or padded batch's) key lengths, of a padded batch's
+/// query lengths and of a page table, or [`NO_WORD`] where there is none,
+/// then keys per page and page table entries per sequence (0 for keys in
+/// place).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct KeyWords {
     pub lens: u32,
+    pub q_lens: u32,
     pub pages: u32,
     pub page_size: u32,
     pub max_pages: u32,
 }
 
 impl KeyWords {
-    /// Where the keys of `layout` are, its tensors at arena words `at`.
-    fn new<R: Runtime>(p: &Problem, layout: &KeyLayout<'_, R>, at: [u32; 2]) -> Result<Self> {
+    /// Where the keys of `layout` are, its tensors at arena words `at`
+    /// (key lengths, query lengths, page table).
+    fn new<R: Runtime>(p: &Problem, layout: &KeyLayout<'_, R>, at: [u32; 3]) -> Result<Self> {
         let word = |name, value: usize| {
             u32::try_from(value).map_err(|_| Error::TooLarge {
                 name,
@@ -145,7 +148,8 @@ impl KeyWords {
         };
         Ok(KeyWords {
             lens: at[0],
-            pages: at[1],
+            q_lens: at[1],
+            pages: at[2],
             page_size: word("the page size", page_size)?,
             max_pages: word("the pages per sequence", max_pages)?,
         })
@@ -185,12 +189,14 @@ impl<R: Runtime<DType = DType>> ArenaPlan<R> {
             .map(|s| arena.job(s, &shapes, V::SUMMARIES))
             .collect();
         let report = !capture::checks_hold(V::READ_CHECKS, &captured, &shapes);
-        // The lengths, then the page table, after the arena's words.
+        // The key lengths, the query lengths, then the page table, after
+        // the arena's words.
         let mut words = arena.words;
         let mut cache = Vec::new();
-        let mut at = [NO_WORD; 2];
+        let mut at = [NO_WORD; 3];
         let index_tensors = [
             layout.lengths().map(|l| l.tensor),
+            layout.query_lengths().map(|l| l.tensor),
             layout.pages().map(|t| t.tensor),
         ];
         for (slot, t) in at.iter_mut().zip(index_tensors) {
@@ -424,6 +430,7 @@ pub(crate) fn scalar_word(p: &Problem, s: Scalar, keys: KeyWords, splits: u32) -
         Scalar::SeqK => p.seq_k as u32,
         Scalar::Scale => p.scale.to_bits(),
         Scalar::KvLens => keys.lens,
+        Scalar::QLens => keys.q_lens,
         Scalar::KvPages => keys.pages,
         Scalar::PageSize => keys.page_size,
         Scalar::MaxPages => keys.max_pages,

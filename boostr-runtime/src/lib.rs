@@ -2,7 +2,7 @@
 //! exposed as tensor ops and as one autograd op on numr's [`Var`](numr::autograd::Var).
 //!
 //! ```
-//! use boostr_runtime::{AttentionOptions, attention, var_attention};
+//! use boostr_runtime::{AttentionOptions, Keys, attention, var_attention};
 //! use numr::autograd::{Var, backward, var_sum};
 //! use numr::prelude::*;
 //!
@@ -27,8 +27,9 @@
 //!         Ok(Var::new(tensor, true))
 //!     };
 //!     let (q, k, v) = (input(0.37)?, input(0.73)?, input(1.31)?);
-//!     let out = var_attention(&CausalSoftcap { cap: 30.0 }, &q, &k, &v, &AttentionOptions::default())?;
-//!     let loss = var_sum(&out, &[0, 1, 2, 3], false, &client)?;
+//!     let keys = Keys::dense(&k, &v); // or a KV cache, pages, a padded or packed batch
+//!     let y = var_attention(&CausalSoftcap { cap: 30.0 }, &q, keys, &AttentionOptions::default())?;
+//!     let loss = var_sum(&y.out, &[0, 1, 2, 3], false, &client)?;
 //!     let grads = backward(&loss, &client)?; // dq, dk, dv from one fused backward
 //!     assert_eq!(grads.get(q.id()).map(|dq| dq.shape()), Some(&[2, 4, 64, 32][..]));
 //!     Ok(())
@@ -74,8 +75,10 @@ mod error;
 mod flash;
 #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
 mod gpu;
+mod keys;
 mod node;
 mod op;
+mod options;
 mod problem;
 mod ring;
 mod shifted;
@@ -87,23 +90,24 @@ mod variant;
 mod wgpu;
 
 pub use backend::{
-    AttentionGrads, AttentionRuntime, BackwardTensors, CacheLengths, KeyLayout, Keys, PageTable,
+    AttentionGrads, AttentionRuntime, BackwardTensors, CacheLengths, CallKeys, KeyLayout,
+    PageTable, SeqMap,
 };
 pub use boostr_macros::attention;
 pub use error::{BackendError, Error, Result};
 pub use flash::var_flash_attention;
 pub use kernels_spec::emit::Target;
 pub use kernels_spec::params::ParamWords;
+pub use keys::{KeyTensor, Keys, KvScales};
 pub use op::{
-    AttentionOptions, KvCache, KvScales, LearnableGrad, PagedKvCache, attention_bwd,
-    attention_bwd_cache, attention_bwd_lse, attention_bwd_paged, attention_bwd_tensors,
-    attention_fwd, attention_fwd_cache, attention_fwd_paged, learnable_grads, var_attention,
-    var_attention_lse,
+    Backward, LearnableGrad, Output, VarOutput, attention, attention_backward, learnable_grads,
+    var_attention,
 };
+pub use options::AttentionOptions;
 pub use problem::{Dropout, Problem};
 pub use ring::{
     RingOps, RingOptions, RingTimes, Schedule, Shards, last_ring_times, ring_attention,
-    ring_attention_bwd, var_ring_attention,
+    ring_attention_backward, var_ring_attention,
 };
 pub use variant::{CompiledStages, HostVariant, Lowering, Normalize, TileClass, Variant, Weights};
 

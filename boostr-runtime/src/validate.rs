@@ -2,7 +2,8 @@
 //! kernel runs, and a broken rule is an [`Error`] naming it and the values.
 
 use crate::error::{Error, Result};
-use crate::op::AttentionOptions;
+use crate::keys::KvScales;
+use crate::options::AttentionOptions;
 use crate::problem::{Dropout, Problem};
 use crate::variant::{HostVariant, Variant};
 use numr::dtype::DType;
@@ -18,6 +19,8 @@ fn dims4<R: Runtime<DType = DType>>(name: &'static str, t: &Tensor<R>) -> Result
     let shape = t.shape();
     let dims: [usize; 4] = shape.try_into().map_err(|_| Error::Rank {
         name,
+        rank: 4,
+        layout: "[batch, heads, seq, head_dim]",
         shape: shape.to_vec(),
     })?;
     if dims.contains(&0) {
@@ -74,42 +77,6 @@ pub(crate) fn check_dtype<R: Runtime<DType = DType>>(
             supported: supported_text,
         })
     }
-}
-
-/// The values of a KV cache's `lengths`: a `[B]` `i32` tensor, each in
-/// `0 ..= Sk` (the capacity). Reads them back to the host.
-pub fn cache_lengths<R: Runtime<DType = DType>>(
-    lengths: &Tensor<R>,
-    p: &Problem,
-) -> Result<Vec<usize>> {
-    if lengths.dtype() != DType::I32 {
-        return Err(Error::CacheIndexDType {
-            name: "lengths",
-            got: lengths.dtype(),
-        });
-    }
-    if lengths.shape() != [p.batch] {
-        return Err(Error::ShapeOf {
-            name: "lengths",
-            expected: vec![p.batch],
-            got: lengths.shape().to_vec(),
-        });
-    }
-    let values = lengths.contiguous()?.to_vec::<i32>();
-    values
-        .iter()
-        .enumerate()
-        .map(|(batch, &l)| {
-            usize::try_from(l)
-                .ok()
-                .filter(|&l| l <= p.seq_k)
-                .ok_or(Error::CacheLength {
-                    batch,
-                    length: i64::from(l),
-                    capacity: p.seq_k,
-                })
-        })
-        .collect()
 }
 
 /// The problem of a paged KV cache: `q [B, Hq, Sq, D]`, `k_pages [pages,
@@ -276,6 +243,36 @@ pub fn call<V: Variant>(variant: &V, p: Problem, opts: &AttentionOptions) -> Res
 /// the generator's counter.
 const DROPOUT_MAX_INDEX: usize = 1 << 16;
 
+/// The packed rows of `q [total_q, Hq, D]` and of `k [total_k, Hkv, D]`,
+/// `v [total_k, Hkv, Dv]` (FlashAttention's varlen layout): each of rank
+/// 3, `k` and `v` of as many rows; the rest is checked on the kernels'
+/// view of them ([`problem`]).
+pub fn packed_totals<R: Runtime<DType = DType>>(
+    q: &Tensor<R>,
+    k: &Tensor<R>,
+    v: &Tensor<R>,
+) -> Result<[usize; 2]> {
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        if t.ndim() != 3 {
+            return Err(Error::Rank {
+                name,
+                rank: 3,
+                layout: "[total, heads, head_dim] (packed sequences)",
+                shape: t.shape().to_vec(),
+            });
+        }
+    }
+    if k.shape()[0] != v.shape()[0] {
+        return Err(Error::Shapes {
+            rule: "packed k and v must have the same rows (dim 0)",
+            q: q.shape().to_vec(),
+            k: k.shape().to_vec(),
+            v: v.shape().to_vec(),
+        });
+    }
+    Ok([q.shape()[0], k.shape()[0]])
+}
+
 /// Validate `q [B, Hq, Sq, D]`, `k [B, Hkv, Sk, D]` and `v [B, Hkv, Sk, Dv]`
 /// and derive the [`Problem`].
 pub fn problem<R: Runtime<DType = DType>>(
@@ -342,10 +339,9 @@ fn is_fp8(dtype: DType) -> bool {
 pub fn cache_scales<R: Runtime<DType = DType>>(
     k: &Tensor<R>,
     v: &Tensor<R>,
-    scales: Option<crate::KvScales<'_, R>>,
+    scales: Option<KvScales<'_, R>>,
     paged: Option<usize>,
 ) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
-    use crate::KvScales;
     let err = |rule, got: String| Err(Error::CacheScales { rule, got });
     let dtypes = format!("k {:?}, v {:?}", k.dtype(), v.dtype());
     let (k_fp8, v_fp8) = (is_fp8(k.dtype()), is_fp8(v.dtype()));
@@ -371,7 +367,7 @@ pub fn cache_scales<R: Runtime<DType = DType>>(
             Some(pages) => (k, v, vec![pages, hkv]),
             None => {
                 return err(
-                    "scales per page need a paged cache (PagedKvCache); use PerHead",
+                    "scales per page need pages (Keys::paged); use PerHead",
                     "PerPage".into(),
                 );
             }

@@ -270,16 +270,17 @@ pub trait HostVariant: Send + Sync {
     /// exact tie f64 arithmetic could decide otherwise than every kernel.
     fn mask_exact(&self, b: i32, h: i32, q: i32, kv: i32) -> bool;
 
-    /// What the positions the kernels count in sequence `b` (query row `i`
-    /// at `i + Sk − Sq`, key `j` at `j`) are behind those the variant's
-    /// functions see: `(0, 0)`, but for a call that reads a KV cache (each
-    /// sequence's rows at its own length) or is a window of a longer
-    /// sequence (ring attention), whose variant shifts every position it is
-    /// given. The dropout draw is keyed by the shifted positions, so that a
-    /// pair drops alike however it is reached.
-    fn position_shift(&self, b: i32) -> (i32, i32) {
-        let _ = b;
-        (0, 0)
+    /// Where the dropout draw of the call's row at position `q` of batch
+    /// `b` is keyed: the batch and query position the variant's functions
+    /// see there, and what its key positions are ahead of the call's. The
+    /// call's own, `(b, q, 0)`, but for a call that sees the variant from
+    /// elsewhere (a KV cache, a padded batch, packed sequences, one call
+    /// of a ring), so that a pair drops alike however it is reached. Not
+    /// for implementing.
+    #[doc(hidden)]
+    #[inline(always)]
+    fn dropout_site(&self, b: i32, q: i32) -> (i32, i32, i32) {
+        (b, q, 0)
     }
 
     /// The sink logit of query `q`'s row in batch `b`, query head `h`; `-inf`

@@ -23,7 +23,7 @@
 
 use boostr_runtime::stock::{Causal, Full};
 use boostr_runtime::testing::Rng;
-use boostr_runtime::{AttentionOptions, AttentionRuntime, Variant, attention_fwd, var_attention};
+use boostr_runtime::{AttentionOptions, AttentionRuntime, Keys, Variant, attention, var_attention};
 use numr::autograd::{
     Var, backward, var_add, var_matmul, var_mul, var_mul_scalar, var_softmax, var_sum,
     var_transpose,
@@ -435,7 +435,7 @@ fn fused<R: BenchRuntime, V: Variant>(
 ) -> BoxResult<(Duration, Duration, Results<R>)> {
     let opts = AttentionOptions::default();
     let fwd = median_time(reps, || {
-        attention_fwd(variant, &x.q, &x.k, &x.v, &opts)?;
+        attention(variant, &x.q, Keys::dense(&x.k, &x.v), &opts)?;
         client.synchronize();
         Ok(())
     })?;
@@ -447,7 +447,7 @@ fn fused<R: BenchRuntime, V: Variant>(
             Var::new(x.v.clone(), true),
         );
         let dout = Var::new(x.dout.clone(), false);
-        let out = var_attention(variant, &q, &k, &v, &opts)?;
+        let out = var_attention(variant, &q, Keys::dense(&k, &v), &opts)?.out;
         let l = loss(&out, &dout, client)?;
         res = Some(collect(&out, &l, [&q, &k, &v], client)?);
         Ok(())

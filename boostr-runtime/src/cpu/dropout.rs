@@ -16,37 +16,100 @@ const LANES: usize = 16;
 /// Keys one block draws for.
 pub(super) const BLOCK_KEYS: usize = 4 * LANES;
 
-/// One (batch, query head)'s draw of a call with dropout.
+/// The generator of one call with dropout, keyed for one (batch, query
+/// head) of the variant.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Draw {
+struct Philox {
     key: [u32; 2],
     /// The counter's third word, `b << 16 | h`.
     bh: u32,
     offset: u32,
     threshold: u32,
-    /// `1/(1 − p)`.
-    pub(super) scale: f32,
-    /// What the kernels' query and key positions are behind those the draw
-    /// is keyed by ([`HostVariant::position_shift`]).
-    shift: (i32, i32),
 }
 
-impl Draw {
+/// One (batch, query head)'s draw of a call with dropout: each row's
+/// pairs keyed where the variant sees them
+/// ([`HostVariant::dropout_site`]).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Draw<'v, V> {
+    philox: Philox,
+    variant: &'v V,
+    b: i32,
+    h: u32,
+    /// `1/(1 − p)`.
+    pub(super) scale: f32,
+}
+
+impl<'v, V: HostVariant> Draw<'v, V> {
     /// The draw of `(b, h)` of `variant` under `p`'s dropout; `None` where
     /// it keeps every pair (no dropout, or `p = 0`).
     #[inline(always)]
-    pub(super) fn new<V: HostVariant>(p: &Problem, variant: &V, b: i32, h: i32) -> Option<Draw> {
+    pub(super) fn new(p: &Problem, variant: &'v V, b: i32, h: i32) -> Option<Self> {
         let d = p.dropout;
         d.active().then(|| Draw {
-            key: [d.seed as u32, (d.seed >> 32) as u32],
-            bh: ((b as u32) << 16) | h as u32,
-            offset: d.offset,
-            threshold: d.threshold,
+            philox: Philox {
+                key: [d.seed as u32, (d.seed >> 32) as u32],
+                bh: 0,
+                offset: d.offset,
+                threshold: d.threshold,
+            },
+            variant,
+            b,
+            h: h as u32,
             scale: d.scale(),
-            shift: variant.position_shift(b),
         })
     }
 
+    /// Call `f(j)` for each key `kv_lo + j` of `0 .. n` of query `q` that
+    /// is dropped, the row keyed where the variant sees it. Keys that land
+    /// before the variant's first (another packed sequence's, which the
+    /// window hides) are never dropped.
+    #[inline(always)]
+    fn each_dropped(&self, q: i32, kv_lo: i32, n: usize, f: impl FnMut(usize)) {
+        let (b, q, shift) = self.variant.dropout_site(self.b, q);
+        let philox = Philox {
+            bh: ((b as u32) << 16) | self.h,
+            ..self.philox
+        };
+        let kv_lo = kv_lo + shift;
+        let skip = usize::try_from(-kv_lo).unwrap_or(0).min(n);
+        let mut f = f;
+        philox.each_dropped(q, kv_lo + skip as i32, n - skip, |j| f(j + skip));
+    }
+
+    /// Zero the entries of `row` (keys `kv_lo ..` of query `q`) whose pair
+    /// is dropped.
+    #[inline(always)]
+    pub(super) fn drop_row<T: Copy + Default>(&self, q: i32, kv_lo: i32, row: &mut [T]) {
+        let n = row.len();
+        self.each_dropped(q, kv_lo, n, |j| row[j] = T::default());
+    }
+
+    /// `dst[j] = src[j] / (1 − p)` where pair `(q, kv_lo + j)` is kept, else 0.
+    #[inline(always)]
+    pub(super) fn keep_scaled(&self, q: i32, kv_lo: i32, src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+        self.scale_kept(q, kv_lo, dst);
+    }
+
+    /// `row[j]` times `1/(1 − p)` where pair `(q, kv_lo + j)` is kept, else
+    /// 0, in place: the pairs' factors on a tile row.
+    #[inline(always)]
+    pub(super) fn scale_kept(&self, q: i32, kv_lo: i32, row: &mut [f32]) {
+        super::math::scale(row, self.scale);
+        self.drop_row(q, kv_lo, row);
+    }
+
+    /// Whether pair `(q, kv)` is kept (one pair; for tests).
+    #[cfg(test)]
+    pub(super) fn keeps(&self, q: i32, kv: i32) -> bool {
+        let mut out = true;
+        self.each_dropped(q, kv, 1, |_| out = false);
+        out
+    }
+}
+
+impl Philox {
     /// The 64 random words of keys `4·c0 .. 4·c0 + 64` of query `q`, in
     /// key order (the portable draw, and the test of the vector one).
     #[inline(always)]
@@ -89,7 +152,7 @@ impl Draw {
             .fold(0u64, |m, (j, &w)| m | (u64::from(w >= self.threshold) << j))
     }
 
-    /// [`keep_mask`](Draw::keep_mask) with sixteen counters in one
+    /// [`keep_mask`](Philox::keep_mask) with sixteen counters in one
     /// register per word: each round is two 32×32→64 products per
     /// multiplier (even and odd lanes), their halves blended back, and
     /// four XORs.
@@ -137,10 +200,9 @@ impl Draw {
     }
 
     /// Call `f(j)` for each key `kv_lo + j` of `0 .. n` of query `q` that
-    /// is dropped.
+    /// is dropped (positions as keyed, `kv_lo ≥ 0`).
     #[inline(always)]
     fn each_dropped(&self, q: i32, kv_lo: i32, n: usize, mut f: impl FnMut(usize)) {
-        let (q, kv_lo) = (q + self.shift.0, kv_lo + self.shift.1);
         let start = kv_lo as u32;
         // Blocks start at a multiple of four keys: the counter's first word.
         let mut base = start & !3;
@@ -161,37 +223,6 @@ impl Draw {
             }
             base += BLOCK_KEYS as u32;
         }
-    }
-
-    /// Zero the entries of `row` (keys `kv_lo ..` of query `q`) whose pair
-    /// is dropped.
-    #[inline(always)]
-    pub(super) fn drop_row<T: Copy + Default>(&self, q: i32, kv_lo: i32, row: &mut [T]) {
-        let n = row.len();
-        self.each_dropped(q, kv_lo, n, |j| row[j] = T::default());
-    }
-
-    /// `dst[j] = src[j] / (1 − p)` where pair `(q, kv_lo + j)` is kept, else 0.
-    #[inline(always)]
-    pub(super) fn keep_scaled(&self, q: i32, kv_lo: i32, src: &[f32], dst: &mut [f32]) {
-        dst.copy_from_slice(src);
-        self.scale_kept(q, kv_lo, dst);
-    }
-
-    /// `row[j]` times `1/(1 − p)` where pair `(q, kv_lo + j)` is kept, else
-    /// 0, in place: the pairs' factors on a tile row.
-    #[inline(always)]
-    pub(super) fn scale_kept(&self, q: i32, kv_lo: i32, row: &mut [f32]) {
-        super::math::scale(row, self.scale);
-        self.drop_row(q, kv_lo, row);
-    }
-
-    /// Whether pair `(q, kv)` is kept (one pair; for tests).
-    #[cfg(test)]
-    pub(super) fn keeps(&self, q: i32, kv: i32) -> bool {
-        let mut out = true;
-        self.each_dropped(q, kv, 1, |_| out = false);
-        out
     }
 }
 
@@ -232,20 +263,18 @@ mod tests {
         ];
         for (counter, key, want) in kat {
             assert_eq!(philox4x32_10(counter, key), want, "reference");
-            let draw = Draw {
+            let draw = Philox {
                 key,
                 bh: counter[2],
                 offset: counter[3],
                 threshold: 0,
-                scale: 1.0,
-                shift: (0, 0),
             };
             let block = draw.block(counter[1], counter[0]);
             assert_eq!(block[..4], want, "kernels' draw");
             // The vector draw's keep bits, at thresholds around each word.
             for (w, &word) in want.iter().enumerate() {
                 for t in [word, word.wrapping_add(1)] {
-                    let d = Draw {
+                    let d = Philox {
                         threshold: t,
                         ..draw
                     };

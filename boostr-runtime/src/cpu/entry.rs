@@ -6,13 +6,12 @@
 //! positions.
 
 use super::aligned::{Aligned, Plain};
-use super::keys::{CacheLayout, Gathered, KeyRows, fold_pages};
+use super::keys::{CacheLayout, Gathered, KeyRows, OnHost, Seqs, fold_pages, windowed};
 use super::operand::Operand;
 use super::par::in_pool;
 use super::{CpuTiles, KvElem, amx_backward, amx_forward, decode, elem};
 use crate::error::Result;
 use crate::problem::Problem;
-use crate::shifted::Cached;
 use crate::variant::{HostVariant, Variant};
 
 /// The tensors the backward reads; all contiguous, in the layout of
@@ -89,6 +88,8 @@ pub fn bf16_tiles(p: &Problem) -> bool {
 pub(crate) struct ForwardInputs<'a> {
     pub(crate) q: Operand<'a>,
     pub(crate) keys: KeyRows<'a>,
+    /// Where each sequence's rows and keys are.
+    pub(crate) seqs: Seqs<'a>,
 }
 
 impl<'a> ForwardInputs<'a> {
@@ -114,6 +115,7 @@ impl<'a> ForwardInputs<'a> {
         Self {
             q: Operand::packed(Q::stored(q), [p.heads_q, p.seq_q, p.head_dim]),
             keys: KeyRows::new(k, v, cache, p),
+            seqs: Seqs::of_cache(cache),
         }
     }
 }
@@ -125,9 +127,9 @@ fn check_outputs(p: &Problem, out: &[f32], lse: &[f32]) {
 }
 
 /// The forward of [`ForwardInputs`], reading each as stored: the decode
-/// kernel for decode shapes, or where `chunks` (keys per (batch, kv head)
-/// cut into that many chunks) is given; else the tile kernel, over a cache
-/// through [`Cached`].
+/// kernel for decode shapes (of dense keys or a cache), or where `chunks`
+/// (keys per (batch, kv head) cut into that many chunks) is given; else
+/// the tile kernel, through the window of the call's sequences.
 fn forward_inputs<V: HostVariant>(
     variant: &V,
     p: &Problem,
@@ -139,12 +141,20 @@ fn forward_inputs<V: HostVariant>(
     check_outputs(p, out, lse);
     let tiles = CpuTiles::new(tiles.q, tiles.kv);
     let threads = rayon::current_num_threads();
-    if chunks.is_none() && !decode::applies(p) {
-        return match x.keys.lens() {
-            None => tile_forward(variant, p, tiles, x, out, lse),
-            Some(lens) => tile_forward(&Cached::new(variant, p, lens), p, tiles, x, out, lse),
+    if chunks.is_none() && !runs_decode(p, x.seqs) {
+        let run = TileForward {
+            p,
+            tiles,
+            x,
+            out,
+            lse,
         };
+        return windowed(variant, p, x.seqs, run);
     }
+    assert!(
+        x.seqs.decodes(),
+        "the decode kernel runs dense keys and caches"
+    );
     // The decode kernel packs a GQA group's query rows, as contiguous f32:
     // a call's few rows, widened (or gathered) first unless they are.
     let wide;
@@ -159,6 +169,29 @@ fn forward_inputs<V: HostVariant>(
     };
     let chunks = chunks.unwrap_or_else(|| decode::chunks(p, tiles, threads));
     in_pool(|| decode::forward(variant, p, tiles, chunks, q, x.keys, out, lse));
+}
+
+/// Whether a forward of `p` over `seqs` runs the decode kernel.
+pub(crate) fn runs_decode(p: &Problem, seqs: Seqs<'_>) -> bool {
+    decode::applies(p) && seqs.decodes()
+}
+
+/// The f32 tile kernel of a call, on its variant seen through the call's
+/// window.
+struct TileForward<'a, 'o> {
+    p: &'a Problem,
+    tiles: CpuTiles,
+    x: ForwardInputs<'a>,
+    out: &'o mut [f32],
+    lse: &'o mut [f32],
+}
+
+impl OnHost for TileForward<'_, '_> {
+    type Out = ();
+
+    fn run<H: HostVariant>(self, host: &H) {
+        tile_forward(host, self.p, self.tiles, self.x, self.out, self.lse);
+    }
 }
 
 /// The f32 tile kernel of `x`.
@@ -205,16 +238,27 @@ pub(crate) fn forward_bf16_inputs<V: Variant>(
     if !amx_forward::applies(p) {
         return Ok(false);
     }
-    on_host(variant, p, |host| {
-        in_pool(|| match x.keys.lens() {
-            None => amx_forward::forward(host, p, x.q, x.keys, out, lse),
-            Some(lens) => {
-                let cached = Cached::new(host, p, lens);
-                amx_forward::forward(&cached, p, x.q, x.keys, out, lse)
-            }
-        })
+    on_host(variant, &x.seqs.seen(p), |host| {
+        let run = Bf16Forward { p, x, out, lse };
+        in_pool(|| windowed(host, p, x.seqs, run))
     })?;
     Ok(true)
+}
+
+/// The bf16 tile kernel of a call, through its window.
+struct Bf16Forward<'a, 'o> {
+    p: &'a Problem,
+    x: ForwardInputs<'a>,
+    out: &'o mut [f32],
+    lse: &'o mut [f32],
+}
+
+impl OnHost for Bf16Forward<'_, '_> {
+    type Out = ();
+
+    fn run<H: HostVariant>(self, host: &H) {
+        amx_forward::forward(host, self.p, self.x.q, self.x.keys, self.out, self.lse);
+    }
 }
 
 /// Attention forward with explicit tile sizes (for tuning and tests).
@@ -259,7 +303,7 @@ pub(crate) fn forward_stored_inputs<V: Variant>(
     lse: &mut [f32],
 ) -> Result<()> {
     let tiles = CpuTiles::for_variant::<V>();
-    on_host(variant, p, |host| {
+    on_host(variant, &x.seqs.seen(p), |host| {
         forward_inputs(host, p, (tiles, None), x, out, lse)
     })
 }
@@ -348,7 +392,8 @@ pub fn backward<V: Variant>(
     dv: &mut [f32],
     tensor_grads: &[bool],
 ) -> Result<Vec<Option<Vec<f32>>>> {
-    let grads = backward_stored(variant, p, cache, inputs, (dq, dk, dv), tensor_grads)?;
+    let layout = (cache, Seqs::of_cache(cache));
+    let grads = backward_stored(variant, p, layout, inputs, (dq, dk, dv), tensor_grads)?;
     Ok(grads.expect("the f32 backward runs on every CPU"))
 }
 
@@ -372,15 +417,20 @@ pub fn backward_bf16<V: Variant>(
     dv: &mut [f32],
     tensor_grads: &[bool],
 ) -> Result<Option<Vec<Option<Vec<f32>>>>> {
-    backward_stored(variant, p, cache, inputs, (dq, dk, dv), tensor_grads)
+    let layout = (cache, Seqs::of_cache(cache));
+    backward_stored(variant, p, layout, inputs, (dq, dk, dv), tensor_grads)
 }
 
 /// The gradients a backward writes: `dq`, `dk`, `dv`.
-type GradSlices<'g> = (&'g mut [f32], &'g mut [f32], &'g mut [f32]);
+pub(crate) type GradSlices<'g> = (&'g mut [f32], &'g mut [f32], &'g mut [f32]);
+
+/// Where a backward's keys are (a cache's lengths or pages) and its
+/// sequences.
+pub(crate) type BackwardLayout<'a> = (Option<CacheLayout<'a>>, Seqs<'a>);
 
 /// An element type the backward reads as stored, with the kernels that
 /// read it.
-trait BackwardElem: KvElem + Plain {
+pub(crate) trait BackwardElem: KvElem + Plain {
     /// Whether [`Self::backward`] runs `p` on this CPU.
     fn runs(p: &Problem) -> bool;
 
@@ -461,20 +511,19 @@ impl BackwardElem for half::bf16 {
     }
 }
 
-/// [`backward`] and [`backward_bf16`]: `None`, writing nothing, where
-/// `E`'s kernels do not run `p`; pages gathered into slots, and their
-/// gradients folded back.
-fn backward_stored<V: Variant, E: BackwardElem>(
+/// [`backward`] and [`backward_bf16`] over any layout: `None`, writing
+/// nothing, where `E`'s kernels do not run `p`; pages gathered into
+/// slots, and their gradients folded back.
+pub(crate) fn backward_stored<V: Variant, E: BackwardElem>(
     variant: &V,
     p: &Problem,
-    cache: Option<CacheLayout<'_>>,
+    (cache, seqs): BackwardLayout<'_>,
     i: BackwardInputs<'_, E>,
     (dq, dk, dv): GradSlices<'_>,
     tensor_grads: &[bool],
 ) -> Result<Option<Vec<Option<Vec<f32>>>>> {
     let Some(pages) = cache.and_then(|c| c.pages) else {
-        let lens = cache.map(|c| c.lens);
-        return backward_slots(variant, p, lens, i, (dq, dk, dv), tensor_grads);
+        return backward_slots(variant, p, seqs, i, (dq, dk, dv), tensor_grads);
     };
     if !E::runs(p) {
         return Ok(None);
@@ -496,9 +545,8 @@ fn backward_stored<V: Variant, E: BackwardElem>(
         v: &slots.v[..],
         ..i
     };
-    let lens = keys.lens();
     let grads = (&mut *dq, &mut dk_slots[..], &mut dv_slots[..]);
-    let tensors = backward_slots(variant, p, lens, inputs, grads, tensor_grads)?;
+    let tensors = backward_slots(variant, p, seqs, inputs, grads, tensor_grads)?;
     if tensors.is_some() {
         fold_pages(&keys, p, p.head_dim, &dk_slots, dk);
         fold_pages(&keys, p, p.head_dim_v, &dv_slots, dv);
@@ -506,12 +554,12 @@ fn backward_stored<V: Variant, E: BackwardElem>(
     Ok(tensors)
 }
 
-/// [`backward_stored`] over keys in their sequences' slots (`lens`: each
-/// sequence's, through [`Cached`]).
+/// [`backward_stored`] over keys in their sequences' slots, through the
+/// window of the call's sequences.
 fn backward_slots<V: Variant, E: BackwardElem>(
     variant: &V,
     p: &Problem,
-    lens: Option<&[usize]>,
+    seqs: Seqs<'_>,
     i: BackwardInputs<'_, E>,
     grads: GradSlices<'_>,
     tensor_grads: &[bool],
@@ -525,17 +573,35 @@ fn backward_slots<V: Variant, E: BackwardElem>(
     if !E::runs(p) {
         return Ok(None);
     }
-    on_host(variant, p, |host| {
+    on_host(variant, &seqs.seen(p), |host| {
         let mut slots = grad_slots(host, tensor_grads);
-        match lens {
-            None => E::backward::<V, _>(host, p, i, grads, &mut slots),
-            Some(lens) => {
-                let cached = Cached::new(host, p, lens);
-                E::backward::<V, _>(&cached, p, i, grads, &mut slots);
-            }
-        }
+        let run = BackwardRun::<V, E> {
+            p,
+            i,
+            grads,
+            slots: &mut slots,
+            variant: std::marker::PhantomData,
+        };
+        windowed(host, p, seqs, run);
         Some(wanted_grads(slots, tensor_grads))
     })
+}
+
+/// `E`'s backward kernels, with `V`'s tiles, through a call's window.
+struct BackwardRun<'a, 'g, V, E: BackwardElem> {
+    p: &'a Problem,
+    i: BackwardInputs<'a, E>,
+    grads: GradSlices<'g>,
+    slots: &'g mut [Vec<f32>],
+    variant: std::marker::PhantomData<V>,
+}
+
+impl<V: Variant, E: BackwardElem> OnHost for BackwardRun<'_, '_, V, E> {
+    type Out = ();
+
+    fn run<H: HostVariant>(self, host: &H) {
+        E::backward::<V, H>(host, self.p, self.i, self.grads, self.slots);
+    }
 }
 
 /// The thread count the backward's key chunking assumes: the pool's, or,

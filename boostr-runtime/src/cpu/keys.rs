@@ -14,6 +14,8 @@ use super::aligned::{Aligned, Plain};
 use super::elem::Stored;
 use super::operand::{Operand, Rows};
 use crate::problem::Problem;
+use crate::shifted::{Cached, Packed, PackedWindow};
+use crate::variant::HostVariant;
 use rayon::prelude::*;
 
 /// Where a KV cache's keys are, for [`forward_cache`](super::forward_cache)
@@ -48,14 +50,112 @@ impl<'a> CacheLayout<'a> {
         Self { lens, pages: None }
     }
 
-    /// The CPU kernels' view of a call's key layout (`None`: dense keys).
-    pub(crate) fn of<R: numr::runtime::Runtime>(layout: &crate::KeyLayout<'a, R>) -> Option<Self> {
+    /// The CPU kernels' view of a call's key layout (`None`: keys in
+    /// place, every sequence all of them).
+    pub(crate) fn of<R: numr::runtime::Runtime>(
+        layout: &crate::backend::KeyLayout<'a, R>,
+    ) -> Option<Self> {
         let lens = layout.lengths()?.host;
         let pages = layout.pages().map(|t| Pages {
             table: t.host,
             page_size: t.page_size,
         });
         Some(CacheLayout { lens, pages })
+    }
+}
+
+/// How a call's sequences sit in its rows, as the tile kernels see them
+/// through a window ([`windowed`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Seqs<'a> {
+    /// Every sequence has every row and key.
+    Whole,
+    /// Keys per sequence (a cache's, or pages'), the rows last-aligned.
+    Cache(&'a [usize]),
+    /// A right-padded batch: query rows and keys per sequence.
+    Padded { q: &'a [usize], kv: &'a [usize] },
+    /// Packed sequences in one row: the `cu_seqlens` of queries and keys.
+    Packed { q: &'a [usize], kv: &'a [usize] },
+}
+
+impl<'a> Seqs<'a> {
+    /// The sequences of a call's key layout.
+    pub(crate) fn of<R: numr::runtime::Runtime>(layout: &crate::backend::KeyLayout<'a, R>) -> Self {
+        use crate::backend::KeyLayout;
+        match *layout {
+            KeyLayout::Dense => Seqs::Whole,
+            KeyLayout::Cache(l) | KeyLayout::Paged(l, _) => Seqs::Cache(l.host),
+            KeyLayout::Padded { q, kv } => Seqs::Padded {
+                q: q.host,
+                kv: kv.host,
+            },
+            KeyLayout::Varlen(map) => Seqs::Packed {
+                q: map.q.host,
+                kv: map.kv.host,
+            },
+        }
+    }
+
+    /// The sequences of a cache layout given to the CPU kernels directly.
+    pub(crate) fn of_cache(cache: Option<CacheLayout<'a>>) -> Self {
+        cache.map_or(Seqs::Whole, |c| Seqs::Cache(c.lens))
+    }
+
+    /// The problem the variant sees in a call of `p` over these sequences
+    /// (its captured tensors are checked against it): `p`, but for packed
+    /// sequences, `n` sequences of at most the longest one's rows and keys
+    /// (as `KeyLayout::seen`).
+    pub(crate) fn seen(self, p: &Problem) -> Problem {
+        match self {
+            Seqs::Packed { q, kv } => {
+                let longest = |cu: &[usize]| {
+                    let most = cu.windows(2).map(|w| w[1] - w[0]).max();
+                    most.unwrap_or(0).max(1)
+                };
+                Problem {
+                    batch: q.len().saturating_sub(1).max(1),
+                    seq_q: longest(q),
+                    seq_k: longest(kv),
+                    ..*p
+                }
+            }
+            _ => *p,
+        }
+    }
+
+    /// Whether the decode kernel, which places each sequence's rows at its
+    /// key count itself, runs these sequences (a padded batch's and packed
+    /// sequences' rows go through the tile kernels' window).
+    pub(crate) fn decodes(self) -> bool {
+        matches!(self, Seqs::Whole | Seqs::Cache(_))
+    }
+}
+
+/// A kernel run on a variant seen through a window.
+pub(crate) trait OnHost {
+    /// What the kernel returns.
+    type Out;
+
+    /// Run on `host`.
+    fn run<H: HostVariant>(self, host: &H) -> Self::Out;
+}
+
+/// `kernel` on `host` as the call's sequences `seqs` place it: itself, or
+/// through a [`Cached`] or [`Packed`] window.
+pub(crate) fn windowed<H: HostVariant, K: OnHost>(
+    host: &H,
+    p: &Problem,
+    seqs: Seqs<'_>,
+    kernel: K,
+) -> K::Out {
+    match seqs {
+        Seqs::Whole => kernel.run(host),
+        Seqs::Cache(kv) => kernel.run(&Cached::new(host, p, (None, kv))),
+        Seqs::Padded { q, kv } => kernel.run(&Cached::new(host, p, (Some(q), kv))),
+        Seqs::Packed { q, kv } => kernel.run(&Packed {
+            inner: host,
+            window: PackedWindow::new(q, kv),
+        }),
     }
 }
 
@@ -149,12 +249,6 @@ impl<'a> KeyRows<'a> {
             }),
             seq_k: p.seq_k,
         }
-    }
-
-    /// Each sequence's keys, for a cache (`None`: every sequence has `Sk`).
-    #[inline]
-    pub(crate) fn lens(&self) -> Option<&'a [usize]> {
-        self.lens
     }
 
     /// The keys sequence `b` holds.

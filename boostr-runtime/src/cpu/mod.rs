@@ -101,7 +101,10 @@ pub use keys::{CacheLayout, Pages};
 pub use threads::pin_threads;
 pub use tile::CpuTiles;
 
-pub(crate) use entry::{ForwardInputs, forward_bf16_inputs, forward_stored_inputs};
+pub(crate) use entry::{
+    ForwardInputs, backward_stored, forward_bf16_inputs, forward_stored_inputs, runs_decode,
+};
+pub(crate) use keys::Seqs;
 use tile::{
     Axis, BAND_ROWS, Band, L2_BUDGET, Positions, all_finite, all_finite_bits, band_products,
     class_bands, mean_visits, tile_class, zero_unused_rows,

@@ -6,8 +6,8 @@ use super::aligned::Aligned;
 use super::elem::Stored;
 use super::keys::KeyRows;
 use super::operand::Operand;
-use super::{BackwardInputs, Bf16BackwardInputs, CacheLayout, ForwardInputs};
-use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, Keys};
+use super::{BackwardInputs, Bf16BackwardInputs, CacheLayout, ForwardInputs, Seqs};
+use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, CallKeys};
 use crate::error::{Error, Result};
 use crate::problem::Problem;
 use crate::validate;
@@ -287,6 +287,14 @@ impl AttentionRuntime for CpuRuntime {
         Ok(Self::default_client(t.device()).sum(t, &[0], true)?)
     }
 
+    /// The tile kernels run packed sequences as one row, through a window
+    /// that moves each row and key to its sequence.
+    const PACKED_IN_PLACE: bool = true;
+
+    fn select_rows(t: &Tensor<Self>, dim: usize, index: &Tensor<Self>) -> Result<Tensor<Self>> {
+        crate::backend::select_rows(t, dim, index)
+    }
+
     fn communicator_reads_tensors(_: &dyn numr::runtime::Communicator) -> bool {
         true
     }
@@ -295,7 +303,7 @@ impl AttentionRuntime for CpuRuntime {
         variant: &V,
         p: &Problem,
         q: &Tensor<Self>,
-        keys: Keys<'_, Self>,
+        keys: CallKeys<'_, Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
         let (dtype, device) = (q.dtype(), q.device());
         // q first: its dtype is the call's, so an unsupported one is named
@@ -329,11 +337,12 @@ impl AttentionRuntime for CpuRuntime {
         let x = ForwardInputs {
             q: q.operand(),
             keys: KeyRows::new(k, v, CacheLayout::of(&keys.layout), p),
+            seqs: Seqs::of(&keys.layout),
         };
         // bf16 tile products where the CPU has them (AMX, `vdpbf16ps`),
         // except for decode shapes, whose kernel packs a GQA group's rows.
         let tiles = dtype == DType::BF16
-            && !super::is_decode(p)
+            && !super::runs_decode(p, x.seqs)
             && super::forward_bf16_inputs(variant, p, x, o, l)?;
         if !tiles {
             super::forward_stored_inputs(variant, p, x, o, l)?;
@@ -346,7 +355,7 @@ impl AttentionRuntime for CpuRuntime {
         p: &Problem,
         t: BackwardTensors<'_, Self>,
     ) -> Result<AttentionGrads<Self>> {
-        let cache = CacheLayout::of(&t.keys.layout);
+        let layout = (CacheLayout::of(&t.keys.layout), Seqs::of(&t.keys.layout));
         let (dtype, device) = (t.q.dtype(), t.q.device());
         check_input("q", t.q, dtype)?;
         validate::check_dtype("lse", t.lse, CPU, &[DType::F32], "f32 for lse")?;
@@ -385,8 +394,8 @@ impl AttentionRuntime for CpuRuntime {
                     dlse,
                 }
             };
-            let (dq, dk, dv) = (&mut *grads.0, &mut *grads.1, &mut *grads.2);
-            tensors = super::backward_bf16(variant, p, cache, inputs, dq, dk, dv, wanted)?;
+            let g = (&mut *grads.0, &mut *grads.1, &mut *grads.2);
+            tensors = super::backward_stored(variant, p, layout, inputs, g, wanted)?;
         }
         let tensors = match tensors {
             Some(tensors) => tensors,
@@ -403,8 +412,8 @@ impl AttentionRuntime for CpuRuntime {
                     dout: dout.slice(),
                     dlse,
                 };
-                let (dq, dk, dv) = grads;
-                super::backward(variant, p, cache, inputs, dq, dk, dv, wanted)?
+                super::backward_stored(variant, p, layout, inputs, grads, wanted)?
+                    .expect("the f32 backward runs on every CPU")
             }
         };
         let learnables = variant.learnables();

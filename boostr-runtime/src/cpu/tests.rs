@@ -1973,6 +1973,7 @@ fn strided_operands_give_the_bits_of_packed_ones() {
         let spread = ForwardInputs {
             q: sq_.operand(),
             keys: KeyRows::new(sk_.operand(), sv_.operand(), cache, p),
+            seqs: crate::cpu::Seqs::of_cache(cache),
         };
         let packed = ForwardInputs::packed(p, &q, (&k, &v), cache);
         let mut results = Vec::new();

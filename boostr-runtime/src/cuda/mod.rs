@@ -18,7 +18,7 @@
 //! recomputing `P` from the lse (no float atomics).
 
 use crate::backend::{
-    AttentionGrads, AttentionRuntime, BackwardTensors, CacheScales, KeyLayout, Keys,
+    AttentionGrads, AttentionRuntime, BackwardTensors, CacheScales, CallKeys, KeyLayout,
 };
 use crate::error::{BackendError, Error, Result};
 use crate::gpu::{self, ArenaPlan, KernelCache, KeyWords};
@@ -342,7 +342,9 @@ impl Call<'_> {
                 match s {
                     Scalar::Scale => Ok(Value::Float(f32::from_bits(word))),
                     // `NO_WORD` is -1 to the kernels.
-                    Scalar::KvLens | Scalar::KvPages if word == NO_WORD => Ok(Value::Int(-1)),
+                    Scalar::KvLens | Scalar::QLens | Scalar::KvPages if word == NO_WORD => {
+                        Ok(Value::Int(-1))
+                    }
                     _ => i32::try_from(word).map(Value::Int).map_err(|_| {
                         launch_error(format!("{} = {word} does not fit in i32", s.name()))
                     }),
@@ -623,7 +625,7 @@ fn forward_over<V: Variant>(
     variant: &V,
     p: &Problem,
     q: &Tensor<CudaRuntime>,
-    keys: Keys<'_, CudaRuntime>,
+    keys: CallKeys<'_, CudaRuntime>,
 ) -> Result<(Tensor<CudaRuntime>, Tensor<CudaRuntime>)> {
     let q = input("q", q)?;
     let dtype = q.dtype();
@@ -715,11 +717,15 @@ impl AttentionRuntime for CudaRuntime {
         Ok(Self::default_client(t.device()).sum(t, &[0], true)?)
     }
 
+    fn select_rows(t: &Tensor<Self>, dim: usize, index: &Tensor<Self>) -> Result<Tensor<Self>> {
+        crate::backend::select_rows(t, dim, index)
+    }
+
     fn attention_forward<V: Variant>(
         variant: &V,
         p: &Problem,
         q: &Tensor<Self>,
-        keys: Keys<'_, Self>,
+        keys: CallKeys<'_, Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
         forward_over(variant, p, q, keys)
     }
@@ -744,7 +750,7 @@ impl AttentionRuntime for CudaRuntime {
         let delta = match t.dlse {
             Some(g) => {
                 validate::check_dtype("dlse", g, CUDA, &[DType::F32], "f32")?;
-                CudaRuntime::default_client(q.device()).neg(g)?
+                CudaRuntime::default_client(q.device()).neg(&g.contiguous()?)?
             }
             None => Tensor::<CudaRuntime>::zeros(&p.lse_shape(), DType::F32, q.device())?,
         };

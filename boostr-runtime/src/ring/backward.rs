@@ -5,28 +5,34 @@
 use super::forward::Blocks;
 use super::link::Exchange;
 use super::{Pair, Pass, Ring, RingOps, RingOptions, host};
-use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, KeyLayout, Keys};
+use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, CallKeys, KeyLayout};
 use crate::error::{Error, Result};
+use crate::op::Backward;
 use crate::validate;
 use crate::variant::Variant;
 use numr::dtype::DType;
-use numr::runtime::{Communicator, Runtime};
+use numr::runtime::Runtime;
 use numr::tensor::Tensor;
-use std::sync::Arc;
 
 /// The backward of every rank, with the learnable slots in `wanted`.
 pub(super) fn backward_with<V: Variant, R: AttentionRuntime>(
     variant: &V,
-    [dout, q, k, v, out, lse]: [&Tensor<R>; 6],
-    comm: &Arc<dyn Communicator>,
+    [q, k, v]: [&Tensor<R>; 3],
+    grads: Backward<'_, R>,
     opts: &RingOptions,
     wanted: &[bool],
 ) -> Result<AttentionGrads<R>>
 where
     R::Client: RingOps<R>,
 {
-    // `out`, `dout` and `lse` are this rank's inputs too: checked before
-    // the header, so that a bad one fails every rank at once.
+    let Backward {
+        out,
+        lse,
+        dout,
+        dlse,
+    } = grads;
+    // `out`, `dout`, `lse` and `dlse` are this rank's inputs too: checked
+    // before the header, so that a bad one fails every rank at once.
     let more = |p: &crate::problem::Problem| {
         validate::shape_of("out", out, &p.out_shape())?;
         validate::shape_of("dout", dout, &p.out_shape())?;
@@ -34,10 +40,15 @@ where
         let like_q = [q.dtype()];
         validate::check_dtype("out", out, R::name(), &like_q, "q's dtype")?;
         validate::check_dtype("dout", dout, R::name(), &like_q, "q's dtype")?;
-        validate::check_dtype("lse", lse, R::name(), &[DType::F32], "f32")
+        validate::check_dtype("lse", lse, R::name(), &[DType::F32], "f32")?;
+        if let Some(dlse) = dlse {
+            validate::shape_of("dlse", dlse, &p.lse_shape())?;
+            validate::check_dtype("dlse", dlse, R::name(), &[DType::F32], "f32")?;
+        }
+        Ok(())
     };
-    let ring = Ring::start(variant, [q, k, v], comm, opts, Pass::Backward, wanted, more)?;
-    backward(&ring, [dout, q, k, v, out, lse], wanted)
+    let ring = Ring::start(variant, [q, k, v], opts, (Pass::Backward, wanted), more)?;
+    backward(&ring, ([dout, q, k, v, out, lse], dlse), wanted)
 }
 
 /// Gradients summed in f32: `acc` becomes `acc + x` (in place on the CPU).
@@ -74,13 +85,13 @@ enum KeyGrads<R: Runtime> {
 /// The backward of one rank.
 fn backward<V: Variant, R: AttentionRuntime>(
     ring: &Ring<'_, V>,
-    inputs: [&Tensor<R>; 6],
+    inputs: ([&Tensor<R>; 6], Option<&Tensor<R>>),
     wanted: &[bool],
 ) -> Result<AttentionGrads<R>>
 where
     R::Client: RingOps<R>,
 {
-    let q = inputs[1];
+    let q = inputs.0[1];
     let (device, dtype) = (q.device(), q.dtype());
     let p = ring.local;
     let own = &ring.chunks[ring.link.rank];
@@ -118,7 +129,7 @@ where
 /// from then on and returns its error after the traffic.
 fn steps<V: Variant, R: AttentionRuntime>(
     ring: &Ring<'_, V>,
-    [dout, q, k, v, out, lse]: [&Tensor<R>; 6],
+    ([dout, q, k, v, out, lse], dlse): ([&Tensor<R>; 6], Option<&Tensor<R>>),
     wanted: &[bool],
     sums: &mut Sums<R>,
 ) -> Result<(KeyGrads<R>, Option<Error>)>
@@ -147,7 +158,7 @@ where
         let receives_blocks = x.send.len();
         if let Some(t) = travelling.take() {
             x.send.extend(t);
-            x.recv.extend(key_grad_shapes(&p));
+            x.recv.extend(key_grad_shapes(ring));
         }
         let pending = if x.send.is_empty() {
             None
@@ -157,7 +168,7 @@ where
         let mut part = None;
         if failure.is_none() {
             let (kb, vb) = blocks.block(src)?;
-            let inputs = [dout, q, &kb, &vb, out, lse];
+            let inputs = ([dout, q, &kb, &vb, out, lse], dlse);
             match block(ring, inputs, src, wanted, sums) {
                 Ok(block) => part = Some(block),
                 Err(e) => failure = Some(e),
@@ -166,7 +177,10 @@ where
         // After a failure, zeros keep the ring's traffic going.
         let [dk_part, dv_part] = match part {
             Some(part) => part,
-            None => [zeros(p.k_shape())?, zeros(p.v_shape())?],
+            None => [
+                zeros(ring.kv_shape(p.head_dim))?,
+                zeros(ring.kv_shape(p.head_dim_v))?,
+            ],
         };
         if gathered {
             parts.push([dk_part, dv_part]);
@@ -201,10 +215,11 @@ where
 }
 
 /// The shapes and dtypes of a block's dK and dV on their way round.
-fn key_grad_shapes(p: &crate::problem::Problem) -> [(Vec<usize>, DType); 2] {
+fn key_grad_shapes<V: Variant>(ring: &Ring<'_, V>) -> [(Vec<usize>, DType); 2] {
+    let p = &ring.local;
     [
-        (p.k_shape().to_vec(), DType::F32),
-        (p.v_shape().to_vec(), DType::F32),
+        (ring.kv_shape(p.head_dim).to_vec(), DType::F32),
+        (ring.kv_shape(p.head_dim_v).to_vec(), DType::F32),
     ]
 }
 
@@ -243,7 +258,7 @@ where
         KeyGrads::Travelling(Some(t)) if world > 1 => {
             let x = Exchange {
                 send: t.to_vec(),
-                recv: key_grad_shapes(&ring.local).to_vec(),
+                recv: key_grad_shapes(ring).to_vec(),
             };
             let tag = Ring::<V>::tag(Pass::Backward, world, 0);
             let mut got = link.exchange(x, device, tag)?.wait(link)?.into_iter();
@@ -256,7 +271,10 @@ where
         KeyGrads::Travelling(None) => {
             let p = ring.local;
             let zeros = |shape: [usize; 4]| Tensor::<R>::zeros(&shape, DType::F32, device);
-            Ok([zeros(p.k_shape())?, zeros(p.v_shape())?])
+            Ok([
+                zeros(ring.kv_shape(p.head_dim))?,
+                zeros(ring.kv_shape(p.head_dim_v))?,
+            ])
         }
     }
 }
@@ -305,7 +323,7 @@ where
 /// block-shaped).
 fn block<V: Variant, R: AttentionRuntime>(
     ring: &Ring<'_, V>,
-    [dout, q, k, v, out, lse]: [&Tensor<R>; 6],
+    ([dout, q, k, v, out, lse], dlse): ([&Tensor<R>; 6], Option<&Tensor<R>>),
     src: usize,
     wanted: &[bool],
     sums: &mut Sums<R>,
@@ -321,10 +339,14 @@ where
         let rows = |t: &Tensor<R>| t.narrow(2, qc.row, qc.len);
         let keys = |t: &Tensor<R>| t.narrow(2, kc.row, kc.len);
         let (qs, outs, douts, lses) = (rows(q)?, rows(out)?, rows(dout)?, rows(lse)?);
-        let (ks, vs) = (keys(k)?, keys(v)?);
+        let dlses = match dlse {
+            Some(g) => Some(rows(g)?.contiguous()?),
+            None => None,
+        };
+        let (ks, vs) = (ring.kv_view(&keys(k)?)?, ring.kv_view(&keys(v)?)?);
         let tensors = BackwardTensors {
             q: &qs,
-            keys: Keys {
+            keys: CallKeys {
                 k: &ks,
                 v: &vs,
                 layout: KeyLayout::Dense,
@@ -333,13 +355,15 @@ where
             out: &outs,
             lse: &lses.contiguous()?,
             dout: &douts,
-            dlse: None,
+            dlse: dlses.as_ref(),
             tensor_grads: wanted,
         };
         let g = R::attention_backward(&positioned, &p, tensors)?;
+        // Shared keys' gradients: the sum over the batch.
+        let shared = |t: Tensor<R>| if ring.shared { R::sum_batch(&t) } else { Ok(t) };
         add_into(&mut sums.dq[i], &g.dq)?;
-        add_into(&mut dk[j], &g.dk)?;
-        add_into(&mut dv[j], &g.dv)?;
+        add_into(&mut dk[j], &shared(g.dk)?)?;
+        add_into(&mut dv[j], &shared(g.dv)?)?;
         for (slot, t) in g.tensors.into_iter().enumerate() {
             if let Some(t) = t {
                 add_into(&mut sums.tensors[slot], &t)?;
@@ -354,11 +378,14 @@ where
             .zip(chunks)
             .map(|(g, c)| match g {
                 Some(g) => Ok(g),
-                None => Ok(Tensor::<R>::zeros(
-                    &[p.batch, p.heads_kv, c.len, dim],
-                    DType::F32,
-                    device,
-                )?),
+                None => {
+                    let [batch, heads, _, _] = ring.kv_shape(dim);
+                    Ok(Tensor::<R>::zeros(
+                        &[batch, heads, c.len, dim],
+                        DType::F32,
+                        device,
+                    )?)
+                }
             })
             .collect::<Result<Vec<_>>>()?;
         let refs: Vec<&Tensor<R>> = parts.iter().collect();

@@ -4,7 +4,7 @@
 
 use super::link::Exchange;
 use super::{Pair, Pass, Ring, RingOps, Schedule, host};
-use crate::backend::{AttentionRuntime, KeyLayout, Keys};
+use crate::backend::{AttentionRuntime, CallKeys, KeyLayout};
 use crate::cpu::weights::RowWeights as _;
 use crate::error::Result;
 use crate::variant::{HostVariant, Variant, Weights};
@@ -139,7 +139,7 @@ pub(super) fn forward<V: Variant, R: AttentionRuntime>(
     q: &Tensor<R>,
     k: &Tensor<R>,
     v: &Tensor<R>,
-) -> Result<(Tensor<R>, Tensor<R>)>
+) -> Result<crate::op::Output<R>>
 where
     R::Client: RingOps<R>,
 {
@@ -208,7 +208,10 @@ where
         let refs: Vec<&Tensor<R>> = ts.iter().collect();
         Ok(Tensor::cat(&refs, dim)?.contiguous()?)
     };
-    Ok((cat(&outs, 2)?, cat(&lses, 2)?))
+    Ok(crate::op::Output {
+        out: cat(&outs, 2)?,
+        lse: cat(&lses, 2)?,
+    })
 }
 
 /// This rank's queries against rank `src`'s block, merged into `acc`.
@@ -228,9 +231,9 @@ where
     {
         let (positioned, p) = ring.call(qc, kc, sink);
         let qs = q.narrow(2, qc.row, qc.len)?;
-        let ks = k.narrow(2, kc.row, kc.len)?;
-        let vs = v.narrow(2, kc.row, kc.len)?;
-        let keys = Keys {
+        let ks = ring.kv_view(&k.narrow(2, kc.row, kc.len)?)?;
+        let vs = ring.kv_view(&v.narrow(2, kc.row, kc.len)?)?;
+        let keys = CallKeys {
             k: &ks,
             v: &vs,
             layout: KeyLayout::Dense,

@@ -65,8 +65,10 @@ pub fn last_ring_times() -> RingTimes {
 
 use crate::backend::{AttentionGrads, AttentionRuntime};
 use crate::error::{Error, Result};
+use crate::keys::{KeyTensor, Keys};
 use crate::node;
-use crate::op::AttentionOptions;
+use crate::op::{Backward, Output, VarOutput};
+use crate::options::AttentionOptions;
 use crate::problem::Problem;
 use crate::validate;
 use crate::variant::{HostVariant, TileClass, Variant};
@@ -113,12 +115,15 @@ impl Schedule {
     }
 }
 
-/// Options of a ring attention call; every rank passes the same.
-/// `RingOptions::default()`, then the `with_` methods for what differs.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// A ring attention call's communicator and options; every rank passes
+/// the same options. `RingOptions::new(comm)`, then the `with_` methods
+/// for what differs.
+#[derive(Clone)]
 #[non_exhaustive]
 pub struct RingOptions {
-    /// The attention's own options (scale).
+    /// The ranks' communicator (this rank's end of it).
+    pub comm: Arc<dyn Communicator>,
+    /// The attention's own options (scale, dropout).
     pub attention: AttentionOptions,
     /// How the sequence is sharded.
     pub shards: Shards,
@@ -129,7 +134,33 @@ pub struct RingOptions {
     pub timeout: Duration,
 }
 
+impl std::fmt::Debug for RingOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RingOptions")
+            .field("rank", &self.comm.rank())
+            .field("world", &self.comm.world_size())
+            .field("attention", &self.attention)
+            .field("shards", &self.shards)
+            .field("schedule", &self.schedule)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
 impl RingOptions {
+    /// A ring over `comm`: default attention options, zigzag shards
+    /// ([`Shards::default`]), the schedule chosen by the shapes, a minute's
+    /// timeout.
+    pub fn new(comm: Arc<dyn Communicator>) -> Self {
+        RingOptions {
+            comm,
+            attention: AttentionOptions::default(),
+            shards: Shards::default(),
+            schedule: Schedule::default(),
+            timeout: Duration::from_secs(60),
+        }
+    }
+
     /// These options with the attention's own `options` (scale, dropout).
     pub fn with_attention(self, attention: AttentionOptions) -> Self {
         RingOptions { attention, ..self }
@@ -148,17 +179,6 @@ impl RingOptions {
     /// These options with each communication given up after `timeout`.
     pub fn with_timeout(self, timeout: Duration) -> Self {
         RingOptions { timeout, ..self }
-    }
-}
-
-impl Default for RingOptions {
-    fn default() -> Self {
-        RingOptions {
-            attention: AttentionOptions::default(),
-            shards: Shards::default(),
-            schedule: Schedule::default(),
-            timeout: Duration::from_secs(60),
-        }
     }
 }
 
@@ -194,6 +214,8 @@ struct Ring<'v, V: Variant> {
     chunks: Vec<Vec<Chunk>>,
     /// The variant on the host, for skipping empty pairs.
     host: V::Host,
+    /// `k` and `v` are of batch 1, shared by every sequence.
+    shared: bool,
 }
 
 impl<'v, V: Variant> Ring<'v, V> {
@@ -204,12 +226,11 @@ impl<'v, V: Variant> Ring<'v, V> {
     fn start<R: AttentionRuntime>(
         variant: &'v V,
         [q, k, v]: [&Tensor<R>; 3],
-        comm: &Arc<dyn Communicator>,
         opts: &RingOptions,
-        pass: Pass,
-        wanted: &[bool],
+        (pass, wanted): (Pass, &[bool]),
         more: impl FnOnce(&Problem) -> Result<()>,
     ) -> Result<Self> {
+        let comm = &opts.comm;
         let (rank, world) = (comm.rank(), comm.world_size());
         if world == 0 || rank >= world {
             return Err(Error::Ring {
@@ -226,12 +247,16 @@ impl<'v, V: Variant> Ring<'v, V> {
             direct: R::communicator_reads_tensors(&**comm),
         };
         // The header first: a rank whose own inputs are bad still joins
-        // it (with zeros), so that every rank fails together.
-        let local = validate::problem(q, k, v, opts.attention.scale)
+        // it (with zeros), so that every rank fails together. Keys of
+        // batch 1 are shared by every sequence: they travel as they are,
+        // and each call reads them broadcast.
+        let shared = crate::keys::shares_keys(q, k, v);
+        let local = crate::keys::widen_shared(q, k, v)
+            .and_then(|(k, v)| validate::problem(q, &k, &v, opts.attention.scale))
             .and_then(|p| validate::call(variant, p, &opts.attention))
             .and_then(|p| more(&p).map(|()| p));
         let local_ok = local.as_ref().ok();
-        let header = header(variant, local_ok, q.dtype(), opts, pass, wanted);
+        let header = header(variant, local_ok, (q.dtype(), shared), opts, pass, wanted);
         let agreed = link.agree::<R>(&header, q.device());
         let local = local?;
         agreed?;
@@ -277,7 +302,26 @@ impl<'v, V: Variant> Ring<'v, V> {
             schedule,
             chunks,
             host,
+            shared,
         })
+    }
+
+    /// The shape of a block of `k` (`dim` = D) or `v` (`Dv`) and of its
+    /// gradient: the rank's shard, of batch 1 where the keys are shared.
+    fn kv_shape(&self, dim: usize) -> [usize; 4] {
+        let p = &self.local;
+        let batch = if self.shared { 1 } else { p.batch };
+        [batch, p.heads_kv, p.seq_k, dim]
+    }
+
+    /// A chunk of a block of keys or values as a call reads it: broadcast
+    /// to the batch where shared.
+    fn kv_view<R: Runtime>(&self, t: &Tensor<R>) -> Result<Tensor<R>> {
+        if !self.shared {
+            return Ok(t.clone());
+        }
+        let s = t.shape();
+        Ok(t.broadcast_to(&[self.local.batch, s[1], s[2], s[3]])?)
     }
 
     /// The call of query chunk `qc` against key chunk `kc`.
@@ -356,7 +400,7 @@ struct Pair {
 fn header<V: Variant>(
     variant: &V,
     p: Option<&Problem>,
-    dtype: DType,
+    (dtype, shared): (DType, bool),
     opts: &RingOptions,
     pass: Pass,
     wanted: &[bool],
@@ -390,6 +434,7 @@ fn header<V: Variant>(
             p.map_or(0, |p| u64::from(p.scale.to_bits())),
         ),
         ("the dtype", dtype_code(dtype)),
+        ("whether the keys are shared (batch 1)", u64::from(shared)),
         ("the dropout seed", opts.attention.dropout_seed),
         (
             "the dropout offset",
@@ -420,37 +465,49 @@ impl Fnv {
     }
 }
 
-/// Attention over a sequence sharded across the ranks of `comm`: called
-/// on every rank with its shard of `q [B, Hq, n, D]`, `k [B, Hkv, n, D]`
-/// and `v [B, Hkv, n, Dv]` (`n = S / world`, laid out as `opts.shards`
-/// says), it returns the rank's shard of `out [B, Hq, n, Dv]` and `lse
-/// [B, Hq, n]`, the rows of the single-device [`attention_fwd`](crate::attention_fwd)
-/// of the whole sequence that the rank holds.
+/// Attention over a sequence sharded across the ranks of `ring.comm`:
+/// called on every rank with its shard of `q [B, Hq, n, D]` and of the
+/// dense keys `k [B, Hkv, n, D]`, `v [B, Hkv, n, Dv]` (`n = S / world`,
+/// laid out as `ring.shards` says; `k` and `v` of batch 1 are shared by
+/// every sequence), it returns the rank's shard of `out [B, Hq, n, Dv]`
+/// and `lse [B, Hq, n]`: the rows of the single-device
+/// [`attention`](crate::attention()) of the whole sequence that the rank
+/// holds.
 ///
 /// Captured tensors span the whole sequence (`[B, S]` for a `[B, Sk]`
 /// declaration) on every rank.
 ///
 /// # Errors
-/// On every rank alike: ranks that disagree on shapes, dtype, scale,
-/// layout, schedule or the variant ([`Error::RingDisagree`]); a rank's
-/// invalid inputs; a kernel that failed on some rank
-/// ([`Error::RingPeerFailed`] on the others). A peer that stops answering
-/// is [`Error::RingTimeout`] after `opts.timeout`.
+/// On every rank alike: keys other than dense ([`Error::Ring`]); ranks
+/// that disagree on shapes, dtype, scale, layout, schedule or the variant
+/// ([`Error::RingDisagree`]); a rank's invalid inputs; a kernel that
+/// failed on some rank ([`Error::RingPeerFailed`] on the others). A peer
+/// that stops answering is [`Error::RingTimeout`] after `ring.timeout`.
 pub fn ring_attention<V: Variant, R: AttentionRuntime>(
     variant: &V,
     q: &Tensor<R>,
-    k: &Tensor<R>,
-    v: &Tensor<R>,
-    comm: &Arc<dyn Communicator>,
-    opts: &RingOptions,
-) -> Result<(Tensor<R>, Tensor<R>)>
+    keys: Keys<'_, R>,
+    ring: &RingOptions,
+) -> Result<Output<R>>
 where
     R::Client: RingOps<R>,
 {
-    let ring = Ring::start(variant, [q, k, v], comm, opts, Pass::Forward, &[], |_| {
-        Ok(())
-    })?;
-    forward::forward(&ring, q, k, v)
+    let (k, v) = dense(&keys)?;
+    let call = Ring::start(variant, [q, k, v], ring, (Pass::Forward, &[]), |_| Ok(()))?;
+    forward::forward(&call, q, k, v)
+}
+
+/// The dense keys of a ring call.
+fn dense<'a, R: Runtime, T: KeyTensor<R>>(
+    keys: &Keys<'a, R, T>,
+) -> Result<(&'a Tensor<R>, &'a Tensor<R>)> {
+    match *keys {
+        Keys::Dense { k, v, scales: None } => Ok((k.tensor(), v.tensor())),
+        _ => Err(Error::Ring {
+            rule: "each rank holds a shard of dense keys (Keys::dense), in q's dtype",
+            got: keys.name().to_string(),
+        }),
+    }
 }
 
 /// numr's NCCL communicator is a ring transport for CUDA tensors: the op,
@@ -461,78 +518,91 @@ fn nccl_rings_type_check(
     comm: numr::runtime::NcclCommunicator,
     x: [&Tensor<numr::runtime::cuda::CudaRuntime>; 3],
 ) -> Result<()> {
-    let comm: Arc<dyn Communicator> = Arc::new(comm);
+    let ring = RingOptions::new(Arc::new(comm));
     let variant = crate::stock::Causal;
-    let opts = RingOptions::default();
-    let (out, lse) = ring_attention(&variant, x[0], x[1], x[2], &comm, &opts)?;
-    ring_attention_bwd(&variant, &out, x[0], x[1], x[2], &out, &lse, &comm, &opts)?;
+    let y = ring_attention(&variant, x[0], Keys::dense(x[1], x[2]), &ring)?;
+    let grads = Backward::new(&y, x[0]);
+    ring_attention_backward(&variant, x[0], Keys::dense(x[1], x[2]), grads, &ring)?;
     let q = Var::new(x[0].clone(), true);
-    var_ring_attention(&variant, &q, &q, &q, &comm, &opts)?;
+    var_ring_attention(&variant, &q, Keys::dense(&q, &q), &ring)?;
     Ok(())
 }
 
-/// The backward of [`ring_attention`] on every rank: `(dq, dk, dv)` of
-/// the rank's shards, given its shards of `out` and `lse` (from
-/// [`ring_attention`]) and of `dout`.
+/// The backward of [`ring_attention`] on every rank: the gradients of the
+/// rank's shards of `q`, `k` and `v` (`k`'s and `v`'s of batch 1, summed
+/// over the batch and the ranks, where shared) and of the variant's
+/// learnable tensors that require grad (summed over the ranks), given its
+/// shards of `out`, `lse` (from [`ring_attention`]), `dout` and, where the
+/// loss reads the lse, `dlse`.
 ///
 /// # Errors
 /// As [`ring_attention`].
-#[allow(clippy::too_many_arguments)]
-pub fn ring_attention_bwd<V: Variant, R: AttentionRuntime>(
+pub fn ring_attention_backward<V: Variant, R: AttentionRuntime>(
     variant: &V,
-    dout: &Tensor<R>,
     q: &Tensor<R>,
-    k: &Tensor<R>,
-    v: &Tensor<R>,
-    out: &Tensor<R>,
-    lse: &Tensor<R>,
-    comm: &Arc<dyn Communicator>,
-    opts: &RingOptions,
+    keys: Keys<'_, R>,
+    grads: Backward<'_, R>,
+    ring: &RingOptions,
 ) -> Result<AttentionGrads<R>>
 where
     R::Client: RingOps<R>,
 {
-    let all = vec![true; V::LEARNABLE.len()];
-    backward::backward_with(variant, [dout, q, k, v, out, lse], comm, opts, &all)
+    let (k, v) = dense(&keys)?;
+    let wanted = variant
+        .learnables()
+        .iter()
+        .map(|l| Ok(l.on::<R>()?.requires_grad()))
+        .collect::<Result<Vec<bool>>>()?;
+    backward::backward_with(variant, [q, k, v], grads, ring, &wanted)
 }
 
 /// [`ring_attention`] as an autograd op: the forward runs now on every
-/// rank, and numr's `backward` runs [`ring_attention_bwd`] on every rank
-/// (each rank must call `backward` for the ring to complete). The node's
-/// inputs are `q, k, v` and the variant's learnable tensors that require
-/// grad, whose gradients are summed over the ranks.
+/// rank, and numr's `backward` runs [`ring_attention_backward`] on every
+/// rank (each rank must call `backward` for the ring to complete). The
+/// node's inputs are `q`, the keys' and values' `Var`s and the variant's
+/// learnable tensors that require grad, whose gradients are summed over
+/// the ranks; `lse` is differentiable as [`var_attention`](crate::var_attention)'s.
 pub fn var_ring_attention<V: Variant, R: AttentionRuntime>(
     variant: &V,
     q: &Var<R>,
-    k: &Var<R>,
-    v: &Var<R>,
-    comm: &Arc<dyn Communicator>,
-    opts: &RingOptions,
-) -> Result<Var<R>>
+    keys: Keys<'_, R, Var<R>>,
+    ring: &RingOptions,
+) -> Result<VarOutput<R>>
 where
     R::Client: RingOps<R>,
 {
-    let out = ring_attention(variant, q.tensor(), k.tensor(), v.tensor(), comm, opts)?;
+    let (k, v) = keys.kv();
+    let y = ring_attention(
+        variant,
+        q.tensor(),
+        Keys::dense(k.tensor(), v.tensor()),
+        ring,
+    )?;
+    dense(&keys)?;
     let tensor_grads = variant
         .learnables()
         .iter()
         .map(|l| Ok(l.on::<R>()?.requires_grad()))
         .collect::<Result<Vec<bool>>>()?;
-    let (variant_, comm, opts) = (variant.clone(), Arc::clone(comm), *opts);
+    let (variant_, ring) = (variant.clone(), ring.clone());
     // Every rank computes every gradient whatever it needs: the ring's
     // traffic must be the same on all of them.
-    // (The node's lse is not returned, so no `dlse` reaches it.)
     let gradients = move |[q, k, v, out, lse]: &node::Saved<R>,
-                          (dout, _): (&Tensor<R>, Option<&Tensor<R>>),
+                          (dout, dlse): (&Tensor<R>, Option<&Tensor<R>>),
                           _: &[bool]| {
-        let inputs = [dout, q, k, v, out, lse];
-        backward::backward_with(&variant_, inputs, &comm, &opts, &tensor_grads)
+        let grads = Backward {
+            out,
+            lse,
+            dout,
+            dlse,
+        };
+        backward::backward_with(&variant_, [q, k, v], grads, &ring, &tensor_grads)
     };
-    let (out, _lse) = node::attach(
+    let (out, lse) = node::attach(
         variant,
         [q, k, v],
-        out,
+        (y.out, y.lse),
         ("RingAttentionBackward", gradients),
     )?;
-    Ok(out)
+    Ok(VarOutput { out, lse })
 }

@@ -15,7 +15,7 @@
 use crate::capture::{Capture, Learnable};
 use crate::error::Result;
 use crate::problem::Problem;
-use crate::shifted::{Shifted, Window};
+use crate::shifted::{Shifted, Tile, Window};
 use crate::variant::{CallWindow, CompiledStages, Variant};
 
 /// `inner` on a window of the sequence of problem `whole`.
@@ -127,10 +127,27 @@ pub(crate) struct RingWindow {
 }
 
 impl Window for RingWindow {
-    const HIDES_KEYS: bool = false;
+    const HIDES: bool = false;
 
-    fn shift(&self, _: i32) -> (i32, i32) {
-        (self.q_shift, self.kv_shift)
+    #[inline(always)]
+    fn row(&self, b: i32, q: i32) -> (i32, i32) {
+        (b, q + self.q_shift)
+    }
+
+    #[inline(always)]
+    fn key_shift(&self, _: i32, _: i32) -> i32 {
+        self.kv_shift
+    }
+
+    #[inline]
+    fn tile(&self, b: i32, q: (i32, i32), kv: (i32, i32)) -> Tile {
+        let (dq, dkv) = (self.q_shift, self.kv_shift);
+        Tile::Seen {
+            b,
+            q: (q.0 + dq, q.1 + dq),
+            kv: (kv.0 + dkv, kv.1 + dkv),
+            whole: true,
+        }
     }
 
     fn carries_sink(&self) -> bool {

@@ -10,7 +10,7 @@ use crate::stock::{
 };
 use crate::testing::rng::{Rng, SEED_ENV, choose_seed};
 use crate::testing::{MessageCount, ThreadComm};
-use crate::{attention_bwd_tensors, attention_fwd};
+use crate::{attention, attention_backward};
 use numr::runtime::LocalCommunicator;
 use numr::runtime::cpu::{CpuDevice, CpuRuntime};
 
@@ -35,12 +35,14 @@ fn normal<R: AttentionRuntime>(rng: &mut Rng, shape: [usize; 4], device: &R::Dev
     Tensor::<R>::from_slice(&rng.normal_f32(n, 1.0), &shape, device).expect("a tensor")
 }
 
-/// The whole sequence's inputs: `q, k, v, dout`.
+/// The whole sequence's inputs: `q, k, v`, and the gradients `dout` and
+/// `dlse` of a loss of `out` and `lse`.
 pub(crate) struct Inputs<R: Runtime> {
     q: Tensor<R>,
     k: Tensor<R>,
     v: Tensor<R>,
     dout: Tensor<R>,
+    dlse: Tensor<R>,
 }
 
 impl<R: AttentionRuntime> Inputs<R>
@@ -53,6 +55,11 @@ where
             k: normal(rng, [B, HKV, s, D], device),
             v: normal(rng, [B, HKV, s, DV], device),
             dout: normal(rng, [B, HQ, s, DV], device),
+            dlse: {
+                let n = B * HQ * s;
+                Tensor::<R>::from_slice(&rng.normal_f32(n, 1.0), &[B, HQ, s], device)
+                    .expect("a tensor")
+            },
         }
     }
 
@@ -66,6 +73,36 @@ where
             shard(&self.dout)?,
         ])
     }
+
+    /// Rank `rank`'s shard of `dlse`.
+    fn shard_dlse(&self, shards: Shards, rank: usize, world: usize) -> Result<Tensor<R>> {
+        shards.shard(&self.dlse, 2, rank, world)
+    }
+}
+
+/// The options of a ring test, which each rank's [`RingOptions`] get with
+/// its communicator ([`Setup::on`]).
+#[derive(Clone, Copy, Debug)]
+struct Setup {
+    attention: AttentionOptions,
+    shards: Shards,
+    schedule: Schedule,
+    timeout: Duration,
+}
+
+impl Setup {
+    /// These options on `comm`.
+    fn on(&self, comm: &Arc<dyn Communicator>) -> RingOptions {
+        RingOptions::new(Arc::clone(comm))
+            .with_attention(self.attention)
+            .with_shards(self.shards)
+            .with_schedule(self.schedule)
+            .with_timeout(self.timeout)
+    }
+
+    fn with_timeout(self, timeout: Duration) -> Self {
+        Setup { timeout, ..self }
+    }
 }
 
 /// One rank's results.
@@ -76,20 +113,29 @@ struct RankOut<R: Runtime> {
 }
 
 /// Run forward and backward on every rank of `comms`, each on its shard.
+/// The loss reads `out` and `lse` (`dout` and `dlse`); keys of batch 1
+/// are shared by every sequence.
 fn run_ring<V: Variant, R: AttentionRuntime>(
     variant: &V,
     x: &Inputs<R>,
     comms: &[Arc<dyn Communicator>],
-    opts: &RingOptions,
+    opts: &Setup,
 ) -> Vec<Result<RankOut<R>>>
 where
     R::Client: RingOps<R>,
 {
     on_ranks(comms, |rank, comm| {
+        let ring = opts.on(comm);
         let [q, k, v, dout] = x.shard(opts.shards, rank, comms.len())?;
-        let (out, lse) = ring_attention(variant, &q, &k, &v, comm, opts)?;
-        let grads = ring_attention_bwd(variant, &dout, &q, &k, &v, &out, &lse, comm, opts)?;
-        Ok(RankOut { out, lse, grads })
+        let dlse = x.shard_dlse(opts.shards, rank, comms.len())?;
+        let y = ring_attention(variant, &q, Keys::dense(&k, &v), &ring)?;
+        let grads = Backward::new(&y, &dout).with_dlse(&dlse);
+        let grads = ring_attention_backward(variant, &q, Keys::dense(&k, &v), grads, &ring)?;
+        Ok(RankOut {
+            out: y.out,
+            lse: y.lse,
+            grads,
+        })
     })
 }
 
@@ -98,13 +144,13 @@ fn forward_on<V: Variant, R: AttentionRuntime>(
     variant: &V,
     x: &Inputs<R>,
     (rank, comm): (usize, &Arc<dyn Communicator>),
-    opts: &RingOptions,
+    opts: &Setup,
 ) -> Result<()>
 where
     R::Client: RingOps<R>,
 {
     let [q, k, v, _] = x.shard(opts.shards, rank, comm.world_size())?;
-    ring_attention(variant, &q, &k, &v, comm, opts).map(drop)
+    ring_attention(variant, &q, Keys::dense(&k, &v), &opts.on(comm)).map(drop)
 }
 
 /// `call` on every rank of `comms`, each on its own thread; the results
@@ -130,11 +176,12 @@ fn on_ranks<O: Send>(
 }
 
 /// Ring options with `shards` and `schedule`, the rest default.
-fn options(shards: Shards, schedule: Schedule) -> RingOptions {
-    RingOptions {
+fn options(shards: Shards, schedule: Schedule) -> Setup {
+    Setup {
+        attention: AttentionOptions::default(),
         shards,
         schedule,
-        ..RingOptions::default()
+        timeout: Duration::from_secs(60),
     }
 }
 
@@ -148,16 +195,18 @@ fn inputs(stream: u64, world: usize) -> (u64, Rng, Inputs<CpuRuntime>) {
 }
 
 /// Single-device attention on the whole sequence: `out`, `lse` and every
-/// gradient.
+/// gradient of the loss that reads both.
 fn one_device<V: Variant, R: AttentionRuntime>(
     variant: &V,
     x: &Inputs<R>,
     opts: &AttentionOptions,
 ) -> (Tensor<R>, Tensor<R>, AttentionGrads<R>) {
-    let (out, lse) = attention_fwd(variant, &x.q, &x.k, &x.v, opts).expect("single device");
-    let grads = attention_bwd_tensors(variant, &x.dout, &x.q, &x.k, &x.v, &out, &lse, opts)
-        .expect("single device backward");
-    (out, lse, grads)
+    let keys = Keys::dense(&x.k, &x.v);
+    let y = attention(variant, &x.q, keys, opts).expect("single device");
+    let grads = Backward::new(&y, &x.dout).with_dlse(&x.dlse);
+    let grads =
+        attention_backward(variant, &x.q, keys, grads, opts).expect("single device backward");
+    (y.out, y.lse, grads)
 }
 
 /// The whole sequence's tensor of which rank `r` holds `part(r)`.
@@ -244,11 +293,9 @@ fn check_against_single<V: Variant, R: AttentionRuntime>(
         dropout_offset: 3,
         ..AttentionOptions::default()
     };
-    let opts = RingOptions {
+    let opts = Setup {
         attention,
-        shards,
-        schedule,
-        ..RingOptions::default()
+        ..options(shards, schedule)
     };
     let context = format!(
         "{} on {} world {world} {shards:?} {schedule:?}; seed {seed}, rerun with {SEED_ENV}={seed}",
@@ -442,6 +489,64 @@ fn dropout_draws_the_pairs_one_device_draws() {
 }
 
 #[test]
+fn shared_keys_match_one_device_and_travel_once() {
+    let world = 3;
+    for (stream, schedule) in [(24, Schedule::Ring), (25, Schedule::AllGather)] {
+        let (seed, _, x) = inputs(stream, world);
+        // Every sequence reads sequence 0's keys, given once: `[1, ..]`.
+        let one = |t: &T| {
+            t.narrow(0, 0, 1)
+                .and_then(|t| t.contiguous())
+                .expect("narrow")
+        };
+        let x = Inputs {
+            k: one(&x.k),
+            v: one(&x.v),
+            ..x
+        };
+        let opts = options(Shards::Zigzag, schedule);
+        let context = format!("{schedule:?}; seed {seed}, rerun with {SEED_ENV}={seed}");
+        let (out, lse, want) = one_device(&CausalSlidingWindow { window: 9 }, &x, &opts.attention);
+        let (group, comms) = thread_group(world);
+        let ranks: Vec<RankOut<CpuRuntime>> =
+            run_ring(&CausalSlidingWindow { window: 9 }, &x, &comms, &opts)
+                .into_iter()
+                .map(|r| r.unwrap_or_else(|e| panic!("{context}: {e}")))
+                .collect();
+        for (what, got, want) in [
+            ("out", gathered(&ranks, opts.shards, |r| &r.out), &out),
+            ("lse", gathered(&ranks, opts.shards, |r| &r.lse), &lse),
+            (
+                "dq",
+                gathered(&ranks, opts.shards, |r| &r.grads.dq),
+                &want.dq,
+            ),
+            (
+                "dk",
+                gathered(&ranks, opts.shards, |r| &r.grads.dk),
+                &want.dk,
+            ),
+            (
+                "dv",
+                gathered(&ranks, opts.shards, |r| &r.grads.dv),
+                &want.dv,
+            ),
+        ] {
+            assert_close(what, &got, want, &context);
+        }
+        // The blocks that travel are of batch 1.
+        if schedule == Schedule::Ring {
+            let block = (HKV * N * (D + DV) * 4) as u64;
+            for (rank, c) in group.iter().enumerate() {
+                let w = world as u64;
+                let want = 2 * (w - 1) * block + w * block;
+                assert_eq!(c.count().bytes_sent, want, "rank {rank} ({context})");
+            }
+        }
+    }
+}
+
+#[test]
 fn the_all_gather_schedule_matches_one_device() {
     each_layout(6, &[1, 3], Schedule::AllGather, |_, _| Causal);
 }
@@ -457,8 +562,10 @@ fn numrs_local_communicator_runs_the_all_gather_schedule_and_refuses_the_ring_on
             .collect::<Vec<_>>()
     };
     let all_gather = options(Shards::Zigzag, Schedule::AllGather);
-    let (out, _) =
-        attention_fwd(&Causal, &x.q, &x.k, &x.v, &all_gather.attention).expect("one device");
+    let keys = Keys::dense(&x.k, &x.v);
+    let out = attention(&Causal, &x.q, keys, &all_gather.attention)
+        .expect("one device")
+        .out;
     let ranks: Vec<RankOut<CpuRuntime>> = run_ring(&Causal, &x, &group(()), &all_gather)
         .into_iter()
         .map(|r| r.expect("all-gather on LocalCommunicator"))
@@ -555,17 +662,17 @@ fn ranks_that_disagree_all_get_the_same_error() {
             let q = shard(&x.q, rank).narrow(2, 0, len)?.contiguous()?;
             let k = shard(&x.k, rank).narrow(2, 0, len)?.contiguous()?;
             let v = shard(&x.v, rank).narrow(2, 0, len)?.contiguous()?;
-            ring_attention(&Causal, &q, &k, &v, comm, &opts).map(drop)
+            ring_attention(&Causal, &q, Keys::dense(&k, &v), &opts.on(comm)).map(drop)
         }),
         ("the variant and its parameters", &|rank, comm| {
             let variant = CausalSlidingWindow {
                 window: if rank == 2 { 5 } else { 4 },
             };
             let (q, k, v) = (shard(&x.q, rank), shard(&x.k, rank), shard(&x.v, rank));
-            ring_attention(&variant, &q, &k, &v, comm, &opts).map(drop)
+            ring_attention(&variant, &q, Keys::dense(&k, &v), &opts.on(comm)).map(drop)
         }),
         ("the layout of the shards", &|rank, comm| {
-            let opts = RingOptions {
+            let opts = Setup {
                 shards: if rank == 0 {
                     Shards::Zigzag
                 } else {
@@ -574,7 +681,7 @@ fn ranks_that_disagree_all_get_the_same_error() {
                 ..opts
             };
             let (q, k, v) = (shard(&x.q, rank), shard(&x.k, rank), shard(&x.v, rank));
-            ring_attention(&Causal, &q, &k, &v, comm, &opts).map(drop)
+            ring_attention(&Causal, &q, Keys::dense(&k, &v), &opts.on(comm)).map(drop)
         }),
         ("whether their own inputs are valid", &|rank, comm| {
             // Rank 1's k has a head dim that q does not.
@@ -584,7 +691,7 @@ fn ranks_that_disagree_all_get_the_same_error() {
             } else {
                 shard(&x.k, rank)
             };
-            ring_attention(&Causal, &q, &k, &v, comm, &opts).map(drop)
+            ring_attention(&Causal, &q, Keys::dense(&k, &v), &opts.on(comm)).map(drop)
         }),
     ];
     for (field, call) in cases {
@@ -657,10 +764,7 @@ fn a_rank_whose_kernel_fails_mid_ring_fails_every_rank() {
 fn a_rank_that_never_joins_is_an_error_within_the_timeout() {
     let world = 3;
     let (_, _, x) = inputs(19, world);
-    let opts = RingOptions {
-        timeout: Duration::from_secs(2),
-        ..options(Shards::Contiguous, Schedule::Ring)
-    };
+    let opts = options(Shards::Contiguous, Schedule::Ring).with_timeout(Duration::from_secs(2));
     let started = std::time::Instant::now();
     let errors = errors_of(world, Duration::from_secs(2), |rank, comm| {
         if rank == 1 {
@@ -691,11 +795,11 @@ fn the_autograd_op_runs_the_ring_backward_on_every_rank() {
     };
     let opts = options(Shards::Zigzag, Schedule::Ring);
     let client = CpuRuntime::default_client(&device());
-    // Loss = Σ out ∘ dout, so d loss / d out = dout.
-    let loss_grads = |out: &Var<CpuRuntime>, dout: &T| {
-        let weighted =
-            numr::autograd::var_mul(out, &Var::new(dout.clone(), false), &client).expect("mul");
-        let loss = numr::autograd::var_sum(&weighted, &[0, 1, 2, 3], false, &client).expect("sum");
+    // Loss = Σ out ∘ dout + Σ lse ∘ dlse: d loss / d out = dout, d loss
+    // / d lse = dlse.
+    let loss_grads = |y: &VarOutput<CpuRuntime>, (dout, dlse): (&T, &T)| {
+        let loss = crate::testing::out_and_lse_loss(&client, (&y.out, &y.lse), (dout, dlse))
+            .expect("loss");
         numr::autograd::backward(&loss, &client).expect("backward")
     };
     let (q, k, v) = (
@@ -703,8 +807,9 @@ fn the_autograd_op_runs_the_ring_backward_on_every_rank() {
         Var::new(x.k.clone(), true),
         Var::new(x.v.clone(), true),
     );
-    let out = crate::var_attention(&variant, &q, &k, &v, &opts.attention).expect("one device");
-    let grads = loss_grads(&out, &x.dout);
+    let y = crate::var_attention(&variant, &q, Keys::dense(&k, &v), &opts.attention)
+        .expect("one device");
+    let grads = loss_grads(&y, (&x.dout, &x.dlse));
     let want_sinks = crate::learnable_grads(&variant, &grads).expect("by name")[0]
         .1
         .expect("sinks' gradient")
@@ -713,10 +818,12 @@ fn the_autograd_op_runs_the_ring_backward_on_every_rank() {
     let (_, comms) = thread_group(world);
     let results: Vec<(T, T)> = on_ranks(&comms, |rank, comm| {
         let [q, k, v, dout] = x.shard(opts.shards, rank, world).expect("shard");
+        let dlse = x.shard_dlse(opts.shards, rank, world).expect("shard");
         let k = Var::new(k, true);
         let (q, v) = (Var::new(q, true), Var::new(v, true));
-        let out = var_ring_attention(&variant, &q, &k, &v, comm, &opts).expect("ring");
-        let grads = loss_grads(&out, &dout);
+        let y =
+            var_ring_attention(&variant, &q, Keys::dense(&k, &v), &opts.on(comm)).expect("ring");
+        let grads = loss_grads(&y, (&dout, &dlse));
         let sinks = crate::learnable_grads(&variant, &grads).expect("by name")[0]
             .1
             .expect("sinks' gradient")
@@ -746,6 +853,7 @@ fn bf16_shards_match_one_device_in_bf16() {
         k: bf16(&x.k),
         v: bf16(&x.v),
         dout: bf16(&x.dout),
+        dlse: x.dlse,
     };
     let opts = options(Shards::Zigzag, Schedule::Ring);
     let (out, lse, want) = one_device(&Causal, &x, &opts.attention);
@@ -799,13 +907,15 @@ fn a_bad_backward_input_on_one_rank_fails_every_rank_at_once() {
         let started = std::time::Instant::now();
         let errors = errors_of(world, Duration::from_secs(60), |rank, comm| {
             let [q, k, v, dout] = x.shard(opts.shards, rank, world)?;
-            let (out, lse) = ring_attention(&Causal, &q, &k, &v, comm, &opts)?;
+            let ring = opts.on(comm);
+            let y = ring_attention(&Causal, &q, Keys::dense(&k, &v), &ring)?;
             let (dout, lse) = if rank == 2 {
-                spoil(dout, lse)?
+                spoil(dout, y.lse)?
             } else {
-                (dout, lse)
+                (dout, y.lse)
             };
-            ring_attention_bwd(&Causal, &dout, &q, &k, &v, &out, &lse, comm, &opts).map(drop)
+            let grads = Backward::from_tensors(&y.out, &lse, &dout);
+            ring_attention_backward(&Causal, &q, Keys::dense(&k, &v), grads, &ring).map(drop)
         });
         assert!(
             started.elapsed() < Duration::from_secs(20),

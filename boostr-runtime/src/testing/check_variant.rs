@@ -23,9 +23,9 @@ use numr::runtime::Runtime;
 /// For each case, fresh random `q, k, v, dout, dlse` (seed from the clock,
 /// or from `BOOSTR_TEST_SEED`) go through
 ///
-/// 1. [`attention_fwd`](crate::attention_fwd) and
-///    [`attention_bwd_lse`](crate::attention_bwd_lse), and
-/// 2. [`var_attention_lse`](crate::var_attention_lse) and
+/// 1. [`attention`](crate::attention()) and
+///    [`attention_backward`](crate::attention_backward) with `dlse`, and
+/// 2. [`var_attention`](crate::var_attention) and
 ///    [`numr::autograd::backward`] of `L = sum(out ∘ dout) + sum(lse ∘
 ///    dlse)` (the `GradFn` path),
 ///

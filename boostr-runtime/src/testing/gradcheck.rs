@@ -97,7 +97,7 @@ pub fn check_reference_gradients_built<V: Variant>(
     for (n, (name, p)) in fd_shapes().iter().enumerate() {
         let variant = build(&mut TestData::new(*p, &device, seed, n as u64));
         // A dropout variant's draw: the same pairs in every evaluation.
-        let opts = crate::op::AttentionOptions {
+        let opts = crate::options::AttentionOptions {
             dropout_seed: seed.rotate_left(17) ^ n as u64,
             dropout_offset: n as u32,
             ..Default::default()

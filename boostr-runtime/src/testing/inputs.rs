@@ -9,7 +9,7 @@ use super::reference::{
     Forward, Gradients, reference_backward_lse, reference_forward, reference_magnitudes,
 };
 use super::rng::Rng;
-use crate::op::AttentionOptions;
+use crate::options::AttentionOptions;
 use crate::problem::Problem;
 use crate::variant::HostVariant;
 

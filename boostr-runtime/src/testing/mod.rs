@@ -56,8 +56,7 @@ mod tolerance;
 
 #[cfg(feature = "wgpu")]
 pub use crate::wgpu::{
-    forward_cache_in_splits as wgpu_forward_cache_in_splits,
-    forward_splits_of as wgpu_forward_splits,
+    forward_in_splits as wgpu_forward_in_splits, forward_splits_of as wgpu_forward_splits,
 };
 #[cfg(feature = "cuda")]
 pub use backends::Cuda;
@@ -83,6 +82,8 @@ pub use reference::{
     Forward, Gradients, Real, reference_backward, reference_backward_lse, reference_forward,
 };
 pub use rng::{Rng, SEED_ENV};
+#[cfg(test)]
+pub(crate) use run_backend::out_and_lse_loss;
 
 /// `variant` as one kernel call of a ring: queries from position
 /// `starts.0` and keys from `starts.1` of the sequence of `whole` (`Sq =

@@ -319,10 +319,11 @@ impl<T: Real> Row<T> {
             }
         }
         let factor = T::from_f32(p.dropout.scale());
-        // The draw is keyed by the positions the variant's functions see.
-        let (dq, dkv) = variant.position_shift(bi);
+        // The draw is keyed by the batch and positions the variant's
+        // functions see.
+        let (db, dq, dkv) = variant.dropout_site(bi, qi);
         for (j, keep) in self.keep.iter_mut().enumerate() {
-            *keep = if keeps(p, bi, hi, qi + dq, j as i32 + dkv) {
+            *keep = if keeps(p, db, hi, dq, j as i32 + dkv) {
                 factor
             } else {
                 T::ZERO

@@ -6,9 +6,8 @@ use super::cases::Case;
 use super::inputs::Inputs;
 use super::reference::{Forward, Gradients};
 use crate::error::Error;
-use crate::op::{
-    attention_bwd, attention_bwd_lse, attention_fwd, var_attention, var_attention_lse,
-};
+use crate::keys::Keys;
+use crate::op::{Backward, attention, attention_backward, var_attention};
 use crate::problem::Problem;
 use crate::validate;
 use crate::variant::Variant;
@@ -18,11 +17,11 @@ use numr::tensor::Tensor;
 
 /// Results of the backend, host side.
 pub(crate) struct BackendResults {
-    /// `attention_fwd`'s `out` and `lse`.
+    /// `attention`'s `out` and `lse`.
     pub(crate) fwd: Forward<f32>,
-    /// `attention_bwd_lse`'s gradients.
+    /// `attention_backward`'s gradients.
     pub(crate) grads: Gradients<f32>,
-    /// `var_attention_lse`'s `out`.
+    /// `var_attention`'s `out`.
     pub(crate) var_out: Vec<f32>,
     /// The gradients autograd's backward produced through the `GradFn`.
     pub(crate) var_grads: Gradients<f32>,
@@ -53,30 +52,31 @@ pub(crate) fn run_backend<R: TestBackend, V: Variant>(
         .and_then(|p| validate::call(variant, p, opts))
         .map_err(|e| format!("validation: {e}"))?;
 
-    let (out, lse) =
-        attention_fwd(variant, &qt, &kt, &vt, opts).map_err(|e| format!("attention_fwd: {e}"))?;
-    let g = attention_bwd_lse(variant, (&dt, &dlse), &qt, &kt, &vt, &out, &lse, opts)
-        .map_err(|e| format!("attention_bwd_lse: {e}"))?;
+    let keys = Keys::dense(&kt, &vt);
+    let y = attention(variant, &qt, keys, opts).map_err(|e| format!("attention: {e}"))?;
+    let grads = Backward::new(&y, &dt).with_dlse(&dlse);
+    let g = attention_backward(variant, &qt, keys, grads, opts)
+        .map_err(|e| format!("attention_backward: {e}"))?;
     let mut tensors = Vec::new();
     if !V::LEARNABLE.is_empty() {
         for (slot, t) in g.tensors.iter().enumerate() {
             let t = t
                 .as_ref()
-                .ok_or_else(|| format!("attention_bwd_lse: no gradient for slot {slot}"))?;
+                .ok_or_else(|| format!("attention_backward: no gradient for slot {slot}"))?;
             tensors.push(host(t));
         }
         // Deterministic: the same call again gives the same bits (the GPU
         // backends add in whatever order their threads run).
-        let again = attention_bwd_lse(variant, (&dt, &dlse), &qt, &kt, &vt, &out, &lse, opts)
-            .map_err(|e| format!("attention_bwd_lse, again: {e}"))?;
+        let again = attention_backward(variant, &qt, keys, grads, opts)
+            .map_err(|e| format!("attention_backward, again: {e}"))?;
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
         for (slot, (first, t)) in tensors.iter().zip(&again.tensors).enumerate() {
             let t = t
                 .as_ref()
-                .ok_or_else(|| format!("attention_bwd_lse, again: no gradient for slot {slot}"))?;
+                .ok_or_else(|| format!("attention_backward, again: no gradient for slot {slot}"))?;
             if bits(first) != bits(&host(t)) {
                 return Err(format!(
-                    "attention_bwd_lse: two identical calls gave different bits for the \
+                    "attention_backward: two identical calls gave different bits for the \
                      gradient of learnable slot {slot}"
                 ));
             }
@@ -89,9 +89,9 @@ pub(crate) fn run_backend<R: TestBackend, V: Variant>(
         Var::new(kt.clone(), true),
         Var::new(vt.clone(), true),
     );
-    let (out_v, lse_v) = var_attention_lse(variant, &qv, &kv, &vv, opts)
-        .map_err(|e| format!("var_attention_lse: {e}"))?;
-    let loss = out_and_lse_loss(&client, (&out_v, &lse_v), (&dt, &dlse))
+    let yv = var_attention(variant, &qv, Keys::dense(&kv, &vv), opts)
+        .map_err(|e| format!("var_attention: {e}"))?;
+    let loss = out_and_lse_loss(&client, (&yv.out, &yv.lse), (&dt, &dlse))
         .map_err(|e| format!("building L = sum(out * dout) + sum(lse * dlse): {e}"))?;
     let grads = backward(&loss, &client).map_err(|e| format!("autograd backward: {e}"))?;
     let grad = |name: &str, var: &Var<R::Runtime>| {
@@ -117,8 +117,8 @@ pub(crate) fn run_backend<R: TestBackend, V: Variant>(
         p,
         BackendResults {
             fwd: Forward {
-                out: host(&out),
-                lse: host(&lse),
+                out: host(&y.out),
+                lse: host(&y.lse),
             },
             grads: Gradients {
                 dq: host(&g.dq),
@@ -126,7 +126,7 @@ pub(crate) fn run_backend<R: TestBackend, V: Variant>(
                 dv: host(&g.dv),
                 tensors,
             },
-            var_out: host(out_v.tensor()),
+            var_out: host(yv.out.tensor()),
             var_grads,
         },
     ))
@@ -144,15 +144,16 @@ pub(crate) fn out_and_lse_loss<R: Runtime<DType = numr::dtype::DType>>(
 where
     R::Client: numr::ops::TensorOps<R>,
 {
+    let all = |t: &Var<R>| (0..t.ndim()).collect::<Vec<usize>>();
     let l_out = var_sum(
         &var_mul(out, &Var::new(dout.clone(), false), client)?,
-        &[0, 1, 2, 3],
+        &all(out),
         false,
         client,
     )?;
     let l_lse = var_sum(
         &var_mul(lse, &Var::new(dlse.clone(), false), client)?,
-        &[0, 1, 2],
+        &all(lse),
         false,
         client,
     )?;
@@ -225,13 +226,12 @@ pub(crate) fn expect_out_of_range<R: TestBackend, V: Variant>(
         Err(other) => failures.push(format!("{op}: expected `{expected}`, got `{other}`")),
         Ok(()) => failures.push(format!("{op}: expected `{expected}`, but it succeeded")),
     };
+    let keys = Keys::dense(&kt, &vt);
+    judge("attention", attention(variant, &qt, keys, opts).map(drop));
+    let grads = Backward::from_tensors(&out, &lse, &dt);
     judge(
-        "attention_fwd",
-        attention_fwd(variant, &qt, &kt, &vt, opts).map(drop),
-    );
-    judge(
-        "attention_bwd",
-        attention_bwd(variant, &dt, &qt, &kt, &vt, &out, &lse, opts).map(drop),
+        "attention_backward",
+        attention_backward(variant, &qt, keys, grads, opts).map(drop),
     );
     let (qv, kv, vv) = (
         Var::new(qt.clone(), true),
@@ -240,6 +240,6 @@ pub(crate) fn expect_out_of_range<R: TestBackend, V: Variant>(
     );
     judge(
         "var_attention",
-        var_attention(variant, &qv, &kv, &vv, opts).map(drop),
+        var_attention(variant, &qv, Keys::dense(&kv, &vv), opts).map(drop),
     );
 }

@@ -5,7 +5,8 @@ use super::backends::TestBackend;
 use super::cases::Case;
 use super::inputs::Inputs;
 use super::run_backend::out_and_lse_loss;
-use crate::op::{attention_bwd_lse, attention_fwd, var_attention_lse};
+use crate::keys::Keys;
+use crate::op::{Backward, attention, attention_backward, var_attention};
 use crate::variant::Variant;
 use numr::autograd::{Var, backward};
 use numr::runtime::Runtime;
@@ -19,7 +20,7 @@ const STREAM: u64 = 1 << 32;
 /// sequence 0) every sequence shares, given once as `k, v [1, ..]` and
 /// once repeated as `[B, ..]`: `out`, `lse` and `dq` must agree, and `dk`,
 /// `dv` of the shared keys (shaped `[1, ..]`) must be the sums over the
-/// batch of the repeated keys' — through `attention_bwd_lse` and through
+/// batch of the repeated keys' — through `attention_backward` and through
 /// autograd. Returns a summary, or `None` for a case of batch 1.
 pub(crate) fn check_shared_keys<R: TestBackend, V: Variant>(
     variant: &V,
@@ -55,10 +56,12 @@ pub(crate) fn check_shared_keys<R: TestBackend, V: Variant>(
         );
         let opts = &inputs.opts;
         let both = |k: &Tensor<R::Runtime>, v: &Tensor<R::Runtime>| {
-            let (out, lse) = attention_fwd(variant, &qt, k, v, opts).map_err(|e| e.to_string())?;
-            let g = attention_bwd_lse(variant, (&dt, &dlse), &qt, k, v, &out, &lse, opts)
-                .map_err(|e| e.to_string())?;
-            Ok::<_, String>((out, lse, g))
+            let keys = Keys::dense(k, v);
+            let y = attention(variant, &qt, keys, opts).map_err(|e| e.to_string())?;
+            let grads = Backward::new(&y, &dt).with_dlse(&dlse);
+            let g =
+                attention_backward(variant, &qt, keys, grads, opts).map_err(|e| e.to_string())?;
+            Ok::<_, String>((y.out, y.lse, g))
         };
         let (out, lse, g) = both(&k_all, &v_all)?;
         let (out_s, lse_s, g_s) = both(&k_one, &v_one)?;
@@ -127,10 +130,10 @@ pub(crate) fn check_shared_keys<R: TestBackend, V: Variant>(
             Var::new(k_one.clone(), true),
             Var::new(v_one.clone(), true),
         );
-        let (out_v, lse_v) =
-            var_attention_lse(variant, &qv, &kv, &vv, opts).map_err(|e| e.to_string())?;
+        let y =
+            var_attention(variant, &qv, Keys::dense(&kv, &vv), opts).map_err(|e| e.to_string())?;
         let loss =
-            out_and_lse_loss(&client, (&out_v, &lse_v), (&dt, &dlse)).map_err(|e| e.to_string())?;
+            out_and_lse_loss(&client, (&y.out, &y.lse), (&dt, &dlse)).map_err(|e| e.to_string())?;
         let grads = backward(&loss, &client).map_err(|e| e.to_string())?;
         for (what, var, want) in [("dk", &kv, &g_s.dk), ("dv", &vv, &g_s.dv)] {
             match grads.get(var.id()) {

@@ -9,7 +9,7 @@
 //! and each entry point's workgroups and tile loop from the tiles and the
 //! problem. f32 only.
 
-use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, KeyLayout, Keys};
+use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, CallKeys, KeyLayout};
 use crate::error::{BackendError, Result};
 use crate::gpu::{self, ArenaPlan, KernelCache, KeyWords};
 use crate::problem::Problem;
@@ -203,7 +203,7 @@ fn backward_rows(
     let dlse = match dlse {
         Some(g) => {
             validate::check_dtype("dlse", g, WGPU, &[DType::F32], "f32")?;
-            Some(g.reshape(&column)?)
+            Some(g.contiguous()?.reshape(&column)?)
         }
         None => None,
     };
@@ -722,7 +722,7 @@ fn forward_split<V: Variant>(
     variant: &V,
     p: &Problem,
     q: &Tensor<WgpuRuntime>,
-    keys: Keys<'_, WgpuRuntime>,
+    keys: CallKeys<'_, WgpuRuntime>,
     splits: Option<u32>,
 ) -> Result<(Tensor<WgpuRuntime>, Tensor<WgpuRuntime>)> {
     let (q, k, v) = (input("q", q)?, input("k", keys.k)?, input("v", keys.v)?);
@@ -800,41 +800,36 @@ fn forward_split<V: Variant>(
     Ok((out, lse))
 }
 
-/// [`attention_fwd_cache`](crate::attention_fwd_cache) on wgpu in exactly
-/// `splits` key splits (1: the unsplit kernel) where the call itself
-/// chooses them from the shape and the device: for comparing the split-KV
-/// decode with the unsplit kernel.
-pub fn forward_cache_in_splits<V: Variant>(
+/// [`attention`](crate::attention()) on wgpu in exactly `splits` key splits
+/// (1: the unsplit kernel) where the call itself chooses them from the
+/// shape and the device: for comparing the split-KV decode with the
+/// unsplit kernel.
+pub fn forward_in_splits<V: Variant>(
     variant: &V,
     q: &Tensor<WgpuRuntime>,
-    cache: &crate::KvCache<'_, WgpuRuntime>,
+    keys: crate::Keys<'_, WgpuRuntime>,
     opts: &crate::AttentionOptions,
     splits: u32,
 ) -> Result<(Tensor<WgpuRuntime>, Tensor<WgpuRuntime>)> {
-    let p = validate::problem(q, cache.k, cache.v, opts.scale)?;
-    let host = validate::cache_lengths(cache.lengths, &p)?;
-    let keys = Keys {
-        k: cache.k,
-        v: cache.v,
-        layout: KeyLayout::Cache(crate::CacheLengths {
-            tensor: cache.lengths,
-            host: &host,
-        }),
-        scales: None,
-    };
-    forward_split(variant, &p, q, keys, Some(splits))
+    let call = crate::keys::Call::new(variant, q, &keys, opts)?;
+    forward_split(variant, &call.problem, &call.q, call.keys(), Some(splits))
 }
 
-/// The key splits [`attention_fwd_cache`](crate::attention_fwd_cache)
-/// chooses on wgpu for `q` over `cache`.
+/// The key splits [`attention`](crate::attention()) chooses on wgpu for `q`
+/// over `keys`.
 pub fn forward_splits_of<V: Variant>(
+    variant: &V,
     q: &Tensor<WgpuRuntime>,
-    cache: &crate::KvCache<'_, WgpuRuntime>,
+    keys: crate::Keys<'_, WgpuRuntime>,
     opts: &crate::AttentionOptions,
 ) -> Result<u32> {
-    let p = validate::problem(q, cache.k, cache.v, opts.scale)?;
+    let call = crate::keys::Call::new(variant, q, &keys, opts)?;
     let client = WgpuRuntime::default_client(q.device());
-    Ok(forward_splits(&client, &p, &tiles::<V>(&p)?))
+    Ok(forward_splits(
+        &client,
+        &call.problem,
+        &tiles::<V>(&call.problem)?,
+    ))
 }
 
 impl AttentionRuntime for WgpuRuntime {
@@ -843,11 +838,15 @@ impl AttentionRuntime for WgpuRuntime {
         Ok(Self::default_client(t.device()).sum(t, &[0], true)?)
     }
 
+    fn select_rows(t: &Tensor<Self>, dim: usize, index: &Tensor<Self>) -> Result<Tensor<Self>> {
+        crate::backend::select_rows(t, dim, index)
+    }
+
     fn attention_forward<V: Variant>(
         variant: &V,
         p: &Problem,
         q: &Tensor<Self>,
-        keys: Keys<'_, Self>,
+        keys: CallKeys<'_, Self>,
     ) -> Result<(Tensor<Self>, Tensor<Self>)> {
         forward_split(variant, p, q, keys, None)
     }

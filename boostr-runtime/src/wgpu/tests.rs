@@ -8,7 +8,9 @@ use crate::testing::{
     Case, HEAD_DIM_CASES, Logits, REQUIRE_DEVICE_ENV, Wgpu, check_variant_built_on,
     check_variant_on,
 };
-use crate::{AttentionOptions, BackendError, Error, Target, attention, attention_fwd};
+use crate::{
+    AttentionOptions, BackendError, Backward, Error, Keys, Target, attention, attention_backward,
+};
 use numr::dtype::DType;
 use numr::runtime::wgpu::{WgpuDevice, WgpuRuntime, is_wgpu_available, wgpu_device};
 use numr::tensor::Tensor;
@@ -40,13 +42,19 @@ fn offset_views_and_dtypes() {
     let view = t.narrow(0, 1, 1).unwrap();
     let copy = Tensor::<WgpuRuntime>::from_slice(&data[80..], &[1, 2, 5, 8], &device).unwrap();
     let opts = AttentionOptions::default();
-    let (o1, l1) = attention_fwd(&Causal, &view, &view, &view, &opts).unwrap();
-    let (o2, l2) = attention_fwd(&Causal, &copy, &copy, &copy, &opts).unwrap();
+    let (o1, l1) = attention(&Causal, &view, Keys::dense(&view, &view), &opts)
+        .map(|y| (y.out, y.lse))
+        .unwrap();
+    let (o2, l2) = attention(&Causal, &copy, Keys::dense(&copy, &copy), &opts)
+        .map(|y| (y.out, y.lse))
+        .unwrap();
     assert_eq!(o1.to_vec::<f32>(), o2.to_vec::<f32>());
     assert_eq!(l1.to_vec::<f32>(), l2.to_vec::<f32>());
 
     let ints = Tensor::<WgpuRuntime>::zeros(&[1, 2, 5, 8], DType::I32, &device).unwrap();
-    let err = attention_fwd(&Causal, &ints, &ints, &ints, &opts).unwrap_err();
+    let err = attention(&Causal, &ints, Keys::dense(&ints, &ints), &opts)
+        .map(|y| (y.out, y.lse))
+        .unwrap_err();
     assert!(matches!(err, Error::DType { .. }), "{err}");
 }
 
@@ -134,7 +142,9 @@ fn a_captured_tensor_on_another_runtime_is_refused() {
     let x = Tensor::<WgpuRuntime>::zeros(&[1, 1, 4, 8], DType::F32, &device).unwrap();
     let cpu = numr::runtime::cpu::CpuDevice::new();
     let doc = Tensor::<numr::runtime::cpu::CpuRuntime>::zeros(&[1, 4], DType::I32, &cpu).unwrap();
-    let err = attention_fwd(&Documents { doc }, &x, &x, &x, &opts).unwrap_err();
+    let err = attention(&Documents { doc }, &x, Keys::dense(&x, &x), &opts)
+        .map(|y| (y.out, y.lse))
+        .unwrap_err();
     assert!(
         matches!(err, Error::CaptureRuntime { field: "doc", .. }),
         "{err}"
@@ -146,7 +156,9 @@ fn a_captured_tensor_on_another_runtime_is_refused() {
     let xc =
         Tensor::<numr::runtime::cpu::CpuRuntime>::zeros(&[1, 1, 4, 8], DType::F32, &cpu).unwrap();
     let doc = Tensor::<WgpuRuntime>::zeros(&[1, 4], DType::I32, &device).unwrap();
-    let err = attention_fwd(&Documents { doc }, &xc, &xc, &xc, &opts).unwrap_err();
+    let err = attention(&Documents { doc }, &xc, Keys::dense(&xc, &xc), &opts)
+        .map(|y| (y.out, y.lse))
+        .unwrap_err();
     assert!(
         matches!(err, Error::CaptureRuntime { field: "doc", .. }),
         "{err}"
@@ -178,9 +190,9 @@ fn concurrent_first_use_of_the_pipeline_cache() {
     let opts = AttentionOptions::default();
     let run = move |which: usize| -> Result<Vec<f32>, Error> {
         let (out, lse) = match which % 3 {
-            0 => attention_fwd(&HeadScaledA, &x, &x, &x, &opts)?,
-            1 => attention_fwd(&DistanceB, &x, &x, &x, &opts)?,
-            _ => attention_fwd(&docs, &x, &x, &x, &opts)?,
+            0 => attention(&HeadScaledA, &x, Keys::dense(&x, &x), &opts).map(|y| (y.out, y.lse))?,
+            1 => attention(&DistanceB, &x, Keys::dense(&x, &x), &opts).map(|y| (y.out, y.lse))?,
+            _ => attention(&docs, &x, Keys::dense(&x, &x), &opts).map(|y| (y.out, y.lse))?,
         };
         let mut all = out.to_vec::<f32>();
         all.extend(lse.to_vec::<f32>());
@@ -220,7 +232,14 @@ fn a_variant_without_a_lowering_is_refused() {
     let Some(device) = device() else { return };
     let x = Tensor::<WgpuRuntime>::zeros(&[1, 1, 4, 8], DType::F32, &device).unwrap();
     for _ in 0..2 {
-        let err = attention_fwd(&Plain, &x, &x, &x, &AttentionOptions::default()).unwrap_err();
+        let err = attention(
+            &Plain,
+            &x,
+            Keys::dense(&x, &x),
+            &AttentionOptions::default(),
+        )
+        .map(|y| (y.out, y.lse))
+        .unwrap_err();
         assert!(
             matches!(
                 err,
@@ -265,20 +284,16 @@ fn cpu_cache_forward<V: crate::Variant>(
     lens: &[i32],
 ) -> (Vec<f32>, Vec<f32>) {
     use crate::testing::CpuRuntime;
-    use crate::{KvCache, attention_fwd_cache};
     let cpu = numr::runtime::cpu::CpuDevice::new();
     let on_cpu = |x: &[f32], s: &[usize]| Tensor::<CpuRuntime>::from_slice(x, s, &cpu).unwrap();
     let lengths = Tensor::<CpuRuntime>::from_slice(lens, &[b], &cpu).unwrap();
     let (kc, vc) = (on_cpu(k, &[b, hkv, cap, d]), on_cpu(v, &[b, hkv, cap, dv]));
-    let cache = KvCache {
-        k: &kc,
-        v: &vc,
-        lengths: &lengths,
-        scales: None,
-    };
+    let cache = Keys::cache(&kc, &vc, &lengths);
     let qc = on_cpu(q, &[b, hq, sq, d]);
     let opts = AttentionOptions::default();
-    let (out, lse) = attention_fwd_cache(variant, &qc, &cache, &opts).unwrap();
+    let (out, lse) = attention(variant, &qc, cache, &opts)
+        .map(|y| (y.out, y.lse))
+        .unwrap();
     (out.to_vec::<f32>(), lse.to_vec::<f32>())
 }
 
@@ -290,7 +305,6 @@ fn cpu_cache_forward<V: crate::Variant>(
 #[test]
 fn kv_caches_and_pages_match_the_cpu() {
     use crate::testing::Rng;
-    use crate::{KvCache, PagedKvCache, attention_fwd_cache, attention_fwd_paged};
     let Some(device) = device() else { return };
     let (b, hq, hkv, sq, cap) = (4usize, 4usize, 1usize, 3usize, 96usize);
     let (d, dv) = (64usize, 48usize);
@@ -316,13 +330,10 @@ fn kv_caches_and_pages_match_the_cpu() {
         on_gpu(&k, &[b, hkv, cap, d]),
         on_gpu(&v, &[b, hkv, cap, dv]),
     );
-    let cache = KvCache {
-        k: &kg,
-        v: &vg,
-        lengths: &lens_gpu,
-        scales: None,
-    };
-    let (out, lse) = attention_fwd_cache(&variant, &qg, &cache, &opts).unwrap();
+    let cache = Keys::cache(&kg, &vg, &lens_gpu);
+    let (out, lse) = attention(&variant, &qg, cache, &opts)
+        .map(|y| (y.out, y.lse))
+        .unwrap();
     close("cache out", &out.to_vec::<f32>(), &want);
     close("cache lse", &lse.to_vec::<f32>(), &want_lse);
 
@@ -354,14 +365,10 @@ fn kv_caches_and_pages_match_the_cpu() {
             on_gpu(&vp, &[pages, hkv, ps, dv]),
         );
         let table = Tensor::<WgpuRuntime>::from_slice(&table, &[b, max_pages], &device).unwrap();
-        let paged = PagedKvCache {
-            k_pages: &kpg,
-            v_pages: &vpg,
-            page_table: &table,
-            lengths: &lens_gpu,
-            scales: None,
-        };
-        let (out, lse) = attention_fwd_paged(&variant, &qg, &paged, &opts).unwrap();
+        let paged = Keys::paged(&kpg, &vpg, &table, &lens_gpu);
+        let (out, lse) = attention(&variant, &qg, paged, &opts)
+            .map(|y| (y.out, y.lse))
+            .unwrap();
         close(&format!("pages of {ps}: out"), &out.to_vec::<f32>(), &want);
         close(
             &format!("pages of {ps}: lse"),
@@ -384,7 +391,7 @@ fn kv_caches_and_pages_match_the_cpu() {
 fn split_kv_decode_matches_the_unsplit_kernel() {
     use super::forward_split;
     use crate::Problem;
-    use crate::backend::{CacheLengths, KeyLayout, Keys};
+    use crate::backend::{CacheLengths, CallKeys, KeyLayout};
     use crate::stock::{SlidingWindow, Softcap};
     use crate::testing::Rng;
     let Some(device) = device() else { return };
@@ -409,7 +416,7 @@ fn split_kv_decode_matches_the_unsplit_kernel() {
             tensor: &lens_gpu,
             host: &host_lens,
         };
-        let keys = Keys {
+        let keys = CallKeys {
             k: &kg,
             v: &vg,
             layout: KeyLayout::Cache(lengths),
@@ -464,7 +471,6 @@ fn split_kv_decode_matches_the_unsplit_kernel() {
 fn cache_backward_matches_the_cpu() {
     use crate::stock::{CausalSoftcap, SlidingWindow};
     use crate::testing::{CpuRuntime, Rng};
-    use crate::{KvCache, attention_bwd_cache, attention_fwd_cache};
     use numr::runtime::cpu::CpuDevice;
     let Some(device) = device() else { return };
     let cpu = CpuDevice::new();
@@ -494,17 +500,21 @@ fn cache_backward_matches_the_cpu() {
             let t = |x: &[f32], s: &[usize]| Tensor::<R>::from_slice(x, s, device).unwrap();
             let lengths = Tensor::<R>::from_slice(lens, &[lens.len()], device).unwrap();
             let (kt, vt) = (t(k, &ks), t(v, &vs));
-            let cache = KvCache {
-                k: &kt,
-                v: &vt,
-                lengths: &lengths,
-                scales: None,
-            };
+            let cache = Keys::cache(&kt, &vt, &lengths);
             let (qt, dt) = (t(q, &qs), t(dout, &os));
             let opts = AttentionOptions::default();
-            let (out, lse) = attention_fwd_cache(variant, &qt, &cache, &opts).unwrap();
-            let (dq, dk, dv) =
-                attention_bwd_cache(variant, &dt, &qt, &cache, &out, &lse, &opts).unwrap();
+            let (out, lse) = attention(variant, &qt, cache, &opts)
+                .map(|y| (y.out, y.lse))
+                .unwrap();
+            let (dq, dk, dv) = attention_backward(
+                variant,
+                &qt,
+                cache,
+                Backward::from_tensors(&out, &lse, &dt),
+                &opts,
+            )
+            .map(|g| (g.dq, g.dk, g.dv))
+            .unwrap();
             [dq.to_vec::<f32>(), dk.to_vec::<f32>(), dv.to_vec::<f32>()]
         }
         let x = (&q[..], &k[..], &v[..], &dout[..]);
@@ -654,12 +664,24 @@ fn dropout_masks_agree_bit_for_bit_across_backends() {
         };
         let cpu = CpuDevice::new();
         let t = |x: &[f32], d| Tensor::<CpuRuntime>::from_slice(x, &[b, h, s, d], &cpu).unwrap();
-        let (out_cpu, _) =
-            attention_fwd(&variant, &t(&zeros, 8), &t(&zeros, 8), &t(&eye, s), &opts).unwrap();
+        let (out_cpu, _) = attention(
+            &variant,
+            &t(&zeros, 8),
+            Keys::dense(&t(&zeros, 8), &t(&eye, s)),
+            &opts,
+        )
+        .map(|y| (y.out, y.lse))
+        .unwrap();
         let w =
             |x: &[f32], d| Tensor::<WgpuRuntime>::from_slice(x, &[b, h, s, d], &device).unwrap();
-        let (out_gpu, _) =
-            attention_fwd(&variant, &w(&zeros, 8), &w(&zeros, 8), &w(&eye, s), &opts).unwrap();
+        let (out_gpu, _) = attention(
+            &variant,
+            &w(&zeros, 8),
+            Keys::dense(&w(&zeros, 8), &w(&eye, s)),
+            &opts,
+        )
+        .map(|y| (y.out, y.lse))
+        .unwrap();
         let bits = |o: Vec<f32>| o.iter().map(|&x| x != 0.0).collect::<Vec<bool>>();
         let p = crate::validate::call(&variant, crate::Problem::new(b, (h, h), (s, s), 8), &opts)
             .unwrap();
@@ -683,13 +705,13 @@ fn dropout_masks_agree_bit_for_bit_across_backends() {
     assert_ne!(masks(0), masks(1), "offsets draw different masks");
     let ones = Tensor::<WgpuRuntime>::from_slice(&zeros, &[b, h, s, 8], &device).unwrap();
     for p in [1.0, -0.1, f32::NAN] {
-        let e = attention_fwd(
+        let e = attention(
             &CausalDropout { p },
             &ones,
-            &ones,
-            &ones,
+            Keys::dense(&ones, &ones),
             &AttentionOptions::default(),
         )
+        .map(|y| (y.out, y.lse))
         .unwrap_err();
         assert!(matches!(e, Error::Dropout(_)), "p = {p}: {e}");
     }

@@ -164,6 +164,10 @@ pub enum Scalar {
     /// The arena word of a KV cache's per-sequence lengths, or
     /// [`NO_WORD`] (every sequence has `Sk` keys).
     KvLens,
+    /// The arena word of a padded batch's per-sequence query rows, or
+    /// [`NO_WORD`] (every sequence has `Sq` rows, last-aligned to its
+    /// keys).
+    QLens,
     /// The arena word of a paged cache's page table (`[B, max_pages]`),
     /// or [`NO_WORD`].
     KvPages,
@@ -177,8 +181,9 @@ pub enum Scalar {
     Splits,
 }
 
-/// The value of [`Scalar::KvLens`] and [`Scalar::KvPages`] where there is
-/// none (the shader constant `NO_WORD`).
+/// The value of [`Scalar::KvLens`], [`Scalar::QLens`] and
+/// [`Scalar::KvPages`] where there is none (the shader constant
+/// `NO_WORD`).
 pub const NO_WORD: u32 = u32::MAX;
 
 impl Scalar {
@@ -195,6 +200,7 @@ impl Scalar {
             Scalar::TileEnd => "tile_end",
             Scalar::Flags => "flags",
             Scalar::KvLens => "kv_lens",
+            Scalar::QLens => "q_lens",
             Scalar::KvPages => "kv_pages",
             Scalar::PageSize => "page_size",
             Scalar::MaxPages => "max_pages",

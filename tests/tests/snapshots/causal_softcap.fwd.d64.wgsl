@@ -24,12 +24,12 @@ struct Shape {
     tile_end: u32,
     flags: u32,
     kv_lens: u32,
+    q_lens: u32,
     kv_pages: u32,
     page_size: u32,
     max_pages: u32,
     splits: u32,
     pad_0: u32,
-    pad_1: u32,
 }
 @group(0) @binding(0) var<uniform> params: Params;
 @group(0) @binding(1) var<uniform> shape: Shape;
@@ -294,6 +294,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     let b = wid.y / shape.heads_kv;
     let h_kv = wid.y % shape.heads_kv;
     let sk = seq_keys(b);
+    let sq_b = seq_queries(b); // rows past them see nothing
     // The workgroup's rows: packed row r is row r % sq of query head
     // h_kv·g + r / sq, so one pass over the kv head's keys serves its group.
     let packed = g * sq;
@@ -302,10 +303,11 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     let live = r < packed;
     let h = h_kv * g + min(r, packed - 1u) / sq;
     let row = min(r, packed - 1u) % sq;
+    let own = live && row < sq_b; // a row of its sequence's
     let flat = (b * shape.heads_q + h_kv * g) * sq + r; // q, lse row
     // Where this split writes: split_out/split_lse rows when split, else out/lse.
     let at = split * (shape.batch * shape.heads_q * sq) + flat;
-    let offset = i32(sk) - i32(sq);
+    let offset = i32(sk) - i32(sq_b);
     let ib = i32(b);
     let ih = i32(h);
     let qp = i32(row) + offset;
@@ -314,8 +316,8 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     var acc: array<f32, DV>;
     // The sink is one more logit with no value: the running max and sum of
     // split 0 start from it (-inf and 0 without one).
-    var m = variant_sink(ib, ih, qp, live);
-    if split != 0u { m = -bx_inf(); }
+    var m = -bx_inf();
+    if own && split == 0u { m = variant_sink(ib, ih, qp, true); }
     var l = weights_start(m);
     { { const d = 0u; var x = 0.0f;
         if live { x = q[flat * D + d]; }
@@ -590,8 +592,12 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
         q_lo = offset;
         q_hi = i32(sq) - 1i + offset;
     }
+    // Of a padded batch's sequence, its own rows: a workgroup of spare rows
+    // visits no key tile.
+    q_hi = min(q_hi, i32(sq_b) - 1i + offset);
+    var n_tiles = (sk + BKV - 1u) / BKV;
+    if q_lo > q_hi { n_tiles = 0u; }
     // This split's share of the sequence's key tiles.
-    let n_tiles = (sk + BKV - 1u) / BKV;
     let per = (n_tiles + splits - 1u) / splits;
     let t_lo = split * per;
     let t_hi = min(t_lo + per, n_tiles);
@@ -610,7 +616,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
             var dot = 0.0f;
             { { const d = 0u; dot += qr[d] * k_tile[j * D + d]; } { const d = 1u; dot += qr[d] * k_tile[j * D + d]; } { const d = 2u; dot += qr[d] * k_tile[j * D + d]; } { const d = 3u; dot += qr[d] * k_tile[j * D + d]; } { const d = 4u; dot += qr[d] * k_tile[j * D + d]; } { const d = 5u; dot += qr[d] * k_tile[j * D + d]; } { const d = 6u; dot += qr[d] * k_tile[j * D + d]; } { const d = 7u; dot += qr[d] * k_tile[j * D + d]; } { const d = 8u; dot += qr[d] * k_tile[j * D + d]; } { const d = 9u; dot += qr[d] * k_tile[j * D + d]; } { const d = 10u; dot += qr[d] * k_tile[j * D + d]; } { const d = 11u; dot += qr[d] * k_tile[j * D + d]; } { const d = 12u; dot += qr[d] * k_tile[j * D + d]; } { const d = 13u; dot += qr[d] * k_tile[j * D + d]; } { const d = 14u; dot += qr[d] * k_tile[j * D + d]; } { const d = 15u; dot += qr[d] * k_tile[j * D + d]; } { const d = 16u; dot += qr[d] * k_tile[j * D + d]; } { const d = 17u; dot += qr[d] * k_tile[j * D + d]; } { const d = 18u; dot += qr[d] * k_tile[j * D + d]; } { const d = 19u; dot += qr[d] * k_tile[j * D + d]; } { const d = 20u; dot += qr[d] * k_tile[j * D + d]; } { const d = 21u; dot += qr[d] * k_tile[j * D + d]; } { const d = 22u; dot += qr[d] * k_tile[j * D + d]; } { const d = 23u; dot += qr[d] * k_tile[j * D + d]; } { const d = 24u; dot += qr[d] * k_tile[j * D + d]; } { const d = 25u; dot += qr[d] * k_tile[j * D + d]; } { const d = 26u; dot += qr[d] * k_tile[j * D + d]; } { const d = 27u; dot += qr[d] * k_tile[j * D + d]; } { const d = 28u; dot += qr[d] * k_tile[j * D + d]; } { const d = 29u; dot += qr[d] * k_tile[j * D + d]; } { const d = 30u; dot += qr[d] * k_tile[j * D + d]; } { const d = 31u; dot += qr[d] * k_tile[j * D + d]; } { const d = 32u; dot += qr[d] * k_tile[j * D + d]; } { const d = 33u; dot += qr[d] * k_tile[j * D + d]; } { const d = 34u; dot += qr[d] * k_tile[j * D + d]; } { const d = 35u; dot += qr[d] * k_tile[j * D + d]; } { const d = 36u; dot += qr[d] * k_tile[j * D + d]; } { const d = 37u; dot += qr[d] * k_tile[j * D + d]; } { const d = 38u; dot += qr[d] * k_tile[j * D + d]; } { const d = 39u; dot += qr[d] * k_tile[j * D + d]; } { const d = 40u; dot += qr[d] * k_tile[j * D + d]; } { const d = 41u; dot += qr[d] * k_tile[j * D + d]; } { const d = 42u; dot += qr[d] * k_tile[j * D + d]; } { const d = 43u; dot += qr[d] * k_tile[j * D + d]; } { const d = 44u; dot += qr[d] * k_tile[j * D + d]; } { const d = 45u; dot += qr[d] * k_tile[j * D + d]; } { const d = 46u; dot += qr[d] * k_tile[j * D + d]; } { const d = 47u; dot += qr[d] * k_tile[j * D + d]; } { const d = 48u; dot += qr[d] * k_tile[j * D + d]; } { const d = 49u; dot += qr[d] * k_tile[j * D + d]; } { const d = 50u; dot += qr[d] * k_tile[j * D + d]; } { const d = 51u; dot += qr[d] * k_tile[j * D + d]; } { const d = 52u; dot += qr[d] * k_tile[j * D + d]; } { const d = 53u; dot += qr[d] * k_tile[j * D + d]; } { const d = 54u; dot += qr[d] * k_tile[j * D + d]; } { const d = 55u; dot += qr[d] * k_tile[j * D + d]; } { const d = 56u; dot += qr[d] * k_tile[j * D + d]; } { const d = 57u; dot += qr[d] * k_tile[j * D + d]; } { const d = 58u; dot += qr[d] * k_tile[j * D + d]; } { const d = 59u; dot += qr[d] * k_tile[j * D + d]; } { const d = 60u; dot += qr[d] * k_tile[j * D + d]; } { const d = 61u; dot += qr[d] * k_tile[j * D + d]; } { const d = 62u; dot += qr[d] * k_tile[j * D + d]; } { const d = 63u; dot += qr[d] * k_tile[j * D + d]; } }
             // FULL tiles skip the mask.
-            let seen = live && k0 + j < sk && (cls == TILE_FULL || variant_mask(ib, ih, qp, kp));
+            let seen = own && k0 + j < sk && (cls == TILE_FULL || variant_mask(ib, ih, qp, kp));
             let s = select(-bx_inf(), variant_score(dot * shape.scale, ib, ih, qp, kp, seen), seen);
             s_row[j] = s;
             if s > m_new { m_new = s; }
@@ -662,6 +668,14 @@ fn pair_weight(s: f32, m: f32, l: ptr<function, f32>, ib: i32, ih: i32, qp: i32,
 fn seq_keys(b: u32) -> u32 {
     if shape.kv_lens == NO_WORD { return shape.seq_k; }
     return min(atomicLoad(&captures[shape.kv_lens + b]), shape.seq_k);
+}
+
+// The query rows of sequence b: a padded batch's (arena word shape.q_lens +
+// b, at most Sq; its rows from there on see nothing, and its row i sits at
+// position i + keys − rows), or Sq without one.
+fn seq_queries(b: u32) -> u32 {
+    if shape.q_lens == NO_WORD { return shape.seq_q; }
+    return min(atomicLoad(&captures[shape.q_lens + b]), shape.seq_q);
 }
 
 // The row of k and v (times D and DV: the element offsets) of key r of

@@ -447,11 +447,12 @@ __device__ __forceinline__ void bx_dot_tile(const elem_t* A, const elem_t* B, fl
 #endif
 }
 
-// Whether (query row q0 + i, key k0 + j) exists and is visible. Full tiles
-// (TILE_FULL) skip the mask.
+// Whether a pair of a query row of its sequence (`row`) and a key of it
+// (`key`), at positions qp and kp, is visible. Full tiles (TILE_FULL) skip
+// the mask.
 __device__ __forceinline__ bool bx_visible(const Params& params, unsigned* __restrict__ captures, int cls, int b,
-                                           int h, int qi, int kj, int seq_q, int seq_k, int qp, int kp) {
-    return qi < seq_q && kj < seq_k && (cls == TILE_FULL || variant_mask(params, captures, b, h, qp, kp));
+                                           int h, bool row, bool key, int qp, int kp) {
+    return row && key && (cls == TILE_FULL || variant_mask(params, captures, b, h, qp, kp));
 }
 
 // The one place a raw dot product becomes a score, in every kernel: x = the
@@ -604,6 +605,14 @@ __device__ __forceinline__ int bx_seq_keys(const unsigned* __restrict__ captures
     return kv_lens < 0 ? seq_k : min((int)captures[kv_lens + b], seq_k);
 }
 
+// The query rows of sequence b: a padded batch's (arena word q_lens + b, at
+// most seq_q; its rows from there on see nothing, and its row i sits at
+// position i + keys − rows), or seq_q without one (q_lens < 0).
+__device__ __forceinline__ int bx_seq_queries(const unsigned* __restrict__ captures, int q_lens, int b,
+                                              int seq_q) {
+    return q_lens < 0 ? seq_q : min((int)captures[q_lens + b], seq_q);
+}
+
 // The keys of (batch b, kv head hk) as a launch lays them out: in place,
 // k [B, Hkv, Sk, D] and v [B, Hkv, Sk, DV]; or, with page_size > 0, in
 // pages, k [pages, Hkv, page_size, D] and v [.., DV], logical key j in
@@ -714,6 +723,7 @@ boostr_attn_fwd(
     int seq_k,
     float scale,
     int kv_lens,
+    int q_lens,
     int kv_pages,
     int page_size,
     int max_pages,
@@ -759,7 +769,8 @@ boostr_attn_fwd(
     const int b = blockIdx.z;
     const int packed = g * seq_q;
     const int sk = bx_seq_keys(captures, kv_lens, b, seq_k); // rows aligned to them
-    const int offset = sk - seq_q;
+    const int sq = bx_seq_queries(captures, q_lens, b, seq_q); // rows past them see nothing
+    const int offset = sk - sq;
     const size_t q_row0 = ((size_t)b * heads_q + (size_t)hk * g) * (size_t)seq_q + r0;
     const BxKeys keys = bx_keys(captures, kv_pages, page_size, max_pages, heads_kv, seq_k, b, hk);
 #if BX_KV_FP8
@@ -776,9 +787,9 @@ boostr_attn_fwd(
     // The sink is one more logit with no value: the running max and sum of
     // split 0 start from it (-inf and 0 without one).
     for (int i = threadIdx.x; i < BQ; i += FWD_THREADS) {
-        const int r = min(r0 + i, packed - 1);
-        const float sink = split == 0
-            ? variant_sink(params, captures, b, hk * g + r / seq_q, r % seq_q + offset, r0 + i < packed)
+        const int r = r0 + i;
+        const float sink = split == 0 && r < packed && r % seq_q < sq
+            ? variant_sink(params, captures, b, hk * g + r / seq_q, r % seq_q + offset, true)
             : bx_neg_inf();
         row_m[i] = sink;
         row_l[i] = weights_start(sink);
@@ -790,9 +801,11 @@ boostr_attn_fwd(
     const int r_hi = min(r0 + BQ, packed) - 1;
     const int h_lo = hk * g + r0 / seq_q;
     const int h_hi = hk * g + r_hi / seq_q;
+    // (Of a padded batch's sequence, its own rows: a block of spare rows
+    // visits no key tile.)
     const int q_lo = h_lo == h_hi ? r0 % seq_q + offset : offset;
-    const int q_hi = h_lo == h_hi ? r_hi % seq_q + offset : seq_q - 1 + offset;
-    const int n_kt = (sk + BKV - 1) / BKV;
+    const int q_hi = min(h_lo == h_hi ? r_hi % seq_q : seq_q - 1, sq - 1) + offset;
+    const int n_kt = q_lo <= q_hi ? (sk + BKV - 1) / BKV : 0;
     const int per = (n_kt + n_split - 1) / n_split;
     const int kt_lo = split * per;
     const int kt_hi = min(kt_lo + per, n_kt);
@@ -832,7 +845,7 @@ boostr_attn_fwd(
             const int h = hk * g + r / seq_q;
             const int qp = r % seq_q + offset;
             const int kp = k0 + j;
-            const bool vis = bx_visible(params, captures, cls, b, h, r, kp, packed, sk, qp, kp);
+            const bool vis = bx_visible(params, captures, cls, b, h, r < packed && r % seq_q < sq, kp < sk, qp, kp);
             if (vis) s_seen[j] = 1;
 #if BX_KV_FP8
             const float raw = __fmul_rn(sS[i * FWD_LDS + j], s_kf[j]); // the key's K scale

@@ -781,9 +781,11 @@ static std::vector<float> to_f32(const std::vector<elem_t>& v) {
 // made) from DIR; writes the rounded inputs and every result as f32, and
 // the arena's error record.
 int main(int argc, char** argv) {
-    // Optional: the forward's key layout (kv_lens, kv_pages, page_size, max_pages).
-    int kv_lens = -1, kv_pages = -1, page_size = 0, max_pages = 0;
-    if (argc == 13) {
+    // Optional: the key layout (kv_lens, kv_pages, page_size, max_pages,
+    // and a padded batch's q_lens).
+    int kv_lens = -1, q_lens = -1, kv_pages = -1, page_size = 0, max_pages = 0;
+    if (argc == 14) q_lens = std::atoi(argv[13]);
+    if (argc == 13 || argc == 14) {
         kv_lens = std::atoi(argv[9]);
         kv_pages = std::atoi(argv[10]);
         page_size = std::atoi(argv[11]);
@@ -1045,6 +1047,9 @@ where
 struct CacheCase {
     inputs: [Vec<f32>; 4],
     kv: [i32; 4],
+    /// A padded batch's query lengths' arena word (the harness's last
+    /// argument), or none.
+    q_lens: Option<i32>,
     /// `out`, `lse`, `dq`, and `dk`, `dv` in each sequence's slots.
     want: Vec<Vec<f64>>,
 }
@@ -1160,10 +1165,77 @@ where
     case.cache = Some(CacheCase {
         inputs: [q, k, v, dout],
         kv,
+        q_lens: None,
         want: want
             .iter()
             .map(|t| t.iter().map(|&x| f64::from(x)).collect())
             .collect(),
+    });
+    case
+}
+
+/// A forward and backward of a right-padded batch (f32): sequence `b` has
+/// `q_lens[b]` of the query rows and `kv_lens[b]` of the keys, the rest
+/// garbage (finite past the rows, NaN and infinities past the keys); both
+/// lengths after the arena's words. The reference is the CPU's, through
+/// the same public op.
+fn host_padded_case<V: Variant>(
+    variant: V,
+    problem: Problem,
+    q_lens: &[i32],
+    kv_lens: &[i32],
+) -> HostCase
+where
+    V::Host: 'static,
+{
+    use boostr_runtime::{AttentionOptions, Backward, Keys, attention, attention_backward};
+    let mut case = host_case(variant.clone(), CudaDType::F32, problem);
+    let p = case.problem;
+    let (d, dv, cap) = (p.head_dim, p.head_dim_v, p.seq_k);
+    let mut rng = Rng::new(0x9add, q_lens.len() as u64);
+    let q = rng.normal_f32(p.q_len(), 1.0);
+    let mut k = rng.normal_f32(p.k_len(), 1.0);
+    let mut v = rng.normal_f32(p.v_len(), 1.0);
+    for (row, (kr, vr)) in k.chunks_mut(d).zip(v.chunks_mut(dv)).enumerate() {
+        if row % cap >= kv_lens[row / (p.heads_kv * cap)] as usize {
+            kr.fill(f32::NAN);
+            vr.fill(f32::INFINITY);
+        }
+    }
+    let dout = rng.normal_f32(p.out_len(), 1.0);
+    let device = CpuDevice::new();
+    let t = |x: &[f32], shape: [usize; 4]| Tensor::<CpuRuntime>::from_slice(x, &shape, &device);
+    let lens = |x: &[i32]| Tensor::<CpuRuntime>::from_slice(x, &[x.len()], &device);
+    let (qt, kt, vt, dt) = (
+        t(&q, p.q_shape()).expect("q"),
+        t(&k, p.k_shape()).expect("k"),
+        t(&v, p.v_shape()).expect("v"),
+        t(&dout, p.out_shape()).expect("dout"),
+    );
+    let (ql, kl) = (
+        lens(q_lens).expect("q_lens"),
+        lens(kv_lens).expect("kv_lens"),
+    );
+    let keys = Keys::padded(&kt, &vt, &ql, &kl);
+    let opts = AttentionOptions::default();
+    let y = attention(&variant, &qt, keys, &opts).expect("the CPU's forward");
+    let g = attention_backward(&variant, &qt, keys, Backward::new(&y, &dt), &opts)
+        .expect("the CPU's backward");
+    let want = [&y.out, &y.lse, &g.dq, &g.dk, &g.dv]
+        .map(|t| t.to_vec::<f32>().iter().map(|&x| f64::from(x)).collect())
+        .to_vec();
+    let kv_word = case.arena.len();
+    case.arena.extend(kv_lens.iter().map(|&l| l as u32));
+    let q_word = case.arena.len();
+    case.arena.extend(q_lens.iter().map(|&l| l as u32));
+    case.tag
+        .push_str(&format!(" padded rows {q_lens:?} keys {kv_lens:?}"));
+    case.hidden.iter_mut().for_each(|h| *h = false);
+    case.cache = Some(CacheCase {
+        inputs: [q, k, v, dout],
+        kv: [kv_word as i32, -1, 0, 0],
+        q_lens: Some(q_word as i32),
+        want,
     });
     case
 }
@@ -1471,6 +1543,7 @@ fn host_arg(kernel: &Kernel, a: Arg) -> String {
         Arg::Scalar(Scalar::SeqK) => "Sk".into(),
         Arg::Scalar(Scalar::Scale) => "scale".into(),
         Arg::Scalar(Scalar::KvLens) => "kv_lens".into(),
+        Arg::Scalar(Scalar::QLens) => "q_lens".into(),
         Arg::Scalar(Scalar::KvPages) => "kv_pages".into(),
         Arg::Scalar(Scalar::PageSize) => "page_size".into(),
         Arg::Scalar(Scalar::MaxPages) => "max_pages".into(),
@@ -1607,6 +1680,11 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
         .arg(p.scale.to_string())
         .arg(if case.misalign { "1" } else { "0" })
         .args(case.cache.iter().flat_map(|c| c.kv.map(|w| w.to_string())))
+        .args(
+            case.cache
+                .iter()
+                .filter_map(|c| c.q_lens.map(|w| w.to_string())),
+        )
         .args(
             case.fp8
                 .iter()
@@ -1872,6 +1950,24 @@ fn host_emulation_matches_the_reference() {
                 Some(24),
             ),
             4,
+        ),
+        // A right-padded batch: a sequence of no rows, one of rows but no
+        // keys, one of a partial query tile, one whole; rows of tiles past
+        // a sequence's own skipped, and exactly 0.
+        host_padded_case(
+            CausalSlidingWindow { window: 50 },
+            Problem::new(4, (4, 2), (70, 97), 64),
+            &[0, 5, 33, 70],
+            &[40, 0, 97, 70],
+        ),
+        split(
+            host_padded_case(
+                Softcap { cap: 8.0 },
+                Problem::new(4, (4, 1), (3, 192), 64),
+                &[1, 3, 0, 2],
+                &[192, 17, 64, 0],
+            ),
+            2,
         ),
         // Learnable tensors: gradients in the fixed-point accumulators.
         host_case(

@@ -8,7 +8,7 @@
 
 use boostr_runtime::stock::{Alibi, Causal, CausalSoftcap};
 use boostr_runtime::testing::Rng;
-use boostr_runtime::{AttentionOptions, Variant, attention_bwd, attention_fwd};
+use boostr_runtime::{AttentionOptions, Backward, Keys, Variant, attention, attention_backward};
 use numr::prelude::*;
 
 /// A 16-bit float format: rounding from f32 and widening back.
@@ -135,8 +135,12 @@ fn check<V: Variant>(variant: &V, h: Half, (b, hq, hkv, sq, sk, d, dv): Shape) {
     let opts = AttentionOptions::default();
     let ([qh, kh, vh, doh], [qf, kf, vf, dof]) = random_inputs(h, &mut rng, shapes);
 
-    let (out_h, lse_h) = attention_fwd(variant, &qh, &kh, &vh, &opts).unwrap();
-    let (out_f, lse_f) = attention_fwd(variant, &qf, &kf, &vf, &opts).unwrap();
+    let (out_h, lse_h) = attention(variant, &qh, Keys::dense(&kh, &vh), &opts)
+        .map(|y| (y.out, y.lse))
+        .unwrap();
+    let (out_f, lse_f) = attention(variant, &qf, Keys::dense(&kf, &vf), &opts)
+        .map(|y| (y.out, y.lse))
+        .unwrap();
     assert_eq!((out_h.dtype(), lse_h.dtype()), (h.dtype(), DType::F32));
     if h == Half::Bf16 && boostr_runtime::cpu::bf16_tiles(&problem) {
         // bf16 tile products (AMX) round P to bf16: not the widened f32
@@ -163,10 +167,24 @@ fn check<V: Variant>(variant: &V, h: Half, (b, hq, hkv, sq, sk, d, dv): Shape) {
         // bf16 rounding of the widened backward (against the reference in
         // the CPU kernels' tests), relative to each gradient's largest.
         let out_rounded = f32_tensor(&wide(&out_h.to_vec::<u16>()), &os);
-        let (dq_h, dk_h, dv_h) =
-            attention_bwd(variant, &doh, &qh, &kh, &vh, &out_h, &lse_h, &opts).unwrap();
-        let (dq_f, dk_f, dv_f) =
-            attention_bwd(variant, &dof, &qf, &kf, &vf, &out_rounded, &lse_h, &opts).unwrap();
+        let (dq_h, dk_h, dv_h) = attention_backward(
+            variant,
+            &qh,
+            Keys::dense(&kh, &vh),
+            Backward::from_tensors(&out_h, &lse_h, &doh),
+            &opts,
+        )
+        .map(|g| (g.dq, g.dk, g.dv))
+        .unwrap();
+        let (dq_f, dk_f, dv_f) = attention_backward(
+            variant,
+            &qf,
+            Keys::dense(&kf, &vf),
+            Backward::from_tensors(&out_rounded, &lse_h, &dof),
+            &opts,
+        )
+        .map(|g| (g.dq, g.dk, g.dv))
+        .unwrap();
         let near = |name: &str, got: &Tensor<CpuRuntime>, want: &Tensor<CpuRuntime>| {
             assert_eq!(got.dtype(), h.dtype(), "{name} dtype");
             let (got, want) = (got.to_vec::<u16>(), want.to_vec::<f32>());
@@ -201,10 +219,24 @@ fn check<V: Variant>(variant: &V, h: Half, (b, hq, hkv, sq, sk, d, dv): Shape) {
 
     // The backward reads `out` in the inputs' dtype, as autograd hands it back.
     let out_f_rounded = f32_tensor(&wide(&out_h.to_vec::<u16>()), &os);
-    let (dq_h, dk_h, dv_h) =
-        attention_bwd(variant, &doh, &qh, &kh, &vh, &out_h, &lse_h, &opts).unwrap();
-    let (dq_f, dk_f, dv_f) =
-        attention_bwd(variant, &dof, &qf, &kf, &vf, &out_f_rounded, &lse_f, &opts).unwrap();
+    let (dq_h, dk_h, dv_h) = attention_backward(
+        variant,
+        &qh,
+        Keys::dense(&kh, &vh),
+        Backward::from_tensors(&out_h, &lse_h, &doh),
+        &opts,
+    )
+    .map(|g| (g.dq, g.dk, g.dv))
+    .unwrap();
+    let (dq_f, dk_f, dv_f) = attention_backward(
+        variant,
+        &qf,
+        Keys::dense(&kf, &vf),
+        Backward::from_tensors(&out_f_rounded, &lse_f, &dof),
+        &opts,
+    )
+    .map(|g| (g.dq, g.dk, g.dv))
+    .unwrap();
     same("dq", &dq_h, &dq_f);
     same("dk", &dk_h, &dk_f);
     same("dv", &dv_h, &dv_f);
@@ -269,12 +301,30 @@ fn bf16_gradients_point_the_way_of_f32() {
         dot / (na * nb)
     };
     let ([qh, kh, vh, wh], [qf, kf, vf, wf]) = random_inputs(h, &mut rng, [qs, ks, ks, qs]);
-    let (out_h, lse_h) = attention_fwd(&Causal, &qh, &kh, &vh, &opts).unwrap();
-    let (dq_h, dk_h, dv_h) =
-        attention_bwd(&Causal, &wh, &qh, &kh, &vh, &out_h, &lse_h, &opts).unwrap();
-    let (out_f, lse_f) = attention_fwd(&Causal, &qf, &kf, &vf, &opts).unwrap();
-    let (dq_f, dk_f, dv_f) =
-        attention_bwd(&Causal, &wf, &qf, &kf, &vf, &out_f, &lse_f, &opts).unwrap();
+    let (out_h, lse_h) = attention(&Causal, &qh, Keys::dense(&kh, &vh), &opts)
+        .map(|y| (y.out, y.lse))
+        .unwrap();
+    let (dq_h, dk_h, dv_h) = attention_backward(
+        &Causal,
+        &qh,
+        Keys::dense(&kh, &vh),
+        Backward::from_tensors(&out_h, &lse_h, &wh),
+        &opts,
+    )
+    .map(|g| (g.dq, g.dk, g.dv))
+    .unwrap();
+    let (out_f, lse_f) = attention(&Causal, &qf, Keys::dense(&kf, &vf), &opts)
+        .map(|y| (y.out, y.lse))
+        .unwrap();
+    let (dq_f, dk_f, dv_f) = attention_backward(
+        &Causal,
+        &qf,
+        Keys::dense(&kf, &vf),
+        Backward::from_tensors(&out_f, &lse_f, &wf),
+        &opts,
+    )
+    .map(|g| (g.dq, g.dk, g.dv))
+    .unwrap();
     for (name, got, want) in [("dq", dq_h, dq_f), ("dk", dk_h, dk_f), ("dv", dv_h, dv_f)] {
         let c = cosine(&wide(&got.to_vec::<u16>()), &want.to_vec::<f32>());
         assert!(c > 0.999, "{name}: cosine similarity {c}");

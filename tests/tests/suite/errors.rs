@@ -2,7 +2,8 @@
 
 use boostr_runtime::stock::{Causal, Documents, Full, RelativeBias};
 use boostr_runtime::{
-    AttentionOptions, Error, attention_bwd, attention_fwd, var_attention, var_flash_attention,
+    AttentionOptions, Backward, Error, Keys, attention, attention_backward, var_attention,
+    var_flash_attention,
 };
 use numr::autograd::Var;
 use numr::prelude::*;
@@ -16,13 +17,13 @@ fn tensor(shape: &[usize]) -> Tensor<CpuRuntime> {
 }
 
 fn fwd_err(q: &[usize], k: &[usize], v: &[usize]) -> Error {
-    attention_fwd(
+    attention(
         &Full,
         &tensor(q),
-        &tensor(k),
-        &tensor(v),
+        Keys::dense(&tensor(k), &tensor(v)),
         &AttentionOptions::default(),
     )
+    .map(|y| (y.out, y.lse))
     .expect_err("invalid shapes must be rejected")
 }
 
@@ -66,21 +67,41 @@ fn values_may_have_their_own_head_dim_which_out_and_dout_follow() {
         tensor(&[1, 1, 5, 4]),
     );
     let opts = AttentionOptions::default();
-    let (out, lse) = attention_fwd(&Causal, &q, &k, &v, &opts).unwrap();
+    let (out, lse) = attention(&Causal, &q, Keys::dense(&k, &v), &opts)
+        .map(|y| (y.out, y.lse))
+        .unwrap();
     assert_eq!(out.shape(), &[1, 2, 3, 4]);
     let explicit = AttentionOptions::default().with_scale(1.0 / 8f32.sqrt());
-    let (same, _) = attention_fwd(&Causal, &q, &k, &v, &explicit).unwrap();
+    let (same, _) = attention(&Causal, &q, Keys::dense(&k, &v), &explicit)
+        .map(|y| (y.out, y.lse))
+        .unwrap();
     assert_eq!(
         out.to_vec::<f32>(),
         same.to_vec::<f32>(),
         "the default scale"
     );
     // A dout shaped with D instead of Dv.
-    let e = attention_bwd(&Causal, &q, &q, &k, &v, &out, &lse, &opts).unwrap_err();
+    let e = attention_backward(
+        &Causal,
+        &q,
+        Keys::dense(&k, &v),
+        Backward::from_tensors(&out, &lse, &q),
+        &opts,
+    )
+    .map(|g| (g.dq, g.dk, g.dv))
+    .unwrap_err();
     assert!(matches!(e, Error::ShapeOf { name: "dout", .. }), "{e}");
     assert!(e.to_string().contains("[1, 2, 3, 4]"), "{e}");
     // An out shaped with D.
-    let e = attention_bwd(&Causal, &out, &q, &k, &v, &q, &lse, &opts).unwrap_err();
+    let e = attention_backward(
+        &Causal,
+        &q,
+        Keys::dense(&k, &v),
+        Backward::from_tensors(&q, &lse, &out),
+        &opts,
+    )
+    .map(|g| (g.dq, g.dk, g.dv))
+    .unwrap_err();
     assert!(matches!(e, Error::ShapeOf { name: "out", .. }), "{e}");
     // k and v that disagree in anything but the last dim.
     for (bad, rule) in [
@@ -88,7 +109,9 @@ fn values_may_have_their_own_head_dim_which_out_and_dout_follow() {
         (&[1, 2, 5, 4][..], "heads"),
         (&[1, 1, 6, 4][..], "sequence length"),
     ] {
-        let e = attention_fwd(&Causal, &q, &k, &tensor(bad), &opts).unwrap_err();
+        let e = attention(&Causal, &q, Keys::dense(&k, &tensor(bad)), &opts)
+            .map(|y| (y.out, y.lse))
+            .unwrap_err();
         assert!(matches!(e, Error::Shapes { .. }), "{rule}: {e}");
         assert!(e.to_string().contains(rule), "{rule}: {e}");
     }
@@ -122,7 +145,9 @@ fn unsupported_and_mixed_dtypes_are_rejected_on_the_cpu() {
     let device = CpuDevice::new();
     let q = Tensor::<CpuRuntime>::from_slice(&[0.5f64; 16], &[1, 1, 2, 8], &device).unwrap();
     let k = tensor(&[1, 1, 2, 8]);
-    let e = attention_fwd(&Full, &q, &k, &k, &AttentionOptions::default()).unwrap_err();
+    let e = attention(&Full, &q, Keys::dense(&k, &k), &AttentionOptions::default())
+        .map(|y| (y.out, y.lse))
+        .unwrap_err();
     assert!(matches!(e, Error::DType { name: "q", .. }), "{e}");
     assert!(e.to_string().contains("F64"), "{e}");
 
@@ -130,7 +155,9 @@ fn unsupported_and_mixed_dtypes_are_rejected_on_the_cpu() {
     let bits = [0x3f00u16; 16]; // 0.5 in bf16
     let bytes: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
     let q = Tensor::<CpuRuntime>::from_bytes(&bytes, &[1, 1, 2, 8], DType::BF16, &device).unwrap();
-    let e = attention_fwd(&Full, &q, &k, &k, &AttentionOptions::default()).unwrap_err();
+    let e = attention(&Full, &q, Keys::dense(&k, &k), &AttentionOptions::default())
+        .map(|y| (y.out, y.lse))
+        .unwrap_err();
     assert!(
         matches!(
             e,
@@ -149,7 +176,9 @@ fn unsupported_and_mixed_dtypes_are_rejected_on_the_cpu() {
 fn scale_must_be_finite() {
     let q = tensor(&[1, 1, 2, 8]);
     let opts = AttentionOptions::default().with_scale(f32::NAN);
-    let e = attention_fwd(&Full, &q, &q, &q, &opts).unwrap_err();
+    let e = attention(&Full, &q, Keys::dense(&q, &q), &opts)
+        .map(|y| (y.out, y.lse))
+        .unwrap_err();
     assert!(matches!(e, Error::Scale(_)), "{e}");
 }
 
@@ -157,11 +186,29 @@ fn scale_must_be_finite() {
 fn backward_checks_out_lse_and_dout() {
     let q = tensor(&[1, 2, 3, 8]);
     let opts = AttentionOptions::default();
-    let (out, lse) = attention_fwd(&Causal, &q, &q, &q, &opts).unwrap();
+    let (out, lse) = attention(&Causal, &q, Keys::dense(&q, &q), &opts)
+        .map(|y| (y.out, y.lse))
+        .unwrap();
     let bad = tensor(&[1, 2, 3, 4]);
-    let e = attention_bwd(&Causal, &bad, &q, &q, &q, &out, &lse, &opts).unwrap_err();
+    let e = attention_backward(
+        &Causal,
+        &q,
+        Keys::dense(&q, &q),
+        Backward::from_tensors(&out, &lse, &bad),
+        &opts,
+    )
+    .map(|g| (g.dq, g.dk, g.dv))
+    .unwrap_err();
     assert!(matches!(e, Error::ShapeOf { name: "dout", .. }), "{e}");
-    let e = attention_bwd(&Causal, &out, &q, &q, &q, &out, &bad, &opts).unwrap_err();
+    let e = attention_backward(
+        &Causal,
+        &q,
+        Keys::dense(&q, &q),
+        Backward::from_tensors(&out, &bad, &out),
+        &opts,
+    )
+    .map(|g| (g.dq, g.dk, g.dv))
+    .unwrap_err();
     assert!(matches!(e, Error::ShapeOf { name: "lse", .. }), "{e}");
 }
 
@@ -185,12 +232,26 @@ fn flash_attention_arguments_must_match_the_shapes() {
 #[test]
 fn inputs_without_grad_make_no_graph_node() {
     let q = Var::new(tensor(&[1, 2, 5, 8]), false);
-    let out = var_attention(&Causal, &q, &q, &q, &AttentionOptions::default()).unwrap();
+    let out = var_attention(
+        &Causal,
+        &q,
+        Keys::dense(&q, &q),
+        &AttentionOptions::default(),
+    )
+    .map(|y| y.out)
+    .unwrap();
     assert!(!out.requires_grad());
     assert!(out.grad_fn().is_none());
 
     let k = Var::new(tensor(&[1, 2, 5, 8]), true);
-    let out = var_attention(&Causal, &q, &k, &q, &AttentionOptions::default()).unwrap();
+    let out = var_attention(
+        &Causal,
+        &q,
+        Keys::dense(&k, &q),
+        &AttentionOptions::default(),
+    )
+    .map(|y| y.out)
+    .unwrap();
     assert!(out.requires_grad());
     assert!(out.grad_fn().is_some());
 }
@@ -206,7 +267,14 @@ fn flash_attention_is_the_flash_mask_variant() {
         Var::new(v.clone(), false),
     );
     let flash = var_flash_attention(&qv, &kv, &vv, 4, 2, 16, true, 0).unwrap();
-    let (causal, _) = attention_fwd(&Causal, &q, &k, &v, &AttentionOptions::default()).unwrap();
+    let (causal, _) = attention(
+        &Causal,
+        &q,
+        Keys::dense(&k, &v),
+        &AttentionOptions::default(),
+    )
+    .map(|y| (y.out, y.lse))
+    .unwrap();
     let (a, b) = (flash.tensor().to_vec::<f32>(), causal.to_vec::<f32>());
     let worst = a
         .iter()
@@ -234,8 +302,14 @@ fn ints(values: &[i32], shape: &[usize]) -> Tensor<CpuRuntime> {
 
 fn documents_err(doc: Tensor<CpuRuntime>) -> Error {
     let [q, k, v] = qkv();
-    attention_fwd(&Documents { doc }, &q, &k, &v, &AttentionOptions::default())
-        .expect_err("a captured tensor that does not match its declaration")
+    attention(
+        &Documents { doc },
+        &q,
+        Keys::dense(&k, &v),
+        &AttentionOptions::default(),
+    )
+    .map(|y| (y.out, y.lse))
+    .expect_err("a captured tensor that does not match its declaration")
 }
 
 #[test]
@@ -282,8 +356,14 @@ fn short_table() -> RelativeBias<CpuRuntime> {
 #[test]
 fn a_read_out_of_range_names_the_field_the_index_and_the_shape() {
     let [q, k, v] = qkv();
-    let e = attention_fwd(&short_table(), &q, &k, &v, &AttentionOptions::default())
-        .expect_err("a read past the table");
+    let e = attention(
+        &short_table(),
+        &q,
+        Keys::dense(&k, &v),
+        &AttentionOptions::default(),
+    )
+    .map(|y| (y.out, y.lse))
+    .expect_err("a read past the table");
     match &e {
         Error::IndexOutOfRange {
             field,
@@ -303,15 +383,15 @@ fn a_read_out_of_range_names_the_field_the_index_and_the_shape() {
     // Documents over key positions with more queries than keys: the first
     // rows' positions are negative.
     let (q, kv) = (tensor(&[1, 2, 7, 8]), tensor(&[1, 2, 5, 8]));
-    let e = attention_fwd(
+    let e = attention(
         &Documents {
             doc: ints(&[0, 0, 1, 1, 1], &[1, 5]),
         },
         &q,
-        &kv,
-        &kv,
+        Keys::dense(&kv, &kv),
         &AttentionOptions::default(),
     )
+    .map(|y| (y.out, y.lse))
     .expect_err("negative positions");
     assert!(
         matches!(&e, Error::IndexOutOfRange { field: "doc", index, .. } if index[1] < 0),
@@ -324,14 +404,23 @@ fn the_backward_and_the_autograd_op_report_the_same_reads() {
     let [q, k, v] = qkv();
     let variant = short_table();
     let opts = AttentionOptions::default();
-    let e = attention_bwd(&variant, &q, &q, &k, &v, &q, &tensor(&[1, 2, 5]), &opts)
-        .expect_err("the backward reads past the table too");
+    let e = attention_backward(
+        &variant,
+        &q,
+        Keys::dense(&k, &v),
+        Backward::from_tensors(&q, &tensor(&[1, 2, 5]), &q),
+        &opts,
+    )
+    .map(|g| (g.dq, g.dk, g.dv))
+    .expect_err("the backward reads past the table too");
     assert!(
         matches!(e, Error::IndexOutOfRange { field: "table", .. }),
         "{e}"
     );
     let (qv, kv, vv) = (Var::new(q, true), Var::new(k, true), Var::new(v, true));
-    let e = var_attention(&variant, &qv, &kv, &vv, &opts).expect_err("and the autograd op");
+    let e = var_attention(&variant, &qv, Keys::dense(&kv, &vv), &opts)
+        .map(|y| y.out)
+        .expect_err("and the autograd op");
     assert!(
         matches!(e, Error::IndexOutOfRange { field: "table", .. }),
         "{e}"

@@ -5,8 +5,7 @@
 use boostr_runtime::stock::{Causal, CausalSlidingWindow, CausalSoftcap};
 use boostr_runtime::testing::{CpuRuntime, Rng};
 use boostr_runtime::{
-    AttentionOptions, Error, KvCache, PagedKvCache, Variant, attention_bwd, attention_bwd_cache,
-    attention_fwd, attention_fwd_cache, attention_fwd_paged,
+    AttentionOptions, Backward, Error, Keys, Variant, attention, attention_backward,
 };
 use numr::runtime::cpu::CpuDevice;
 use numr::tensor::Tensor;
@@ -59,8 +58,9 @@ impl Case {
         let v = self.tensor(&self.v, &[b, HKV, CAP, D]);
         let lengths = Tensor::<CpuRuntime>::from_slice(&self.lens, &[b], &CpuDevice::new())
             .expect("a host tensor");
-        let cache = KvCache::new(&k, &v, &lengths);
-        let (out, lse) = attention_fwd_cache(variant, &q, &cache, &AttentionOptions::default())?;
+        let cache = Keys::cache(&k, &v, &lengths);
+        let (out, lse) =
+            attention(variant, &q, cache, &AttentionOptions::default()).map(|y| (y.out, y.lse))?;
         Ok((out.to_vec(), lse.to_vec()))
     }
 
@@ -83,8 +83,14 @@ impl Case {
         };
         let k = self.tensor(&keys(&self.k), &[1, HKV, len, D]);
         let v = self.tensor(&keys(&self.v), &[1, HKV, len, D]);
-        let (out, lse) = attention_fwd(variant, &q, &k, &v, &AttentionOptions::default())
-            .expect("the sequence alone");
+        let (out, lse) = attention(
+            variant,
+            &q,
+            Keys::dense(&k, &v),
+            &AttentionOptions::default(),
+        )
+        .map(|y| (y.out, y.lse))
+        .expect("the sequence alone");
         Some((out.to_vec(), lse.to_vec()))
     }
 }
@@ -144,11 +150,14 @@ fn bad_lengths_are_errors() {
     let case = |lens: &[i32]| Case::new(&[3, 3], 1, 1).with_lens(lens);
     for bad in [[-1, 3], [3, CAP as i32 + 1]] {
         match case(&bad).cached(&Causal) {
-            Err(Error::CacheLength {
-                length, capacity, ..
+            Err(Error::Lengths {
+                name: "lengths",
+                value,
+                bound,
+                ..
             }) => {
-                assert!(length < 0 || length > capacity as i64, "{bad:?}");
-                assert_eq!(capacity, CAP);
+                assert!(value < 0 || value > bound as i64, "{bad:?}");
+                assert_eq!(bound, CAP);
             }
             other => panic!("lengths {bad:?}: {other:?}"),
         }
@@ -159,8 +168,10 @@ fn bad_lengths_are_errors() {
     let k = c.tensor(&c.k, &[2, HKV, CAP, D]);
     let v = c.tensor(&c.v, &[2, HKV, CAP, D]);
     let three = Tensor::<CpuRuntime>::from_slice(&[1i32, 2, 3], &[3], &CpuDevice::new()).unwrap();
-    let cache = KvCache::new(&k, &v, &three);
-    let err = attention_fwd_cache(&Causal, &q, &cache, &AttentionOptions::default()).unwrap_err();
+    let cache = Keys::cache(&k, &v, &three);
+    let err = attention(&Causal, &q, cache, &AttentionOptions::default())
+        .map(|y| (y.out, y.lse))
+        .unwrap_err();
     assert!(
         matches!(
             err,
@@ -173,8 +184,10 @@ fn bad_lengths_are_errors() {
     );
     // i32 only.
     let float = Tensor::<CpuRuntime>::from_slice(&[1.0f32, 2.0], &[2], &CpuDevice::new()).unwrap();
-    let cache = KvCache::new(&k, &v, &float);
-    let err = attention_fwd_cache(&Causal, &q, &cache, &AttentionOptions::default()).unwrap_err();
+    let cache = Keys::cache(&k, &v, &float);
+    let err = attention(&Causal, &q, cache, &AttentionOptions::default())
+        .map(|y| (y.out, y.lse))
+        .unwrap_err();
     assert!(
         matches!(
             err,
@@ -238,12 +251,16 @@ fn pages_are_the_contiguous_cache_in_place() {
     let opts = AttentionOptions::default();
     let variant = CausalSoftcap { cap: 10.0 };
     let (k, v) = (t(&k, &[b, HKV, cap, D]), t(&v, &[b, HKV, cap, D]));
-    let contiguous = KvCache::new(&k, &v, &lengths);
-    let (out, lse) = attention_fwd_cache(&variant, &q, &contiguous, &opts).expect("contiguous");
+    let contiguous = Keys::cache(&k, &v, &lengths);
+    let (out, lse) = attention(&variant, &q, contiguous, &opts)
+        .map(|y| (y.out, y.lse))
+        .expect("contiguous");
     let (kp, vp) = (t(&kp, &[pages, HKV, ps, D]), t(&vp, &[pages, HKV, ps, D]));
     let page_table = ti(&table, &[b, max_pages]);
-    let paged = PagedKvCache::new(&kp, &vp, &page_table, &lengths);
-    let (pout, plse) = attention_fwd_paged(&variant, &q, &paged, &opts).expect("paged");
+    let paged = Keys::paged(&kp, &vp, &page_table, &lengths);
+    let (pout, plse) = attention(&variant, &q, paged, &opts)
+        .map(|y| (y.out, y.lse))
+        .expect("paged");
     let bits = |x: Tensor<CpuRuntime>| {
         x.to_vec::<f32>()
             .into_iter()
@@ -262,19 +279,20 @@ fn pages_are_the_contiguous_cache_in_place() {
     let mut bad = table.clone();
     bad[max_pages + 2] = pages as i32; // sequence 1 uses all three pages
     let bad = ti(&bad, &[b, max_pages]);
-    let cache = PagedKvCache::new(&kp, &vp, &bad, &lengths);
-    match attention_fwd_paged(&variant, &q, &cache, &opts) {
+    let cache = Keys::paged(&kp, &vp, &bad, &lengths);
+    match attention(&variant, &q, cache, &opts).map(|y| (y.out, y.lse)) {
         Err(Error::PageIndex {
             batch: 1, page: 2, ..
         }) => {}
         other => panic!("bad page: {other:?}"),
     }
     let long = ti(&[5, 193, 0, 64, 100], &[b]);
-    let cache = PagedKvCache::new(&kp, &vp, &page_table, &long);
-    match attention_fwd_paged(&variant, &q, &cache, &opts) {
-        Err(Error::CacheLength {
-            batch: 1,
-            capacity: 192,
+    let cache = Keys::paged(&kp, &vp, &page_table, &long);
+    match attention(&variant, &q, cache, &opts).map(|y| (y.out, y.lse)) {
+        Err(Error::Lengths {
+            name: "lengths",
+            at: 1,
+            bound: 192,
             ..
         }) => {}
         other => panic!("long length: {other:?}"),
@@ -298,11 +316,20 @@ fn the_cache_backward_is_each_sequence_alone() {
     let v = case.tensor(&case.v, &[b, HKV, CAP, D]);
     let dout_t = case.tensor(&dout, &[b, HQ, sq, D]);
     let lengths = Tensor::<CpuRuntime>::from_slice(&lens, &[b], &device).unwrap();
-    let cache = KvCache::new(&k, &v, &lengths);
+    let cache = Keys::cache(&k, &v, &lengths);
     let opts = AttentionOptions::default();
-    let (out, lse) = attention_fwd_cache(&variant, &q, &cache, &opts).unwrap();
-    let (dq, dk, dv) =
-        attention_bwd_cache(&variant, &dout_t, &q, &cache, &out, &lse, &opts).unwrap();
+    let (out, lse) = attention(&variant, &q, cache, &opts)
+        .map(|y| (y.out, y.lse))
+        .unwrap();
+    let (dq, dk, dv) = attention_backward(
+        &variant,
+        &q,
+        cache,
+        Backward::from_tensors(&out, &lse, &dout_t),
+        &opts,
+    )
+    .map(|g| (g.dq, g.dk, g.dv))
+    .unwrap();
     let (dq, dk, dv) = (dq.to_vec::<f32>(), dk.to_vec::<f32>(), dv.to_vec::<f32>());
     let close = |what: &str, got: &[f32], want: &[f32]| {
         for (i, (g, w)) in got.iter().zip(want).enumerate() {
@@ -333,9 +360,18 @@ fn the_cache_backward_is_each_sequence_alone() {
         let k1 = case.tensor(&case.k[at..at + len * D], &[1, HKV, len, D]);
         let v1 = case.tensor(&case.v[at..at + len * D], &[1, HKV, len, D]);
         let do1 = case.tensor(&dout[s * rows..(s + 1) * rows], &[1, HQ, sq, D]);
-        let (o1, l1) = attention_fwd(&variant, &q1, &k1, &v1, &opts).unwrap();
-        let (dq1, dk1, dv1) =
-            attention_bwd(&variant, &do1, &q1, &k1, &v1, &o1, &l1, &opts).unwrap();
+        let (o1, l1) = attention(&variant, &q1, Keys::dense(&k1, &v1), &opts)
+            .map(|y| (y.out, y.lse))
+            .unwrap();
+        let (dq1, dk1, dv1) = attention_backward(
+            &variant,
+            &q1,
+            Keys::dense(&k1, &v1),
+            Backward::from_tensors(&o1, &l1, &do1),
+            &opts,
+        )
+        .map(|g| (g.dq, g.dk, g.dv))
+        .unwrap();
         close(
             &format!("sequence {s} dq"),
             &dq[s * rows..(s + 1) * rows],
@@ -499,8 +535,10 @@ fn fp8_caches_match_the_reference_on_their_dequantized_values() {
                 fp8_tensor(fmt, &vb, &p.v_shape()),
             );
             let cache =
-                KvCache::new(&kt, &vt, &lengths).with_scales(KvScales::PerHead { k: &ks, v: &vs });
-            let got = attention_fwd_cache(&Causal, &qt, &cache, &opts).expect("an fp8 cache");
+                Keys::cache(&kt, &vt, &lengths).with_scales(KvScales::PerHead { k: &ks, v: &vs });
+            let got = attention(&Causal, &qt, cache, &opts)
+                .map(|y| (y.out, y.lse))
+                .expect("an fp8 cache");
             check("contiguous", &want, got);
 
             // The same keys in the shuffled pages, quantized against each
@@ -545,8 +583,10 @@ fn fp8_caches_match_the_reference_on_their_dequantized_values() {
                 } else {
                     KvScales::PerHead { k: &ks, v: &vs }
                 };
-                let paged = PagedKvCache::new(&kt, &vt, &tt, &lengths).with_scales(scales);
-                let got = attention_fwd_paged(&Causal, &qt, &paged, &opts).expect("fp8 pages");
+                let paged = Keys::paged(&kt, &vt, &tt, &lengths).with_scales(scales);
+                let got = attention(&Causal, &qt, paged, &opts)
+                    .map(|y| (y.out, y.lse))
+                    .expect("fp8 pages");
                 check(&format!("paged, per page {per_page}"), &want, got);
             }
         }
@@ -569,12 +609,12 @@ fn fp8_cache_scales_break_rules_as_errors() {
     let run_kv = |k: &Tensor<CpuRuntime>,
                   v: &Tensor<CpuRuntime>,
                   scales: Option<KvScales<'_, CpuRuntime>>| {
-        let cache = KvCache::new(k, v, &lengths);
+        let cache = Keys::cache(k, v, &lengths);
         let cache = match scales {
             Some(scales) => cache.with_scales(scales),
             None => cache,
         };
-        attention_fwd_cache(&Causal, &q, &cache, &opts)
+        attention(&Causal, &q, cache, &opts).map(|y| (y.out, y.lse))
     };
     let run =
         |k: &Tensor<CpuRuntime>, scales: Option<KvScales<'_, CpuRuntime>>| run_kv(k, k, scales);
@@ -618,7 +658,7 @@ fn fp8_cache_scales_break_rules_as_errors() {
             run(&kv, Some(KvScales::PerHead { k: &good, v: &nan })),
         ),
         (
-            "need a paged cache",
+            "need pages",
             run(
                 &kv,
                 Some(KvScales::PerPage {
@@ -639,8 +679,15 @@ fn fp8_cache_scales_break_rules_as_errors() {
     // The backward of an fp8 cache.
     let (out, lse) = run(&kv, Some(KvScales::PerHead { k: &good, v: &good })).unwrap();
     let cache =
-        KvCache::new(&kv, &kv, &lengths).with_scales(KvScales::PerHead { k: &good, v: &good });
-    let err = attention_bwd_cache(&Causal, &out, &q, &cache, &out, &lse, &opts)
-        .expect_err("fp8 backward");
+        Keys::cache(&kv, &kv, &lengths).with_scales(KvScales::PerHead { k: &good, v: &good });
+    let err = attention_backward(
+        &Causal,
+        &q,
+        cache,
+        Backward::from_tensors(&out, &lse, &out),
+        &opts,
+    )
+    .map(|g| (g.dq, g.dk, g.dv))
+    .expect_err("fp8 backward");
     assert!(err.to_string().contains("fp8"), "{err}");
 }

@@ -11,8 +11,7 @@
 use boostr_runtime::stock::{Alibi, Causal};
 use boostr_runtime::testing::{CpuRuntime, Rng};
 use boostr_runtime::{
-    AttentionOptions, Error, KvCache, KvScales, PagedKvCache, Variant, attention_bwd,
-    attention_fwd, attention_fwd_cache, attention_fwd_paged,
+    AttentionOptions, Backward, Error, Keys, KvScales, Variant, attention, attention_backward,
 };
 use numr::dtype::DType;
 use numr::runtime::cpu::CpuDevice;
@@ -73,13 +72,33 @@ fn check_permuted<V: Variant>(variant: &V, dims: ([usize; 4], usize, usize), dty
     let dout = permuted(&mut rng, [b, hq, sq, dv], dtype);
     let c = |t: &T| t.contiguous().expect("a copy");
     let opts = AttentionOptions::default();
-    let (out, lse) = attention_fwd(variant, &q, &k, &v, &opts).expect("permuted");
-    let (out_c, lse_c) = attention_fwd(variant, &c(&q), &c(&k), &c(&v), &opts).expect("copies");
+    let (out, lse) = attention(variant, &q, Keys::dense(&k, &v), &opts)
+        .map(|y| (y.out, y.lse))
+        .expect("permuted");
+    let (out_c, lse_c) = attention(variant, &c(&q), Keys::dense(&c(&k), &c(&v)), &opts)
+        .map(|y| (y.out, y.lse))
+        .expect("copies");
     same_bits(&format!("out {what}"), &out, &out_c);
     same_bits(&format!("lse {what}"), &lse, &lse_c);
-    let grads = attention_bwd(variant, &dout, &q, &k, &v, &out, &lse, &opts).expect("permuted");
+    let grads = attention_backward(
+        variant,
+        &q,
+        Keys::dense(&k, &v),
+        Backward::from_tensors(&out, &lse, &dout),
+        &opts,
+    )
+    .map(|g| (g.dq, g.dk, g.dv))
+    .expect("permuted");
     let (cq, ck, cv, cd) = (c(&q), c(&k), c(&v), c(&dout));
-    let want = attention_bwd(variant, &cd, &cq, &ck, &cv, &out_c, &lse_c, &opts).expect("copies");
+    let want = attention_backward(
+        variant,
+        &cq,
+        Keys::dense(&ck, &cv),
+        Backward::from_tensors(&out_c, &lse_c, &cd),
+        &opts,
+    )
+    .map(|g| (g.dq, g.dk, g.dv))
+    .expect("copies");
     same_bits(&format!("dq {what}"), &grads.0, &want.0);
     same_bits(&format!("dk {what}"), &grads.1, &want.1);
     same_bits(&format!("dv {what}"), &grads.2, &want.2);
@@ -108,18 +127,25 @@ fn values_as_a_view_of_the_keys_are_read_in_place() {
         assert!(!v.is_contiguous());
         let v_copy = v.contiguous().expect("a copy");
         let opts = AttentionOptions::default();
-        let (out, lse) = attention_fwd(&Causal, &q, &latent, &v, &opts).expect("the view");
-        let (want, want_lse) = attention_fwd(&Causal, &q, &latent, &v_copy, &opts).expect("copy");
+        let (out, lse) = attention(&Causal, &q, Keys::dense(&latent, &v), &opts)
+            .map(|y| (y.out, y.lse))
+            .expect("the view");
+        let (want, want_lse) = attention(&Causal, &q, Keys::dense(&latent, &v_copy), &opts)
+            .map(|y| (y.out, y.lse))
+            .expect("copy");
         same_bits(&format!("out {dtype:?}"), &out, &want);
         same_bits(&format!("lse {dtype:?}"), &lse, &want_lse);
         assert_eq!(out.shape(), [b, hq, 1, dv]);
 
         let lengths = Tensor::<CpuRuntime>::from_slice(&[150i32, 200], &[b], &CpuDevice::new())
             .expect("lengths");
-        let cache = |v| KvCache::new(&latent, v, &lengths);
-        let (out, lse) = attention_fwd_cache(&Causal, &q, &cache(&v), &opts).expect("the view");
-        let (want, want_lse) =
-            attention_fwd_cache(&Causal, &q, &cache(&v_copy), &opts).expect("the copy");
+        let cache = |v| Keys::cache(&latent, v, &lengths);
+        let (out, lse) = attention(&Causal, &q, cache(&v), &opts)
+            .map(|y| (y.out, y.lse))
+            .expect("the view");
+        let (want, want_lse) = attention(&Causal, &q, cache(&v_copy), &opts)
+            .map(|y| (y.out, y.lse))
+            .expect("the copy");
         same_bits(&format!("cache out {dtype:?}"), &out, &want);
         same_bits(&format!("cache lse {dtype:?}"), &lse, &want_lse);
     }
@@ -152,15 +178,18 @@ fn fp8_values_as_a_view_of_the_keys_give_the_bits_of_a_copy() {
     let (k_scale, v_scale) = (scale(0.125), scale(0.0625));
     for v_scale in [&k_scale, &v_scale] {
         let cache = |v| {
-            KvCache::new(&latent, v, &lengths).with_scales(KvScales::PerHead {
+            Keys::cache(&latent, v, &lengths).with_scales(KvScales::PerHead {
                 k: &k_scale,
                 v: v_scale,
             })
         };
         let opts = AttentionOptions::default();
-        let (out, lse) = attention_fwd_cache(&Causal, &q, &cache(&v), &opts).expect("the view");
-        let (want, want_lse) =
-            attention_fwd_cache(&Causal, &q, &cache(&v_copy), &opts).expect("the copy");
+        let (out, lse) = attention(&Causal, &q, cache(&v), &opts)
+            .map(|y| (y.out, y.lse))
+            .expect("the view");
+        let (want, want_lse) = attention(&Causal, &q, cache(&v_copy), &opts)
+            .map(|y| (y.out, y.lse))
+            .expect("the copy");
         same_bits("fp8 cache out", &out, &want);
         same_bits("fp8 cache lse", &lse, &want_lse);
     }
@@ -188,8 +217,10 @@ fn paged_values_as_a_view_of_the_key_pages_never_read_past_it() {
         Tensor::<CpuRuntime>::from_slice(&[50i32, 64], &[2], &CpuDevice::new()).expect("lengths");
     let opts = AttentionOptions::default();
     let run = |v| {
-        let cache = PagedKvCache::new(&k_copy, v, &table, &lengths);
-        attention_fwd_paged(&Causal, &q, &cache, &opts).expect("a paged call")
+        let cache = Keys::paged(&k_copy, v, &table, &lengths);
+        attention(&Causal, &q, cache, &opts)
+            .map(|y| (y.out, y.lse))
+            .expect("a paged call")
     };
     let ((out, lse), (want, want_lse)) = (run(&v), run(&v_copy));
     assert!(out.to_vec::<f32>().iter().all(|x| x.is_finite()));
@@ -212,8 +243,14 @@ fn a_view_past_its_storage_is_an_error() {
         8,
     );
     let v = Tensor::from_parts(k.storage().clone(), layout);
-    let err = attention_fwd(&Causal, &q, &k, &v, &AttentionOptions::default())
-        .expect_err("a view past its storage");
+    let err = attention(
+        &Causal,
+        &q,
+        Keys::dense(&k, &v),
+        &AttentionOptions::default(),
+    )
+    .map(|y| (y.out, y.lse))
+    .expect_err("a view past its storage");
     assert!(
         matches!(
             &err,

@@ -5,7 +5,8 @@
 use boostr_runtime::stock::{CausalSlidingWindowSinks, CausalT5Bias};
 use boostr_runtime::testing::{CpuRuntime, TestData};
 use boostr_runtime::{
-    AttentionGrads, AttentionOptions, Problem, attention, attention_bwd_tensors, attention_fwd,
+    AttentionGrads, AttentionOptions, Backward, Keys, Problem, attention, attention_backward,
+    var_attention,
 };
 use numr::autograd::Var;
 use numr::runtime::Runtime;
@@ -113,9 +114,17 @@ fn t5_backward(threads: usize, p: Problem, seed: u64) -> Vec<Vec<u32>> {
         .expect("a thread pool");
     pool.install(|| {
         let opts = AttentionOptions::default();
-        let (out, lse) = attention_fwd(&variant, &q, &k, &v, &opts).expect("forward");
-        let g = attention_bwd_tensors(&variant, &dout, &q, &k, &v, &out, &lse, &opts)
-            .expect("backward");
+        let (out, lse) = attention(&variant, &q, Keys::dense(&k, &v), &opts)
+            .map(|y| (y.out, y.lse))
+            .expect("forward");
+        let g = attention_backward(
+            &variant,
+            &q,
+            Keys::dense(&k, &v),
+            Backward::from_tensors(&out, &lse, &dout),
+            &opts,
+        )
+        .expect("backward");
         grads_bits(&g)
     })
 }
@@ -159,9 +168,17 @@ fn sinks_backward(threads: usize, p: Problem, seed: u64) -> Vec<u32> {
         .expect("a thread pool");
     pool.install(|| {
         let opts = AttentionOptions::default();
-        let (out, lse) = attention_fwd(&variant, &q, &k, &v, &opts).expect("forward");
-        let g = attention_bwd_tensors(&variant, &dout, &q, &k, &v, &out, &lse, &opts)
-            .expect("backward");
+        let (out, lse) = attention(&variant, &q, Keys::dense(&k, &v), &opts)
+            .map(|y| (y.out, y.lse))
+            .expect("forward");
+        let g = attention_backward(
+            &variant,
+            &q,
+            Keys::dense(&k, &v),
+            Backward::from_tensors(&out, &lse, &dout),
+            &opts,
+        )
+        .expect("backward");
         bits(g.tensors[0].as_ref().expect("asked for"))
     })
 }
@@ -194,7 +211,13 @@ fn a_var_that_requires_no_grad_is_read_only() {
     let q = Var::new(data.f32s(&[1, 2, 9, 8], -1.0, 1.0), false);
     let k = Var::new(data.f32s(&[1, 1, 9, 8], -1.0, 1.0), false);
     let v = Var::new(data.f32s(&[1, 1, 9, 8], -1.0, 1.0), false);
-    let out = boostr_runtime::var_attention(&variant, &q, &k, &v, &AttentionOptions::default())
-        .expect("forward");
+    let out = var_attention(
+        &variant,
+        &q,
+        Keys::dense(&k, &v),
+        &AttentionOptions::default(),
+    )
+    .map(|y| y.out)
+    .expect("forward");
     assert!(out.grad_fn().is_none(), "no graph node without grads");
 }

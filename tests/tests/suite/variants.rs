@@ -257,7 +257,7 @@ pub struct TorchData<R: numr::runtime::Runtime> {
 #[test]
 fn bool_and_i64_tensors_convert_or_fail_clearly() {
     use boostr_runtime::testing::CpuRuntime;
-    use boostr_runtime::{AttentionOptions, Error, attention_fwd};
+    use boostr_runtime::{AttentionOptions, Error, Keys};
     use numr::dtype::DType;
     use numr::runtime::cpu::CpuDevice;
     use numr::tensor::Tensor;
@@ -286,7 +286,7 @@ fn bool_and_i64_tensors_convert_or_fail_clearly() {
             bucket,
             temperature: temperature.clone(),
         };
-        attention_fwd(&variant, &q, &k, &v, &opts)
+        attention(&variant, &q, Keys::dense(&k, &v), &opts).map(|y| (y.out, y.lse))
     };
     let (out_bool, _) = run(keep(DType::Bool), bucket(3)).unwrap();
     let (out_u8, _) = run(keep(DType::U8), bucket(3)).unwrap();

@@ -15,13 +15,13 @@ static_assert(!BX_KV_FP8, "the backward reads K and V in the element type (fp8 c
 __device__ __forceinline__ void bx_grad_tile(float* S, float* dP, elem_t* Pe, elem_t* dSe, const float* s_lse,
                                              const float* s_delta, int* s_seen, const Params& params,
                                              unsigned* __restrict__ captures, int cls, int b, int h, int q0,
-                                             int k0, int seq_q, int seq_k, int offset, float scale) {
+                                             int k0, int sq, int sk, int offset, float scale) {
     for (int e = threadIdx.x; e < BBQ * BBKV; e += BWD_THREADS) {
         const int i = e / BBKV;
         const int j = e - i * BBKV;
         const int qp = q0 + i + offset;
         const int kp = k0 + j;
-        const bool vis = bx_visible(params, captures, cls, b, h, q0 + i, kp, seq_q, seq_k, qp, kp);
+        const bool vis = bx_visible(params, captures, cls, b, h, q0 + i < sq, kp < sk, qp, kp);
         if (vis) s_seen[j] = 1;
         float x;
         const float sc = bx_score_at(params, captures, S[i * BWD_LDS + j], scale, vis, b, h, qp, kp, x);
@@ -88,20 +88,22 @@ __device__ __forceinline__ void bx_grad_tile(float* S, float* dP, elem_t* Pe, el
     const int b = blockIdx.z;
     const int hk = h / bx_group(heads_q, heads_kv);
     const int sk = bx_seq_keys(captures, kv_lens, b, seq_k); // spare slots: zero gradients
-    const int offset = sk - seq_q;
+    const int sq = bx_seq_queries(captures, q_lens, b, seq_q); // spare rows: zero gradients
+    const int offset = sk - sq;
     const size_t q_row0 = ((size_t)b * heads_q + h) * (size_t)seq_q + q0;
     const BxKeys keys = bx_keys(captures, kv_pages, page_size, max_pages, heads_kv, seq_k, b, hk);
 
-    bx_load_rows<BBQ, BWD_THREADS, BxRowD>(sQ, q + q_row0 * D, seq_q - q0);
-    bx_load_rows<BBQ, BWD_THREADS, BxRowDV>(sdO, dout + q_row0 * DV, seq_q - q0);
-    bx_load_vec<BBQ, BWD_THREADS>(s_lse, lse + q_row0, seq_q - q0, bx_neg_inf());
-    bx_load_vec<BBQ, BWD_THREADS>(s_delta, delta + q_row0, seq_q - q0, 0.0f);
+    // Only the sequence's own rows are read (zeros past them).
+    bx_load_rows<BBQ, BWD_THREADS, BxRowD>(sQ, q + q_row0 * D, sq - q0);
+    bx_load_rows<BBQ, BWD_THREADS, BxRowDV>(sdO, dout + q_row0 * DV, sq - q0);
+    bx_load_vec<BBQ, BWD_THREADS>(s_lse, lse + q_row0, sq - q0, bx_neg_inf());
+    bx_load_vec<BBQ, BWD_THREADS>(s_delta, delta + q_row0, sq - q0, 0.0f);
     BxAcc<BBQ, BWD_THREADS, BxRowD> acc; // dQ, D wide
     acc.zero();
 
     const int q_lo = q0 + offset;
-    const int q_hi = min(q0 + BBQ, seq_q) - 1 + offset;
-    const int n_kt = (sk + BBKV - 1) / BBKV;
+    const int q_hi = min(q0 + BBQ, sq) - 1 + offset;
+    const int n_kt = q0 < sq ? (sk + BBKV - 1) / BBKV : 0;
     for (int kt = 0; kt < n_kt; ++kt) {
         const int k0 = kt * BBKV;
         const int cls = variant_classify(params, captures, b, h, q_lo, q_hi, k0, min(k0 + BBKV, sk) - 1);
@@ -114,8 +116,8 @@ __device__ __forceinline__ void bx_grad_tile(float* S, float* dP, elem_t* Pe, el
         bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS, BxRowD>(sQ, sK, sS);
         bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS, BxRowDV>(sdO, sV, sdP);
         __syncthreads();
-        bx_grad_tile(sS, sdP, sPe, sdSe, s_lse, s_delta, s_seen, params, captures, cls, b, h, q0, k0, seq_q,
-                     sk, offset, scale);
+        bx_grad_tile(sS, sdP, sPe, sdSe, s_lse, s_delta, s_seen, params, captures, cls, b, h, q0, k0, sq, sk,
+                     offset, scale);
         __syncthreads();
         if (cls != TILE_FULL) { // dS = 0 at unseen keys, but 0·NaN is not 0
             bx_zero_unseen<BBKV, BWD_THREADS, BxRowD>(sK, s_seen);
@@ -134,7 +136,8 @@ __device__ __forceinline__ void bx_grad_tile(float* S, float* dP, elem_t* Pe, el
     const int b = blockIdx.z;
     const int group = bx_group(heads_q, heads_kv);
     const int sk = bx_seq_keys(captures, kv_lens, b, seq_k); // spare slots: zero gradients
-    const int offset = sk - seq_q;
+    const int sq = bx_seq_queries(captures, q_lens, b, seq_q); // spare rows: never read
+    const int offset = sk - sq;
     // dK and dV rows of the sequence's slots (a paged call's are folded
     // into its pages after).
     const size_t kv_row0 = ((size_t)b * heads_kv + hk) * (size_t)seq_k + k0;
@@ -148,26 +151,26 @@ __device__ __forceinline__ void bx_grad_tile(float* S, float* dP, elem_t* Pe, el
     acc_k.zero();
     acc_v.zero();
 
-    const int n_qt = k0 < sk ? (seq_q + BBQ - 1) / BBQ : 0; // a tile of spare slots: zeros
+    const int n_qt = k0 < sk ? (sq + BBQ - 1) / BBQ : 0; // a tile of spare slots: zeros
     for (int hh = 0; hh < group; ++hh) {
         const int h = hk * group + hh;
         const size_t q_head0 = ((size_t)b * heads_q + h) * (size_t)seq_q;
         for (int qt = 0; qt < n_qt; ++qt) {
             const int q0 = qt * BBQ;
             const int q_lo = q0 + offset;
-            const int q_hi = min(q0 + BBQ, seq_q) - 1 + offset;
+            const int q_hi = min(q0 + BBQ, sq) - 1 + offset;
             const int cls = variant_classify(params, captures, b, h, q_lo, q_hi, k0, kv_hi);
             if (cls == TILE_EMPTY) continue;
             __syncthreads(); // K/V loaded; the previous tile's readers are done
-            bx_load_rows<BBQ, BWD_THREADS, BxRowD>(sQ, q + (q_head0 + q0) * D, seq_q - q0);
-            bx_load_rows<BBQ, BWD_THREADS, BxRowDV>(sdO, dout + (q_head0 + q0) * DV, seq_q - q0);
-            bx_load_vec<BBQ, BWD_THREADS>(s_lse, lse + q_head0 + q0, seq_q - q0, bx_neg_inf());
-            bx_load_vec<BBQ, BWD_THREADS>(s_delta, delta + q_head0 + q0, seq_q - q0, 0.0f);
+            bx_load_rows<BBQ, BWD_THREADS, BxRowD>(sQ, q + (q_head0 + q0) * D, sq - q0);
+            bx_load_rows<BBQ, BWD_THREADS, BxRowDV>(sdO, dout + (q_head0 + q0) * DV, sq - q0);
+            bx_load_vec<BBQ, BWD_THREADS>(s_lse, lse + q_head0 + q0, sq - q0, bx_neg_inf());
+            bx_load_vec<BBQ, BWD_THREADS>(s_delta, delta + q_head0 + q0, sq - q0, 0.0f);
             __syncthreads();
             bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS, BxRowD>(sQ, sK, sS);
             bx_dot_tile<BBQ, BBKV, BWD_LDS, BWD_THREADS, BxRowDV>(sdO, sV, sdP);
             __syncthreads();
-            bx_grad_tile(sS, sdP, sPe, sdSe, s_lse, s_delta, s_seen, params, captures, cls, b, h, q0, k0, seq_q,
+            bx_grad_tile(sS, sdP, sPe, sdSe, s_lse, s_delta, s_seen, params, captures, cls, b, h, q0, k0, sq,
                          sk, offset, scale);
             __syncthreads();
             // Pᵀ and dSᵀ: A(key j, query i) = P[i][j].
@@ -187,18 +190,19 @@ __device__ __forceinline__ void bx_grad_tile(float* S, float* dP, elem_t* Pe, el
     const int b = blockIdx.z;
     const int hk = h / bx_group(heads_q, heads_kv);
     const int sk = bx_seq_keys(captures, kv_lens, b, seq_k); // spare slots: zero gradients
-    const int offset = sk - seq_q;
+    const int sq = bx_seq_queries(captures, q_lens, b, seq_q); // spare rows: none
+    const int offset = sk - sq;
     const size_t q_row0 = ((size_t)b * heads_q + h) * (size_t)seq_q + q0;
     const BxKeys keys = bx_keys(captures, kv_pages, page_size, max_pages, heads_kv, seq_k, b, hk);
 
-    bx_load_rows<BBQ, BWD_THREADS, BxRowD>(sQ, q + q_row0 * D, seq_q - q0);
-    bx_load_rows<BBQ, BWD_THREADS, BxRowDV>(sdO, dout + q_row0 * DV, seq_q - q0);
-    bx_load_vec<BBQ, BWD_THREADS>(s_lse, lse + q_row0, seq_q - q0, bx_neg_inf());
-    bx_load_vec<BBQ, BWD_THREADS>(s_delta, delta + q_row0, seq_q - q0, 0.0f);
+    bx_load_rows<BBQ, BWD_THREADS, BxRowD>(sQ, q + q_row0 * D, sq - q0);
+    bx_load_rows<BBQ, BWD_THREADS, BxRowDV>(sdO, dout + q_row0 * DV, sq - q0);
+    bx_load_vec<BBQ, BWD_THREADS>(s_lse, lse + q_row0, sq - q0, bx_neg_inf());
+    bx_load_vec<BBQ, BWD_THREADS>(s_delta, delta + q_row0, sq - q0, 0.0f);
 
     const int q_lo = q0 + offset;
-    const int q_hi = min(q0 + BBQ, seq_q) - 1 + offset;
-    const int n_kt = (sk + BBKV - 1) / BBKV;
+    const int q_hi = min(q0 + BBQ, sq) - 1 + offset;
+    const int n_kt = q0 < sq ? (sk + BBKV - 1) / BBKV : 0;
     for (int kt = 0; kt < n_kt; ++kt) {
         const int k0 = kt * BBKV;
         const int cls = variant_classify(params, captures, b, h, q_lo, q_hi, k0, min(k0 + BBKV, sk) - 1);
@@ -216,7 +220,7 @@ __device__ __forceinline__ void bx_grad_tile(float* S, float* dP, elem_t* Pe, el
             const int j = e - i * BBKV;
             const int qp = q0 + i + offset;
             const int kp = k0 + j;
-            const bool vis = bx_visible(params, captures, cls, b, h, q0 + i, kp, seq_q, sk, qp, kp);
+            const bool vis = bx_visible(params, captures, cls, b, h, q0 + i < sq, kp < sk, qp, kp);
             float x;
             const float sc = bx_score_at(params, captures, sS[i * BWD_LDS + j], scale, vis, b, h, qp, kp, x);
             const float L = s_lse[i];
@@ -230,7 +234,7 @@ __device__ __forceinline__ void bx_grad_tile(float* S, float* dP, elem_t* Pe, el
     __syncthreads(); // s_lse and s_delta, where no tile was visited
     // The sink's share, once per row: d loss / d sink = -P_sink D_i.
     for (int i = threadIdx.x; i < BBQ; i += BWD_THREADS) {
-        if (q0 + i < seq_q) {
+        if (q0 + i < sq) {
             const int qp = q0 + i + offset;
             const float L = s_lse[i];
             const float sink = variant_sink(params, captures, b, h, qp, true);

@@ -178,11 +178,12 @@ __device__ __forceinline__ void bx_dot_tile(const elem_t* A, const elem_t* B, fl
 #endif
 }
 
-// Whether (query row q0 + i, key k0 + j) exists and is visible. Full tiles
-// (TILE_FULL) skip the mask.
+// Whether a pair of a query row of its sequence (`row`) and a key of it
+// (`key`), at positions qp and kp, is visible. Full tiles (TILE_FULL) skip
+// the mask.
 __device__ __forceinline__ bool bx_visible(const Params& params, unsigned* __restrict__ captures, int cls, int b,
-                                           int h, int qi, int kj, int seq_q, int seq_k, int qp, int kp) {
-    return qi < seq_q && kj < seq_k && (cls == TILE_FULL || variant_mask(params, captures, b, h, qp, kp));
+                                           int h, bool row, bool key, int qp, int kp) {
+    return row && key && (cls == TILE_FULL || variant_mask(params, captures, b, h, qp, kp));
 }
 
 // The one place a raw dot product becomes a score, in every kernel: x = the

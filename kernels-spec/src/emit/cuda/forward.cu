@@ -39,7 +39,8 @@
     const int b = blockIdx.z;
     const int packed = g * seq_q;
     const int sk = bx_seq_keys(captures, kv_lens, b, seq_k); // rows aligned to them
-    const int offset = sk - seq_q;
+    const int sq = bx_seq_queries(captures, q_lens, b, seq_q); // rows past them see nothing
+    const int offset = sk - sq;
     const size_t q_row0 = ((size_t)b * heads_q + (size_t)hk * g) * (size_t)seq_q + r0;
     const BxKeys keys = bx_keys(captures, kv_pages, page_size, max_pages, heads_kv, seq_k, b, hk);
 #if BX_KV_FP8
@@ -56,9 +57,9 @@
     // The sink is one more logit with no value: the running max and sum of
     // split 0 start from it (-inf and 0 without one).
     for (int i = threadIdx.x; i < BQ; i += FWD_THREADS) {
-        const int r = min(r0 + i, packed - 1);
-        const float sink = split == 0
-            ? variant_sink(params, captures, b, hk * g + r / seq_q, r % seq_q + offset, r0 + i < packed)
+        const int r = r0 + i;
+        const float sink = split == 0 && r < packed && r % seq_q < sq
+            ? variant_sink(params, captures, b, hk * g + r / seq_q, r % seq_q + offset, true)
             : bx_neg_inf();
         row_m[i] = sink;
         row_l[i] = weights_start(sink);
@@ -70,9 +71,11 @@
     const int r_hi = min(r0 + BQ, packed) - 1;
     const int h_lo = hk * g + r0 / seq_q;
     const int h_hi = hk * g + r_hi / seq_q;
+    // (Of a padded batch's sequence, its own rows: a block of spare rows
+    // visits no key tile.)
     const int q_lo = h_lo == h_hi ? r0 % seq_q + offset : offset;
-    const int q_hi = h_lo == h_hi ? r_hi % seq_q + offset : seq_q - 1 + offset;
-    const int n_kt = (sk + BKV - 1) / BKV;
+    const int q_hi = min(h_lo == h_hi ? r_hi % seq_q : seq_q - 1, sq - 1) + offset;
+    const int n_kt = q_lo <= q_hi ? (sk + BKV - 1) / BKV : 0;
     const int per = (n_kt + n_split - 1) / n_split;
     const int kt_lo = split * per;
     const int kt_hi = min(kt_lo + per, n_kt);
@@ -112,7 +115,7 @@
             const int h = hk * g + r / seq_q;
             const int qp = r % seq_q + offset;
             const int kp = k0 + j;
-            const bool vis = bx_visible(params, captures, cls, b, h, r, kp, packed, sk, qp, kp);
+            const bool vis = bx_visible(params, captures, cls, b, h, r < packed && r % seq_q < sq, kp < sk, qp, kp);
             if (vis) s_seen[j] = 1;
 #if BX_KV_FP8
             const float raw = __fmul_rn(sS[i * FWD_LDS + j], s_kf[j]); // the key's K scale

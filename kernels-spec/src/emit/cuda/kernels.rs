@@ -261,7 +261,9 @@ const TENSORS_BODY: &str = section(BACKWARD_CU, "boostr_attn_bwd_tensors");
 /// and `split_lse` (f32), which [`MERGE`] combines; with 1 it writes `out`
 /// and `lse`. Over a KV cache (`kv_lens ≥ 0`: the
 /// arena word of the `[B]` lengths) sequence `b` has its first
-/// `lengths[b]` keys and rows aligned to them; with pages (`page_size >
+/// `lengths[b]` keys and rows aligned to them; in a padded batch
+/// (`q_lens ≥ 0`) its first `q_lens[b]` rows only, row `i` at `i +
+/// keys − rows`, the rest seeing nothing; with pages (`page_size >
 /// 0`) `k` is `[pages, Hkv, page_size, D]`, `v` `[pages, Hkv, page_size,
 /// DV]`, and the `[B, max_pages]` page table is at arena word `kv_pages`.
 /// Over an fp8 cache (`BX_KV_FP8`) `k` and `v` are its bytes and
@@ -282,6 +284,7 @@ pub const FORWARD: Kernel = Kernel {
         Arg::Scalar(Scalar::SeqK),
         Arg::Scalar(Scalar::Scale),
         Arg::Scalar(Scalar::KvLens),
+        Arg::Scalar(Scalar::QLens),
         Arg::Scalar(Scalar::KvPages),
         Arg::Scalar(Scalar::PageSize),
         Arg::Scalar(Scalar::MaxPages),
@@ -373,6 +376,7 @@ const BACKWARD_SCALARS: &[Arg] = &[
     Arg::Scalar(Scalar::SeqK),
     Arg::Scalar(Scalar::Scale),
     Arg::Scalar(Scalar::KvLens),
+    Arg::Scalar(Scalar::QLens),
     Arg::Scalar(Scalar::KvPages),
     Arg::Scalar(Scalar::PageSize),
     Arg::Scalar(Scalar::MaxPages),
@@ -402,15 +406,15 @@ const fn backward(
     }
 }
 
-const DQ_ARGS: [Arg; 19] = concat(&[BACKWARD_READS, &[Arg::write(Buffer::Dq)], BACKWARD_SCALARS]);
+const DQ_ARGS: [Arg; 20] = concat(&[BACKWARD_READS, &[Arg::write(Buffer::Dq)], BACKWARD_SCALARS]);
 
-const DKDV_ARGS: [Arg; 20] = concat(&[
+const DKDV_ARGS: [Arg; 21] = concat(&[
     BACKWARD_READS,
     &[Arg::write(Buffer::Dk), Arg::write(Buffer::Dv)],
     BACKWARD_SCALARS,
 ]);
 
-const TENSORS_ARGS: [Arg; 18] = concat(&[BACKWARD_READS, BACKWARD_SCALARS]);
+const TENSORS_ARGS: [Arg; 19] = concat(&[BACKWARD_READS, BACKWARD_SCALARS]);
 
 /// dQ: one block per (query tile, query head, batch), `dQ = scale·Σ_kv dS·K`
 /// over the key tiles the classifier does not prove empty.

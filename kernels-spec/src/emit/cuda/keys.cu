@@ -10,6 +10,14 @@ __device__ __forceinline__ int bx_seq_keys(const unsigned* __restrict__ captures
     return kv_lens < 0 ? seq_k : min((int)captures[kv_lens + b], seq_k);
 }
 
+// The query rows of sequence b: a padded batch's (arena word q_lens + b, at
+// most seq_q; its rows from there on see nothing, and its row i sits at
+// position i + keys − rows), or seq_q without one (q_lens < 0).
+__device__ __forceinline__ int bx_seq_queries(const unsigned* __restrict__ captures, int q_lens, int b,
+                                              int seq_q) {
+    return q_lens < 0 ? seq_q : min((int)captures[q_lens + b], seq_q);
+}
+
 // The keys of (batch b, kv head hk) as a launch lays them out: in place,
 // k [B, Hkv, Sk, D] and v [B, Hkv, Sk, DV]; or, with page_size > 0, in
 // pages, k [pages, Hkv, page_size, D] and v [.., DV], logical key j in

@@ -12,13 +12,13 @@ struct QueryTile {
     q_lo: i32,
     q_hi: i32,
     sk: u32,        // the sequence's keys (a KV cache's length)
-    n_tiles: u32,   // key tiles of BKV rows
+    n_tiles: u32,   // key tiles of BKV rows (none for a tile of spare rows)
 }
 
 fn query_tile(wid: vec3<u32>) -> QueryTile {
-    let sq = shape.seq_q;
     let b = wid.y / shape.heads_q;
     let sk = seq_keys(b);
+    let sq = seq_queries(b);
     let h = wid.y % shape.heads_q;
     let q0 = wid.x * WG;
     let offset = i32(sk) - i32(sq);
@@ -30,7 +30,7 @@ fn query_tile(wid: vec3<u32>) -> QueryTile {
     t.q_lo = i32(q0) + offset;
     t.q_hi = i32(min(q0 + WG, sq)) - 1i + offset;
     t.sk = sk;
-    t.n_tiles = (sk + BKV - 1u) / BKV;
+    t.n_tiles = select(0u, (sk + BKV - 1u) / BKV, q0 < sq);
     return t;
 }
 
@@ -42,7 +42,8 @@ fn key_tile_class(t: QueryTile, k0: u32) -> i32 {
 
 // One query row: its q and dO, lse, and where it sits.
 struct QueryRow {
-    live: bool,
+    live: bool, // a row of the tensors (its results are written)
+    own: bool,  // a row of its sequence's (else it sees nothing)
     row: u32,   // flat index into lse/rows; times D into q/dq, DV into dout
     qp: i32,
     lse: f32,
@@ -53,13 +54,15 @@ fn query_row(wid: vec3<u32>, lid: u32) -> QueryRow {
     let b = wid.y / shape.heads_q;
     let h = wid.y % shape.heads_q;
     let r = wid.x * WG + lid;
+    let sq = seq_queries(b);
     var out: QueryRow;
     out.live = r < shape.seq_q;
+    out.own = r < sq;
     out.row = (b * shape.heads_q + h) * shape.seq_q + r;
     out.sk = seq_keys(b);
-    out.qp = i32(r) + i32(out.sk) - i32(shape.seq_q);
+    out.qp = i32(r) + i32(out.sk) - i32(sq);
     out.lse = -bx_inf();
-    if out.live { out.lse = lse[out.row]; }
+    if out.own { out.lse = lse[out.row]; }
     return out;
 }
 
@@ -72,7 +75,7 @@ fn pair_terms(qr: ptr<function, array<f32, D>>, dor: ptr<function, array<f32, DV
     var dp = 0.0f;
     @loop(D, DV) { dot += (*qr)[d] * k_tile[j * D + d]; } { dp += (*dor)[d] * v_tile[j * DV + d]; }
     let s = dot * shape.scale;
-    let seen = r.live && !bx_is_neg_inf(r.lse) && k0 + j < r.sk
+    let seen = r.own && !bx_is_neg_inf(r.lse) && k0 + j < r.sk
         && (cls == TILE_FULL || variant_mask(ib, ih, r.qp, kp));
     let p = pair_prob(variant_score(s, ib, ih, r.qp, kp, seen), r.lse, seen);
     // dp of a key the row does not see is never used: it may be NaN. With
@@ -82,14 +85,15 @@ fn pair_terms(qr: ptr<function, array<f32, D>>, dor: ptr<function, array<f32, DV
 }
 
 
+// Only its sequence's own rows are read (zeros past them).
 fn load_row(qr: ptr<function, array<f32, D>>, dor: ptr<function, array<f32, DV>>, r: QueryRow) {
     @loop(D, DV) {
         var x = 0.0f;
-        if r.live { x = q[r.row * D + d]; }
+        if r.own { x = q[r.row * D + d]; }
         (*qr)[d] = x;
     } {
         var y = 0.0f;
-        if r.live { y = dout[r.row * DV + d]; }
+        if r.own { y = dout[r.row * DV + d]; }
         (*dor)[d] = y;
     }
 }
@@ -127,7 +131,8 @@ fn attn_bwd_delta(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocati
         rows[r.row] = vec4<f32>(sums, dlse, 0.0f);
     } else {
         // The sink's probability joins the normalisation (its dP is 0).
-        let sink = variant_sink(t.ib, t.ih, r.qp, r.live);
+        var sink = -bx_inf();
+        if r.own { sink = variant_sink(t.ib, t.ih, r.qp, true); }
         let p_sink = select(exp(sink - r.lse), 0.0f, bx_is_neg_inf(sink) || bx_is_neg_inf(r.lse));
         // dlse over the same sum: the row's dS then adds up to dlse times
         // its weights' share (1 less the sink's) in f32 as well, whatever
@@ -183,19 +188,20 @@ fn attn_bwd_dq(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
 // ---- backward: dK and dV (one key row per invocation) ----
 
 // Q and dO rows q0 .. q0 + BQ of one query head, their lse and D_i (lse
-// -inf past Sq: such rows see nothing), from `rows` (.z lse, .w D_i).
+// -inf past the sequence's `sq` rows: such rows see nothing), from `rows`
+// (.z lse, .w D_i).
 var<workgroup> q_tile: array<f32, BQ * D>;
 var<workgroup> do_tile: array<f32, BQ * DV>;
 var<workgroup> lse_tile: array<f32, BQ>;
 var<workgroup> delta_tile: array<f32, BQ>;
 
-fn stage_q(lid: u32, q_base: u32, q0: u32) {
+fn stage_q(lid: u32, q_base: u32, q0: u32, sq: u32) {
     for (var t = 0u; t < N_Q; t++) {
         let e = lid + t * WG;
         if e < BQ * D {
             let r = q0 + e / D;
             var x = 0.0f;
-            if r < shape.seq_q { x = q[(q_base + r) * D + e % D]; }
+            if r < sq { x = q[(q_base + r) * D + e % D]; }
             q_tile[e] = x;
         }
     }
@@ -204,14 +210,14 @@ fn stage_q(lid: u32, q_base: u32, q0: u32) {
         if e < BQ * DV {
             let r = q0 + e / DV;
             var y = 0.0f;
-            if r < shape.seq_q { y = dout[(q_base + r) * DV + e % DV]; }
+            if r < sq { y = dout[(q_base + r) * DV + e % DV]; }
             do_tile[e] = y;
         }
     }
     for (var i = lid; i < BQ; i += WG) {
         var l = -bx_inf();
         var dl = 0.0f;
-        if q0 + i < shape.seq_q {
+        if q0 + i < sq {
             let rw = rows[q_base + q0 + i];
             l = rw.z;
             dl = rw.w;
@@ -228,13 +234,14 @@ fn attn_bwd_dkdv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
     // Keys from the sequence's length on (a KV cache's spare slots) are
     // never read, and get zero gradients.
     let sk = seq_keys(b);
+    let sq_b = seq_queries(b); // a padded batch's rows past them: never read
     let h_kv = wid.y % shape.heads_kv;
     let n_group = gqa_group();
     let k0 = wid.x * WG;
     let col = k0 + lid;
     let live = col < sk;
     let kv_base = (b * shape.heads_kv + h_kv) * shape.seq_k;
-    let offset = i32(sk) - i32(sq);
+    let offset = i32(sk) - i32(sq_b);
     let ib = i32(b);
     let kp = i32(col);
 
@@ -267,18 +274,18 @@ fn attn_bwd_dkdv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
     }
 
     let kv_hi = i32(min(k0 + WG, sk)) - 1i;
-    let n_tiles = (sq + BQ - 1u) / BQ;
+    let n_tiles = (sq_b + BQ - 1u) / BQ;
     for (var it = shape.tile_begin; it < min(shape.tile_end, n_group * n_tiles); it++) {
         let h = h_kv * n_group + it / n_tiles;
         let ih = i32(h);
         let q_base = (b * shape.heads_q + h) * sq;
         let q0 = (it % n_tiles) * BQ;
         let q_lo = i32(q0) + offset;
-        let q_hi = i32(min(q0 + BQ, sq)) - 1i + offset;
+        let q_hi = i32(min(q0 + BQ, sq_b)) - 1i + offset;
         let cls = variant_classify(ib, ih, q_lo, q_hi, i32(k0), kv_hi);
         if cls == TILE_EMPTY { continue; }
         workgroupBarrier();
-        stage_q(lid, q_base, q0);
+        stage_q(lid, q_base, q0, sq_b);
         workgroupBarrier();
         for (var i = 0u; i < BQ; i++) {
             let lse_i = lse_tile[i];
@@ -330,7 +337,7 @@ fn attn_bwd_tensors(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoca
         }
     }
     // The sink's share, once per row: d loss / d sink = -P_sink D_i.
-    if r.live && is_last() {
+    if r.own && is_last() {
         let sink = variant_sink(t.ib, t.ih, r.qp, true);
         let p_sink = select(exp(sink - r.lse), 0.0f, bx_is_neg_inf(sink) || bx_is_neg_inf(r.lse));
         bx_learn_sink(-p_sink * delta_i, t.ib, t.ih, r.qp);

@@ -22,6 +22,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     let b = wid.y / shape.heads_kv;
     let h_kv = wid.y % shape.heads_kv;
     let sk = seq_keys(b);
+    let sq_b = seq_queries(b); // rows past them see nothing
     // The workgroup's rows: packed row r is row r % sq of query head
     // h_kv·g + r / sq, so one pass over the kv head's keys serves its group.
     let packed = g * sq;
@@ -30,10 +31,11 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     let live = r < packed;
     let h = h_kv * g + min(r, packed - 1u) / sq;
     let row = min(r, packed - 1u) % sq;
+    let own = live && row < sq_b; // a row of its sequence's
     let flat = (b * shape.heads_q + h_kv * g) * sq + r; // q, lse row
     // Where this split writes: split_out/split_lse rows when split, else out/lse.
     let at = split * (shape.batch * shape.heads_q * sq) + flat;
-    let offset = i32(sk) - i32(sq);
+    let offset = i32(sk) - i32(sq_b);
     let ib = i32(b);
     let ih = i32(h);
     let qp = i32(row) + offset;
@@ -42,8 +44,8 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     var acc: array<f32, DV>;
     // The sink is one more logit with no value: the running max and sum of
     // split 0 start from it (-inf and 0 without one).
-    var m = variant_sink(ib, ih, qp, live);
-    if split != 0u { m = -bx_inf(); }
+    var m = -bx_inf();
+    if own && split == 0u { m = variant_sink(ib, ih, qp, true); }
     var l = weights_start(m);
     @loop(D, DV) {
         var x = 0.0f;
@@ -70,8 +72,12 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
         q_lo = offset;
         q_hi = i32(sq) - 1i + offset;
     }
+    // Of a padded batch's sequence, its own rows: a workgroup of spare rows
+    // visits no key tile.
+    q_hi = min(q_hi, i32(sq_b) - 1i + offset);
+    var n_tiles = (sk + BKV - 1u) / BKV;
+    if q_lo > q_hi { n_tiles = 0u; }
     // This split's share of the sequence's key tiles.
-    let n_tiles = (sk + BKV - 1u) / BKV;
     let per = (n_tiles + splits - 1u) / splits;
     let t_lo = split * per;
     let t_hi = min(t_lo + per, n_tiles);
@@ -90,7 +96,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
             var dot = 0.0f;
             @loop(D) { dot += qr[d] * k_tile[j * D + d]; }
             // FULL tiles skip the mask.
-            let seen = live && k0 + j < sk && (cls == TILE_FULL || variant_mask(ib, ih, qp, kp));
+            let seen = own && k0 + j < sk && (cls == TILE_FULL || variant_mask(ib, ih, qp, kp));
             let s = select(-bx_inf(), variant_score(dot * shape.scale, ib, ih, qp, kp, seen), seen);
             s_row[j] = s;
             if s > m_new { m_new = s; }

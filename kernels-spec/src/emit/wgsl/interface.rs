@@ -60,6 +60,7 @@ pub const SHAPE: &[Scalar] = &[
     Scalar::TileEnd,
     Scalar::Flags,
     Scalar::KvLens,
+    Scalar::QLens,
     Scalar::KvPages,
     Scalar::PageSize,
     Scalar::MaxPages,

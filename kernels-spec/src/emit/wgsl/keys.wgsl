@@ -10,6 +10,14 @@ fn seq_keys(b: u32) -> u32 {
     return min(atomicLoad(&captures[shape.kv_lens + b]), shape.seq_k);
 }
 
+// The query rows of sequence b: a padded batch's (arena word shape.q_lens +
+// b, at most Sq; its rows from there on see nothing, and its row i sits at
+// position i + keys − rows), or Sq without one.
+fn seq_queries(b: u32) -> u32 {
+    if shape.q_lens == NO_WORD { return shape.seq_q; }
+    return min(atomicLoad(&captures[shape.q_lens + b]), shape.seq_q);
+}
+
 // The row of k and v (times D and DV: the element offsets) of key r of
 // (b, h_kv): contiguous [B, Hkv, Sk, ·], or with pages (page_size > 0) slot
 // r % page_size of page pages[b * max_pages + r / page_size] in
