@@ -547,6 +547,24 @@ fn shared_keys_match_one_device_and_travel_once() {
 }
 
 #[test]
+fn keys_other_than_dense_are_an_error_on_every_rank() {
+    let world = 2;
+    let (_, _, x) = inputs(26, world);
+    let lengths = T::from_slice(&[N as i32; B], &[B], &device()).expect("lengths");
+    let errors = errors_of(world, Duration::from_secs(30), |rank, comm| {
+        let [q, k, v, _] = x.shard(Shards::Zigzag, rank, world)?;
+        let opts = options(Shards::Zigzag, Schedule::Ring);
+        ring_attention(&Causal, &q, Keys::cache(&k, &v, &lengths), &opts.on(comm)).map(drop)
+    });
+    for (rank, e) in errors.iter().enumerate() {
+        assert!(
+            e.contains("dense keys") && e.contains("a KV cache"),
+            "rank {rank}: {e}"
+        );
+    }
+}
+
+#[test]
 fn the_all_gather_schedule_matches_one_device() {
     each_layout(6, &[1, 3], Schedule::AllGather, |_, _| Causal);
 }

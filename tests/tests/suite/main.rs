@@ -6,6 +6,7 @@ mod cuda_compile;
 mod dtypes;
 mod errors;
 mod fixtures;
+mod key_sources;
 mod kv_cache;
 mod layouts;
 mod learnable;
