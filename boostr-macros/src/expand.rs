@@ -11,6 +11,13 @@ use proc_macro2::TokenStream;
 use quote::{ToTokens, format_ident, quote};
 
 pub fn expand(attr: TokenStream, item: syn::ItemStruct) -> TokenStream {
+    // The runtime crate's path in the caller's crate: `crate = ".."`, as
+    // serde's, for a caller that renames or re-exports it.
+    let krate = match kernels_spec::parse::crate_path(attr.clone()) {
+        Some(path) => path.to_token_stream(),
+        None => quote!(::boostr_runtime),
+    };
+    let krate = &krate;
     let result = compile(attr, &item);
     let out = without_tensor_attrs(&item);
     match result {
@@ -19,13 +26,13 @@ pub fn expand(attr: TokenStream, item: syn::ItemStruct) -> TokenStream {
             if std::env::var_os("BOOSTR_DUMP").is_some() {
                 eprintln!("{}", explain(&compiled.program));
             }
-            let imp = variant_impl(&item, &compiled.program);
-            let tests = tests(&item, &compiled);
+            let imp = variant_impl(krate, &item, &compiled.program);
+            let tests = tests(krate, &item, &compiled);
             quote!(#out #imp #tests)
         }
         Err(diags) => {
             let errors = diags.to_compile_errors();
-            let stub = stub_impl(&item);
+            let stub = stub_impl(krate, &item);
             quote!(#errors #out #stub)
         }
     }
@@ -64,16 +71,16 @@ fn elem_type(ty: Ty) -> TokenStream {
 }
 
 /// The `HostVariant` methods: the functions, as Rust over `self`'s fields.
-fn host_methods(program: &Program) -> TokenStream {
-    let f32s = RustEmitter::new(program, Float::F32);
-    let f64s = RustEmitter::new(program, Float::F64);
+fn host_methods(krate: &TokenStream, program: &Program) -> TokenStream {
+    let f32s = RustEmitter::new(program, Float::F32).with_crate(krate.clone());
+    let f64s = RustEmitter::new(program, Float::F64).with_crate(krate.clone());
     let score = method(&f32s, "score", &program.score);
     let score_grad = method(&f32s, "score_grad", &program.score_grad);
     let mask = method(&f32s, "mask", &program.mask);
     let score_f64 = method(&f64s, "score_f64", &program.score);
     let score_grad_f64 = method(&f64s, "score_grad_f64", &program.score_grad);
     let mask_exact = method(
-        &RustEmitter::exact_f32(program),
+        &RustEmitter::exact_f32(program).with_crate(krate.clone()),
         "mask_exact",
         &program.mask,
     );
@@ -86,7 +93,7 @@ fn host_methods(program: &Program) -> TokenStream {
     let has_mask = program.has_mask;
     let grad_is_one = program.score_grad_is_one;
     let grad_given = program.score_grad_given;
-    let weights = weights(program.weights);
+    let weights = weights(krate, program.weights);
     let checked = |f: &Function| {
         let mut found = false;
         f.body.walk(&mut |e| {
@@ -108,22 +115,22 @@ fn host_methods(program: &Program) -> TokenStream {
         const HAS_MASK: bool = #has_mask;
         const SCORE_GRAD_IS_ONE: bool = #grad_is_one;
         const SCORE_GRAD_GIVEN: bool = #grad_given;
-        const WEIGHTS: ::boostr_runtime::Weights = #weights;
+        const WEIGHTS: #krate::variant::Weights = #weights;
         const SCORE_CHECKS_READS: bool = #score_checks;
         #score
         #score_grad
         #mask
         #[inline]
         #[allow(unused_parens, unused_braces, clippy::all)]
-        fn classify_tile(&self, #(#classify_params),*) -> ::boostr_runtime::TileClass {
-            ::boostr_runtime::TileClass::from_code(#classify_body)
+        fn classify_tile(&self, #(#classify_params),*) -> #krate::variant::TileClass {
+            #krate::variant::TileClass::from_code(#classify_body)
         }
         #score_f64
         #score_grad_f64
         #mask_exact
         #sink
         #sink_f64
-        fn out_of_range(&self) -> ::core::option::Option<::boostr_runtime::Error> {
+        fn out_of_range(&self) -> ::core::option::Option<#krate::Error> {
             ::core::option::Option::None #(#errors)*
         }
         #learnable
@@ -131,18 +138,11 @@ fn host_methods(program: &Program) -> TokenStream {
 }
 
 /// `weights` as a constant expression.
-fn weights(weights: kernels_spec::ir::Weights) -> TokenStream {
-    let normalize = match weights.normalize {
-        kernels_spec::ir::Normalize::Softmax => quote!(Softmax),
-        kernels_spec::ir::Normalize::Sigmoid => quote!(Sigmoid),
-    };
+fn weights(krate: &TokenStream, weights: kernels_spec::ir::Weights) -> TokenStream {
+    let normalize = format_ident!("{}", weights.normalize.variant_name());
     let (sink, dropout) = (weights.sink, weights.dropout);
     quote! {
-        ::boostr_runtime::Weights {
-            normalize: ::boostr_runtime::Normalize::#normalize,
-            sink: #sink,
-            dropout: #dropout,
-        }
+        #krate::variant::Weights::new(#krate::variant::Normalize::#normalize, #sink, #dropout)
     }
 }
 
@@ -153,9 +153,9 @@ fn site_fn(site: u32, what: &str) -> syn::Ident {
 
 /// The inherent helpers of the learnable reads: per site, where it lands
 /// (`index`, `index_f64`) and its derivative (`grad`, `grad_f64`).
-fn learnable_helpers(program: &Program) -> TokenStream {
-    let f32s = RustEmitter::new(program, Float::F32);
-    let f64s = RustEmitter::new(program, Float::F64);
+fn learnable_helpers(krate: &TokenStream, program: &Program) -> TokenStream {
+    let f32s = RustEmitter::new(program, Float::F32).with_crate(krate.clone());
+    let f64s = RustEmitter::new(program, Float::F64).with_crate(krate.clone());
     let helpers = program.learnable_sites.iter().map(|l| {
         let site = l.site;
         let index = method(&f32s, &site_fn(site, "index").to_string(), &l.index);
@@ -279,7 +279,7 @@ fn tensor_of(field: &syn::Ident, learnable: bool) -> TokenStream {
     }
 }
 
-fn dim_decl(d: DimDecl) -> TokenStream {
+fn dim_decl(krate: &TokenStream, d: DimDecl) -> TokenStream {
     match d {
         DimDecl::Size(s) => {
             let s = format_ident!(
@@ -292,16 +292,16 @@ fn dim_decl(d: DimDecl) -> TokenStream {
                     Size::Sk => "Sk",
                 }
             );
-            quote!(::boostr_runtime::capture::DimDecl::Size(::boostr_runtime::capture::Size::#s))
+            quote!(#krate::capture::DimDecl::Size(#krate::capture::Size::#s))
         }
-        DimDecl::Fixed(n) => quote!(::boostr_runtime::capture::DimDecl::Fixed(#n)),
-        DimDecl::Any => quote!(::boostr_runtime::capture::DimDecl::Any),
+        DimDecl::Fixed(n) => quote!(#krate::capture::DimDecl::Fixed(#n)),
+        DimDecl::Any => quote!(#krate::capture::DimDecl::Any),
     }
 }
 
-fn size_form(f: &SizeForm) -> TokenStream {
+fn size_form(krate: &TokenStream, f: &SizeForm) -> TokenStream {
     let (constant, per_size) = (f.constant, f.per_size);
-    quote!(::boostr_runtime::capture::SizeForm {
+    quote!(#krate::capture::SizeForm {
         constant: #constant,
         per_size: [#(#per_size),*],
     })
@@ -310,13 +310,13 @@ fn size_form(f: &SizeForm) -> TokenStream {
 /// The where clause of a variant with tensors: the struct is generic over
 /// its runtime, and the impl holds wherever the struct has what a variant
 /// needs (a runtime with attention kernels, whose derives apply).
-fn variant_where(item: &syn::ItemStruct) -> syn::WhereClause {
+fn variant_where(krate: &TokenStream, item: &syn::ItemStruct) -> syn::WhereClause {
     let mut generics = item.generics.clone();
     let runtime = item.generics.type_params().next().map(|t| t.ident.clone());
     let w = generics.make_where_clause();
     if let Some(runtime) = runtime {
         w.predicates
-            .push(syn::parse_quote!(#runtime: ::boostr_runtime::AttentionRuntime));
+            .push(syn::parse_quote!(#runtime: #krate::AttentionRuntime));
     }
     w.predicates.push(syn::parse_quote!(
         Self: ::core::clone::Clone
@@ -328,7 +328,7 @@ fn variant_where(item: &syn::ItemStruct) -> syn::WhereClause {
     w.clone()
 }
 
-fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
+fn variant_impl(krate: &TokenStream, item: &syn::ItemStruct, program: &Program) -> TokenStream {
     let ident = &item.ident;
     let vis = &item.vis;
     let (impl_generics, ty_generics, where_clause) = item.generics.split_for_impl();
@@ -338,13 +338,13 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
         None => quote!(::core::option::Option::None),
     };
     let (tile_q, tile_kv) = (some(program.tile.0), some(program.tile.1));
-    let host_methods = host_methods(program);
+    let host_methods = host_methods(krate, program);
 
-    let param_words = param_words(program);
-    let compiled = compiled(program, &name);
+    let param_words = param_words(krate, program);
+    let compiled = compiled(krate, program, &name);
     let dropout = if program.weights.dropout {
         method(
-            &RustEmitter::new(program, Float::F32),
+            &RustEmitter::new(program, Float::F32).with_crate(krate.clone()),
             "dropout",
             &program.dropout,
         )
@@ -361,13 +361,13 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
     if program.tensors.is_empty() {
         // No tensors: the variant is its own host.
         return quote! {
-            impl #impl_generics ::boostr_runtime::HostVariant for #ident #ty_generics #where_clause {
+            impl #impl_generics #krate::HostVariant for #ident #ty_generics #where_clause {
                 #host_methods
             }
-            impl #impl_generics ::boostr_runtime::Variant for #ident #ty_generics #where_clause {
+            impl #impl_generics #krate::Variant for #ident #ty_generics #where_clause {
                 #consts
                 type Host = Self;
-                fn host(&self, _: &::boostr_runtime::Problem) -> ::boostr_runtime::Result<Self> {
+                fn host(&self, _: &#krate::Problem) -> #krate::Result<Self> {
                     ::core::result::Result::Ok(::core::clone::Clone::clone(self))
                 }
                 #compiled
@@ -377,41 +377,41 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
     }
 
     let host = format_ident!("__BoostrHost{}", ident);
-    let variant_where = variant_where(item);
+    let variant_where = variant_where(krate, item);
     let tensor_fields: Vec<syn::Ident> = program
         .tensors
         .iter()
         .map(|t| format_ident!("{}", t.name))
         .collect();
-    let decls = tensor_decls(program);
+    let decls = tensor_decls(krate, program);
     let summaries = program.summaries.iter().map(|(t, a)| quote!((#t, #a)));
-    let read_checks = read_checks(program);
+    let read_checks = read_checks(krate, program);
     let scalar_fields: Vec<syn::Ident> = program
         .params
         .iter()
         .map(|p| format_ident!("{}", p.name))
         .collect();
-    let (scalar_types, tensor_types) = host_field_types(program);
+    let (scalar_types, tensor_types) = host_field_types(krate, program);
     let (captured, copied) = (
-        capture_fields(program, quote!(capture)),
-        capture_fields(program, quote!(copy)),
+        capture_fields(krate, program, quote!(capture)),
+        capture_fields(krate, program, quote!(copy)),
     );
     let captures = program.tensors.iter().enumerate().map(|(i, t)| {
         let tensor = tensor_of(&format_ident!("{}", t.name), t.learnable);
-        quote!(::boostr_runtime::capture::Capture::new(
-            &<Self as ::boostr_runtime::Variant>::TENSORS[#i],
+        quote!(#krate::capture::Capture::new(
+            &<Self as #krate::Variant>::TENSORS[#i],
             #tensor,
         ))
     });
     let learnable_slots = &program.learnable;
     let learnables = program.learnable.iter().map(|&i| {
         let field = format_ident!("{}", program.tensors[i].name);
-        quote!(::boostr_runtime::capture::Learnable::new(
-            &<Self as ::boostr_runtime::Variant>::TENSORS[#i],
+        quote!(#krate::capture::Learnable::new(
+            &<Self as #krate::Variant>::TENSORS[#i],
             &self.#field,
         ))
     });
-    let helpers = learnable_helpers(program);
+    let helpers = learnable_helpers(krate, program);
     let host_doc = format!(
         "`{name}` with its captured tensors checked and on the host: what the CPU kernels \
          and the reference evaluate."
@@ -425,19 +425,19 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
             #(#scalar_fields: #scalar_types,)*
             #(#tensor_fields: #tensor_types,)*
         }
-        impl ::boostr_runtime::HostVariant for #host {
+        impl #krate::HostVariant for #host {
             #host_methods
         }
         impl #host {
             #helpers
         }
-        impl #impl_generics ::boostr_runtime::Variant for #ident #ty_generics #variant_where {
+        impl #impl_generics #krate::Variant for #ident #ty_generics #variant_where {
             #consts
-            const TENSORS: &'static [::boostr_runtime::capture::TensorDecl] = &[#(#decls),*];
+            const TENSORS: &'static [#krate::capture::TensorDecl] = &[#(#decls),*];
             const SUMMARIES: &'static [(usize, usize)] = &[#(#summaries),*];
-            const READ_CHECKS: &'static [::boostr_runtime::capture::ReadCheck] = &[#(#read_checks),*];
+            const READ_CHECKS: &'static [#krate::capture::ReadCheck] = &[#(#read_checks),*];
             type Host = #host;
-            fn host(&self, p: &::boostr_runtime::Problem) -> ::boostr_runtime::Result<#host> {
+            fn host(&self, p: &#krate::Problem) -> #krate::Result<#host> {
                 ::core::result::Result::Ok(#host {
                     #(#scalar_fields: self.#scalar_fields,)*
                     #(#captured,)*
@@ -445,18 +445,18 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
             }
             fn host_copy(
                 &self,
-                p: &::boostr_runtime::Problem,
-            ) -> ::boostr_runtime::Result<#host> {
+                p: &#krate::Problem,
+            ) -> #krate::Result<#host> {
                 ::core::result::Result::Ok(#host {
                     #(#scalar_fields: self.#scalar_fields,)*
                     #(#copied,)*
                 })
             }
-            fn captures(&self) -> ::std::vec::Vec<::boostr_runtime::capture::Capture<'_>> {
+            fn captures(&self) -> ::std::vec::Vec<#krate::capture::Capture<'_>> {
                 ::std::vec![#(#captures),*]
             }
             const LEARNABLE: &'static [usize] = &[#(#learnable_slots),*];
-            fn learnables(&self) -> ::std::vec::Vec<::boostr_runtime::capture::Learnable<'_>> {
+            fn learnables(&self) -> ::std::vec::Vec<#krate::capture::Learnable<'_>> {
                 ::std::vec![#(#learnables),*]
             }
             #compiled
@@ -466,7 +466,7 @@ fn variant_impl(item: &syn::ItemStruct, program: &Program) -> TokenStream {
 }
 
 /// The variant's `TENSORS`: each captured tensor's declaration.
-fn tensor_decls(program: &Program) -> Vec<TokenStream> {
+fn tensor_decls(krate: &TokenStream, program: &Program) -> Vec<TokenStream> {
     program
         .tensors
         .iter()
@@ -482,11 +482,11 @@ fn tensor_decls(program: &Program) -> Vec<TokenStream> {
                 kernels_spec::ir::Given::Bool => quote!(Bool),
                 kernels_spec::ir::Given::I64 => quote!(I64),
             };
-            let dims = t.dims.iter().map(|d| dim_decl(*d));
-            quote!(::boostr_runtime::capture::TensorDecl {
+            let dims = t.dims.iter().map(|d| dim_decl(krate, *d));
+            quote!(#krate::capture::TensorDecl {
                 name: #name,
-                elem: ::boostr_runtime::capture::Ty::#elem,
-                given: ::boostr_runtime::capture::Given::#given,
+                elem: #krate::capture::Ty::#elem,
+                given: #krate::capture::Given::#given,
                 dims: &[#(#dims),*],
             })
         })
@@ -494,7 +494,10 @@ fn tensor_decls(program: &Program) -> Vec<TokenStream> {
 }
 
 /// The Rust types of the host struct's scalar and tensor fields.
-fn host_field_types(program: &Program) -> (Vec<TokenStream>, Vec<TokenStream>) {
+fn host_field_types(
+    krate: &TokenStream,
+    program: &Program,
+) -> (Vec<TokenStream>, Vec<TokenStream>) {
     let scalar_types: Vec<TokenStream> = program
         .params
         .iter()
@@ -509,7 +512,7 @@ fn host_field_types(program: &Program) -> (Vec<TokenStream>, Vec<TokenStream>) {
         .map(|t| {
             let elem = elem_type(t.elem);
             let rank = t.dims.len();
-            quote!(::boostr_runtime::capture::HostTensor<#elem, #rank>)
+            quote!(#krate::capture::HostTensor<#elem, #rank>)
         })
         .collect();
     (scalar_types, tensor_types)
@@ -517,7 +520,7 @@ fn host_field_types(program: &Program) -> (Vec<TokenStream>, Vec<TokenStream>) {
 
 /// The variant's `param_words`: scalars by their encoding, tensors by
 /// their shapes and place in the arena.
-fn param_words(program: &Program) -> TokenStream {
+fn param_words(krate: &TokenStream, program: &Program) -> TokenStream {
     let mut words = Vec::new();
     let mut tensor_slots = Vec::new();
     for slot in program.layout.slots() {
@@ -544,19 +547,19 @@ fn param_words(program: &Program) -> TokenStream {
         .collect();
     if !tensor_fields.is_empty() {
         words.push(quote! {
-            ::boostr_runtime::capture::place_tensors(
+            #krate::capture::place_tensors(
                 &mut words,
                 &[#(#tensor_slots),*],
                 &[#(self.#tensor_fields.shape()),*],
-                <Self as ::boostr_runtime::Variant>::SUMMARIES,
-                <Self as ::boostr_runtime::Variant>::LEARNABLE,
+                <Self as #krate::Variant>::SUMMARIES,
+                <Self as #krate::Variant>::LEARNABLE,
             );
         });
     }
     quote! {
         #[allow(unused_mut, clippy::all)]
-        fn param_words(&self) -> ::boostr_runtime::ParamWords {
-            let mut words = ::boostr_runtime::ParamWords::ZERO;
+        fn param_words(&self) -> #krate::variant::ParamWords {
+            let mut words = #krate::variant::ParamWords::ZERO;
             #(#words)*
             words
         }
@@ -564,20 +567,20 @@ fn param_words(program: &Program) -> TokenStream {
 }
 
 /// The variant's `compiled`: what the compiler made of it.
-fn compiled(program: &Program, name: &str) -> TokenStream {
+fn compiled(krate: &TokenStream, program: &Program, name: &str) -> TokenStream {
     let text = explain(program);
     let summary = kernels_spec::summary(program);
     let lowerings = gpu_lowerings(program).into_iter().map(|(target, section)| {
         let target = format_ident!("{}", format!("{target:?}"));
-        quote!(::boostr_runtime::Lowering {
-            target: ::boostr_runtime::Target::#target,
+        quote!(#krate::variant::Lowering {
+            target: #krate::variant::Target::#target,
             section: #section,
         })
     });
     let classify_loops = program.classify_loop_iterations();
     quote! {
-        fn compiled() -> ::boostr_runtime::CompiledStages {
-            ::boostr_runtime::CompiledStages {
+        fn compiled() -> #krate::variant::CompiledStages {
+            #krate::variant::CompiledStages {
                 name: #name,
                 text: #text,
                 summary: #summary,
@@ -590,7 +593,7 @@ fn compiled(program: &Program, name: &str) -> TokenStream {
 
 /// The variant's `READ_CHECKS`: each checked read's conditions, with the
 /// signedness of its indices.
-fn read_checks(program: &Program) -> Vec<TokenStream> {
+fn read_checks(krate: &TokenStream, program: &Program) -> Vec<TokenStream> {
     program
         .read_conditions
         .iter()
@@ -608,17 +611,17 @@ fn read_checks(program: &Program) -> Vec<TokenStream> {
                 });
             }
             let holds = c.holds.iter().map(|h| match h {
-                Holds::Never => quote!(::boostr_runtime::capture::Holds::Never),
+                Holds::Never => quote!(#krate::capture::Holds::Never),
                 Holds::NonNegative(f) => {
-                    let f = size_form(f);
-                    quote!(::boostr_runtime::capture::Holds::NonNegative(#f))
+                    let f = size_form(krate, f);
+                    quote!(#krate::capture::Holds::NonNegative(#f))
                 }
                 Holds::BelowDim(f, axis) => {
-                    let f = size_form(f);
-                    quote!(::boostr_runtime::capture::Holds::BelowDim(#f, #axis))
+                    let f = size_form(krate, f);
+                    quote!(#krate::capture::Holds::BelowDim(#f, #axis))
                 }
             });
-            quote!(::boostr_runtime::capture::ReadCheck {
+            quote!(#krate::capture::ReadCheck {
                 site: #site,
                 tensor: #tensor,
                 signed: &[#(#signed),*],
@@ -630,7 +633,7 @@ fn read_checks(program: &Program) -> Vec<TokenStream> {
 
 /// The host struct's tensor fields, each built by `HostTensor::<how>`
 /// (`capture` or `copy`) from the variant's field.
-fn capture_fields(program: &Program, how: TokenStream) -> Vec<TokenStream> {
+fn capture_fields(krate: &TokenStream, program: &Program, how: TokenStream) -> Vec<TokenStream> {
     program
         .tensors
         .iter()
@@ -644,8 +647,8 @@ fn capture_fields(program: &Program, how: TokenStream) -> Vec<TokenStream> {
                 .map(|(_, a)| *a);
             let tensor = tensor_of(&field, t.learnable);
             quote! {
-                #field: ::boostr_runtime::capture::HostTensor::#how(
-                    &<Self as ::boostr_runtime::Variant>::TENSORS[#i],
+                #field: #krate::capture::HostTensor::#how(
+                    &<Self as #krate::Variant>::TENSORS[#i],
                     #tensor,
                     p,
                     &[#(#axes),*],
@@ -657,7 +660,7 @@ fn capture_fields(program: &Program, how: TokenStream) -> Vec<TokenStream> {
 
 /// After an error: impls whose bodies are never reached, so that one
 /// mistake does not cascade into errors at every use of the variant.
-fn stub_impl(item: &syn::ItemStruct) -> TokenStream {
+fn stub_impl(krate: &TokenStream, item: &syn::ItemStruct) -> TokenStream {
     let ident = &item.ident;
     let name = ident.to_string();
     let (impl_generics, ty_generics, where_clause) = item.generics.split_for_impl();
@@ -669,7 +672,7 @@ fn stub_impl(item: &syn::ItemStruct) -> TokenStream {
         fn score_grad(&self, s: f32, b: i32, h: i32, q: i32, kv: i32) -> f32 { unreachable!() }
         fn mask(&self, b: i32, h: i32, q: i32, kv: i32) -> bool { unreachable!() }
         fn classify_tile(&self, b: i32, h: i32, q_lo: i32, q_hi: i32, kv_lo: i32, kv_hi: i32)
-            -> ::boostr_runtime::TileClass { unreachable!() }
+            -> #krate::variant::TileClass { unreachable!() }
         fn score_f64(&self, s: f64, b: i32, h: i32, q: i32, kv: i32) -> f64 { unreachable!() }
         fn score_grad_f64(&self, s: f64, b: i32, h: i32, q: i32, kv: i32) -> f64 { unreachable!() }
         fn mask_exact(&self, b: i32, h: i32, q: i32, kv: i32) -> bool { unreachable!() }
@@ -685,7 +688,7 @@ fn stub_impl(item: &syn::ItemStruct) -> TokenStream {
                 #[allow(non_camel_case_types)]
                 #vis struct #host;
                 #[allow(unused_variables, clippy::all)]
-                impl ::boostr_runtime::HostVariant for #host { #host_stub }
+                impl #krate::HostVariant for #host { #host_stub }
             },
         )
     } else {
@@ -693,25 +696,25 @@ fn stub_impl(item: &syn::ItemStruct) -> TokenStream {
             quote!(Self),
             quote! {
                 #[allow(unused_variables, clippy::all)]
-                impl ::boostr_runtime::HostVariant for #ident { #host_stub }
+                impl #krate::HostVariant for #ident { #host_stub }
             },
         )
     };
     let where_clause = if generic {
-        variant_where(item).to_token_stream()
+        variant_where(krate, item).to_token_stream()
     } else {
         where_clause.to_token_stream()
     };
     quote! {
         #host_impl
         #[allow(unused_variables, clippy::all)]
-        impl #impl_generics ::boostr_runtime::Variant for #ident #ty_generics #where_clause {
+        impl #impl_generics #krate::Variant for #ident #ty_generics #where_clause {
             const NAME: &'static str = #name;
             type Host = #host_ty;
-            fn host(&self, p: &::boostr_runtime::Problem) -> ::boostr_runtime::Result<#host_ty> {
+            fn host(&self, p: &#krate::Problem) -> #krate::Result<#host_ty> {
                 unreachable!()
             }
-            fn compiled() -> ::boostr_runtime::CompiledStages { unreachable!() }
+            fn compiled() -> #krate::variant::CompiledStages { unreachable!() }
         }
     }
 }
@@ -722,7 +725,7 @@ fn stub_impl(item: &syn::ItemStruct) -> TokenStream {
 /// test data: a value is returned as written; a closure (`|data| V { t:
 /// data.documents() }`, the only form for a variant with tensors) is called
 /// once per case on each backend's device.
-fn tests(item: &syn::ItemStruct, compiled: &Compiled) -> TokenStream {
+fn tests(krate: &TokenStream, item: &syn::ItemStruct, compiled: &Compiled) -> TokenStream {
     let instances = &compiled.spec.tests;
     if instances.is_empty() {
         return TokenStream::new();
@@ -741,14 +744,14 @@ fn tests(item: &syn::ItemStruct, compiled: &Compiled) -> TokenStream {
     let builders = names.iter().zip(instances).map(|(name, instance)| {
         let body = match instance {
             syn::Expr::Closure(_) => {
-                quote!(::boostr_runtime::testing::build(data, #instance))
+                quote!(#krate::testing::build(data, #instance))
             }
             value => quote!((#value)),
         };
         quote! {
             #[allow(unused_variables, clippy::all)]
-            fn #name<#runtime: ::boostr_runtime::AttentionRuntime>(
-                data: &mut ::boostr_runtime::testing::TestData<'_, #runtime>,
+            fn #name<#runtime: #krate::AttentionRuntime>(
+                data: &mut #krate::testing::TestData<'_, #runtime>,
             ) -> #ret {
                 #body
             }
@@ -766,13 +769,13 @@ fn tests(item: &syn::ItemStruct, compiled: &Compiled) -> TokenStream {
             #[test]
             fn reference_gradients_match_finite_differences() {
                 #(
-                    ::boostr_runtime::testing::check_reference_gradients_built(
-                        #names::<::boostr_runtime::testing::CpuRuntime>,
+                    #krate::testing::check_reference_gradients_built(
+                        #names::<#krate::testing::CpuRuntime>,
                     );
                 )*
             }
 
-            ::boostr_runtime::__backend_tests! { #(#names,)* }
+            #krate::__backend_tests! { #(#names,)* }
         }
     }
 }

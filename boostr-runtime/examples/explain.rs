@@ -5,7 +5,8 @@
 //! `cargo run -p boostr-runtime --example explain [name ...]` (names are
 //! case-insensitive; none prints every stock variant).
 
-use boostr_runtime::{CompiledStages, Variant};
+use boostr_runtime::Variant;
+use boostr_runtime::variant::CompiledStages;
 
 macro_rules! compiled {
     ($($variant:ty),* $(,)?) => {

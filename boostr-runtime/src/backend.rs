@@ -15,7 +15,7 @@ use numr::tensor::Tensor;
 /// A numr runtime with fused attention kernels. (`Debug`, as numr's
 /// runtimes are: a variant generic over its runtime derives `Debug`, which
 /// then holds for every `R: AttentionRuntime`.)
-pub trait AttentionRuntime: Runtime<DType = DType> + std::fmt::Debug {
+pub trait AttentionRuntime: Runtime<DType = DType> + std::fmt::Debug + sealed::Sealed {
     /// Whether `comm` reads and writes this runtime's tensors where they
     /// are: the CPU's with any communicator, CUDA's with NCCL. Where it
     /// does not (wgpu's, or CUDA's over a host communicator), ring
@@ -57,6 +57,17 @@ pub trait AttentionRuntime: Runtime<DType = DType> + std::fmt::Debug {
     /// The entries `index` (`i32`, on the device) of `t` along `dim`, an
     /// index equal to `t`'s extent there selecting zeros.
     fn select_rows(t: &Tensor<Self>, dim: usize, index: &Tensor<Self>) -> Result<Tensor<Self>>;
+}
+
+/// The runtimes with attention kernels, this crate's: a runtime of its
+/// own needs its kernels written here.
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for numr::runtime::cpu::CpuRuntime {}
+    #[cfg(feature = "wgpu")]
+    impl Sealed for numr::runtime::wgpu::WgpuRuntime {}
+    #[cfg(feature = "cuda")]
+    impl Sealed for numr::runtime::cuda::CudaRuntime {}
 }
 
 /// [`AttentionRuntime::select_rows`] with numr's ops.

@@ -59,8 +59,16 @@
 //! AVX512-BF16 where the CPU has them, else, and f16, computed in f32; fp8
 //! KV caches); with the `wgpu` cargo feature, numr's `WgpuRuntime` too (the
 //! WGSL kernels, f32); with the `cuda` feature, numr's `CudaRuntime` (f32,
-//! f16, bf16, fp8 KV caches). Every op runs on every backend, but ring
-//! attention, which runs on the CPU only.
+//! f16, bf16, fp8 KV caches). Every op, key source and variant runs on
+//! every backend, ring attention included (fp8 keys but on wgpu, whose
+//! numr runtime holds no 8-bit tensors).
+//!
+//! The crate's root holds what a user calls; [`prelude`] re-exports it;
+//! [`variant`] is the contract between the compiler and the kernels
+//! (what `#[attention]` implements, and what it made of a variant);
+//! [`backend`] what a backend is given; [`cpu`] the CPU kernels called
+//! directly (benchmarks, tuning); [`testing`] the checks the generated
+//! tests run.
 
 #![warn(missing_docs)]
 
@@ -85,19 +93,14 @@ mod shifted;
 pub mod stock;
 pub mod testing;
 mod validate;
-mod variant;
+pub mod variant;
 #[cfg(feature = "wgpu")]
 mod wgpu;
 
-pub use backend::{
-    AttentionGrads, AttentionRuntime, BackwardTensors, CacheLengths, CallKeys, KeyLayout,
-    PageTable, SeqMap,
-};
+pub use backend::{AttentionGrads, AttentionRuntime};
 pub use boostr_macros::attention;
 pub use error::{BackendError, Error, Result};
 pub use flash::var_flash_attention;
-pub use kernels_spec::emit::Target;
-pub use kernels_spec::params::ParamWords;
 pub use keys::{KeyTensor, Keys, KvScales};
 pub use op::{
     Backward, LearnableGrad, Output, VarOutput, attention, attention_backward, learnable_grads,
@@ -109,7 +112,18 @@ pub use ring::{
     RingOps, RingOptions, RingTimes, Schedule, Shards, last_ring_times, ring_attention,
     ring_attention_backward, var_ring_attention,
 };
-pub use variant::{CompiledStages, HostVariant, Lowering, Normalize, TileClass, Variant, Weights};
+pub use variant::{HostVariant, Variant};
+
+/// What a user of the ops names, in one import: `use
+/// boostr_runtime::prelude::*;`.
+pub mod prelude {
+    pub use crate::{
+        AttentionGrads, AttentionOptions, AttentionRuntime, Backward, Error, KeyTensor, Keys,
+        KvScales, Output, Result, RingOptions, Schedule, Shards, VarOutput, Variant, attention,
+        attention_backward, learnable_grads, ring_attention, ring_attention_backward,
+        var_attention, var_flash_attention, var_ring_attention,
+    };
+}
 
 /// One module of generated tests: every instance checked on one backend.
 /// Each instance is a builder function of the enclosing module, generic over

@@ -367,7 +367,8 @@ mod tests {
 
     use super::*;
     use crate::testing::{CpuRuntime, TestData};
-    use crate::{HostVariant, Problem, TileClass, Variant};
+    use crate::variant::TileClass;
+    use crate::{HostVariant, Problem, Variant};
     use numr::runtime::cpu::CpuDevice;
 
     fn problem(batch: usize, s: usize) -> Problem {

@@ -2,7 +2,6 @@
 //! kernel runs, and a broken rule is an [`Error`] naming it and the values.
 
 use crate::error::{Error, Result};
-use crate::keys::KvScales;
 use crate::options::AttentionOptions;
 use crate::problem::{Dropout, Problem};
 use crate::variant::{HostVariant, Variant};
@@ -323,84 +322,4 @@ pub fn shape_of<R: Runtime<DType = DType>>(
             got: t.shape().to_vec(),
         })
     }
-}
-
-/// An fp8 dtype (the only ones a cache's scales apply to).
-fn is_fp8(dtype: DType) -> bool {
-    matches!(dtype, DType::FP8E4M3 | DType::FP8E5M2)
-}
-
-/// The values of an fp8 cache's scales (K's, V's), checked against `k` and
-/// `v` (`[B or pages, Hkv, .., ..]`): fp8 keys and values need scales and
-/// others take none; each scale tensor is `f32`, `[Hkv]` for
-/// [`KvScales::PerHead`] or, for a paged cache of `pages` pages (`paged`),
-/// `[pages, Hkv]` for [`KvScales::PerPage`]; every scale positive and
-/// finite.
-pub fn cache_scales<R: Runtime<DType = DType>>(
-    k: &Tensor<R>,
-    v: &Tensor<R>,
-    scales: Option<KvScales<'_, R>>,
-    paged: Option<usize>,
-) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
-    let err = |rule, got: String| Err(Error::CacheScales { rule, got });
-    let dtypes = format!("k {:?}, v {:?}", k.dtype(), v.dtype());
-    let (k_fp8, v_fp8) = (is_fp8(k.dtype()), is_fp8(v.dtype()));
-    let Some(scales) = scales else {
-        if k_fp8 || v_fp8 {
-            return err("an fp8 cache needs its scales (KvScales)", dtypes);
-        }
-        return Ok(None);
-    };
-    if !(k_fp8 && v_fp8) {
-        return err(
-            "scales apply to fp8 caches: k and v both FP8E4M3 or FP8E5M2",
-            dtypes,
-        );
-    }
-    if k.dtype() != v.dtype() {
-        return err("k and v of an fp8 cache share one format", dtypes);
-    }
-    let hkv = k.shape().get(1).copied().unwrap_or(0);
-    let (ks, vs, shape) = match scales {
-        KvScales::PerHead { k, v } => (k, v, vec![hkv]),
-        KvScales::PerPage { k, v } => match paged {
-            Some(pages) => (k, v, vec![pages, hkv]),
-            None => {
-                return err(
-                    "scales per page need pages (Keys::paged); use PerHead",
-                    "PerPage".into(),
-                );
-            }
-        },
-    };
-    let mut values = Vec::with_capacity(2);
-    for (name, t) in [("k", ks), ("v", vs)] {
-        if t.dtype() != DType::F32 {
-            return err(
-                "scales are f32",
-                format!("{name} scales of {:?}", t.dtype()),
-            );
-        }
-        if t.shape() != shape.as_slice() {
-            let rule = if shape.len() == 1 {
-                "per-head scales are [Hkv]"
-            } else {
-                "per-page scales are [pages, Hkv]"
-            };
-            return err(
-                rule,
-                format!("{name} scales of shape {:?}, want {shape:?}", t.shape()),
-            );
-        }
-        let host = t.contiguous()?.to_vec::<f32>();
-        if let Some(bad) = host.iter().position(|x| !(x.is_finite() && *x > 0.0)) {
-            return err(
-                "every scale is positive and finite",
-                format!("{name} scale {bad} = {}", host[bad]),
-            );
-        }
-        values.push(host);
-    }
-    let v = values.pop().expect("two");
-    Ok(Some((values.pop().expect("two"), v)))
 }

@@ -4,13 +4,17 @@
 //! [`HostVariant`] for it (or, with captured tensors, for its host type).
 //! Every method is generated from the variant's checked IR, so the kernels
 //! of each target see the same score, mask, derivative and tile classifier.
+//! The rest of this module is what the compiler made of a variant
+//! ([`CompiledStages`], a target's [`Lowering`], the [`ParamWords`] of its
+//! fields) and the vocabulary the kernels share ([`TileClass`],
+//! [`Weights`], [`Target`]).
 
 use crate::capture::{Capture, Learnable, ReadCheck, TensorDecl};
 use crate::error::{BackendError, Error, Result};
 use crate::problem::Problem;
-use kernels_spec::emit::Target;
+pub use kernels_spec::emit::Target;
 pub use kernels_spec::ir::{Normalize, TileClass, Weights};
-use kernels_spec::params::ParamWords;
+pub use kernels_spec::params::ParamWords;
 use std::fmt::Debug;
 
 /// What the compiler made of one variant: every stage as text, for people,
@@ -397,7 +401,8 @@ pub trait HostVariant: Send + Sync {
 /// it runs on the CPU and against the reference.
 ///
 /// ```
-/// use boostr_runtime::{HostVariant, TileClass};
+/// use boostr_runtime::HostVariant;
+/// use boostr_runtime::variant::TileClass;
 ///
 /// /// Every key visible, logits halved.
 /// #[derive(Clone, Debug)]
@@ -430,8 +435,8 @@ macro_rules! hand_written_variant {
             fn host(&self, _: &$crate::Problem) -> $crate::Result<$ty> {
                 ::core::result::Result::Ok(::core::clone::Clone::clone(self))
             }
-            fn compiled() -> $crate::CompiledStages {
-                $crate::CompiledStages::hand_written(<$ty as $crate::HostVariant>::NAME)
+            fn compiled() -> $crate::variant::CompiledStages {
+                $crate::variant::CompiledStages::hand_written(<$ty as $crate::HostVariant>::NAME)
             }
         }
     };

@@ -35,6 +35,9 @@ pub struct Spec {
     pub tile: Option<TileOverride>,
     /// `tests = [...]`: instances to generate tests for, as Rust expressions.
     pub tests: Vec<syn::Expr>,
+    /// `crate = "path"`: the runtime crate's path in the caller's crate
+    /// (`::boostr_runtime` without it).
+    pub krate: Option<syn::Path>,
 }
 
 /// One field of the struct.

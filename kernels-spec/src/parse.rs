@@ -32,6 +32,7 @@ pub fn parse_spec(attr: TokenStream, item: &syn::ItemStruct, diags: &mut Diagnos
         normalize: None,
         tile: None,
         tests: Vec::new(),
+        krate: None,
     };
     parse_fields(item, &mut spec, diags);
     let metas = match Punctuated::<Meta, Token![,]>::parse_terminated.parse2(attr) {
@@ -421,6 +422,18 @@ fn parse_meta(meta: &Meta, spec: &mut Spec, diags: &mut Diagnostics) {
                 "`tests` takes an array of instances: `tests = [Variant { .. }, ...]`",
             ),
         }
+    } else if key == symbol::CRATE {
+        if spec.krate.is_some() {
+            duplicate(diags, path, symbol::CRATE);
+            return;
+        }
+        match crate_value(meta) {
+            Ok(path) => spec.krate = Some(path),
+            Err(at) => diags.error_spanned(
+                at,
+                "expected `crate = \"path\"`, the runtime crate's path (as serde's `crate`)",
+            ),
+        }
     } else {
         diags.error_spanned(
             key,
@@ -430,6 +443,35 @@ fn parse_meta(meta: &Meta, spec: &mut Spec, diags: &mut Diagnostics) {
             ),
         );
     }
+}
+
+/// The path of `crate = "path"`, or the token to put an error at.
+fn crate_value(meta: &Meta) -> Result<syn::Path, &dyn quote::ToTokens> {
+    let Meta::NameValue(nv) = meta else {
+        return Err(meta);
+    };
+    match &nv.value {
+        syn::Expr::Lit(syn::ExprLit {
+            lit: syn::Lit::Str(s),
+            ..
+        }) => s
+            .parse::<syn::Path>()
+            .map_err(|_| &nv.value as &dyn quote::ToTokens),
+        other => Err(other),
+    }
+}
+
+/// The path `crate = ".."` gives in an attribute's arguments, if they
+/// parse and hold one: the macro names the runtime crate by it even where
+/// the rest of the declaration fails (its stub items too).
+pub fn crate_path(attr: TokenStream) -> Option<syn::Path> {
+    let metas = Punctuated::<Meta, Token![,]>::parse_terminated
+        .parse2(attr)
+        .ok()?;
+    metas
+        .iter()
+        .find(|m| m.path().is_ident("crate"))
+        .and_then(|m| crate_value(m).ok())
 }
 
 fn parse_tile(meta: &Meta, diags: &mut Diagnostics) -> TileOverride {

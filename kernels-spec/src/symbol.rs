@@ -34,10 +34,12 @@ pub const TILE_KV: Symbol = Symbol("kv");
 
 /// `#[tensor(elem, [dims])]` on a field.
 pub const TENSOR: Symbol = Symbol("tensor");
+/// `crate = "path"`: where the runtime crate is in the caller's crate.
+pub const CRATE: Symbol = Symbol("crate");
 
 /// Every attribute keyword, for "expected one of" messages.
 pub const ATTRIBUTE_KEYS: &str =
-    "`score`, `score_grad`, `mask`, `sink`, `dropout`, `normalize`, `tile`, `tests`";
+    "`score`, `score_grad`, `mask`, `sink`, `dropout`, `normalize`, `tile`, `tests`, `crate`";
 
 impl PartialEq<Symbol> for syn::Ident {
     fn eq(&self, word: &Symbol) -> bool {

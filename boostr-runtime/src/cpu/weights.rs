@@ -315,11 +315,7 @@ pub(super) fn finish_row(weights: Weights, (m, l): (f32, f32), out: &mut [f32], 
 mod tests {
     use super::*;
 
-    const SIGMOID: Weights = Weights {
-        normalize: Normalize::Sigmoid,
-        sink: false,
-        dropout: false,
-    };
+    const SIGMOID: Weights = Weights::new(Normalize::Sigmoid, false, false);
 
     /// A softmax row weighed tile by tile with rescales (the kernels' way)
     /// is the whole row's softmax, sink included; its merge of two halves

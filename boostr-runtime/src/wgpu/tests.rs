@@ -8,9 +8,8 @@ use crate::testing::{
     Case, HEAD_DIM_CASES, Logits, REQUIRE_DEVICE_ENV, Wgpu, check_variant_built_on,
     check_variant_on,
 };
-use crate::{
-    AttentionOptions, BackendError, Backward, Error, Keys, Target, attention, attention_backward,
-};
+use crate::variant::Target;
+use crate::{AttentionOptions, BackendError, Backward, Error, Keys, attention, attention_backward};
 use numr::dtype::DType;
 use numr::runtime::wgpu::{WgpuDevice, WgpuRuntime, is_wgpu_available, wgpu_device};
 use numr::tensor::Tensor;

@@ -29,7 +29,7 @@ pub enum Float {
 }
 
 /// Emits Rust for the functions of one program.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct RustEmitter<'a> {
     program: &'a Program,
     float: Float,
@@ -42,6 +42,8 @@ pub struct RustEmitter<'a> {
     /// a step (see [`stepped_divisions`]), when [`RustEmitter::body`]
     /// found them; without them no division becomes a product.
     stepped: Option<&'a HashSet<*const Expr>>,
+    /// The runtime crate's path in the caller's crate.
+    krate: TokenStream,
 }
 
 impl<'a> RustEmitter<'a> {
@@ -53,7 +55,14 @@ impl<'a> RustEmitter<'a> {
             exact: false,
             std_math: float == Float::F64,
             stepped: None,
+            krate: quote!(::boostr_runtime),
         }
+    }
+
+    /// This emitter with the runtime crate (whose vectorisable math the
+    /// f32 functions call) at `krate` in the caller's crate.
+    pub fn with_crate(self, krate: TokenStream) -> Self {
+        Self { krate, ..self }
     }
 
     /// An emitter of the language's f32 arithmetic as written: every
@@ -68,6 +77,7 @@ impl<'a> RustEmitter<'a> {
             exact: true,
             std_math: true,
             stepped: None,
+            krate: quote!(::boostr_runtime),
         }
     }
 
@@ -121,6 +131,7 @@ impl<'a> RustEmitter<'a> {
             exact: self.exact,
             std_math: self.std_math,
             stepped: Some(&stepped),
+            krate: self.krate.clone(),
         };
         let expr = emitter.expr(&f.body);
         quote!({
@@ -331,7 +342,8 @@ impl<'a> RustEmitter<'a> {
             };
             if let Some(name) = name {
                 let m = format_ident!("{}", name);
-                return quote!(::boostr_runtime::cpu::math::#m(#x));
+                let krate = &self.krate;
+                return quote!(#krate::cpu::math::#m(#x));
             }
         }
         match f {

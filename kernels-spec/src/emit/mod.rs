@@ -21,6 +21,7 @@ use std::fmt;
 
 /// A target of the compiler.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[non_exhaustive]
 pub enum Target {
     /// Native Rust on the CPU.
     Cpu,

@@ -16,6 +16,7 @@
 /// [`merges_by_lse`]: Weights::merges_by_lse
 /// [`needs_delta`]: Weights::needs_delta
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct Weights {
     /// The normalisation.
     pub normalize: Normalize,
@@ -27,6 +28,16 @@ pub struct Weights {
 }
 
 impl Weights {
+    /// Rows normalised by `normalize`, with a sink and with dropout where
+    /// given.
+    pub const fn new(normalize: Normalize, sink: bool, dropout: bool) -> Weights {
+        Weights {
+            normalize,
+            sink,
+            dropout,
+        }
+    }
+
     /// A plain softmax: no sink, no dropout.
     pub const SOFTMAX: Weights = Weights {
         normalize: Normalize::Softmax,
@@ -54,6 +65,12 @@ impl Weights {
 }
 
 /// How a query row's scores become the weights of its values.
+///
+/// Exhaustive on purpose: each backend's row weights (the CPU's
+/// `RowWeights`, the GPU lowering's table) match it arm by arm, so that a
+/// new normalization is a compile error at every step it must teach. A
+/// caller names a variant's normalization in its declaration, and never
+/// matches on it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Normalize {
     /// `P = softmax(score)` over the row's visible keys (and its sink):
@@ -63,4 +80,14 @@ pub enum Normalize {
     /// `P = sigmoid(score)` per pair, with no sum over the row (FlashSigmoid):
     /// no running statistics, no sink, and no lse (the forward writes 0).
     Sigmoid,
+}
+
+impl Normalize {
+    /// The variant's name in Rust (`Softmax`), for code that names it.
+    pub const fn variant_name(self) -> &'static str {
+        match self {
+            Normalize::Softmax => "Softmax",
+            Normalize::Sigmoid => "Sigmoid",
+        }
+    }
 }

@@ -37,7 +37,8 @@ use boostr_runtime::stock::{
 use boostr_runtime::testing::{
     CpuRuntime, Rng, TestData, reference_backward_lse, reference_forward, ring_call, seen_keys,
 };
-use boostr_runtime::{HostVariant, ParamWords, Problem, Target, Variant};
+use boostr_runtime::variant::{ParamWords, Target};
+use boostr_runtime::{HostVariant, Problem, Variant};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 use fixtures::{Declared, Everything, ThirtyTwoWords, declared};
 use kernels_spec::emit::choose_tiles;

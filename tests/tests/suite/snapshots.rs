@@ -4,8 +4,9 @@
 //! as a reviewable diff; after checking it, rewrite the files with
 //! `BOOSTR_BLESS=1 cargo test -p boostr-tests --test suite snapshots`.
 
+use boostr_runtime::Variant;
 use boostr_runtime::stock::CausalSoftcap;
-use boostr_runtime::{Target, Variant};
+use boostr_runtime::variant::Target;
 use kernels_spec::emit::cuda::{self, CudaDType, CudaTiles};
 use kernels_spec::emit::wgsl::{self, WgslTiles};
 use std::path::PathBuf;

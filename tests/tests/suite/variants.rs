@@ -375,7 +375,8 @@ pub struct BlockSparse<R: numr::runtime::Runtime> {
 #[test]
 fn a_block_map_skips_the_tiles_of_its_false_blocks() {
     use boostr_runtime::testing::CpuRuntime;
-    use boostr_runtime::{HostVariant, Problem, TileClass, Variant};
+    use boostr_runtime::variant::TileClass;
+    use boostr_runtime::{HostVariant, Problem, Variant};
     use numr::dtype::DType;
     use numr::runtime::cpu::CpuDevice;
     use numr::tensor::Tensor;
@@ -406,4 +407,20 @@ fn a_block_map_skips_the_tiles_of_its_false_blocks() {
     ] {
         assert_eq!(host.mask(0, 0, q, kv), seen, "q {q}, kv {kv}");
     }
+}
+
+/// A variant declared through the runtime crate under another name
+/// (`crate = ".."`, as a crate that re-exports it would): its items and
+/// generated tests name the runtime by that path.
+mod renamed_runtime {
+    use boostr_runtime as br;
+
+    #[br::attention(
+        score = |s, _b, _h, q, kv| s - 0.125 * ((q - kv) as f32),
+        mask = |_b, _h, q, kv| kv <= q,
+        crate = "br",
+        tests = [Renamed],
+    )]
+    #[derive(Clone, Debug)]
+    pub struct Renamed;
 }

@@ -8,7 +8,7 @@
 
 use crate::fixtures;
 
-use boostr_runtime::Target;
+use boostr_runtime::variant::Target;
 use kernels_spec::compile_str;
 use kernels_spec::emit::choose_tiles;
 use kernels_spec::emit::gpu::variant_section;
