@@ -3,8 +3,9 @@
 
 //!
 //! Tensor fields declared `Var<R>` are learnable: given as a `Var` that
-//! requires grad, `var_attention` returns their gradients (on the CPU); a
-//! `Var::new(t, false)` reads them like any captured tensor.
+//! requires grad, `var_attention` and `attention_backward` return their
+//! gradients, on every backend; a `Var::new(t, false)` reads them like any
+//! captured tensor.
 
 use crate::attention;
 use numr::autograd::Var;
