@@ -26,14 +26,15 @@ pub trait AttentionRuntime: Runtime<DType = DType> + std::fmt::Debug + sealed::S
     }
 
     /// Run the forward kernel on validated inputs, its keys laid out as
-    /// `keys.layout` says (every backend runs every layout); returns `(out,
-    /// lse)`.
+    /// `keys.layout` says (every backend runs every layout); returns `out`,
+    /// `lse` and, where [`Problem::max_scores`] asks, each row's largest
+    /// score, in the kernels' layout.
     fn attention_forward<V: Variant>(
         variant: &V,
         problem: &Problem,
         q: &Tensor<Self>,
         keys: CallKeys<'_, Self>,
-    ) -> Result<(Tensor<Self>, Tensor<Self>)>;
+    ) -> Result<crate::op::Output<Self>>;
 
     /// Run the backward kernels on validated inputs; returns `dq, dk, dv`
     /// (`dk, dv` shaped as the keys) and the gradient of each learnable

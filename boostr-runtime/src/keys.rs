@@ -12,6 +12,7 @@ use crate::backend::{
     AttentionRuntime, CacheLengths, CacheScales, CallKeys, KeyLayout, PageTable, SeqMap,
 };
 use crate::error::{Error, Result};
+use crate::op::Output;
 use crate::options::AttentionOptions;
 use crate::problem::Problem;
 use crate::validate::{self, MAX_INDEX};
@@ -263,56 +264,15 @@ impl<'a, R: Runtime, T: KeyTensor<R>> Keys<'a, R, T> {
 
     /// These keys read as fp8 (`k` and `v` both `FP8E4M3` or both
     /// `FP8E5M2`) with `scales`: forward only, on the CPU and CUDA.
-    pub fn with_scales(self, scales: KvScales<'a, R>) -> Self {
-        let s = Some(scales);
-        match self {
-            Keys::Dense { k, v, .. } => Keys::Dense { k, v, scales: s },
-            Keys::Cache { k, v, lengths, .. } => Keys::Cache {
-                k,
-                v,
-                lengths,
-                scales: s,
-            },
-            Keys::Paged {
-                k_pages,
-                v_pages,
-                page_table,
-                lengths,
-                ..
-            } => Keys::Paged {
-                k_pages,
-                v_pages,
-                page_table,
-                lengths,
-                scales: s,
-            },
-            Keys::Padded {
-                k,
-                v,
-                q_lengths,
-                kv_lengths,
-                ..
-            } => Keys::Padded {
-                k,
-                v,
-                q_lengths,
-                kv_lengths,
-                scales: s,
-            },
-            Keys::Varlen {
-                k,
-                v,
-                cu_seqlens_q,
-                cu_seqlens_k,
-                ..
-            } => Keys::Varlen {
-                k,
-                v,
-                cu_seqlens_q,
-                cu_seqlens_k,
-                scales: s,
-            },
+    pub fn with_scales(mut self, scales: KvScales<'a, R>) -> Self {
+        match &mut self {
+            Keys::Dense { scales: s, .. }
+            | Keys::Cache { scales: s, .. }
+            | Keys::Paged { scales: s, .. }
+            | Keys::Padded { scales: s, .. }
+            | Keys::Varlen { scales: s, .. } => *s = Some(scales),
         }
+        self
     }
 
     /// The keys (`k`, or `k_pages`) and values.
@@ -663,7 +623,9 @@ impl<R: AttentionRuntime> Call<R> {
             form,
         };
         // The dropout draw is keyed by the variant's batches and heads.
-        call.problem.dropout = validate::call(variant, call.seen(), opts)?.dropout;
+        let seen = validate::call(variant, call.seen(), opts)?;
+        call.problem.dropout = seen.dropout;
+        call.problem.max_scores = seen.max_scores;
         Ok(call)
     }
 
@@ -697,6 +659,15 @@ impl<R: AttentionRuntime> Call<R> {
             Form::Packed => Ok(t.squeeze(Some(0)).permute(&[1, 0, 2])?.contiguous()?),
             Form::Repacked { q, .. } => q.unpad(&t),
         }
+    }
+
+    /// The kernels' forward result in the caller's layout.
+    pub(crate) fn output(&self, y: Output<R>) -> Result<Output<R>> {
+        Ok(Output {
+            out: self.rows_out(y.out)?,
+            lse: self.lse_out(y.lse)?,
+            max_scores: y.max_scores.map(|m| self.lse_out(m)).transpose()?,
+        })
     }
 
     /// An lse-shaped result of the kernels in the caller's layout.

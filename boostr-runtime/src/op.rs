@@ -24,6 +24,11 @@ pub struct Output<R: Runtime> {
     /// modified, scaled logits and its sink; `-inf` for a row that sees
     /// nothing. `[B, Hq, Sq]`, or `[Hq, total_q]` for packed sequences.
     pub lse: Tensor<R>,
+    /// Where [`AttentionOptions::max_scores`] asks for it: each query
+    /// row's largest modified score (`score(q·k · scale)`) over the keys it
+    /// sees, before dropout and without the sink; `-inf` for a row that
+    /// sees nothing. f32, shaped as `lse`; not differentiable.
+    pub max_scores: Option<Tensor<R>>,
 }
 
 /// What a backward starts from: the forward's results and the gradients
@@ -124,11 +129,12 @@ pub fn attention<V: Variant, R: AttentionRuntime>(
 
 /// The forward of a validated call, its results in the caller's layout.
 fn forward<V: Variant, R: AttentionRuntime>(variant: &V, call: &Call<R>) -> Result<Output<R>> {
-    let (out, lse) = R::attention_forward(variant, &call.problem, &call.q, call.keys())?;
-    Ok(Output {
-        out: call.rows_out(out)?,
-        lse: call.lse_out(lse)?,
-    })
+    call.output(R::attention_forward(
+        variant,
+        &call.problem,
+        &call.q,
+        call.keys(),
+    )?)
 }
 
 /// The fused backward of [`attention`]: `dq`, `dk` and `dv` (shaped as
@@ -229,6 +235,8 @@ pub struct VarOutput<R: Runtime> {
     pub out: Var<R>,
     /// `lse`, as [`Output::lse`].
     pub lse: Var<R>,
+    /// As [`Output::max_scores`] (not differentiable).
+    pub max_scores: Option<Tensor<R>>,
 }
 
 /// Attention as an autograd op, over any key source: the forward runs
@@ -295,13 +303,18 @@ pub fn var_attention<V: Variant, R: AttentionRuntime>(
         };
         backward(&variant_, &call, grads, wanted)
     };
+    let max_scores = y.max_scores;
     let (out, lse) = node::attach(
         variant,
         [q, k, v],
         (y.out, y.lse),
         ("AttentionBackward", gradients),
     )?;
-    Ok(VarOutput { out, lse })
+    Ok(VarOutput {
+        out,
+        lse,
+        max_scores,
+    })
 }
 
 /// One learnable tensor's field name and its gradient, if any (see

@@ -22,6 +22,10 @@ pub struct AttentionOptions {
     /// layers of one step, say) take different offsets to draw
     /// independently.
     pub dropout_offset: u32,
+    /// Return each query row's largest modified score too
+    /// ([`Output::max_scores`](crate::Output::max_scores)): FlexAttention's
+    /// `AuxRequest(max_scores=True)`, what QK-Clip reads.
+    pub max_scores: bool,
 }
 
 impl AttentionOptions {
@@ -39,6 +43,15 @@ impl AttentionOptions {
         AttentionOptions {
             dropout_seed: seed,
             dropout_offset: offset,
+            ..self
+        }
+    }
+
+    /// These options with the rows' largest scores returned too
+    /// ([`AttentionOptions::max_scores`]).
+    pub fn with_max_scores(self) -> Self {
+        AttentionOptions {
+            max_scores: true,
             ..self
         }
     }

@@ -33,6 +33,8 @@ pub struct Problem {
     pub scale: f32,
     /// The call's dropout draw ([`Dropout::NONE`] keeps every pair).
     pub dropout: Dropout,
+    /// The forward also returns each row's largest modified score.
+    pub max_scores: bool,
 }
 
 /// The dropout draw of one call: which pairs it keeps, from a counter-based
@@ -122,6 +124,7 @@ impl Problem {
             head_dim_v: head_dim,
             scale: 1.0 / (head_dim as f32).sqrt(),
             dropout: Dropout::NONE,
+            max_scores: false,
         }
     }
 
@@ -141,6 +144,12 @@ impl Problem {
     /// The same problem with the dropout draw `dropout`.
     pub fn with_dropout(self, dropout: Dropout) -> Self {
         Self { dropout, ..self }
+    }
+
+    /// The same problem, its forward returning each row's largest
+    /// modified score (`max_scores`) or not.
+    pub fn with_max_scores(self, max_scores: bool) -> Self {
+        Self { max_scores, ..self }
     }
 
     /// Query heads per kv head.

@@ -214,10 +214,13 @@ pub fn page_table<R: Runtime<DType = DType>>(
     Ok(out)
 }
 
-/// `p` with the call's dropout draw, for a variant with `dropout`: its
-/// probability must lie in `[0, 1)`, and the batch and query heads must
-/// fit the counter's 16 bits each ([`kernels_spec::dropout`]).
+/// `p` with what `opts` asks of the kernels: whether to return each row's
+/// largest score, and the call's dropout draw for a variant with
+/// `dropout`, whose probability must lie in `[0, 1)` and whose batch and
+/// query heads must fit the counter's 16 bits each
+/// ([`kernels_spec::dropout`]).
 pub fn call<V: Variant>(variant: &V, p: Problem, opts: &AttentionOptions) -> Result<Problem> {
+    let p = p.with_max_scores(opts.max_scores);
     if !<V::Host as HostVariant>::WEIGHTS.dropout {
         return Ok(p);
     }

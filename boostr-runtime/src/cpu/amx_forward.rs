@@ -237,6 +237,8 @@ struct QueryTile {
     m: Vec<f32>,
     l: Vec<math::Lanes>,
     alpha: Vec<f32>,
+    /// Each row's largest score, where the call returns it.
+    mx: Vec<f32>,
     /// No key tile has been accumulated into `o` yet.
     first: bool,
 }
@@ -262,6 +264,7 @@ impl Scratch {
                     m: vec![0.0; BQ],
                     l: vec![[0.0; math::LANES]; BQ],
                     alpha: vec![0.0; BQ],
+                    mx: vec![0.0; BQ],
                     first: true,
                 })
                 .collect(),
@@ -283,8 +286,7 @@ pub(super) fn forward<V: HostVariant>(
     p: &Problem,
     q: Operand<'_>,
     keys: KeyRows<'_>,
-    out: &mut [f32],
-    lse: &mut [f32],
+    (out, lse, max): (&mut [f32], &mut [f32], Option<&mut [f32]>),
 ) {
     assert!(applies(p), "the bf16 forward runs {p:?}");
     let kind = amx::kind().expect("applies");
@@ -314,36 +316,35 @@ pub(super) fn forward<V: HostVariant>(
     };
     let rows = group * BQ;
     let mut tasks = Vec::with_capacity(heads.len() * sq.div_ceil(rows));
-    for (bh, (out_bh, lse_bh)) in out.chunks_mut(sq * dv).zip(lse.chunks_mut(sq)).enumerate() {
-        for (t, (out_t, lse_t)) in out_bh
-            .chunks_mut(rows * dv)
-            .zip(lse_bh.chunks_mut(rows))
-            .enumerate()
-        {
-            tasks.push((bh, t * rows, out_t, lse_t));
+    let n_heads = p.batch * p.heads_q;
+    let max_bh = super::forward::pieces(max, sq, n_heads);
+    let heads_out = out.chunks_mut(sq * dv).zip(lse.chunks_mut(sq)).zip(max_bh);
+    for (bh, ((out_bh, lse_bh), max_bh)) in heads_out.enumerate() {
+        let max_t = super::forward::pieces(max_bh, rows, sq.div_ceil(rows));
+        let tiles = out_bh.chunks_mut(rows * dv).zip(lse_bh.chunks_mut(rows));
+        for (t, ((out_t, lse_t), max_t)) in tiles.zip(max_t).enumerate() {
+            tasks.push((bh, t * rows, (out_t, lse_t, max_t)));
         }
     }
     tasks
         .into_par_iter()
-        .for_each_init_dyn(&|| Scratch::new(sizes), &|sc, (bh, row0, out_t, lse_t)| {
+        .for_each_init_dyn(&|| Scratch::new(sizes), &|sc, (bh, row0, outputs)| {
             let (b, h) = (bh / p.heads_q, bh % p.heads_q);
             let kv = &packed[b * p.heads_kv + h / g];
-            let q_t = q.head(bh).sub(row0..row0 + lse_t.len());
-            query_tiles(&heads[bh], kind, kv, row0, q_t, out_t, lse_t, sc);
+            let q_t = q.head(bh).sub(row0..row0 + outputs.1.len());
+            query_tiles(&heads[bh], kind, kv, row0, q_t, outputs, sc);
         });
 }
 
 /// Consecutive query tiles, `lse.len()` rows from row `row0` in all: start
 /// each, stream every key tile through each of them in turn, finish each.
-#[allow(clippy::too_many_arguments)]
 fn query_tiles<V: HostVariant>(
     head: &Head<'_, V>,
     kind: Kind,
     kv: &Packed,
     row0: usize,
     q: Rows<'_>,
-    out: &mut [f32],
-    lse: &mut [f32],
+    (out, lse, mut max): (&mut [f32], &mut [f32], Option<&mut [f32]>),
     sc: &mut Scratch,
 ) {
     let (dv, sk) = (head.p.head_dim_v, head.p.seq_k);
@@ -364,14 +365,18 @@ fn query_tiles<V: HostVariant>(
         bands: &mut sc.bands,
         v_guarded: &mut sc.v_guarded,
     };
+    let want_max = max.is_some();
     for (tile, kv0) in (0..sk).step_by(BK).enumerate() {
         for qt in qts.iter_mut() {
-            step(head, kv, &tiles, qt, tile, kv0, &mut work);
+            step(head, kv, &tiles, qt, (tile, kv0), &mut work, want_max);
         }
     }
     drop(tiles);
     for (t, qt) in qts.iter().enumerate() {
         let r = t * BQ..t * BQ + qt.rows;
+        if let Some(max) = max.as_deref_mut() {
+            max[r.clone()].copy_from_slice(&qt.mx[..qt.rows]);
+        }
         finish(head, qt, &mut out[r.start * dv..r.end * dv], &mut lse[r]);
     }
 }
@@ -398,6 +403,7 @@ fn start<V: HostVariant>(head: &Head<'_, V>, qt: &mut QueryTile, row0: usize, q:
     qt.first = true;
     qt.pos = head.pos.query_range(row0, rows);
     start_rows(head, row0, &mut qt.m[..rows], &mut qt.l[..rows]);
+    qt.mx[..rows].fill(f32::NEG_INFINITY);
 }
 
 /// Key tile `tile` (keys from `kv0`) through query tile `qt`.
@@ -406,9 +412,9 @@ fn step<V: HostVariant>(
     kv: &Packed,
     tiles: &Products,
     qt: &mut QueryTile,
-    tile: usize,
-    kv0: usize,
+    (tile, kv0): (usize, usize),
     w: &mut Work<'_>,
+    want_max: bool,
 ) {
     let (sk, scale) = (head.p.seq_k, head.p.scale);
     let ((_, dp), (_, dvp)) = dims(head.p);
@@ -451,6 +457,7 @@ fn step<V: HostVariant>(
         l: &mut qt.l[..rows],
         alpha: &mut qt.alpha[..rows],
         out: (!first).then_some(&mut qt.o[..rows * dvp]),
+        mx: want_max.then_some(&mut qt.mx[..rows]),
         bands: w.bands,
     });
     // P to bf16 for its product, zero past the tile's keys.

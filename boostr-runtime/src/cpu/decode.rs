@@ -91,6 +91,8 @@ struct Partial<'a> {
     m: &'a mut [f32],
     l: &'a mut [f32],
     acc: &'a mut [f32],
+    /// Each row's largest score, where the call returns it.
+    best: Option<&'a mut [f32]>,
 }
 
 /// The forward for decode shapes, with the keys of each (batch, kv head)
@@ -105,8 +107,7 @@ pub(super) fn forward<V: HostVariant>(
     chunks: usize,
     q: &[f32],
     keys: KeyRows<'_>,
-    out: &mut [f32],
-    lse: &mut [f32],
+    (out, lse, max): (&mut [f32], &mut [f32], Option<&mut [f32]>),
 ) {
     let (sq, sk, g) = (p.seq_q, p.seq_k, p.group());
     let (d, dv) = (p.head_dim, p.head_dim_v);
@@ -125,14 +126,17 @@ pub(super) fn forward<V: HostVariant>(
     let mut m = vec![f32::NEG_INFINITY; tasks * rows];
     let mut l = vec![0.0f32; tasks * rows];
     let mut acc = Aligned::<f32>::zeroed(tasks * rows * dv);
+    let mut best = vec![f32::NEG_INFINITY; if max.is_some() { tasks * rows } else { 0 }];
+    let mut best_t = super::forward::pieces(max.is_some().then_some(&mut best[..]), rows, tasks);
     m.par_chunks_mut(rows)
         .zip(l.par_chunks_mut(rows))
         .zip(acc.par_chunks_mut(rows * dv))
+        .zip(best_t.par_iter_mut())
         .enumerate()
         .for_each_init_dyn(&|| Scratch::new(tiles, rows, (d, dv)), &|sc,
                                                                      (
             t,
-            ((m, l), acc),
+            (((m, l), acc), best),
         )| {
             let (bkv, c) = (t / chunks, t % chunks);
             let b = bkv / p.heads_kv;
@@ -148,17 +152,29 @@ pub(super) fn forward<V: HostVariant>(
                 q: &q[bkv * rows * d..(bkv + 1) * rows * d],
                 keys,
             };
-            task.run(range, Partial { m, l, acc }, sc);
+            let best = best.take();
+            task.run(range, Partial { m, l, acc, best }, sc);
         });
 
     // Merge each row's chunks in chunk order (the sink first), each
     // partial rescaled to the row's largest max, then finish the row.
     let w = V::WEIGHTS;
     let keep = if w.dropout { p.dropout.scale() } else { 1.0 };
+    let mut max_g = super::forward::pieces(max, rows, p.batch * p.heads_kv);
     out.par_chunks_mut(rows * dv)
         .zip(lse.par_chunks_mut(rows))
+        .zip(max_g.par_iter_mut())
         .enumerate()
-        .for_each_dyn(&|(bkv, (out_g, lse_g))| {
+        .for_each_dyn(&|(bkv, ((out_g, lse_g), max_g))| {
+            // Each row's largest score: the largest of its chunks'.
+            if let Some(max_g) = max_g.take() {
+                for (r, x) in max_g.iter_mut().enumerate() {
+                    let at = |c: usize| (bkv * chunks + c) * rows + r;
+                    *x = (0..chunks)
+                        .map(|c| best[at(c)])
+                        .fold(f32::NEG_INFINITY, f32::max);
+                }
+            }
             let pos = pos(bkv / p.heads_kv);
             let b = Positions::to_i32(bkv / p.heads_kv);
             for (r, (out_r, lse_r)) in out_g.chunks_mut(dv).zip(lse_g.iter_mut()).enumerate() {
@@ -267,8 +283,7 @@ impl<V: HostVariant> Task<'_, V> {
         (kv0, cols): (usize, usize),
         ahead: [&[Rows<'_>]; 2],
         gemv: bool,
-        m: &mut [f32],
-        acc: &mut [f32],
+        (m, best, acc): (&mut [f32], Option<&mut [f32]>, &mut [f32]),
         sc: &mut Scratch,
     ) {
         let (p, d, g, sq) = (self.p, self.p.head_dim, self.p.group(), self.p.seq_q);
@@ -307,6 +322,7 @@ impl<V: HostVariant> Task<'_, V> {
             l: &mut sc.l[..rows],
             alpha: &mut sc.alpha[..rows],
             acc: &mut *acc,
+            best,
         });
         // O += P V. Where some row hides some key, that key must not bring
         // a NaN of its V row with it (0 · NaN): such keys' rows are zeroed
@@ -359,7 +375,12 @@ impl<V: HostVariant> Task<'_, V> {
         let rows = g * sq;
         let b = Positions::to_i32(self.b);
         let (q_lo, q_hi) = self.pos.query_range(0, sq);
-        let Partial { m, l, acc } = part;
+        let Partial {
+            m,
+            l,
+            acc,
+            mut best,
+        } = part;
         sc.l[..rows].fill([0.0; math::LANES]);
         let gemv = rows <= GEMV_ROWS && gemv::available();
         if !gemv {
@@ -389,7 +410,8 @@ impl<V: HostVariant> Task<'_, V> {
             }));
             if !sc.classes.iter().all(|&c| c == TileClass::Empty) {
                 let next = [&k_next[..], &v_next[..]];
-                self.block(&k_runs, &v_runs, (kv0, cols), next, gemv, m, acc, sc);
+                let state = (&mut *m, best.as_deref_mut(), &mut *acc);
+                self.block(&k_runs, &v_runs, (kv0, cols), next, gemv, state, sc);
             }
             std::mem::swap(&mut k_runs, &mut k_next);
             std::mem::swap(&mut v_runs, &mut v_next);
@@ -414,6 +436,8 @@ struct BlockSoftmax<'a, 't, V> {
     l: &'a mut [math::Lanes],
     alpha: &'a mut [f32],
     acc: &'a mut [f32],
+    /// Each row's largest score so far, where the call returns it.
+    best: Option<&'a mut [f32]>,
 }
 
 impl<V: HostVariant> Elementwise for BlockSoftmax<'_, '_, V> {
@@ -430,6 +454,7 @@ impl<V: HostVariant> Elementwise for BlockSoftmax<'_, '_, V> {
             l,
             alpha,
             acc,
+            mut best,
         } = self;
         let (dv, g, sq) = (task.p.head_dim_v, task.p.group(), task.p.seq_q);
         let rows = g * sq;
@@ -446,6 +471,9 @@ impl<V: HostVariant> Elementwise for BlockSoftmax<'_, '_, V> {
                 class => super::forward::score_and_mask(task.variant, b, h, qi, kv_lo, class, row),
             }
             alpha[r] = w.row_max(m[r], row, 1.0);
+            if let Some(best) = best.as_deref_mut() {
+                best[r] = best[r].max(math::max(row));
+            }
         }
         w.rescale_rows(m, alpha);
         for (r, row) in s.chunks_mut(cols).enumerate() {

@@ -120,25 +120,31 @@ impl<'a> ForwardInputs<'a> {
     }
 }
 
+/// What a forward writes: `out`, `lse` and, where the call returns it,
+/// each row's largest score (lse-shaped).
+pub(crate) type Outputs<'o> = (&'o mut [f32], &'o mut [f32], Option<&'o mut [f32]>);
+
 /// The output slices of a forward have the problem's lengths.
-fn check_outputs(p: &Problem, out: &[f32], lse: &[f32]) {
+fn check_outputs(p: &Problem, (out, lse, max): &Outputs<'_>) {
     assert_eq!(out.len(), p.out_len(), "out length");
     assert_eq!(lse.len(), p.lse_len(), "lse length");
+    if let Some(max) = max {
+        assert_eq!(max.len(), p.lse_len(), "max length");
+    }
 }
 
 /// The forward of [`ForwardInputs`], reading each as stored: the decode
 /// kernel for decode shapes (of dense keys or a cache), or where `chunks`
 /// (keys per (batch, kv head) cut into that many chunks) is given; else
 /// the tile kernel, through the window of the call's sequences.
-fn forward_inputs<V: HostVariant>(
+pub(super) fn forward_inputs<V: HostVariant>(
     variant: &V,
     p: &Problem,
     (tiles, chunks): (CpuTiles, Option<usize>),
     x: ForwardInputs<'_>,
-    out: &mut [f32],
-    lse: &mut [f32],
+    outputs: Outputs<'_>,
 ) {
-    check_outputs(p, out, lse);
+    check_outputs(p, &outputs);
     let tiles = CpuTiles::new(tiles.q, tiles.kv);
     let threads = rayon::current_num_threads();
     if chunks.is_none() && !runs_decode(p, x.seqs) {
@@ -146,8 +152,7 @@ fn forward_inputs<V: HostVariant>(
             p,
             tiles,
             x,
-            out,
-            lse,
+            outputs,
         };
         return windowed(variant, p, x.seqs, run);
     }
@@ -168,7 +173,7 @@ fn forward_inputs<V: HostVariant>(
         }
     };
     let chunks = chunks.unwrap_or_else(|| decode::chunks(p, tiles, threads));
-    in_pool(|| decode::forward(variant, p, tiles, chunks, q, x.keys, out, lse));
+    in_pool(|| decode::forward(variant, p, tiles, chunks, q, x.keys, outputs));
 }
 
 /// Whether a forward of `p` over `seqs` runs the decode kernel.
@@ -182,15 +187,14 @@ struct TileForward<'a, 'o> {
     p: &'a Problem,
     tiles: CpuTiles,
     x: ForwardInputs<'a>,
-    out: &'o mut [f32],
-    lse: &'o mut [f32],
+    outputs: Outputs<'o>,
 }
 
 impl OnHost for TileForward<'_, '_> {
     type Out = ();
 
     fn run<H: HostVariant>(self, host: &H) {
-        tile_forward(host, self.p, self.tiles, self.x, self.out, self.lse);
+        tile_forward(host, self.p, self.tiles, self.x, self.outputs);
     }
 }
 
@@ -200,11 +204,10 @@ fn tile_forward<V: HostVariant>(
     p: &Problem,
     tiles: CpuTiles,
     x: ForwardInputs<'_>,
-    out: &mut [f32],
-    lse: &mut [f32],
+    outputs: Outputs<'_>,
 ) {
     let group = super::forward::group_size(variant, p, tiles, rayon::current_num_threads());
-    in_pool(|| super::forward::forward(variant, p, tiles, group, x.q, x.keys, out, lse));
+    in_pool(|| super::forward::forward(variant, p, tiles, group, x.q, x.keys, outputs));
 }
 
 /// Attention forward over bf16 `q, k, v` with bf16 tile products (AMX, or
@@ -222,7 +225,7 @@ pub fn forward_bf16<V: Variant>(
     lse: &mut [f32],
 ) -> Result<bool> {
     let x = ForwardInputs::packed(p, q, (k, v), None);
-    forward_bf16_inputs(variant, p, x, out, lse)
+    forward_bf16_inputs(variant, p, x, (out, lse, None))
 }
 
 /// [`forward_bf16`] of bf16 [`ForwardInputs`] (over a cache through
@@ -231,15 +234,14 @@ pub(crate) fn forward_bf16_inputs<V: Variant>(
     variant: &V,
     p: &Problem,
     x: ForwardInputs<'_>,
-    out: &mut [f32],
-    lse: &mut [f32],
+    outputs: Outputs<'_>,
 ) -> Result<bool> {
-    check_outputs(p, out, lse);
+    check_outputs(p, &outputs);
     if !amx_forward::applies(p) {
         return Ok(false);
     }
     on_host(variant, &x.seqs.seen(p), |host| {
-        let run = Bf16Forward { p, x, out, lse };
+        let run = Bf16Forward { p, x, outputs };
         in_pool(|| windowed(host, p, x.seqs, run))
     })?;
     Ok(true)
@@ -249,15 +251,14 @@ pub(crate) fn forward_bf16_inputs<V: Variant>(
 struct Bf16Forward<'a, 'o> {
     p: &'a Problem,
     x: ForwardInputs<'a>,
-    out: &'o mut [f32],
-    lse: &'o mut [f32],
+    outputs: Outputs<'o>,
 }
 
 impl OnHost for Bf16Forward<'_, '_> {
     type Out = ();
 
     fn run<H: HostVariant>(self, host: &H) {
-        amx_forward::forward(host, self.p, self.x.q, self.x.keys, self.out, self.lse);
+        amx_forward::forward(host, self.p, self.x.q, self.x.keys, self.outputs);
     }
 }
 
@@ -274,7 +275,7 @@ pub fn forward_tiled<V: HostVariant>(
     lse: &mut [f32],
 ) {
     let x = ForwardInputs::packed(p, q, (k, v), None);
-    forward_inputs(variant, p, (tiles, None), x, out, lse);
+    forward_inputs(variant, p, (tiles, None), x, (out, lse, None));
 }
 
 /// [`forward`] over `q`, `k` and `v` in one element type, read as stored:
@@ -291,7 +292,7 @@ pub fn forward_stored<V: Variant, E: KvElem>(
     lse: &mut [f32],
 ) -> Result<()> {
     let x = ForwardInputs::packed(p, q, (k, v), None);
-    forward_stored_inputs(variant, p, x, out, lse)
+    forward_stored_inputs(variant, p, x, (out, lse, None))
 }
 
 /// [`forward_stored`] or [`forward_cache`] of [`ForwardInputs`].
@@ -299,33 +300,12 @@ pub(crate) fn forward_stored_inputs<V: Variant>(
     variant: &V,
     p: &Problem,
     x: ForwardInputs<'_>,
-    out: &mut [f32],
-    lse: &mut [f32],
+    outputs: Outputs<'_>,
 ) -> Result<()> {
     let tiles = CpuTiles::for_variant::<V>();
     on_host(variant, &x.seqs.seen(p), |host| {
-        forward_inputs(host, p, (tiles, None), x, out, lse)
+        forward_inputs(host, p, (tiles, None), x, outputs)
     })
-}
-
-/// The decode kernel (query rows per head up to 32; see `decode`) with the
-/// keys of each (batch, kv head) cut into `chunks` chunks, whatever the
-/// shape: for tests and benchmarks of the split against the unsplit path.
-#[doc(hidden)]
-#[allow(clippy::too_many_arguments)]
-pub fn forward_decode<V: HostVariant>(
-    variant: &V,
-    p: &Problem,
-    tiles: CpuTiles,
-    chunks: usize,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    out: &mut [f32],
-    lse: &mut [f32],
-) {
-    let x = ForwardInputs::packed(p, q, (k, v), None);
-    forward_inputs(variant, p, (tiles, Some(chunks)), x, out, lse);
 }
 
 /// Attention forward over a KV cache with spare capacity, or paged, as
@@ -365,7 +345,7 @@ pub fn forward_cache_tiled<V: HostVariant, E: KvElem>(
     lse: &mut [f32],
 ) {
     let x = ForwardInputs::packed(p, q, (k, v), Some(cache));
-    forward_inputs(variant, p, (tiles, None), x, out, lse);
+    forward_inputs(variant, p, (tiles, None), x, (out, lse, None));
 }
 
 /// Attention backward with the variant's [`CpuTiles`]: writes `dq`, `dk`, `dv`,

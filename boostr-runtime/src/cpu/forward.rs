@@ -112,6 +112,9 @@ struct Work {
     l: Vec<math::Lanes>,
     /// Per-row rescale factor of the current key tile.
     alpha: Vec<f32>,
+    /// Running row max of the (masked, modified) scores alone, without
+    /// the sink, where the call returns it.
+    mx: Vec<f32>,
     /// The task's query tiles.
     q_tiles: Vec<QueryTile>,
     /// The current tile pair's bands (see `class_bands`).
@@ -129,6 +132,7 @@ impl Work {
             m: vec![0.0; rows],
             l: vec![[0.0; math::LANES]; rows],
             alpha: vec![0.0; rows],
+            mx: vec![0.0; rows],
             q_tiles: Vec::with_capacity(group),
             bands: Vec::with_capacity(t.q.div_ceil(super::BAND_ROWS)),
             v_guarded: Vec::new(),
@@ -176,8 +180,7 @@ pub(super) fn forward<V: HostVariant>(
     group: usize,
     q: Operand<'_>,
     keys: KeyRows<'_>,
-    out: &mut [f32],
-    lse: &mut [f32],
+    (out, lse, max): (&mut [f32], &mut [f32], Option<&mut [f32]>),
 ) {
     let (sq, sk, d, dv) = (p.seq_q, p.seq_k, p.head_dim, p.head_dim_v);
     debug_assert_eq!((q.dim(), keys.k.dim(), keys.v.dim()), (d, d, dv));
@@ -215,12 +218,14 @@ pub(super) fn forward<V: HostVariant>(
     // stealing, so B = H = 1 still uses every thread when there are enough
     // query tiles.
     let group_rows = group * tiles.q;
+    let mut max_g = pieces(max, g * sq, p.batch * p.heads_kv);
     out.par_chunks_mut(g * sq * dv)
         .zip(lse.par_chunks_mut(g * sq))
         .zip(kt.par_chunks_mut(sk * d))
         .zip(v_heads.par_iter_mut())
+        .zip(max_g.par_iter_mut())
         .enumerate()
-        .for_each_dyn(&|(bkv, (((out_g, lse_g), kt), v_wide))| {
+        .for_each_dyn(&|(bkv, ((((out_g, lse_g), kt), v_wide), max_g))| {
             let (b, hkv) = (bkv / p.heads_kv, bkv % p.heads_kv);
             let len = keys.len(b);
             kt.par_chunks_mut(tiles.kv * d)
@@ -262,11 +267,13 @@ pub(super) fn forward<V: HostVariant>(
                 .step_by(tiles.kv)
                 .map(|kv0| !v_rows.sub(kv0..sk.min(kv0 + tiles.kv)).all_finite())
                 .collect();
+            let mut max_h = pieces(max_g.take(), sq, g);
             out_g
                 .par_chunks_mut(sq * dv)
                 .zip(lse_g.par_chunks_mut(sq))
+                .zip(max_h.par_iter_mut())
                 .enumerate()
-                .for_each_dyn(&|(i, (out_bh, lse_bh))| {
+                .for_each_dyn(&|(i, ((out_bh, lse_bh), max_bh))| {
                     let bh = bkv * g + i;
                     let (b, h) = (bh / p.heads_q, bh % p.heads_q);
                     let head = Head {
@@ -281,13 +288,15 @@ pub(super) fn forward<V: HostVariant>(
                         v_nonfinite: &v_nonfinite,
                     };
                     let q_bh = q.head(bh);
+                    let mut max_t = pieces(max_bh.take(), group_rows, sq.div_ceil(group_rows));
                     out_bh
                         .par_chunks_mut(group_rows * dv)
                         .zip(lse_bh.par_chunks_mut(group_rows))
+                        .zip(max_t.par_iter_mut())
                         .enumerate()
                         .for_each_init_dyn(
                             &|| Scratch::new(tiles, group, d, in_place(q_bh).is_none()),
-                            &|scratch, (t, (out_g, lse_g))| {
+                            &|scratch, (t, ((out_g, lse_g), max_t))| {
                                 let (row0, rows) = (t * group_rows, lse_g.len());
                                 let q_g = q_bh.sub(row0..row0 + rows);
                                 let q_g = match in_place(q_g) {
@@ -303,8 +312,7 @@ pub(super) fn forward<V: HostVariant>(
                                     tiles,
                                     row0,
                                     q_g,
-                                    out_g,
-                                    lse_g,
+                                    (out_g, lse_g, max_t.take()),
                                     &mut scratch.work,
                                 );
                             },
@@ -322,21 +330,31 @@ fn in_place(rows: Rows<'_>) -> Option<(&[f32], usize)> {
     rows.packed_data().and(rows.f32())
 }
 
+/// `max` (where a call returns it) cut into `n`-long pieces, one for each
+/// of the `count` items of a parallel loop (`None`s where it does not).
+pub(super) fn pieces(max: Option<&mut [f32]>, n: usize, count: usize) -> Vec<Option<&mut [f32]>> {
+    match max {
+        Some(m) => m.chunks_mut(n.max(1)).map(Some).collect(),
+        None => (0..count).map(|_| None).collect(),
+    }
+}
+
 /// Consecutive query tiles, `rows = lse.len()` rows from row `row0` in
-/// all: stream every key tile through each of them in turn, then normalise.
+/// all: stream every key tile through each of them in turn, then normalise
+/// (and, where asked, write each row's largest score into `max`).
 fn query_tiles<V: HostVariant>(
     head: &Head<'_, V>,
     tiles: CpuTiles,
     row0: usize,
     (q, q_rs): (&[f32], usize),
-    out: &mut [f32],
-    lse: &mut [f32],
+    (out, lse, max): (&mut [f32], &mut [f32], Option<&mut [f32]>),
     sc: &mut Work,
 ) {
     let (d, dv) = (head.p.head_dim, head.p.head_dim_v);
     let (sk, scale) = (head.p.seq_k, head.p.scale);
     let rows = lse.len();
     start_rows(head, row0, &mut sc.m[..rows], &mut sc.l[..rows]);
+    sc.mx[..rows].fill(f32::NEG_INFINITY);
     // Each tile's output rows are neither zeroed nor rescaled before its
     // first visible key tile: that tile's `P V` overwrites them. (Rows no
     // tile reaches are zeroed at the end.)
@@ -395,6 +413,7 @@ fn query_tiles<V: HostVariant>(
                 l: &mut sc.l[r.clone()],
                 alpha: &mut sc.alpha[r.clone()],
                 out: (!first).then_some(&mut *out_t),
+                mx: max.is_some().then_some(&mut sc.mx[r.clone()]),
                 bands: &sc.bands,
             });
 
@@ -443,6 +462,9 @@ fn query_tiles<V: HostVariant>(
         out[qt.rows.start * dv..qt.rows.end * dv].fill(0.0);
     }
     finish_rows(head.p, (&sc.m[..rows], &sc.l[..rows]), out, lse, V::WEIGHTS);
+    if let Some(max) = max {
+        max.copy_from_slice(&sc.mx[..rows]);
+    }
 }
 
 /// The running max `m` and sum `l` of rows `row0 ..` before any key: the
@@ -508,6 +530,8 @@ pub(super) struct OnlineSoftmax<'a, 'h, V> {
     /// `D`); `None` on the first visible tile, before anything has been
     /// accumulated.
     pub(super) out: Option<&'a mut [f32]>,
+    /// Each row's largest score so far, where the call returns it.
+    pub(super) mx: Option<&'a mut [f32]>,
     /// The tile's bands (see [`class_bands`]): each row's logits are those of
     /// its band's keys; the rest of the row is neither read nor written.
     pub(super) bands: &'a [Band],
@@ -529,6 +553,7 @@ impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {
             l,
             alpha,
             mut out,
+            mut mx,
             bands,
         } = self;
         let rows = m.len();
@@ -560,6 +585,11 @@ impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {
                 }
                 score_and_mask(head.variant, head.b, head.h, qi, kj, class, row);
                 alpha[i] = w.row_max(m[i], row, weigh_scale);
+                if let Some(mx) = mx.as_deref_mut() {
+                    // The scores as the row sees them (`-inf` hidden; an
+                    // identity score's logits scaled by a positive scale).
+                    mx[i] = mx[i].max(weigh_scale * math::max(row));
+                }
             }
         }
         // Rescale factors across rows at once: one scalar `exp` per row

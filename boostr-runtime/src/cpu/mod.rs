@@ -90,8 +90,8 @@ pub use aligned::release_pool;
 pub use elem::KvElem;
 pub use entry::{
     BackwardInputs, Bf16BackwardInputs, backward, backward_bf16, backward_tiled, bf16_tiles,
-    forward, forward_bf16, forward_cache, forward_cache_tiled, forward_decode, forward_stored,
-    forward_tiled, is_decode,
+    forward, forward_bf16, forward_cache, forward_cache_tiled, forward_stored, forward_tiled,
+    is_decode,
 };
 #[doc(hidden)] // for the benchmark examples
 pub use gemm::{

@@ -304,14 +304,20 @@ impl AttentionRuntime for CpuRuntime {
         p: &Problem,
         q: &Tensor<Self>,
         keys: CallKeys<'_, Self>,
-    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+    ) -> Result<crate::op::Output<Self>> {
         let (dtype, device) = (q.dtype(), q.device());
         // q first: its dtype is the call's, so an unsupported one is named
         // as q's rather than as a mismatch of k.
         check_input("q", q, dtype)?;
         let mut out = Output::new(&p.out_shape(), dtype, device)?;
         let mut lse = Output::new(&p.lse_shape(), DType::F32, device)?;
+        let mut max = if p.max_scores {
+            Some(Output::new(&p.lse_shape(), DType::F32, device)?)
+        } else {
+            None
+        };
         let (o, l) = (out.slice_mut(), lse.slice_mut());
+        let mut m = max.as_mut().map(|m| m.slice_mut());
         // Read as stored and in place, 16-bit ones widened per block inside
         // the kernels (the decode kernel widens a call's few query rows
         // first).
@@ -343,11 +349,15 @@ impl AttentionRuntime for CpuRuntime {
         // except for decode shapes, whose kernel packs a GQA group's rows.
         let tiles = dtype == DType::BF16
             && !super::runs_decode(p, x.seqs)
-            && super::forward_bf16_inputs(variant, p, x, o, l)?;
+            && super::forward_bf16_inputs(variant, p, x, (&mut *o, &mut *l, m.as_deref_mut()))?;
         if !tiles {
-            super::forward_stored_inputs(variant, p, x, o, l)?;
+            super::forward_stored_inputs(variant, p, x, (o, l, m))?;
         }
-        Ok((out.finish(), lse.finish()))
+        Ok(crate::op::Output {
+            out: out.finish(),
+            lse: lse.finish(),
+            max_scores: max.map(Output::finish),
+        })
     }
 
     fn attention_backward<V: Variant>(

@@ -300,6 +300,7 @@ impl Grads {
 pub(crate) struct Reference {
     pub(crate) out: Vec<f64>,
     pub(crate) lse: Vec<f64>,
+    pub(crate) max_scores: Vec<f64>,
     pub(crate) dq: Vec<f64>,
     pub(crate) dk: Vec<f64>,
     pub(crate) dv: Vec<f64>,
@@ -340,6 +341,7 @@ fn reference_rounded<V: HostVariant>(
     let mut r = Reference {
         out: vec![0.0; p.out_len()],
         lse: vec![f64::NEG_INFINITY; p.lse_len()],
+        max_scores: vec![f64::NEG_INFINITY; p.lse_len()],
         dq: vec![0.0; p.q_len()],
         dk: vec![0.0; p.k_len()],
         dv: vec![0.0; p.v_len()],
@@ -363,6 +365,7 @@ fn reference_rounded<V: HostVariant>(
                     }
                 }
                 let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                r.max_scores[bh * sq + i] = m;
                 if m == f64::NEG_INFINITY {
                     continue; // out = 0, lse = -inf, no gradient
                 }
@@ -615,28 +618,56 @@ fn check_forward_grouped<V: HostVariant>(
     x: &Inputs,
 ) {
     let want = reference(v, p, x);
-    let (mut out, mut lse) = poisoned(p);
-    let run = |(q, k, v_): (&[_], &[_], &[_]), out: &mut [f32], lse: &mut [f32]| {
-        let x = ForwardInputs::packed(p, q, (k, v_), None);
-        forward::forward(v, p, t, group, x.q, x.keys, out, lse);
+    let poisoned = || {
+        let (out, lse) = poisoned(p);
+        (out, lse.clone(), lse)
     };
-    run((&x.q, &x.k, &x.v), &mut out, &mut lse);
+    let (mut out, mut lse, mut max) = poisoned();
+    let run = |(q, k, v_): (&[_], &[_], &[_]),
+               out: &mut [f32],
+               lse: &mut [f32],
+               max: Option<&mut [f32]>| {
+        let x = ForwardInputs::packed(p, q, (k, v_), None);
+        forward::forward(v, p, t, group, x.q, x.keys, (out, lse, max));
+    };
+    run((&x.q, &x.k, &x.v), &mut out, &mut lse, Some(&mut max[..]));
     let ctx = format!("{} {p:?} {t:?} group {group}", V::NAME);
     assert_close(&format!("out {ctx}"), &out, &want.out, 2e-5);
     assert_close(&format!("lse {ctx}"), &lse, &want.lse, 2e-5);
+    assert_close(&format!("max {ctx}"), &max, &want.max_scores, 2e-5);
+    // Without the rows' largest scores: the same bits.
+    let mut alone = poisoned();
+    run((&x.q, &x.k, &x.v), &mut alone.0, &mut alone.1, None);
+    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    assert!(
+        same(&alone.0, &out) && same(&alone.1, &lse),
+        "without max {ctx}"
+    );
     // 16-bit inputs, read as stored (widened a tile or a kv head at a
     // time): the same bits as f32 inputs of the same values.
     let (q, k, vv) = (bf16s(&x.q), bf16s(&x.k), bf16s(&x.v));
     let wide = |x: &[half::bf16]| x.iter().map(|y| y.to_f32()).collect::<Vec<f32>>();
     let (qw, kw, vw) = (wide(&q), wide(&k), wide(&vv));
-    let mut want = poisoned(p);
-    run((&qw, &kw, &vw), &mut want.0, &mut want.1);
-    let mut got = poisoned(p);
+    let mut want = poisoned();
+    run(
+        (&qw, &kw, &vw),
+        &mut want.0,
+        &mut want.1,
+        Some(&mut want.2[..]),
+    );
+    let mut got = poisoned();
     let x = ForwardInputs::packed(p, &q[..], (&k[..], &vv[..]), None);
-    forward::forward(v, p, t, group, x.q, x.keys, &mut got.0, &mut got.1);
-    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    forward::forward(
+        v,
+        p,
+        t,
+        group,
+        x.q,
+        x.keys,
+        (&mut got.0, &mut got.1, Some(&mut got.2)),
+    );
     assert!(
-        same(&got.0, &want.0) && same(&got.1, &want.1),
+        same(&got.0, &want.0) && same(&got.1, &want.1) && same(&got.2, &want.2),
         "bf16 as stored {ctx}"
     );
 }
@@ -957,29 +988,34 @@ fn bands_hold_every_visible_pair_and_only_whole_chunks_beyond() {
 
 // ------------------------------------------------------------------ decode
 
-/// The decode kernel with `chunks` key chunks, into NaN-poisoned buffers.
+/// The decode kernel with `chunks` key chunks, into NaN-poisoned buffers:
+/// `out`, `lse` and each row's largest score.
 fn decode<V: HostVariant>(
     v: &V,
     p: &Problem,
     t: CpuTiles,
     chunks: usize,
     x: &Inputs,
-) -> (Vec<f32>, Vec<f32>) {
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let (mut out, mut lse) = poisoned(p);
-    forward_decode(v, p, t, chunks, &x.q, &x.k, &x.v, &mut out, &mut lse);
-    (out, lse)
+    let mut max = lse.clone();
+    let inputs = ForwardInputs::packed(p, &x.q, (&x.k, &x.v), None);
+    let outputs = (&mut out[..], &mut lse[..], Some(&mut max[..]));
+    entry::forward_inputs(v, p, (t, Some(chunks)), inputs, outputs);
+    (out, lse, max)
 }
 
 #[track_caller]
 fn check_decode<V: HostVariant>(v: &V, p: &Problem, t: CpuTiles) {
     let x = Inputs::new(p, 0xdec0de ^ p.seq_k as u64, 1.0);
     let want = reference(v, p, &x);
-    let (one, one_lse) = decode(v, p, t, 1, &x);
+    let (one, one_lse, _) = decode(v, p, t, 1, &x);
     for chunks in [1, 2, 3, 7, 1000] {
-        let (out, lse) = decode(v, p, t, chunks, &x);
+        let (out, lse, max) = decode(v, p, t, chunks, &x);
         let ctx = format!("{} {p:?} {t:?} chunks {chunks}", V::NAME);
         assert_close(&format!("out {ctx}"), &out, &want.out, 2e-5);
         assert_close(&format!("lse {ctx}"), &lse, &want.lse, 2e-5);
+        assert_close(&format!("max {ctx}"), &max, &want.max_scores, 2e-5);
         // Split against unsplit: the same rows, merged by their lse.
         assert_close(
             &format!("out {ctx} vs 1 chunk"),
@@ -994,7 +1030,7 @@ fn check_decode<V: HostVariant>(v: &V, p: &Problem, t: CpuTiles) {
             1e-5,
         );
         // Run to run: the same bits.
-        let (again, again_lse) = decode(v, p, t, chunks, &x);
+        let (again, again_lse, _) = decode(v, p, t, chunks, &x);
         assert!(
             out.iter()
                 .zip(&again)
@@ -1963,7 +1999,7 @@ fn strided_operands_give_the_bits_of_packed_ones() {
         elem: impl Fn(f32) -> E + Copy,
         cache: Option<CacheLayout<'_>>,
         bf16_tiles: bool,
-    ) -> (Vec<f32>, Vec<f32>) {
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let [b, hq, hkv, sq, sk] = [p.batch, p.heads_q, p.heads_kv, p.seq_q, p.seq_k];
         let packed = |x: &[f32]| x.iter().map(|&v| elem(v)).collect::<Vec<E>>();
         let (q, k, v) = (packed(&x.q), packed(&x.k), packed(&x.v));
@@ -1979,17 +2015,20 @@ fn strided_operands_give_the_bits_of_packed_ones() {
         let mut results = Vec::new();
         for x in [packed, spread] {
             let (mut out, mut lse) = poisoned(p);
+            let mut max = lse.clone();
+            let outputs = (&mut out[..], &mut lse[..], Some(&mut max[..]));
             if bf16_tiles {
-                assert!(forward_bf16_inputs(&Causal, p, x, &mut out, &mut lse).unwrap());
+                assert!(forward_bf16_inputs(&Causal, p, x, outputs).unwrap());
             } else {
-                forward_stored_inputs(&Causal, p, x, &mut out, &mut lse).unwrap();
+                forward_stored_inputs(&Causal, p, x, outputs).unwrap();
             }
-            results.push((out, lse));
+            results.push((out, lse, max));
         }
         let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         for (what, got, want) in [
             ("out", &results[1].0, &results[0].0),
             ("lse", &results[1].1, &results[0].1),
+            ("max", &results[1].2, &results[0].2),
         ] {
             assert_eq!(bits(got), bits(want), "{what} {p:?} cache {cache:?}");
         }

@@ -22,6 +22,7 @@ use crate::backend::{
 };
 use crate::error::{BackendError, Error, Result};
 use crate::gpu::{self, ArenaPlan, KernelCache, KeyWords};
+use crate::op::Output;
 use crate::problem::Problem;
 use crate::validate;
 use crate::variant::Variant;
@@ -626,7 +627,7 @@ fn forward_over<V: Variant>(
     p: &Problem,
     q: &Tensor<CudaRuntime>,
     keys: CallKeys<'_, CudaRuntime>,
-) -> Result<(Tensor<CudaRuntime>, Tensor<CudaRuntime>)> {
+) -> Result<Output<CudaRuntime>> {
     let q = input("q", q)?;
     let dtype = q.dtype();
     let kv = kv_storage(dtype, keys.k.dtype(), keys.v.dtype(), keys.scales.is_some())?;
@@ -663,6 +664,13 @@ fn forward_over<V: Variant>(
     } else {
         (lse.clone(), lse.clone())
     };
+    // Each split's rows' largest scores, their largest in split 0's.
+    let max_scores = if p.max_scores {
+        let rows = p.batch * p.heads_q * p.seq_q;
+        Some(alloc(&[splits as usize * rows], DType::F32, &q)?)
+    } else {
+        None
+    };
     let mut buffers = vec![
         (Buffer::Q, &q),
         (Buffer::K, &k),
@@ -675,6 +683,9 @@ fn forward_over<V: Variant>(
     if let Some([k_scale, v_scale]) = &scales {
         buffers.extend([(Buffer::KScale, k_scale), (Buffer::VScale, v_scale)]);
     }
+    if let Some(max) = &max_scores {
+        buffers.push((Buffer::MaxScores, max));
+    }
     launch(
         variant,
         p,
@@ -685,7 +696,15 @@ fn forward_over<V: Variant>(
         &buffers,
         splits,
     )?;
-    Ok((out, lse))
+    let max_scores = match max_scores {
+        Some(max) => Some(max.narrow(0, 0, lse.numel())?.reshape(lse.shape())?),
+        None => None,
+    };
+    Ok(Output {
+        out,
+        lse,
+        max_scores,
+    })
 }
 
 /// The key splits of the forward of `p` on `client`'s device (see
@@ -726,7 +745,7 @@ impl AttentionRuntime for CudaRuntime {
         p: &Problem,
         q: &Tensor<Self>,
         keys: CallKeys<'_, Self>,
-    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+    ) -> Result<Output<Self>> {
         forward_over(variant, p, q, keys)
     }
 

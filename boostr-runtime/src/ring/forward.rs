@@ -12,49 +12,71 @@ use numr::dtype::DType;
 use numr::runtime::Runtime;
 use numr::tensor::Tensor;
 
-/// One query chunk's running result: `out` (in f32 once merged) and `lse`.
+/// One query chunk's running result: `out` (in f32 once merged), `lse`
+/// and, where the call returns it, each row's largest score.
 struct Partial<R: Runtime> {
     out: Tensor<R>,
     lse: Tensor<R>,
+    max: Option<Tensor<R>>,
 }
 
-/// Merge the partial `(out, lse)` of more keys into `acc` (in f32), as
-/// `weights` merges partial rows: a softmax over both key sets (rows no key
-/// of either set sees stay `out = 0`, `lse = −inf`), or the sum of sigmoid
-/// weights' outputs.
+/// Merge the partial result of more keys into `acc`: `out` and `lse` (in
+/// f32) as `weights` merges partial rows (a softmax over both key sets,
+/// where rows no key of either set sees stay `out = 0`, `lse = −inf`, or
+/// the sum of sigmoid weights' outputs), and each row's largest score as
+/// the larger of the two.
 fn merge<R: Runtime<DType = DType>>(
     weights: Weights,
     acc: Option<Partial<R>>,
-    out: &Tensor<R>,
-    lse: &Tensor<R>,
+    part: crate::op::Output<R>,
 ) -> Result<Partial<R>>
 where
     R::Client: RingOps<R>,
 {
+    let crate::op::Output {
+        out,
+        lse,
+        max_scores,
+    } = part;
     let Some(acc) = acc else {
         // The first part stands as it is (and is the result if alone).
         return Ok(Partial {
-            out: out.clone(),
+            out,
             lse: lse.contiguous()?,
+            max: max_scores,
         });
     };
-    if let Some((out, lse)) = host::merge(weights, (&acc.out, &acc.lse), out, lse) {
-        return Ok(Partial { out, lse });
+    let max = match (acc.max, max_scores) {
+        (Some(a), Some(b)) => Some(a.maximum(&b)?),
+        _ => None,
+    };
+    let (out, lse) = merge_rows(weights, (acc.out, acc.lse), &out, &lse)?;
+    Ok(Partial { out, lse, max })
+}
+
+/// The softmax (or sigmoid) merge of two partial `(out, lse)`.
+fn merge_rows<R: Runtime<DType = DType>>(
+    weights: Weights,
+    (acc_out, acc_lse): (Tensor<R>, Tensor<R>),
+    out: &Tensor<R>,
+    lse: &Tensor<R>,
+) -> Result<(Tensor<R>, Tensor<R>)>
+where
+    R::Client: RingOps<R>,
+{
+    if let Some(merged) = host::merge(weights, (&acc_out, &acc_lse), out, lse) {
+        return Ok(merged);
     }
     let out = out.to_dtype(DType::F32)?;
     if !weights.merges_by_lse() {
-        return Ok(Partial {
-            out: acc.out.to_dtype(DType::F32)?.add(&out)?,
-            lse: acc.lse,
-        });
+        return Ok((acc_out.to_dtype(DType::F32)?.add(&out)?, acc_lse));
     }
     // m = max(l1, l2), −inf raised to the least f32 so that exp(l − m)
     // is 0 (not NaN) where both are −inf.
-    let m = acc
-        .lse
+    let m = acc_lse
         .maximum(lse)?
         .clamp(f64::from(f32::MIN), f64::INFINITY)?;
-    let w1 = acc.lse.sub(&m)?.exp()?;
+    let w1 = acc_lse.sub(&m)?.exp()?;
     let w2 = lse.sub(&m)?.exp()?;
     let sum = w1.add(&w2)?;
     let merged_lse = m.add(&sum.log()?)?;
@@ -65,15 +87,11 @@ where
         w1.div(&denom)?.unsqueeze(-1)?,
         w2.div(&denom)?.unsqueeze(-1)?,
     );
-    let merged = acc
-        .out
+    let merged = acc_out
         .to_dtype(DType::F32)?
         .mul(&a1)?
         .add(&out.mul(&a2)?)?;
-    Ok(Partial {
-        out: merged,
-        lse: merged_lse,
-    })
+    Ok((merged, merged_lse))
 }
 
 /// The blocks of keys and values as they reach a rank.
@@ -179,11 +197,13 @@ where
     let dtype = q.dtype();
     let mut outs = Vec::with_capacity(own.len());
     let mut lses = Vec::with_capacity(own.len());
+    let mut maxes = Vec::with_capacity(own.len());
     for (c, partial) in own.iter().zip(acc) {
         match partial {
-            Some(Partial { out, lse }) => {
+            Some(Partial { out, lse, max }) => {
                 outs.push(out.to_dtype(dtype)?);
                 lses.push(lse);
+                maxes.extend(max);
             }
             None => {
                 let shape = [p.batch, p.heads_q, c.len];
@@ -201,6 +221,14 @@ where
                     f64::from(empty),
                     device,
                 )?);
+                if p.max_scores {
+                    maxes.push(Tensor::<R>::full_scalar(
+                        &shape,
+                        DType::F32,
+                        f64::NEG_INFINITY,
+                        device,
+                    )?);
+                }
             }
         }
     }
@@ -211,6 +239,11 @@ where
     Ok(crate::op::Output {
         out: cat(&outs, 2)?,
         lse: cat(&lses, 2)?,
+        max_scores: if p.max_scores {
+            Some(cat(&maxes, 2)?)
+        } else {
+            None
+        },
     })
 }
 
@@ -239,9 +272,9 @@ where
             layout: KeyLayout::Dense,
             scales: None,
         };
-        let (out, lse) = R::attention_forward(&positioned, &p, &qs, keys)?;
+        let part = R::attention_forward(&positioned, &p, &qs, keys)?;
         let weights = <V::Host as HostVariant>::WEIGHTS;
-        acc[i] = Some(merge(weights, acc[i].take(), &out, &lse)?);
+        acc[i] = Some(merge(weights, acc[i].take(), part)?);
     }
     Ok(())
 }

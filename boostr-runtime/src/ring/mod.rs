@@ -604,5 +604,9 @@ where
         (y.out, y.lse),
         ("RingAttentionBackward", gradients),
     )?;
-    Ok(VarOutput { out, lse })
+    Ok(VarOutput {
+        out,
+        lse,
+        max_scores: y.max_scores,
+    })
 }

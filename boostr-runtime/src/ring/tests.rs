@@ -10,7 +10,7 @@ use crate::stock::{
 };
 use crate::testing::rng::{Rng, SEED_ENV, choose_seed};
 use crate::testing::{MessageCount, ThreadComm};
-use crate::{attention, attention_backward};
+use crate::{Output, attention, attention_backward};
 use numr::runtime::LocalCommunicator;
 use numr::runtime::cpu::{CpuDevice, CpuRuntime};
 
@@ -109,6 +109,8 @@ impl Setup {
 struct RankOut<R: Runtime> {
     out: Tensor<R>,
     lse: Tensor<R>,
+    /// The rows' largest scores, where the options ask for them.
+    max_scores: Option<Tensor<R>>,
     grads: AttentionGrads<R>,
 }
 
@@ -134,6 +136,7 @@ where
         Ok(RankOut {
             out: y.out,
             lse: y.lse,
+            max_scores: y.max_scores,
             grads,
         })
     })
@@ -194,19 +197,24 @@ fn inputs(stream: u64, world: usize) -> (u64, Rng, Inputs<CpuRuntime>) {
     (seed, rng, x)
 }
 
-/// Single-device attention on the whole sequence: `out`, `lse` and every
-/// gradient of the loss that reads both.
+/// Single-device attention on the whole sequence: its output and every
+/// gradient of the loss that reads `out` and `lse`.
 fn one_device<V: Variant, R: AttentionRuntime>(
     variant: &V,
     x: &Inputs<R>,
     opts: &AttentionOptions,
-) -> (Tensor<R>, Tensor<R>, AttentionGrads<R>) {
+) -> (Output<R>, AttentionGrads<R>) {
     let keys = Keys::dense(&x.k, &x.v);
     let y = attention(variant, &x.q, keys, opts).expect("single device");
     let grads = Backward::new(&y, &x.dout).with_dlse(&x.dlse);
     let grads =
         attention_backward(variant, &x.q, keys, grads, opts).expect("single device backward");
-    (y.out, y.lse, grads)
+    (y, grads)
+}
+
+/// A rank's rows' largest scores, asked for.
+fn max_scores_of<R: Runtime>(r: &RankOut<R>) -> &Tensor<R> {
+    r.max_scores.as_ref().expect("asked for")
 }
 
 /// The whole sequence's tensor of which rank `r` holds `part(r)`.
@@ -287,12 +295,10 @@ fn check_against_single<V: Variant, R: AttentionRuntime>(
     let s = N * world;
     let x = Inputs::<R>::new(rng, s, device);
     // A dropout variant draws from this seed and offset (the others
-    // ignore them).
-    let attention = AttentionOptions {
-        dropout_seed: 0x005e_ed0f_d80f,
-        dropout_offset: 3,
-        ..AttentionOptions::default()
-    };
+    // ignore them); the rows' largest scores merge over the ring too.
+    let attention = AttentionOptions::default()
+        .with_dropout(0x005e_ed0f_d80f, 3)
+        .with_max_scores();
     let opts = Setup {
         attention,
         ..options(shards, schedule)
@@ -302,15 +308,21 @@ fn check_against_single<V: Variant, R: AttentionRuntime>(
         V::NAME,
         R::name()
     );
-    let (out, lse, want) = one_device(variant, &x, &opts.attention);
+    let (y, want) = one_device(variant, &x, &opts.attention);
     let (group, comms) = thread_group(world);
     let ranks: Vec<RankOut<R>> = run_ring(variant, &x, &comms, &opts)
         .into_iter()
         .map(|r| r.unwrap_or_else(|e| panic!("{context}: {e}")))
         .collect();
+    let want_max = y.max_scores.as_ref().expect("asked for");
     for (what, got, want) in [
-        ("out", gathered(&ranks, shards, |r| &r.out), &out),
-        ("lse", gathered(&ranks, shards, |r| &r.lse), &lse),
+        ("out", gathered(&ranks, shards, |r| &r.out), &y.out),
+        ("lse", gathered(&ranks, shards, |r| &r.lse), &y.lse),
+        (
+            "max_scores",
+            gathered(&ranks, shards, max_scores_of),
+            want_max,
+        ),
         ("dq", gathered(&ranks, shards, |r| &r.grads.dq), &want.dq),
         ("dk", gathered(&ranks, shards, |r| &r.grads.dk), &want.dk),
         ("dv", gathered(&ranks, shards, |r| &r.grads.dv), &want.dv),
@@ -506,7 +518,8 @@ fn shared_keys_match_one_device_and_travel_once() {
         };
         let opts = options(Shards::Zigzag, schedule);
         let context = format!("{schedule:?}; seed {seed}, rerun with {SEED_ENV}={seed}");
-        let (out, lse, want) = one_device(&CausalSlidingWindow { window: 9 }, &x, &opts.attention);
+        let (y, want) = one_device(&CausalSlidingWindow { window: 9 }, &x, &opts.attention);
+        let (out, lse) = (y.out, y.lse);
         let (group, comms) = thread_group(world);
         let ranks: Vec<RankOut<CpuRuntime>> =
             run_ring(&CausalSlidingWindow { window: 9 }, &x, &comms, &opts)
@@ -874,7 +887,7 @@ fn bf16_shards_match_one_device_in_bf16() {
         dlse: x.dlse,
     };
     let opts = options(Shards::Zigzag, Schedule::Ring);
-    let (out, lse, want) = one_device(&Causal, &x, &opts.attention);
+    let (Output { out, lse, .. }, want) = one_device(&Causal, &x, &opts.attention);
     let (_, comms) = thread_group(world);
     let ranks: Vec<RankOut<CpuRuntime>> = run_ring(&Causal, &x, &comms, &opts)
         .into_iter()

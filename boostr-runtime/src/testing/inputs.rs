@@ -63,11 +63,13 @@ impl Inputs {
         let v = rng.normal_f32(case.problem().v_len(), 1.0);
         let dout = rng.normal_f32(case.problem().out_len(), 1.0);
         let dlse = rng.normal_f32(case.problem().lse_len(), 1.0);
-        // A fresh draw of dropout pairs per case (ignored without dropout).
+        // A fresh draw of dropout pairs per case (ignored without dropout),
+        // and every other case asks for the rows' largest scores.
         let opts = AttentionOptions {
             scale: case.scale,
             dropout_seed: rng.next_u64(),
             dropout_offset: stream as u32,
+            max_scores: rng.next_u64() & 1 == 0,
         };
         Inputs {
             q,

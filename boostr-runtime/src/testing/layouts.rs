@@ -23,7 +23,7 @@ use super::exact_zeros::exact_zeros;
 use super::inputs::{Expected, Inputs, learnable_names};
 use super::reference::{Forward, Gradients};
 use super::report::CaseReport;
-use super::run_backend::{BackendResults, out_and_lse_loss};
+use super::run_backend::{BackendResults, max_scores, out_and_lse_loss, same_bits};
 use super::tolerance::{Layout, NAIVE_FACTOR, compare, compare_results};
 use crate::cpu::weights::RowWeights as _;
 use crate::keys::Keys;
@@ -216,6 +216,10 @@ fn compare_pages(
     let (q_, o_) = (Layout::Query(p.head_dim), Layout::Query(p.head_dim_v));
     check("out", o_, &got.fwd.out, &wf.out, &nf.out, m_out);
     check("lse", Layout::Lse, &got.fwd.lse, &wf.lse, &nf.lse, 0.0);
+    if !got.fwd.max_scores.is_empty() {
+        let (gm, wm, nm) = (&got.fwd.max_scores, &wf.max_scores, &nf.max_scores);
+        check("max_scores", Layout::Lse, gm, wm, nm, 0.0);
+    }
     check("var out", o_, &got.var_out, &wf.out, &nf.out, m_out);
     let (dk_pages, dv_pages) = (fold(&wg.dk, p, p.head_dim), fold(&wg.dv, p, p.head_dim_v));
     let naive = |x: &[f32], dim| -> Vec<f32> {
@@ -377,6 +381,13 @@ fn run_source<R: TestBackend, V: Variant>(
     );
     let yv =
         var_attention(variant, &qv, keys.over(&kv, &vv), opts).map_err(err("var_attention"))?;
+    let max = max_scores(opts.max_scores, &y.lse, y.max_scores.as_ref())
+        .map_err(|e| format!("attention: {e}"))?;
+    let var_max = max_scores(opts.max_scores, yv.lse.tensor(), yv.max_scores.as_ref())
+        .map_err(|e| format!("var_attention: {e}"))?;
+    if !same_bits(&max, &var_max) {
+        return Err("var_attention's max_scores differ from attention's".into());
+    }
     let loss = out_and_lse_loss(&client, (&yv.out, &yv.lse), (&dt, &dlse))
         .map_err(|e| format!("building the loss: {e}"))?;
     let autograd = backward(&loss, &client).map_err(|e| format!("autograd backward: {e}"))?;
@@ -405,14 +416,15 @@ fn run_source<R: TestBackend, V: Variant>(
     };
     // A row that sees nothing: -inf, or 0 for weights without an lse.
     let empty = <V::Host as crate::HostVariant>::WEIGHTS.lse(f32::NEG_INFINITY, 0.0);
-    let unpack_lse = |x: Vec<f32>| match source {
-        Source::Varlen => rows.unpack_lse(&x, &q_lens, empty),
+    let unpack_lse = |x: Vec<f32>, empty| match source {
+        Source::Varlen if !x.is_empty() => rows.unpack_lse(&x, &q_lens, empty),
         _ => x,
     };
     Ok(BackendResults {
         fwd: Forward {
             out: unpack_q(host(&y.out), vd),
-            lse: unpack_lse(host(&y.lse)),
+            lse: unpack_lse(host(&y.lse), empty),
+            max_scores: unpack_lse(max, f32::NEG_INFINITY),
         },
         grads: Gradients {
             dq: unpack_q(host(&g.dq), qd),

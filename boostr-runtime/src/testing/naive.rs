@@ -53,6 +53,7 @@ pub(crate) fn naive_f32<V: HostVariant>(
         Forward {
             out: worse(f.out, &unflip(&fr.out, d_v), &want_f.out),
             lse: worse(f.lse, &fr.lse, &want_f.lse),
+            max_scores: worse(f.max_scores, &fr.max_scores, &want_f.max_scores),
         },
         Gradients {
             dq: worse(g.dq, &unflip(&gr.dq, d), &want_g.dq),

@@ -79,6 +79,7 @@ pub fn check_parity_built<A: TestBackend, B: TestBackend, VA: Variant, VB: Varia
                     fwd: Forward {
                         out: widen(&a.fwd.out),
                         lse: widen(&a.fwd.lse),
+                        max_scores: widen(&a.fwd.max_scores),
                     },
                     grads: Gradients {
                         dq: widen(&a.grads.dq),

@@ -167,7 +167,8 @@ impl Real for f64 {
     );
 }
 
-/// Forward results: `out [B, Hq, Sq, Dv]` and `lse [B, Hq, Sq]`, row-major.
+/// Forward results: `out [B, Hq, Sq, Dv]`, `lse [B, Hq, Sq]` and
+/// `max_scores [B, Hq, Sq]`, row-major.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Forward<T> {
     /// Attention output.
@@ -175,6 +176,10 @@ pub struct Forward<T> {
     /// Natural log-sum-exp of each row's visible modified scores (`−inf` for
     /// a row with no visible key).
     pub lse: Vec<T>,
+    /// Each row's largest visible modified score (`−inf` for a row with no
+    /// visible key; a sink takes no part): the references' always, a
+    /// backend's where its call asked for them (else empty).
+    pub max_scores: Vec<T>,
 }
 
 /// Backward results: `dq [B, Hq, Sq, D]`, `dk [B, Hkv, Sk, D]`, `dv [B,
@@ -265,6 +270,8 @@ struct Row<T> {
     p: Vec<T>,
     /// Log-sum-exp (`−inf` when no key is visible); 0 with sigmoid.
     lse: T,
+    /// The largest of `z` (`−inf` when no key is visible).
+    z_max: T,
     /// The dropout factor of each key: 0 (dropped) or `1/(1 − p)`.
     keep: Vec<T>,
 }
@@ -276,6 +283,7 @@ impl<T: Real> Row<T> {
             z: vec![T::NEG_INFINITY; seq_k],
             p: vec![T::ZERO; seq_k],
             lse: T::NEG_INFINITY,
+            z_max: T::NEG_INFINITY,
             keep: vec![T::ZERO; seq_k],
         }
     }
@@ -303,6 +311,7 @@ impl<T: Real> Row<T> {
         // First pass: z and its max over the visible keys and the sink.
         let sink = T::sink(variant, bi, hi, qi);
         let mut max = sink;
+        self.z_max = T::NEG_INFINITY;
         for j in 0..p.seq_k {
             let ji = j as i32;
             if !T::mask(variant, bi, hi, qi, ji) {
@@ -316,6 +325,9 @@ impl<T: Real> Row<T> {
             self.z[j] = z;
             if z > max {
                 max = z;
+            }
+            if z > self.z_max {
+                self.z_max = z;
             }
         }
         let factor = T::from_f32(p.dropout.scale());
@@ -380,16 +392,19 @@ pub fn reference_forward<T: Real, V: HostVariant>(
     let dv = p.head_dim_v;
     let mut out = vec![T::ZERO; p.out_len()];
     let mut lse = vec![T::NEG_INFINITY; p.lse_len()];
+    let mut max_scores = vec![T::NEG_INFINITY; p.lse_len()];
     out.par_chunks_mut(p.seq_q * dv)
         .zip(lse.par_chunks_mut(p.seq_q))
+        .zip(max_scores.par_chunks_mut(p.seq_q))
         .enumerate()
-        .for_each_dyn(&|(bh, (out_bh, lse_bh))| {
+        .for_each_dyn(&|(bh, ((out_bh, lse_bh), max_bh))| {
             let (b, h) = (bh / p.heads_q, bh % p.heads_q);
             let hk = h / p.group();
             let mut row = Row::new(p.seq_k);
             for i in 0..p.seq_q {
                 let any = row.compute(variant, p, q, k, b, h, i);
                 lse_bh[i] = row.lse;
+                max_bh[i] = row.z_max;
                 if !any {
                     continue;
                 }
@@ -406,7 +421,11 @@ pub fn reference_forward<T: Real, V: HostVariant>(
                 }
             }
         });
-    Forward { out, lse }
+    Forward {
+        out,
+        lse,
+        max_scores,
+    }
 }
 
 /// Analytic backward of [`reference_forward`] in precision `T`, for output

@@ -91,6 +91,13 @@ pub(crate) fn run_backend<R: TestBackend, V: Variant>(
     );
     let yv = var_attention(variant, &qv, Keys::dense(&kv, &vv), opts)
         .map_err(|e| format!("var_attention: {e}"))?;
+    let max = max_scores(opts.max_scores, &y.lse, y.max_scores.as_ref())
+        .map_err(|e| format!("attention: {e}"))?;
+    let var_max = max_scores(opts.max_scores, yv.lse.tensor(), yv.max_scores.as_ref())
+        .map_err(|e| format!("var_attention: {e}"))?;
+    if !same_bits(&max, &var_max) {
+        return Err("var_attention's max_scores differ from attention's".into());
+    }
     let loss = out_and_lse_loss(&client, (&yv.out, &yv.lse), (&dt, &dlse))
         .map_err(|e| format!("building L = sum(out * dout) + sum(lse * dlse): {e}"))?;
     let grads = backward(&loss, &client).map_err(|e| format!("autograd backward: {e}"))?;
@@ -119,6 +126,7 @@ pub(crate) fn run_backend<R: TestBackend, V: Variant>(
             fwd: Forward {
                 out: host(&y.out),
                 lse: host(&y.lse),
+                max_scores: max,
             },
             grads: Gradients {
                 dq: host(&g.dq),
@@ -130,6 +138,32 @@ pub(crate) fn run_backend<R: TestBackend, V: Variant>(
             var_grads,
         },
     ))
+}
+
+/// The rows' largest scores of a call that asked for them (`asked`),
+/// host side: of `lse`'s shape; empty where not asked for. Returned where
+/// not asked for, or missing where asked, they are an error.
+pub(crate) fn max_scores<R: Runtime>(
+    asked: bool,
+    lse: &Tensor<R>,
+    got: Option<&Tensor<R>>,
+) -> Result<Vec<f32>, String> {
+    match (asked, got) {
+        (false, None) => Ok(Vec::new()),
+        (true, Some(m)) if m.shape() == lse.shape() => Ok(m.to_vec()),
+        (true, Some(m)) => Err(format!(
+            "max_scores of shape {:?}, want lse's {:?}",
+            m.shape(),
+            lse.shape()
+        )),
+        (true, None) => Err("max_scores asked for and not returned".into()),
+        (false, Some(_)) => Err("max_scores returned unasked".into()),
+    }
+}
+
+/// Whether `a` and `b` hold the same bits.
+pub(crate) fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
 /// `L = sum(out ∘ dout) + sum(lse ∘ dlse)`, whose gradients with respect

@@ -235,6 +235,11 @@ pub(crate) fn compare_results(
     check("attention_fwd out", o_, fo, &wf.out, &nf.out, m_out);
     // lse's magnitude is |lse| itself (taken inside `compare`).
     check("attention_fwd lse", Layout::Lse, fl, &wf.lse, &nf.lse, 0.0);
+    // Asked for by every other case (`Inputs::draw`).
+    if !got.fwd.max_scores.is_empty() {
+        let (gm, wm, nm) = (&got.fwd.max_scores, &wf.max_scores, &nf.max_scores);
+        check("attention_fwd max_scores", Layout::Lse, gm, wm, nm, 0.0);
+    }
     check("attention_bwd dq", q_, &got.grads.dq, &wg.dq, &ng.dq, m_dq);
     check("attention_bwd dk", k_, &got.grads.dk, &wg.dk, &ng.dk, m_dk);
     check("attention_bwd dv", v_, &got.grads.dv, &wg.dv, &ng.dv, m_dv);

@@ -12,6 +12,7 @@
 use crate::backend::{AttentionGrads, AttentionRuntime, BackwardTensors, CallKeys, KeyLayout};
 use crate::error::{BackendError, Result};
 use crate::gpu::{self, ArenaPlan, KernelCache, KeyWords};
+use crate::op::Output;
 use crate::problem::Problem;
 use crate::validate;
 use crate::variant::Variant;
@@ -724,7 +725,7 @@ fn forward_split<V: Variant>(
     q: &Tensor<WgpuRuntime>,
     keys: CallKeys<'_, WgpuRuntime>,
     splits: Option<u32>,
-) -> Result<(Tensor<WgpuRuntime>, Tensor<WgpuRuntime>)> {
+) -> Result<Output<WgpuRuntime>> {
     let (q, k, v) = (input("q", q)?, input("k", keys.k)?, input("v", keys.v)?);
     let client = WgpuRuntime::default_client(q.device());
     let fwd = pass::<V>(&client, p, &kernels::FORWARD)?;
@@ -737,7 +738,7 @@ fn forward_split<V: Variant>(
     let rows = p.batch * p.heads_q * p.seq_q;
     let split = splits as usize;
     if split == 1 {
-        let stats = alloc(&[rows, 2], &q)?;
+        let stats = alloc(&[rows, 4], &q)?;
         let tensors = [
             (Buffer::Q, &q),
             (Buffer::K, &k),
@@ -753,12 +754,12 @@ fn forward_split<V: Variant>(
             skip: None,
         }];
         run(&client, variant, p, &cfg, &steps, false, &keys.layout, 1)?;
-        return Ok((out, lse));
+        return forward_output(p, out, lse, &stats);
     }
     let merge = pass::<V>(&client, p, &kernels::MERGE)?;
     let split_out = alloc(&[split, rows, p.head_dim_v], &q)?;
     let split_lse = alloc(&[split, rows], &q)?;
-    let stats = alloc(&[split, rows, 2], &q)?;
+    let stats = alloc(&[split * rows, 4], &q)?;
     let forward = [
         (Buffer::Q, &q),
         (Buffer::K, &k),
@@ -772,6 +773,7 @@ fn forward_split<V: Variant>(
         (Buffer::SplitLse, &split_lse),
         (Buffer::Out, &out),
         (Buffer::Lse, &lse),
+        (Buffer::Stats, &stats),
     ];
     let steps = [
         Step {
@@ -797,7 +799,30 @@ fn forward_split<V: Variant>(
         &keys.layout,
         splits,
     )?;
-    Ok((out, lse))
+    forward_output(p, out, lse, &stats)
+}
+
+/// The forward's result: `out`, `lse` and, where `p` asks for them, the
+/// rows' largest scores, component `z` of the first `[B, Hq, Sq]` rows of
+/// `stats` (split 0's, where the merge leaves them).
+fn forward_output(
+    p: &Problem,
+    out: Tensor<WgpuRuntime>,
+    lse: Tensor<WgpuRuntime>,
+    stats: &Tensor<WgpuRuntime>,
+) -> Result<Output<WgpuRuntime>> {
+    let max_scores = if p.max_scores {
+        let rows = lse.numel();
+        let top = stats.narrow(0, 0, rows)?.narrow(1, 2, 1)?.contiguous()?;
+        Some(top.reshape(lse.shape())?)
+    } else {
+        None
+    };
+    Ok(Output {
+        out,
+        lse,
+        max_scores,
+    })
 }
 
 /// [`attention`](crate::attention()) on wgpu in exactly `splits` key splits
@@ -810,9 +835,10 @@ pub fn forward_in_splits<V: Variant>(
     keys: crate::Keys<'_, WgpuRuntime>,
     opts: &crate::AttentionOptions,
     splits: u32,
-) -> Result<(Tensor<WgpuRuntime>, Tensor<WgpuRuntime>)> {
+) -> Result<Output<WgpuRuntime>> {
     let call = crate::keys::Call::new(variant, q, &keys, opts)?;
-    forward_split(variant, &call.problem, &call.q, call.keys(), Some(splits))
+    let y = forward_split(variant, &call.problem, &call.q, call.keys(), Some(splits))?;
+    call.output(y)
 }
 
 /// The key splits [`attention`](crate::attention()) chooses on wgpu for `q`
@@ -847,7 +873,7 @@ impl AttentionRuntime for WgpuRuntime {
         p: &Problem,
         q: &Tensor<Self>,
         keys: CallKeys<'_, Self>,
-    ) -> Result<(Tensor<Self>, Tensor<Self>)> {
+    ) -> Result<Output<Self>> {
         forward_split(variant, p, q, keys, None)
     }
 

@@ -403,7 +403,9 @@ fn split_kv_decode_matches_the_unsplit_kernel() {
             |x: &[f32], s: &[usize]| Tensor::<WgpuRuntime>::from_slice(x, s, device).unwrap();
         let sizes = (b, hq, hkv, sq, cap);
         let (want, want_lse) = cpu_cache_forward(variant, (&q, &k, &v), sizes, (d, dv), &lens);
-        let p = Problem::new(b, (hq, hkv), (sq, cap), d).with_head_dim_v(dv);
+        let p = Problem::new(b, (hq, hkv), (sq, cap), d)
+            .with_head_dim_v(dv)
+            .with_max_scores(true);
         let (qg, kg, vg) = (
             on_gpu(&q, &[b, hq, sq, d]),
             on_gpu(&k, &[b, hkv, cap, d]),
@@ -433,11 +435,14 @@ fn split_kv_decode_matches_the_unsplit_kernel() {
         let reference = crate::cpu::tests::reference_lens(&host, &p, &inputs, Some(&host_lens));
         let mut results = Vec::new();
         for splits in [Some(3), Some(1), Some(7), None, Some(3)] {
-            let (out, lse) = forward_split(variant, &p, &qg, keys, splits).unwrap();
-            let (out, lse) = (out.to_vec::<f32>(), lse.to_vec::<f32>());
+            let y = forward_split(variant, &p, &qg, keys, splits).unwrap();
+            let (out, lse) = (y.out.to_vec::<f32>(), y.lse.to_vec::<f32>());
+            let max = y.max_scores.expect("asked for").to_vec::<f32>();
             let ctx = format!("{} Sq={sq} splits {splits:?}", V::NAME);
             crate::cpu::tests::assert_close(&format!("{ctx}: out"), &out, &reference.out, 2e-5);
             crate::cpu::tests::assert_close(&format!("{ctx}: lse"), &lse, &reference.lse, 2e-5);
+            let want_max = &reference.max_scores;
+            crate::cpu::tests::assert_close(&format!("{ctx}: max"), &max, want_max, 2e-5);
             for (what, got, want) in [("out", &out, &want), ("lse", &lse, &want_lse)] {
                 for (i, (g, w)) in got.iter().zip(want.iter()).enumerate() {
                     assert!(

@@ -36,8 +36,9 @@ pub enum Buffer {
     Dk,
     /// `dv [B, Hkv, Sk, DV]`.
     Dv,
-    /// `stats [B, Hq, Sq, 2]` f32: per-row running sums kept between the
-    /// dispatches of one kernel (WGSL).
+    /// `stats [B, Hq, Sq, 4]` f32: per row of the WGSL forward, its running
+    /// max and sum kept between the dispatches of one kernel and its
+    /// largest score (without the sink), `(m, l, max score, 0)`.
     Stats,
     /// `rows [B, Hq, Sq, 4]` f32: per query row of the backward, two running
     /// sums, lse and `D_i` (WGSL, one binding where CUDA has `lse` and
@@ -54,6 +55,10 @@ pub enum Buffer {
     KScale,
     /// `v_scale`, as [`Buffer::KScale`] for the values.
     VScale,
+    /// `max_scores [splits, B, Hq, Sq]` f32: each row's largest score (the
+    /// sink apart) in each split, their largest in split 0's rows after
+    /// the merge (CUDA). Bound only where a call asks for them.
+    MaxScores,
 }
 
 /// What a [`Buffer`]'s elements are.
@@ -89,6 +94,7 @@ impl Buffer {
             Buffer::SplitLse => "split_lse",
             Buffer::KScale => "k_scale",
             Buffer::VScale => "v_scale",
+            Buffer::MaxScores => "max_scores",
         }
     }
 
@@ -100,9 +106,9 @@ impl Buffer {
             | Buffer::SplitOut
             | Buffer::SplitLse
             | Buffer::KScale
-            | Buffer::VScale => Elem::F32,
-            Buffer::Stats => Elem::F32x2,
-            Buffer::Rows => Elem::F32x4,
+            | Buffer::VScale
+            | Buffer::MaxScores => Elem::F32,
+            Buffer::Stats | Buffer::Rows => Elem::F32x4,
             _ => Elem::Input,
         }
     }
@@ -115,18 +121,18 @@ impl Buffer {
             Buffer::K | Buffer::Dk => "[B, Hkv, Sk, D]",
             Buffer::V | Buffer::Dv => "[B, Hkv, Sk, DV]",
             Buffer::Lse | Buffer::Delta => "[B, Hq, Sq]",
-            Buffer::Stats => "[B, Hq, Sq, 2]",
-            Buffer::Rows => "[B, Hq, Sq, 4]",
+            Buffer::Stats | Buffer::Rows => "[B, Hq, Sq, 4]",
             Buffer::SplitOut => "[splits, B, Hq, Sq, DV]",
-            Buffer::SplitLse => "[splits, B, Hq, Sq]",
+            Buffer::SplitLse | Buffer::MaxScores => "[splits, B, Hq, Sq]",
             Buffer::KScale | Buffer::VScale => "[Hkv] or [pages, Hkv]",
         }
     }
 
     /// Whether a call binds it only where it applies (the scales of an fp8
-    /// cache): a kernel given none gets a null pointer and never reads it.
+    /// cache, the rows' largest scores): a kernel given none gets a null
+    /// pointer and never reads or writes it.
     pub const fn optional(self) -> bool {
-        matches!(self, Buffer::KScale | Buffer::VScale)
+        matches!(self, Buffer::KScale | Buffer::VScale | Buffer::MaxScores)
     }
 }
 

@@ -39,7 +39,7 @@ struct Shape {
 @group(0) @binding(5) var<storage, read> v: array<f32>;
 @group(0) @binding(6) var<storage, read_write> out: array<f32>;
 @group(0) @binding(7) var<storage, read_write> lse: array<f32>;
-@group(0) @binding(8) var<storage, read_write> stats: array<vec2<f32>>;
+@group(0) @binding(8) var<storage, read_write> stats: array<vec4<f32>>;
 
 // ---- shared ----
 fn is_first() -> bool {
@@ -319,6 +319,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     var m = -bx_inf();
     if own && split == 0u { m = variant_sink(ib, ih, qp, true); }
     var l = weights_start(m);
+    var top = -bx_inf(); // the largest score, the sink apart
     { { const d = 0u; var x = 0.0f;
         if live { x = q[flat * D + d]; }
         qr[d] = x; var a = 0.0f;
@@ -580,6 +581,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
         let ml = stats[at];
         m = ml.x;
         l = ml.y;
+        top = ml.z;
     }
 
     // The heads and positions the workgroup's rows span.
@@ -620,6 +622,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
             let s = select(-bx_inf(), variant_score(dot * shape.scale, ib, ih, qp, kp, seen), seen);
             s_row[j] = s;
             if s > m_new { m_new = s; }
+            if s > top { top = s; }
         }
         // The normalisation's rescale of the running sum and output.
         let alpha = weights_rescale(m, m_new);
@@ -641,9 +644,9 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
         m = m_new;
     }
     if !live { return; }
+    stats[at] = vec4<f32>(m, l, top, 0.0f);
     if !is_last() {
         { { const d = 0u; out[at * DV + d] = acc[d]; } { const d = 1u; out[at * DV + d] = acc[d]; } { const d = 2u; out[at * DV + d] = acc[d]; } { const d = 3u; out[at * DV + d] = acc[d]; } { const d = 4u; out[at * DV + d] = acc[d]; } { const d = 5u; out[at * DV + d] = acc[d]; } { const d = 6u; out[at * DV + d] = acc[d]; } { const d = 7u; out[at * DV + d] = acc[d]; } { const d = 8u; out[at * DV + d] = acc[d]; } { const d = 9u; out[at * DV + d] = acc[d]; } { const d = 10u; out[at * DV + d] = acc[d]; } { const d = 11u; out[at * DV + d] = acc[d]; } { const d = 12u; out[at * DV + d] = acc[d]; } { const d = 13u; out[at * DV + d] = acc[d]; } { const d = 14u; out[at * DV + d] = acc[d]; } { const d = 15u; out[at * DV + d] = acc[d]; } { const d = 16u; out[at * DV + d] = acc[d]; } { const d = 17u; out[at * DV + d] = acc[d]; } { const d = 18u; out[at * DV + d] = acc[d]; } { const d = 19u; out[at * DV + d] = acc[d]; } { const d = 20u; out[at * DV + d] = acc[d]; } { const d = 21u; out[at * DV + d] = acc[d]; } { const d = 22u; out[at * DV + d] = acc[d]; } { const d = 23u; out[at * DV + d] = acc[d]; } { const d = 24u; out[at * DV + d] = acc[d]; } { const d = 25u; out[at * DV + d] = acc[d]; } { const d = 26u; out[at * DV + d] = acc[d]; } { const d = 27u; out[at * DV + d] = acc[d]; } { const d = 28u; out[at * DV + d] = acc[d]; } { const d = 29u; out[at * DV + d] = acc[d]; } { const d = 30u; out[at * DV + d] = acc[d]; } { const d = 31u; out[at * DV + d] = acc[d]; } { const d = 32u; out[at * DV + d] = acc[d]; } { const d = 33u; out[at * DV + d] = acc[d]; } { const d = 34u; out[at * DV + d] = acc[d]; } { const d = 35u; out[at * DV + d] = acc[d]; } { const d = 36u; out[at * DV + d] = acc[d]; } { const d = 37u; out[at * DV + d] = acc[d]; } { const d = 38u; out[at * DV + d] = acc[d]; } { const d = 39u; out[at * DV + d] = acc[d]; } { const d = 40u; out[at * DV + d] = acc[d]; } { const d = 41u; out[at * DV + d] = acc[d]; } { const d = 42u; out[at * DV + d] = acc[d]; } { const d = 43u; out[at * DV + d] = acc[d]; } { const d = 44u; out[at * DV + d] = acc[d]; } { const d = 45u; out[at * DV + d] = acc[d]; } { const d = 46u; out[at * DV + d] = acc[d]; } { const d = 47u; out[at * DV + d] = acc[d]; } { const d = 48u; out[at * DV + d] = acc[d]; } { const d = 49u; out[at * DV + d] = acc[d]; } { const d = 50u; out[at * DV + d] = acc[d]; } { const d = 51u; out[at * DV + d] = acc[d]; } { const d = 52u; out[at * DV + d] = acc[d]; } { const d = 53u; out[at * DV + d] = acc[d]; } { const d = 54u; out[at * DV + d] = acc[d]; } { const d = 55u; out[at * DV + d] = acc[d]; } { const d = 56u; out[at * DV + d] = acc[d]; } { const d = 57u; out[at * DV + d] = acc[d]; } { const d = 58u; out[at * DV + d] = acc[d]; } { const d = 59u; out[at * DV + d] = acc[d]; } { const d = 60u; out[at * DV + d] = acc[d]; } { const d = 61u; out[at * DV + d] = acc[d]; } { const d = 62u; out[at * DV + d] = acc[d]; } { const d = 63u; out[at * DV + d] = acc[d]; } }
-        stats[at] = vec2<f32>(m, l);
         return;
     }
     // The normalisation's finish (a softmax: out / l and m + log(l); a row

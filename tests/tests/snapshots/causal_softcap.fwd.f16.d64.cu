@@ -28,8 +28,9 @@ constexpr unsigned FWD_P = 45056; // 9216 bytes
 constexpr unsigned FWD_ROW_M = 54272; // 256 bytes
 constexpr unsigned FWD_ROW_L = 54528; // 256 bytes
 constexpr unsigned FWD_ROW_A = 54784; // 256 bytes
-constexpr unsigned FWD_SEEN = 55040; // 256 bytes
-constexpr unsigned FWD_SMEM_BYTES = 55296; // dynamic shared memory
+constexpr unsigned FWD_ROW_X = 55040; // 256 bytes
+constexpr unsigned FWD_SEEN = 55296; // 256 bytes
+constexpr unsigned FWD_SMEM_BYTES = 55552; // dynamic shared memory
 constexpr unsigned BWD_Q = 0; // 9216 bytes
 constexpr unsigned BWD_DO = 9216; // 9216 bytes
 constexpr unsigned BWD_K = 18432; // 9216 bytes
@@ -667,14 +668,14 @@ __device__ __forceinline__ void bx_load_keys(elem_t* dst, const S* __restrict__ 
 // One tile of scores becomes weights, one warp per row (the normalisation's
 // functions, `weights_*`): each row's running max moves to the tile's, the
 // scores become unnormalised weights (in S, and as 16-bit in P on tensor
-// cores), the running sum takes them, and row_a gets the factor the output
-// accumulator is rescaled by. Column j of P (the operand of P·V, never the
+// cores), the running sum takes them, row_a gets the factor the output
+// accumulator is rescaled by and row_x the row's largest score so far. Column j of P (the operand of P·V, never the
 // sum) carries its pair's dropout factor and, over an fp8 cache, its key's
 // V factor vf[j]. Row i is packed row r0 + i: query head h0 + (r0 + i) /
 // seq_q at position (r0 + i) % seq_q + offset; column j is key k0 + j.
 __device__ __forceinline__ void bx_tile_weights(float* S, elem_t* P, float* row_m, float* row_l, float* row_a,
-                                                const float* vf, const Params& params, int b, int h0, int r0,
-                                                int seq_q, int offset, int k0) {
+                                                float* row_x, const float* vf, const Params& params, int b, int h0,
+                                                int r0, int seq_q, int offset, int k0) {
     (void)vf;
     const int lane = threadIdx.x & 31;
     for (int i = threadIdx.x >> 5; i < BQ; i += FWD_THREADS / 32) {
@@ -703,6 +704,7 @@ __device__ __forceinline__ void bx_tile_weights(float* S, elem_t* P, float* row_
             row_m[i] = m_new;
             row_l[i] = row_l[i] * alpha + sum;
             row_a[i] = alpha;
+            row_x[i] = fmaxf(row_x[i], mx);
         }
     }
 }
@@ -732,6 +734,7 @@ boostr_attn_fwd(
     int splits,
     const float* __restrict__ k_scale,
     const float* __restrict__ v_scale,
+    float* __restrict__ max_scores,
     Params params,
     unsigned* __restrict__ captures) {
     extern __shared__ __align__(16) unsigned char bx_smem[];
@@ -749,6 +752,7 @@ boostr_attn_fwd(
     float* row_m = reinterpret_cast<float*>(bx_smem + FWD_ROW_M);
     float* row_l = reinterpret_cast<float*>(bx_smem + FWD_ROW_L);
     float* row_a = reinterpret_cast<float*>(bx_smem + FWD_ROW_A);
+    float* row_x = reinterpret_cast<float*>(bx_smem + FWD_ROW_X);
     int* s_seen = reinterpret_cast<int*>(bx_smem + FWD_SEEN);
 #if BX_KV_FP8
     float* s_kf = reinterpret_cast<float*>(bx_smem + FWD_KF); // per key: K scale · KV_UNIT
@@ -793,6 +797,7 @@ boostr_attn_fwd(
             : bx_neg_inf();
         row_m[i] = sink;
         row_l[i] = weights_start(sink);
+        row_x[i] = bx_neg_inf(); // the largest score, the sink apart
     }
     BxAcc<BQ, FWD_THREADS, BxRowDV> acc; // out, DV wide
     acc.zero();
@@ -857,7 +862,7 @@ boostr_attn_fwd(
         }
         __syncthreads();
         if (cls != TILE_FULL) bx_zero_unseen<BKV, FWD_THREADS, BxRowDV>(sV, s_seen); // read after the softmax's barrier
-        bx_tile_weights(sS, sP, row_m, row_l, row_a, s_vf, params, b, hk * g, r0, seq_q, offset, k0);
+        bx_tile_weights(sS, sP, row_m, row_l, row_a, row_x, s_vf, params, b, hk * g, r0, seq_q, offset, k0);
         __syncthreads();
         acc.scale_rows(row_a);
         acc.template add<BKV, LDPA, 1>(sP, sV);
@@ -866,13 +871,16 @@ boostr_attn_fwd(
     // out = acc · weights_scale(l) and its lse (a softmax: acc / l, m +
     // log(l); a row with nothing visible in this split: 0 and -inf). Split
     // s writes rows s·B·Hq·Sq + row of split_out and split_lse (f32), for
-    // boostr_attn_fwd_merge.
+    // boostr_attn_fwd_merge; max_scores (where asked for) the same rows.
     const size_t at = n_split > 1 ? (size_t)split * ((size_t)batch * heads_q * seq_q) + q_row0 : q_row0;
     float* lse_dst = n_split > 1 ? split_lse : lse;
     for (int i = threadIdx.x; i < BQ; i += FWD_THREADS) {
         const float l = row_l[i];
         row_a[i] = weights_scale(l);
-        if (r0 + i < packed) lse_dst[at + i] = weights_lse(row_m[i], l);
+        if (r0 + i < packed) {
+            lse_dst[at + i] = weights_lse(row_m[i], l);
+            if (max_scores) max_scores[at + i] = row_x[i];
+        }
     }
     __syncthreads();
     if (n_split > 1) {
@@ -888,6 +896,7 @@ boostr_attn_fwd_merge(
     const float* __restrict__ split_lse,
     elem_t* __restrict__ out,
     float* __restrict__ lse,
+    float* __restrict__ max_scores,
     int batch,
     int heads_q,
     int seq_q,
@@ -915,4 +924,10 @@ boostr_attn_fwd_merge(
         bx_put(out + (size_t)row * DV + d, acc * inv);
     }
     if (lane == 0) lse[row] = weights_lse(m, l);
+    // The row's largest score over every split, into split 0's.
+    if (lane == 0 && max_scores) {
+        float top = bx_neg_inf();
+        for (int s = 0; s < n; ++s) top = fmaxf(top, max_scores[(size_t)s * rows + row]);
+        max_scores[row] = top;
+    }
 }

@@ -851,6 +851,7 @@ int main(int argc, char** argv) {
     write_f32(path("dout.rounded").c_str(), to_f32(dout));
     write_f32(path("out").c_str(), to_f32(out));
     write_f32(path("lse").c_str(), lse);
+    write_f32(path("max_scores").c_str(), std::vector<float>(max_scores.begin(), max_scores.begin() + nr));
     write_f32(path("dq").c_str(), to_f32(dq));
     write_f32(path("dk").c_str(), to_f32(dk));
     write_f32(path("dv").c_str(), to_f32(dv));
@@ -904,14 +905,17 @@ fn relative_error(name: &str, got: &[f32], want: &[f64]) -> Result<f64, String> 
 }
 
 /// The f64 reference of one case: `(problem, [q, k, v, dout, dlse])` →
-/// `[out, lse, dq, dk, dv]` (of a loss that reads out and lse), the
+/// [`RESULTS`] (the gradients of a loss that reads out and lse), the
 /// learnable tensors' gradients, and the field of a read out of range, if
 /// the reference made one.
 type Reference = Box<
-    dyn Fn(&Problem, [&[f64]; 5]) -> ([Vec<f64>; 5], Vec<Vec<f64>>, Option<&'static str>)
+    dyn Fn(&Problem, [&[f64]; 5]) -> ([Vec<f64>; 6], Vec<Vec<f64>>, Option<&'static str>)
         + Send
         + Sync,
 >;
+
+/// The results the harness writes and every case compares, in order.
+const RESULTS: [&str; 6] = ["out", "lse", "max_scores", "dq", "dk", "dv"];
 
 struct HostCase {
     tag: String,
@@ -929,9 +933,8 @@ struct HostCase {
     grads: Vec<(&'static str, usize)>,
     /// A forward over a KV cache: the inputs as the kernels see them (k, v
     /// as the cache holds them, spare slots NaN), the forward's key layout
-    /// arguments, and the expected `out` and `lse` (the CPU's cache
-    /// forward, itself checked against the f64 reference); the backward's
-    /// results are not compared.
+    /// arguments, and the expected [`RESULTS`] (the CPU's, itself checked
+    /// against the f64 reference).
     cache: Option<CacheCase>,
     /// A forward over an fp8 cache (its backward is an error): run and
     /// compared on its own.
@@ -1040,7 +1043,11 @@ where
                 boostr_runtime::Error::IndexOutOfRange { field, .. } => field,
                 _ => "?",
             });
-            ([f.out, f.lse, g.dq, g.dk, g.dv], g.tensors, oob)
+            (
+                [f.out, f.lse, f.max_scores, g.dq, g.dk, g.dv],
+                g.tensors,
+                oob,
+            )
         }),
     }
 }
@@ -1051,7 +1058,7 @@ struct CacheCase {
     /// A padded batch's query lengths' arena word (the harness's last
     /// argument), or none.
     q_lens: Option<i32>,
-    /// `out`, `lse`, `dq`, and `dk`, `dv` in each sequence's slots.
+    /// [`RESULTS`], `dk` and `dv` in each sequence's slots.
     want: Vec<Vec<f64>>,
 }
 
@@ -1131,7 +1138,11 @@ where
     // The backward over the contiguous cache: the kernels read the keys in
     // place or through the pages, and write dK and dV into each sequence's
     // slots either way (the runtime folds a paged call's into its pages).
-    let mut want = vec![out.clone(), lse.clone()];
+    let mut want = vec![
+        out.clone(),
+        lse.clone(),
+        cpu_max_scores(&variant, &p, [&q, &slots.0, &slots.1], lens),
+    ];
     let (mut dq, mut dk, mut dv) = (
         vec![0.0f32; p.q_len()],
         vec![0.0f32; p.k_len()],
@@ -1173,6 +1184,25 @@ where
             .collect(),
     });
     case
+}
+
+/// The rows' largest scores of the CPU's forward over a cache of `lens`.
+fn cpu_max_scores<V: Variant>(
+    variant: &V,
+    p: &Problem,
+    [q, k, v]: [&[f32]; 3],
+    lens: &[i32],
+) -> Vec<f32> {
+    use boostr_runtime::{AttentionOptions, Keys, attention};
+    let device = CpuDevice::new();
+    let t = |x: &[f32], shape: [usize; 4]| {
+        Tensor::<CpuRuntime>::from_slice(x, &shape, &device).expect("a CPU tensor")
+    };
+    let (qt, kt, vt) = (t(q, p.q_shape()), t(k, p.k_shape()), t(v, p.v_shape()));
+    let lt = Tensor::<CpuRuntime>::from_slice(lens, &[lens.len()], &device).expect("lengths");
+    let opts = AttentionOptions::default().with_max_scores();
+    let y = attention(variant, &qt, Keys::cache(&kt, &vt, &lt), &opts).expect("the CPU's forward");
+    y.max_scores.expect("asked for").to_vec()
 }
 
 /// A forward and backward of a right-padded batch (f32): sequence `b` has
@@ -1218,11 +1248,12 @@ where
         lens(kv_lens).expect("kv_lens"),
     );
     let keys = Keys::padded(&kt, &vt, &ql, &kl);
-    let opts = AttentionOptions::default();
+    let opts = AttentionOptions::default().with_max_scores();
     let y = attention(&variant, &qt, keys, &opts).expect("the CPU's forward");
     let g = attention_backward(&variant, &qt, keys, Backward::new(&y, &dt), &opts)
         .expect("the CPU's backward");
-    let want = [&y.out, &y.lse, &g.dq, &g.dk, &g.dv]
+    let max = y.max_scores.as_ref().expect("asked for");
+    let want = [&y.out, &y.lse, max, &g.dq, &g.dk, &g.dv]
         .map(|t| t.to_vec::<f32>().iter().map(|&x| f64::from(x)).collect())
         .to_vec();
     let kv_word = case.arena.len();
@@ -1255,13 +1286,14 @@ struct Fp8Case {
     /// The forward's key layout arguments (kv_lens, kv_pages, page_size,
     /// max_pages).
     kv_words: [i32; 4],
-    /// `out` and `lse` of the f64 reference over the dequantized cache (fp8
+    /// `out`, `lse` and `max_scores` of the f64 reference over the dequantized cache (fp8
     /// value × scale, exact in f64) for `q` as the kernels rounded it.
     reference: Fp8Reference,
 }
 
-/// The f64 `out` and `lse` of an fp8 case for the rounded `q`.
-type Fp8Reference = Box<dyn Fn(&[f64]) -> [Vec<f64>; 2] + Send + Sync>;
+/// The f64 `out`, `lse` and `max_scores` of an fp8 case for the rounded
+/// `q`.
+type Fp8Reference = Box<dyn Fn(&[f64]) -> [Vec<f64>; 3] + Send + Sync>;
 
 /// SplitMix64: the bytes of the fp8 cases.
 fn splitmix(state: &mut u64) -> u64 {
@@ -1416,8 +1448,9 @@ where
             (b, pb, variant.host(&pb).expect("the case's tensors fit"))
         })
         .collect();
-    let reference = move |q: &[f64]| -> [Vec<f64>; 2] {
+    let reference = move |q: &[f64]| -> [Vec<f64>; 3] {
         let (mut out, mut lse) = (vec![0.0; p.out_len()], vec![f64::NEG_INFINITY; p.lse_len()]);
+        let mut max = lse.clone();
         let rows = p.heads_q * p.seq_q;
         for (b, pb, host) in &sequences {
             let (b, len) = (*b, pb.seq_k);
@@ -1436,8 +1469,9 @@ where
             );
             out[b * rows * dv..][..rows * dv].copy_from_slice(&f.out);
             lse[b * rows..][..rows].copy_from_slice(&f.lse);
+            max[b * rows..][..rows].copy_from_slice(&f.max_scores);
         }
-        [out, lse]
+        [out, lse, max]
     };
     case.tag = format!(
         "{} {}",
@@ -1498,7 +1532,8 @@ fn launches(
     };
     let mut s = format!(
         "    const int splits = {splits};\n    \
-         std::vector<float> split_out((size_t)splits * nr * DV), split_lse((size_t)splits * nr);\n"
+         std::vector<float> split_out((size_t)splits * nr * DV), split_lse((size_t)splits * nr);\n    \
+         std::vector<float> max_scores((size_t)splits * nr, NAN);\n"
     );
     for job in jobs {
         let threads = kernels::SUMMARY_THREADS;
@@ -1728,7 +1763,7 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
     };
     let mut line = format!("{tag}:");
     if let Some(c) = &case.fp8 {
-        for (name, want) in ["out", "lse"].iter().zip((c.reference)(&rounded("q"))) {
+        for (name, want) in RESULTS.iter().zip((c.reference)(&rounded("q"))) {
             check(&mut line, name, &read_f32(&dir.join(name)), &want, "")?;
         }
         let _ = std::fs::remove_dir_all(&dir);
@@ -1770,7 +1805,7 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
         }
     }
     if let Some(c) = &case.cache {
-        for (name, want) in ["out", "lse", "dq", "dk", "dv"].iter().zip(&c.want) {
+        for (name, want) in RESULTS.iter().zip(&c.want) {
             check(
                 &mut line,
                 name,
@@ -1782,7 +1817,7 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
         let _ = std::fs::remove_dir_all(&dir);
         return Ok(line);
     }
-    for (name, want) in ["out", "lse", "dq", "dk", "dv"].iter().zip(&want) {
+    for (name, want) in RESULTS.iter().zip(&want) {
         check(&mut line, name, &read_f32(&dir.join(name)), want, "")?;
     }
     // The learnable tensors' gradients, from their fixed-point

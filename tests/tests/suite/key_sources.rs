@@ -561,7 +561,7 @@ fn error(got: &[f32], want: &[f64]) -> f64 {
 fn check<V: Variant>(variant: &V, c: &Case) -> Result<(), TestCaseError> {
     let device = CpuDevice::new();
     let b = build(c, &device);
-    let opts = AttentionOptions::default();
+    let opts = AttentionOptions::default().with_max_scores();
     let result = attention(variant, &b.q, keys(c, &b), &opts);
     if c.fault != Fault::None || c.empty_packed() {
         let e = match result {
@@ -577,6 +577,9 @@ fn check<V: Variant>(variant: &V, c: &Case) -> Result<(), TestCaseError> {
     let y = result.map_err(|e| TestCaseError::fail(format!("attention: {e}")))?;
     let f32s = |t: &T| t.to_dtype(DType::F32).expect("f32").to_vec::<f32>();
     let (out, lse) = (f32s(&y.out), y.lse.to_vec::<f32>());
+    let max = y.max_scores.as_ref().expect("asked for");
+    prop_assert_eq!(max.shape(), y.lse.shape());
+    let max = max.to_vec::<f32>();
     let grads = if c.dtype == DType::F32 {
         let g = attention_backward(
             variant,
@@ -601,11 +604,12 @@ fn check<V: Variant>(variant: &V, c: &Case) -> Result<(), TestCaseError> {
         let [qv, kv_, vv, dov] = &b.seq_values[s];
         let p = Problem::new(1, (hq, hk), (r, kk), d).with_head_dim_v(dv);
         let host = variant.host(&p).expect("a variant without tensors");
-        let (want_out, want_lse) = if kk == 0 || r == 0 {
-            (vec![0.0; hq * r * dv], vec![f64::NEG_INFINITY; hq * r])
+        let (want_out, want_lse, want_max) = if kk == 0 || r == 0 {
+            let none = vec![f64::NEG_INFINITY; hq * r];
+            (vec![0.0; hq * r * dv], none.clone(), none)
         } else {
             let f = reference_forward(&host, &p, qv, kv_, vv);
-            (f.out, f.lse)
+            (f.out, f.lse, f.max_scores)
         };
         for h in 0..hq {
             for i in 0..r {
@@ -622,6 +626,11 @@ fn check<V: Variant>(variant: &V, c: &Case) -> Result<(), TestCaseError> {
                     error(&[got_l], &[want_l]) <= tol,
                     "lse of sequence {s}, head {h}, row {i}: {got_l}, want {want_l}"
                 );
+                let (got_m, want_m) = (lse_at(c, &max, (s, h, i)), want_max[h * r + i]);
+                prop_assert!(
+                    error(&[got_m], &[want_m]) <= tol,
+                    "max score of sequence {s}, head {h}, row {i}: {got_m}, want {want_m}"
+                );
             }
             // A padded batch's rows past the sequence's own: exactly 0.
             if c.source == Source::Padded {
@@ -635,6 +644,11 @@ fn check<V: Variant>(variant: &V, c: &Case) -> Result<(), TestCaseError> {
                     prop_assert!(
                         got_l == f32::NEG_INFINITY,
                         "padded row {i} of {s}: lse {got_l}"
+                    );
+                    let got_m = lse_at(c, &max, (s, h, i));
+                    prop_assert!(
+                        got_m == f32::NEG_INFINITY,
+                        "padded row {i} of {s}: max score {got_m}"
                     );
                 }
             }

@@ -23,4 +23,10 @@
         bx_put(out + (size_t)row * DV + d, acc * inv);
     }
     if (lane == 0) lse[row] = weights_lse(m, l);
+    // The row's largest score over every split, into split 0's.
+    if (lane == 0 && max_scores) {
+        float top = bx_neg_inf();
+        for (int s = 0; s < n; ++s) top = fmaxf(top, max_scores[(size_t)s * rows + row]);
+        max_scores[row] = top;
+    }
 }

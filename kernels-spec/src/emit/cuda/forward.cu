@@ -19,6 +19,7 @@
     float* row_m = reinterpret_cast<float*>(bx_smem + FWD_ROW_M);
     float* row_l = reinterpret_cast<float*>(bx_smem + FWD_ROW_L);
     float* row_a = reinterpret_cast<float*>(bx_smem + FWD_ROW_A);
+    float* row_x = reinterpret_cast<float*>(bx_smem + FWD_ROW_X);
     int* s_seen = reinterpret_cast<int*>(bx_smem + FWD_SEEN);
 #if BX_KV_FP8
     float* s_kf = reinterpret_cast<float*>(bx_smem + FWD_KF); // per key: K scale · KV_UNIT
@@ -63,6 +64,7 @@
             : bx_neg_inf();
         row_m[i] = sink;
         row_l[i] = weights_start(sink);
+        row_x[i] = bx_neg_inf(); // the largest score, the sink apart
     }
     BxAcc<BQ, FWD_THREADS, BxRowDV> acc; // out, DV wide
     acc.zero();
@@ -127,7 +129,7 @@
         }
         __syncthreads();
         if (cls != TILE_FULL) bx_zero_unseen<BKV, FWD_THREADS, BxRowDV>(sV, s_seen); // read after the softmax's barrier
-        bx_tile_weights(sS, sP, row_m, row_l, row_a, s_vf, params, b, hk * g, r0, seq_q, offset, k0);
+        bx_tile_weights(sS, sP, row_m, row_l, row_a, row_x, s_vf, params, b, hk * g, r0, seq_q, offset, k0);
         __syncthreads();
         acc.scale_rows(row_a);
         acc.template add<BKV, LDPA, 1>(sP, sV);
@@ -136,13 +138,16 @@
     // out = acc · weights_scale(l) and its lse (a softmax: acc / l, m +
     // log(l); a row with nothing visible in this split: 0 and -inf). Split
     // s writes rows s·B·Hq·Sq + row of split_out and split_lse (f32), for
-    // boostr_attn_fwd_merge.
+    // boostr_attn_fwd_merge; max_scores (where asked for) the same rows.
     const size_t at = n_split > 1 ? (size_t)split * ((size_t)batch * heads_q * seq_q) + q_row0 : q_row0;
     float* lse_dst = n_split > 1 ? split_lse : lse;
     for (int i = threadIdx.x; i < BQ; i += FWD_THREADS) {
         const float l = row_l[i];
         row_a[i] = weights_scale(l);
-        if (r0 + i < packed) lse_dst[at + i] = weights_lse(row_m[i], l);
+        if (r0 + i < packed) {
+            lse_dst[at + i] = weights_lse(row_m[i], l);
+            if (max_scores) max_scores[at + i] = row_x[i];
+        }
     }
     __syncthreads();
     if (n_split > 1) {

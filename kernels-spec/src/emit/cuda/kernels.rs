@@ -268,7 +268,9 @@ const TENSORS_BODY: &str = section(BACKWARD_CU, "boostr_attn_bwd_tensors");
 /// DV]`, and the `[B, max_pages]` page table is at arena word `kv_pages`.
 /// Over an fp8 cache (`BX_KV_FP8`) `k` and `v` are its bytes and
 /// `k_scale`, `v_scale` its scales (`[Hkv]`, or `[pages, Hkv]` with
-/// pages); otherwise those are null.
+/// pages); otherwise those are null. Where the call asks for them (else
+/// null), `max_scores` gets each row's largest score (the sink apart),
+/// split `s`'s at rows `s·B·Hq·Sq + row`.
 pub const FORWARD: Kernel = Kernel {
     entry: "boostr_attn_fwd",
     args: &[
@@ -293,6 +295,7 @@ pub const FORWARD: Kernel = Kernel {
         Arg::Scalar(Scalar::Splits),
         Arg::read(Buffer::KScale),
         Arg::read(Buffer::VScale),
+        Arg::write(Buffer::MaxScores),
         Arg::Params,
         Arg::Captures,
     ],
@@ -311,7 +314,8 @@ pub const FORWARD: Kernel = Kernel {
 
 /// The split-KV forward's merge, after [`FORWARD`] with `splits` > 1: one
 /// warp per query row combines the splits' `split_out` rows by their
-/// `split_lse` into `out` and `lse`.
+/// `split_lse` into `out` and `lse`, and (where not null) their
+/// `max_scores` into split 0's.
 pub const MERGE: Kernel = per_row(
     "boostr_attn_fwd_merge",
     &[
@@ -319,6 +323,7 @@ pub const MERGE: Kernel = per_row(
         Arg::read(Buffer::SplitLse),
         Arg::write(Buffer::Out),
         Arg::write(Buffer::Lse),
+        Arg::write(Buffer::MaxScores),
         Arg::Scalar(Scalar::Batch),
         Arg::Scalar(Scalar::HeadsQ),
         Arg::Scalar(Scalar::SeqQ),

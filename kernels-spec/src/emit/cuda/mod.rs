@@ -390,7 +390,8 @@ impl CudaTiles {
     /// The forward kernel's shared memory: Q (`BQ` rows of `D`), K and V
     /// (`BKV` rows each, of `D` and `Dv`, both resident for the tile), the
     /// f32 score/probability tile, on tensor cores its 16-bit copy (the A
-    /// operand of P·V), per row the running max, sum and rescale factor,
+    /// operand of P·V), per row the running max, sum, rescale factor and
+    /// largest score (the sink apart),
     /// per key whether any row of the tile sees it, and over an fp8 cache
     /// per key its score factor (K scale) and `P` column factor (V scale).
     pub fn forward_layout(&self) -> SmemLayout {
@@ -406,6 +407,7 @@ impl CudaTiles {
         l.push("FWD_ROW_M", 4 * u64::from(bq));
         l.push("FWD_ROW_L", 4 * u64::from(bq));
         l.push("FWD_ROW_A", 4 * u64::from(bq));
+        l.push("FWD_ROW_X", 4 * u64::from(bq));
         l.push("FWD_SEEN", 4 * u64::from(bkv));
         if self.kv.fp8() {
             l.push("FWD_KF", 4 * u64::from(bkv));

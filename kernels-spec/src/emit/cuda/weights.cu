@@ -7,14 +7,14 @@
 // One tile of scores becomes weights, one warp per row (the normalisation's
 // functions, `weights_*`): each row's running max moves to the tile's, the
 // scores become unnormalised weights (in S, and as 16-bit in P on tensor
-// cores), the running sum takes them, and row_a gets the factor the output
-// accumulator is rescaled by. Column j of P (the operand of P·V, never the
+// cores), the running sum takes them, row_a gets the factor the output
+// accumulator is rescaled by and row_x the row's largest score so far. Column j of P (the operand of P·V, never the
 // sum) carries its pair's dropout factor and, over an fp8 cache, its key's
 // V factor vf[j]. Row i is packed row r0 + i: query head h0 + (r0 + i) /
 // seq_q at position (r0 + i) % seq_q + offset; column j is key k0 + j.
 __device__ __forceinline__ void bx_tile_weights(float* S, elem_t* P, float* row_m, float* row_l, float* row_a,
-                                                const float* vf, const Params& params, int b, int h0, int r0,
-                                                int seq_q, int offset, int k0) {
+                                                float* row_x, const float* vf, const Params& params, int b, int h0,
+                                                int r0, int seq_q, int offset, int k0) {
     (void)vf;
     const int lane = threadIdx.x & 31;
     for (int i = threadIdx.x >> 5; i < BQ; i += FWD_THREADS / 32) {
@@ -43,6 +43,7 @@ __device__ __forceinline__ void bx_tile_weights(float* S, elem_t* P, float* row_
             row_m[i] = m_new;
             row_l[i] = row_l[i] * alpha + sum;
             row_a[i] = alpha;
+            row_x[i] = fmaxf(row_x[i], mx);
         }
     }
 }

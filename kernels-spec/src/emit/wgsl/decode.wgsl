@@ -15,7 +15,11 @@ fn attn_merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     let rows = shape.batch * shape.heads_q * sq;
     let splits = max(shape.splits, 1u);
     var m = -bx_inf();
-    for (var s = 0u; s < splits; s++) { m = max(m, split_lse[s * rows + flat]); }
+    var top = -bx_inf();
+    for (var s = 0u; s < splits; s++) {
+        m = max(m, split_lse[s * rows + flat]);
+        top = max(top, stats[s * rows + flat].z);
+    }
     var acc: array<f32, DV>;
     @loop(DV) { acc[d] = 0.0f; }
     var l = 0.0f;
@@ -30,4 +34,6 @@ fn attn_merge(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     let inv = weights_scale(l);
     @loop(DV) { out[flat * DV + d] = acc[d] * inv; }
     lse[flat] = weights_lse(m, l);
+    // The row's largest score over every split, in split 0's stats.
+    stats[flat].z = top;
 }

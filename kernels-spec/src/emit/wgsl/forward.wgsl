@@ -47,6 +47,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     var m = -bx_inf();
     if own && split == 0u { m = variant_sink(ib, ih, qp, true); }
     var l = weights_start(m);
+    var top = -bx_inf(); // the largest score, the sink apart
     @loop(D, DV) {
         var x = 0.0f;
         if live { x = q[flat * D + d]; }
@@ -60,6 +61,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
         let ml = stats[at];
         m = ml.x;
         l = ml.y;
+        top = ml.z;
     }
 
     // The heads and positions the workgroup's rows span.
@@ -100,6 +102,7 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
             let s = select(-bx_inf(), variant_score(dot * shape.scale, ib, ih, qp, kp, seen), seen);
             s_row[j] = s;
             if s > m_new { m_new = s; }
+            if s > top { top = s; }
         }
         // The normalisation's rescale of the running sum and output.
         let alpha = weights_rescale(m, m_new);
@@ -121,9 +124,9 @@ fn attn_fwd(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
         m = m_new;
     }
     if !live { return; }
+    stats[at] = vec4<f32>(m, l, top, 0.0f);
     if !is_last() {
         @loop(DV) { out[at * DV + d] = acc[d]; }
-        stats[at] = vec2<f32>(m, l);
         return;
     }
     // The normalisation's finish (a softmax: out / l and m + log(l); a row

@@ -143,7 +143,8 @@ const TENSORS_CODE: &str = section(BACKWARD_WGSL, "tensors");
 /// each sequence's key tiles and writes rows `s·B·Hq·Sq + row`, which
 /// [`MERGE`] combines. Writes `out` and `lse`; between dispatches `out`
 /// holds the unnormalised accumulator and `stats` the running (max, sum)
-/// of each row.
+/// of each row; `stats` ends with each row's largest score (the sink
+/// apart) in component `z`.
 pub const FORWARD: Module = Module {
     name: "fwd",
     bindings: &[
@@ -173,7 +174,8 @@ pub const FORWARD: Module = Module {
 
 /// The split-KV forward's merge, `attn_merge`, after [`FORWARD`] with
 /// `splits` > 1: one invocation per query row (packed as the forward packs
-/// them) combines the splits' outputs by their lse, in split order.
+/// them) combines the splits' outputs by their lse, in split order, and
+/// leaves the row's largest score over every split in split 0's `stats`.
 pub const MERGE: Module = Module {
     name: "merge",
     bindings: &[
@@ -184,6 +186,7 @@ pub const MERGE: Module = Module {
         Binding::Storage(Buffer::SplitLse, Access::Read),
         Binding::Storage(Buffer::Out, Access::ReadWrite),
         Binding::Storage(Buffer::Lse, Access::ReadWrite),
+        Binding::Storage(Buffer::Stats, Access::ReadWrite),
     ],
     entries: &[Entry {
         name: "attn_merge",
