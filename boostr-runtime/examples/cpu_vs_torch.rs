@@ -14,7 +14,8 @@
 //! mem <variant> <hq> <hkv> <seq> <dim>                             -> ok <json>
 //! docs <len,len,...>                                               -> ok <documents>
 //! host <hq> <hkv> <seq> <dim>                                      -> ok <seconds>
-//! repeat <n> <attn, gemm or host command>                          -> ok <seconds> × n
+//! decode <b> <sk> [f32|bf16|f16|fp8]                               -> ok <seconds>
+//! repeat <n> <attn, gemm, host or decode command>                  -> ok <seconds> × n
 //! quit
 //! ```
 //!
@@ -34,7 +35,10 @@
 //! closed form `q / L == kv / L && kv <= q` of the last `docs` command's
 //! length, which must give equal lengths). `host` times what the `docs`
 //! variant does before its kernels: checking the ids and computing their
-//! per-block summaries (`Variant::host`).
+//! per-block summaries (`Variant::host`). `decode` times one causal decode
+//! step as `examples/decode.rs` runs it (`Sq = 1`, `Hq = 32`, `Hkv = 8`,
+//! `D = 128`): f32 keys dense, the others a full KV cache (fp8 E4M3 with a
+//! scale per kv head and bf16 queries).
 //! `attn` times one run (B = 1) on inputs made when the shape last changed;
 //! `fwdbwd` is `attention` followed by `attention_backward`. `gemm` times one
 //! `n × n × n` f32 product through the `gemm` crate on every rayon thread
@@ -60,7 +64,7 @@ use boostr_runtime::stock::{
 };
 use boostr_runtime::testing::Rng;
 use boostr_runtime::{
-    AttentionOptions, Backward, Keys, Problem, Variant, attention, attention_backward,
+    AttentionOptions, Backward, Keys, KvScales, Problem, Variant, attention, attention_backward,
 };
 use numr::dtype::DType;
 use numr::prelude::{CpuDevice, CpuRuntime, Tensor};
@@ -93,6 +97,86 @@ struct Server {
     gemm: Option<(usize, [Vec<f32>; 3])>,
     /// The document lengths of the last `docs` command.
     docs: Vec<usize>,
+    /// Inputs of the current decode shape.
+    decode: Option<Decode>,
+}
+
+/// A decode step's inputs: `(B, Sk, dtype)`, `q`, the cache, its
+/// lengths and (fp8) scales.
+struct Decode {
+    key: (usize, usize, DType),
+    q: Tensor<CpuRuntime>,
+    k: Tensor<CpuRuntime>,
+    v: Tensor<CpuRuntime>,
+    lengths: Tensor<CpuRuntime>,
+    scales: Tensor<CpuRuntime>,
+}
+
+impl Decode {
+    const HQ: usize = 32;
+    const HKV: usize = 8;
+    const D: usize = 128;
+
+    fn new(
+        rng: &mut Rng,
+        (b, sk, dtype): (usize, usize, DType),
+        device: &CpuDevice,
+    ) -> BoxResult<Self> {
+        let mut tensor = |shape: &[usize], dtype: DType| -> BoxResult<Tensor<CpuRuntime>> {
+            let x = rng.normal_f32(shape.iter().product(), 1.0);
+            let bytes: Vec<u8> = match dtype {
+                DType::BF16 => x
+                    .iter()
+                    .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes())
+                    .collect(),
+                DType::F16 => x
+                    .iter()
+                    .flat_map(|&v| half::f16::from_f32(v).to_bits().to_le_bytes())
+                    .collect(),
+                // Against a scale of 1/16.
+                DType::FP8E4M3 => x
+                    .iter()
+                    .map(|&v| numr::dtype::FP8E4M3::from_f32(16.0 * v).0)
+                    .collect(),
+                _ => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            };
+            Ok(Tensor::<CpuRuntime>::from_bytes(
+                &bytes, shape, dtype, device,
+            )?)
+        };
+        let q_dtype = if dtype == DType::FP8E4M3 {
+            DType::BF16
+        } else {
+            dtype
+        };
+        let (hq, hkv, d) = (Self::HQ, Self::HKV, Self::D);
+        Ok(Decode {
+            key: (b, sk, dtype),
+            q: tensor(&[b, hq, 1, d], q_dtype)?,
+            k: tensor(&[b, hkv, sk, d], dtype)?,
+            v: tensor(&[b, hkv, sk, d], dtype)?,
+            lengths: Tensor::<CpuRuntime>::from_slice(&vec![sk as i32; b], &[b], device)?,
+            scales: Tensor::<CpuRuntime>::from_slice(&[1.0f32 / 16.0; Self::HKV], &[hkv], device)?,
+        })
+    }
+
+    /// One decode step's seconds.
+    fn time(&self) -> BoxResult<f64> {
+        let keys = match self.key.2 {
+            DType::F32 => Keys::dense(&self.k, &self.v),
+            DType::FP8E4M3 => {
+                Keys::cache(&self.k, &self.v, &self.lengths).with_scales(KvScales::PerHead {
+                    k: &self.scales,
+                    v: &self.scales,
+                })
+            }
+            _ => Keys::cache(&self.k, &self.v, &self.lengths),
+        };
+        let opts = AttentionOptions::default();
+        let start = Instant::now();
+        std::hint::black_box(attention(&Causal, &self.q, keys, &opts)?);
+        Ok(start.elapsed().as_secs_f64())
+    }
 }
 
 impl Server {
@@ -202,6 +286,25 @@ impl Server {
                 drop(host);
                 Ok(Some(format!("ok {secs:.9}")))
             }
+            Some("decode") => {
+                let (b, sk) = (num(1)?, num(2)?);
+                let dtype = match words.get(3).copied() {
+                    None | Some("f32") => DType::F32,
+                    Some("bf16") => DType::BF16,
+                    Some("f16") => DType::F16,
+                    Some("fp8") => DType::FP8E4M3,
+                    Some(other) => {
+                        return Err(format!("dtype {other:?}: f32, bf16, f16 or fp8").into());
+                    }
+                };
+                let key = (b, sk, dtype);
+                if self.decode.as_ref().is_none_or(|x| x.key != key) {
+                    self.decode = None; // free the old shape first
+                    self.decode = Some(Decode::new(&mut self.rng, key, &self.device)?);
+                }
+                let secs = self.decode.as_ref().expect("just made").time()?;
+                Ok(Some(format!("ok {secs:.9}")))
+            }
             Some("tile") => {
                 let (m, n, k, iters) = (num(1)?, num(2)?, num(3)?, num(5)?);
                 let transposed = match words.get(4).copied() {
@@ -266,8 +369,13 @@ impl Server {
                 // shared VM can cost milliseconds).
                 let n = num(1)?;
                 let inner = words.get(2..).unwrap_or_default().join(" ");
-                if !matches!(words.get(2).copied(), Some("attn" | "gemm" | "host")) {
-                    return Err(format!("repeat runs attn, gemm or host, not {inner:?}").into());
+                if !matches!(
+                    words.get(2).copied(),
+                    Some("attn" | "gemm" | "host" | "decode")
+                ) {
+                    return Err(
+                        format!("repeat runs attn, gemm, host or decode, not {inner:?}").into(),
+                    );
                 }
                 let mut times = Vec::with_capacity(n);
                 for _ in 0..n {
@@ -416,6 +524,7 @@ fn main() -> BoxResult<()> {
         inputs: None,
         gemm: None,
         docs: Vec::new(),
+        decode: None,
     };
     let stdin = std::io::stdin();
     let mut stdout = std::io::stdout().lock();
