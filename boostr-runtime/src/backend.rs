@@ -9,13 +9,18 @@ use crate::error::Result;
 use crate::problem::Problem;
 use crate::variant::Variant;
 use numr::dtype::DType;
+use numr::ops::{IndexingOps, ReduceOps, ShapeOps};
 use numr::runtime::Runtime;
 use numr::tensor::Tensor;
 
 /// A numr runtime with fused attention kernels. (`Debug`, as numr's
 /// runtimes are: a variant generic over its runtime derives `Debug`, which
 /// then holds for every `R: AttentionRuntime`.)
-pub trait AttentionRuntime: Runtime<DType = DType> + std::fmt::Debug + sealed::Sealed {
+pub trait AttentionRuntime:
+    Runtime<DType = DType, Client: ReduceOps<Self> + IndexingOps<Self> + ShapeOps<Self>>
+    + std::fmt::Debug
+    + sealed::Sealed
+{
     /// Whether `comm` reads and writes this runtime's tensors where they
     /// are: the CPU's with any communicator, CUDA's with NCCL. Where it
     /// does not (wgpu's, or CUDA's over a host communicator), ring
@@ -47,7 +52,9 @@ pub trait AttentionRuntime: Runtime<DType = DType> + std::fmt::Debug + sealed::S
 
     /// `t [B, ..]` summed over its batch into `[1, ..]`: the gradient of
     /// keys shared by every sequence of a batch.
-    fn sum_batch(t: &Tensor<Self>) -> Result<Tensor<Self>>;
+    fn sum_batch(t: &Tensor<Self>) -> Result<Tensor<Self>> {
+        Ok(Self::default_client(t.device()).sum(t, &[0], true)?)
+    }
 
     /// Whether the kernels read packed sequences in place, as one row of
     /// the kernels ([`KeyLayout::Varlen`]); where they do not, a packed
@@ -57,7 +64,13 @@ pub trait AttentionRuntime: Runtime<DType = DType> + std::fmt::Debug + sealed::S
 
     /// The entries `index` (`i32`, on the device) of `t` along `dim`, an
     /// index equal to `t`'s extent there selecting zeros.
-    fn select_rows(t: &Tensor<Self>, dim: usize, index: &Tensor<Self>) -> Result<Tensor<Self>>;
+    fn select_rows(t: &Tensor<Self>, dim: usize, index: &Tensor<Self>) -> Result<Tensor<Self>> {
+        let mut zero = t.shape().to_vec();
+        zero[dim] = 1;
+        let zero = Tensor::<Self>::zeros(&zero, t.dtype(), t.device())?;
+        let with_zero = Tensor::cat(&[t, &zero], dim as isize)?;
+        Ok(with_zero.index_select(dim, index)?)
+    }
 }
 
 /// The runtimes with attention kernels, this crate's: a runtime of its
@@ -69,22 +82,6 @@ mod sealed {
     impl Sealed for numr::runtime::wgpu::WgpuRuntime {}
     #[cfg(feature = "cuda")]
     impl Sealed for numr::runtime::cuda::CudaRuntime {}
-}
-
-/// [`AttentionRuntime::select_rows`] with numr's ops.
-pub(crate) fn select_rows<R: Runtime<DType = DType>>(
-    t: &Tensor<R>,
-    dim: usize,
-    index: &Tensor<R>,
-) -> Result<Tensor<R>>
-where
-    R::Client: numr::ops::IndexingOps<R> + numr::ops::ShapeOps<R>,
-{
-    let mut zero = t.shape().to_vec();
-    zero[dim] = 1;
-    let zero = Tensor::<R>::zeros(&zero, t.dtype(), t.device())?;
-    let with_zero = Tensor::cat(&[t, &zero], dim as isize)?;
-    Ok(with_zero.index_select(dim, index)?)
 }
 
 /// A call's validated keys and values, and which slots hold which

@@ -280,6 +280,31 @@ impl<R: Runtime<DType = DType>> BackwardOperands<R> {
     }
 }
 
+/// A GPU backward's gradients as the caller's keys hold them: `dq`, `dk`
+/// and `dv` of each sequence's slots (as the kernels write them), those
+/// of a paged call folded into its `pages` pages ([`fold_pages`]), and the
+/// learnable tensors' `tensors`.
+pub(crate) fn backward_grads<R: Runtime<DType = DType>>(
+    p: &Problem,
+    layout: &KeyLayout<'_, R>,
+    [dq, dk, dv]: [Tensor<R>; 3],
+    pages: usize,
+    tensors: Vec<Option<Tensor<R>>>,
+) -> Result<crate::backend::AttentionGrads<R>>
+where
+    R::Client: numr::ops::IndexingOps<R>
+        + numr::ops::BinaryOps<R>
+        + numr::ops::ShapeOps<R>
+        + numr::ops::UtilityOps<R>,
+{
+    Ok(crate::backend::AttentionGrads {
+        dq,
+        dk: fold_pages(dk, p, layout, pages)?,
+        dv: fold_pages(dv, p, layout, pages)?,
+        tensors,
+    })
+}
+
 /// The gradient of a paged cache's pages (`[pages, Hkv, page_size, dim]`)
 /// from that of its sequences' slots (`slots`, `[B, Hkv, Sk, dim]`, as the
 /// backward kernels write it): each page's row is the sum, in sequence

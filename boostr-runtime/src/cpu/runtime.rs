@@ -282,18 +282,9 @@ impl Output {
 }
 
 impl AttentionRuntime for CpuRuntime {
-    fn sum_batch(t: &Tensor<Self>) -> Result<Tensor<Self>> {
-        use numr::ops::ReduceOps as _;
-        Ok(Self::default_client(t.device()).sum(t, &[0], true)?)
-    }
-
     /// The tile kernels run packed sequences as one row, through a window
     /// that moves each row and key to its sequence.
     const PACKED_IN_PLACE: bool = true;
-
-    fn select_rows(t: &Tensor<Self>, dim: usize, index: &Tensor<Self>) -> Result<Tensor<Self>> {
-        crate::backend::select_rows(t, dim, index)
-    }
 
     fn communicator_reads_tensors(_: &dyn numr::runtime::Communicator) -> bool {
         true

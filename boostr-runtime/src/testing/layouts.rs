@@ -23,16 +23,15 @@ use super::exact_zeros::exact_zeros;
 use super::inputs::{Expected, Inputs, learnable_names};
 use super::reference::{Forward, Gradients};
 use super::report::CaseReport;
-use super::run_backend::{BackendResults, max_scores, out_and_lse_loss, same_bits};
+use super::run_backend::{BackendResults, through_autograd};
 use super::tolerance::{Layout, NAIVE_FACTOR, compare, compare_results};
 use crate::cpu::weights::RowWeights as _;
 use crate::keys::Keys;
-use crate::op::{Backward, attention, attention_backward, var_attention};
+use crate::op::{Backward, attention, attention_backward};
 use crate::problem::Problem;
 use crate::shifted::Cached;
 use crate::validate;
 use crate::variant::{HostVariant as _, Variant};
-use numr::autograd::{Var, backward};
 use numr::runtime::Runtime;
 use numr::tensor::Tensor;
 
@@ -375,37 +374,7 @@ fn run_source<R: TestBackend, V: Variant>(
     };
     let tensors = learned(&g.tensors, "attention_backward")?;
 
-    let client = <R::Runtime as Runtime>::default_client(device);
-    let (qv, kv, vv) = (
-        Var::new(qt.clone(), true),
-        Var::new(kt.clone(), true),
-        Var::new(vt.clone(), true),
-    );
-    let yv =
-        var_attention(variant, &qv, keys.over(&kv, &vv), opts).map_err(err("var_attention"))?;
-    let max = max_scores(opts.max_scores, &y.lse, y.max_scores.as_ref())
-        .map_err(|e| format!("attention: {e}"))?;
-    let var_max = max_scores(opts.max_scores, yv.lse.tensor(), yv.max_scores.as_ref())
-        .map_err(|e| format!("var_attention: {e}"))?;
-    if !same_bits(&max, &var_max) {
-        return Err("var_attention's max_scores differ from attention's".into());
-    }
-    let loss = out_and_lse_loss(&client, (&yv.out, &yv.lse), (&dt, &dlse))
-        .map_err(|e| format!("building the loss: {e}"))?;
-    let autograd = backward(&loss, &client).map_err(|e| format!("autograd backward: {e}"))?;
-    let grad = |name: &str, var: &Var<R::Runtime>| {
-        autograd
-            .get(var.id())
-            .map(host)
-            .ok_or_else(|| format!("autograd gave no gradient for {name}"))
-    };
-    let mut var_tensors = Vec::new();
-    for l in variant.learnables() {
-        let var = l.on::<R::Runtime>().map_err(|e| e.to_string())?;
-        if var.requires_grad() {
-            var_tensors.push(grad(l.decl.name, var)?);
-        }
-    }
+    let a = through_autograd::<R, V>(variant, &qt, keys, &y, (&dt, &dlse), opts)?;
     // Back into the layout of `p`.
     let (qd, vd) = (p.head_dim, p.head_dim_v);
     let unpack_q = |x: Vec<f32>, d| match source {
@@ -426,7 +395,7 @@ fn run_source<R: TestBackend, V: Variant>(
         fwd: Forward {
             out: unpack_q(host(&y.out), vd),
             lse: unpack_lse(host(&y.lse), empty),
-            max_scores: unpack_lse(max, f32::NEG_INFINITY),
+            max_scores: unpack_lse(a.max_scores, f32::NEG_INFINITY),
         },
         grads: Gradients {
             dq: unpack_q(host(&g.dq), qd),
@@ -434,12 +403,12 @@ fn run_source<R: TestBackend, V: Variant>(
             dv: unpack_k(host(&g.dv), vd),
             tensors,
         },
-        var_out: unpack_q(host(yv.out.tensor()), vd),
+        var_out: unpack_q(a.out, vd),
         var_grads: Gradients {
-            dq: unpack_q(grad("q", &qv)?, qd),
-            dk: unpack_k(grad("k", &kv)?, qd),
-            dv: unpack_k(grad("v", &vv)?, vd),
-            tensors: var_tensors,
+            dq: unpack_q(a.grads.dq, qd),
+            dk: unpack_k(a.grads.dk, qd),
+            dv: unpack_k(a.grads.dv, vd),
+            tensors: a.grads.tensors,
         },
     })
 }

@@ -7,7 +7,8 @@ use super::inputs::Inputs;
 use super::reference::{Forward, Gradients};
 use crate::error::Error;
 use crate::keys::Keys;
-use crate::op::{Backward, attention, attention_backward, var_attention};
+use crate::op::{Backward, Output, attention, attention_backward, var_attention};
+use crate::options::AttentionOptions;
 use crate::problem::Problem;
 use crate::validate;
 use crate::variant::Variant;
@@ -83,13 +84,59 @@ pub(crate) fn run_backend<R: TestBackend, V: Variant>(
         }
     }
 
-    let client = <R::Runtime as Runtime>::default_client(device);
+    let a = through_autograd::<R, V>(variant, &qt, keys, &y, (&dt, &dlse), opts)?;
+    Ok((
+        p,
+        BackendResults {
+            fwd: Forward {
+                out: host(&y.out),
+                lse: host(&y.lse),
+                max_scores: a.max_scores,
+            },
+            grads: Gradients {
+                dq: host(&g.dq),
+                dk: host(&g.dk),
+                dv: host(&g.dv),
+                tensors,
+            },
+            var_out: a.out,
+            var_grads: a.grads,
+        },
+    ))
+}
+
+/// What [`through_autograd`] gives, host side, in the layout of the call.
+pub(crate) struct Autograd {
+    /// `attention`'s rows' largest scores (empty where not asked for),
+    /// the same bits as `var_attention`'s.
+    pub(crate) max_scores: Vec<f32>,
+    /// `var_attention`'s `out`.
+    pub(crate) out: Vec<f32>,
+    /// The gradients numr's `backward` gives `q`, `k`, `v` and the
+    /// learnable tensors that require grad.
+    pub(crate) grads: Gradients<f32>,
+}
+
+/// The call `attention` made (`q` over `keys`, returning `y`) through
+/// autograd: `var_attention` over `Var`s of the same tensors, then numr's
+/// `backward` of `L = sum(out ∘ dout) + sum(lse ∘ dlse)`.
+pub(crate) fn through_autograd<R: TestBackend, V: Variant>(
+    variant: &V,
+    q: &Tensor<R::Runtime>,
+    keys: Keys<'_, R::Runtime>,
+    y: &Output<R::Runtime>,
+    (dout, dlse): (&Tensor<R::Runtime>, &Tensor<R::Runtime>),
+    opts: &AttentionOptions,
+) -> Result<Autograd, String> {
+    let host = |t: &Tensor<R::Runtime>| t.to_vec::<f32>();
+    let client = <R::Runtime as Runtime>::default_client(q.device());
+    let (k, v) = keys.kv();
     let (qv, kv, vv) = (
-        Var::new(qt.clone(), true),
-        Var::new(kt.clone(), true),
-        Var::new(vt.clone(), true),
+        Var::new(q.clone(), true),
+        Var::new(k.clone(), true),
+        Var::new(v.clone(), true),
     );
-    let yv = var_attention(variant, &qv, Keys::dense(&kv, &vv), opts)
+    let yv = var_attention(variant, &qv, keys.over(&kv, &vv), opts)
         .map_err(|e| format!("var_attention: {e}"))?;
     let max = max_scores(opts.max_scores, &y.lse, y.max_scores.as_ref())
         .map_err(|e| format!("attention: {e}"))?;
@@ -98,7 +145,7 @@ pub(crate) fn run_backend<R: TestBackend, V: Variant>(
     if !same_bits(&max, &var_max) {
         return Err("var_attention's max_scores differ from attention's".into());
     }
-    let loss = out_and_lse_loss(&client, (&yv.out, &yv.lse), (&dt, &dlse))
+    let loss = out_and_lse_loss(&client, (&yv.out, &yv.lse), (dout, dlse))
         .map_err(|e| format!("building L = sum(out * dout) + sum(lse * dlse): {e}"))?;
     let grads = backward(&loss, &client).map_err(|e| format!("autograd backward: {e}"))?;
     let grad = |name: &str, var: &Var<R::Runtime>| {
@@ -107,37 +154,23 @@ pub(crate) fn run_backend<R: TestBackend, V: Variant>(
             .map(host)
             .ok_or_else(|| format!("autograd backward produced no gradient for {name}"))
     };
-    let mut var_tensors = Vec::new();
+    let mut tensors = Vec::new();
     for l in variant.learnables() {
         let var = l.on::<R::Runtime>().map_err(|e| e.to_string())?;
         if var.requires_grad() {
-            var_tensors.push(grad(l.decl.name, var)?);
+            tensors.push(grad(l.decl.name, var)?);
         }
     }
-    let var_grads = Gradients {
-        dq: grad("q", &qv)?,
-        dk: grad("k", &kv)?,
-        dv: grad("v", &vv)?,
-        tensors: var_tensors,
-    };
-    Ok((
-        p,
-        BackendResults {
-            fwd: Forward {
-                out: host(&y.out),
-                lse: host(&y.lse),
-                max_scores: max,
-            },
-            grads: Gradients {
-                dq: host(&g.dq),
-                dk: host(&g.dk),
-                dv: host(&g.dv),
-                tensors,
-            },
-            var_out: host(yv.out.tensor()),
-            var_grads,
+    Ok(Autograd {
+        max_scores: max,
+        out: host(yv.out.tensor()),
+        grads: Gradients {
+            dq: grad("q", &qv)?,
+            dk: grad("k", &kv)?,
+            dv: grad("v", &vv)?,
+            tensors,
         },
-    ))
+    })
 }
 
 /// The rows' largest scores of a call that asked for them (`asked`),

@@ -859,15 +859,6 @@ pub fn forward_splits_of<V: Variant>(
 }
 
 impl AttentionRuntime for WgpuRuntime {
-    fn sum_batch(t: &Tensor<Self>) -> Result<Tensor<Self>> {
-        use numr::ops::ReduceOps as _;
-        Ok(Self::default_client(t.device()).sum(t, &[0], true)?)
-    }
-
-    fn select_rows(t: &Tensor<Self>, dim: usize, index: &Tensor<Self>) -> Result<Tensor<Self>> {
-        crate::backend::select_rows(t, dim, index)
-    }
-
     fn attention_forward<V: Variant>(
         variant: &V,
         p: &Problem,
@@ -937,13 +928,7 @@ impl AttentionRuntime for WgpuRuntime {
             .collect();
         let arena = run(&client, variant, p, &cfg, &steps, learn, &t.keys.layout, 1)?;
         let tensors = arena.grads::<V>(t.tensor_grads)?;
-        let pages = k.shape()[0];
-        Ok(AttentionGrads {
-            dq,
-            dk: gpu::fold_pages(dk, p, &t.keys.layout, pages)?,
-            dv: gpu::fold_pages(dv, p, &t.keys.layout, pages)?,
-            tensors,
-        })
+        gpu::backward_grads(p, &t.keys.layout, [dq, dk, dv], k.shape()[0], tensors)
     }
 }
 
