@@ -1060,6 +1060,10 @@ struct CacheCase {
     q_lens: Option<i32>,
     /// [`RESULTS`], `dk` and `dv` in each sequence's slots.
     want: Vec<Vec<f64>>,
+    /// The gradient of the loss with respect to `lse` (zero where none).
+    dlse: Option<Vec<f32>>,
+    /// The learnable tensors' gradients (the CPU's), where compared.
+    tensors: Vec<Vec<f64>>,
 }
 
 /// A forward and backward over a KV cache of `lens` (f32): contiguous, or
@@ -1182,6 +1186,8 @@ where
             .iter()
             .map(|t| t.iter().map(|&x| f64::from(x)).collect())
             .collect(),
+        dlse: None,
+        tensors: Vec::new(),
     });
     case
 }
@@ -1208,8 +1214,9 @@ fn cpu_max_scores<V: Variant>(
 /// A forward and backward of a right-padded batch (f32): sequence `b` has
 /// `q_lens[b]` of the query rows and `kv_lens[b]` of the keys, the rest
 /// garbage (finite past the rows, NaN and infinities past the keys); both
-/// lengths after the arena's words. The reference is the CPU's, through
-/// the same public op.
+/// lengths after the arena's words. The loss reads `out` and `lse`. The
+/// reference is the CPU's, through the same public op, learnable tensors'
+/// gradients included.
 fn host_padded_case<V: Variant>(
     variant: V,
     problem: Problem,
@@ -1234,8 +1241,10 @@ where
         }
     }
     let dout = rng.normal_f32(p.out_len(), 1.0);
+    let dlse = rng.normal_f32(p.lse_len(), 1.0);
     let device = CpuDevice::new();
     let t = |x: &[f32], shape: [usize; 4]| Tensor::<CpuRuntime>::from_slice(x, &shape, &device);
+    let dl = Tensor::<CpuRuntime>::from_slice(&dlse, &p.lse_shape(), &device).expect("dlse");
     let lens = |x: &[i32]| Tensor::<CpuRuntime>::from_slice(x, &[x.len()], &device);
     let (qt, kt, vt, dt) = (
         t(&q, p.q_shape()).expect("q"),
@@ -1250,8 +1259,8 @@ where
     let keys = Keys::padded(&kt, &vt, &ql, &kl);
     let opts = AttentionOptions::default().with_max_scores();
     let y = attention(&variant, &qt, keys, &opts).expect("the CPU's forward");
-    let g = attention_backward(&variant, &qt, keys, Backward::new(&y, &dt), &opts)
-        .expect("the CPU's backward");
+    let grads = Backward::new(&y, &dt).with_dlse(&dl);
+    let g = attention_backward(&variant, &qt, keys, grads, &opts).expect("the CPU's backward");
     let max = y.max_scores.as_ref().expect("asked for");
     let want = [&y.out, &y.lse, max, &g.dq, &g.dk, &g.dv]
         .map(|t| t.to_vec::<f32>().iter().map(|&x| f64::from(x)).collect())
@@ -1263,11 +1272,15 @@ where
     case.tag
         .push_str(&format!(" padded rows {q_lens:?} keys {kv_lens:?}"));
     case.hidden.iter_mut().for_each(|h| *h = false);
+    let wide = |t: &Tensor<CpuRuntime>| t.to_vec::<f32>().iter().map(|&x| f64::from(x)).collect();
+    let tensors = g.tensors.iter().flatten().map(wide).collect();
     case.cache = Some(CacheCase {
         inputs: [q, k, v, dout],
         kv: [kv_word as i32, -1, 0, 0],
         q_lens: Some(q_word as i32),
         want,
+        dlse: Some(dlse),
+        tensors,
     });
     case
 }
@@ -1655,7 +1668,7 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
     // d loss / d lse: drawn for a dense call (a cache's reference is the
     // CPU's backward of out alone).
     let dlse = match &case.cache {
-        Some(_) => vec![0.0; p.lse_len()],
+        Some(c) => c.dlse.clone().unwrap_or_else(|| vec![0.0; p.lse_len()]),
         None => rng.normal_f32(p.lse_len(), 1.0),
     };
     write_f32(&dir.join("dlse"), &dlse);
@@ -1804,22 +1817,21 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
             ));
         }
     }
-    if let Some(c) = &case.cache {
-        for (name, want) in RESULTS.iter().zip(&c.want) {
-            check(
-                &mut line,
-                name,
-                &read_f32(&dir.join(name)),
-                want,
-                " (vs the CPU)",
-            )?;
+    let want_tensors = match &case.cache {
+        Some(c) => {
+            for (name, want) in RESULTS.iter().zip(&c.want) {
+                let got = read_f32(&dir.join(name));
+                check(&mut line, name, &got, want, " (vs the CPU)")?;
+            }
+            &c.tensors
         }
-        let _ = std::fs::remove_dir_all(&dir);
-        return Ok(line);
-    }
-    for (name, want) in RESULTS.iter().zip(&want) {
-        check(&mut line, name, &read_f32(&dir.join(name)), want, "")?;
-    }
+        None => {
+            for (name, want) in RESULTS.iter().zip(&want) {
+                check(&mut line, name, &read_f32(&dir.join(name)), want, "")?;
+            }
+            &want_tensors
+        }
+    };
     // The learnable tensors' gradients, from their fixed-point
     // accumulators, as the runtime decodes them.
     let words: Vec<u32> = std::fs::read(dir.join("arena"))
@@ -1833,7 +1845,7 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
             words[kernels_spec::params::GRAD_FLAG_WORD]
         ));
     }
-    for (&(name, at), want) in case.grads.iter().zip(&want_tensors) {
+    for (&(name, at), want) in case.grads.iter().zip(want_tensors) {
         let got: Vec<f32> = words[at..at + 2 * want.len()]
             .chunks_exact(2)
             .map(|w| kernels_spec::params::grad_value(w[0], w[1]) as f32)
@@ -1991,7 +2003,10 @@ fn host_emulation_matches_the_reference() {
         // keys, one of a partial query tile, one whole; rows of tiles past
         // a sequence's own skipped, and exactly 0.
         host_padded_case(
-            CausalSlidingWindow { window: 50 },
+            CausalSlidingWindowSinks {
+                window: 50,
+                sinks: data(Problem::new(4, (4, 2), (70, 97), 64), 16).learnable(&[4], -2.0, 2.0),
+            },
             Problem::new(4, (4, 2), (70, 97), 64),
             &[0, 5, 33, 70],
             &[40, 0, 97, 70],
