@@ -9,6 +9,7 @@ use super::reference::{
     Forward, Gradients, reference_backward_lse, reference_forward, reference_magnitudes,
 };
 use super::rng::Rng;
+use super::tolerance::recomputed_scores;
 use crate::options::AttentionOptions;
 use crate::problem::Problem;
 use crate::variant::HostVariant;
@@ -133,6 +134,9 @@ pub(crate) struct Expected {
     pub(crate) tensor_magnitudes: Vec<f64>,
     /// Each learnable tensor's field name.
     pub(crate) tensor_names: Vec<&'static str>,
+    /// The relative error of the backward's recomputed `P` (see
+    /// [`recomputed_scores`]).
+    pub(crate) recomputed: f64,
 }
 
 /// The field names of `V`'s learnable tensors, in slot order.
@@ -157,6 +161,7 @@ impl Expected {
         let (mag_out, mag_g) =
             reference_magnitudes(variant, p, [&q64, &k64, &v64, &dout64], Some(&dlse64));
         let max_abs = |x: &[f64]| x.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        let recomputed = recomputed_scores(p, &fwd.max_scores);
         Expected {
             fwd,
             grads,
@@ -170,6 +175,7 @@ impl Expected {
             ],
             tensor_magnitudes: mag_g.tensors.iter().map(|t| max_abs(t)).collect(),
             tensor_names,
+            recomputed,
         }
     }
 }

@@ -207,21 +207,30 @@ fn compare_pages(
     failures: &mut Vec<String>,
 ) -> String {
     let mut summary = String::new();
-    let mut check = |label: &str, layout, got: &[f32], want: &[f64], naive: &[f32], m: f64| {
-        let c = compare(NAIVE_FACTOR, label, layout, p, got, want, naive, m);
+    // The forward's results carry no recomputed scores; the gradients do.
+    let (fwd, grad) = (0.0, want.recomputed);
+    let mut check = |label: &str, layout, got: &[f32], want: &[f64], naive: &[f32], (m, r)| {
+        let c = compare(NAIVE_FACTOR, label, layout, p, got, want, naive, m, r);
         failures.extend(c.failures);
         summary.push_str(&format!("{label} {:.1e}/{:.1e} ", c.err, c.bound));
     };
     let [m_out, m_dq, m_dk, m_dv] = want.magnitudes;
     let (wf, wg, nf, ng) = (&want.fwd, &want.grads, &want.naive_fwd, &want.naive_grads);
     let (q_, o_) = (Layout::Query(p.head_dim), Layout::Query(p.head_dim_v));
-    check("out", o_, &got.fwd.out, &wf.out, &nf.out, m_out);
-    check("lse", Layout::Lse, &got.fwd.lse, &wf.lse, &nf.lse, 0.0);
+    check("out", o_, &got.fwd.out, &wf.out, &nf.out, (m_out, fwd));
+    check(
+        "lse",
+        Layout::Lse,
+        &got.fwd.lse,
+        &wf.lse,
+        &nf.lse,
+        (0.0, fwd),
+    );
     if !got.fwd.max_scores.is_empty() {
         let (gm, wm, nm) = (&got.fwd.max_scores, &wf.max_scores, &nf.max_scores);
-        check("max_scores", Layout::Lse, gm, wm, nm, 0.0);
+        check("max_scores", Layout::Lse, gm, wm, nm, (0.0, fwd));
     }
-    check("var out", o_, &got.var_out, &wf.out, &nf.out, m_out);
+    check("var out", o_, &got.var_out, &wf.out, &nf.out, (m_out, fwd));
     let (dk_pages, dv_pages) = (fold(&wg.dk, p, p.head_dim), fold(&wg.dv, p, p.head_dim_v));
     let naive = |x: &[f32], dim| -> Vec<f32> {
         let wide: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
@@ -229,7 +238,7 @@ fn compare_pages(
     };
     let (nk, nv) = (naive(&ng.dk, p.head_dim), naive(&ng.dv, p.head_dim_v));
     for (label, g) in [("dq", &got.grads), ("GradFn dq", &got.var_grads)] {
-        check(label, q_, &g.dq, &wg.dq, &ng.dq, m_dq);
+        check(label, q_, &g.dq, &wg.dq, &ng.dq, (m_dq, grad));
     }
     for (what, g) in [("", &got.grads), ("GradFn ", &got.var_grads)] {
         let (dk, dv) = (&g.dk, &g.dv);
@@ -239,7 +248,7 @@ fn compare_pages(
             dk,
             &dk_pages,
             &nk,
-            2.0 * m_dk,
+            (2.0 * m_dk, grad),
         );
         check(
             &format!("{what}dv"),
@@ -247,13 +256,13 @@ fn compare_pages(
             dv,
             &dv_pages,
             &nv,
-            2.0 * m_dv,
+            (2.0 * m_dv, grad),
         );
         for (slot, want_t) in wg.tensors.iter().enumerate() {
             let (naive, m) = (&ng.tensors[slot], want.tensor_magnitudes[slot]);
             let label = format!("{what}d{}", want.tensor_names[slot]);
             let got_t = g.tensors.get(slot).map_or(&[][..], |t| &t[..]);
-            check(&label, Layout::Flat, got_t, want_t, naive, m);
+            check(&label, Layout::Flat, got_t, want_t, naive, (m, grad));
         }
     }
     summary

@@ -192,6 +192,7 @@ fn compare_applies_the_tolerance_rule() {
             &want,
             naive,
             m,
+            0.0,
         )
     };
     // bound = 2·naive err + 1e-6·(1 + max|want|) + ε·M.
@@ -232,6 +233,7 @@ fn compare_applies_the_tolerance_rule() {
             got,
             &want_lse,
             &naive_lse,
+            0.0,
             0.0,
         )
     };
