@@ -248,6 +248,11 @@ pub enum Error {
     /// An error from numr (allocation, device).
     #[error(transparent)]
     Numr(#[from] numr::error::Error),
+    /// An error from boostr's modules around the attention
+    /// ([`model`](crate::model), feature `boostr`).
+    #[cfg(feature = "boostr")]
+    #[error("boostr: {0}")]
+    Boostr(#[from] boostr::error::Error),
     /// The CPU kernels' threads could not be pinned (see `cpu::pin_threads`).
     #[error("pinning the CPU threads: {reason}")]
     Threads {

@@ -84,6 +84,8 @@ mod flash;
 #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
 mod gpu;
 mod keys;
+#[cfg(feature = "boostr")]
+pub mod model;
 mod node;
 mod op;
 mod options;

@@ -77,7 +77,7 @@ struct Sums<R: Runtime> {
 /// A rank's share of the blocks' dK/dV after the last step.
 enum KeyGrads<R: Runtime> {
     /// Ring: the sums of the block it worked on last, one hop from home.
-    Travelling(Option<[Tensor<R>; 2]>),
+    Travelling(Option<Box<[Tensor<R>; 2]>>),
     /// Gathered: its part of every block's, by step.
     Parts(Vec<[Tensor<R>; 2]>),
 }
@@ -209,7 +209,7 @@ where
     let key_grads = if gathered {
         KeyGrads::Parts(parts)
     } else {
-        KeyGrads::Travelling(travelling)
+        KeyGrads::Travelling(travelling.map(Box::new))
     };
     Ok((key_grads, failure))
 }
@@ -267,7 +267,7 @@ where
                 _ => unreachable!("an exchange returns what it was asked to receive"),
             }
         }
-        KeyGrads::Travelling(Some(t)) => Ok(t),
+        KeyGrads::Travelling(Some(t)) => Ok(*t),
         KeyGrads::Travelling(None) => {
             let p = ring.local;
             let zeros = |shape: [usize; 4]| Tensor::<R>::zeros(&shape, DType::F32, device);
