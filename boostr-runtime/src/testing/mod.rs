@@ -81,7 +81,7 @@ pub use parity::{check_parity, check_parity_built};
 pub use reference::{
     Forward, Gradients, Real, reference_backward, reference_backward_lse, reference_forward,
 };
-pub use rng::{Rng, SEED_ENV};
+pub use rng::{Rng, SEED_ENV, choose_seed};
 #[cfg(test)]
 pub(crate) use run_backend::out_and_lse_loss;
 

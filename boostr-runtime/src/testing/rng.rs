@@ -21,7 +21,7 @@ pub const SEED_ENV: &str = "BOOSTR_TEST_SEED";
 /// # Panics
 ///
 /// When `BOOSTR_TEST_SEED` is set but is not a `u64`.
-pub(crate) fn choose_seed() -> u64 {
+pub fn choose_seed() -> u64 {
     if let Ok(text) = std::env::var(SEED_ENV) {
         return parse_seed(&text).unwrap_or_else(|| {
             panic!("{SEED_ENV}={text:?} is not a u64 (decimal, or hex with a 0x prefix)")
