@@ -14,6 +14,7 @@
 //! weights on the same batches, and the per-step losses are compared.
 
 mod corpus;
+mod export;
 mod generate;
 mod net;
 mod plot;
@@ -43,6 +44,7 @@ struct Args {
     lr: f64,
     check: Option<usize>,
     plot: String,
+    export: Option<String>,
 }
 
 fn args() -> Result<Args> {
@@ -53,6 +55,7 @@ fn args() -> Result<Args> {
         lr: 3e-3,
         check: None,
         plot: "tiny_lm_loss.png".into(),
+        export: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -64,10 +67,11 @@ fn args() -> Result<Args> {
             "--lr" => a.lr = value()?.parse()?,
             "--check" => a.check = Some(value()?.parse()?),
             "--plot" => a.plot = value()?,
+            "--export" => a.export = Some(value()?),
             _ => {
                 return Err(format!(
                     "unknown argument {flag}; expected --steps N, --batch N, --seq N, --lr X, \
-                     --check N, --plot FILE"
+                     --check N, --plot FILE, --export FILE"
                 )
                 .into());
             }
@@ -117,18 +121,19 @@ fn main() -> Result<()> {
         config.head_dim(),
         config.hidden
     );
-    let adamw = || {
-        AdamW::<CpuRuntime>::new(AdamWConfig {
-            lr: args.lr,
-            ..AdamWConfig::default()
-        })
+    let adamw_config = AdamWConfig {
+        lr: args.lr,
+        ..AdamWConfig::default()
     };
+    let adamw = || AdamW::<CpuRuntime>::new(adamw_config.clone());
     let mut opt = adamw();
     // The twin on boostr's attention, from the same weights.
     let mut twin = args.check.map(|_| {
         let model = Model::<Causal>::new(config, Kernel::Boostr, &device);
         (model, weights.copy(), adamw())
     });
+    let initial = weights.copy();
+    let mut batches = Vec::new();
     let mut rng = Stream::new(3);
     let bar = ProgressBar::new(args.steps as u64).with_style(ProgressStyle::with_template(
         "{bar:40} {pos}/{len} steps, {msg} [{elapsed} < {eta}]",
@@ -139,6 +144,9 @@ fn main() -> Result<()> {
         (Duration::ZERO, Duration::ZERO, Duration::ZERO);
     for step in 0..args.steps {
         let batch = Batch::draw(&tokens.ids, args.batch, args.seq, &mut rng, &device)?;
+        if args.export.is_some() {
+            batches.push((batch.inputs.clone(), batch.targets.clone()));
+        }
         let started = Instant::now();
         let loss = ours.loss(&client, &weights, &batch, true)?;
         let grads = weights.grads(&backward(&loss, &client)?)?;
@@ -174,6 +182,18 @@ fn main() -> Result<()> {
     );
     plot::loss_curve(&args.plot, &losses, &twin_losses, entropy)?;
     println!("loss curve: {}", args.plot);
+    let share = net::attention_time(&ours, (args.batch, args.seq), &device)?;
+    let step = ours_time.as_secs_f64() / args.steps as f64;
+    println!(
+        "attention (forward and backward of every layer, timed alone on the step's shapes): \
+         {:.1} ms, {:.0}% of a step",
+        share.as_secs_f64() * 1e3,
+        100.0 * share.as_secs_f64() / step
+    );
+    if let Some(path) = &args.export {
+        export::write(path, &config, &adamw_config, &initial, &batches, &losses)?;
+        println!("weights, batches and losses for bench/tiny_lm_torch.py: {path}");
+    }
     if !twin_losses.is_empty() {
         check(&losses, &twin_losses, ours_checked, twin_time)?;
     }

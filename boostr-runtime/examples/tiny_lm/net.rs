@@ -9,10 +9,12 @@ use boostr::model::attention_core::{AttentionCoreSpec, AttentionKernel, attentio
 use boostr::nn::{Embedding, Linear, RmsNorm, RoPE, cross_entropy_loss};
 use boostr_runtime::model::Attention;
 use boostr_runtime::variant::Variant;
-use numr::autograd::{GradStore, Var, var_add, var_reshape, var_silu_mul};
+use numr::autograd::{GradStore, Var, var_add, var_reshape, var_silu_mul, var_sum};
+use numr::runtime::Runtime;
 use numr::runtime::cpu::{CpuClient, CpuDevice, CpuRuntime};
 use numr::tensor::{Tensor, TensorId};
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
@@ -321,4 +323,39 @@ impl Batch {
             targets: Tensor::from_slice(&targets, &[b * s], device)?,
         })
     }
+}
+
+/// The time of the model's attention in one training step: forward and
+/// backward of `Attention::forward` (heads, RoPE, the kernels) on random
+/// projections of the step's shapes, once per layer; the median of 7 runs.
+pub fn attention_time<V: Variant>(
+    model: &Model<V>,
+    (batch, seq): (usize, usize),
+    device: &CpuDevice,
+) -> Result<Duration> {
+    let Kernel::Ours(attention) = &model.kernel else {
+        return Err("timing the compiled variant's attention".into());
+    };
+    let c = model.config;
+    let client = CpuRuntime::default_client(device);
+    let mut rng = Stream::new(5);
+    let mut proj = |heads: usize| -> Result<Var<CpuRuntime>> {
+        let n = batch * seq * heads * c.head_dim();
+        let data: Vec<f32> = (0..n).map(|_| rng.normal()).collect();
+        let t = Tensor::from_slice(&data, &[batch, seq, heads * c.head_dim()], device)?;
+        Ok(Var::new(t, true))
+    };
+    let (q, k, v) = (proj(c.heads)?, proj(c.kv_heads)?, proj(c.kv_heads)?);
+    let mut times = Vec::new();
+    for _ in 0..8 {
+        let started = Instant::now();
+        let y = attention.forward(&q, &k, &v, Some(&model.rope))?;
+        let loss = var_sum(&y, &[0, 1, 2], false, &client)?;
+        numr::autograd::backward(&loss, &client)?;
+        times.push(started.elapsed());
+    }
+    // The first run compiles nothing but warms the caches: left out.
+    times.remove(0);
+    times.sort();
+    Ok(times[times.len() / 2] * c.layers as u32)
 }
