@@ -3,11 +3,10 @@
 //! its `reshape_and_cache`), which the compiled variant reads in place
 //! through `Keys::paged`; tokens sampled with boostr's `sample_token`.
 
-use crate::net::{Kernel, Model, Weights};
+use crate::net::{Model, Weights, with_attention};
 use boostr::inference::kv_cache::PagedKvCache;
 use boostr::ops::SamplingOps;
 use boostr_runtime::Keys;
-use boostr_runtime::variant::Variant;
 use numr::autograd::Var;
 use numr::dtype::DType;
 use numr::runtime::cpu::{CpuClient, CpuDevice, CpuRuntime};
@@ -31,7 +30,7 @@ struct Cache {
 }
 
 impl Cache {
-    fn new<V: Variant>(model: &Model<V>, capacity: usize, device: &CpuDevice) -> Result<Self> {
+    fn new(model: &Model, capacity: usize, device: &CpuDevice) -> Result<Self> {
         let c = &model.config;
         let n = capacity.div_ceil(PAGE);
         let layers = (0..c.layers)
@@ -71,8 +70,8 @@ pub struct Report {
 
 /// `n` tokens after `prompt` (token ids), sampled at `temperature` with
 /// nucleus `top_p`.
-pub fn generate<V: Variant>(
-    model: &Model<V>,
+pub fn generate(
+    model: &Model,
     w: &Weights,
     client: &CpuClient,
     device: &CpuDevice,
@@ -80,9 +79,6 @@ pub fn generate<V: Variant>(
     n: usize,
     (temperature, top_p): (f32, f32),
 ) -> Result<(Vec<i64>, Report)> {
-    let Kernel::Ours(attention) = &model.kernel else {
-        return Err("generation runs the compiled variant's attention".into());
-    };
     let c = model.config;
     if prompt.is_empty() || prompt.len() + n > c.max_seq {
         return Err(format!(
@@ -111,7 +107,13 @@ pub fn generate<V: Variant>(
         let lengths = Tensor::from_slice(&[(start + count) as i32], &[1], device)?;
         for l in 0..c.layers {
             let (q, k, v) = model.qkv(client, w, l, &x, false)?;
-            let (q, k, v) = attention.heads(&q, &k, &v, Some(&model.rope), start)?;
+            let (q, k, v) = with_attention!(model, w, l, false, |a| a.heads(
+                &q,
+                &k,
+                &v,
+                Some(&model.rope),
+                start
+            )?);
             // boostr's cache takes tokens as [n, Hkv, D] and stores pages
             // as [pages, PAGE, Hkv, D]; the kernels read them in place as
             // [pages, Hkv, PAGE, D] views.
@@ -127,7 +129,7 @@ pub fn generate<V: Variant>(
             let k_pages = layer.k_cache().permute(&[0, 2, 1, 3])?;
             let v_pages = layer.v_cache().permute(&[0, 2, 1, 3])?;
             let keys = Keys::paged(&k_pages, &v_pages, &cache.table, &lengths);
-            let a = attention.decode(&q, keys)?;
+            let a = with_attention!(model, w, l, false, |a| a.decode(&q, keys)?);
             x = model.block_out(client, w, l, &x, &Var::new(a, false), false)?;
         }
         cache.len += count;

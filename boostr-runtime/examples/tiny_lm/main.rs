@@ -20,11 +20,9 @@ mod net;
 mod plot;
 
 use boostr::optimizer::{AdamW, AdamWConfig};
-use boostr_runtime::model::Attention;
-use boostr_runtime::stock::Causal;
 use corpus::{Stream, Tokens};
 use indicatif::{ProgressBar, ProgressStyle};
-use net::{Batch, Config, Kernel, Model, Weights};
+use net::{Batch, Choice, Config, Kernel, Model, Weights};
 use numr::autograd::backward;
 use numr::runtime::Runtime;
 use numr::runtime::cpu::{CpuDevice, CpuRuntime};
@@ -45,6 +43,7 @@ struct Args {
     check: Option<usize>,
     plot: String,
     export: Option<String>,
+    variant: Choice,
 }
 
 fn args() -> Result<Args> {
@@ -56,6 +55,7 @@ fn args() -> Result<Args> {
         check: None,
         plot: "tiny_lm_loss.png".into(),
         export: None,
+        variant: Choice::Causal,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -68,14 +68,19 @@ fn args() -> Result<Args> {
             "--check" => a.check = Some(value()?.parse()?),
             "--plot" => a.plot = value()?,
             "--export" => a.export = Some(value()?),
+            "--variant" => a.variant = Choice::parse(&value()?)?,
             _ => {
                 return Err(format!(
                     "unknown argument {flag}; expected --steps N, --batch N, --seq N, --lr X, \
-                     --check N, --plot FILE, --export FILE"
+                     --check N, --plot FILE, --export FILE, \
+                     --variant causal|softcap|window|window-sinks"
                 )
                 .into());
             }
         }
+    }
+    if a.export.is_some() && a.variant != Choice::Causal {
+        return Err("--export writes for the PyTorch twin, whose attention is causal".into());
     }
     Ok(a)
 }
@@ -96,30 +101,23 @@ fn main() -> Result<()> {
         max_seq: 256,
     };
     let entropy = tokens.unigram_entropy();
-    let ours = Model::new(
-        config,
-        Kernel::Ours(Attention::new(
-            Causal,
-            config.heads,
-            config.kv_heads,
-            config.head_dim(),
-        )?),
-        &device,
-    )?;
-    let mut weights = Weights::init(&config, 11, &device)?;
+    let ours = Model::new(config, args.variant, Kernel::Ours, &device)?;
+    let mut weights = Weights::init(&config, args.variant, 11, &device)?;
     println!(
         "corpus: {} characters, {} symbols, unigram entropy {entropy:.3} nats",
         tokens.ids.len(),
         config.vocab
     );
     println!(
-        "model: {} parameters ({} layers, {} query heads and {} KV heads of {}, SwiGLU {})",
+        "model: {} parameters ({} layers, {} query heads and {} KV heads of {}, SwiGLU {}); \
+         attention {}",
         weights.count(),
         config.layers,
         config.heads,
         config.kv_heads,
         config.head_dim(),
-        config.hidden
+        config.hidden,
+        args.variant.name()
     );
     let adamw_config = AdamWConfig {
         lr: args.lr,
@@ -128,10 +126,13 @@ fn main() -> Result<()> {
     let adamw = || AdamW::<CpuRuntime>::new(adamw_config.clone());
     let mut opt = adamw();
     // The twin on boostr's attention, from the same weights.
-    let mut twin = args.check.map(|_| {
-        let model = Model::<Causal>::new(config, Kernel::Boostr, &device);
-        (model, weights.copy(), adamw())
-    });
+    let mut twin = match args.check {
+        Some(_) => {
+            let model = Model::new(config, args.variant, Kernel::Boostr, &device)?;
+            Some((model, weights.copy(), adamw()))
+        }
+        None => None,
+    };
     let initial = weights.copy();
     let mut batches = Vec::new();
     let mut rng = Stream::new(3);
@@ -159,7 +160,6 @@ fn main() -> Result<()> {
             ours_checked += took;
         }
         if let (true, Some((model, w, opt))) = (checking, twin.as_mut()) {
-            let model = model.as_ref().map_err(|e| e.to_string())?;
             let started = Instant::now();
             let loss = model.loss(&client, w, &batch, true)?;
             let grads = w.grads(&backward(&loss, &client)?)?;
@@ -180,9 +180,15 @@ fn main() -> Result<()> {
         tail.len(),
         ours_time.as_secs_f64() * 1e3 / args.steps as f64
     );
-    plot::loss_curve(&args.plot, &losses, &twin_losses, entropy)?;
+    plot::loss_curve(
+        &args.plot,
+        &args.variant.name(),
+        &losses,
+        &twin_losses,
+        entropy,
+    )?;
     println!("loss curve: {}", args.plot);
-    let share = net::attention_time(&ours, (args.batch, args.seq), &device)?;
+    let share = net::attention_time(&ours, &weights, (args.batch, args.seq), &device)?;
     let step = ours_time.as_secs_f64() / args.steps as f64;
     println!(
         "attention (forward and backward of every layer, timed alone on the step's shapes): \

@@ -7,8 +7,6 @@
 use crate::corpus::Stream;
 use boostr::model::attention_core::{AttentionCoreSpec, AttentionKernel, attention_core_masked};
 use boostr::nn::{Embedding, Linear, RmsNorm, RoPE, cross_entropy_loss};
-use boostr_runtime::model::Attention;
-use boostr_runtime::variant::Variant;
 use numr::autograd::{GradStore, Var, var_add, var_reshape, var_silu_mul, var_sum};
 use numr::runtime::Runtime;
 use numr::runtime::cpu::{CpuClient, CpuDevice, CpuRuntime};
@@ -36,14 +34,100 @@ impl Config {
     }
 }
 
-/// Which attention the blocks run.
-pub enum Kernel<V: Variant> {
-    /// A compiled variant's fused kernels.
-    Ours(Attention<V>),
+/// The attention of every block.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Choice {
+    /// Causal (Llama).
+    Causal,
+    /// Causal with its logits soft-capped at `cap` (Gemma 2).
+    Softcap(f32),
+    /// A causal sliding window of `window` keys (Mistral).
+    Window(i32),
+    /// A causal sliding window with a learned sink logit per head and layer
+    /// (gpt-oss): the sinks are parameters like the weights.
+    WindowSinks(i32),
+}
+
+impl Choice {
+    pub fn parse(name: &str) -> Result<Self> {
+        Ok(match name {
+            "causal" => Choice::Causal,
+            "softcap" => Choice::Softcap(30.0),
+            "window" => Choice::Window(24),
+            "window-sinks" => Choice::WindowSinks(24),
+            _ => {
+                return Err(format!(
+                    "unknown variant {name:?}: causal, softcap, window or window-sinks"
+                )
+                .into());
+            }
+        })
+    }
+
+    pub fn name(&self) -> String {
+        match self {
+            Choice::Causal => "Causal".into(),
+            Choice::Softcap(cap) => format!("CausalSoftcap {{ cap: {cap} }}"),
+            Choice::Window(w) => format!("CausalSlidingWindow {{ window: {w} }}"),
+            Choice::WindowSinks(w) => format!("CausalSlidingWindowSinks {{ window: {w}, .. }}"),
+        }
+    }
+
+    /// boostr's `softcap` and `sliding_window` for the same attention.
+    pub fn boostr(&self) -> Result<(Option<f32>, usize)> {
+        match *self {
+            Choice::Causal => Ok((None, 0)),
+            Choice::Softcap(cap) => Ok((Some(cap), 0)),
+            Choice::Window(w) => Ok((None, w as usize)),
+            Choice::WindowSinks(_) => Err("boostr 0.10's attention has no sinks".into()),
+        }
+    }
+}
+
+/// Whose attention the blocks run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Kernel {
+    /// The compiled variant's fused kernels (`model::Attention`).
+    Ours,
     /// boostr's attention (`attention_core_masked`: repeated KV heads, a
-    /// materialised mask, softmax), causal.
+    /// materialised mask, softmax) with the same softcap and window.
     Boostr,
 }
+
+/// `$body` with `$a` bound to layer `$l`'s `model::Attention` of the
+/// model's choice, its learnable tensors (the sinks) taken from `$w`.
+macro_rules! with_attention {
+    ($model:expr, $w:expr, $l:expr, $grad:expr, |$a:ident| $body:expr) => {{
+        use boostr_runtime::model::Attention;
+        use boostr_runtime::stock::{
+            Causal, CausalSlidingWindow, CausalSlidingWindowSinks, CausalSoftcap,
+        };
+        let c = &$model.config;
+        let (heads, kv_heads, head_dim) = (c.heads, c.kv_heads, c.head_dim());
+        match $model.choice {
+            $crate::net::Choice::Causal => {
+                let $a = Attention::new(Causal, heads, kv_heads, head_dim)?;
+                $body
+            }
+            $crate::net::Choice::Softcap(cap) => {
+                let $a = Attention::new(CausalSoftcap { cap }, heads, kv_heads, head_dim)?;
+                $body
+            }
+            $crate::net::Choice::Window(window) => {
+                let variant = CausalSlidingWindow { window };
+                let $a = Attention::new(variant, heads, kv_heads, head_dim)?;
+                $body
+            }
+            $crate::net::Choice::WindowSinks(window) => {
+                let sinks = $w.var(&format!("{}.sinks", $l), $grad);
+                let variant = CausalSlidingWindowSinks { window, sinks };
+                let $a = Attention::new(variant, heads, kv_heads, head_dim)?;
+                $body
+            }
+        }
+    }};
+}
+pub(crate) use with_attention;
 
 /// The parameters by name, each with the id the optimiser keys it by.
 pub struct Weights {
@@ -55,19 +139,22 @@ pub struct Weights {
 impl Weights {
     /// Random initial weights: normal with std `1/√fan_in` (the head and
     /// the output projections scaled down by `√(2·layers)`), norms at 1.
-    pub fn init(c: &Config, seed: u64, device: &CpuDevice) -> Result<Self> {
+    /// (The sinks of `WindowSinks` start at 0: a sink as likely as a key
+    /// whose score is 0.)
+    pub fn init(c: &Config, choice: Choice, seed: u64, device: &CpuDevice) -> Result<Self> {
         let mut rng = Stream::new(seed);
         let mut w = Weights {
             names: Vec::new(),
             ids: HashMap::new(),
             tensors: HashMap::new(),
         };
+        // A positive `std`: normal; otherwise the constant `−std`.
         let mut add = |name: String, shape: &[usize], std: f32| -> Result<()> {
             let n: usize = shape.iter().product();
-            let data: Vec<f32> = if std == 0.0 {
-                vec![1.0; n]
-            } else {
+            let data: Vec<f32> = if std > 0.0 {
                 (0..n).map(|_| rng.normal() * std).collect()
+            } else {
+                vec![-std; n]
             };
             let id = TensorId::new();
             w.ids.insert(name.clone(), id);
@@ -81,18 +168,21 @@ impl Weights {
         add("embed".into(), &[c.vocab, d], 1.0)?;
         for l in 0..c.layers {
             let s = 1.0 / (d as f32).sqrt();
-            add(format!("{l}.attn_norm"), &[d], 0.0)?;
+            add(format!("{l}.attn_norm"), &[d], -1.0)?;
+            if let Choice::WindowSinks(_) = choice {
+                add(format!("{l}.sinks"), &[c.heads], -0.0)?;
+            }
             add(format!("{l}.q"), &[c.heads * hd, d], s)?;
             add(format!("{l}.k"), &[c.kv_heads * hd, d], s)?;
             add(format!("{l}.v"), &[c.kv_heads * hd, d], s)?;
             add(format!("{l}.o"), &[d, c.heads * hd], s * residual)?;
-            add(format!("{l}.mlp_norm"), &[d], 0.0)?;
+            add(format!("{l}.mlp_norm"), &[d], -1.0)?;
             add(format!("{l}.gate"), &[c.hidden, d], s)?;
             add(format!("{l}.up"), &[c.hidden, d], s)?;
             let s_h = 1.0 / (c.hidden as f32).sqrt();
             add(format!("{l}.down"), &[d, c.hidden], s_h * residual)?;
         }
-        add("norm".into(), &[d], 0.0)?;
+        add("norm".into(), &[d], -1.0)?;
         add("head".into(), &[c.vocab, d], 1.0 / (d as f32).sqrt())?;
         Ok(w)
     }
@@ -129,6 +219,10 @@ impl Weights {
         Ok(grads)
     }
 
+    pub fn var(&self, name: &str, grad: bool) -> Var<CpuRuntime> {
+        Var::with_id(self.get(name).clone(), self.ids[name], grad)
+    }
+
     fn linear(&self, name: &str, grad: bool) -> Linear<CpuRuntime> {
         Linear::with_ids(self.get(name).clone(), self.ids[name], None, grad)
     }
@@ -143,19 +237,24 @@ impl Weights {
 }
 
 /// The model: its architecture, RoPE tables and attention.
-pub struct Model<V: Variant> {
+pub struct Model {
     pub config: Config,
     pub rope: RoPE<CpuRuntime>,
-    pub kernel: Kernel<V>,
+    pub choice: Choice,
+    pub kernel: Kernel,
 }
 
-impl<V: Variant> Model<V> {
-    pub fn new(config: Config, kernel: Kernel<V>, device: &CpuDevice) -> Result<Self> {
+impl Model {
+    pub fn new(config: Config, choice: Choice, kernel: Kernel, device: &CpuDevice) -> Result<Self> {
         let rope =
             RoPE::precompute_freqs(config.max_seq, config.head_dim(), 10_000.0, None, device)?;
+        if kernel == Kernel::Boostr {
+            choice.boostr()?;
+        }
         Ok(Self {
             config,
             rope,
+            choice,
             kernel,
         })
     }
@@ -176,7 +275,7 @@ impl<V: Variant> Model<V> {
         let mut x = self.embed(client, w, tokens, grad)?;
         for l in 0..c.layers {
             let (q, k, v) = self.qkv(client, w, l, &x, grad)?;
-            let a = self.attend(client, &q, &k, &v, s)?;
+            let a = self.attend(client, w, l, [&q, &k, &v], grad)?;
             x = self.block_out(client, w, l, &x, &a, grad)?;
         }
         let logits = self.head(client, w, &x, grad)?;
@@ -259,41 +358,37 @@ impl<V: Variant> Model<V> {
     fn attend(
         &self,
         client: &CpuClient,
-        q: &Var<CpuRuntime>,
-        k: &Var<CpuRuntime>,
-        v: &Var<CpuRuntime>,
-        s: usize,
+        w: &Weights,
+        l: usize,
+        [q, k, v]: [&Var<CpuRuntime>; 3],
+        grad: bool,
     ) -> Result<Var<CpuRuntime>> {
-        match &self.kernel {
-            Kernel::Ours(attention) => Ok(attention.forward(q, k, v, Some(&self.rope))?),
-            Kernel::Boostr => {
-                let c = &self.config;
-                let spec = AttentionCoreSpec {
-                    num_heads: c.heads,
-                    num_kv_heads: c.kv_heads,
-                    head_dim: c.head_dim(),
-                    q_norm: None,
-                    k_norm: None,
-                    use_alibi: false,
-                    skip_rope: false,
-                    sliding_window: 0,
-                    softcap: None,
-                    alibi_scale: 1.0,
-                    kernel: AttentionKernel::Masked,
-                };
-                let rope = self.rope.narrow_positions(s)?;
-                let (cos, sin) = (rope.cos_cache(), rope.sin_cache());
-                Ok(attention_core_masked(
-                    client,
-                    q,
-                    k,
-                    v,
-                    Some(cos),
-                    Some(sin),
-                    &spec,
-                )?)
-            }
+        if self.kernel == Kernel::Ours {
+            return with_attention!(self, w, l, grad, |a| Ok(a.forward(
+                q,
+                k,
+                v,
+                Some(&self.rope)
+            )?));
         }
+        let c = &self.config;
+        let (softcap, sliding_window) = self.choice.boostr()?;
+        let spec = AttentionCoreSpec {
+            num_heads: c.heads,
+            num_kv_heads: c.kv_heads,
+            head_dim: c.head_dim(),
+            q_norm: None,
+            k_norm: None,
+            use_alibi: false,
+            skip_rope: false,
+            sliding_window,
+            softcap,
+            alibi_scale: 1.0,
+            kernel: AttentionKernel::Masked,
+        };
+        let rope = self.rope.narrow_positions(q.shape()[1])?;
+        let (cos, sin) = (Some(rope.cos_cache()), Some(rope.sin_cache()));
+        Ok(attention_core_masked(client, q, k, v, cos, sin, &spec)?)
     }
 }
 
@@ -328,14 +423,12 @@ impl Batch {
 /// The time of the model's attention in one training step: forward and
 /// backward of `Attention::forward` (heads, RoPE, the kernels) on random
 /// projections of the step's shapes, once per layer; the median of 7 runs.
-pub fn attention_time<V: Variant>(
-    model: &Model<V>,
+pub fn attention_time(
+    model: &Model,
+    w: &Weights,
     (batch, seq): (usize, usize),
     device: &CpuDevice,
 ) -> Result<Duration> {
-    let Kernel::Ours(attention) = &model.kernel else {
-        return Err("timing the compiled variant's attention".into());
-    };
     let c = model.config;
     let client = CpuRuntime::default_client(device);
     let mut rng = Stream::new(5);
@@ -349,7 +442,12 @@ pub fn attention_time<V: Variant>(
     let mut times = Vec::new();
     for _ in 0..8 {
         let started = Instant::now();
-        let y = attention.forward(&q, &k, &v, Some(&model.rope))?;
+        let y = with_attention!(model, w, 0, true, |a| a.forward(
+            &q,
+            &k,
+            &v,
+            Some(&model.rope)
+        )?);
         let loss = var_sum(&y, &[0, 1, 2], false, &client)?;
         numr::autograd::backward(&loss, &client)?;
         times.push(started.elapsed());

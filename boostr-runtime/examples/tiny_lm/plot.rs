@@ -10,7 +10,13 @@ const FONT: &str = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf";
 
 /// Our losses (blue), boostr's (red, where it ran) and the unigram entropy
 /// (grey) against the step.
-pub fn loss_curve(path: &str, ours: &[f64], theirs: &[f64], entropy: f64) -> Result<()> {
+pub fn loss_curve(
+    path: &str,
+    variant: &str,
+    ours: &[f64],
+    theirs: &[f64],
+    entropy: f64,
+) -> Result<()> {
     let labelled = match std::fs::read(FONT) {
         Ok(bytes) => {
             let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
@@ -45,7 +51,7 @@ pub fn loss_curve(path: &str, ours: &[f64], theirs: &[f64], entropy: f64) -> Res
     let series = |v: &[f64]| v.iter().copied().enumerate().collect::<Vec<_>>();
     let grey = BLACK.mix(0.4);
     let lines = [
-        ("compiled Causal variant", series(ours), BLUE.to_rgba()),
+        (variant, series(ours), BLUE.to_rgba()),
         ("boostr's attention", series(theirs), RED.to_rgba()),
         (
             "unigram entropy",
