@@ -84,6 +84,7 @@ mod flash;
 #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
 mod gpu;
 mod keys;
+mod merge;
 #[cfg(feature = "boostr")]
 pub mod model;
 mod node;
@@ -104,6 +105,7 @@ pub use boostr_macros::attention;
 pub use error::{BackendError, Error, Result};
 pub use flash::var_flash_attention;
 pub use keys::{KeyTensor, Keys, KvScales};
+pub use merge::merge_states;
 pub use op::{
     Backward, LearnableGrad, Output, VarOutput, attention, attention_backward, learnable_grads,
     var_attention,
@@ -122,7 +124,7 @@ pub mod prelude {
     pub use crate::{
         AttentionGrads, AttentionOptions, AttentionRuntime, Backward, Error, KeyTensor, Keys,
         KvScales, Output, Result, RingOptions, Schedule, Shards, VarOutput, Variant, attention,
-        attention_backward, learnable_grads, ring_attention, ring_attention_backward,
+        attention_backward, learnable_grads, merge_states, ring_attention, ring_attention_backward,
         var_attention, var_flash_attention, var_ring_attention,
     };
 }

@@ -54,8 +54,9 @@ where
     Ok(Partial { out, lse, max })
 }
 
-/// The softmax (or sigmoid) merge of two partial `(out, lse)`.
-fn merge_rows<R: Runtime<DType = DType>>(
+/// The softmax (or sigmoid) merge of two partial `(out, lse)` (also
+/// [`merge_states`](crate::merge_states)').
+pub(crate) fn merge_rows<R: Runtime<DType = DType>>(
     weights: Weights,
     (acc_out, acc_lse): (Tensor<R>, Tensor<R>),
     out: &Tensor<R>,

@@ -72,6 +72,7 @@ use crate::options::AttentionOptions;
 use crate::problem::Problem;
 use crate::validate;
 use crate::variant::{HostVariant, TileClass, Variant};
+pub(crate) use forward::merge_rows;
 use link::Link;
 use numr::autograd::Var;
 use numr::dtype::DType;

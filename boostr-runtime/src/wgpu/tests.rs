@@ -720,3 +720,9 @@ fn dropout_masks_agree_bit_for_bit_across_backends() {
         assert!(matches!(e, Error::Dropout(_)), "p = {p}: {e}");
     }
 }
+
+#[test]
+fn merged_states_equal_one_call() {
+    let Some(device) = device() else { return };
+    crate::merge::tests::merges_like_one_call_on::<WgpuRuntime>(&device, false);
+}
