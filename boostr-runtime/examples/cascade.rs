@@ -88,9 +88,10 @@ fn main() -> Result<()> {
         )
     };
 
-    // Cascade: the prefix once, its query rows the n sequences' (every
-    // prefix key is before every query: no mask); each suffix causally at
-    // its end; merged.
+    // Cascade: the prefix once, as one problem per KV head whose query rows
+    // are every sequence's rows of that head's group (every prefix key is
+    // before every query: no mask), so that each prefix key is read once
+    // for all of them; each suffix causally at its end; merged.
     let prefix_table = i32s((0..prefix_pages as i32).collect(), &[1, prefix_pages])?;
     let prefix_len = i32s(vec![prefix as i32], &[1])?;
     let suffix_table = i32s(suffix_table, &[n, suffix_pages])?;

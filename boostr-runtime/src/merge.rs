@@ -17,7 +17,7 @@ use numr::dtype::DType;
 use numr::tensor::Tensor;
 
 /// The attention of the same queries over the union of disjoint key sets,
-/// from each set's result `(out, lse)` as [`attention`](crate::attention)
+/// from each set's result `(out, lse)` as [`attention`](crate::attention())
 /// returns them: `out [B, Hq, Sq, Dv]` (f32, f16 or bf16) and `lse [B, Hq,
 /// Sq]` (f32). Returns `out` in the first part's dtype and `lse` in f32; a
 /// row that no part's keys reach keeps `out = 0`, `lse = −inf`.
