@@ -129,6 +129,15 @@ macro_rules! with_attention {
 }
 pub(crate) use with_attention;
 
+/// How a parameter starts.
+#[derive(Clone, Copy)]
+enum Init {
+    /// Normal with this std.
+    Normal(f32),
+    /// Every element this value.
+    Const(f32),
+}
+
 /// The parameters by name, each with the id the optimiser keys it by.
 pub struct Weights {
     pub names: Vec<String>,
@@ -148,13 +157,11 @@ impl Weights {
             ids: HashMap::new(),
             tensors: HashMap::new(),
         };
-        // A positive `std`: normal; otherwise the constant `−std`.
-        let mut add = |name: String, shape: &[usize], std: f32| -> Result<()> {
+        let mut add = |name: String, shape: &[usize], init: Init| -> Result<()> {
             let n: usize = shape.iter().product();
-            let data: Vec<f32> = if std > 0.0 {
-                (0..n).map(|_| rng.normal() * std).collect()
-            } else {
-                vec![-std; n]
+            let data: Vec<f32> = match init {
+                Init::Normal(std) => (0..n).map(|_| rng.normal() * std).collect(),
+                Init::Const(value) => vec![value; n],
             };
             let id = TensorId::new();
             w.ids.insert(name.clone(), id);
@@ -165,25 +172,37 @@ impl Weights {
         };
         let (d, hd) = (c.dim, c.head_dim());
         let residual = 1.0 / ((2 * c.layers) as f32).sqrt();
-        add("embed".into(), &[c.vocab, d], 1.0)?;
+        add("embed".into(), &[c.vocab, d], Init::Normal(1.0))?;
         for l in 0..c.layers {
             let s = 1.0 / (d as f32).sqrt();
-            add(format!("{l}.attn_norm"), &[d], -1.0)?;
+            add(format!("{l}.attn_norm"), &[d], Init::Const(1.0))?;
             if let Choice::WindowSinks(_) = choice {
-                add(format!("{l}.sinks"), &[c.heads], -0.0)?;
+                add(format!("{l}.sinks"), &[c.heads], Init::Const(0.0))?;
             }
-            add(format!("{l}.q"), &[c.heads * hd, d], s)?;
-            add(format!("{l}.k"), &[c.kv_heads * hd, d], s)?;
-            add(format!("{l}.v"), &[c.kv_heads * hd, d], s)?;
-            add(format!("{l}.o"), &[d, c.heads * hd], s * residual)?;
-            add(format!("{l}.mlp_norm"), &[d], -1.0)?;
-            add(format!("{l}.gate"), &[c.hidden, d], s)?;
-            add(format!("{l}.up"), &[c.hidden, d], s)?;
+            add(format!("{l}.q"), &[c.heads * hd, d], Init::Normal(s))?;
+            add(format!("{l}.k"), &[c.kv_heads * hd, d], Init::Normal(s))?;
+            add(format!("{l}.v"), &[c.kv_heads * hd, d], Init::Normal(s))?;
+            add(
+                format!("{l}.o"),
+                &[d, c.heads * hd],
+                Init::Normal(s * residual),
+            )?;
+            add(format!("{l}.mlp_norm"), &[d], Init::Const(1.0))?;
+            add(format!("{l}.gate"), &[c.hidden, d], Init::Normal(s))?;
+            add(format!("{l}.up"), &[c.hidden, d], Init::Normal(s))?;
             let s_h = 1.0 / (c.hidden as f32).sqrt();
-            add(format!("{l}.down"), &[d, c.hidden], s_h * residual)?;
+            add(
+                format!("{l}.down"),
+                &[d, c.hidden],
+                Init::Normal(s_h * residual),
+            )?;
         }
-        add("norm".into(), &[d], -1.0)?;
-        add("head".into(), &[c.vocab, d], 1.0 / (d as f32).sqrt())?;
+        add("norm".into(), &[d], Init::Const(1.0))?;
+        add(
+            "head".into(),
+            &[c.vocab, d],
+            Init::Normal(1.0 / (d as f32).sqrt()),
+        )?;
         Ok(w)
     }
 
