@@ -50,6 +50,10 @@ pub trait AttentionRuntime:
         tensors: BackwardTensors<'_, Self>,
     ) -> Result<AttentionGrads<Self>>;
 
+    /// Write new keys and values into a cache's rows, in place, as the
+    /// validated `write` says ([`crate::append_kv`]).
+    fn write_kv(write: &KvWrite<'_, Self>) -> Result<()>;
+
     /// `t [B, ..]` summed over its batch into `[1, ..]`: the gradient of
     /// keys shared by every sequence of a batch.
     fn sum_batch(t: &Tensor<Self>) -> Result<Tensor<Self>> {
@@ -235,6 +239,54 @@ impl<'a, R: Runtime> KeyLayout<'a, R> {
         }
     }
 }
+
+/// A validated write of new keys and values into a KV cache's rows (see
+/// [`crate::append_kv`]): the same pairs of rows for `k` and `v`, in
+/// groups that share a scale.
+#[derive(Debug)]
+pub struct KvWrite<'a, R: Runtime> {
+    /// The cache's keys (a cache or pages), contiguous: rows of `D`.
+    pub k: &'a Tensor<R>,
+    /// The cache's values, contiguous: rows of `Dv`.
+    pub v: &'a Tensor<R>,
+    /// The new keys, contiguous: rows of `D`, f32, f16 or bf16.
+    pub k_new: &'a Tensor<R>,
+    /// The new values, contiguous, of `k_new`'s dtype: rows of `Dv`.
+    pub v_new: &'a Tensor<R>,
+    /// Per group: its first pair, its end pair, its scale's index (or −1
+    /// without scales), and the first row of the page whose rows are
+    /// requantised when its scale grows (or −1).
+    pub groups: &'a [[i32; 4]],
+    /// Per pair: the new row (of `k_new`, `v_new`) and the cache row it
+    /// goes to; every destination row once.
+    pub pairs: &'a [[i32; 2]],
+    /// Rows per page (what a growing scale requantises).
+    pub page_rows: usize,
+    /// An fp8 cache's scales.
+    pub scales: Option<WriteScales<'a, R>>,
+}
+
+/// The scales an fp8 cache write quantises with (`f32`, one per group's
+/// scale index).
+#[derive(Debug)]
+pub struct WriteScales<'a, R: Runtime> {
+    /// K's scales.
+    pub k: &'a Tensor<R>,
+    /// V's scales.
+    pub v: &'a Tensor<R>,
+    /// Scales per page, which grow to each write's largest value (written
+    /// back in place); otherwise scales per head, fixed, and values past
+    /// their range saturate.
+    pub grow: bool,
+}
+
+impl<R: Runtime> Clone for WriteScales<'_, R> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<R: Runtime> Copy for WriteScales<'_, R> {}
 
 /// What the backward returns: the gradients of the loss with respect to
 /// `q, k, v`, and to the variant's learnable tensors.

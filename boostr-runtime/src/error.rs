@@ -86,6 +86,16 @@ pub enum Error {
         /// What was given.
         got: String,
     },
+    /// A write of new keys and values into a cache breaks a rule: a full
+    /// cache, a slot out of range or written twice, new rows that do not
+    /// match the cache.
+    #[error("kv cache write: {rule}; got {got}")]
+    CacheWrite {
+        /// The rule broken.
+        rule: &'static str,
+        /// What was given.
+        got: String,
+    },
     /// A per-sequence length or offset (a cache's or padded batch's
     /// lengths, `cu_seqlens`) breaks its rule.
     #[error("{name}[{at}] = {value}; {rule} {bound}")]

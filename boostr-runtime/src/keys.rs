@@ -157,9 +157,10 @@ pub enum Keys<'a, R: Runtime, T = Tensor<R>> {
     },
 }
 
-/// The dequantization scales of fp8 keys and values, `f32`, positive and
-/// finite: a stored element's value is its fp8 value times the scale of
-/// its kv head (and page). The variant names the layout.
+/// The dequantization scales of fp8 keys and values, `f32`, finite and not
+/// negative: a stored element's value is its fp8 value times the scale of
+/// its kv head (and page); a scale of 0 (a page not written yet) holds
+/// zeros. The variant names the layout.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum KvScales<'a, R: Runtime> {
@@ -858,7 +859,7 @@ impl<R: Runtime<DType = DType>> Lengths<R> {
 }
 
 /// The values of an `i32` index tensor of shape `shape`.
-fn index_values<R: Runtime<DType = DType>>(
+pub(crate) fn index_values<R: Runtime<DType = DType>>(
     name: &'static str,
     t: &Tensor<R>,
     shape: &[usize],
@@ -929,8 +930,8 @@ fn is_fp8(dtype: DType) -> bool {
 /// `v` (`[B or pages, Hkv, .., ..]`): fp8 keys and values need scales and
 /// others take none; each scale tensor is `f32`, `[Hkv]` for
 /// [`KvScales::PerHead`] or, for a paged cache of `pages` pages (`paged`),
-/// `[pages, Hkv]` for [`KvScales::PerPage`]; every scale positive and
-/// finite.
+/// `[pages, Hkv]` for [`KvScales::PerPage`]; every scale finite and not
+/// negative.
 pub(crate) fn cache_scales<R: Runtime<DType = DType>>(
     k: &Tensor<R>,
     v: &Tensor<R>,
@@ -988,9 +989,9 @@ pub(crate) fn cache_scales<R: Runtime<DType = DType>>(
             );
         }
         let host = t.contiguous()?.to_vec::<f32>();
-        if let Some(bad) = host.iter().position(|x| !(x.is_finite() && *x > 0.0)) {
+        if let Some(bad) = host.iter().position(|x| !(x.is_finite() && *x >= 0.0)) {
             return err(
-                "every scale is positive and finite",
+                "every scale is finite and not negative",
                 format!("{name} scale {bad} = {}", host[bad]),
             );
         }

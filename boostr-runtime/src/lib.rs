@@ -74,6 +74,7 @@
 
 extern crate self as boostr_runtime;
 
+mod append;
 pub mod backend;
 pub mod capture;
 pub mod cpu;
@@ -100,6 +101,7 @@ pub mod variant;
 #[cfg(feature = "wgpu")]
 mod wgpu;
 
+pub use append::{CacheSlots, amax_scales, append_kv};
 pub use backend::{AttentionGrads, AttentionRuntime};
 pub use boostr_macros::attention;
 pub use error::{BackendError, Error, Result};
@@ -122,10 +124,10 @@ pub use variant::{HostVariant, Variant};
 /// boostr_runtime::prelude::*;`.
 pub mod prelude {
     pub use crate::{
-        AttentionGrads, AttentionOptions, AttentionRuntime, Backward, Error, KeyTensor, Keys,
-        KvScales, Output, Result, RingOptions, Schedule, Shards, VarOutput, Variant, attention,
-        attention_backward, learnable_grads, merge_states, ring_attention, ring_attention_backward,
-        var_attention, var_flash_attention, var_ring_attention,
+        AttentionGrads, AttentionOptions, AttentionRuntime, Backward, CacheSlots, Error, KeyTensor,
+        Keys, KvScales, Output, Result, RingOptions, Schedule, Shards, VarOutput, Variant,
+        append_kv, attention, attention_backward, learnable_grads, merge_states, ring_attention,
+        ring_attention_backward, var_attention, var_flash_attention, var_ring_attention,
     };
 }
 

@@ -61,6 +61,42 @@ pub(crate) fn e5m2_to_f32(b: u8) -> f32 {
     half::f16::from_bits(u16::from(b) << 8).to_f32()
 }
 
+/// f32 to fp8 E4M3 bits: round to nearest even, saturating at ±448 (the
+/// format has no infinity), NaN kept. The CUDA cache writer's encoding,
+/// step for step (`emit/cuda/append.cu`).
+pub(crate) fn f32_to_e4m3(x: f32) -> u8 {
+    let sign = ((x.to_bits() >> 24) & 0x80) as u8;
+    let a = x.abs();
+    if a.is_nan() {
+        return sign | 0x7f;
+    }
+    if a < 0.015625 {
+        // Subnormal: a multiple of 2^-9 (8 rounds up to the least normal).
+        return sign | (a * 512.0).round_ties_even() as u8;
+    }
+    let b = a.min(448.0).to_bits();
+    let r = b + 0x7_ffff + ((b >> 20) & 1);
+    let code = (((r >> 23) - 120) << 3) | ((r >> 20) & 7);
+    sign | code.min(0x7e) as u8
+}
+
+/// f32 to fp8 E5M2 bits: round to nearest even, saturating at ±57344, NaN
+/// kept (as [`f32_to_e4m3`]).
+pub(crate) fn f32_to_e5m2(x: f32) -> u8 {
+    let sign = ((x.to_bits() >> 24) & 0x80) as u8;
+    let a = x.abs();
+    if a.is_nan() {
+        return sign | 0x7f;
+    }
+    if a < 6.103_515_6e-5 {
+        return sign | (a * 65536.0).round_ties_even() as u8;
+    }
+    let b = a.min(57344.0).to_bits();
+    let r = b + 0xf_ffff + ((b >> 21) & 1);
+    let code = (((r >> 23) - 112) << 2) | ((r >> 21) & 3);
+    sign | code.min(0x7b) as u8
+}
+
 /// Elements as stored: f32, or the bits of bf16, f16, or fp8 (E4M3,
 /// E5M2; KV caches, with their scales).
 #[doc(hidden)]
@@ -246,6 +282,61 @@ pub(super) fn widen(src: Stored<'_>, dst: &mut [f32]) {
 mod tests {
     use super::*;
     use crate::testing::Rng;
+
+    /// Every fp8 value, the midpoints between neighbours (ties go to the
+    /// even code), just off them, past the largest value, subnormals,
+    /// infinities and random values at every scale: the encoders agree
+    /// with numr's conversions (an independent implementation), and
+    /// saturate past the largest value.
+    #[test]
+    fn fp8_encoders_round_to_nearest_even_and_saturate() {
+        use numr::dtype::{FP8E4M3, FP8E5M2};
+        let mut rng = Rng::new(0xf8, 0);
+        let e4: Vec<f32> = (0u8..=0x7e).map(e4m3_to_f32).collect();
+        let e5: Vec<f32> = (0u8..=0x7b).map(e5m2_to_f32).collect();
+        for (values, most, ours, numr) in [
+            (
+                e4,
+                448.0f32,
+                f32_to_e4m3 as fn(f32) -> u8,
+                (|x| FP8E4M3::from_f32(x).to_bits()) as fn(f32) -> u8,
+            ),
+            (e5, 57344.0, f32_to_e5m2, |x| FP8E5M2::from_f32(x).to_bits()),
+        ] {
+            let mut xs = values.clone();
+            for w in values.windows(2) {
+                let mid = 0.5 * (w[0] + w[1]);
+                xs.extend([
+                    mid,
+                    f32::from_bits(mid.to_bits() + 1),
+                    f32::from_bits(mid.to_bits() - 1),
+                ]);
+            }
+            xs.extend([
+                most * 1.03,
+                most * 1.1,
+                1e30,
+                f32::INFINITY,
+                f32::MIN_POSITIVE,
+                1e-45,
+            ]);
+            for e in -24..20 {
+                xs.extend(rng.normal_f32(64, 2f32.powi(e)));
+            }
+            for x in xs {
+                for x in [x, -x] {
+                    let want = if x.abs() > most {
+                        // Saturated (numr's E5M2 overflows to infinity).
+                        ours(most) | ((x < 0.0) as u8) << 7
+                    } else {
+                        numr(x)
+                    };
+                    assert_eq!(ours(x), want, "{x:e} ({:#010x})", x.to_bits());
+                }
+            }
+            assert_eq!(ours(f32::NAN) & 0x7f, 0x7f, "NaN stays NaN");
+        }
+    }
 
     /// Values every format holds exactly, and their bits in each.
     fn values(n: usize, rng: &mut Rng) -> (Vec<f32>, Vec<half::bf16>, Vec<half::f16>) {

@@ -60,6 +60,7 @@ pub(crate) mod aligned;
 mod amx;
 mod amx_backward;
 mod amx_forward;
+mod append;
 mod backward;
 mod bf16_dot;
 mod decode;
@@ -88,6 +89,8 @@ pub(crate) mod tests;
 
 pub use aligned::release_pool;
 pub use elem::KvElem;
+#[cfg(test)]
+pub(crate) use elem::{e4m3_to_f32, e5m2_to_f32, f32_to_e4m3, f32_to_e5m2};
 pub use entry::{
     BackwardInputs, Bf16BackwardInputs, backward, backward_bf16, backward_tiled, bf16_tiles,
     forward, forward_bf16, forward_cache, forward_cache_tiled, forward_stored, forward_tiled,

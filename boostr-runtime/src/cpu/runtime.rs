@@ -290,6 +290,10 @@ impl AttentionRuntime for CpuRuntime {
         true
     }
 
+    fn write_kv(write: &crate::backend::KvWrite<'_, Self>) -> Result<()> {
+        super::append::write_kv(write)
+    }
+
     fn attention_forward<V: Variant>(
         variant: &V,
         p: &Problem,

@@ -42,6 +42,8 @@ use numr::tensor::Tensor;
 use std::any::TypeId;
 use std::sync::{Arc, LazyLock};
 
+mod append;
+
 const CUDA: &str = "cuda";
 const CUDA_DTYPES: &str = "f32, f16, bf16";
 const TARGET: Target = Target::Cuda;
@@ -738,6 +740,10 @@ impl AttentionRuntime for CudaRuntime {
         keys: CallKeys<'_, Self>,
     ) -> Result<Output<Self>> {
         forward_over(variant, p, q, keys)
+    }
+
+    fn write_kv(write: &crate::backend::KvWrite<'_, Self>) -> Result<()> {
+        append::write_kv(write)
     }
 
     fn attention_backward<V: Variant>(

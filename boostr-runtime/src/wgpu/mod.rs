@@ -859,6 +859,10 @@ pub fn forward_splits_of<V: Variant>(
 }
 
 impl AttentionRuntime for WgpuRuntime {
+    fn write_kv(write: &crate::backend::KvWrite<'_, Self>) -> Result<()> {
+        append::write_kv(write)
+    }
+
     fn attention_forward<V: Variant>(
         variant: &V,
         p: &Problem,
@@ -932,5 +936,6 @@ impl AttentionRuntime for WgpuRuntime {
     }
 }
 
+mod append;
 #[cfg(test)]
 mod tests;

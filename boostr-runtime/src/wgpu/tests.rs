@@ -726,3 +726,20 @@ fn merged_states_equal_one_call() {
     let Some(device) = device() else { return };
     crate::merge::tests::merges_like_one_call_on::<WgpuRuntime>(&device, false);
 }
+
+/// Cache writes in place, from several threads at once (the writer's
+/// pipeline built on first use by whichever comes first).
+#[test]
+fn appends_write_in_place_from_several_threads() {
+    let Some(device) = device() else { return };
+    std::thread::scope(|s| {
+        for _ in 0..3 {
+            s.spawn(|| {
+                crate::append::tests::writes_in_place_on::<WgpuRuntime>(
+                    &device,
+                    &[crate::append::tests::F32],
+                )
+            });
+        }
+    });
+}

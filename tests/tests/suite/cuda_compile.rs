@@ -108,7 +108,7 @@ struct Job {
 
 /// What ptxas reported for one kernel.
 #[derive(Clone, Debug, Default)]
-struct KernelReport {
+pub(crate) struct KernelReport {
     registers: u32,
     static_smem: u32,
     stack: u32,
@@ -192,7 +192,7 @@ fn jobs(n_variants: usize, everything: usize, full: bool) -> Vec<Job> {
     jobs
 }
 
-fn find_ptxas() -> Option<PathBuf> {
+pub(crate) fn find_ptxas() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("BOOSTR_PTXAS") {
         return Some(PathBuf::from(p)).filter(|p| p.is_file());
     }
@@ -202,7 +202,7 @@ fn find_ptxas() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-fn nvrtc_present() -> bool {
+pub(crate) fn nvrtc_present() -> bool {
     // SAFETY: only tries to dlopen the library by its usual names.
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
@@ -443,7 +443,7 @@ fn every_kernel_compiles_without_spills() {
     );
 }
 
-fn nvrtc(source: &str, nvrtc_arch: &'static str, tag: &str) -> Result<String, String> {
+pub(crate) fn nvrtc(source: &str, nvrtc_arch: &'static str, tag: &str) -> Result<String, String> {
     let version = nvrtc_version();
     let key: [&[u8]; 4] = [
         source.as_bytes(),
@@ -472,7 +472,7 @@ fn nvrtc_version() -> Vec<u8> {
     format!("{major}.{minor}").into_bytes()
 }
 
-fn assemble_and_check(
+pub(crate) fn assemble_and_check(
     ptx: &str,
     sm: &str,
     ptxas_path: &Path,
@@ -561,7 +561,7 @@ fn param_words_follow_the_layout() {
 /// kernels' logic (tiling, indexing, masking, online softmax, the backward's
 /// algebra, the MMA fragment layouts) against the f64 reference without a
 /// GPU.
-const HOST_HARNESS: &str = r#"// Host emulation of the CUDA kernels: every CUDA thread of a block is a
+pub(crate) const HOST_HARNESS: &str = r#"// Host emulation of the CUDA kernels: every CUDA thread of a block is a
 // fiber on one OS thread; blocks run one after another; __syncthreads and
 // warp shuffles are barriers that yield to a round-robin scheduler; mma.sync
 // is computed from the fragments of all 32 lanes.
@@ -684,9 +684,6 @@ inline void bx_mma_sync(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, un
 }
 #endif
 
-#include "kernel.cu"
-#include "summary.cu"
-
 static void bx_entry() {
     (*bx_body)();
     bx_fibers[bx_current].done = true; // returns to bx_main through uc_link
@@ -724,6 +721,10 @@ static void launch(bx_dim3 grid, unsigned threads, const std::function<void()>& 
                 }
             }
 }
+
+// ---- the kernels under test (the prelude above ends here) ----
+#include "kernel.cu"
+#include "summary.cu"
 
 static std::vector<float> read_f32(const char* path, size_t n) {
     std::vector<float> v(n);
@@ -859,7 +860,7 @@ int main(int argc, char** argv) {
 }
 "#;
 
-fn find_cxx() -> Option<PathBuf> {
+pub(crate) fn find_cxx() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("BOOSTR_CXX") {
         return Some(PathBuf::from(p)).filter(|p| p.is_file());
     }

@@ -622,7 +622,7 @@ fn fp8_cache_scales_break_rules_as_errors() {
     run(&kv, Some(KvScales::PerHead { k: &good, v: &good })).expect("a good fp8 cache");
     let f64s = good.to_dtype(numr::dtype::DType::F64).unwrap();
     let wrong_shape = t(&[0.5, 2.0, 1.0], &[3]);
-    let zero = t(&[0.5, 0.0], &[hkv]);
+    let negative = t(&[0.5, -0.25], &[hkv]);
     let nan = t(&[f32::NAN, 1.0], &[hkv]);
     let per_page = t(&[1.0; 2], &[1, hkv]);
     let cases: [(&str, Result<_, _>); 8] = [
@@ -650,11 +650,17 @@ fn fp8_cache_scales_break_rules_as_errors() {
             ),
         ),
         (
-            "positive and finite",
-            run(&kv, Some(KvScales::PerHead { k: &zero, v: &good })),
+            "finite and not negative",
+            run(
+                &kv,
+                Some(KvScales::PerHead {
+                    k: &negative,
+                    v: &good,
+                }),
+            ),
         ),
         (
-            "positive and finite",
+            "finite and not negative",
             run(&kv, Some(KvScales::PerHead { k: &good, v: &nan })),
         ),
         (

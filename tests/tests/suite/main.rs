@@ -2,6 +2,7 @@
 //! One binary links the runtime once and instantiates each variant's
 //! kernels once for all of them.
 
+mod cuda_append;
 mod cuda_compile;
 mod dtypes;
 mod errors;

@@ -488,3 +488,16 @@ pub const SUMMARY_THREADS: u32 = 256;
 /// call's stream before the attention kernels, so the classifiers read
 /// summaries made on the device.
 pub const SUMMARY_SOURCE: &str = include_str!("summary.cu");
+
+/// Threads per block of [`APPEND_SOURCE`].
+pub const APPEND_THREADS: u32 = 128;
+
+/// The cache writer `bx_append_kv`: new keys or values written into a KV
+/// cache's rows in place, quantised to fp8 where the cache is fp8. One
+/// source for every cache, compiled with `BX_APPEND_SRC` (0 f32, 1 f16,
+/// 2 bf16: the new rows) and `BX_APPEND_DST` (0 the same type, 1 E4M3,
+/// 2 E5M2: the cache) defined; one block of [`APPEND_THREADS`] per group
+/// of rows sharing a scale, with `4 · APPEND_THREADS` bytes of dynamic
+/// shared memory. Its arguments: `(src, dst, scales, groups, pairs, dim,
+/// page_rows, grow)`.
+pub const APPEND_SOURCE: &str = include_str!("append.cu");

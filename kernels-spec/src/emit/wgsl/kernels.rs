@@ -325,3 +325,11 @@ pub const SUMMARY_WORKGROUP: u32 = 64;
 /// before the attention kernels of a call, on the same arena, so the
 /// classifiers read summaries made on the device.
 pub const SUMMARY_SOURCE: &str = include_str!("summary.wgsl");
+
+/// Invocations per workgroup of [`APPEND_SOURCE`].
+pub const APPEND_WORKGROUP: u32 = 64;
+
+/// The cache writer `append_kv` (f32, as every wgpu tensor): element `e`
+/// of the new rows' pairs, `gid.x + gid.y · x · APPEND_WORKGROUP`, copied
+/// from its source row to its destination row of the cache.
+pub const APPEND_SOURCE: &str = include_str!("append.wgsl");
