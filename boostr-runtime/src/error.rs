@@ -96,6 +96,16 @@ pub enum Error {
         /// What was given.
         got: String,
     },
+    /// A draft tree ([`DraftTree`](crate::stock::DraftTree)) breaks a
+    /// rule: a parent after its child, a mask that is no tree, drafts
+    /// longer than their sequence.
+    #[error("draft tree: {rule}; got {got}")]
+    DraftTree {
+        /// The rule broken.
+        rule: &'static str,
+        /// What was given.
+        got: String,
+    },
     /// A per-sequence length or offset (a cache's or padded batch's
     /// lengths, `cu_seqlens`) breaks its rule.
     #[error("{name}[{at}] = {value}; {rule} {bound}")]

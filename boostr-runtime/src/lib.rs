@@ -96,6 +96,7 @@ mod ring;
 mod shifted;
 pub mod stock;
 pub mod testing;
+mod tree;
 mod validate;
 pub mod variant;
 #[cfg(feature = "wgpu")]

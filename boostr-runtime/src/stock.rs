@@ -327,6 +327,36 @@ pub struct CausalDropout {
     pub p: f32,
 }
 
+/// Speculative decoding over a tree of draft tokens (SpecInfer, Medusa,
+/// EAGLE; FlashInfer's tree attention): a sequence's last keys are draft
+/// tokens, one query row each, and a row sees the keys before the drafts
+/// and its own ancestors in the tree (itself included), never its
+/// siblings' branches.
+///
+/// The tree is each position's preorder interval: draft `j` is an
+/// ancestor of draft `i` (or `i` itself) when `pre[j] <= pre[i] < end[j]`;
+/// every position before the drafts has `pre = 0` and `end = i32::MAX`,
+/// seen by all. Build it from parent indices
+/// ([`DraftTree::from_parents`]) or ancestor bit masks
+/// ([`DraftTree::from_masks`]); the mask is two reads and three
+/// comparisons, so the tiles before the drafts stay whole and are never
+/// masked element by element.
+#[attention(
+    mask = |b, _h, q, kv| kv <= q && self.pre[b][kv] <= self.pre[b][q] && self.pre[b][q] < self.end[b][kv],
+    tests = [|data| data.draft_tree()],
+)]
+#[derive(Clone, Debug)]
+pub struct DraftTree<R: Runtime> {
+    /// Each position's preorder number: 0 before the drafts, then 1 ..
+    /// `n` over the drafts. `[B, Sk]` `i32`.
+    #[tensor(i32, [B, Sk])]
+    pub pre: Tensor<R>,
+    /// The end of each position's preorder interval: its `pre` plus the
+    /// size of its subtree; `i32::MAX` before the drafts. `[B, Sk]` `i32`.
+    #[tensor(i32, [B, Sk])]
+    pub end: Tensor<R>,
+}
+
 /// Calls `$callback!` with the type of every stock variant, so that code
 /// which enumerates them (tests, tools) lists them from here:
 /// `boostr_runtime::stock_variants!(my_macro)` expands to
@@ -357,6 +387,7 @@ macro_rules! stock_variants {
             $crate::stock::T5Bias<$crate::testing::CpuRuntime>,
             $crate::stock::CausalT5Bias<$crate::testing::CpuRuntime>,
             $crate::stock::CausalSlidingWindowSinks<$crate::testing::CpuRuntime>,
+            $crate::stock::DraftTree<$crate::testing::CpuRuntime>,
         )
     };
 }

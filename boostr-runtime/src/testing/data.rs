@@ -149,6 +149,26 @@ impl<'a, R: Runtime<DType = DType>> TestData<'a, R> {
         self.tensor(&ids, &[b, sk])
     }
 
+    /// A random draft tree over the last `min(Sq, Sk)` positions of every
+    /// sequence (each draft's parent an earlier draft, or the prefix with
+    /// probability 1/4), as [`DraftTree`](crate::stock::DraftTree)'s
+    /// intervals.
+    pub fn draft_tree(&mut self) -> crate::stock::DraftTree<R> {
+        let (b, sq, sk) = (self.problem.batch, self.problem.seq_q, self.problem.seq_k);
+        let n = sq.min(sk);
+        let parents: Vec<i32> = (0..b * n)
+            .map(|at| match at % n {
+                0 => -1,
+                _ if self.rng.uniform() < 0.25 => -1,
+                i => self.int(0, i as i64 - 1) as i32,
+            })
+            .collect();
+        let parents = self.tensor(&parents, &[b, n]);
+        let lengths = self.tensor(&vec![sk as i32; b], &[b]);
+        crate::stock::DraftTree::from_parents(&parents, &lengths, sk)
+            .expect("a random tree is a tree")
+    }
+
     /// Per-sequence key lengths, `[B]` `i32` in `0 ..= Sk`. Batch `b` of
     /// case number `n` gets 0 when `(n + b) % 4 == 0`, `Sk` when it is 1,
     /// else a length drawn in `1 .. Sk`: over the standard cases both ends

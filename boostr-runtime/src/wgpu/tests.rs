@@ -743,3 +743,9 @@ fn appends_write_in_place_from_several_threads() {
         }
     });
 }
+
+#[test]
+fn draft_trees_see_the_prefix_and_their_ancestors() {
+    let Some(device) = device() else { return };
+    crate::tree::tests::drafts_see_the_prefix_and_their_ancestors_on::<WgpuRuntime>(&device);
+}

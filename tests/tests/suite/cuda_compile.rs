@@ -1961,6 +1961,21 @@ fn host_emulation_matches_the_reference() {
             CudaDType::F32,
             problem(40, 40, 64),
         ),
+        // Speculative decoding: 9 draft rows of a random tree over 97 keys,
+        // each seeing the prefix and its ancestors; whole and in key splits.
+        host_case(
+            data(problem(9, 97, 64), 5).draft_tree(),
+            CudaDType::F16,
+            problem(9, 97, 64),
+        ),
+        split(
+            host_case(
+                data(problem(9, 97, 64), 6).draft_tree(),
+                CudaDType::F32,
+                problem(9, 97, 64),
+            ),
+            2,
+        ),
         // KV caches: lengths 0, 1, a key tile, capacity and between; pages
         // of whole and of partial key tiles (BKV is 64 at D = 64).
         host_cache_case(
