@@ -127,7 +127,15 @@ pub enum KeyLayout<'a, R: Runtime> {
     /// page_size]` of `k, v [pages, Hkv, page_size, D]`, for `j <
     /// lengths.host[b]` (`Sk` is `max_pages · page_size`; see
     /// [`Keys::Paged`](crate::Keys::Paged)).
-    Paged(CacheLengths<'a, R>, PageTable<'a, R>),
+    ///
+    /// With query lengths (packed queries over pages, gathered into a
+    /// padded batch), query rows `i < q.host[b]` of `q [B, Hq, Sq, D]`
+    /// at position `i + lengths.host[b] − q.host[b]`, as a padded batch's.
+    Paged(
+        CacheLengths<'a, R>,
+        PageTable<'a, R>,
+        Option<CacheLengths<'a, R>>,
+    ),
     /// A right-padded batch: slot `j` of `k, v [B, Hkv, Sk, D]` for `j <
     /// kv.host[b]`, and query rows `i < q.host[b]` of `q [B, Hq, Sq, D]`,
     /// row `i` at position `i + kv.host[b] − q.host[b]`; the other rows
@@ -185,7 +193,7 @@ impl<'a, R: Runtime> KeyLayout<'a, R> {
     pub fn lengths(&self) -> Option<CacheLengths<'a, R>> {
         match *self {
             Self::Dense | Self::Varlen(_) => None,
-            Self::Cache(lengths) | Self::Paged(lengths, _) | Self::Padded { kv: lengths, .. } => {
+            Self::Cache(lengths) | Self::Paged(lengths, ..) | Self::Padded { kv: lengths, .. } => {
                 Some(lengths)
             }
         }
@@ -194,7 +202,7 @@ impl<'a, R: Runtime> KeyLayout<'a, R> {
     /// The query rows each sequence holds of its padded rows.
     pub fn query_lengths(&self) -> Option<CacheLengths<'a, R>> {
         match *self {
-            Self::Padded { q, .. } => Some(q),
+            Self::Padded { q, .. } | Self::Paged(_, _, Some(q)) => Some(q),
             _ => None,
         }
     }
@@ -234,7 +242,7 @@ impl<'a, R: Runtime> KeyLayout<'a, R> {
     /// The page table, for a paged cache.
     pub fn pages(&self) -> Option<PageTable<'a, R>> {
         match *self {
-            Self::Paged(_, table) => Some(table),
+            Self::Paged(_, table, _) => Some(table),
             _ => None,
         }
     }

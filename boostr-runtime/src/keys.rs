@@ -119,6 +119,10 @@ pub enum Keys<'a, R: Runtime, T = Tensor<R>> {
         page_table: &'a Tensor<R>,
         /// `lengths [B]`, each at most `max_pages · page_size`.
         lengths: &'a Tensor<R>,
+        /// Packed queries ([`Keys::paged_packed`]): `cu_seqlens_q
+        /// [B + 1]`, sequence `b`'s query rows `cu_seqlens_q[b] ..
+        /// cu_seqlens_q[b + 1]` of `q [total_q, Hq, D]`.
+        cu_seqlens_q: Option<&'a Tensor<R>>,
         /// fp8 pages' scales.
         scales: Option<KvScales<'a, R>>,
     },
@@ -229,6 +233,31 @@ impl<'a, R: Runtime, T: KeyTensor<R>> Keys<'a, R, T> {
             v_pages,
             page_table,
             lengths,
+            cu_seqlens_q: None,
+            scales: None,
+        }
+    }
+
+    /// Pages read by packed queries of any lengths, one call for a batch
+    /// that mixes decodes (one row) and chunks of prefill (hundreds): the
+    /// pages as [`Keys::paged`]'s, `q [total_q, Hq, D]` with sequence
+    /// `b`'s rows `cu_seqlens_q[b] .. cu_seqlens_q[b + 1]` (`[B + 1]`
+    /// `i32`), its row `i` at position `i + lengths[b] − rows`. `out` is
+    /// `[total_q, Hq, Dv]` and `lse` `[Hq, total_q]`, as
+    /// [`Keys::varlen`]'s.
+    pub fn paged_packed(
+        k_pages: &'a T,
+        v_pages: &'a T,
+        page_table: &'a Tensor<R>,
+        lengths: &'a Tensor<R>,
+        cu_seqlens_q: &'a Tensor<R>,
+    ) -> Self {
+        Keys::Paged {
+            k_pages,
+            v_pages,
+            page_table,
+            lengths,
+            cu_seqlens_q: Some(cu_seqlens_q),
             scales: None,
         }
     }
@@ -319,6 +348,7 @@ impl<'a, R: Runtime, T: KeyTensor<R>> Keys<'a, R, T> {
             Keys::Paged {
                 page_table,
                 lengths,
+                cu_seqlens_q,
                 scales,
                 ..
             } => Keys::Paged {
@@ -326,6 +356,7 @@ impl<'a, R: Runtime, T: KeyTensor<R>> Keys<'a, R, T> {
                 v_pages: v,
                 page_table,
                 lengths,
+                cu_seqlens_q,
                 scales,
             },
             Keys::Padded {
@@ -373,7 +404,7 @@ impl<'a, R: Runtime, T: KeyTensor<R>> Keys<'a, R, T> {
 pub(crate) enum Layout<R: Runtime> {
     Dense,
     Cache(Lengths<R>),
-    Paged(Lengths<R>, Table<R>),
+    Paged(Lengths<R>, Table<R>, Option<Lengths<R>>),
     Padded { q: Lengths<R>, kv: Lengths<R> },
     Varlen { q: Lengths<R>, kv: Lengths<R> },
 }
@@ -409,6 +440,9 @@ enum Form<R: Runtime> {
         q: Box<RowMap<R>>,
         kv: Box<RowMap<R>>,
     },
+    /// Packed queries over keys in place (pages): the queries gathered
+    /// into a padded batch and their results scattered back.
+    QueriesPacked(Box<RowMap<R>>),
 }
 
 /// Where the rows of a packed tensor go in a padded batch (`n` sequences
@@ -544,8 +578,25 @@ impl<R: AttentionRuntime> Call<R> {
             Keys::Paged {
                 page_table,
                 lengths,
+                cu_seqlens_q,
                 ..
             } => {
+                // Packed queries: gathered into a padded batch of the
+                // sequences, their rows counted as a padded batch's.
+                let packed = match cu_seqlens_q {
+                    None => None,
+                    Some(cu) => {
+                        let total = validate::packed_queries(q)?;
+                        let n = page_table.shape().first().copied().unwrap_or(0);
+                        let cq = Lengths::cumulative("cu_seqlens_q", cu, total, Some(n))?;
+                        let map = RowMap::new(&cq.host, q.device())?;
+                        Some((map.pad(q)?, Lengths::of_offsets(&cq.host, q.device())?, map))
+                    }
+                };
+                let q = packed
+                    .as_ref()
+                    .map_or_else(|| q.clone(), |(qp, _, _)| qp.clone());
+                let q = &q;
                 let (p, page_size) = validate::paged_problem(q, k, v, page_table, scale)?;
                 let lens = Lengths::per_sequence("lengths", lengths, p.batch, p.seq_k)?;
                 let n_pages = k.shape()[0];
@@ -556,8 +607,11 @@ impl<R: AttentionRuntime> Call<R> {
                     host,
                     page_size,
                 };
-                let form = Form::Batched { shared: false };
-                let layout = Layout::Paged(lens, table);
+                let (rows, form) = match packed {
+                    None => (None, Form::Batched { shared: false }),
+                    Some((_, rows, map)) => (Some(rows), Form::QueriesPacked(Box::new(map))),
+                };
+                let layout = Layout::Paged(lens, table, rows);
                 (p, q.clone(), k.clone(), v.clone(), layout, form)
             }
             Keys::Padded {
@@ -658,7 +712,7 @@ impl<R: AttentionRuntime> Call<R> {
         match &self.form {
             Form::Batched { .. } => Ok(t),
             Form::Packed => Ok(t.squeeze(Some(0)).permute(&[1, 0, 2])?.contiguous()?),
-            Form::Repacked { q, .. } => q.unpad(&t),
+            Form::Repacked { q, .. } | Form::QueriesPacked(q) => q.unpad(&t),
         }
     }
 
@@ -676,7 +730,7 @@ impl<R: AttentionRuntime> Call<R> {
         match &self.form {
             Form::Batched { .. } => Ok(t),
             Form::Packed => Ok(t.squeeze(Some(0))),
-            Form::Repacked { q, .. } => q.unpad_lse(&t),
+            Form::Repacked { q, .. } | Form::QueriesPacked(q) => q.unpad_lse(&t),
         }
     }
 
@@ -686,7 +740,7 @@ impl<R: AttentionRuntime> Call<R> {
     pub(crate) fn keys_out(&self, t: Tensor<R>) -> Result<Tensor<R>> {
         match &self.form {
             Form::Batched { shared: true } => R::sum_batch(&t),
-            Form::Batched { shared: false } => Ok(t),
+            Form::Batched { shared: false } | Form::QueriesPacked(_) => Ok(t),
             Form::Packed => Ok(t.squeeze(Some(0)).permute(&[1, 0, 2])?.contiguous()?),
             Form::Repacked { kv, .. } => kv.unpad(&t),
         }
@@ -705,7 +759,7 @@ impl<R: AttentionRuntime> Call<R> {
                 validate::shape_of(name, t, &[want[2], want[1], want[3]])?;
                 unpack(t)
             }
-            Form::Repacked { q, .. } => {
+            Form::Repacked { q, .. } | Form::QueriesPacked(q) => {
                 validate::shape_of(name, t, &[q.total, want[1], want[3]])?;
                 q.pad(t)
             }
@@ -725,7 +779,7 @@ impl<R: AttentionRuntime> Call<R> {
                 validate::shape_of(name, t, &want[1..])?;
                 Ok(t.unsqueeze(0)?)
             }
-            Form::Repacked { q, .. } => {
+            Form::Repacked { q, .. } | Form::QueriesPacked(q) => {
                 validate::shape_of(name, t, &[want[1], q.total])?;
                 q.pad_lse(t)
             }
@@ -892,13 +946,14 @@ impl<R: Runtime> Layout<R> {
         match self {
             Layout::Dense => KeyLayout::Dense,
             Layout::Cache(l) => KeyLayout::Cache(l.view()),
-            Layout::Paged(l, t) => KeyLayout::Paged(
+            Layout::Paged(l, t, q) => KeyLayout::Paged(
                 l.view(),
                 PageTable {
                     tensor: &t.tensor,
                     host: &t.host,
                     page_size: t.page_size,
                 },
+                q.as_ref().map(Lengths::view),
             ),
             Layout::Padded { q, kv } => KeyLayout::Padded {
                 q: q.view(),

@@ -275,6 +275,19 @@ pub fn packed_totals<R: Runtime<DType = DType>>(
     Ok([q.shape()[0], k.shape()[0]])
 }
 
+/// The rows of packed queries `q [total_q, Hq, D]` (over keys in pages).
+pub fn packed_queries<R: Runtime<DType = DType>>(q: &Tensor<R>) -> Result<usize> {
+    if q.ndim() != 3 {
+        return Err(Error::Rank {
+            name: "q",
+            rank: 3,
+            layout: "[total_q, heads, head_dim] (packed queries)",
+            shape: q.shape().to_vec(),
+        });
+    }
+    Ok(q.shape()[0])
+}
+
 /// Validate `q [B, Hq, Sq, D]`, `k [B, Hkv, Sk, D]` and `v [B, Hkv, Sk, Dv]`
 /// and derive the [`Problem`].
 pub fn problem<R: Runtime<DType = DType>>(

@@ -84,7 +84,11 @@ impl<'a> Seqs<'a> {
         use crate::backend::KeyLayout;
         match *layout {
             KeyLayout::Dense => Seqs::Whole,
-            KeyLayout::Cache(l) | KeyLayout::Paged(l, _) => Seqs::Cache(l.host),
+            KeyLayout::Cache(l) | KeyLayout::Paged(l, _, None) => Seqs::Cache(l.host),
+            KeyLayout::Paged(kv, _, Some(q)) => Seqs::Padded {
+                q: q.host,
+                kv: kv.host,
+            },
             KeyLayout::Padded { q, kv } => Seqs::Padded {
                 q: q.host,
                 kv: kv.host,

@@ -86,10 +86,19 @@ enum Source {
     Pages,
     Padded,
     Varlen,
+    /// Pages read by packed queries (a batch of mixed decodes and
+    /// prefills).
+    PagesPacked,
 }
 
 impl Source {
-    const ALL: [Source; 4] = [Source::Cache, Source::Pages, Source::Padded, Source::Varlen];
+    const ALL: [Source; 5] = [
+        Source::Cache,
+        Source::Pages,
+        Source::Padded,
+        Source::Varlen,
+        Source::PagesPacked,
+    ];
 
     fn name(self) -> &'static str {
         match self {
@@ -97,12 +106,23 @@ impl Source {
             Source::Pages => "pages",
             Source::Padded => "padded",
             Source::Varlen => "varlen",
+            Source::PagesPacked => "pages, packed queries",
         }
     }
 
     /// Whether each sequence has its own query rows.
     fn own_rows(self) -> bool {
-        matches!(self, Source::Padded | Source::Varlen)
+        matches!(self, Source::Padded | Source::Varlen | Source::PagesPacked)
+    }
+
+    /// Whether the keys are in pages.
+    fn paged(self) -> bool {
+        matches!(self, Source::Pages | Source::PagesPacked)
+    }
+
+    /// Whether the queries are packed.
+    fn packed_queries(self) -> bool {
+        matches!(self, Source::Varlen | Source::PagesPacked)
     }
 }
 
@@ -155,7 +175,7 @@ pub(crate) fn check_layouts<R: TestBackend, V: Variant>(
             (&want_cache, &cache)
         };
         let mut these = Vec::new();
-        let s = if source == Source::Pages {
+        let s = if source.paged() {
             compare_pages(&p, &got, want, &mut these)
         } else {
             let s = compare_results(&p, &got, want, NAIVE_FACTOR, &mut these);
@@ -295,7 +315,7 @@ fn run_source<R: TestBackend, V: Variant>(
     let rows = Rows::new(p);
     // The tensors as the source lays them out.
     let (qt, dt, dlse) = match source {
-        Source::Varlen => (
+        Source::Varlen | Source::PagesPacked => (
             f32s(
                 &rows.pack(q, &q_lens, p.heads_q, p.head_dim),
                 &[rows.total(&q_lens), p.heads_q, p.head_dim],
@@ -317,7 +337,7 @@ fn run_source<R: TestBackend, V: Variant>(
     };
     let (kt, vt) = match source {
         Source::Cache | Source::Padded => (f32s(k, &p.k_shape())?, f32s(v, &p.v_shape())?),
-        Source::Pages => (
+        Source::Pages | Source::PagesPacked => (
             f32s(
                 &pages(k, p, p.head_dim),
                 &[PAGES, p.heads_kv, PAGE, p.head_dim],
@@ -364,6 +384,7 @@ fn run_source<R: TestBackend, V: Variant>(
         Source::Pages => Keys::paged(k, v, &page_table, &lengths),
         Source::Padded => Keys::padded(k, v, &q_lengths, &lengths),
         Source::Varlen => Keys::varlen(k, v, &cu_q, &cu_k),
+        Source::PagesPacked => Keys::paged_packed(k, v, &page_table, &lengths, &cu_q),
     };
     let opts = &inputs.opts;
     let keys = keys_over(&kt, &vt);
@@ -386,9 +407,9 @@ fn run_source<R: TestBackend, V: Variant>(
     let a = through_autograd::<R, V>(variant, &qt, keys, &y, (&dt, &dlse), opts)?;
     // Back into the layout of `p`.
     let (qd, vd) = (p.head_dim, p.head_dim_v);
-    let unpack_q = |x: Vec<f32>, d| match source {
-        Source::Varlen => rows.unpack(&x, &q_lens, p.heads_q, d),
-        _ => x,
+    let unpack_q = |x: Vec<f32>, d| match source.packed_queries() {
+        true => rows.unpack(&x, &q_lens, p.heads_q, d),
+        false => x,
     };
     let unpack_k = |x: Vec<f32>, d| match source {
         Source::Varlen => rows.unpack_keys(&x, &LENS, d),
@@ -396,8 +417,8 @@ fn run_source<R: TestBackend, V: Variant>(
     };
     // A row that sees nothing: -inf, or 0 for weights without an lse.
     let empty = <V::Host as crate::HostVariant>::WEIGHTS.lse(f32::NEG_INFINITY, 0.0);
-    let unpack_lse = |x: Vec<f32>, empty| match source {
-        Source::Varlen if !x.is_empty() => rows.unpack_lse(&x, &q_lens, empty),
+    let unpack_lse = |x: Vec<f32>, empty| match source.packed_queries() {
+        true if !x.is_empty() => rows.unpack_lse(&x, &q_lens, empty),
         _ => x,
     };
     Ok(BackendResults {

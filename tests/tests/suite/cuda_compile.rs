@@ -31,8 +31,8 @@ use crate::tool_cache;
 
 use boostr_runtime::stock::{
     AlibiSlopes, Causal, CausalDocuments, CausalDropout, CausalSigmoid, CausalSlidingWindow,
-    CausalSlidingWindowSinks, Documents, KvLengths, PrefixLm, RelativeBias, SlidingWindow, Softcap,
-    T5Bias,
+    CausalSlidingWindowSinks, CausalSoftcap, Documents, KvLengths, PrefixLm, RelativeBias,
+    SlidingWindow, Softcap, T5Bias,
 };
 use boostr_runtime::testing::{
     CpuRuntime, Rng, TestData, reference_backward_lse, reference_forward, ring_call, seen_keys,
@@ -1286,6 +1286,39 @@ where
     case
 }
 
+/// `case` (over a cache or a padded batch) with its keys moved into
+/// `B · max_pages` pages of `ps` in shuffled order (a batch of mixed
+/// decodes and prefills reading pages, when the case has query lengths);
+/// its results stay in each sequence's slots, as the kernels write them.
+fn in_pages(mut case: HostCase, ps: usize) -> HostCase {
+    let p = case.problem;
+    let (d, dv, cap) = (p.head_dim, p.head_dim_v, p.seq_k);
+    let max_pages = cap / ps;
+    let pages = p.batch * max_pages;
+    let place = |n: usize| (n * 5 + 2) % pages;
+    let table_word = case.arena.len() as i32;
+    let c = case.cache.as_mut().expect("a cache or padded case");
+    let (k, v) = (&c.inputs[1], &c.inputs[2]);
+    let (mut kp, mut vp) = (vec![0.0f32; k.len()], vec![0.0f32; v.len()]);
+    let mut table = vec![0u32; pages];
+    for (n, entry) in table.iter_mut().enumerate() {
+        let (b, lp) = (n / max_pages, n % max_pages);
+        *entry = place(n) as u32;
+        for h in 0..p.heads_kv {
+            let from = (b * p.heads_kv + h) * cap + lp * ps;
+            let to = (place(n) * p.heads_kv + h) * ps;
+            kp[to * d..(to + ps) * d].copy_from_slice(&k[from * d..(from + ps) * d]);
+            vp[to * dv..(to + ps) * dv].copy_from_slice(&v[from * dv..(from + ps) * dv]);
+        }
+    }
+    c.inputs[1] = kp;
+    c.inputs[2] = vp;
+    c.kv[1..].copy_from_slice(&[table_word, ps as i32, max_pages as i32]);
+    case.arena.extend(table);
+    case.tag.push_str(&format!(" in pages of {ps}"));
+    case
+}
+
 /// An fp8 KV cache as the forward reads it, and the f64 reference on its
 /// dequantized values.
 struct Fp8Case {
@@ -2018,6 +2051,17 @@ fn host_emulation_matches_the_reference() {
         // A right-padded batch: a sequence of no rows, one of rows but no
         // keys, one of a partial query tile, one whole; rows of tiles past
         // a sequence's own skipped, and exactly 0.
+        // A mixed batch over pages: decodes (1 row), a chunk of prefill,
+        // an empty sequence, each at its own keys.
+        in_pages(
+            host_padded_case(
+                CausalSoftcap { cap: 20.0 },
+                Problem::new(4, (4, 2), (70, 128), 64),
+                &[1, 70, 1, 0],
+                &[97, 128, 33, 5],
+            ),
+            32,
+        ),
         host_padded_case(
             CausalSlidingWindowSinks {
                 window: 50,
