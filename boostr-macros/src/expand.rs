@@ -103,6 +103,24 @@ fn host_methods(krate: &TokenStream, program: &Program) -> TokenStream {
         found
     };
     let score_checks = checked(&program.score) || checked(&program.score_grad);
+    let reads_batch = |f: &Function| {
+        let mut found = false;
+        f.body.walk(&mut |e| {
+            found |= matches!(
+                &e.kind,
+                kernels_spec::ir::ExprKind::Arg(kernels_spec::ir::Arg::B)
+            )
+        });
+        found
+    };
+    let functions = [
+        &program.score,
+        &program.score_grad,
+        &program.mask,
+        &program.sink,
+        &program.dropout,
+    ];
+    let batch_free = program.tensors.is_empty() && !functions.into_iter().any(reads_batch);
     let learnable = learnable_methods(program);
     let errors = program.tensors.iter().map(|t| {
         let field = format_ident!("{}", t.name);
@@ -117,6 +135,7 @@ fn host_methods(krate: &TokenStream, program: &Program) -> TokenStream {
         const SCORE_GRAD_GIVEN: bool = #grad_given;
         const WEIGHTS: #krate::variant::Weights = #weights;
         const SCORE_CHECKS_READS: bool = #score_checks;
+        const BATCH_FREE: bool = #batch_free;
         #score
         #score_grad
         #mask

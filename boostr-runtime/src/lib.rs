@@ -86,6 +86,7 @@ mod flash;
 mod gpu;
 mod keys;
 mod merge;
+mod mixed;
 #[cfg(feature = "boostr")]
 pub mod model;
 mod node;

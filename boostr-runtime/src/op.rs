@@ -123,6 +123,10 @@ pub fn attention<V: Variant, R: AttentionRuntime>(
     keys: Keys<'_, R>,
     opts: &AttentionOptions,
 ) -> Result<Output<R>> {
+    // A batch of mixed decodes and prefills: one call of each kind.
+    if let Some(y) = crate::mixed::forward(variant, q, keys, opts)? {
+        return Ok(y);
+    }
     let call = Call::new(variant, q, &keys, opts)?;
     forward(variant, &call)
 }

@@ -244,6 +244,12 @@ pub trait HostVariant: Send + Sync {
     /// them, so that an index out of range there (and only there) is
     /// reported.
     const SCORE_CHECKS_READS: bool = false;
+    /// The functions read neither the batch index `b` nor a captured
+    /// tensor: every sequence of a call is attended alike, so a call may
+    /// run any subset of its sequences as a batch of their own (as a mixed
+    /// batch's decodes and prefills, [`Keys::paged_packed`](crate::Keys::paged_packed),
+    /// run as one call of each kind). `false` is always sound.
+    const BATCH_FREE: bool = false;
 
     /// The modified score of one (query, key) pair.
     fn score(&self, s: f32, b: i32, h: i32, q: i32, kv: i32) -> f32;

@@ -227,6 +227,18 @@ pub(super) fn forward<V: HostVariant>(
         .enumerate()
         .for_each_dyn(&|(bkv, ((((out_g, lse_g), kt), v_wide), max_g))| {
             let (b, hkv) = (bkv / p.heads_kv, bkv % p.heads_kv);
+            if sees_nothing(variant, p, b, hkv) {
+                // A sequence none of whose rows sees a key or has a sink
+                // (a padded batch's sequence with no rows: the decodes of a
+                // mixed batch in its prefill call): the empty rows'
+                // results, without copying its keys.
+                out_g.fill(0.0);
+                lse_g.fill(V::WEIGHTS.lse(f32::NEG_INFINITY, 0.0));
+                if let Some(m) = max_g.take() {
+                    m.fill(f32::NEG_INFINITY);
+                }
+                return;
+            }
             let len = keys.len(b);
             kt.par_chunks_mut(tiles.kv * d)
                 .enumerate()
@@ -319,6 +331,23 @@ pub(super) fn forward<V: HostVariant>(
                         );
                 });
         });
+}
+
+/// Whether no row of sequence `b` in the query heads of kv head `hkv` sees
+/// a key or carries a sink.
+fn sees_nothing<V: HostVariant>(variant: &V, p: &Problem, b: usize, hkv: usize) -> bool {
+    if !V::HAS_MASK || p.seq_q == 0 || p.seq_k == 0 {
+        return false;
+    }
+    let g = p.group();
+    let (q_lo, q_hi) = Positions::new(p).query_range(0, p.seq_q);
+    let kv_hi = Positions::to_i32(p.seq_k) - 1;
+    let b = Positions::to_i32(b);
+    (hkv * g..(hkv + 1) * g).all(|h| {
+        let h = Positions::to_i32(h);
+        variant.classify_tile(b, h, q_lo, q_hi, 0, kv_hi) == TileClass::Empty
+            && (q_lo..=q_hi).all(|q| variant.sink(b, h, q) == f32::NEG_INFINITY)
+    })
 }
 
 /// f32 rows the tile products read where they are: contiguous ones. Rows

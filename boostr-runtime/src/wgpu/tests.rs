@@ -749,3 +749,9 @@ fn draft_trees_see_the_prefix_and_their_ancestors() {
     let Some(device) = device() else { return };
     crate::tree::tests::drafts_see_the_prefix_and_their_ancestors_on::<WgpuRuntime>(&device);
 }
+
+#[test]
+fn mixed_batches_equal_each_sequence_alone() {
+    let Some(device) = device() else { return };
+    crate::mixed::tests::mixed_batches_equal_each_sequence_alone_on::<WgpuRuntime>(&device);
+}
