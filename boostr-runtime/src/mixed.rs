@@ -52,7 +52,7 @@ pub(crate) fn forward<V: Variant, R: AttentionRuntime>(
     let rows: Vec<usize> = offsets.windows(2).map(|w| (w[1] - w[0]) as usize).collect();
     let decodes = rows.iter().filter(|&&r| r == 1).count();
     let longer = rows.iter().filter(|&&r| r > 1).count();
-    if decodes == 0 || longer == 0 {
+    if decodes == 0 {
         return Ok(None);
     }
     let device = q.device();
@@ -73,6 +73,7 @@ pub(crate) fn forward<V: Variant, R: AttentionRuntime>(
         let q_dec = q.index_select(0, &i32s(&first_rows)?)?.unsqueeze(2)?;
         let decoded = attention(variant, &q_dec, pages.of(&dec, None)?.keys(), opts)?;
         let prefilled = match long[..] {
+            [] => None,
             [b] => {
                 // One chunk: a plain paged call over its rows.
                 let (at, r) = (seqs.offsets[b] as usize, seqs.rows[b]);
@@ -81,17 +82,22 @@ pub(crate) fn forward<V: Variant, R: AttentionRuntime>(
                 let rows = |t: Tensor<R>| -> Result<Tensor<R>> {
                     Ok(t.squeeze(Some(0)).permute(&[1, 0, 2])?)
                 };
-                Output {
+                Some(Output {
                     out: rows(y.out)?,
                     lse: y.lse.squeeze(Some(0)),
                     max_scores: y.max_scores.map(|m| m.squeeze(Some(0))),
-                }
+                })
             }
             _ => {
                 let kept = seqs.rows_of(&long);
                 let q_long = q.index_select(0, &i32s(&kept)?)?;
                 let cu = i32s(&seqs.offsets_of(&long))?;
-                attention(variant, &q_long, pages.of(&long, Some(&cu))?.keys(), opts)?
+                Some(attention(
+                    variant,
+                    &q_long,
+                    pages.of(&long, Some(&cu))?.keys(),
+                    opts,
+                )?)
             }
         };
         return combine(
@@ -112,7 +118,6 @@ pub(crate) fn forward<V: Variant, R: AttentionRuntime>(
     let q_last = q.index_select(0, &i32s(&last)?)?.unsqueeze(2)?;
     let decoded = attention(variant, &q_last, pages.keys(), opts)?;
     let long: Vec<usize> = (0..n).filter(|&b| seqs.rows[b] > 1).collect();
-    let q_long = q.index_select(0, &i32s(&seqs.rows_of(&long))?)?;
     let cu_long: Vec<i32> = std::iter::once(0)
         .chain((0..n).scan(0, |s, b| {
             *s += if seqs.rows[b] > 1 {
@@ -124,7 +129,17 @@ pub(crate) fn forward<V: Variant, R: AttentionRuntime>(
         }))
         .collect();
     let cu_long = i32s(&cu_long)?;
-    let prefilled = attention(variant, &q_long, pages.with_rows(&cu_long).keys(), opts)?;
+    let prefilled = if longer == 0 {
+        None
+    } else {
+        let q_long = q.index_select(0, &i32s(&seqs.rows_of(&long))?)?;
+        Some(attention(
+            variant,
+            &q_long,
+            pages.with_rows(&cu_long).keys(),
+            opts,
+        )?)
+    };
     let decoded = Output {
         out: decoded.out.squeeze(Some(2)),
         lse: decoded.lse,
@@ -247,7 +262,7 @@ impl Seqs {
 /// 1]`) and the prefill's (packed), put in the packed rows' order `from`.
 fn combine<R: AttentionRuntime>(
     decoded: Output<R>,
-    prefilled: Output<R>,
+    prefilled: Option<Output<R>>,
     from: &[i32],
     device: &R::Device,
 ) -> Result<Output<R>> {
@@ -269,15 +284,23 @@ fn combine<R: AttentionRuntime>(
         }
     };
     let lse_of = |t: &Tensor<R>| -> Result<Tensor<R>> { Ok(t.squeeze(Some(2)).transpose(0, 1)?) };
-    let out = put(Tensor::cat(&[&rows(&decoded.out), &prefilled.out], 0)?, 0)?;
-    let lse = put(
-        Tensor::cat(&[&lse_of(&decoded.lse)?, &prefilled.lse], 1)?,
-        1,
-    )?;
-    let max_scores = match (&decoded.max_scores, &prefilled.max_scores) {
-        (Some(d), Some(p)) => Some(put(Tensor::cat(&[&lse_of(d)?, p], 1)?, 1)?),
-        _ => None,
+    let (out, lse, max_scores) = match &prefilled {
+        Some(p) => (
+            Tensor::cat(&[&rows(&decoded.out), &p.out], 0)?,
+            Tensor::cat(&[&lse_of(&decoded.lse)?, &p.lse], 1)?,
+            match (&decoded.max_scores, &p.max_scores) {
+                (Some(d), Some(p)) => Some(Tensor::cat(&[&lse_of(d)?, p], 1)?),
+                _ => None,
+            },
+        ),
+        None => (
+            rows(&decoded.out),
+            lse_of(&decoded.lse)?,
+            decoded.max_scores.as_ref().map(|d| lse_of(d)).transpose()?,
+        ),
     };
+    let (out, lse) = (put(out, 0)?, put(lse, 1)?);
+    let max_scores = max_scores.map(|m| put(m, 1)).transpose()?;
     Ok(Output {
         out: out.contiguous()?,
         lse: lse.contiguous()?,
@@ -306,7 +329,7 @@ pub(crate) mod tests {
     /// over shuffled pages equals each sequence run alone over its own
     /// pages, for a variant that reads neither the batch nor a tensor
     /// (each kind as a batch of its own) and for one that does (the batch
-    /// kept whole in both calls), and for a batch of one kind.
+    /// kept whole in both calls), and for batches of one kind.
     pub(crate) fn mixed_batches_equal_each_sequence_alone_on<R: AttentionRuntime>(
         device: &R::Device,
     ) {
@@ -319,6 +342,7 @@ pub(crate) mod tests {
             (vec![1, 0, 9, 1, 4], vec![20, 7, 33, 1, 16]),
             (vec![6, 1], vec![40, 25]),
             (vec![3, 5], vec![3, 39]),
+            (vec![1, 0, 1], vec![12, 0, 40]),
         ] {
             let n = rows.len();
             let total: usize = rows.iter().sum();

@@ -78,7 +78,7 @@ impl Rng {
     }
 
     /// Uniform in `(0, 1]`, public to the kit.
-    pub(crate) fn uniform(&mut self) -> f64 {
+    pub fn uniform(&mut self) -> f64 {
         self.uniform_open0()
     }
 
