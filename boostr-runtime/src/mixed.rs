@@ -296,7 +296,7 @@ fn combine<R: AttentionRuntime>(
         None => (
             rows(&decoded.out),
             lse_of(&decoded.lse)?,
-            decoded.max_scores.as_ref().map(|d| lse_of(d)).transpose()?,
+            decoded.max_scores.as_ref().map(lse_of).transpose()?,
         ),
     };
     let (out, lse) = (put(out, 0)?, put(lse, 1)?);
