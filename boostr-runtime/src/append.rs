@@ -14,7 +14,7 @@
 
 use crate::backend::{AttentionRuntime, KvWrite, WriteScales};
 use crate::error::{Error, Result};
-use crate::keys::{Keys, KvScales, cache_scales, index_values};
+use crate::keys::{Keys, KvScales, cache_scales, index_values, is_quantised};
 use numr::dtype::DType;
 use numr::ops::{ScalarOps, TypeConversionOps, UnaryOps};
 use numr::runtime::Runtime;
@@ -300,9 +300,9 @@ impl<'a, R: AttentionRuntime> Plan<'a, R> {
                 format!("k_new {new_dtype:?}, v_new {:?}", v_new.dtype()),
             );
         }
-        if k.dtype() != v.dtype() || (k.dtype() != new_dtype && !is_fp8(k.dtype())) {
+        if k.dtype() != v.dtype() || (k.dtype() != new_dtype && !is_quantised(k.dtype())) {
             return broken(
-                "the cache holds the new rows' dtype, or fp8",
+                "the cache holds the new rows' dtype, or fp8 or int8",
                 format!(
                     "k_new {new_dtype:?} into a cache of k {:?}, v {:?}",
                     k.dtype(),
@@ -457,11 +457,6 @@ impl<'a, R: AttentionRuntime> Plan<'a, R> {
     }
 }
 
-/// An fp8 format.
-fn is_fp8(dtype: DType) -> bool {
-    matches!(dtype, DType::FP8E4M3 | DType::FP8E5M2)
-}
-
 /// A rank-4 tensor's dims.
 fn dims4<R: Runtime>(t: &Tensor<R>) -> [usize; 4] {
     let s = t.shape();
@@ -565,7 +560,7 @@ pub(crate) mod tests {
 
     /// The formats the CPU writes: every dtype as itself, and both fp8
     /// formats with scales per head and per page, from every dtype.
-    pub(crate) const CPU_FORMATS: [Format; 7] = [
+    pub(crate) const CPU_FORMATS: [Format; 9] = [
         F32,
         Format {
             cache: DType::F16,
@@ -597,6 +592,16 @@ pub(crate) mod tests {
             new: DType::F32,
             per_page: false,
         },
+        Format {
+            cache: DType::I8,
+            new: DType::F32,
+            per_page: true,
+        },
+        Format {
+            cache: DType::I8,
+            new: DType::BF16,
+            per_page: false,
+        },
     ];
 
     /// `x` in `dtype`'s bytes (f32, f16, bf16).
@@ -623,31 +628,32 @@ pub(crate) mod tests {
         }
     }
 
-    /// An fp8 byte's value.
+    /// A quantised byte's value.
     fn decode(dtype: DType, b: u8) -> f32 {
-        if dtype == DType::FP8E4M3 {
-            e4m3_to_f32(b)
-        } else {
-            e5m2_to_f32(b)
+        match dtype {
+            DType::FP8E4M3 => e4m3_to_f32(b),
+            DType::FP8E5M2 => e5m2_to_f32(b),
+            _ => f32::from(b as i8),
         }
     }
 
-    /// The largest value of an fp8 format.
+    /// The largest value of a quantised format.
     fn most(dtype: DType) -> f32 {
-        if dtype == DType::FP8E4M3 {
-            448.0
-        } else {
-            57344.0
+        match dtype {
+            DType::FP8E4M3 => 448.0,
+            DType::FP8E5M2 => 57344.0,
+            _ => 127.0,
         }
     }
 
     /// The rounding bound of `x` quantised at scale `s`: half a unit in the
-    /// last place, relative for normals, absolute below them.
+    /// last place, relative for fp8's normals, absolute below them and for
+    /// int8.
     fn bound(dtype: DType, x: f32, s: f32) -> f32 {
-        let (rel, sub) = if dtype == DType::FP8E4M3 {
-            (2f32.powi(-4), 2f32.powi(-10))
-        } else {
-            (2f32.powi(-3), 2f32.powi(-17))
+        let (rel, sub) = match dtype {
+            DType::FP8E4M3 => (2f32.powi(-4), 2f32.powi(-10)),
+            DType::FP8E5M2 => (2f32.powi(-3), 2f32.powi(-17)),
+            _ => (0.0, 0.5),
         };
         (x.abs() * rel).max(s * sub) * 1.0001
     }
@@ -665,7 +671,7 @@ pub(crate) mod tests {
     /// row holds values, the rest poison (a NaN's bits), with scales per
     /// head or per page (every third page fresh, of scale 0).
     fn side(format: Format, units: usize, dim: usize, tokens: usize, rng: &mut Rng) -> Side {
-        let fp8 = is_fp8(format.cache);
+        let fp8 = is_quantised(format.cache);
         let n_scales = if format.per_page { units * HKV } else { HKV };
         let scales: Vec<f32> = (0..n_scales)
             .map(|i| {
@@ -684,13 +690,17 @@ pub(crate) mod tests {
                     before.extend((0..dim).flat_map(|_| f32::NAN.to_le_bytes()));
                 }
                 (true, false) => before.extend((0..dim).flat_map(|_| [0xff, 0x7f])),
+                // fp8's NaN; int8's -128, which no write makes.
+                (true, true) if format.cache == DType::I8 => {
+                    before.extend(std::iter::repeat_n(0x80, dim));
+                }
                 (true, true) => before.extend(std::iter::repeat_n(0x7f, dim)),
                 (false, false) => before.extend(bytes_of(&x, format.cache)),
                 (false, true) => {
-                    let encode = if format.cache == DType::FP8E4M3 {
-                        crate::cpu::f32_to_e4m3
-                    } else {
-                        crate::cpu::f32_to_e5m2
+                    let encode = match format.cache {
+                        DType::FP8E4M3 => crate::cpu::f32_to_e4m3,
+                        DType::FP8E5M2 => crate::cpu::f32_to_e5m2,
+                        _ => |v: f32| (v * 0.4).round() as i8 as u8,
                     };
                     before.extend(x.iter().map(|&v| encode(v * 100.0)));
                 }
@@ -724,7 +734,7 @@ pub(crate) mod tests {
         let dim = side.dim;
         let elem = format.cache.size_in_bytes();
         let row_bytes = dim * elem;
-        let fp8 = is_fp8(format.cache);
+        let fp8 = is_quantised(format.cache);
         let mut written = vec![None; side.before.len() / row_bytes];
         for &(token, unit, slot) in writes {
             for h in 0..HKV {
@@ -854,7 +864,7 @@ pub(crate) mod tests {
             t(&bytes_of(&ks.scales, DType::F32), scale_shape, DType::F32),
             t(&bytes_of(&vs.scales, DType::F32), scale_shape, DType::F32),
         );
-        let scales = is_fp8(format.cache).then_some(if format.per_page {
+        let scales = is_quantised(format.cache).then_some(if format.per_page {
             KvScales::PerPage {
                 k: &k_scales,
                 v: &v_scales,
@@ -953,7 +963,7 @@ pub(crate) mod tests {
         };
         append_kv(target, &k_new, &v_new).unwrap_or_else(|e| panic!("{what}: {e}"));
         let scales_after = |t: &Tensor<R>| {
-            if is_fp8(format.cache) {
+            if is_quantised(format.cache) {
                 t.to_vec::<f32>()
             } else {
                 vec![0.0; t.numel()]
@@ -1112,7 +1122,7 @@ pub(crate) mod tests {
                 ),
             ),
             (
-                "an fp8 cache needs its scales",
+                "an fp8 or int8 cache needs its scales",
                 append_kv(
                     CacheSlots::after(Keys::cache(&fp8, &fp8, &ok_lengths)),
                     &k_new,
@@ -1150,6 +1160,130 @@ pub(crate) mod tests {
             assert!(e.contains(want), "want an error with {want:?}, got {e:?}");
         }
         assert!(before(&caches) == start, "a refused write changed a cache");
+    }
+
+    /// An int8 cache (scales per head, and pages with scales per page),
+    /// written by `append_kv`, reads as its dequantised values: attention
+    /// over it equals attention over the f32 values its bytes and scales
+    /// hold, through the decode kernel (1 row) and the tile kernels (40).
+    #[test]
+    fn int8_caches_read_as_their_dequantised_values() {
+        use crate::stock::Causal;
+        use crate::{AttentionOptions, attention};
+        use numr::runtime::cpu::{CpuDevice, CpuRuntime};
+        type T = Tensor<CpuRuntime>;
+        let dev = CpuDevice::new();
+        let mut rng = Rng::new(choose_seed(), 0);
+        let (b, hq, hkv, cap, d, page) = (2, 4, 2, 96, 64, 16);
+        let lens = [77i32, 96];
+        let lengths = T::from_slice(&lens, &[b], &dev).unwrap();
+        let zeros = |shape: &[usize]| {
+            T::from_bytes(&vec![0u8; shape.iter().product()], shape, DType::I8, &dev).unwrap()
+        };
+        let mut new =
+            |n: usize| T::from_slice(&rng.normal_f32(n, 2.0), &[b, hkv, cap, d], &dev).unwrap();
+        let (k_new, v_new) = (new(b * hkv * cap * d), new(b * hkv * cap * d));
+        let none = T::from_slice(&[0i32, 0], &[b], &dev).unwrap();
+        // Contiguous, scales per head from the values' amax.
+        let (k, v) = (zeros(&[b, hkv, cap, d]), zeros(&[b, hkv, cap, d]));
+        let ks = amax_scales(&k_new, DType::FP8E4M3).unwrap().to_vec::<f32>();
+        let ks: Vec<f32> = ks.iter().map(|s| s * 448.0 / 127.0).collect();
+        let (k_s, v_s) = (
+            T::from_slice(&ks, &[hkv], &dev).unwrap(),
+            T::from_slice(&ks, &[hkv], &dev).unwrap(),
+        );
+        let per_head = KvScales::PerHead { k: &k_s, v: &v_s };
+        append_kv(
+            CacheSlots::after(Keys::cache(&k, &v, &none).with_scales(per_head)),
+            &k_new,
+            &v_new,
+        )
+        .unwrap();
+        // Pages of 16 (the sequences' in order), scales per page grown by the write.
+        let pages = b * cap / page;
+        let (kp, vp) = (zeros(&[pages, hkv, page, d]), zeros(&[pages, hkv, page, d]));
+        let (kps, vps) = (
+            T::zeros(&[pages, hkv], DType::F32, &dev).unwrap(),
+            T::zeros(&[pages, hkv], DType::F32, &dev).unwrap(),
+        );
+        let per_page = KvScales::PerPage { k: &kps, v: &vps };
+        let table: Vec<i32> = (0..pages as i32).collect();
+        let table = T::from_slice(&table, &[b, cap / page], &dev).unwrap();
+        append_kv(
+            CacheSlots::after(Keys::paged(&kp, &vp, &table, &none).with_scales(per_page)),
+            &k_new,
+            &v_new,
+        )
+        .unwrap();
+        // The f32 values each holds.
+        let dequantised = |t: &T, scales: &T, per: usize| -> T {
+            let bytes = t.to_bytes().unwrap();
+            let s = scales.to_vec::<f32>();
+            let x: Vec<f32> = bytes
+                .iter()
+                .enumerate()
+                .map(|(i, &q)| f32::from(q as i8) * s[(i / (per * d)) % s.len()])
+                .collect();
+            T::from_slice(&x, t.shape(), &dev).unwrap()
+        };
+        let opts = AttentionOptions::default();
+        for sq in [1, 40] {
+            let q = T::from_slice(&rng.normal_f32(b * hq * sq * d, 1.0), &[b, hq, sq, d], &dev)
+                .unwrap();
+            let got = attention(
+                &Causal,
+                &q,
+                Keys::cache(&k, &v, &lengths).with_scales(per_head),
+                &opts,
+            )
+            .unwrap()
+            .out
+            .to_vec::<f32>();
+            let want = attention(
+                &Causal,
+                &q,
+                Keys::cache(
+                    &dequantised(&k, &k_s, cap),
+                    &dequantised(&v, &v_s, cap),
+                    &lengths,
+                ),
+                &opts,
+            )
+            .unwrap()
+            .out
+            .to_vec::<f32>();
+            let paged = attention(
+                &Causal,
+                &q,
+                Keys::paged(&kp, &vp, &table, &lengths).with_scales(per_page),
+                &opts,
+            )
+            .unwrap()
+            .out
+            .to_vec::<f32>();
+            let want_paged = attention(
+                &Causal,
+                &q,
+                Keys::paged(
+                    &dequantised(&kp, &kps, page),
+                    &dequantised(&vp, &vps, page),
+                    &table,
+                    &lengths,
+                ),
+                &opts,
+            )
+            .unwrap()
+            .out
+            .to_vec::<f32>();
+            for (what, got, want) in [("cache", &got, &want), ("pages", &paged, &want_paged)] {
+                for (i, (g, w)) in got.iter().zip(want.iter()).enumerate() {
+                    assert!(
+                        (g - w).abs() <= 2e-5 * (1.0 + w.abs()),
+                        "{what}, {sq} rows: element {i}: {g} against {w}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -293,7 +293,8 @@ impl<'a, R: Runtime, T: KeyTensor<R>> Keys<'a, R, T> {
     }
 
     /// These keys read as fp8 (`k` and `v` both `FP8E4M3` or both
-    /// `FP8E5M2`) with `scales`: forward only, on the CPU and CUDA.
+    /// `FP8E5M2`) with `scales`: forward only, on the CPU and CUDA; or as
+    /// int8 (both `I8`), forward only, on the CPU.
     pub fn with_scales(mut self, scales: KvScales<'a, R>) -> Self {
         match &mut self {
             Keys::Dense { scales: s, .. }
@@ -976,9 +977,10 @@ impl<R: Runtime> Lengths<R> {
     }
 }
 
-/// An fp8 dtype (the only ones a cache's scales apply to).
-fn is_fp8(dtype: DType) -> bool {
-    matches!(dtype, DType::FP8E4M3 | DType::FP8E5M2)
+/// A quantised cache's dtype (the only ones a cache's scales apply to):
+/// fp8, or int8 (on the CPU).
+pub(crate) fn is_quantised(dtype: DType) -> bool {
+    matches!(dtype, DType::FP8E4M3 | DType::FP8E5M2 | DType::I8)
 }
 
 /// The values of an fp8 cache's scales (K's, V's), checked against `k` and
@@ -995,21 +997,21 @@ pub(crate) fn cache_scales<R: Runtime<DType = DType>>(
 ) -> Result<Option<(Vec<f32>, Vec<f32>)>> {
     let err = |rule, got: String| Err(Error::CacheScales { rule, got });
     let dtypes = format!("k {:?}, v {:?}", k.dtype(), v.dtype());
-    let (k_fp8, v_fp8) = (is_fp8(k.dtype()), is_fp8(v.dtype()));
+    let (k_q, v_q) = (is_quantised(k.dtype()), is_quantised(v.dtype()));
     let Some(scales) = scales else {
-        if k_fp8 || v_fp8 {
-            return err("an fp8 cache needs its scales (KvScales)", dtypes);
+        if k_q || v_q {
+            return err("an fp8 or int8 cache needs its scales (KvScales)", dtypes);
         }
         return Ok(None);
     };
-    if !(k_fp8 && v_fp8) {
+    if !(k_q && v_q) {
         return err(
-            "scales apply to fp8 caches: k and v both FP8E4M3 or FP8E5M2",
+            "scales apply to fp8 caches and int8 caches: k and v both FP8E4M3, FP8E5M2 or I8",
             dtypes,
         );
     }
     if k.dtype() != v.dtype() {
-        return err("k and v of an fp8 cache share one format", dtypes);
+        return err("k and v of an fp8 or int8 cache share one format", dtypes);
     }
     let hkv = k.shape().get(1).copied().unwrap_or(0);
     let (ks, vs, shape) = match scales {

@@ -1,6 +1,7 @@
 //! The CPU's cache writer: new rows copied into a cache's rows in place,
 //! or quantised into an fp8 cache with the CUDA writer's steps in its
-//! order (`emit/cuda/append.cu`), so that both write the same bytes.
+//! order (`emit/cuda/append.cu`), so that both write the same bytes; or
+//! into an int8 cache (the CPU's only).
 
 use super::elem::{e4m3_to_f32, e5m2_to_f32, f32_to_e4m3, f32_to_e5m2};
 use crate::backend::KvWrite;
@@ -18,7 +19,13 @@ pub(crate) fn write_kv(w: &KvWrite<'_, CpuRuntime>) -> Result<()> {
     write_rows(w, w.v, w.v_new, scales.map(|(_, v, grow)| (v, grow)))
 }
 
-/// An fp8 format's bits both ways, and its largest value.
+/// int8: round to nearest even, saturating at ±127 (−128 is never
+/// written, so the range is symmetric); NaN writes 0.
+fn f32_to_i8(x: f32) -> u8 {
+    x.round_ties_even().clamp(-127.0, 127.0) as i8 as u8
+}
+
+/// A quantised format's bits both ways (fp8, int8), and its largest value.
 struct Fp8 {
     encode: fn(f32) -> u8,
     decode: fn(u8) -> f32,
@@ -36,6 +43,11 @@ fn fp8(dtype: DType) -> Option<Fp8> {
             encode: f32_to_e5m2,
             decode: e5m2_to_f32,
             most: 57344.0,
+        }),
+        DType::I8 => Some(Fp8 {
+            encode: f32_to_i8,
+            decode: |b| f32::from(b as i8),
+            most: 127.0,
         }),
         _ => None,
     }

@@ -107,6 +107,8 @@ pub enum Stored<'a> {
     F16(&'a [u16]),
     E4m3(&'a [u8]),
     E5m2(&'a [u8]),
+    /// int8 values as bytes (a quantised cache's).
+    I8(&'a [u8]),
 }
 
 impl<'a> Stored<'a> {
@@ -115,7 +117,7 @@ impl<'a> Stored<'a> {
         match self {
             Stored::F32(x) => x.len(),
             Stored::Bf16(x) | Stored::F16(x) => x.len(),
-            Stored::E4m3(x) | Stored::E5m2(x) => x.len(),
+            Stored::E4m3(x) | Stored::E5m2(x) | Stored::I8(x) => x.len(),
         }
     }
 
@@ -127,6 +129,7 @@ impl<'a> Stored<'a> {
             Stored::F16(x) => Stored::F16(&x[r]),
             Stored::E4m3(x) => Stored::E4m3(&x[r]),
             Stored::E5m2(x) => Stored::E5m2(&x[r]),
+            Stored::I8(x) => Stored::I8(&x[r]),
         }
     }
 
@@ -143,7 +146,7 @@ impl<'a> Stored<'a> {
         match self {
             Stored::F32(_) => 4,
             Stored::Bf16(_) | Stored::F16(_) => 2,
-            Stored::E4m3(_) | Stored::E5m2(_) => 1,
+            Stored::E4m3(_) | Stored::E5m2(_) | Stored::I8(_) => 1,
         }
     }
 
@@ -157,7 +160,7 @@ impl<'a> Stored<'a> {
                 Stored::Bf16(x) | Stored::F16(x) => {
                     std::slice::from_raw_parts(x.as_ptr().cast(), 2 * x.len())
                 }
-                Stored::E4m3(x) | Stored::E5m2(x) => x,
+                Stored::E4m3(x) | Stored::E5m2(x) | Stored::I8(x) => x,
             }
         }
     }
@@ -184,6 +187,7 @@ impl<'a> Stored<'a> {
                     .fold(0u8, |acc, v| acc | u8::from(v & 0x7c == 0x7c))
                     == 0
             }
+            Stored::I8(_) => true,
         }
     }
 }
@@ -211,7 +215,7 @@ pub(super) fn transpose(
     }
     #[cfg(target_arch = "x86_64")]
     if super::simd::avx512() {
-        use super::microkernel::{Bf16s, E4m3s, E5m2s, F16s, transpose};
+        use super::microkernel::{Bf16s, E4m3s, E5m2s, F16s, I8s, transpose};
         let out = dst.as_mut_ptr();
         // SAFETY: AVX-512F/BW/VL detected; `transpose_bounds` bounds every
         // element read and written; `dst` is a unique borrow.
@@ -227,6 +231,7 @@ pub(super) fn transpose(
                 Stored::E5m2(x) => {
                     transpose::<E5m2s>(x.as_ptr(), (rows, cols, src_rs), out, dst_rs)
                 }
+                Stored::I8(x) => transpose::<I8s>(x.as_ptr(), (rows, cols, src_rs), out, dst_rs),
                 Stored::F32(_) => unreachable!("f32 returned above"),
             }
         }
@@ -247,7 +252,7 @@ pub(super) fn widen(src: Stored<'_>, dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len(), "widen lengths");
     #[cfg(target_arch = "x86_64")]
     if super::simd::avx512() {
-        use super::microkernel::{Bf16s, E4m3s, E5m2s, F16s, F32s, widen};
+        use super::microkernel::{Bf16s, E4m3s, E5m2s, F16s, F32s, I8s, widen};
         let (out, n) = (dst.as_mut_ptr(), dst.len());
         // SAFETY: AVX-512F/BW/VL detected; both hold `n` elements, and
         // `dst` is a unique borrow.
@@ -258,6 +263,7 @@ pub(super) fn widen(src: Stored<'_>, dst: &mut [f32]) {
                 Stored::F16(x) => widen::<F16s>(x.as_ptr(), out, n),
                 Stored::E4m3(x) => widen::<E4m3s>(x.as_ptr(), out, n),
                 Stored::E5m2(x) => widen::<E5m2s>(x.as_ptr(), out, n),
+                Stored::I8(x) => widen::<I8s>(x.as_ptr(), out, n),
             }
         }
         return;
@@ -275,6 +281,10 @@ pub(super) fn widen(src: Stored<'_>, dst: &mut [f32]) {
             .iter_mut()
             .zip(x)
             .for_each(|(o, &b)| *o = e5m2_to_f32(b)),
+        Stored::I8(x) => dst
+            .iter_mut()
+            .zip(x)
+            .for_each(|(o, &b)| *o = f32::from(b as i8)),
     }
 }
 
@@ -363,17 +373,22 @@ mod tests {
     }
 
     /// Every fp8 bit pattern widens to numr's value of it (an independent
-    /// conversion), NaN to NaN, at every level, row by row and transposed
-    /// with rows apart.
+    /// conversion), NaN to NaN, and every int8 to its integer, at every
+    /// level, row by row and transposed with rows apart.
     #[test]
-    fn every_fp8_value_widens_exactly_at_every_level() {
+    fn every_fp8_and_int8_value_widens_exactly_at_every_level() {
         use numr::dtype::{FP8E4M3, FP8E5M2};
         let bytes: Vec<u8> = (0..=255).collect();
         let e4m3: Vec<f32> = bytes.iter().map(|&b| FP8E4M3(b).to_f32()).collect();
         let e5m2: Vec<f32> = bytes.iter().map(|&b| FP8E5M2(b).to_f32()).collect();
+        let int8: Vec<f32> = bytes.iter().map(|&b| f32::from(b as i8)).collect();
         let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
         every_level(|| {
-            for (stored, want) in [(Stored::E4m3(&bytes), &e4m3), (Stored::E5m2(&bytes), &e5m2)] {
+            for (stored, want) in [
+                (Stored::E4m3(&bytes), &e4m3),
+                (Stored::E5m2(&bytes), &e5m2),
+                (Stored::I8(&bytes), &int8),
+            ] {
                 let mut w = vec![0.0f32; 256];
                 widen(stored, &mut w);
                 for (b, (&got, &want)) in w.iter().zip(want.iter()).enumerate() {

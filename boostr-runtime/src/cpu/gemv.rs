@@ -30,7 +30,7 @@
 
 use super::elem::Stored;
 #[cfg(target_arch = "x86_64")]
-use super::microkernel::{Bf16s, E4m3s, E5m2s, F16s, F32s, Load16};
+use super::microkernel::{Bf16s, E4m3s, E5m2s, F16s, F32s, I8s, Load16};
 use super::operand::Rows;
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -165,6 +165,7 @@ pub(super) fn scores(
             Stored::F16(_) => run::<F16s>(q, rows, d, keys, scale, s, ahead),
             Stored::E4m3(_) => run::<E4m3s>(q, rows, d, keys, scale, s, ahead),
             Stored::E5m2(_) => run::<E5m2s>(q, rows, d, keys, scale, s, ahead),
+            Stored::I8(_) => run::<I8s>(q, rows, d, keys, scale, s, ahead),
         }
     }
 }
@@ -200,6 +201,7 @@ pub(super) fn accumulate(p: &[f32], values: &[Rows<'_>], d: usize, acc: &mut [f3
             Stored::F16(_) => run::<F16s>(p, rows, values, d, acc),
             Stored::E4m3(_) => run::<E4m3s>(p, rows, values, d, acc),
             Stored::E5m2(_) => run::<E5m2s>(p, rows, values, d, acc),
+            Stored::I8(_) => run::<I8s>(p, rows, values, d, acc),
         }
     }
 }

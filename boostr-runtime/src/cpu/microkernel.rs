@@ -353,6 +353,20 @@ impl Load16 for E5m2s {
     }
 }
 
+/// int8 values (a quantised cache, its scales applied by the kernels),
+/// sign-extended and converted (exact).
+pub(super) struct I8s;
+
+impl Load16 for I8s {
+    type Elem = u8;
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c")]
+    unsafe fn load16(p: *const u8, mask: __mmask16) -> __m512 {
+        // SAFETY: the caller's contract.
+        unsafe { _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p.cast()))) }
+    }
+}
+
 impl Load16 for F16s {
     type Elem = u16;
     #[inline]

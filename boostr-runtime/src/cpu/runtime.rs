@@ -140,7 +140,7 @@ impl HostOperand {
     /// A cache's `k` or `v`: as [`HostOperand::new`], or fp8 (validated
     /// with its scales).
     fn kv(name: &'static str, t: &Tensor<CpuRuntime>, dtype: DType) -> Result<Self> {
-        if matches!(dtype, DType::FP8E4M3 | DType::FP8E5M2) {
+        if matches!(dtype, DType::FP8E4M3 | DType::FP8E5M2 | DType::I8) {
             return Self::view(t);
         }
         Self::new(name, t, dtype)
@@ -222,6 +222,7 @@ impl HostOperand {
                 DType::F16 => Stored::F16(std::slice::from_raw_parts(at as *const u16, span)),
                 DType::FP8E4M3 => Stored::E4m3(std::slice::from_raw_parts(at as *const u8, span)),
                 DType::FP8E5M2 => Stored::E5m2(std::slice::from_raw_parts(at as *const u8, span)),
+                DType::I8 => Stored::I8(std::slice::from_raw_parts(at as *const u8, span)),
                 other => unreachable!("{other:?} is checked before"),
             }
         };
