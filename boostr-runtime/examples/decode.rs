@@ -10,8 +10,8 @@
 //!
 //! Shapes: `Hq = 32`, `Hkv = 8`, `D = 128`, `stock::Causal`, for (B, Sk) in
 //! (1, 4k), (1, 16k), (1, 64k), (8, 4k), (8, 16k), with f32 tensors
-//! (`Keys::dense`), then bf16, f16 and fp8 E4M3 KV caches
-//! (`Keys::cache`, every length full, bf16 queries against fp8
+//! (`Keys::dense`), then bf16, f16, fp8 E4M3 and int8 KV caches
+//! (`Keys::cache`, every length full, bf16 queries against fp8 and int8
 //! keys; read as stored, widened in registers; bandwidth counts their 2- and
 //! 1-byte elements). Read bandwidth: a 1 GiB buffer read by
 //! all threads at once, one such read before each decode run; each shape's
@@ -59,20 +59,26 @@ fn main() -> BoxResult<()> {
     );
     println!("| dtype | B | Sk | time | K/V bandwidth | read bandwidth | of read |");
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
-    // An fp8 cache's scale per kv head (its values are drawn 16 times
+    // An fp8 or int8 cache's scale per kv head (its values are drawn 16 times
     // larger, see `tensor`).
     let scales = Tensor::<CpuRuntime>::from_slice(&[1.0f32 / 16.0; HKV], &[HKV], &device)?;
-    for dtype in [DType::F32, DType::BF16, DType::F16, DType::FP8E4M3] {
-        let fp8 = dtype == DType::FP8E4M3;
+    for dtype in [
+        DType::F32,
+        DType::BF16,
+        DType::F16,
+        DType::FP8E4M3,
+        DType::I8,
+    ] {
+        let quantised = matches!(dtype, DType::FP8E4M3 | DType::I8);
         for (b, sk) in SHAPES {
-            let q_dtype = if fp8 { DType::BF16 } else { dtype };
+            let q_dtype = if quantised { DType::BF16 } else { dtype };
             let q = tensor(&mut rng, &[b, HQ, 1, D], q_dtype, &device)?;
             let k = tensor(&mut rng, &[b, HKV, sk, D], dtype, &device)?;
             let v = tensor(&mut rng, &[b, HKV, sk, D], dtype, &device)?;
             let lengths = Tensor::<CpuRuntime>::from_slice(&vec![sk as i32; b], &[b], &device)?;
             let opts = AttentionOptions::default();
             let mut cache = Keys::cache(&k, &v, &lengths);
-            if fp8 {
+            if quantised {
                 let per_head = KvScales::PerHead {
                     k: &scales,
                     v: &scales,
@@ -148,7 +154,8 @@ fn mla(device: &CpuDevice, rng: &mut Rng, reader: &Reader, reps: usize) -> BoxRe
     Ok(())
 }
 
-/// A tensor of normal values in `dtype` (f32, bf16 or f16).
+/// A tensor of normal values in `dtype` (f32, bf16, f16; fp8 E4M3 and int8
+/// 16 times larger, against a scale of 1/16).
 fn tensor(
     rng: &mut Rng,
     shape: &[usize],
@@ -169,6 +176,10 @@ fn tensor(
         DType::FP8E4M3 => x
             .iter()
             .map(|&v| numr::dtype::FP8E4M3::from_f32(16.0 * v).0)
+            .collect(),
+        DType::I8 => x
+            .iter()
+            .map(|&v| (16.0 * v).round().clamp(-127.0, 127.0) as i8 as u8)
             .collect(),
         _ => return Ok(Tensor::from_slice(&x, shape, device)?),
     };
