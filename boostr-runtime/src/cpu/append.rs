@@ -26,25 +26,25 @@ fn f32_to_i8(x: f32) -> u8 {
 }
 
 /// A quantised format's bits both ways (fp8, int8), and its largest value.
-struct Fp8 {
+struct Quantised {
     encode: fn(f32) -> u8,
     decode: fn(u8) -> f32,
     most: f32,
 }
 
-fn fp8(dtype: DType) -> Option<Fp8> {
+fn quantised(dtype: DType) -> Option<Quantised> {
     match dtype {
-        DType::FP8E4M3 => Some(Fp8 {
+        DType::FP8E4M3 => Some(Quantised {
             encode: f32_to_e4m3,
             decode: e4m3_to_f32,
             most: 448.0,
         }),
-        DType::FP8E5M2 => Some(Fp8 {
+        DType::FP8E5M2 => Some(Quantised {
             encode: f32_to_e5m2,
             decode: e5m2_to_f32,
             most: 57344.0,
         }),
-        DType::I8 => Some(Fp8 {
+        DType::I8 => Some(Quantised {
             encode: f32_to_i8,
             decode: |b| f32::from(b as i8),
             most: 127.0,
@@ -90,7 +90,7 @@ fn write_rows(
     // place, as a cache write must; no kernel reads it meanwhile (calls on
     // one runtime are ordered).
     let out = unsafe { std::slice::from_raw_parts_mut(dst.ptr() as *mut u8, dst.numel() * elem) };
-    let Some(format) = fp8(dst.dtype()) else {
+    let Some(format) = quantised(dst.dtype()) else {
         // The new rows' own dtype: their bytes.
         let row = dim * elem;
         let src = src.contiguous()?;

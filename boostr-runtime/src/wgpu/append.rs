@@ -2,7 +2,7 @@
 //! `append_kv` (f32, as every wgpu tensor; an fp8 cache is refused by the
 //! dtype check, as its reads are).
 
-use super::{TARGET, WGPU, buffer_entry, buffer_of, scoped};
+use super::{FixedPass, TARGET, WGPU, buffer_of, fixed_pass, scoped};
 use crate::backend::KvWrite;
 use crate::error::{BackendError, Result};
 use crate::gpu::KernelCache;
@@ -15,61 +15,24 @@ use numr::runtime::wgpu::{WgpuClient, WgpuRuntime};
 use std::sync::{Arc, LazyLock};
 use wgpu::util::DeviceExt as _;
 
-struct AppendPass {
-    layout: wgpu::BindGroupLayout,
-    pipeline: wgpu::ComputePipeline,
-}
-
-static APPEND_CACHE: LazyLock<KernelCache<usize, AppendPass>> = LazyLock::new(KernelCache::default);
+static APPEND_CACHE: LazyLock<KernelCache<usize, FixedPass>> = LazyLock::new(KernelCache::default);
 
 const KERNEL: &str = "append_kv";
 
 /// The writer's pipeline on `client`'s device.
-fn append_pass(client: &WgpuClient) -> Result<Arc<AppendPass>> {
-    let device = client.wgpu_device_arc();
-    let key = Arc::as_ptr(device) as usize;
-    Ok(APPEND_CACHE.get_or_build(key, || {
-        let name = "boostr append_kv";
-        scoped(
-            device,
-            || {
-                let shader = device.create_shader_module(wgpu::ShaderModuleDescriptor {
-                    label: Some(name),
-                    source: wgpu::ShaderSource::Wgsl(kernels::APPEND_SOURCE.into()),
-                });
-                let storage = |read_only| wgpu::BufferBindingType::Storage { read_only };
-                let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-                    label: Some(name),
-                    entries: &[
-                        buffer_entry(0, wgpu::BufferBindingType::Uniform),
-                        buffer_entry(1, storage(true)),
-                        buffer_entry(2, storage(false)),
-                        buffer_entry(3, storage(true)),
-                    ],
-                });
-                let pipeline_layout =
-                    device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
-                        label: Some(name),
-                        bind_group_layouts: &[Some(&layout)],
-                        immediate_size: 0,
-                    });
-                let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                    label: Some(name),
-                    layout: Some(&pipeline_layout),
-                    module: &shader,
-                    entry_point: Some(KERNEL),
-                    compilation_options: Default::default(),
-                    cache: None,
-                });
-                AppendPass { layout, pipeline }
-            },
-            |log| BackendError::Compile {
-                target: TARGET,
-                source_name: name.to_string(),
-                log,
-            },
-        )
-    })?)
+fn append_pass(client: &WgpuClient) -> Result<Arc<FixedPass>> {
+    let storage = |read_only| wgpu::BufferBindingType::Storage { read_only };
+    fixed_pass(
+        client,
+        &APPEND_CACHE,
+        ("boostr append_kv", kernels::APPEND_SOURCE, KERNEL),
+        &[
+            wgpu::BufferBindingType::Uniform,
+            storage(true),
+            storage(false),
+            storage(true),
+        ],
+    )
 }
 
 /// Run `w` on the device: one dispatch for the keys, one for the values.

@@ -483,35 +483,42 @@ impl DeviceArena {
 }
 
 /// The summary kernel of one device.
+/// A fixed-function kernel (one for every variant): its bind group layout
+/// (buffers only) and pipeline.
 #[derive(Debug)]
-struct SummaryPass {
+struct FixedPass {
     layout: wgpu::BindGroupLayout,
     pipeline: wgpu::ComputePipeline,
 }
 
-static SUMMARY_CACHE: LazyLock<KernelCache<usize, SummaryPass>> =
-    LazyLock::new(KernelCache::default);
+/// The summary kernel's pipeline.
+type SummaryPass = FixedPass;
 
-/// The summary kernel on `client`'s device.
-fn summary_pass(client: &WgpuClient) -> Result<Arc<SummaryPass>> {
+/// The fixed kernel `entry_point` of `source`, its buffers bound as
+/// `bindings` (in binding order), built once per device in `cache`.
+fn fixed_pass(
+    client: &WgpuClient,
+    cache: &KernelCache<usize, FixedPass>,
+    (name, source, entry_point): (&'static str, &'static str, &'static str),
+    bindings: &[wgpu::BufferBindingType],
+) -> Result<Arc<FixedPass>> {
     let device = client.wgpu_device_arc();
     let key = Arc::as_ptr(device) as usize;
-    Ok(SUMMARY_CACHE.get_or_build(key, || {
-        let name = "boostr summarize";
+    Ok(cache.get_or_build(key, || {
         scoped(
             device,
             || {
                 let shader = device.create_shader_module(wgpu::ShaderModuleDescriptor {
                     label: Some(name),
-                    source: wgpu::ShaderSource::Wgsl(kernels::SUMMARY_SOURCE.into()),
+                    source: wgpu::ShaderSource::Wgsl(source.into()),
                 });
-                let entry = buffer_entry;
+                let entries: Vec<_> = (0u32..)
+                    .zip(bindings)
+                    .map(|(binding, &ty)| buffer_entry(binding, ty))
+                    .collect();
                 let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
                     label: Some(name),
-                    entries: &[
-                        entry(0, wgpu::BufferBindingType::Uniform),
-                        entry(1, wgpu::BufferBindingType::Storage { read_only: false }),
-                    ],
+                    entries: &entries,
                 });
                 let pipeline_layout =
                     device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
@@ -523,11 +530,11 @@ fn summary_pass(client: &WgpuClient) -> Result<Arc<SummaryPass>> {
                     label: Some(name),
                     layout: Some(&pipeline_layout),
                     module: &shader,
-                    entry_point: Some("summarize"),
+                    entry_point: Some(entry_point),
                     compilation_options: Default::default(),
                     cache: None,
                 });
-                SummaryPass { layout, pipeline }
+                FixedPass { layout, pipeline }
             },
             |log| BackendError::Compile {
                 target: TARGET,
@@ -536,6 +543,21 @@ fn summary_pass(client: &WgpuClient) -> Result<Arc<SummaryPass>> {
             },
         )
     })?)
+}
+
+static SUMMARY_CACHE: LazyLock<KernelCache<usize, FixedPass>> = LazyLock::new(KernelCache::default);
+
+/// The summary kernel on `client`'s device.
+fn summary_pass(client: &WgpuClient) -> Result<Arc<SummaryPass>> {
+    fixed_pass(
+        client,
+        &SUMMARY_CACHE,
+        ("boostr summarize", kernels::SUMMARY_SOURCE, "summarize"),
+        &[
+            wgpu::BufferBindingType::Uniform,
+            wgpu::BufferBindingType::Storage { read_only: false },
+        ],
+    )
 }
 
 /// One module of a call: its pipelines, and the tensors its bindings get,

@@ -1108,37 +1108,7 @@ where
     );
     let lens_word = case.arena.len();
     case.arena.extend(lens.iter().map(|&l| l as u32));
-    let slots = (k.clone(), v.clone());
-    let (kv, k, v) = match page_size {
-        None => ([lens_word as i32, -1, 0, 0], k, v),
-        Some(ps) => {
-            let max_pages = cap / ps;
-            let pages = p.batch * max_pages;
-            let place = |n: usize| (n * 5 + 2) % pages;
-            let table_word = case.arena.len();
-            let (mut kp, mut vp) = (vec![0.0f32; k.len()], vec![0.0f32; v.len()]);
-            let mut table = vec![0u32; pages];
-            for (n, entry) in table.iter_mut().enumerate() {
-                let (b, lp) = (n / max_pages, n % max_pages);
-                *entry = place(n) as u32;
-                for h in 0..p.heads_kv {
-                    // Slot s of the page: row (b, h, lp·ps + s) of the cache.
-                    let from = (b * p.heads_kv + h) * cap + lp * ps;
-                    let to = (place(n) * p.heads_kv + h) * ps;
-                    kp[to * d..(to + ps) * d].copy_from_slice(&k[from * d..(from + ps) * d]);
-                    vp[to * dv..(to + ps) * dv].copy_from_slice(&v[from * dv..(from + ps) * dv]);
-                }
-            }
-            case.arena.extend(table);
-            let kv = [
-                lens_word as i32,
-                table_word as i32,
-                ps as i32,
-                max_pages as i32,
-            ];
-            (kv, kp, vp)
-        }
-    };
+    let kv = [lens_word as i32, -1, 0, 0];
     let dout = rng.normal_f32(p.out_len(), 1.0);
     // The backward over the contiguous cache: the kernels read the keys in
     // place or through the pages, and write dK and dV into each sequence's
@@ -1146,7 +1116,7 @@ where
     let mut want = vec![
         out.clone(),
         lse.clone(),
-        cpu_max_scores(&variant, &p, [&q, &slots.0, &slots.1], lens),
+        cpu_max_scores(&variant, &p, [&q, &k, &v], lens),
     ];
     let (mut dq, mut dk, mut dv) = (
         vec![0.0f32; p.q_len()],
@@ -1155,8 +1125,8 @@ where
     );
     let inputs = boostr_runtime::cpu::BackwardInputs {
         q: &q,
-        k: &slots.0,
-        v: &slots.1,
+        k: &k,
+        v: &v,
         out: &out,
         lse: &lse,
         dout: &dout,
@@ -1174,10 +1144,7 @@ where
     )
     .expect("the case's tensors fit");
     want.extend([dq, dk, dv]);
-    case.tag.push_str(&match page_size {
-        None => format!(" cache {lens:?}"),
-        Some(ps) => format!(" pages of {ps} {lens:?}"),
-    });
+    case.tag.push_str(&format!(" cache {lens:?}"));
     case.hidden.iter_mut().for_each(|h| *h = false);
     case.cache = Some(CacheCase {
         inputs: [q, k, v, dout],
@@ -1190,7 +1157,10 @@ where
         dlse: None,
         tensors: Vec::new(),
     });
-    case
+    match page_size {
+        Some(ps) => in_pages(case, ps),
+        None => case,
+    }
 }
 
 /// The rows' largest scores of the CPU's forward over a cache of `lens`.
@@ -1287,9 +1257,11 @@ where
 }
 
 /// `case` (over a cache or a padded batch) with its keys moved into
-/// `B · max_pages` pages of `ps` in shuffled order (a batch of mixed
-/// decodes and prefills reading pages, when the case has query lengths);
-/// its results stay in each sequence's slots, as the kernels write them.
+/// `B · max_pages` pages of `ps` in shuffled order, the page table after
+/// the arena's words (a batch of mixed decodes and prefills reading pages,
+/// when the case has query lengths); its results stay in each sequence's
+/// slots, as the kernels write them (the runtime folds a paged call's dK
+/// and dV into its pages).
 fn in_pages(mut case: HostCase, ps: usize) -> HostCase {
     let p = case.problem;
     let (d, dv, cap) = (p.head_dim, p.head_dim_v, p.seq_k);
