@@ -40,6 +40,7 @@ use super::dropout::Draw;
 use super::elem::Stored;
 use super::gemm::{MatMut, MatRef, Write, matmul, transpose};
 use super::gemv;
+use super::gemv_i8;
 use super::keys::KeyRows;
 use super::math;
 use super::operand::Rows;
@@ -200,12 +201,25 @@ pub(super) fn forward<V: HostVariant>(
         });
 }
 
-/// Per-task scratch: the rows' `Qᵀ`, one key block widened (a 16-bit or
-/// fp8 cache), the block's scores and their transpose, the rows' running
-/// sums per lane and rescale factors, a guarded V block, and the widened V
-/// block of a 16-bit or fp8 cache.
+/// How a task computes its two products per key block.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Products {
+    /// The tile products ([`matmul`]) over `Kᵀ` and widened blocks.
+    Tiles,
+    /// [`gemv`]'s matrix-vector kernels, keys read as stored.
+    Vector,
+    /// [`gemv_i8`]'s integer kernels over an int8 cache.
+    Integer,
+}
+
+/// Per-task scratch: the rows' `Qᵀ`, the rows rounded to int16 (an int8
+/// cache), one key block widened (a 16-bit or fp8 cache), the block's
+/// scores and their transpose, the rows' running sums per lane and rescale
+/// factors, a guarded V block, and the widened V block of a 16-bit or fp8
+/// cache.
 struct Scratch {
     qt: Aligned<f32>,
+    q16: gemv_i8::Queries,
     k_wide: Aligned<f32>,
     v_wide: Aligned<f32>,
     s: Aligned<f32>,
@@ -220,6 +234,7 @@ impl Scratch {
     fn new(tiles: CpuTiles, rows: usize, (d, dv): (usize, usize)) -> Self {
         Scratch {
             qt: Aligned::zeroed(d * rows),
+            q16: gemv_i8::Queries::new(),
             k_wide: Aligned::zeroed(d * tiles.kv),
             v_wide: Aligned::zeroed(dv * tiles.kv),
             s: Aligned::zeroed(rows * tiles.kv),
@@ -274,7 +289,8 @@ impl<V: HostVariant> Task<'_, V> {
     }
 
     /// One block that some head sees: keys `kv0 .. kv0 + cols` as runs
-    /// `k` and `v` (one run where `!gemv`), the next block's runs `ahead`.
+    /// `k` and `v` (one run for the tile products), the next block's runs
+    /// `ahead`.
     #[allow(clippy::too_many_arguments)]
     fn block(
         &self,
@@ -282,7 +298,7 @@ impl<V: HostVariant> Task<'_, V> {
         v: &[Rows<'_>],
         (kv0, cols): (usize, usize),
         ahead: [&[Rows<'_>]; 2],
-        gemv: bool,
+        products: Products,
         (m, best, acc): (&mut [f32], Option<&mut [f32]>, &mut [f32]),
         sc: &mut Scratch,
     ) {
@@ -292,7 +308,9 @@ impl<V: HostVariant> Task<'_, V> {
         let s = &mut sc.s[..rows * cols];
         // Where K's block was widened into `k_wide`.
         let mut widened = false;
-        if gemv {
+        if products == Products::Integer {
+            gemv_i8::scores(&sc.q16, d, k, p.scale, s, ahead);
+        } else if products == Products::Vector {
             gemv::scores(self.q, d, k, p.scale, s, ahead);
         } else {
             let (kf, k_rs) = match k[0].f32() {
@@ -346,7 +364,9 @@ impl<V: HostVariant> Task<'_, V> {
         } else {
             v
         };
-        if gemv {
+        if products == Products::Integer {
+            gemv_i8::accumulate(s, v, dv, acc);
+        } else if products == Products::Vector {
             gemv::accumulate(s, v, dv, acc);
         } else {
             let (v, v_rs) = match v[0].f32() {
@@ -392,6 +412,18 @@ impl<V: HostVariant> Task<'_, V> {
         let (mut k_next, mut v_next) = (Vec::new(), Vec::new());
         let mut kv0 = keys.start;
         let mut cols = self.gather(kv0, keys.end, gemv, &mut k_runs, &mut v_runs);
+        // An int8 cache's products in integers, the rows rounded once.
+        let int8 = |k: &[Rows<'_>]| k.first().is_some_and(|r| matches!(r.data(), Stored::I8(_)));
+        let products = match gemv {
+            false => Products::Tiles,
+            true if gemv_i8::available()
+                && int8(&k_runs)
+                && sc.q16.round(self.q, self.p.head_dim) =>
+            {
+                Products::Integer
+            }
+            true => Products::Vector,
+        };
         while kv0 < keys.end {
             let next = kv0 + cols;
             let next_cols = self.gather(next, keys.end, gemv, &mut k_next, &mut v_next);
@@ -411,7 +443,7 @@ impl<V: HostVariant> Task<'_, V> {
             if !sc.classes.iter().all(|&c| c == TileClass::Empty) {
                 let next = [&k_next[..], &v_next[..]];
                 let state = (&mut *m, best.as_deref_mut(), &mut *acc);
-                self.block(&k_runs, &v_runs, (kv0, cols), next, gemv, state, sc);
+                self.block(&k_runs, &v_runs, (kv0, cols), next, products, state, sc);
             }
             std::mem::swap(&mut k_runs, &mut k_next);
             std::mem::swap(&mut v_runs, &mut v_next);

@@ -51,12 +51,12 @@ pub(super) fn available() -> bool {
 /// One run of a block's rows: its first element, its rows, and the
 /// elements from one row to the next.
 #[cfg(target_arch = "x86_64")]
-struct Run<E> {
-    at: *const E,
-    rows: usize,
-    stride: usize,
-    /// What each stored value is worth (an fp8 cache's scale; else 1).
-    scale: f32,
+pub(super) struct Run<E> {
+    pub(super) at: *const E,
+    pub(super) rows: usize,
+    pub(super) stride: usize,
+    /// What each stored value is worth (a quantised cache's scale; else 1).
+    pub(super) scale: f32,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -79,7 +79,7 @@ pub(super) const MAX_RUNS: usize = 64;
 /// If the runs mix element types, a run's rows are not of `d` elements,
 /// or there are more than [`MAX_RUNS`].
 #[cfg(target_arch = "x86_64")]
-fn raw_runs<E>(runs: &[Rows<'_>], d: usize) -> ([Run<E>; MAX_RUNS], usize) {
+pub(super) fn raw_runs<E>(runs: &[Rows<'_>], d: usize) -> ([Run<E>; MAX_RUNS], usize) {
     assert!(runs.len() <= MAX_RUNS, "at most {MAX_RUNS} runs per block");
     let mut raw = [Run {
         at: std::ptr::null(),
@@ -150,10 +150,7 @@ pub(super) fn scores(
                 cols,
                 scale,
                 s: s.as_mut_ptr(),
-                ahead: Ahead {
-                    runs: ahead,
-                    elem: std::mem::size_of::<L::Elem>(),
-                },
+                ahead: Ahead::new(ahead, std::mem::size_of::<L::Elem>()),
             };
             // SAFETY: AVX-512F/BW/VL checked by the caller; the runs are
             // whole rows of live slices and `s` holds rows × cols.
@@ -209,7 +206,7 @@ pub(super) fn accumulate(p: &[f32], values: &[Rows<'_>], d: usize, acc: &mut [f3
 /// The lanes of the 16-wide chunk at `at` that lie below `len`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn mask(len: usize, at: usize) -> __mmask16 {
+pub(super) fn mask(len: usize, at: usize) -> __mmask16 {
     let live = len.saturating_sub(at).min(16);
     ((1u32 << live) - 1) as __mmask16
 }
@@ -229,21 +226,27 @@ struct Scores<'a> {
 /// The next block's runs of keys and of values, `elem` bytes per element.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
-struct Ahead<'a> {
+pub(super) struct Ahead<'a> {
     runs: [&'a [Rows<'a>]; 2],
     elem: usize,
 }
 
 #[cfg(target_arch = "x86_64")]
-impl Ahead<'_> {
-    const NONE: Self = Ahead {
+impl<'a> Ahead<'a> {
+    /// Nothing to ask for.
+    pub(super) const NONE: Self = Ahead {
         runs: [&[], &[]],
         elem: 1,
     };
 
+    /// The runs of keys and of values, `elem` bytes per element.
+    pub(super) fn new(runs: [&'a [Rows<'a>]; 2], elem: usize) -> Self {
+        Ahead { runs, elem }
+    }
+
     /// Prefetch key `j`'s rows of K and V (nothing past their ends).
     #[inline(always)]
-    fn key(&self, j: usize) {
+    pub(super) fn key(&self, j: usize) {
         for runs in self.runs {
             let mut j = j;
             for run in runs {

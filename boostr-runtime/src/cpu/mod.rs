@@ -70,6 +70,7 @@ mod entry;
 mod forward;
 mod gemm;
 mod gemv;
+mod gemv_i8;
 mod grads;
 mod keys;
 #[doc(hidden)] // public for the code `#[attention]` generates (`score` in f32)

@@ -91,6 +91,15 @@ pub(super) fn bf16_dot_allowed() -> bool {
     level_cap() >= Level::Bf16Dot
 }
 
+/// Whether AVX512-VNNI's 16-bit dot products (`vpdpwssd`) may run: the
+/// CPU has them (every AVX512-BF16 CPU does) and tests have not capped the
+/// level below [`Level::Bf16Dot`].
+#[cfg(target_arch = "x86_64")]
+#[inline]
+pub(super) fn vnni() -> bool {
+    level_cap() >= Level::Bf16Dot && avx512() && std::arch::is_x86_feature_detected!("avx512vnni")
+}
+
 /// Whether a test capped the level at [`Level::Bf16Dot`]: the bf16 kernels
 /// then run on `vdpbf16ps` wherever it is present, so that its path is
 /// tested on CPUs where it does not pay.

@@ -45,8 +45,9 @@ fn codes(src: DType, dst: DType) -> Result<(u32, u32)> {
     let d = match dst {
         DType::FP8E4M3 => 1,
         DType::FP8E5M2 => 2,
+        DType::I8 => 3,
         d if d == src => 0,
-        other => return Err(bad("the cache", other, "the new rows' dtype, or fp8")),
+        other => return Err(bad("the cache", other, "the new rows' dtype, fp8 or int8")),
     };
     Ok((s, d))
 }

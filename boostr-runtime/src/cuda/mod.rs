@@ -9,9 +9,10 @@
 //! order, each looked up by role. Launches go on numr's compute stream; the
 //! variant's fields travel as one by-value parameter block, so a new
 //! parameter value never recompiles. f32, f16 and bf16 inputs; f32
-//! accumulation, lse and `D_i`. The forward also reads fp8 KV caches
-//! (`FP8E4M3` or `FP8E5M2` keys and values, one format for both) in place,
-//! converting them per tile, with their scales per kv head or per page.
+//! accumulation, lse and `D_i`. The forward also reads quantised KV caches
+//! (`FP8E4M3`, `FP8E5M2` or `I8` keys and values, one format for both) in
+//! place, converting them per tile, with their scales per kv head or per
+//! page.
 //!
 //! The backward is deterministic: a `D_i = rowsum(dO ∘ O)` pre-pass, then a
 //! dQ kernel over query tiles and a dK/dV kernel over key tiles, each
@@ -89,17 +90,18 @@ fn cuda_dtype(dtype: DType) -> Option<CudaDType> {
 
 /// How a forward's keys and values of dtypes `k` and `v` are stored, for
 /// a query of dtype `q`: in `q`'s dtype, or, over a cache with scales
-/// (`scaled`), both in one fp8 format.
+/// (`scaled`), both in one fp8 or int8 format.
 fn kv_storage(q: DType, k: DType, v: DType, scaled: bool) -> Result<CudaKv> {
-    let fp8 = |dtype| match dtype {
+    let bytes = |dtype| match dtype {
         DType::FP8E4M3 => Some(CudaKv::E4m3),
         DType::FP8E5M2 => Some(CudaKv::E5m2),
+        DType::I8 => Some(CudaKv::I8),
         _ => None,
     };
-    let kv = fp8(k).filter(|_| scaled);
+    let kv = bytes(k).filter(|_| scaled);
     for (name, dtype) in [("k", k), ("v", v)] {
         let ok = match kv {
-            Some(kv) => fp8(dtype) == Some(kv),
+            Some(kv) => bytes(dtype) == Some(kv),
             None => dtype == q,
         };
         if !ok {
@@ -108,7 +110,7 @@ fn kv_storage(q: DType, k: DType, v: DType, scaled: bool) -> Result<CudaKv> {
                 dtype,
                 backend: CUDA,
                 supported: match kv {
-                    Some(_) => "the fp8 format of k (k and v both FP8E4M3 or both FP8E5M2)",
+                    Some(_) => "the format of k (k and v both FP8E4M3, both FP8E5M2 or both I8)",
                     None => {
                         "the dtype of q (all inputs share one dtype, or k and v are an fp8 cache)"
                     }
@@ -633,7 +635,7 @@ fn forward_over<V: Variant>(
     let q = input("q", q)?;
     let dtype = q.dtype();
     let kv = kv_storage(dtype, keys.k.dtype(), keys.v.dtype(), keys.scales.is_some())?;
-    let (k, v) = if kv.fp8() {
+    let (k, v) = if kv.bytes() {
         (keys.k.contiguous()?, keys.v.contiguous()?)
     } else {
         (input("k", keys.k)?, input("v", keys.v)?)
@@ -812,21 +814,24 @@ impl AttentionRuntime for CudaRuntime {
 mod tests {
     use super::*;
 
-    /// K and V are in q's dtype, or an fp8 cache's one format; anything
-    /// else is a dtype error naming the tensor.
+    /// K and V are in q's dtype, or a quantised cache's one format;
+    /// anything else is a dtype error naming the tensor.
     #[test]
-    fn keys_and_values_are_q_dtype_or_one_fp8_format() {
-        use DType::{BF16, F16, F32, FP8E4M3 as E4, FP8E5M2 as E5};
+    fn keys_and_values_are_q_dtype_or_one_quantised_format() {
+        use DType::{BF16, F16, F32, FP8E4M3 as E4, FP8E5M2 as E5, I8};
         for q in [F32, F16, BF16] {
             assert!(matches!(kv_storage(q, q, q, false), Ok(CudaKv::Elem)));
             assert!(matches!(kv_storage(q, E4, E4, true), Ok(CudaKv::E4m3)));
             assert!(matches!(kv_storage(q, E5, E5, true), Ok(CudaKv::E5m2)));
+            assert!(matches!(kv_storage(q, I8, I8, true), Ok(CudaKv::I8)));
         }
         let name = |r: Result<CudaKv>| match r {
             Err(Error::DType { name, .. }) => name,
             other => panic!("{other:?}"),
         };
         assert_eq!(name(kv_storage(BF16, E4, E5, true)), "v");
+        assert_eq!(name(kv_storage(F16, I8, E4, true)), "v");
+        assert_eq!(name(kv_storage(F32, I8, I8, false)), "k");
         assert_eq!(name(kv_storage(F16, E5, F16, true)), "v");
         // fp8 without scales (dense keys): not a cache.
         assert_eq!(name(kv_storage(F16, E4, E4, false)), "k");

@@ -64,7 +64,7 @@ __device__ __forceinline__ unsigned short bx_from_f32(float x) {
 #endif
 __device__ __forceinline__ void bx_put(unsigned short* p, float x) { *p = bx_from_f32(x); }
 // ---- keys and values: stored as the element type ----
-#define BX_KV_FP8 0
+#define BX_KV_BYTES 0
 typedef elem_t kv_t;
 
 // ---- IR semantics helpers ----
@@ -318,7 +318,7 @@ __device__ __forceinline__ void bx_stage_rows(elem_t* dst, const S* __restrict__
             const int r = e / CHUNKS;
             const int c = (e - r * CHUNKS) * VEC;
             const bool live = r < rows_valid && c < R::W;
-#if BX_KV_FP8
+#if BX_KV_BYTES
             if constexpr (BYTES) {
                 uint2 x = make_uint2(0u, 0u);
                 if (live) x = *reinterpret_cast<const uint2*>(src + row(r) * R::W + c);
@@ -693,7 +693,7 @@ __device__ __forceinline__ void bx_tile_weights(float* S, elem_t* P, float* row_
             const float p = weights_pair(s[j], m_new);
             sum += p;
             float pv = p * variant_dropout(params, b, h, qp, k0 + j);
-#if BX_KV_FP8
+#if BX_KV_BYTES
             pv *= vf[j];
 #endif
             s[j] = pv;
@@ -754,7 +754,7 @@ boostr_attn_fwd(
     float* row_a = reinterpret_cast<float*>(bx_smem + FWD_ROW_A);
     float* row_x = reinterpret_cast<float*>(bx_smem + FWD_ROW_X);
     int* s_seen = reinterpret_cast<int*>(bx_smem + FWD_SEEN);
-#if BX_KV_FP8
+#if BX_KV_BYTES
     float* s_kf = reinterpret_cast<float*>(bx_smem + FWD_KF); // per key: K scale · KV_UNIT
     float* s_vf = reinterpret_cast<float*>(bx_smem + FWD_VF); // per key: V scale / v_ref
 #else
@@ -777,7 +777,7 @@ boostr_attn_fwd(
     const int offset = sk - sq;
     const size_t q_row0 = ((size_t)b * heads_q + (size_t)hk * g) * (size_t)seq_q + r0;
     const BxKeys keys = bx_keys(captures, kv_pages, page_size, max_pages, heads_kv, seq_k, b, hk);
-#if BX_KV_FP8
+#if BX_KV_BYTES
     // The V scale of the sequence's first key: P's columns carry each key's
     // V scale relative to it (1 where they are equal: P keeps its range in
     // f16), the output the rest. Not read without keys.
@@ -828,7 +828,7 @@ boostr_attn_fwd(
         bx_load_keys<BKV, FWD_THREADS, BxRowDV>(sV, v, keys, k0, sk - k0);
         for (int j = threadIdx.x; j < BKV; j += FWD_THREADS) {
             s_seen[j] = 0;
-#if BX_KV_FP8
+#if BX_KV_BYTES
             float kf = 0.0f;
             float vf = 0.0f;
             if (k0 + j < sk) {
@@ -852,7 +852,7 @@ boostr_attn_fwd(
             const int kp = k0 + j;
             const bool vis = bx_visible(params, captures, cls, b, h, r < packed && r % seq_q < sq, kp < sk, qp, kp);
             if (vis) s_seen[j] = 1;
-#if BX_KV_FP8
+#if BX_KV_BYTES
             const float raw = __fmul_rn(sS[i * FWD_LDS + j], s_kf[j]); // the key's K scale
 #else
             const float raw = sS[i * FWD_LDS + j];

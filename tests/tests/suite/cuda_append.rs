@@ -2,9 +2,9 @@
 //! format) compiles with NVRTC and assembles without local memory, and, run
 //! on the host emulation of `cuda_compile` (every CUDA thread a fiber,
 //! `__syncthreads` a barrier), writes the same bytes and scales as the CPU
-//! writer, bit for bit: copies, fp8 with fixed scales per head
-//! (saturating), and fp8 with scales per page that grow (the page's other
-//! rows requantised) or start at 0.
+//! writer, bit for bit: copies, fp8 and int8 with fixed scales per head
+//! (saturating), and fp8 and int8 with scales per page that grow (the
+//! page's other rows requantised) or start at 0.
 
 use crate::cuda_compile::{
     HOST_HARNESS, assemble_and_check, find_cxx, find_ptxas, nvrtc, nvrtc_present,
@@ -78,6 +78,7 @@ fn codes(src: DType, dst: DType) -> (u32, u32) {
     let d = match dst {
         DType::FP8E4M3 => 1,
         DType::FP8E5M2 => 2,
+        DType::I8 => 3,
         _ => 0,
     };
     (s, d)
@@ -113,11 +114,11 @@ fn bytes_of(x: &[f32], dtype: DType) -> Vec<u8> {
 }
 
 fn write_case(src_dtype: DType, dst_dtype: DType, grow: bool, rng: &mut Rng) -> Write {
-    let fp8 = matches!(dst_dtype, DType::FP8E4M3 | DType::FP8E5M2);
+    let quantised = matches!(dst_dtype, DType::FP8E4M3 | DType::FP8E5M2 | DType::I8);
     let elem = dst_dtype.size_in_bytes();
-    // Existing rows: random bytes (NaN patterns included) for fp8, values
-    // for the others.
-    let dst = if fp8 {
+    // Existing rows: random bytes (fp8's NaN patterns included) for the
+    // quantised formats, values for the others.
+    let dst = if quantised {
         (0..UNITS * PAGE * DIM)
             .map(|_| (rng.normal_f32(1, 1.0)[0].to_bits() >> 7) as u8)
             .collect()
@@ -144,7 +145,7 @@ fn write_case(src_dtype: DType, dst_dtype: DType, grow: bool, rng: &mut Rng) -> 
             pairs.push([next_src, (unit * PAGE + row) as i32]);
             next_src += 1;
         }
-        let scale = if fp8 { unit as i32 } else { -1 };
+        let scale = if quantised { unit as i32 } else { -1 };
         let page_row = if grow { (unit * PAGE) as i32 } else { -1 };
         groups.push([start, pairs.len() as i32, scale, page_row]);
     }
@@ -177,7 +178,7 @@ fn on_the_cpu(w: &Write, src_dtype: DType, dst_dtype: DType, grow: bool) -> (Vec
     let dst =
         Tensor::<CpuRuntime>::from_bytes(&w.dst, &[UNITS, 1, PAGE, DIM], dst_dtype, &dev).unwrap();
     let scales = Tensor::<CpuRuntime>::from_slice(&w.scales, &[UNITS], &dev).unwrap();
-    let fp8 = matches!(dst_dtype, DType::FP8E4M3 | DType::FP8E5M2);
+    let quantised = matches!(dst_dtype, DType::FP8E4M3 | DType::FP8E5M2 | DType::I8);
     // The keys and the values are the same write here: run it on two
     // copies and check both.
     let (dst_v, scales_v) = (
@@ -192,7 +193,7 @@ fn on_the_cpu(w: &Write, src_dtype: DType, dst_dtype: DType, grow: bool) -> (Vec
         groups: &w.groups,
         pairs: &w.pairs,
         page_rows: if grow { PAGE } else { 0 },
-        scales: fp8.then_some(WriteScales {
+        scales: quantised.then_some(WriteScales {
             k: &scales,
             v: &scales_v,
             grow,
@@ -235,7 +236,7 @@ fn on_the_host_emulation(w: &Write, exe: &Path, tag: &str, grow: bool) -> (Vec<u
 }
 
 /// Every (new rows' dtype, cache format) pair the runtime compiles.
-const PAIRS: [(DType, DType); 9] = [
+const PAIRS: [(DType, DType); 12] = [
     (DType::F32, DType::F32),
     (DType::F16, DType::F16),
     (DType::BF16, DType::BF16),
@@ -245,6 +246,9 @@ const PAIRS: [(DType, DType); 9] = [
     (DType::F32, DType::FP8E5M2),
     (DType::F16, DType::FP8E5M2),
     (DType::BF16, DType::FP8E5M2),
+    (DType::F32, DType::I8),
+    (DType::F16, DType::I8),
+    (DType::BF16, DType::I8),
 ];
 
 fn source((s, d): (u32, u32)) -> String {
@@ -320,8 +324,8 @@ fn the_cache_writer_writes_the_cpu_writers_bytes_on_the_host_emulation() {
             }
         })
         .unwrap();
-        let fp8 = d != 0;
-        for grow in if fp8 {
+        let quantised = d != 0;
+        for grow in if quantised {
             [false, true].as_slice()
         } else {
             &[false]
@@ -334,7 +338,7 @@ fn the_cache_writer_writes_the_cpu_writers_bytes_on_the_host_emulation() {
                 differ.is_none() && want_dst.len() == got_dst.len(),
                 "{tag} grow {grow}: the cache differs from the CPU's at byte {differ:?}"
             );
-            if fp8 {
+            if quantised {
                 assert_eq!(got_scales, want_scales, "{tag} grow {grow}: the scales");
             }
             // The write did something: the cache changed.

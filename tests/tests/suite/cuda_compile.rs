@@ -79,17 +79,19 @@ const EXTRA_HEAD_DIMS: [u32; 3] = [80, 96, 256];
 /// two halved pairs; for sm_90, and the widest (576/512, its own tier) on
 /// both archs.
 const VALUE_DIM_PAIRS: [(u32, u32); 4] = [(192, 128), (576, 512), (128, 64), (64, 32)];
-/// Forwards over fp8 caches the full-language variant is compiled for, on
-/// sm_90 (the first, absorbed MLA decode, also on sm_80): absorbed MLA
-/// decode and 128 on tensor cores, both formats on CUDA cores (the widest
-/// tiles too) and in f16.
-const FP8_FORWARDS: [(CudaDType, CudaKv, (u32, u32)); 6] = [
+/// Forwards over fp8 and int8 caches the full-language variant is compiled
+/// for, on sm_90 (the first, absorbed MLA decode, also on sm_80): absorbed
+/// MLA decode and 128 on tensor cores, every format on CUDA cores (the
+/// widest tiles too) and in f16.
+const QUANTISED_FORWARDS: [(CudaDType, CudaKv, (u32, u32)); 8] = [
     (CudaDType::Bf16, CudaKv::E4m3, (576, 512)),
     (CudaDType::Bf16, CudaKv::E4m3, (128, 128)),
     (CudaDType::F16, CudaKv::E4m3, (128, 128)),
     (CudaDType::F16, CudaKv::E5m2, (64, 32)),
     (CudaDType::F32, CudaKv::E4m3, (128, 128)),
     (CudaDType::F32, CudaKv::E5m2, (576, 512)),
+    (CudaDType::Bf16, CudaKv::I8, (128, 128)),
+    (CudaDType::F32, CudaKv::I8, (64, 32)),
 ];
 
 /// One NVRTC compilation, assembled for some architectures.
@@ -178,8 +180,8 @@ fn jobs(n_variants: usize, everything: usize, full: bool) -> Vec<Job> {
             );
         }
     }
-    // fp8 caches: the forward only (their backward is an error).
-    for (i, (dtype, kv, dims)) in FP8_FORWARDS.into_iter().enumerate() {
+    // Quantised caches: the forward only (their backward is an error).
+    for (i, (dtype, kv, dims)) in QUANTISED_FORWARDS.into_iter().enumerate() {
         jobs.push(Job {
             variant: everything,
             dtype,
@@ -805,7 +807,7 @@ int main(int argc, char** argv) {
     const size_t nr = (size_t)B * Hq * Sq, nq = nr * D, no = nr * DV;
     const size_t nk = (size_t)B * Hkv * Sk * D, nv = (size_t)B * Hkv * Sk * DV;
     auto q = to_elem(read_f32(path("q").c_str(), nq));
-#if BX_KV_FP8
+#if BX_KV_BYTES
     // An fp8 cache's bytes and scales, as stored.
     auto k = read_bytes(path("k").c_str(), nk);
     auto v = read_bytes(path("v").c_str(), nv);
@@ -845,7 +847,7 @@ int main(int argc, char** argv) {
     for (auto* t : {&k, &v})
         if (off) t->erase(t->begin());
     write_f32(path("q.rounded").c_str(), to_f32(q));
-#if !BX_KV_FP8
+#if !BX_KV_BYTES
     write_f32(path("k.rounded").c_str(), to_f32(k));
     write_f32(path("v.rounded").c_str(), to_f32(v));
 #endif
@@ -1256,6 +1258,22 @@ where
     case
 }
 
+/// Where logical page `n` of `pages` lies: `(n·m + 2) mod pages`, `m` the
+/// first stride from 5 coprime to `pages`, so that every page has its own
+/// place (a permutation).
+fn shuffled(pages: usize) -> impl Fn(usize) -> usize {
+    let gcd = |mut a: usize, mut b: usize| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    let m = (5..)
+        .find(|&m| gcd(m, pages) == 1)
+        .expect("a coprime stride");
+    move |n| (n * m + 2) % pages
+}
+
 /// `case` (over a cache or a padded batch) with its keys moved into
 /// `B · max_pages` pages of `ps` in shuffled order, the page table after
 /// the arena's words (a batch of mixed decodes and prefills reading pages,
@@ -1267,7 +1285,7 @@ fn in_pages(mut case: HostCase, ps: usize) -> HostCase {
     let (d, dv, cap) = (p.head_dim, p.head_dim_v, p.seq_k);
     let max_pages = cap / ps;
     let pages = p.batch * max_pages;
-    let place = |n: usize| (n * 5 + 2) % pages;
+    let place = shuffled(pages);
     let table_word = case.arena.len() as i32;
     let c = case.cache.as_mut().expect("a cache or padded case");
     let (k, v) = (&c.inputs[1], &c.inputs[2]);
@@ -1307,12 +1325,12 @@ struct Fp8Case {
     kv_words: [i32; 4],
     /// `out`, `lse` and `max_scores` of the f64 reference over the dequantized cache (fp8
     /// value × scale, exact in f64) for `q` as the kernels rounded it.
-    reference: Fp8Reference,
+    reference: ByteReference,
 }
 
 /// The f64 `out`, `lse` and `max_scores` of an fp8 case for the rounded
 /// `q`.
-type Fp8Reference = Box<dyn Fn(&[f64]) -> [Vec<f64>; 3] + Send + Sync>;
+type ByteReference = Box<dyn Fn(&[f64]) -> [Vec<f64>; 3] + Send + Sync>;
 
 /// SplitMix64: the bytes of the fp8 cases.
 fn splitmix(state: &mut u64) -> u64 {
@@ -1324,14 +1342,15 @@ fn splitmix(state: &mut u64) -> u64 {
 }
 
 /// The value of fp8 byte `b` (`None`: NaN or infinite), exactly.
-fn fp8_value(kv: CudaKv, b: u8) -> Option<f64> {
+fn byte_value(kv: CudaKv, b: u8) -> Option<f64> {
     let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
     let (e, m, bias, mbits) = match kv {
         CudaKv::E4m3 if b & 0x7f == 0x7f => return None,
         CudaKv::E4m3 => (i32::from((b >> 3) & 0xf), f64::from(b & 7), 7, 8.0),
         CudaKv::E5m2 if (b >> 2) & 0x1f == 0x1f => return None,
         CudaKv::E5m2 => (i32::from((b >> 2) & 0x1f), f64::from(b & 3), 15, 4.0),
-        CudaKv::Elem => unreachable!("fp8 formats only"),
+        CudaKv::I8 => return Some(f64::from(b as i8)),
+        CudaKv::Elem => unreachable!("byte formats only"),
     };
     Some(if e == 0 {
         sign * m / mbits * 2f64.powi(1 - bias)
@@ -1342,7 +1361,7 @@ fn fp8_value(kv: CudaKv, b: u8) -> Option<f64> {
 
 /// A random finite fp8 byte of magnitude 2^-3 .. 2^4, or (one in eight)
 /// a zero or subnormal.
-fn fp8_byte(kv: CudaKv, state: &mut u64) -> u8 {
+fn random_byte(kv: CudaKv, state: &mut u64) -> u8 {
     let r = splitmix(state);
     let sign = ((r & 1) as u8) << 7;
     let low = ((r >> 8) & 7) as u8;
@@ -1351,7 +1370,10 @@ fn fp8_byte(kv: CudaKv, state: &mut u64) -> u8 {
     match kv {
         CudaKv::E4m3 => sign | (if subnormal { 0 } else { 4 + step } << 3) | low,
         CudaKv::E5m2 => sign | (if subnormal { 0 } else { 12 + step } << 2) | (low & 3),
-        CudaKv::Elem => unreachable!("fp8 formats only"),
+        // −20 ..= 20, or (one in eight) an end of the range: −128 or 127.
+        CudaKv::I8 if subnormal => [0x80, 0x7f][(r & 1) as usize],
+        CudaKv::I8 => (((r >> 24) % 41) as i8 - 20) as u8,
+        CudaKv::Elem => unreachable!("byte formats only"),
     }
 }
 
@@ -1359,9 +1381,9 @@ fn fp8_byte(kv: CudaKv, state: &mut u64) -> u8 {
 /// keys: contiguous with per-kv-head scales, or with `page_size` in `B ·
 /// max_pages` pages in shuffled order with per-page scales. Live bytes are
 /// random finite values (zeros and subnormals included); spare slots hold
-/// NaN bytes and pages wholly past a length NaN scales, which must never
+/// NaN bytes (int8: −128) and pages wholly past a length NaN scales, which must never
 /// be read. The reference runs per sequence over its own keys.
-fn host_fp8_case<V: Variant>(
+fn host_quantised_case<V: Variant>(
     variant: V,
     dtype: CudaDType,
     problem: Problem,
@@ -1378,8 +1400,11 @@ where
     let mut state = 0xf8ca_c4e5 ^ (lens.len() as u64) << 32 ^ d as u64;
     let q = Rng::new(0xf8, d as u64).normal_f32(p.q_len(), 1.0);
     // Logical rows (b, h, j) of [B, Hkv, cap, ·]; spare slots NaN.
+    // int8 has no NaN: its spare slots hold −128, which changes the
+    // result wherever it is read.
     let nan = match kv {
         CudaKv::E4m3 => 0x7f,
+        CudaKv::I8 => 0x80,
         _ => 0xff,
     };
     let mut fill = |width: usize| -> Vec<u8> {
@@ -1387,7 +1412,7 @@ where
             .map(|i| {
                 let row = i / width;
                 if row % cap < lens[row / (hkv * cap)] as usize {
-                    fp8_byte(kv, &mut state)
+                    random_byte(kv, &mut state)
                 } else {
                     nan
                 }
@@ -1413,7 +1438,8 @@ where
             .map(|(i, &x)| {
                 let row = i / width;
                 let (b, h, j) = (row / (hkv * cap), (row / cap) % hkv, row % cap);
-                fp8_value(kv, x).map_or(f64::NAN, |x| x * f64::from(scales[scale_of(b, j / ps, h)]))
+                byte_value(kv, x)
+                    .map_or(f64::NAN, |x| x * f64::from(scales[scale_of(b, j / ps, h)]))
             })
             .collect()
     };
@@ -1424,7 +1450,7 @@ where
         None => ([lens_word as i32, -1, 0, 0], k, v, ks, vs),
         Some(ps) => {
             let pages = p.batch * max_pages;
-            let place = |n: usize| (n * 5 + 2) % pages;
+            let place = shuffled(pages);
             let table_word = case.arena.len();
             let (mut kp, mut vp) = (vec![0u8; k.len()], vec![0u8; v.len()]);
             let (mut kps, mut vps) = (vec![0f32; pages * hkv], vec![0f32; pages * hkv]);
@@ -1616,7 +1642,7 @@ fn run_host_case(case: &HostCase, cxx: &Path, serial: usize) -> Result<String, S
     let kv = case.fp8.as_ref().map_or(CudaKv::Elem, |c| c.kv);
     let cfg = tiles(&case.declared, dims, case.dtype).with_kv(kv);
     // An fp8 cache has a forward only.
-    let modules: &[&Module] = if kv.fp8() {
+    let modules: &[&Module] = if kv.bytes() {
         &[&kernels::FORWARD_MODULE]
     } else {
         &[
@@ -1895,7 +1921,7 @@ fn host_emulation_matches_the_reference() {
         // 512 columns' width) under a bf16 query, 130 of 160 slots live, in
         // two key splits.
         split(
-            host_fp8_case(
+            host_quantised_case(
                 Softcap { cap: 30.0 },
                 CudaDType::Bf16,
                 Problem::new(1, (16, 1), (1, 160), 576).with_head_dim_v(512),
@@ -2222,7 +2248,7 @@ fn host_emulation_matches_the_reference() {
         // fp8 caches: both formats, per-head scales in place and per-page
         // scales over shuffled pages (partial key tiles, a length of 0,
         // splits), q in every dtype, an unaligned cache (element loads).
-        misaligned(host_fp8_case(
+        misaligned(host_quantised_case(
             CausalSlidingWindow { window: 50 },
             CudaDType::F16,
             Problem::new(3, (4, 2), (3, 192), 64),
@@ -2231,7 +2257,7 @@ fn host_emulation_matches_the_reference() {
             None,
         )),
         split(
-            host_fp8_case(
+            host_quantised_case(
                 Causal,
                 CudaDType::F16,
                 Problem::new(3, (4, 2), (4, 192), 64),
@@ -2241,7 +2267,7 @@ fn host_emulation_matches_the_reference() {
             ),
             3,
         ),
-        host_fp8_case(
+        host_quantised_case(
             Softcap { cap: 10.0 },
             CudaDType::Bf16,
             Problem::new(2, (4, 1), (17, 192), 128),
@@ -2250,7 +2276,7 @@ fn host_emulation_matches_the_reference() {
             Some(64),
         ),
         split(
-            host_fp8_case(
+            host_quantised_case(
                 Causal,
                 CudaDType::F32,
                 Problem::new(2, (4, 2), (5, 96), 64).with_head_dim_v(32),
@@ -2259,6 +2285,27 @@ fn host_emulation_matches_the_reference() {
                 Some(16),
             ),
             2,
+        ),
+        // int8 caches: per-page scales over shuffled pages in bf16 (tensor
+        // cores), split; per-head scales in place in f32.
+        split(
+            host_quantised_case(
+                Causal,
+                CudaDType::Bf16,
+                Problem::new(2, (4, 2), (3, 160), 64),
+                CudaKv::I8,
+                &[160, 29],
+                Some(32),
+            ),
+            2,
+        ),
+        host_quantised_case(
+            CausalSlidingWindow { window: 40 },
+            CudaDType::F32,
+            Problem::new(2, (2, 1), (6, 96), 40),
+            CudaKv::I8,
+            &[96, 0],
+            None,
         ),
         // Dropout and sigmoid weights: dense in each element type, over
         // pages (the backward reads them), and sigmoid partials added in

@@ -3,13 +3,13 @@
 //
 // Compiled per element pair: BX_APPEND_SRC is the new rows' type (0 f32,
 // 1 f16, 2 bf16), BX_APPEND_DST the cache's (0 the same, 1 fp8 E4M3, 2 fp8
-// E5M2). One block per group of pairs that share a scale (a page and kv
+// E5M2, 3 int8). One block per group of pairs that share a scale (a page and kv
 // head, or a sequence and kv head); `groups[4 g ..]` = first pair, end
 // pair, scale index, and the first row of the page to requantise when its
 // scale grows (or -1); `pairs[2 p ..]` = source row, destination row.
 //
-// An fp8 group with `grow` (scales per page) takes the scale
-// max(old, amax / FP8_MAX) of its new rows; when that grows a scale that
+// A quantised group with `grow` (scales per page) takes the scale
+// max(old, amax / BX_APPEND_MAX) of its new rows; when that grows a scale that
 // held values, the page's rows are requantised to it first. Without `grow`
 // (scales per head, fixed) the new rows saturate at the format's largest
 // value. Every step is the CPU writer's, in the same order, so both write
@@ -60,7 +60,7 @@ __device__ __forceinline__ float bx_append_decode(unsigned char b) {
     if (e == 0) return __uint_as_float(__float_as_uint((float)m * 0.001953125f) | sign); // m · 2^-9
     return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));
 }
-#else
+#elif BX_APPEND_DST == 2
 constexpr float BX_APPEND_MAX = 57344.0f;
 // f32 → E5M2: round to nearest even, saturating at ±57344, NaN kept.
 __device__ __forceinline__ unsigned char bx_append_encode(float x) {
@@ -79,6 +79,15 @@ __device__ __forceinline__ float bx_append_decode(unsigned char b) {
     if (e == 0) return __uint_as_float(__float_as_uint((float)m * 1.52587890625e-05f) | sign); // m · 2^-16
     return __uint_as_float(sign | ((e + 112u) << 23) | (m << 21));
 }
+#else
+constexpr float BX_APPEND_MAX = 127.0f;
+// f32 → int8: round to nearest even, saturating at ±127 (−128 is never
+// written, so the range is symmetric); NaN writes 0.
+__device__ __forceinline__ unsigned char bx_append_encode(float x) {
+    if (!(x == x)) return 0;
+    return (unsigned char)(signed char)(int)rintf(fminf(fmaxf(x, -BX_APPEND_MAX), BX_APPEND_MAX));
+}
+__device__ __forceinline__ float bx_append_decode(unsigned char b) { return (float)(signed char)b; }
 #endif
 #endif
 

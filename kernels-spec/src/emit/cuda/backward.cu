@@ -3,7 +3,7 @@
 //@@ preamble
 
 // ---- backward ----
-static_assert(!BX_KV_FP8, "the backward reads K and V in the element type (fp8 caches are for inference)");
+static_assert(!BX_KV_BYTES, "the backward reads K and V in the element type (fp8 caches are for inference)");
 
 // The gradient tile of one (query tile, key tile), shared by dQ and dK/dV:
 // recompute each score with the forward's code (bx_dot_tile + bx_score_at),

@@ -48,7 +48,7 @@ __device__ __forceinline__ void bx_stage_rows(elem_t* dst, const S* __restrict__
             const int r = e / CHUNKS;
             const int c = (e - r * CHUNKS) * VEC;
             const bool live = r < rows_valid && c < R::W;
-#if BX_KV_FP8
+#if BX_KV_BYTES
             if constexpr (BYTES) {
                 uint2 x = make_uint2(0u, 0u);
                 if (live) x = *reinterpret_cast<const uint2*>(src + row(r) * R::W + c);

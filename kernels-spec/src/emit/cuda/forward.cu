@@ -21,7 +21,7 @@
     float* row_a = reinterpret_cast<float*>(bx_smem + FWD_ROW_A);
     float* row_x = reinterpret_cast<float*>(bx_smem + FWD_ROW_X);
     int* s_seen = reinterpret_cast<int*>(bx_smem + FWD_SEEN);
-#if BX_KV_FP8
+#if BX_KV_BYTES
     float* s_kf = reinterpret_cast<float*>(bx_smem + FWD_KF); // per key: K scale · KV_UNIT
     float* s_vf = reinterpret_cast<float*>(bx_smem + FWD_VF); // per key: V scale / v_ref
 #else
@@ -44,7 +44,7 @@
     const int offset = sk - sq;
     const size_t q_row0 = ((size_t)b * heads_q + (size_t)hk * g) * (size_t)seq_q + r0;
     const BxKeys keys = bx_keys(captures, kv_pages, page_size, max_pages, heads_kv, seq_k, b, hk);
-#if BX_KV_FP8
+#if BX_KV_BYTES
     // The V scale of the sequence's first key: P's columns carry each key's
     // V scale relative to it (1 where they are equal: P keeps its range in
     // f16), the output the rest. Not read without keys.
@@ -95,7 +95,7 @@
         bx_load_keys<BKV, FWD_THREADS, BxRowDV>(sV, v, keys, k0, sk - k0);
         for (int j = threadIdx.x; j < BKV; j += FWD_THREADS) {
             s_seen[j] = 0;
-#if BX_KV_FP8
+#if BX_KV_BYTES
             float kf = 0.0f;
             float vf = 0.0f;
             if (k0 + j < sk) {
@@ -119,7 +119,7 @@
             const int kp = k0 + j;
             const bool vis = bx_visible(params, captures, cls, b, h, r < packed && r % seq_q < sq, kp < sk, qp, kp);
             if (vis) s_seen[j] = 1;
-#if BX_KV_FP8
+#if BX_KV_BYTES
             const float raw = __fmul_rn(sS[i * FWD_LDS + j], s_kf[j]); // the key's K scale
 #else
             const float raw = sS[i * FWD_LDS + j];

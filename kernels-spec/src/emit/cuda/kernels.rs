@@ -173,30 +173,45 @@ pub fn header(cfg: &CudaTiles) -> String {
 }
 
 /// How the kernels read `k` and `v` (`kv_t`): as the element type, or as
-/// fp8 bytes with their conversion to it (see the module docs of
+/// fp8 or int8 bytes with their conversion to it (see the module docs of
 /// [`super`]).
 fn kv_section(cfg: &CudaTiles) -> String {
     let (format, unit, bits) = match cfg.kv {
         CudaKv::Elem => return KV_ELEM.to_string(),
-        CudaKv::E4m3 => ("E4M3", "256.0f", KV_E4M3_BITS),
-        CudaKv::E5m2 => ("E5M2", "1.0f", KV_E5M2_BITS),
+        CudaKv::E4m3 => ("fp8 E4M3", "256.0f", KV_E4M3_BITS),
+        CudaKv::E5m2 => ("fp8 E5M2", "1.0f", KV_E5M2_BITS),
+        CudaKv::I8 => ("int8", "1.0f", ""),
     };
-    let to_elem = match cfg.dtype {
-        CudaDType::F32 => "return bx_f16_bits_to_f32(bx_fp8_f16_bits(b));",
-        CudaDType::F16 => "return bx_fp8_f16_bits(b);",
-        // At most 3 significant bits: the f32's upper half is exact.
-        CudaDType::Bf16 => {
-            "return (unsigned short)(__float_as_uint(bx_f16_bits_to_f32(bx_fp8_f16_bits(b))) >> 16);"
+    let wide = if cfg.kv == CudaKv::I8 {
+        ""
+    } else {
+        KV_F16_TO_F32
+    };
+    // int8: the integer, exact in f32, f16 (11 significant bits) and bf16
+    // (8; |b| ≤ 128 needs at most 7).
+    let to_elem = match (cfg.kv, cfg.dtype) {
+        (CudaKv::I8, CudaDType::F32) => "return (float)(signed char)b;",
+        (CudaKv::I8, CudaDType::F16) => "return bx_from_f32((float)(signed char)b);",
+        (CudaKv::I8, CudaDType::Bf16) => {
+            "return (unsigned short)(__float_as_uint((float)(signed char)b) >> 16);"
         }
+        (_, dtype) => match dtype {
+            CudaDType::F32 => "return bx_f16_bits_to_f32(bx_fp8_f16_bits(b));",
+            CudaDType::F16 => "return bx_fp8_f16_bits(b);",
+            // At most 3 significant bits: the f32's upper half is exact.
+            CudaDType::Bf16 => {
+                "return (unsigned short)(__float_as_uint(bx_f16_bits_to_f32(bx_fp8_f16_bits(b))) >> 16);"
+            }
+        },
     };
     format!(
-        "// ---- keys and values: fp8 {format} bytes of a KV cache, converted per tile ----\n\
-         #define BX_KV_FP8 1\n\
+        "// ---- keys and values: {format} bytes of a KV cache, converted per tile ----\n\
+         #define BX_KV_BYTES 1\n\
          typedef unsigned char kv_t;\n\
          // A stored value is the tile's value times KV_UNIT times its scale.\n\
          constexpr float KV_UNIT = {unit};\n\
          {bits}\
-         {KV_F16_TO_F32}\
+         {wide}\
          // The stored byte as a tile holds it (exact in f32, f16 and bf16).\n\
          __device__ __forceinline__ elem_t bx_staged(unsigned char b) {{ {to_elem} }}\n\
          {KV_FP8_COMMON}"
@@ -266,7 +281,7 @@ const TENSORS_BODY: &str = section(BACKWARD_CU, "boostr_attn_bwd_tensors");
 /// keys − rows`, the rest seeing nothing; with pages (`page_size >
 /// 0`) `k` is `[pages, Hkv, page_size, D]`, `v` `[pages, Hkv, page_size,
 /// DV]`, and the `[B, max_pages]` page table is at arena word `kv_pages`.
-/// Over an fp8 cache (`BX_KV_FP8`) `k` and `v` are its bytes and
+/// Over an fp8 cache (`BX_KV_BYTES`) `k` and `v` are its bytes and
 /// `k_scale`, `v_scale` its scales (`[Hkv]`, or `[pages, Hkv]` with
 /// pages); otherwise those are null. Where the call asks for them (else
 /// null), `max_scores` gets each row's largest score (the sink apart),

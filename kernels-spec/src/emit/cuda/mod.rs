@@ -37,21 +37,21 @@
 //! ([`ParamWords`](crate::params::ParamWords)). `B, Hq, Hkv ≤ 65535` (grid
 //! y/z), `Hq % Hkv == 0`.
 //!
-//! # fp8 KV caches (forward)
+//! # fp8 and int8 KV caches (forward)
 //!
-//! With [`CudaTiles::kv`] an fp8 format ([`CudaKv::E4m3`],
-//! [`CudaKv::E5m2`]), the forward reads `k` and `v` as the cache stores
-//! them, one byte an element (`kv_t`), and converts each row to `E` while
-//! staging it into shared memory (exact: every E4M3 and E5M2 value is an
-//! f16, a bf16 and an f32), so the tiles, the products and the shared
+//! With [`CudaTiles::kv`] a one-byte format ([`CudaKv::E4m3`],
+//! [`CudaKv::E5m2`], [`CudaKv::I8`]), the forward reads `k` and `v` as the
+//! cache stores them, one byte an element (`kv_t`), and converts each row
+//! to `E` while staging it into shared memory (exact: every E4M3, E5M2 and
+//! int8 value is an f16, a bf16 and an f32), so the tiles, the products and the shared
 //! memory sizes are those of `E`. The dequantization scales come as two
 //! f32 arguments, `k_scale` and `v_scale`: `[Hkv]` for keys in place,
 //! `[pages, Hkv]` for pages (`page · Hkv + h`; per-head scales repeated per
 //! page). A key's K scale multiplies its column of raw scores, its V scale
 //! its column of `P` before `P·V` (relative to the block's first key's, which
 //! multiplies the output: `P` stays in range in f16 whatever the scales),
-//! never the row sums. Without fp8 both are null and never read. The
-//! backward reads K and V in `E` only (fp8 caches are for inference).
+//! never the row sums. Without them both are null and never read. The
+//! backward reads K and V in `E` only (quantised caches are for inference).
 //!
 //! Dynamic shared memory may exceed 48 KiB: before the first launch set
 //! `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES` to it
@@ -139,20 +139,26 @@ pub enum CudaKv {
     E4m3,
     /// fp8 E5M2 (bias 15: the upper byte of an f16).
     E5m2,
+    /// int8 (two's complement, −128 ..= 127).
+    I8,
 }
 
 impl CudaKv {
-    /// Whether K and V are fp8 bytes.
-    pub fn fp8(self) -> bool {
+    /// Every format, the element type first.
+    pub const ALL: [CudaKv; 4] = [CudaKv::Elem, CudaKv::E4m3, CudaKv::E5m2, CudaKv::I8];
+
+    /// Whether K and V are one-byte codes with scales (fp8 or int8).
+    pub fn bytes(self) -> bool {
         self != CudaKv::Elem
     }
 
-    /// Lower-case name (`elem`, `e4m3`, `e5m2`).
+    /// Lower-case name (`elem`, `e4m3`, `e5m2`, `i8`).
     pub fn name(self) -> &'static str {
         match self {
             CudaKv::Elem => "elem",
             CudaKv::E4m3 => "e4m3",
             CudaKv::E5m2 => "e5m2",
+            CudaKv::I8 => "i8",
         }
     }
 }
@@ -409,7 +415,7 @@ impl CudaTiles {
         l.push("FWD_ROW_A", 4 * u64::from(bq));
         l.push("FWD_ROW_X", 4 * u64::from(bq));
         l.push("FWD_SEEN", 4 * u64::from(bkv));
-        if self.kv.fp8() {
+        if self.kv.bytes() {
             l.push("FWD_KF", 4 * u64::from(bkv));
             l.push("FWD_VF", 4 * u64::from(bkv));
         }
@@ -635,7 +641,7 @@ mod tests {
         for dtype in DTYPES {
             for d in (8..=MAX_HEAD_DIM).step_by(8) {
                 for dv in (8..=MAX_HEAD_DIM).step_by(8) {
-                    for kv in [CudaKv::Elem, CudaKv::E4m3, CudaKv::E5m2] {
+                    for kv in CudaKv::ALL {
                         let cfg = CudaTiles::for_problem(d, dv, dtype).with_kv(kv);
                         cfg.validate()
                             .unwrap_or_else(|e| panic!("D={d} Dv={dv} {dtype:?} {kv:?}: {e}"));
@@ -656,7 +662,11 @@ mod tests {
         for dtype in DTYPES {
             for (d, dv) in [(40, 24), (64, 64), (128, 128), (576, 512)] {
                 let base = CudaTiles::for_problem(d, dv, dtype);
-                for (kv, unit) in [(CudaKv::E4m3, "256.0f"), (CudaKv::E5m2, "1.0f")] {
+                for (kv, unit) in [
+                    (CudaKv::E4m3, "256.0f"),
+                    (CudaKv::E5m2, "1.0f"),
+                    (CudaKv::I8, "1.0f"),
+                ] {
                     let cfg = base.with_kv(kv);
                     cfg.validate().expect("fp8 tiles validate");
                     assert_eq!(
@@ -666,7 +676,7 @@ mod tests {
                     assert_eq!(cfg.backward_layout(), base.backward_layout());
                     let header = kernels::header(&cfg);
                     for line in [
-                        "#define BX_KV_FP8 1",
+                        "#define BX_KV_BYTES 1",
                         "typedef unsigned char kv_t;",
                         &format!("constexpr float KV_UNIT = {unit};"),
                         "elem_t bx_staged(unsigned char b)",
@@ -675,7 +685,7 @@ mod tests {
                     }
                 }
                 let header = kernels::header(&base);
-                assert!(header.contains("#define BX_KV_FP8 0\ntypedef elem_t kv_t;"));
+                assert!(header.contains("#define BX_KV_BYTES 0\ntypedef elem_t kv_t;"));
             }
         }
         let signature = kernels::FORWARD.signature().to_string();

@@ -39,7 +39,7 @@ __device__ __forceinline__ unsigned short bx_from_f32(float x) {
 __device__ __forceinline__ void bx_put(unsigned short* p, float x) { *p = bx_from_f32(x); }
 //@@ kv_elem
 // ---- keys and values: stored as the element type ----
-#define BX_KV_FP8 0
+#define BX_KV_BYTES 0
 typedef elem_t kv_t;
 //@@ kv_e4m3
 // The byte's value times 2^-8 as f16 bits (sign, then exponent and mantissa

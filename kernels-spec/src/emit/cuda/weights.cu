@@ -32,7 +32,7 @@ __device__ __forceinline__ void bx_tile_weights(float* S, elem_t* P, float* row_
             const float p = weights_pair(s[j], m_new);
             sum += p;
             float pv = p * variant_dropout(params, b, h, qp, k0 + j);
-#if BX_KV_FP8
+#if BX_KV_BYTES
             pv *= vf[j];
 #endif
             s[j] = pv;
