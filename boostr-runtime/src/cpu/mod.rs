@@ -22,18 +22,27 @@
 //! `k, v [B, Hkv, Sk, D]`, `lse [B, Hq, Sq]`, query head `h` reads kv head
 //! `h / (Hq / Hkv)`, query row `i` sits at position `i + Sk − Sq`.
 //!
-//! How the work is organised (see each module for details):
-//! - `tile`: [`CpuTiles`], the tile sizes and why.
-//! - `forward`: one task per (batch, query head, query tile, or group of
-//!   query tiles for long sequences), key/value tiles streamed through with
-//!   an online softmax.
-//! - `backward`: one task per (batch, kv head, chunk of key tiles), query
-//!   tiles streamed through; dQ reduced in a fixed order for determinism.
-//! - `gemm`: the tile products: bounds-checked views, and `microkernel` (an
-//!   AVX-512 register-blocked kernel that needs no packing) or the `gemm` crate
-//!   where AVX-512 is missing; single-threaded per task.
-//! - `math`: vectorizable `exp` and row reductions for the softmax.
-//! - `simd`: runtime AVX2/AVX-512 dispatch of the softmax passes.
+//! How the work is organised, room by room (see each module for details):
+//! - `kernels`: `tile` ([`CpuTiles`], the tile sizes and why); `forward`,
+//!   one task per (batch, query head, query tile, or group of query tiles
+//!   for long sequences), key/value tiles streamed through with an online
+//!   softmax; `backward`, one task per (batch, kv head, chunk of key
+//!   tiles), query tiles streamed through, dQ reduced in a fixed order for
+//!   determinism; `grads`, the learnable tensors' gradients; `decode`, a
+//!   few query rows against long keys, split across workers.
+//! - `bf16`: AMX tiles (`amx`, `amx_forward`, `amx_backward`) and
+//!   `vdpbf16ps` (`bf16_dot`).
+//! - `linalg`: the tile products (`gemm`: bounds-checked views, and
+//!   `microkernel`, an AVX-512 register-blocked kernel that needs no
+//!   packing, or the `gemm` crate where AVX-512 is missing; single-threaded
+//!   per task), the decode's matrix-vector products (`gemv`, `gemv_i8`),
+//!   strided operands (`operand`), and `simd`, the run-time AVX2/AVX-512
+//!   dispatch.
+//! - `rows`: `weights` and `math` (the softmax's weights, a vectorizable
+//!   `exp` and row reductions), `dropout`, `elem` (stored elements and their
+//!   widening), `keys` (caches' and pages' key addressing).
+//! - Here: the entry points (`entry`), the runtime (`runtime`), the cache
+//!   writer (`append`), threads and the aligned buffers.
 //!
 //! Guarantees, for finite inputs:
 //! - Every element of every output slice is written (they may arrive
@@ -57,33 +66,25 @@
 //!   the `gemm` crate elsewhere, which round differently.
 
 pub(crate) mod aligned;
-mod amx;
-mod amx_backward;
-mod amx_forward;
 mod append;
-mod backward;
-mod bf16_dot;
-mod decode;
-mod dropout;
-mod elem;
+mod bf16;
 mod entry;
-mod forward;
-mod gemm;
-mod gemv;
-mod gemv_i8;
-mod grads;
-mod keys;
-#[doc(hidden)] // public for the code `#[attention]` generates (`score` in f32)
-pub mod math;
-#[cfg(target_arch = "x86_64")]
-mod microkernel;
-mod operand;
+mod kernels;
+mod linalg;
 pub(crate) mod par;
+mod rows;
 mod runtime;
-mod simd;
 mod threads;
-mod tile;
-pub(crate) mod weights;
+
+use bf16::{amx, amx_backward, amx_forward, bf16_dot};
+use kernels::{backward, decode, forward, grads, tile};
+#[cfg(target_arch = "x86_64")]
+use linalg::microkernel;
+use linalg::{gemm, gemv, gemv_i8, operand, simd};
+#[doc(hidden)] // public for the code `#[attention]` generates (`score` in f32)
+pub use rows::math;
+pub(crate) use rows::weights;
+use rows::{dropout, elem, keys};
 
 #[cfg(test)]
 pub(crate) mod tests;

@@ -49,14 +49,14 @@
 //! per-task tile scratch (the transposes of up to four key tiles and three
 //! score-sized tiles); never anything of size `Sq × Sk`.
 
-use super::aligned::Aligned;
-use super::gemm::{self, MatMut, MatRef, Write, matmul};
-use super::grads::{Probabilities, ScoreGrads, dropped, learnable_terms};
-use super::math;
-use super::par::ForEachDyn as _;
-use super::simd;
-use super::tile::CpuTiles;
-use super::{
+use crate::cpu::aligned::Aligned;
+use crate::cpu::gemm::{self, MatMut, MatRef, Write, matmul};
+use crate::cpu::grads::{Probabilities, ScoreGrads, dropped, learnable_terms};
+use crate::cpu::math;
+use crate::cpu::par::ForEachDyn as _;
+use crate::cpu::simd;
+use crate::cpu::tile::CpuTiles;
+use crate::cpu::{
     Axis, BackwardInputs, Band, L2_BUDGET, Positions, all_finite, band_products, class_bands,
     mean_visits, tile_class, zero_unused_rows,
 };
@@ -75,7 +75,7 @@ const ELEMENTWISE_BLOCK: usize = 1 << 14;
 /// The thread count the key chunking assumes when learnable tensors'
 /// gradients are computed: fixed, so that the chunking (and with it every
 /// sum's order) does not depend on the machine's thread count.
-pub(super) const GRAD_CHUNK_THREADS: usize = 8;
+pub(in crate::cpu) const GRAD_CHUNK_THREADS: usize = 8;
 
 /// At most this many partial sums of each learnable tensor's gradient.
 const MAX_GRAD_PARTIALS: usize = 64;
@@ -112,7 +112,11 @@ const MAX_KV_GROUP: usize = 4;
 
 /// Key tiles per pass over the query tiles: 1 while a key tile's pass
 /// reads at most [`L2_BUDGET`] of Q, dO and dQ, else [`MAX_KV_GROUP`].
-pub(super) fn kv_group_size<V: HostVariant>(variant: &V, p: &Problem, tiles: CpuTiles) -> usize {
+pub(in crate::cpu) fn kv_group_size<V: HostVariant>(
+    variant: &V,
+    p: &Problem,
+    tiles: CpuTiles,
+) -> usize {
     let q_tile_bytes = tiles.q * (2 * p.head_dim + p.head_dim_v) * std::mem::size_of::<f32>();
     let bytes = mean_visits(variant, p, tiles, Axis::Key) * (p.group() * q_tile_bytes) as f64;
     if bytes <= L2_BUDGET as f64 {
@@ -128,7 +132,7 @@ pub(super) fn kv_group_size<V: HostVariant>(variant: &V, p: &Problem, tiles: Cpu
 /// margin because chunks are uneven under causal-like masks (early keys are
 /// seen by more queries); but no chunk smaller than one key tile or than
 /// [`MIN_CHUNK_FLOPS`] of work, since each extra chunk costs a dQ partial.
-pub(super) fn key_chunks(p: &Problem, tiles: CpuTiles, threads: usize) -> usize {
+pub(in crate::cpu) fn key_chunks(p: &Problem, tiles: CpuTiles, threads: usize) -> usize {
     let key_tiles = p.seq_k.div_ceil(tiles.kv);
     let heads = p.batch * p.heads_kv;
     let wanted = (2 * threads.max(1)).div_ceil(heads);
@@ -140,15 +144,15 @@ pub(super) fn key_chunks(p: &Problem, tiles: CpuTiles, threads: usize) -> usize 
 }
 
 /// One task: the keys `key0 .. key0 + dk.len()/D` of one (batch, kv head).
-pub(super) struct KeyChunk<'a> {
-    pub(super) b: usize,
-    pub(super) kvh: usize,
-    pub(super) key0: usize,
-    pub(super) dk: &'a mut [f32],
-    pub(super) dv: &'a mut [f32],
+pub(in crate::cpu) struct KeyChunk<'a> {
+    pub(in crate::cpu) b: usize,
+    pub(in crate::cpu) kvh: usize,
+    pub(in crate::cpu) key0: usize,
+    pub(in crate::cpu) dk: &'a mut [f32],
+    pub(in crate::cpu) dv: &'a mut [f32],
     /// dQ `[group, Sq, D]` of the group's query heads: the real `dq` for the
     /// first chunk, a private partial for the others.
-    pub(super) dq: &'a mut [f32],
+    pub(in crate::cpu) dq: &'a mut [f32],
 }
 
 /// Per-task scratch: the resident K/V tiles transposed, and three
@@ -199,7 +203,7 @@ impl Scratch {
             dp: Aligned::zeroed(t.q * t.kv),
             pd: Aligned::zeroed(if V::WEIGHTS.dropout { t.q * t.kv } else { 0 }),
             g: Aligned::zeroed(g),
-            bands: Vec::with_capacity(t.q.div_ceil(super::BAND_ROWS)),
+            bands: Vec::with_capacity(t.q.div_ceil(crate::cpu::BAND_ROWS)),
             k_guarded: Vec::new(),
             raw: if learn && V::SCORE_READS_LEARNABLE && !V::SCORE_GRADS_BY_DIFFERENCE {
                 vec![0.0; t.q * t.kv]
@@ -249,7 +253,7 @@ struct Shared<'a, V> {
 }
 
 #[allow(clippy::too_many_arguments)]
-pub(super) fn backward<V: HostVariant>(
+pub(in crate::cpu) fn backward<V: HostVariant>(
     variant: &V,
     p: &Problem,
     tiles: CpuTiles,
@@ -300,7 +304,7 @@ pub(super) fn backward<V: HostVariant>(
 
 /// `D_i = rowsum(dO_i ∘ O_i) − dlse_i` for every row of `d` (the value
 /// head dim; `dot` reads the elements as stored; no `dlse`: zero).
-pub(super) fn deltas<E: Sync>(
+pub(in crate::cpu) fn deltas<E: Sync>(
     (dout, out, dlse): (&[E], &[E], Option<&[f32]>),
     d: usize,
     dot: fn(&[E], &[E]) -> f32,
@@ -322,21 +326,21 @@ pub(super) fn deltas<E: Sync>(
 
 /// Keys per chunk (whole key tiles), and the chunk count after rounding the
 /// chunk size up.
-pub(super) fn chunk_keys(p: &Problem, tiles: CpuTiles, chunks: usize) -> (usize, usize) {
+pub(in crate::cpu) fn chunk_keys(p: &Problem, tiles: CpuTiles, chunks: usize) -> (usize, usize) {
     let key_tiles = p.seq_k.div_ceil(tiles.kv);
     let chunk_keys = key_tiles.div_ceil(chunks.clamp(1, key_tiles)) * tiles.kv;
     (chunk_keys, p.seq_k.div_ceil(chunk_keys))
 }
 
 /// The dQ partial sums of every (batch, kv head)'s chunks after its first.
-pub(super) fn dq_partials(p: &Problem, chunks: usize) -> Aligned<f32> {
+pub(in crate::cpu) fn dq_partials(p: &Problem, chunks: usize) -> Aligned<f32> {
     // Each partial goes to one task, which zeroes it first (`key_chunk`).
     Aligned::scratch(p.batch * p.heads_kv * (chunks - 1) * p.group() * p.seq_q * p.head_dim)
 }
 
 /// The outputs carved into disjoint per-task slices, in (b, kv head,
 /// chunk) order; partial `c ≥ 1` of head `bg` is `partials[bg][c - 1]`.
-pub(super) fn carve<'a>(
+pub(in crate::cpu) fn carve<'a>(
     p: &Problem,
     chunk_keys: usize,
     dq: &'a mut [f32],
@@ -377,7 +381,7 @@ pub(super) fn carve<'a>(
 }
 
 /// `dq += partial_1 + partial_2 + ...` in that order, element by element.
-pub(super) fn add_partials(p: &Problem, chunks: usize, dq: &mut [f32], partials: &[f32]) {
+pub(in crate::cpu) fn add_partials(p: &Problem, chunks: usize, dq: &mut [f32], partials: &[f32]) {
     if chunks <= 1 {
         return;
     }
@@ -399,13 +403,14 @@ pub(super) fn add_partials(p: &Problem, chunks: usize, dq: &mut [f32], partials:
 
 /// What runs one key chunk of a backward with learnable tensors'
 /// gradients: the task, its scratch, and the gradient partials it adds to.
-pub(super) type ChunkBody<'a, S> = dyn Fn(KeyChunk<'_>, &mut S, &mut [&mut [f32]]) + Sync + 'a;
+pub(in crate::cpu) type ChunkBody<'a, S> =
+    dyn Fn(KeyChunk<'_>, &mut S, &mut [&mut [f32]]) + Sync + 'a;
 
 /// The tasks with learnable tensors' gradients: grouped into partial sums,
 /// each group run in task order by `run` (with scratch from `scratch`,
 /// one per rayon job), the partials then added in group order (see the
 /// module docs). Shared by the f32 and the bf16 backward.
-pub(super) fn learnable_tasks<S>(
+pub(in crate::cpu) fn learnable_tasks<S>(
     tasks: Vec<KeyChunk<'_>>,
     tensor_grads: &mut [Vec<f32>],
     scratch: &(dyn Fn() -> S + Sync),
@@ -447,7 +452,7 @@ pub(super) fn learnable_tasks<S>(
 /// the call's `Err`, as in the forward. With learnable gradients wanted,
 /// each row adds its sink term `d loss / d sink = −e^(sink − lse) · D_i`
 /// times the sink's derivatives, after the partials of the pairs.
-pub(super) fn sinks<V: HostVariant>(
+pub(in crate::cpu) fn sinks<V: HostVariant>(
     variant: &V,
     p: &Problem,
     lse: &[f32],

@@ -8,7 +8,7 @@
 //! stream past it, and `classify_tile` is asked once per (query tile, key
 //! tile) pair.
 
-use super::{gemm, math};
+use crate::cpu::{gemm, math};
 use crate::problem::Problem;
 use crate::variant::{HostVariant, TileClass};
 
@@ -49,8 +49,8 @@ pub struct CpuTiles {
 }
 
 impl CpuTiles {
-    /// The defaults used by [`forward`](super::forward()) and
-    /// [`backward`](super::backward()); see the type's docs for why.
+    /// The defaults used by [`forward`](crate::cpu::forward()) and
+    /// [`backward`](crate::cpu::backward()); see the type's docs for why.
     pub const DEFAULT: Self = Self { q: 64, kv: 64 };
 
     /// Tiles of `q` query rows and `kv` keys. Panics if either is zero.
@@ -80,14 +80,14 @@ impl Default for CpuTiles {
 
 /// Positions of rows and keys as the variant sees them (bottom-right aligned).
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Positions {
+pub(in crate::cpu) struct Positions {
     /// `Sk − Sq`: query row `i` is at position `i + q_offset`.
-    pub(super) q_offset: i32,
+    pub(in crate::cpu) q_offset: i32,
 }
 
 impl Positions {
     #[inline]
-    pub(super) fn new(p: &Problem) -> Self {
+    pub(in crate::cpu) fn new(p: &Problem) -> Self {
         // Positions are i32 in the variant's signature; sequences beyond
         // 2^31 would not fit any of its index arguments.
         Self::to_i32(p.seq_q.max(p.seq_k));
@@ -97,13 +97,13 @@ impl Positions {
 
     /// An index (batch, head, position) as the variant's `i32`.
     #[inline]
-    pub(super) fn to_i32(x: usize) -> i32 {
+    pub(in crate::cpu) fn to_i32(x: usize) -> i32 {
         i32::try_from(x).expect("index fits i32")
     }
 
     /// Inclusive positions of `rows` query rows starting at row `row0`.
     #[inline]
-    pub(super) fn query_range(self, row0: usize, rows: usize) -> (i32, i32) {
+    pub(in crate::cpu) fn query_range(self, row0: usize, rows: usize) -> (i32, i32) {
         let lo = Self::to_i32(row0) + self.q_offset;
         (lo, lo + Self::to_i32(rows) - 1)
     }
@@ -112,7 +112,7 @@ impl Positions {
 /// The class of the tile (query positions `q_lo..=q_hi`) × (`cols` keys from
 /// `kv0`). Without a mask every tile is `Full` and `classify_tile` is not called.
 #[inline]
-pub(super) fn tile_class<V: HostVariant>(
+pub(in crate::cpu) fn tile_class<V: HostVariant>(
     variant: &V,
     b: i32,
     h: i32,
@@ -132,14 +132,14 @@ pub(super) fn tile_class<V: HostVariant>(
 /// read before tiles are grouped to share passes: up to this much stays in a
 /// core's L2 from one tile to the next. Three quarters of the 2 MiB L2 of
 /// recent Xeons, leaving room for everything else.
-pub(super) const L2_BUDGET: usize = 3 << 19;
+pub(in crate::cpu) const L2_BUDGET: usize = 3 << 19;
 
 /// Tiles sampled by [`mean_visits`].
-pub(super) const SAMPLED_TILES: usize = 8;
+pub(in crate::cpu) const SAMPLED_TILES: usize = 8;
 
 /// Which tiles [`mean_visits`] samples.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Axis {
+pub(in crate::cpu) enum Axis {
     /// Query tiles, counting the key tiles each visits.
     Query,
     /// Key tiles, counting the query tiles that visit each.
@@ -150,7 +150,7 @@ pub(super) enum Axis {
 /// `Empty`, averaged over up to [`SAMPLED_TILES`] evenly spaced tiles of
 /// batch 0, head 0. It only sizes groups of tiles (any grouping gives the
 /// same results), so an estimate is enough.
-pub(super) fn mean_visits<V: HostVariant>(
+pub(in crate::cpu) fn mean_visits<V: HostVariant>(
     variant: &V,
     p: &Problem,
     tiles: CpuTiles,
@@ -196,14 +196,14 @@ pub(super) fn mean_visits<V: HostVariant>(
 /// on the forward (`bench/ab_cpu.py`, one thread), against trimming only
 /// `P V` to each band's nonzero probabilities: 1.07× as fast for causal at
 /// S = 1024, 1.08× for a sliding window at S = 4096.
-pub(super) const BAND_ROWS: usize = 16;
+pub(in crate::cpu) const BAND_ROWS: usize = 16;
 
 /// Rows `rows` of a tile and the columns `cols` (relative to the tile)
 /// outside which every pair of those rows is hidden.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(super) struct Band {
-    pub(super) rows: std::ops::Range<usize>,
-    pub(super) cols: std::ops::Range<usize>,
+pub(in crate::cpu) struct Band {
+    pub(in crate::cpu) rows: std::ops::Range<usize>,
+    pub(in crate::cpu) cols: std::ops::Range<usize>,
 }
 
 /// Fill `bands` with the bands of the tile of query rows at positions
@@ -214,7 +214,7 @@ pub(super) struct Band {
 /// a tile's products and elementwise passes only there is exact: every
 /// pair outside is hidden. (Chunks of `LANES` keys keep the softmax's lane
 /// sums aligned with the columns.)
-pub(super) fn class_bands<V: HostVariant>(
+pub(in crate::cpu) fn class_bands<V: HostVariant>(
     variant: &V,
     (b, h): (i32, i32),
     class: TileClass,
@@ -252,7 +252,7 @@ pub(super) fn class_bands<V: HostVariant>(
 /// band's rows of `a` (rows of `d`, `a_rs` apart) against its columns of `bt` (`Bᵀ`,
 /// `d × cols`). Elements outside the bands are not written.
 #[inline]
-pub(super) fn band_products(
+pub(in crate::cpu) fn band_products(
     dst: &mut [f32],
     cols: usize,
     bands: &[Band],
@@ -275,14 +275,14 @@ pub(super) fn band_products(
 /// Whether every element of `x` is finite (no NaN, no infinity).
 /// [`all_finite`] of bf16 bits.
 #[inline]
-pub(super) fn all_finite_bits(x: &[u16]) -> bool {
+pub(in crate::cpu) fn all_finite_bits(x: &[u16]) -> bool {
     x.iter()
         .fold(0u16, |acc, v| acc | u16::from(v & 0x7f80 == 0x7f80))
         == 0
 }
 
 #[inline]
-pub(super) fn all_finite(x: &[f32]) -> bool {
+pub(in crate::cpu) fn all_finite(x: &[f32]) -> bool {
     // Branch-free over the bits, so it vectorises: an exponent of all ones
     // is an infinity or a NaN.
     x.iter().fold(0u32, |acc, v| {
@@ -302,7 +302,7 @@ pub(super) fn all_finite(x: &[f32]) -> bool {
 /// reach rows that cannot see it. Taking the key's row as zero instead is
 /// exact for finite rows (they contribute 0 either way), so the kernels
 /// only do it where the operand has a non-finite element.
-pub(super) fn zero_unused_rows<'s>(
+pub(in crate::cpu) fn zero_unused_rows<'s>(
     a: &[f32],
     cols: usize,
     band: &Band,

@@ -14,7 +14,7 @@ use kernels_spec::dropout::{M0, M1, ROUNDS, W0, W1};
 /// Counters per block: sixteen lanes, 64 keys.
 const LANES: usize = 16;
 /// Keys one block draws for.
-pub(super) const BLOCK_KEYS: usize = 4 * LANES;
+pub(in crate::cpu) const BLOCK_KEYS: usize = 4 * LANES;
 
 /// The generator of one call with dropout, keyed for one (batch, query
 /// head) of the variant.
@@ -31,20 +31,20 @@ struct Philox {
 /// pairs keyed where the variant sees them
 /// ([`HostVariant::dropout_site`]).
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Draw<'v, V> {
+pub(in crate::cpu) struct Draw<'v, V> {
     philox: Philox,
     variant: &'v V,
     b: i32,
     h: u32,
     /// `1/(1 − p)`.
-    pub(super) scale: f32,
+    pub(in crate::cpu) scale: f32,
 }
 
 impl<'v, V: HostVariant> Draw<'v, V> {
     /// The draw of `(b, h)` of `variant` under `p`'s dropout; `None` where
     /// it keeps every pair (no dropout, or `p = 0`).
     #[inline(always)]
-    pub(super) fn new(p: &Problem, variant: &'v V, b: i32, h: i32) -> Option<Self> {
+    pub(in crate::cpu) fn new(p: &Problem, variant: &'v V, b: i32, h: i32) -> Option<Self> {
         let d = p.dropout;
         d.active().then(|| Draw {
             philox: Philox {
@@ -80,14 +80,14 @@ impl<'v, V: HostVariant> Draw<'v, V> {
     /// Zero the entries of `row` (keys `kv_lo ..` of query `q`) whose pair
     /// is dropped.
     #[inline(always)]
-    pub(super) fn drop_row<T: Copy + Default>(&self, q: i32, kv_lo: i32, row: &mut [T]) {
+    pub(in crate::cpu) fn drop_row<T: Copy + Default>(&self, q: i32, kv_lo: i32, row: &mut [T]) {
         let n = row.len();
         self.each_dropped(q, kv_lo, n, |j| row[j] = T::default());
     }
 
     /// `dst[j] = src[j] / (1 − p)` where pair `(q, kv_lo + j)` is kept, else 0.
     #[inline(always)]
-    pub(super) fn keep_scaled(&self, q: i32, kv_lo: i32, src: &[f32], dst: &mut [f32]) {
+    pub(in crate::cpu) fn keep_scaled(&self, q: i32, kv_lo: i32, src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(src);
         self.scale_kept(q, kv_lo, dst);
     }
@@ -95,14 +95,14 @@ impl<'v, V: HostVariant> Draw<'v, V> {
     /// `row[j]` times `1/(1 − p)` where pair `(q, kv_lo + j)` is kept, else
     /// 0, in place: the pairs' factors on a tile row.
     #[inline(always)]
-    pub(super) fn scale_kept(&self, q: i32, kv_lo: i32, row: &mut [f32]) {
-        super::math::scale(row, self.scale);
+    pub(in crate::cpu) fn scale_kept(&self, q: i32, kv_lo: i32, row: &mut [f32]) {
+        crate::cpu::math::scale(row, self.scale);
         self.drop_row(q, kv_lo, row);
     }
 
     /// Whether pair `(q, kv)` is kept (one pair; for tests).
     #[cfg(test)]
-    pub(super) fn keeps(&self, q: i32, kv: i32) -> bool {
+    pub(in crate::cpu) fn keeps(&self, q: i32, kv: i32) -> bool {
         let mut out = true;
         self.each_dropped(q, kv, 1, |_| out = false);
         out
@@ -231,7 +231,7 @@ impl Philox {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn avx512() -> bool {
-    super::simd::avx512() && std::arch::is_x86_feature_detected!("bmi2")
+    crate::cpu::simd::avx512() && std::arch::is_x86_feature_detected!("bmi2")
 }
 
 #[cfg(test)]

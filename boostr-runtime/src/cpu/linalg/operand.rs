@@ -10,7 +10,7 @@
 //! into its tiles through [`Rows::transpose`] and [`Rows::widen`], or hands
 //! f32 rows to the tile products with their stride ([`Rows::f32`]).
 
-use super::elem::{self, Stored};
+use crate::cpu::elem::{self, Stored};
 
 /// A `[batch, heads, rows, dim]` operand as stored: row `(b, h, s)` is the
 /// `dim` elements from `b·strides[0] + h·strides[1] + s·strides[2]`.

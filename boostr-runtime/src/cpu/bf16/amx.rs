@@ -17,15 +17,15 @@ use std::arch::asm;
 use std::sync::OnceLock;
 
 /// Rows of every tile, and f32 columns of an accumulator tile.
-pub(super) const TILE: usize = 16;
+pub(in crate::cpu) const TILE: usize = 16;
 /// bf16 elements of an operand tile's row: the reduction depth of one
 /// `tdpbf16ps`.
-pub(super) const DEPTH: usize = 32;
+pub(in crate::cpu) const DEPTH: usize = 32;
 
 /// Whether this CPU has AMX-TILE and AMX-BF16 and the OS lets this process
 /// use them: CPUID says so, XCR0 enables the tile state, and Linux granted
 /// tile data on request (once per process, for all its threads).
-pub(super) fn available() -> bool {
+pub(in crate::cpu) fn available() -> bool {
     static OK: OnceLock<bool> = OnceLock::new();
     *OK.get_or_init(|| cpu_has_amx() && os_grants_amx())
 }
@@ -97,14 +97,14 @@ const CONFIG: Config = {
 
 /// The tile registers configured for the products here, until dropped.
 #[derive(Debug)]
-pub(super) struct Tiles(());
+pub(in crate::cpu) struct Tiles(());
 
 impl Tiles {
     /// Configures the tiles on this thread.
     ///
     /// # Safety
     /// [`available`] returned true.
-    pub(super) unsafe fn configure() -> Tiles {
+    pub(in crate::cpu) unsafe fn configure() -> Tiles {
         // SAFETY: AMX is available (the caller's contract); CONFIG is a
         // valid palette-1 configuration.
         unsafe { asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly)) };
@@ -113,7 +113,7 @@ impl Tiles {
 
     /// `tmm{T} = 0`.
     #[inline(always)]
-    pub(super) fn zero<const T: u8>(&self) {
+    pub(in crate::cpu) fn zero<const T: u8>(&self) {
         // SAFETY: the tiles are configured (`self` exists).
         unsafe { asm!("tilezero tmm{t}", t = const T, options(nomem, nostack)) };
     }
@@ -124,7 +124,7 @@ impl Tiles {
     /// # Safety
     /// Those 16 × 64 bytes are readable.
     #[inline(always)]
-    pub(super) unsafe fn load<const T: u8>(&self, p: *const u8, stride: usize) {
+    pub(in crate::cpu) unsafe fn load<const T: u8>(&self, p: *const u8, stride: usize) {
         // SAFETY: the tiles are configured; the caller vouches for memory.
         unsafe {
             asm!("tileloadd tmm{t}, [{p} + {s} * 1]", t = const T, p = in(reg) p, s = in(reg) stride,
@@ -137,7 +137,7 @@ impl Tiles {
     /// # Safety
     /// Those 16 × 64 bytes are writable.
     #[inline(always)]
-    pub(super) unsafe fn store<const T: u8>(&self, p: *mut u8, stride: usize) {
+    pub(in crate::cpu) unsafe fn store<const T: u8>(&self, p: *mut u8, stride: usize) {
         // SAFETY: the tiles are configured; the caller vouches for memory.
         unsafe {
             asm!("tilestored [{p} + {s} * 1], tmm{t}", t = const T, p = in(reg) p, s = in(reg) stride,
@@ -150,7 +150,7 @@ impl Tiles {
     /// element of C adds its 32 products in f32 (pairs fused, see Intel's
     /// description of TDPBF16PS).
     #[inline(always)]
-    pub(super) fn dot<const C: u8, const A: u8, const B: u8>(&self) {
+    pub(in crate::cpu) fn dot<const C: u8, const A: u8, const B: u8>(&self) {
         // SAFETY: the tiles are configured.
         unsafe {
             asm!("tdpbf16ps tmm{c}, tmm{a}, tmm{b}", c = const C, a = const A, b = const B,
@@ -173,7 +173,7 @@ impl Tiles {
 /// configured on this thread; every element named above is in bounds.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn product(
+pub(in crate::cpu) unsafe fn product(
     t: &Tiles,
     (a, a_stride): (*const u16, usize),
     (b, b_stride): (*const u32, usize),
@@ -223,7 +223,7 @@ pub(super) unsafe fn product(
 
 /// Which bf16 products the bf16 kernels run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Kind {
+pub(in crate::cpu) enum Kind {
     /// AMX tiles ([`product`]).
     Amx,
     /// AVX512-BF16's `vdpbf16ps` (`bf16_dot::product`).
@@ -234,8 +234,8 @@ pub(super) enum Kind {
 /// and OS allow it, else `vdpbf16ps` where it beats the f32 kernels (see
 /// `bf16_dot::pays`), else none (the inputs are widened for the f32
 /// kernels).
-pub(super) fn kind() -> Option<Kind> {
-    use super::{bf16_dot, simd};
+pub(in crate::cpu) fn kind() -> Option<Kind> {
+    use crate::cpu::{bf16_dot, simd};
     if simd::amx_allowed() && simd::avx512() && available() {
         Some(Kind::Amx)
     } else if simd::bf16_dot_allowed()
@@ -252,7 +252,7 @@ pub(super) fn kind() -> Option<Kind> {
 /// One thread's bf16 products of a [`Kind`], from [`Products::start`] to
 /// drop (the AMX tiles configured for that long).
 #[derive(Debug)]
-pub(super) enum Products {
+pub(in crate::cpu) enum Products {
     Amx(Tiles),
     Dot,
 }
@@ -262,7 +262,7 @@ impl Products {
     ///
     /// # Safety
     /// [`kind`] returned `kind` (on this thread or one capped alike).
-    pub(super) unsafe fn start(kind: Kind) -> Self {
+    pub(in crate::cpu) unsafe fn start(kind: Kind) -> Self {
         match kind {
             // SAFETY: AMX is available (the caller's contract).
             Kind::Amx => Products::Amx(unsafe { Tiles::configure() }),
@@ -276,7 +276,7 @@ impl Products {
     /// # Safety
     /// As [`product`].
     #[inline(always)]
-    pub(super) unsafe fn product(
+    pub(in crate::cpu) unsafe fn product(
         &self,
         a: (*const u16, usize),
         b: (*const u32, usize),
@@ -289,7 +289,7 @@ impl Products {
             Products::Amx(t) => unsafe { product(t, a, b, c, mnk, accumulate) },
             // SAFETY: `start(Dot)` means `vdpbf16ps` is present; the
             // multiples of 32 cover those `bf16_dot::product` needs.
-            Products::Dot => unsafe { super::bf16_dot::product(a, b, c, mnk, accumulate) },
+            Products::Dot => unsafe { crate::cpu::bf16_dot::product(a, b, c, mnk, accumulate) },
         }
     }
 }
@@ -297,7 +297,7 @@ impl Products {
 /// Seconds for `iters` rounds of four independent `tdpbf16ps` on tile
 /// registers only (no loads), on the calling thread: `iters · 4 · 16384`
 /// flops at the core's bf16 tile peak. `None` without AMX.
-pub(super) fn time_peak(iters: usize) -> Option<f64> {
+pub(in crate::cpu) fn time_peak(iters: usize) -> Option<f64> {
     if !available() {
         return None;
     }

@@ -1,14 +1,14 @@
 //! The backward's elementwise steps on a tile, shared by the f32 and the
 //! bf16 backward: `P` recomputed from the lse, `dS` from `P` and `dP`
-//! (through the variant's [`Weights`](super::weights::Weights)), and the
+//! (through the variant's [`Weights`](crate::cpu::weights::Weights)), and the
 //! learnable tensors' terms.
 
-use super::Band;
-use super::dropout::Draw;
-use super::forward::apply_mask;
-use super::math;
-use super::simd::Elementwise;
-use super::weights::RowWeights as _;
+use crate::cpu::Band;
+use crate::cpu::dropout::Draw;
+use crate::cpu::forward::apply_mask;
+use crate::cpu::math;
+use crate::cpu::simd::Elementwise;
+use crate::cpu::weights::RowWeights as _;
 use crate::problem::Problem;
 use crate::variant::{HostVariant, TileClass};
 use std::marker::PhantomData;
@@ -17,7 +17,7 @@ use std::ops::Range;
 /// `f(at, qi, kj)` for each row of each band: `at` the row's elements in a
 /// tile of `cols` columns, `qi` its query's position, `kj` the position of
 /// its band's first key.
-pub(super) fn each_band_row(
+pub(in crate::cpu) fn each_band_row(
     bands: &[Band],
     cols: usize,
     q_lo: i32,
@@ -41,7 +41,7 @@ pub(super) fn each_band_row(
 /// `None` without dropout (the forward's `P V` used `P`). `s` holds `P`,
 /// tiles of `cols` columns, pair `(i, j)` at `(q_lo + i, kv_lo + j)`.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn dropped<'a, V: HostVariant>(
+pub(in crate::cpu) fn dropped<'a, V: HostVariant>(
     p: &Problem,
     variant: &V,
     (b, h): (i32, i32),
@@ -66,7 +66,7 @@ pub(super) fn dropped<'a, V: HostVariant>(
 /// pair by pair (`raw` the logits before `score`). `p` holds `P`, `dp`
 /// `d loss / d P`.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn learnable_terms<V: HostVariant>(
+pub(in crate::cpu) fn learnable_terms<V: HostVariant>(
     variant: &V,
     at: (i32, i32, i32, i32),
     bands: &[Band],
@@ -167,23 +167,23 @@ fn diagonal_tensor_grads<V: HostVariant>(
 /// Recompute the probabilities of one tile from the saved log-sum-exp:
 /// `s` (scaled logits) becomes `P = e^(x − lse)`, 0 where hidden; `g`
 /// receives `score_grad` at the raw logits (untouched for identity scores).
-pub(super) struct Probabilities<'a, V> {
-    pub(super) variant: &'a V,
-    pub(super) b: i32,
-    pub(super) h: i32,
+pub(in crate::cpu) struct Probabilities<'a, V> {
+    pub(in crate::cpu) variant: &'a V,
+    pub(in crate::cpu) b: i32,
+    pub(in crate::cpu) h: i32,
     /// Position of the tile's first query row and first key.
-    pub(super) q_lo: i32,
-    pub(super) kv_lo: i32,
-    pub(super) class: TileClass,
+    pub(in crate::cpu) q_lo: i32,
+    pub(in crate::cpu) kv_lo: i32,
+    pub(in crate::cpu) class: TileClass,
     /// The tile rows' log-sum-exp.
-    pub(super) lse: &'a [f32],
+    pub(in crate::cpu) lse: &'a [f32],
     /// Logits, times `scale` (applied here: 1 where the product scaled
     /// them already).
-    pub(super) s: &'a mut [f32],
-    pub(super) scale: f32,
-    pub(super) g: &'a mut [f32],
+    pub(in crate::cpu) s: &'a mut [f32],
+    pub(in crate::cpu) scale: f32,
+    pub(in crate::cpu) g: &'a mut [f32],
     /// Only the bands' elements are read and written.
-    pub(super) bands: &'a [Band],
+    pub(in crate::cpu) bands: &'a [Band],
 }
 
 impl<V: HostVariant> Elementwise for Probabilities<'_, V> {
@@ -269,19 +269,19 @@ impl<V: HostVariant> Elementwise for Probabilities<'_, V> {
 /// normalisation's `d loss / d score` of each pair's weight `P` and its
 /// `d loss / d P` (`dp`, the dropout factor included), `p (dP − D)` for a
 /// softmax.
-pub(super) struct ScoreGrads<'a, V> {
-    pub(super) p: &'a [f32],
+pub(in crate::cpu) struct ScoreGrads<'a, V> {
+    pub(in crate::cpu) p: &'a [f32],
     /// `score_grad` values (empty where it is 1).
-    pub(super) g: &'a [f32],
+    pub(in crate::cpu) g: &'a [f32],
     /// The tile rows' `D_i`.
-    pub(super) delta: &'a [f32],
-    pub(super) dp: &'a mut [f32],
+    pub(in crate::cpu) delta: &'a [f32],
+    pub(in crate::cpu) dp: &'a mut [f32],
     /// Only the bands' elements are read and written.
-    pub(super) bands: &'a [Band],
+    pub(in crate::cpu) bands: &'a [Band],
     /// A `Partial` tile: some pairs are hidden, and their `dP` (from a V
     /// row that may hold NaN) must not reach `dS`.
-    pub(super) partial: bool,
-    pub(super) variant: PhantomData<V>,
+    pub(in crate::cpu) partial: bool,
+    pub(in crate::cpu) variant: PhantomData<V>,
 }
 
 impl<V: HostVariant> Elementwise for ScoreGrads<'_, V> {

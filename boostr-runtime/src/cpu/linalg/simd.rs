@@ -15,7 +15,7 @@
 //! runs. (No FMA contraction happens: Rust never fuses `a * b + c`.)
 
 /// An elementwise pass over a tile, run by [`dispatch`].
-pub(super) trait Elementwise {
+pub(in crate::cpu) trait Elementwise {
     /// What the pass returns (most write their results in place: `()`).
     type Output;
     /// The pass. Implementations must be `#[inline(always)]`, and so must
@@ -27,7 +27,7 @@ pub(super) trait Elementwise {
 /// The instruction sets [`dispatch`] chooses from, narrowest first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-pub(super) enum Level {
+pub(in crate::cpu) enum Level {
     /// Whatever the crate was compiled for (SSE2 on baseline x86-64).
     /// Named only by tests, which cap the level to run every path.
     #[cfg_attr(not(test), allow(dead_code))]
@@ -44,7 +44,7 @@ pub(super) enum Level {
 
 /// Run `pass` with the widest vector instructions this CPU supports.
 #[inline]
-pub(super) fn dispatch<E: Elementwise>(pass: E) -> E::Output {
+pub(in crate::cpu) fn dispatch<E: Elementwise>(pass: E) -> E::Output {
     #[cfg(target_arch = "x86_64")]
     {
         let cap = level_cap();
@@ -71,7 +71,7 @@ pub(super) fn dispatch<E: Elementwise>(pass: E) -> E::Output {
 /// level also exercises the `gemm` crate fallback.
 #[cfg(target_arch = "x86_64")]
 #[inline]
-pub(super) fn avx512() -> bool {
+pub(in crate::cpu) fn avx512() -> bool {
     level_cap() >= Level::Avx512
         && std::arch::is_x86_feature_detected!("avx512f")
         && std::arch::is_x86_feature_detected!("avx512bw")
@@ -81,13 +81,13 @@ pub(super) fn avx512() -> bool {
 /// Whether the AMX paths may run, as far as tests are concerned (the CPU
 /// is asked in `amx::available`).
 #[inline]
-pub(super) fn amx_allowed() -> bool {
+pub(in crate::cpu) fn amx_allowed() -> bool {
     level_cap() >= Level::Amx
 }
 
 /// Whether the bf16 kernels may run on `vdpbf16ps` (see [`Level::Bf16Dot`]).
 #[inline]
-pub(super) fn bf16_dot_allowed() -> bool {
+pub(in crate::cpu) fn bf16_dot_allowed() -> bool {
     level_cap() >= Level::Bf16Dot
 }
 
@@ -96,7 +96,7 @@ pub(super) fn bf16_dot_allowed() -> bool {
 /// level below [`Level::Bf16Dot`].
 #[cfg(target_arch = "x86_64")]
 #[inline]
-pub(super) fn vnni() -> bool {
+pub(in crate::cpu) fn vnni() -> bool {
     level_cap() >= Level::Bf16Dot && avx512() && std::arch::is_x86_feature_detected!("avx512vnni")
 }
 
@@ -104,7 +104,7 @@ pub(super) fn vnni() -> bool {
 /// then run on `vdpbf16ps` wherever it is present, so that its path is
 /// tested on CPUs where it does not pay.
 #[inline]
-pub(super) fn bf16_dot_forced() -> bool {
+pub(in crate::cpu) fn bf16_dot_forced() -> bool {
     cfg!(test) && level_cap() == Level::Bf16Dot
 }
 
@@ -118,7 +118,7 @@ fn level_cap() -> Level {
 #[cfg(test)]
 thread_local! {
     /// Tests lower this on a pool's threads to run every path.
-    pub(super) static LEVEL_CAP: std::cell::Cell<Level> = const { std::cell::Cell::new(Level::Amx) };
+    pub(in crate::cpu) static LEVEL_CAP: std::cell::Cell<Level> = const { std::cell::Cell::new(Level::Amx) };
 }
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
 //! The decode kernel's two products over an int8 cache, in integers:
-//! `S = scale · Q Kᵀ` and `O += P V` as [`super::gemv`] computes them for
+//! `S = scale · Q Kᵀ` and `O += P V` as [`crate::cpu::gemv`] computes them for
 //! float caches, with the same folds, runs (pages) and prefetches.
 //!
 //! Why: widened to f32, each 16 int8 values cost a sign extension and a
@@ -32,10 +32,10 @@
 //! (2^-8) or f16 (2^-11) query. Sums run in a fixed order: the same bits on
 //! every run and thread count.
 
-use super::elem::Stored;
+use crate::cpu::elem::Stored;
 #[cfg(target_arch = "x86_64")]
-use super::gemv::{Ahead, Run, mask, raw_runs};
-use super::operand::Rows;
+use crate::cpu::gemv::{Ahead, Run, mask, raw_runs};
+use crate::cpu::operand::Rows;
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
@@ -55,7 +55,7 @@ const ROWS: usize = 4;
 
 /// Query rows rounded to int16 for [`scores`], each against its largest
 /// magnitude.
-pub(super) struct Queries {
+pub(in crate::cpu) struct Queries {
     q: Vec<i16>,
     /// What one int16 step of each row is worth.
     step: Vec<f32>,
@@ -65,7 +65,7 @@ pub(super) struct Queries {
 }
 
 impl Queries {
-    pub(super) fn new() -> Self {
+    pub(in crate::cpu) fn new() -> Self {
         Queries {
             q: Vec::new(),
             step: Vec::new(),
@@ -77,7 +77,7 @@ impl Queries {
     /// nearest even, `n = 32767`, or fewer steps where a row of `d` int16
     /// times int8 products could overflow 32 bits (`d > 512`). Returns
     /// false where a value is not finite (the rows are then unusable).
-    pub(super) fn round(&mut self, q: &[f32], d: usize) -> bool {
+    pub(in crate::cpu) fn round(&mut self, q: &[f32], d: usize) -> bool {
         let rows = q.len() / d.max(1);
         let stride = d.div_ceil(32) * 32;
         let most = (i64::from(i32::MAX) / (BYTE_MAX * d.max(1) as i64)) as f32;
@@ -111,8 +111,8 @@ impl Queries {
 
 /// Whether the int8 products run here: the AVX-512 of `gemv` (BW for the
 /// 16-bit lanes).
-pub(super) fn available() -> bool {
-    super::gemv::available()
+pub(in crate::cpu) fn available() -> bool {
+    crate::cpu::gemv::available()
 }
 
 /// Whether every run holds int8 values.
@@ -127,7 +127,7 @@ fn all_i8(runs: &[Rows<'_>]) -> bool {
 /// # Panics
 /// Unless [`available`], if a run is not int8 or not of rows of `d`, or if
 /// `s` is too short.
-pub(super) fn scores(
+pub(in crate::cpu) fn scores(
     q: &Queries,
     d: usize,
     keys: &[Rows<'_>],
@@ -157,7 +157,7 @@ pub(super) fn scores(
         // runs are whole rows of live slices, `q` holds its rows × stride
         // and `s` rows × cols.
         unsafe {
-            if super::simd::vnni() {
+            if crate::cpu::simd::vnni() {
                 scores_vnni(o, runs)
             } else {
                 scores_madd(o, runs)
@@ -175,7 +175,7 @@ pub(super) fn scores(
 /// # Panics
 /// Unless [`available`], if a run is not int8 or not of rows of `d`, or if
 /// `p` is too short.
-pub(super) fn accumulate(p: &[f32], values: &[Rows<'_>], d: usize, acc: &mut [f32]) {
+pub(in crate::cpu) fn accumulate(p: &[f32], values: &[Rows<'_>], d: usize, acc: &mut [f32]) {
     assert!(available(), "AVX-512 for the decode products");
     assert!(all_i8(values), "int8 values");
     #[cfg(target_arch = "x86_64")]
@@ -194,7 +194,7 @@ pub(super) fn accumulate(p: &[f32], values: &[Rows<'_>], d: usize, acc: &mut [f3
         // runs are whole rows of live slices, `p` holds rows × cols and
         // `acc` rows × d.
         unsafe {
-            if super::simd::vnni() {
+            if crate::cpu::simd::vnni() {
                 accumulate_vnni(o, rows, runs)
             } else {
                 accumulate_madd(o, rows, runs)

@@ -1,8 +1,8 @@
-//! The bf16 backward on AMX tiles: the schedule of [`super::backward`]
+//! The bf16 backward on AMX tiles: the schedule of [`crate::cpu::backward`]
 //! (tasks per (batch, kv head, chunk of key tiles), key tiles resident
 //! while every query tile of the GQA group streams past, dQ partials added
 //! in chunk order), with its five products on `tdpbf16ps` (see
-//! [`super::amx`]; or `vdpbf16ps` as the forward, [`amx::Products`]) and
+//! [`crate::cpu::amx`]; or `vdpbf16ps` as the forward, [`amx::Products`]) and
 //! everything between them the f32 kernel's own code
 //! ([`Probabilities`], [`ScoreGrads`], the tile classifier).
 //!
@@ -39,16 +39,16 @@
 //! pass as in f32. Partial tiles run the mask over the whole tile (one
 //! band).
 
-use super::aligned::Aligned;
-use super::amx::{self, Kind, Products};
-use super::amx_forward::{Dims, dims, zero_unseen_keys};
-use super::backward::{
+use crate::cpu::aligned::Aligned;
+use crate::cpu::amx::{self, Kind, Products};
+use crate::cpu::amx_forward::{Dims, dims, zero_unseen_keys};
+use crate::cpu::backward::{
     KeyChunk, add_partials, carve, chunk_keys, deltas, dq_partials, learnable_tasks, sinks,
 };
-use super::grads::{Probabilities, ScoreGrads, dropped, learnable_terms};
-use super::par::ForEachDyn as _;
-use super::tile::CpuTiles;
-use super::{Band, Positions, all_finite_bits, gemm, math, simd, tile_class};
+use crate::cpu::grads::{Probabilities, ScoreGrads, dropped, learnable_terms};
+use crate::cpu::par::ForEachDyn as _;
+use crate::cpu::tile::CpuTiles;
+use crate::cpu::{Band, Positions, all_finite_bits, gemm, math, simd, tile_class};
 use crate::problem::Problem;
 use crate::variant::{HostVariant, TileClass};
 use rayon::prelude::*;
@@ -61,25 +61,25 @@ const BK: usize = 64;
 const T: usize = amx::TILE;
 
 /// The tiles the schedule (chunks, kv groups) is planned with.
-pub(super) const TILES: CpuTiles = CpuTiles { q: BQ, kv: BK };
+pub(in crate::cpu) const TILES: CpuTiles = CpuTiles { q: BQ, kv: BK };
 
 /// Whether the bf16 backward runs `p`: where the bf16 forward does (both
 /// head dims at most 256).
-pub(super) fn applies(p: &Problem) -> bool {
-    super::amx_forward::applies(p)
+pub(in crate::cpu) fn applies(p: &Problem) -> bool {
+    crate::cpu::amx_forward::applies(p)
 }
 
 /// The backward's bf16 inputs (bits), in the layout of [`Problem`], and the
 /// forward's f32 lse.
 #[derive(Clone, Copy)]
-pub(super) struct Inputs<'a> {
-    pub(super) q: &'a [u16],
-    pub(super) k: &'a [u16],
-    pub(super) v: &'a [u16],
-    pub(super) out: &'a [u16],
-    pub(super) dout: &'a [u16],
-    pub(super) lse: &'a [f32],
-    pub(super) dlse: Option<&'a [f32]>,
+pub(in crate::cpu) struct Inputs<'a> {
+    pub(in crate::cpu) q: &'a [u16],
+    pub(in crate::cpu) k: &'a [u16],
+    pub(in crate::cpu) v: &'a [u16],
+    pub(in crate::cpu) out: &'a [u16],
+    pub(in crate::cpu) dout: &'a [u16],
+    pub(in crate::cpu) lse: &'a [f32],
+    pub(in crate::cpu) dlse: Option<&'a [f32]>,
 }
 
 /// bf16 bits widened to f32.
@@ -145,7 +145,7 @@ fn padded(src: &[u16], d: usize, dp: usize) -> std::borrow::Cow<'_, [u16]> {
 }
 
 /// One query head's Q or dO, as the products read it (`Dp` the padded
-/// head dim, see [`super::amx_forward::padded_dim`]: of `D` for Q, of
+/// head dim, see [`crate::cpu::amx_forward::padded_dim`]: of `D` for Q, of
 /// `Dv` for dO).
 struct RowPack {
     /// `sq_pad × Dp` bf16, zero past the last row and dim.
@@ -309,7 +309,7 @@ impl Scratch {
 /// # Panics
 /// Unless [`applies`] to `p`.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn backward<V: HostVariant>(
+pub(in crate::cpu) fn backward<V: HostVariant>(
     variant: &V,
     p: &Problem,
     chunks: usize,

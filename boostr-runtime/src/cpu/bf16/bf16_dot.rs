@@ -1,6 +1,6 @@
 //! bf16 tile products on AVX512-BF16's `vdpbf16ps`, for CPUs without AMX:
-//! the operands of [`super::amx::product`], in the same layouts, so the
-//! bf16 kernels run either unchanged (see [`super::amx::Products`]).
+//! the operands of [`crate::cpu::amx::product`], in the same layouts, so the
+//! bf16 kernels run either unchanged (see [`crate::cpu::amx::Products`]).
 //!
 //! `vdpbf16ps` adds, per f32 lane, the two products of a pair of bf16
 //! lanes; a row of `A` is broadcast one pair at a time against 16 columns'
@@ -19,7 +19,7 @@ use std::sync::OnceLock;
 
 /// Whether the CPU has AVX-512F, AVX-512BW (the kernels' bf16 rounding)
 /// and AVX512-BF16.
-pub(super) fn present() -> bool {
+pub(in crate::cpu) fn present() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx512f")
@@ -33,7 +33,7 @@ pub(super) fn present() -> bool {
 /// Whether `vdpbf16ps` beats the f32 kernels here: it is present and the
 /// CPU is AMD's (CPUID vendor "AuthenticAMD"), whose cores issue it at the
 /// f32 FMA rate.
-pub(super) fn pays() -> bool {
+pub(in crate::cpu) fn pays() -> bool {
     static OK: OnceLock<bool> = OnceLock::new();
     *OK.get_or_init(|| present() && vendor() == *b"AuthenticAMD")
 }
@@ -53,7 +53,7 @@ fn vendor() -> [u8; 12] {
     [0; 12]
 }
 
-/// [`super::amx::product`] on `vdpbf16ps`: `C (=|+=) A · B`, `A` `m × k`
+/// [`crate::cpu::amx::product`] on `vdpbf16ps`: `C (=|+=) A · B`, `A` `m × k`
 /// bf16 row-major, `B` `k/2` rows of `n` bf16 pairs, `C` `m × n` f32.
 ///
 /// # Safety
@@ -61,7 +61,7 @@ fn vendor() -> [u8; 12] {
 /// named is in bounds.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
-pub(super) unsafe fn product(
+pub(in crate::cpu) unsafe fn product(
     a: (*const u16, usize),
     b: (*const u32, usize),
     c: (*mut f32, usize),
@@ -83,13 +83,13 @@ pub(super) unsafe fn product(
 }
 
 /// `dst[i]` = `src[i]` rounded to bf16 bits, to nearest even, 32 at a
-/// time by `vcvtne2ps2bf16` (see [`super::math::round_bf16`]).
+/// time by `vcvtne2ps2bf16` (see [`crate::cpu::math::round_bf16`]).
 ///
 /// # Safety
 /// [`present`]; `dst.len() == src.len()`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-pub(super) unsafe fn round(src: &[f32], dst: &mut [u16]) {
+pub(in crate::cpu) unsafe fn round(src: &[f32], dst: &mut [u16]) {
     let n = src.len();
     let mut i = 0;
     // SAFETY (whole body): every access is below `n`, in both slices.
@@ -128,7 +128,7 @@ pub(super) unsafe fn round(src: &[f32], dst: &mut [u16]) {
 /// Seconds for `iters` rounds of 24 independent `vdpbf16ps` on registers
 /// only, on the calling thread (`None` without AVX512-BF16): `iters · 24 ·
 /// 64` flops at the core's bf16 dot-product peak.
-pub(super) fn time_peak(iters: usize) -> Option<f64> {
+pub(in crate::cpu) fn time_peak(iters: usize) -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
     if present() {
         let start = std::time::Instant::now();

@@ -10,16 +10,16 @@
 //! into their sequences' slots ([`Gathered`]) and writes their gradients
 //! back into pages ([`fold_pages`]).
 
-use super::aligned::{Aligned, Plain};
-use super::elem::Stored;
-use super::operand::{Operand, Rows};
+use crate::cpu::aligned::{Aligned, Plain};
+use crate::cpu::elem::Stored;
+use crate::cpu::operand::{Operand, Rows};
 use crate::problem::Problem;
 use crate::shifted::{Cached, Packed, PackedWindow};
 use crate::variant::HostVariant;
 use rayon::prelude::*;
 
-/// Where a KV cache's keys are, for [`forward_cache`](super::forward_cache)
-/// and [`backward`](super::backward): each sequence's length, and its pages
+/// Where a KV cache's keys are, for [`forward_cache`](crate::cpu::forward_cache)
+/// and [`backward`](crate::cpu::backward): each sequence's length, and its pages
 /// (`None`: each sequence's keys in its own slots of `k [B, Hkv, Sk, D]`,
 /// `v [B, Hkv, Sk, Dv]`).
 #[derive(Clone, Copy, Debug)]
@@ -414,7 +414,7 @@ pub(crate) fn fold_pages(
                         }
                         let src = &dense[((b * h + hkv) * sk + j) * dim..][..dim];
                         let dst = &mut page[(hkv * page_size + slot) * dim..][..dim];
-                        super::math::add_assign(dst, src);
+                        crate::cpu::math::add_assign(dst, src);
                     }
                 }
             }

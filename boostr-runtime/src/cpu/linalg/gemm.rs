@@ -139,7 +139,7 @@ pub fn matmul(mut dst: MatMut<'_>, write: Write, lhs: MatRef<'_>, rhs: MatRef<'_
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if super::simd::avx512() && tile_kernel(&mut dst, write, lhs, rhs, beta) {
+    if crate::cpu::simd::avx512() && tile_kernel(&mut dst, write, lhs, rhs, beta) {
         return;
     }
     crate_gemm(&mut dst, write, lhs, rhs, beta);
@@ -160,7 +160,7 @@ fn tile_kernel(
     if rhs.cs != 1 || !std::arch::is_x86_feature_detected!("avx512f") {
         return false;
     }
-    let o = super::microkernel::Operands {
+    let o = crate::cpu::microkernel::Operands {
         m: dst.rows,
         n: dst.cols,
         k: lhs.cols,
@@ -179,7 +179,7 @@ fn tile_kernel(
     // strides (`t()` only swaps them), and the caller checked that the shapes
     // agree, so every `C[i][j]`, `A[i][p]`, `B[p][j]` the kernel forms is in
     // bounds; `dst` is a unique borrow, so it overlaps no operand.
-    unsafe { super::microkernel::matmul(o) };
+    unsafe { crate::cpu::microkernel::matmul(o) };
     true
 }
 
@@ -253,7 +253,7 @@ pub fn time_fma_peak_all(iters: usize) -> Option<f64> {
 /// of the API.
 #[doc(hidden)]
 pub fn time_bf16_dot_peak_all(iters: usize) -> Option<f64> {
-    let done = rayon::broadcast(|_| super::bf16_dot::time_peak(iters));
+    let done = rayon::broadcast(|_| crate::cpu::bf16_dot::time_peak(iters));
     done.into_iter()
         .try_fold(0.0, |slowest, t| t.map(|t| f64::max(slowest, t)))
 }
@@ -268,7 +268,7 @@ pub fn time_fma_peak(iters: usize) -> Option<f64> {
     if std::arch::is_x86_feature_detected!("avx512f") {
         let start = std::time::Instant::now();
         // SAFETY: AVX-512F was just detected.
-        let sum = unsafe { super::microkernel::fma_loop(iters) };
+        let sum = unsafe { crate::cpu::microkernel::fma_loop(iters) };
         let seconds = start.elapsed().as_secs_f64();
         std::hint::black_box(sum);
         return Some(seconds);
@@ -284,7 +284,7 @@ pub fn time_fma_peak(iters: usize) -> Option<f64> {
 /// `cpu_vs_torch` example; not part of the API.
 #[doc(hidden)]
 pub fn time_amx_peak(iters: usize) -> Option<f64> {
-    super::amx::time_peak(iters)
+    crate::cpu::amx::time_peak(iters)
 }
 
 /// Seconds for `iters` single-threaded tile products `C += A·B` of
@@ -365,7 +365,7 @@ pub fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32], dst_rs:
 ///
 /// # Panics
 /// If either slice is too short or the source rows overlap.
-pub(super) fn transpose_bounds(
+pub(in crate::cpu) fn transpose_bounds(
     src_len: usize,
     (rows, cols, src_rs): (usize, usize, usize),
     dst_len: usize,
@@ -398,13 +398,13 @@ pub fn transpose_uninit(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if super::simd::avx512() && std::arch::is_x86_feature_detected!("avx512f") {
+    if crate::cpu::simd::avx512() && std::arch::is_x86_feature_detected!("avx512f") {
         let out = dst.as_mut_ptr().cast::<f32>();
         // SAFETY: AVX-512F detected; `transpose_bounds` bounds every element
         // read and written; `dst` is a unique borrow, so it does not
         // overlap `src`.
         unsafe {
-            super::microkernel::transpose::<super::microkernel::F32s>(
+            crate::cpu::microkernel::transpose::<crate::cpu::microkernel::F32s>(
                 src.as_ptr(),
                 (rows, cols, src_rs),
                 out,

@@ -8,7 +8,7 @@
 //! loads widened by a shift for bf16, `vcvtph2ps` for f16); elsewhere
 //! through the `half` crate's conversions.
 
-use super::gemm;
+use crate::cpu::gemm;
 
 mod sealed {
     pub trait Sealed {}
@@ -113,7 +113,7 @@ pub enum Stored<'a> {
 
 impl<'a> Stored<'a> {
     /// Elements held.
-    pub(super) fn len(self) -> usize {
+    pub(in crate::cpu) fn len(self) -> usize {
         match self {
             Stored::F32(x) => x.len(),
             Stored::Bf16(x) | Stored::F16(x) => x.len(),
@@ -122,7 +122,7 @@ impl<'a> Stored<'a> {
     }
 
     /// Elements `r`.
-    pub(super) fn slice(self, r: std::ops::Range<usize>) -> Stored<'a> {
+    pub(in crate::cpu) fn slice(self, r: std::ops::Range<usize>) -> Stored<'a> {
         match self {
             Stored::F32(x) => Stored::F32(&x[r]),
             Stored::Bf16(x) => Stored::Bf16(&x[r]),
@@ -134,7 +134,7 @@ impl<'a> Stored<'a> {
     }
 
     /// The elements, where they are f32 already.
-    pub(super) fn as_f32(self) -> Option<&'a [f32]> {
+    pub(in crate::cpu) fn as_f32(self) -> Option<&'a [f32]> {
         match self {
             Stored::F32(x) => Some(x),
             _ => None,
@@ -142,7 +142,7 @@ impl<'a> Stored<'a> {
     }
 
     /// Bytes per element.
-    pub(super) fn elem_bytes(self) -> usize {
+    pub(in crate::cpu) fn elem_bytes(self) -> usize {
         match self {
             Stored::F32(_) => 4,
             Stored::Bf16(_) | Stored::F16(_) => 2,
@@ -151,7 +151,7 @@ impl<'a> Stored<'a> {
     }
 
     /// The elements' bytes.
-    pub(super) fn as_bytes(self) -> &'a [u8] {
+    pub(in crate::cpu) fn as_bytes(self) -> &'a [u8] {
         // SAFETY: any initialised memory may be read as bytes, and u8 has
         // alignment 1.
         unsafe {
@@ -166,10 +166,10 @@ impl<'a> Stored<'a> {
     }
 
     /// Whether every element is finite (no NaN, no infinity).
-    pub(super) fn all_finite(self) -> bool {
+    pub(in crate::cpu) fn all_finite(self) -> bool {
         match self {
-            Stored::F32(x) => super::all_finite(x),
-            Stored::Bf16(x) => super::all_finite_bits(x),
+            Stored::F32(x) => crate::cpu::all_finite(x),
+            Stored::Bf16(x) => crate::cpu::all_finite_bits(x),
             // An exponent of all ones: infinity or NaN.
             Stored::F16(x) => {
                 x.iter()
@@ -198,7 +198,7 @@ impl<'a> Stored<'a> {
 ///
 /// # Panics
 /// If either slice is too short or the source rows overlap.
-pub(super) fn transpose(
+pub(in crate::cpu) fn transpose(
     src: Stored<'_>,
     (rows, cols, src_rs): (usize, usize, usize),
     dst: &mut [f32],
@@ -214,8 +214,8 @@ pub(super) fn transpose(
         return gemm::transpose_uninit(x, (rows, cols, src_rs), dst, dst_rs);
     }
     #[cfg(target_arch = "x86_64")]
-    if super::simd::avx512() {
-        use super::microkernel::{Bf16s, E4m3s, E5m2s, F16s, I8s, transpose};
+    if crate::cpu::simd::avx512() {
+        use crate::cpu::microkernel::{Bf16s, E4m3s, E5m2s, F16s, I8s, transpose};
         let out = dst.as_mut_ptr();
         // SAFETY: AVX-512F/BW/VL detected; `transpose_bounds` bounds every
         // element read and written; `dst` is a unique borrow.
@@ -248,11 +248,11 @@ pub(super) fn transpose(
 ///
 /// # Panics
 /// If the lengths differ.
-pub(super) fn widen(src: Stored<'_>, dst: &mut [f32]) {
+pub(in crate::cpu) fn widen(src: Stored<'_>, dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len(), "widen lengths");
     #[cfg(target_arch = "x86_64")]
-    if super::simd::avx512() {
-        use super::microkernel::{Bf16s, E4m3s, E5m2s, F16s, F32s, I8s, widen};
+    if crate::cpu::simd::avx512() {
+        use crate::cpu::microkernel::{Bf16s, E4m3s, E5m2s, F16s, F32s, I8s, widen};
         let (out, n) = (dst.as_mut_ptr(), dst.len());
         // SAFETY: AVX-512F/BW/VL detected; both hold `n` elements, and
         // `dst` is a unique borrow.
@@ -361,7 +361,7 @@ mod tests {
     }
 
     fn every_level(f: impl Fn() + Sync) {
-        use super::super::simd::{LEVEL_CAP, Level};
+        use crate::cpu::simd::{LEVEL_CAP, Level};
         for level in [Level::Baseline, Level::Amx] {
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(1)

@@ -44,7 +44,7 @@ const NR: usize = 16 * NV;
 
 /// Operands of one product, as raw parts; see [`matmul`].
 #[derive(Clone, Copy)]
-pub(super) struct Operands {
+pub(in crate::cpu) struct Operands {
     pub m: usize,
     pub n: usize,
     pub k: usize,
@@ -70,7 +70,7 @@ pub(super) struct Operands {
 /// [`Operands`] is in bounds of its allocation; `C` overlaps neither `A`
 /// nor `B`. With `accumulate == false`, `C` is only written.
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn matmul(o: Operands) {
+pub(in crate::cpu) unsafe fn matmul(o: Operands) {
     if o.n <= 16 {
         // One vector per row (a decode block's `Sᵀ = K Qᵀ` for 16 query
         // rows): taller blocks, so that twelve accumulators, not six,
@@ -257,7 +257,7 @@ unsafe fn block_kernel<const R: usize, const V: usize>(o: Operands, masks: [__mm
 /// core, the ceiling of every tile product. Returns a value computed from
 /// every accumulator, so that none of the work can be optimised away.
 #[target_feature(enable = "avx512f")]
-pub(super) fn fma_loop(iters: usize) -> f32 {
+pub(in crate::cpu) fn fma_loop(iters: usize) -> f32 {
     // Opaque starting values: folded constants would let the compiler
     // rearrange the loop.
     let mut acc = std::hint::black_box([_mm512_set1_ps(1.0); MR * NV]);
@@ -272,7 +272,7 @@ pub(super) fn fma_loop(iters: usize) -> f32 {
 
 /// How [`transpose`] and [`widen`] read 16 source elements into f32 lanes:
 /// f32 as stored, bf16 and f16 (their bits, `u16`) widened in registers.
-pub(super) trait Load16 {
+pub(in crate::cpu) trait Load16 {
     /// The stored element.
     type Elem: Copy;
     /// `p[i]` as f32 in lane `i` of the lanes set in `mask`, 0 elsewhere.
@@ -284,11 +284,11 @@ pub(super) trait Load16 {
 }
 
 /// f32 elements, read as stored.
-pub(super) struct F32s;
+pub(in crate::cpu) struct F32s;
 /// bf16 bits, widened by a shift (exact).
-pub(super) struct Bf16s;
+pub(in crate::cpu) struct Bf16s;
 /// f16 bits, widened by `vcvtph2ps` (exact).
-pub(super) struct F16s;
+pub(in crate::cpu) struct F16s;
 
 impl Load16 for F32s {
     type Elem = f32;
@@ -315,9 +315,9 @@ impl Load16 for Bf16s {
 
 /// fp8 E4M3 bits, widened through f16 (`vcvtph2ps`, then times 2^8 for
 /// the exponent bias; exact), NaN where all but the sign bit are set.
-pub(super) struct E4m3s;
+pub(in crate::cpu) struct E4m3s;
 /// fp8 E5M2 bits: the upper byte of an f16 (`vcvtph2ps`; exact).
-pub(super) struct E5m2s;
+pub(in crate::cpu) struct E5m2s;
 
 impl Load16 for E4m3s {
     type Elem = u8;
@@ -355,7 +355,7 @@ impl Load16 for E5m2s {
 
 /// int8 values (a quantised cache, its scales applied by the kernels),
 /// sign-extended and converted (exact).
-pub(super) struct I8s;
+pub(in crate::cpu) struct I8s;
 
 impl Load16 for I8s {
     type Elem = u8;
@@ -394,7 +394,7 @@ impl Load16 for F16s {
 /// rows`, `c < cols`) is readable and every `dst[c·dst_rs + r]` (`r < rows`, `c <
 /// cols`) is in bounds of `dst`'s allocation; the two do not overlap.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-pub(super) unsafe fn transpose<L: Load16>(
+pub(in crate::cpu) unsafe fn transpose<L: Load16>(
     src: *const L::Elem,
     (rows, cols, src_rs): (usize, usize, usize),
     dst: *mut f32,
@@ -436,7 +436,7 @@ pub(super) unsafe fn transpose<L: Load16>(
 /// The CPU supports AVX-512F, BW and VL; `src` and `dst` address `n`
 /// elements each and do not overlap.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-pub(super) unsafe fn widen<L: Load16>(src: *const L::Elem, dst: *mut f32, n: usize) {
+pub(in crate::cpu) unsafe fn widen<L: Load16>(src: *const L::Elem, dst: *mut f32, n: usize) {
     let mut i = 0;
     while i < n {
         let mask = tail_mask(n - i, 0);

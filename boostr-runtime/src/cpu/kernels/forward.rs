@@ -19,18 +19,18 @@
 //! never NaN; logits of any finite magnitude are safe because every `exp`
 //! argument is `≤ 0`.
 
-use super::aligned::Aligned;
-use super::dropout::Draw;
-use super::elem::Stored;
-use super::gemm::{MatMut, MatRef, Write, matmul};
-use super::keys::KeyRows;
-use super::math;
-use super::operand::{Operand, Rows};
-use super::par::ForEachDyn as _;
-use super::simd::{self, Elementwise};
-use super::tile::CpuTiles;
-use super::weights::{self, RowWeights as _, Weights};
-use super::{
+use crate::cpu::aligned::Aligned;
+use crate::cpu::dropout::Draw;
+use crate::cpu::elem::Stored;
+use crate::cpu::gemm::{MatMut, MatRef, Write, matmul};
+use crate::cpu::keys::KeyRows;
+use crate::cpu::math;
+use crate::cpu::operand::{Operand, Rows};
+use crate::cpu::par::ForEachDyn as _;
+use crate::cpu::simd::{self, Elementwise};
+use crate::cpu::tile::CpuTiles;
+use crate::cpu::weights::{self, RowWeights as _, Weights};
+use crate::cpu::{
     Axis, Band, L2_BUDGET, Positions, band_products, class_bands, mean_visits, tile_class,
     zero_unused_rows,
 };
@@ -65,7 +65,7 @@ const MAX_GROUP: usize = 4;
 /// or fewer where that would leave under four tasks per thread (a causal
 /// mask makes tasks uneven, and work stealing needs spare ones to even them
 /// out).
-pub(super) fn group_size<V: HostVariant>(
+pub(in crate::cpu) fn group_size<V: HostVariant>(
     variant: &V,
     p: &Problem,
     tiles: CpuTiles,
@@ -134,7 +134,7 @@ impl Work {
             alpha: vec![0.0; rows],
             mx: vec![0.0; rows],
             q_tiles: Vec::with_capacity(group),
-            bands: Vec::with_capacity(t.q.div_ceil(super::BAND_ROWS)),
+            bands: Vec::with_capacity(t.q.div_ceil(crate::cpu::BAND_ROWS)),
             v_guarded: Vec::new(),
         }
     }
@@ -151,29 +151,29 @@ struct QueryTile {
 }
 
 /// The inputs shared by every query tile of one (batch, query head).
-pub(super) struct Head<'a, V> {
-    pub(super) variant: &'a V,
-    pub(super) p: &'a Problem,
-    pub(super) pos: Positions,
+pub(in crate::cpu) struct Head<'a, V> {
+    pub(in crate::cpu) variant: &'a V,
+    pub(in crate::cpu) p: &'a Problem,
+    pub(in crate::cpu) pos: Positions,
     /// Batch and query head, as passed to the variant.
-    pub(super) b: i32,
-    pub(super) h: i32,
+    pub(in crate::cpu) b: i32,
+    pub(in crate::cpu) h: i32,
     /// This head's K transposed tile by tile (the `D × cols` block of the
     /// tile at key `kv0` starts at `kv0·D`), and V (`Sk` rows of `Dv`,
     /// `v_rs` apart).
-    pub(super) kt: &'a [f32],
-    pub(super) v: &'a [f32],
-    pub(super) v_rs: usize,
+    pub(in crate::cpu) kt: &'a [f32],
+    pub(in crate::cpu) v: &'a [f32],
+    pub(in crate::cpu) v_rs: usize,
     /// Per key tile of V: it holds a NaN or an infinity (see
     /// [`zero_unused_rows`]).
-    pub(super) v_nonfinite: &'a [bool],
+    pub(in crate::cpu) v_nonfinite: &'a [bool],
 }
 
 /// The forward over `q`, `k` and `v` as stored (f32, or bf16/f16 read as
 /// stored: `K` widened as it is transposed, `V` into an f32 copy per kv head
 /// made right before its query tiles, `Q` a task's rows at a time).
 #[allow(clippy::too_many_arguments)]
-pub(super) fn forward<V: HostVariant>(
+pub(in crate::cpu) fn forward<V: HostVariant>(
     variant: &V,
     p: &Problem,
     tiles: CpuTiles,
@@ -361,7 +361,11 @@ fn in_place(rows: Rows<'_>) -> Option<(&[f32], usize)> {
 
 /// `max` (where a call returns it) cut into `n`-long pieces, one for each
 /// of the `count` items of a parallel loop (`None`s where it does not).
-pub(super) fn pieces(max: Option<&mut [f32]>, n: usize, count: usize) -> Vec<Option<&mut [f32]>> {
+pub(in crate::cpu) fn pieces(
+    max: Option<&mut [f32]>,
+    n: usize,
+    count: usize,
+) -> Vec<Option<&mut [f32]>> {
     match max {
         Some(m) => m.chunks_mut(n.max(1)).map(Some).collect(),
         None => (0..count).map(|_| None).collect(),
@@ -499,7 +503,7 @@ fn query_tiles<V: HostVariant>(
 /// The running max `m` and sum `l` of rows `row0 ..` before any key: the
 /// sink's (one more logit of the row, with no value), `-inf` without one,
 /// and the sum the normalisation starts from.
-pub(super) fn start_rows<V: HostVariant>(
+pub(in crate::cpu) fn start_rows<V: HostVariant>(
     head: &Head<'_, V>,
     row0: usize,
     m: &mut [f32],
@@ -519,7 +523,7 @@ pub(super) fn start_rows<V: HostVariant>(
 /// Each row of `out` (`lse.len()` rows) finished by `weights`
 /// ([`weights::finish_row`]): a softmax row divided by its sum, with its
 /// lse; every row times a dropout call's `1/(1 − p)`.
-pub(super) fn finish_rows(
+pub(in crate::cpu) fn finish_rows(
     p: &Problem,
     (m, l): (&[f32], &[math::Lanes]),
     out: &mut [f32],
@@ -542,28 +546,28 @@ pub(super) fn finish_rows(
 /// tile's scaled logits `s` into unnormalised probabilities
 /// `P = e^(x − m_new)` in place, and updates the running `m`, `l` and the
 /// output accumulator rows (rescaled by `e^(m_old − m_new)` where the max grew).
-pub(super) struct OnlineSoftmax<'a, 'h, V> {
-    pub(super) head: &'a Head<'h, V>,
-    pub(super) class: TileClass,
+pub(in crate::cpu) struct OnlineSoftmax<'a, 'h, V> {
+    pub(in crate::cpu) head: &'a Head<'h, V>,
+    pub(in crate::cpu) class: TileClass,
     /// Position of the tile's first query row and first key.
-    pub(super) q_lo: i32,
-    pub(super) kv_lo: i32,
+    pub(in crate::cpu) q_lo: i32,
+    pub(in crate::cpu) kv_lo: i32,
     /// `rows × cols` logits, row-major, times `scale` (applied here: 1
     /// where the product scaled them already).
-    pub(super) s: &'a mut [f32],
-    pub(super) scale: f32,
-    pub(super) m: &'a mut [f32],
-    pub(super) l: &'a mut [math::Lanes],
-    pub(super) alpha: &'a mut [f32],
+    pub(in crate::cpu) s: &'a mut [f32],
+    pub(in crate::cpu) scale: f32,
+    pub(in crate::cpu) m: &'a mut [f32],
+    pub(in crate::cpu) l: &'a mut [math::Lanes],
+    pub(in crate::cpu) alpha: &'a mut [f32],
     /// The `rows × D` accumulator to rescale (rows may be padded past
     /// `D`); `None` on the first visible tile, before anything has been
     /// accumulated.
-    pub(super) out: Option<&'a mut [f32]>,
+    pub(in crate::cpu) out: Option<&'a mut [f32]>,
     /// Each row's largest score so far, where the call returns it.
-    pub(super) mx: Option<&'a mut [f32]>,
+    pub(in crate::cpu) mx: Option<&'a mut [f32]>,
     /// The tile's bands (see [`class_bands`]): each row's logits are those of
     /// its band's keys; the rest of the row is neither read nor written.
-    pub(super) bands: &'a [Band],
+    pub(in crate::cpu) bands: &'a [Band],
 }
 
 impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {
@@ -649,7 +653,7 @@ impl<V: HostVariant> Elementwise for OnlineSoftmax<'_, '_, V> {
 /// mask (`-inf` where hidden) to one row of scaled logits `s`, in place.
 /// The backward applies the same two steps, so both see the same logits.
 #[inline(always)]
-pub(super) fn score_and_mask<V: HostVariant>(
+pub(in crate::cpu) fn score_and_mask<V: HostVariant>(
     variant: &V,
     b: i32,
     h: i32,
@@ -683,7 +687,7 @@ pub(super) fn score_and_mask<V: HostVariant>(
 /// On a `Partial` tile, set the hidden entries of one row of (modified)
 /// logits to `-inf`; on any other tile, nothing.
 #[inline(always)]
-pub(super) fn apply_mask<V: HostVariant>(
+pub(in crate::cpu) fn apply_mask<V: HostVariant>(
     variant: &V,
     b: i32,
     h: i32,

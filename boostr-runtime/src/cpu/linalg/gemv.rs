@@ -28,10 +28,10 @@
 //! more rows read the block again from L1. Sums run in a fixed order: the
 //! same bits on every run and thread count.
 
-use super::elem::Stored;
+use crate::cpu::elem::Stored;
 #[cfg(target_arch = "x86_64")]
-use super::microkernel::{Bf16s, E4m3s, E5m2s, F16s, F32s, I8s, Load16};
-use super::operand::Rows;
+use crate::cpu::microkernel::{Bf16s, E4m3s, E5m2s, F16s, F32s, I8s, Load16};
+use crate::cpu::operand::Rows;
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
@@ -39,10 +39,10 @@ use std::arch::x86_64::*;
 const ROWS: usize = 4;
 
 /// Whether [`scores`] and [`accumulate`] run here (AVX-512F/BW/VL).
-pub(super) fn available() -> bool {
+pub(in crate::cpu) fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        super::simd::avx512()
+        crate::cpu::simd::avx512()
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
@@ -51,12 +51,12 @@ pub(super) fn available() -> bool {
 /// One run of a block's rows: its first element, its rows, and the
 /// elements from one row to the next.
 #[cfg(target_arch = "x86_64")]
-pub(super) struct Run<E> {
-    pub(super) at: *const E,
-    pub(super) rows: usize,
-    pub(super) stride: usize,
+pub(in crate::cpu) struct Run<E> {
+    pub(in crate::cpu) at: *const E,
+    pub(in crate::cpu) rows: usize,
+    pub(in crate::cpu) stride: usize,
     /// What each stored value is worth (a quantised cache's scale; else 1).
-    pub(super) scale: f32,
+    pub(in crate::cpu) scale: f32,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -70,7 +70,7 @@ impl<E> Clone for Run<E> {
 impl<E> Copy for Run<E> {}
 
 /// The most runs a block may have.
-pub(super) const MAX_RUNS: usize = 64;
+pub(in crate::cpu) const MAX_RUNS: usize = 64;
 
 /// `runs` (rows of `d` elements each, one element type) as raw runs of
 /// `E`, and their total rows.
@@ -79,7 +79,7 @@ pub(super) const MAX_RUNS: usize = 64;
 /// If the runs mix element types, a run's rows are not of `d` elements,
 /// or there are more than [`MAX_RUNS`].
 #[cfg(target_arch = "x86_64")]
-pub(super) fn raw_runs<E>(runs: &[Rows<'_>], d: usize) -> ([Run<E>; MAX_RUNS], usize) {
+pub(in crate::cpu) fn raw_runs<E>(runs: &[Rows<'_>], d: usize) -> ([Run<E>; MAX_RUNS], usize) {
     assert!(runs.len() <= MAX_RUNS, "at most {MAX_RUNS} runs per block");
     let mut raw = [Run {
         at: std::ptr::null(),
@@ -120,7 +120,7 @@ pub(super) fn raw_runs<E>(runs: &[Rows<'_>], d: usize) -> ([Run<E>; MAX_RUNS], u
 ///
 /// # Panics
 /// Unless [`available`], if `s` is too short, or as [`MAX_RUNS`] says.
-pub(super) fn scores(
+pub(in crate::cpu) fn scores(
     q: &[f32],
     d: usize,
     keys: &[Rows<'_>],
@@ -172,7 +172,7 @@ pub(super) fn scores(
 ///
 /// # Panics
 /// Unless [`available`], if `p` is too short, or as [`MAX_RUNS`] says.
-pub(super) fn accumulate(p: &[f32], values: &[Rows<'_>], d: usize, acc: &mut [f32]) {
+pub(in crate::cpu) fn accumulate(p: &[f32], values: &[Rows<'_>], d: usize, acc: &mut [f32]) {
     let rows = acc.len() / d.max(1);
     assert!(available(), "AVX-512 for the decode products");
     let Some(first) = values.first() else { return };
@@ -206,7 +206,7 @@ pub(super) fn accumulate(p: &[f32], values: &[Rows<'_>], d: usize, acc: &mut [f3
 /// The lanes of the 16-wide chunk at `at` that lie below `len`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(super) fn mask(len: usize, at: usize) -> __mmask16 {
+pub(in crate::cpu) fn mask(len: usize, at: usize) -> __mmask16 {
     let live = len.saturating_sub(at).min(16);
     ((1u32 << live) - 1) as __mmask16
 }
@@ -226,7 +226,7 @@ struct Scores<'a> {
 /// The next block's runs of keys and of values, `elem` bytes per element.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
-pub(super) struct Ahead<'a> {
+pub(in crate::cpu) struct Ahead<'a> {
     runs: [&'a [Rows<'a>]; 2],
     elem: usize,
 }
@@ -234,19 +234,19 @@ pub(super) struct Ahead<'a> {
 #[cfg(target_arch = "x86_64")]
 impl<'a> Ahead<'a> {
     /// Nothing to ask for.
-    pub(super) const NONE: Self = Ahead {
+    pub(in crate::cpu) const NONE: Self = Ahead {
         runs: [&[], &[]],
         elem: 1,
     };
 
     /// The runs of keys and of values, `elem` bytes per element.
-    pub(super) fn new(runs: [&'a [Rows<'a>]; 2], elem: usize) -> Self {
+    pub(in crate::cpu) fn new(runs: [&'a [Rows<'a>]; 2], elem: usize) -> Self {
         Ahead { runs, elem }
     }
 
     /// Prefetch key `j`'s rows of K and V (nothing past their ends).
     #[inline(always)]
-    pub(super) fn key(&self, j: usize) {
+    pub(in crate::cpu) fn key(&self, j: usize) {
         for runs in self.runs {
             let mut j = j;
             for run in runs {

@@ -13,10 +13,10 @@
 //! kernel compiles to its normalisation's code alone.
 //!
 //! Dropout is not here: a dropped pair is zeroed in `P` by the call's draw
-//! ([`super::dropout`]), and the kept ones' `1/(1 − p)` goes into the
+//! ([`crate::cpu::dropout`]), and the kept ones' `1/(1 − p)` goes into the
 //! finish's factor, never into the running sum.
 
-use super::math::{self, Lanes};
+use crate::cpu::math::{self, Lanes};
 pub use kernels_spec::ir::{Normalize, Weights};
 use std::ops::{Add, AddAssign, Div, Mul, Neg, Sub};
 
@@ -301,7 +301,12 @@ impl RowWeights for Weights {
 /// `keep` (`1/(1 − p)` with dropout, else 1); returns its lse. A softmax
 /// row that saw nothing gets zeros (its output was never written).
 #[inline(always)]
-pub(super) fn finish_row(weights: Weights, (m, l): (f32, f32), out: &mut [f32], keep: f32) -> f32 {
+pub(in crate::cpu) fn finish_row(
+    weights: Weights,
+    (m, l): (f32, f32),
+    out: &mut [f32],
+    keep: f32,
+) -> f32 {
     let scale = weights.scale(l);
     if scale == 0.0 {
         out.fill(0.0);

@@ -1,7 +1,7 @@
-//! The bf16 forward on AMX tiles: FlashAttention-2 as in [`super::forward`],
+//! The bf16 forward on AMX tiles: FlashAttention-2 as in [`crate::cpu::forward`],
 //! with both tile products (`S = Q Kᵀ` and `O += P V`) on `tdpbf16ps` (see
-//! [`super::amx`]), or on AVX512-BF16's `vdpbf16ps` where there is no AMX
-//! and that pays (`super::bf16_dot`: the same operands and layouts), and
+//! [`crate::cpu::amx`]), or on AVX512-BF16's `vdpbf16ps` where there is no AMX
+//! and that pays (`crate::cpu::bf16_dot`: the same operands and layouts), and
 //! everything between them in f32.
 //!
 //! Roundings, where a GPU FlashAttention makes them: `Q`, `K` and `V` are
@@ -30,14 +30,14 @@
 //! (see [`applies`]); partial tiles run the mask over the whole tile (one
 //! band), since a tile product costs less than the bookkeeping of bands.
 
-use super::aligned::Aligned;
-use super::amx::{self, Kind, Products};
-use super::elem::Stored;
-use super::forward::{Head, OnlineSoftmax, finish_rows, start_rows};
-use super::keys::KeyRows;
-use super::operand::{Operand, Rows};
-use super::par::ForEachDyn as _;
-use super::{Band, Positions, math, simd, tile_class};
+use crate::cpu::aligned::Aligned;
+use crate::cpu::amx::{self, Kind, Products};
+use crate::cpu::elem::Stored;
+use crate::cpu::forward::{Head, OnlineSoftmax, finish_rows, start_rows};
+use crate::cpu::keys::KeyRows;
+use crate::cpu::operand::{Operand, Rows};
+use crate::cpu::par::ForEachDyn as _;
+use crate::cpu::{Band, Positions, math, simd, tile_class};
 use crate::problem::Problem;
 use crate::variant::{HostVariant, TileClass};
 use rayon::prelude::*;
@@ -53,7 +53,7 @@ const T: usize = amx::TILE;
 /// Whether the bf16 forward runs `p`: both head dims are at most 256
 /// (padded inside to whole `tdpbf16ps` reductions, see [`padded_dim`]),
 /// and this thread has bf16 products ([`amx::kind`]).
-pub(super) fn applies(p: &Problem) -> bool {
+pub(in crate::cpu) fn applies(p: &Problem) -> bool {
     p.head_dim.max(p.head_dim_v) <= 256 && amx::kind().is_some()
 }
 
@@ -61,7 +61,7 @@ pub(super) fn applies(p: &Problem) -> bool {
 /// `tdpbf16ps` reductions (32). The pad columns of Q, K and V are zeros, so
 /// they add nothing to `Q Kᵀ`, and the pad columns of `P V` are dropped:
 /// head dims of 40, 80 or 72 cost what 64, 96 or 96 do, not a widening.
-pub(super) fn padded_dim(d: usize) -> usize {
+pub(in crate::cpu) fn padded_dim(d: usize) -> usize {
     d.next_multiple_of(amx::DEPTH)
 }
 
@@ -78,10 +78,10 @@ struct Packed {
 
 /// The head dims of K and of V, each with its padded dim (see
 /// [`padded_dim`]): `((D, Dp), (Dv, Dvp))`.
-pub(super) type Dims = ((usize, usize), (usize, usize));
+pub(in crate::cpu) type Dims = ((usize, usize), (usize, usize));
 
 /// [`Dims`] of `p`.
-pub(super) fn dims(p: &Problem) -> Dims {
+pub(in crate::cpu) fn dims(p: &Problem) -> Dims {
     let (d, dv) = (p.head_dim, p.head_dim_v);
     ((d, padded_dim(d)), (dv, padded_dim(dv)))
 }
@@ -152,7 +152,7 @@ fn pack(k: Rows<'_>, v: Rows<'_>, ((d, dp), (_, dvp)): Dims) -> Packed {
                     std::slice::from_raw_parts_mut(kp.as_mut_ptr().cast::<f32>(), kp.len())
                 };
                 let src = Stored::F32(pairs);
-                super::elem::transpose(src, (cols, d / 2, keys.stride() / 2), dst, BK);
+                crate::cpu::elem::transpose(src, (cols, d / 2, keys.stride() / 2), dst, BK);
             } else {
                 // Odd or padded dims: the pad pairs stay zero.
                 for n in 0..cols {
@@ -189,12 +189,12 @@ fn pack(k: Rows<'_>, v: Rows<'_>, ((d, dp), (_, dvp)): Dims) -> Packed {
     }
 }
 
-/// `pairs` (rows of key pairs, `d` u32 each, as [`super::amx::product`]'s
+/// `pairs` (rows of key pairs, `d` u32 each, as [`crate::cpu::amx::product`]'s
 /// right operand) with the keys `0..cols` that no row of `p` (rows of
 /// `p_stride`; f32, or bf16 bits) sees, `P = 0` in every row, zeroed, in
 /// `guarded`: on a partial tile such a key's row must not bring a NaN into
 /// the product (0·NaN).
-pub(super) fn zero_unseen_keys<'a, T: Copy + PartialEq + Default>(
+pub(in crate::cpu) fn zero_unseen_keys<'a, T: Copy + PartialEq + Default>(
     pairs: &[u32],
     d: usize,
     p: &[T],
@@ -281,7 +281,7 @@ impl Scratch {
 ///
 /// # Panics
 /// Unless [`applies`] to `p`.
-pub(super) fn forward<V: HostVariant>(
+pub(in crate::cpu) fn forward<V: HostVariant>(
     variant: &V,
     p: &Problem,
     q: Operand<'_>,
@@ -317,10 +317,10 @@ pub(super) fn forward<V: HostVariant>(
     let rows = group * BQ;
     let mut tasks = Vec::with_capacity(heads.len() * sq.div_ceil(rows));
     let n_heads = p.batch * p.heads_q;
-    let max_bh = super::forward::pieces(max, sq, n_heads);
+    let max_bh = crate::cpu::forward::pieces(max, sq, n_heads);
     let heads_out = out.chunks_mut(sq * dv).zip(lse.chunks_mut(sq)).zip(max_bh);
     for (bh, ((out_bh, lse_bh), max_bh)) in heads_out.enumerate() {
-        let max_t = super::forward::pieces(max_bh, rows, sq.div_ceil(rows));
+        let max_t = crate::cpu::forward::pieces(max_bh, rows, sq.div_ceil(rows));
         let tiles = out_bh.chunks_mut(rows * dv).zip(lse_bh.chunks_mut(rows));
         for (t, ((out_t, lse_t), max_t)) in tiles.zip(max_t).enumerate() {
             tasks.push((bh, t * rows, (out_t, lse_t, max_t)));

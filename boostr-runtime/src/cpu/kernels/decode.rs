@@ -2,7 +2,7 @@
 //! workers (split-KV) and packed by GQA group.
 //!
 //! Decode is bandwidth-bound: each query row meets every key once, so the
-//! time is the time to read K and V. The tile kernel ([`super::forward`])
+//! time is the time to read K and V. The tile kernel ([`crate::cpu::forward`])
 //! streams a head's K and V once per query head and first copies K
 //! transposed; here one task owns a (batch, kv head, chunk of keys) and all
 //! `G = Hq / Hkv` query heads of the group together: their `R = G · Sq` rows
@@ -35,27 +35,27 @@
 //! statistics (the partials, `chunks` times the output in all), plus a key
 //! block's `Kᵀ` and `R ×` block scores.
 
-use super::aligned::Aligned;
-use super::dropout::Draw;
-use super::elem::Stored;
-use super::gemm::{MatMut, MatRef, Write, matmul, transpose};
-use super::gemv;
-use super::gemv_i8;
-use super::keys::KeyRows;
-use super::math;
-use super::operand::Rows;
-use super::par::ForEachDyn as _;
-use super::simd::{self, Elementwise};
-use super::tile::CpuTiles;
-use super::weights::{self, RowWeights as _};
-use super::{Band, Positions, tile_class, zero_unused_rows};
+use crate::cpu::aligned::Aligned;
+use crate::cpu::dropout::Draw;
+use crate::cpu::elem::Stored;
+use crate::cpu::gemm::{MatMut, MatRef, Write, matmul, transpose};
+use crate::cpu::gemv;
+use crate::cpu::gemv_i8;
+use crate::cpu::keys::KeyRows;
+use crate::cpu::math;
+use crate::cpu::operand::Rows;
+use crate::cpu::par::ForEachDyn as _;
+use crate::cpu::simd::{self, Elementwise};
+use crate::cpu::tile::CpuTiles;
+use crate::cpu::weights::{self, RowWeights as _};
+use crate::cpu::{Band, Positions, tile_class, zero_unused_rows};
 use crate::problem::Problem;
 use crate::variant::{HostVariant, TileClass};
 use rayon::prelude::*;
 
-/// Query rows per head up to which [`super::forward_tiled`] takes this
+/// Query rows per head up to which [`crate::cpu::forward_tiled`] takes this
 /// kernel: decode (one row), speculative decoding and short appends.
-pub(super) const MAX_ROWS: usize = 32;
+pub(in crate::cpu) const MAX_ROWS: usize = 32;
 
 /// Packed rows up to which a task runs its products as [`gemv`]'s
 /// matrix-vector kernels (two passes of four rows over each key block, in
@@ -71,7 +71,7 @@ const MIN_CHUNK_KEYS: usize = 512;
 const TASKS_PER_THREAD: usize = 4;
 
 /// Whether the problem is a decode shape (see [`MAX_ROWS`]).
-pub(super) fn applies(p: &Problem) -> bool {
+pub(in crate::cpu) fn applies(p: &Problem) -> bool {
     p.seq_q <= MAX_ROWS
 }
 
@@ -79,7 +79,7 @@ pub(super) fn applies(p: &Problem) -> bool {
 /// `B · Hkv · chunks` reaches [`TASKS_PER_THREAD`] tasks per thread, each
 /// chunk at least [`MIN_CHUNK_KEYS`] keys (one chunk when the heads alone
 /// fill the machine).
-pub(super) fn chunks(p: &Problem, tiles: CpuTiles, threads: usize) -> usize {
+pub(in crate::cpu) fn chunks(p: &Problem, tiles: CpuTiles, threads: usize) -> usize {
     let heads = p.batch * p.heads_kv;
     let wanted = (TASKS_PER_THREAD * threads.max(1)).div_ceil(heads.max(1));
     let most = p.seq_k.div_ceil(MIN_CHUNK_KEYS.max(tiles.kv)).max(1);
@@ -101,7 +101,7 @@ struct Partial<'a> {
 /// `keys` gives it (a KV cache's spare slots are never read), and its
 /// query row `i` sits at position `i + len[b] − Sq`.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn forward<V: HostVariant>(
+pub(in crate::cpu) fn forward<V: HostVariant>(
     variant: &V,
     p: &Problem,
     tiles: CpuTiles,
@@ -128,7 +128,8 @@ pub(super) fn forward<V: HostVariant>(
     let mut l = vec![0.0f32; tasks * rows];
     let mut acc = Aligned::<f32>::zeroed(tasks * rows * dv);
     let mut best = vec![f32::NEG_INFINITY; if max.is_some() { tasks * rows } else { 0 }];
-    let mut best_t = super::forward::pieces(max.is_some().then_some(&mut best[..]), rows, tasks);
+    let mut best_t =
+        crate::cpu::forward::pieces(max.is_some().then_some(&mut best[..]), rows, tasks);
     m.par_chunks_mut(rows)
         .zip(l.par_chunks_mut(rows))
         .zip(acc.par_chunks_mut(rows * dv))
@@ -161,7 +162,7 @@ pub(super) fn forward<V: HostVariant>(
     // partial rescaled to the row's largest max, then finish the row.
     let w = V::WEIGHTS;
     let keep = if w.dropout { p.dropout.scale() } else { 1.0 };
-    let mut max_g = super::forward::pieces(max, rows, p.batch * p.heads_kv);
+    let mut max_g = crate::cpu::forward::pieces(max, rows, p.batch * p.heads_kv);
     out.par_chunks_mut(rows * dv)
         .zip(lse.par_chunks_mut(rows))
         .zip(max_g.par_iter_mut())
@@ -500,7 +501,9 @@ impl<V: HostVariant> Elementwise for BlockSoftmax<'_, '_, V> {
             let (qi, _) = task.pos.query_range(r % sq, 1);
             match classes[hh] {
                 TileClass::Empty => row.fill(f32::NEG_INFINITY),
-                class => super::forward::score_and_mask(task.variant, b, h, qi, kv_lo, class, row),
+                class => {
+                    crate::cpu::forward::score_and_mask(task.variant, b, h, qi, kv_lo, class, row)
+                }
             }
             alpha[r] = w.row_max(m[r], row, 1.0);
             if let Some(best) = best.as_deref_mut() {

@@ -392,9 +392,9 @@ pub fn bf16_bits(x: f32) -> u16 {
 pub fn round_bf16(src: &[f32], dst: &mut [u16]) {
     assert_eq!(src.len(), dst.len(), "one bf16 per f32");
     #[cfg(target_arch = "x86_64")]
-    if super::bf16_dot::present() {
+    if crate::cpu::bf16_dot::present() {
         // SAFETY: AVX512-BF16 (and F) present; equal lengths.
-        unsafe { super::bf16_dot::round(src, dst) };
+        unsafe { crate::cpu::bf16_dot::round(src, dst) };
         return;
     }
     for (d, &x) in dst.iter_mut().zip(src) {
