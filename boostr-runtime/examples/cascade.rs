@@ -26,22 +26,19 @@ const HKV: usize = 8;
 const D: usize = 128;
 const PAGE: usize = 16;
 
-fn arg(args: &[String], i: usize, default: usize) -> Result<usize> {
-    Ok(args.get(i).map_or(Ok(default), |a| a.parse())?)
-}
+mod common;
+use common::{Args, median};
 
-fn median(mut x: Vec<f64>) -> f64 {
-    x.sort_by(f64::total_cmp);
-    x[x.len() / 2]
-}
+const USAGE: &str =
+    "usage: cascade [<sequences> <prefix> <suffix> <runs>] (defaults 16 4096 256 9)";
 
 fn main() -> Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let (n, prefix, suffix, runs) = (
-        arg(&args, 0, 16)?,
-        arg(&args, 1, 4096)?,
-        arg(&args, 2, 256)?,
-        arg(&args, 3, 9)?,
+    let args = Args::parse(USAGE, &["sequences", "prefix", "suffix", "runs"]);
+    let (n, prefix, suffix, runs): (usize, usize, usize, usize) = (
+        args.get(0, "sequences", 16),
+        args.get(1, "prefix", 4096),
+        args.get(2, "suffix", 256),
+        args.get(3, "runs", 9),
     );
     if prefix % PAGE != 0 || suffix == 0 || n == 0 {
         return Err(
@@ -127,7 +124,7 @@ fn main() -> Result<()> {
         cascade()?;
         t_cascade.push(started.elapsed().as_secs_f64());
     }
-    let (p, c) = (median(t_plain), median(t_cascade));
+    let (p, c) = (median(&t_plain), median(&t_cascade));
     println!(
         "{n} sequences sharing a {prefix}-token prefix, {suffix}-token suffixes, one decode \
          step ({HQ} query heads, {HKV} KV heads, D = {D}, f32, pages of {PAGE}):"

@@ -39,18 +39,26 @@ const SHAPES: [(usize, usize); 5] = [(1, 4096), (1, 16384), (1, 65536), (8, 4096
 
 type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;
 
+mod common;
+
+const USAGE: &str =
+    "usage: decode [<reps> [mla]] (default 7 reps; mla: only the absorbed-MLA decode)";
+
 fn main() -> BoxResult<()> {
-    let reps: usize = std::env::args()
-        .nth(1)
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(7);
+    let args = common::Args::parse(USAGE, &["reps", "mla"]);
+    let reps: usize = args.get(0, "reps", 7);
+    let mla_only = match args.word(1) {
+        None => false,
+        Some("mla") => true,
+        Some(other) => common::fail(USAGE, format!("<mla>: {other:?} is not `mla`")),
+    };
     // One worker per CPU, each bound to its own: the runs are short, and
     // unbound workers woken together can share a CPU for a while.
     let threads = boostr_runtime::cpu::pin_threads(None)?;
     let reader = Reader::new();
     let device = CpuDevice::new();
     let mut rng = Rng::new(23, 0);
-    if std::env::args().nth(2).as_deref() == Some("mla") {
+    if mla_only {
         return mla(&device, &mut rng, &reader, reps);
     }
     println!(
@@ -232,21 +240,21 @@ impl Reader {
             f();
             times.push(t.elapsed().as_secs_f64());
         }
-        (median(&mut times), median(&mut reads))
+        (common::median(&times), common::median(&reads))
     }
 }
 
 /// The median seconds of `reps` runs of `f` after one untimed.
 fn time(reps: usize, f: &mut dyn FnMut()) -> f64 {
     f();
-    let mut times: Vec<f64> = (0..reps)
+    let times: Vec<f64> = (0..reps)
         .map(|_| {
             let t = Instant::now();
             f();
             t.elapsed().as_secs_f64()
         })
         .collect();
-    median(&mut times)
+    common::median(&times)
 }
 
 /// A full cache against the same keys in shuffled pages.
@@ -301,9 +309,4 @@ fn paged(device: &CpuDevice, rng: &mut Rng, reps: usize) -> BoxResult<()> {
         );
     }
     Ok(())
-}
-
-fn median(times: &mut [f64]) -> f64 {
-    times.sort_by(f64::total_cmp);
-    times[times.len() / 2]
 }

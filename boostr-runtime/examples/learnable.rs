@@ -26,13 +26,14 @@ const HQ: usize = 8;
 const D: usize = 128;
 const WINDOW: i32 = 128;
 
+mod common;
+
+const USAGE: &str = "usage: learnable [<seq> <reps>] (defaults 4096 5)";
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<usize> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.parse().ok())
-        .collect();
-    let s = args.first().copied().unwrap_or(4096);
-    let reps = args.get(1).copied().unwrap_or(5);
+    let args = common::Args::parse(USAGE, &["seq", "reps"]);
+    let s: usize = args.get(0, "seq", 4096);
+    let reps: usize = args.get(1, "reps", 5);
     let device = CpuDevice::new();
     let mut rng = Rng::new(17, 0);
     let mut tensor = |shape: &[usize], std: f32| -> Tensor<CpuRuntime> {

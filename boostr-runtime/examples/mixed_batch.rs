@@ -26,22 +26,19 @@ const HKV: usize = 8;
 const D: usize = 128;
 const PAGE: usize = 16;
 
-fn arg(args: &[String], i: usize, default: usize) -> Result<usize> {
-    Ok(args.get(i).map_or(Ok(default), |a| a.parse())?)
-}
+mod common;
+use common::{Args, median};
 
-fn median(mut x: Vec<f64>) -> f64 {
-    x.sort_by(f64::total_cmp);
-    x[x.len() / 2]
-}
+const USAGE: &str =
+    "usage: mixed_batch [<decodes> <chunk> <context> <runs>] (defaults 8 512 4096 7)";
 
 fn main() -> Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let (decodes, chunk, context, runs) = (
-        arg(&args, 0, 8)?,
-        arg(&args, 1, 512)?,
-        arg(&args, 2, 4096)?,
-        arg(&args, 3, 7)?,
+    let args = Args::parse(USAGE, &["decodes", "chunk", "context", "runs"]);
+    let (decodes, chunk, context, runs): (usize, usize, usize, usize) = (
+        args.get(0, "decodes", 8),
+        args.get(1, "chunk", 512),
+        args.get(2, "context", 4096),
+        args.get(3, "runs", 7),
     );
     if context % PAGE != 0 || chunk > context || decodes == 0 {
         return Err(format!(
@@ -176,7 +173,7 @@ fn main() -> Result<()> {
             t.push(start.elapsed().as_secs_f64() * 1e3);
         }
     }
-    let [one_call, two_packed, two_calls] = [0, 1, 2].map(|i| median(times[i].clone()));
+    let [one_call, two_packed, two_calls] = [0, 1, 2].map(|i| median(&times[i]));
     println!("  one mixed call:                 {one_call:8.2} ms");
     println!(
         "  two calls, packed rows in/out:  {two_packed:8.2} ms  (one call at {:.2}×)",

@@ -52,11 +52,13 @@ const TOL: f32 = 1e-4;
 
 type BoxResult<T> = Result<T, Box<dyn std::error::Error>>;
 
+mod common;
+
+const USAGE: &str = "usage: padded_batch [<reps>] (default 5)";
+
 fn main() -> BoxResult<()> {
-    let reps: usize = std::env::args()
-        .nth(1)
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(5)
+    let reps: usize = common::Args::parse(USAGE, &["reps"])
+        .get(0, "reps", 5)
         .max(1);
     let device = CpuDevice::new();
     let mut rng = Rng::new(29, 0);

@@ -109,10 +109,14 @@ struct Request {
     to_generate: usize,
 }
 
+mod common;
+
+const USAGE: &str = "usage: serve [<requests> <seed>] (defaults 32 5)";
+
 fn main() -> Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let requests: usize = args.first().map_or(Ok(32), |a| a.parse())?;
-    let seed: u64 = args.get(1).map_or(Ok(5), |a| a.parse())?;
+    let args = common::Args::parse(USAGE, &["requests", "seed"]);
+    let requests: usize = args.get(0, "requests", 32);
+    let seed: u64 = args.get(1, "seed", 5);
     let device = CpuDevice::new();
     let mut rng = Rng::new(seed, 0);
     let model = Model::new(&mut rng, &device)?;

@@ -26,11 +26,12 @@ const D: usize = 64;
 /// (B, Hkv, Sk).
 const SHAPES: [(usize, usize, usize); 4] = [(1, 1, 2048), (1, 1, 8192), (1, 2, 8192), (4, 2, 2048)];
 
+mod common;
+
+const USAGE: &str = "usage: wgpu_decode [<reps>] (default 5)";
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let reps: usize = std::env::args()
-        .nth(1)
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(5);
+    let reps: usize = common::Args::parse(USAGE, &["reps"]).get(0, "reps", 5);
     if !is_wgpu_available() {
         return Err(
             "no wgpu adapter (without a GPU: apt-get install mesa-vulkan-drivers libvulkan1)"
