@@ -302,42 +302,93 @@ unsafe fn scores_rows<L: Load16>(o: Scores<'_>, rows: usize, runs: &[Run<L::Elem
     }
 }
 
+/// A vector of 16 lane sums: f32 (`gemv`) or 32-bit integers (`gemv_i8`).
+/// The folds below move lanes as bits and add them in the lane type.
+#[cfg(target_arch = "x86_64")]
+pub(in crate::cpu) trait LaneSums: Copy {
+    /// Lane-wise `a + b`.
+    fn add(a: Self, b: Self) -> Self;
+    /// The lanes' bits as f32 lanes.
+    fn bits(self) -> __m512;
+    /// f32 lanes' bits as `Self`.
+    fn from_bits(x: __m512) -> Self;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl LaneSums for __m512 {
+    #[inline(always)]
+    fn add(a: Self, b: Self) -> Self {
+        // SAFETY: register-only; AVX-512F enabled by every caller.
+        unsafe { _mm512_add_ps(a, b) }
+    }
+    #[inline(always)]
+    fn bits(self) -> __m512 {
+        self
+    }
+    #[inline(always)]
+    fn from_bits(x: __m512) -> Self {
+        x
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl LaneSums for __m512i {
+    #[inline(always)]
+    fn add(a: Self, b: Self) -> Self {
+        // SAFETY: register-only; AVX-512F enabled by every caller.
+        unsafe { _mm512_add_epi32(a, b) }
+    }
+    #[inline(always)]
+    fn bits(self) -> __m512 {
+        // SAFETY: a cast of bits.
+        unsafe { _mm512_castsi512_ps(self) }
+    }
+    #[inline(always)]
+    fn from_bits(x: __m512) -> Self {
+        // SAFETY: a cast of bits.
+        unsafe { _mm512_castps_si512(x) }
+    }
+}
+
 /// Four keys' 16-lane partial sums folded into one vector whose lane group
 /// `g` (lanes `4g..4g+4`) holds each key's sum over lanes `4g..4g+4`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn fold4(x: [__m512; 4]) -> __m512 {
+pub(in crate::cpu) fn fold4<L: LaneSums>(x: [L; 4]) -> L {
+    // (No closure: it would not inherit the callers' target features.)
+    let x = [x[0].bits(), x[1].bits(), x[2].bits(), x[3].bits()];
     // SAFETY: register-only; AVX-512F enabled by every caller.
     unsafe {
         // Per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3].
-        let ab = _mm512_add_ps(
-            _mm512_unpacklo_ps(x[0], x[1]),
-            _mm512_unpackhi_ps(x[0], x[1]),
+        let ab = L::add(
+            L::from_bits(_mm512_unpacklo_ps(x[0], x[1])),
+            L::from_bits(_mm512_unpackhi_ps(x[0], x[1])),
         );
-        let cd = _mm512_add_ps(
-            _mm512_unpacklo_ps(x[2], x[3]),
-            _mm512_unpackhi_ps(x[2], x[3]),
+        let cd = L::add(
+            L::from_bits(_mm512_unpacklo_ps(x[2], x[3])),
+            L::from_bits(_mm512_unpackhi_ps(x[2], x[3])),
         );
         // Per 128-bit lane: [Σa, Σb, Σc, Σd] over its four lanes.
-        let (ab, cd) = (_mm512_castps_pd(ab), _mm512_castps_pd(cd));
-        _mm512_add_ps(
-            _mm512_castpd_ps(_mm512_unpacklo_pd(ab, cd)),
-            _mm512_castpd_ps(_mm512_unpackhi_pd(ab, cd)),
+        let (ab, cd) = (_mm512_castps_pd(ab.bits()), _mm512_castps_pd(cd.bits()));
+        L::add(
+            L::from_bits(_mm512_castpd_ps(_mm512_unpacklo_pd(ab, cd))),
+            L::from_bits(_mm512_castpd_ps(_mm512_unpackhi_pd(ab, cd))),
         )
     }
 }
 
 /// Two folded vectors (of keys `0..4` and `4..8` of a group, or of keys
-/// `0..8` and `8..16` once folded again) into one: 128-bit lane `2i + h`
-/// of the result is the sum of lanes `2i` and `2i + 1` of the `h`-th input.
+/// `0..8` and `8..16` once folded again) into one: by 128-bit lane
+/// `[u₀+u₁, u₂+u₃, w₀+w₁, w₂+w₃]`.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn fold2(u: __m512, w: __m512) -> __m512 {
+pub(in crate::cpu) fn fold2<L: LaneSums>(u: L, w: L) -> L {
+    let (u, w) = (u.bits(), w.bits());
     // SAFETY: register-only; AVX-512F enabled by every caller.
     unsafe {
         let x = _mm512_shuffle_f32x4::<0b10_00_10_00>(u, w);
         let y = _mm512_shuffle_f32x4::<0b11_01_11_01>(u, w);
-        _mm512_add_ps(x, y)
+        L::add(L::from_bits(x), L::from_bits(y))
     }
 }
 

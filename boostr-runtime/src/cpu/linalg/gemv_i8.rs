@@ -34,7 +34,7 @@
 
 use crate::cpu::elem::Stored;
 #[cfg(target_arch = "x86_64")]
-use crate::cpu::gemv::{Ahead, Run, mask, raw_runs};
+use crate::cpu::gemv::{Ahead, Run, fold2, fold4, mask, raw_runs};
 use crate::cpu::operand::Rows;
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -239,39 +239,6 @@ impl PairDot for Madd {
     unsafe fn dot(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
         // SAFETY: AVX-512BW enabled in the caller.
         unsafe { _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)) }
-    }
-}
-
-/// `gemv`'s fold of four keys' 16 lane sums into one vector (lane group
-/// `g` holds each key's sum over lanes `4g..4g+4`), in 32-bit integers.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn fold4(x: [__m512i; 4]) -> __m512i {
-    // SAFETY: register-only; AVX-512F enabled by every caller.
-    unsafe {
-        let ab = _mm512_add_epi32(
-            _mm512_unpacklo_epi32(x[0], x[1]),
-            _mm512_unpackhi_epi32(x[0], x[1]),
-        );
-        let cd = _mm512_add_epi32(
-            _mm512_unpacklo_epi32(x[2], x[3]),
-            _mm512_unpackhi_epi32(x[2], x[3]),
-        );
-        _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd))
-    }
-}
-
-/// `gemv`'s fold of two folded vectors into one, in 32-bit integers:
-/// `[u₀+u₁, u₂+u₃, w₀+w₁, w₂+w₃]` by 128-bit lane. Two quads of keys fold
-/// to the halves of 8 keys; two of those to 16 keys' sums in key order.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn fold2(u: __m512i, w: __m512i) -> __m512i {
-    // SAFETY: register-only; AVX-512F enabled by every caller.
-    unsafe {
-        let x = _mm512_shuffle_i32x4::<0b10_00_10_00>(u, w);
-        let y = _mm512_shuffle_i32x4::<0b11_01_11_01>(u, w);
-        _mm512_add_epi32(x, y)
     }
 }
 
