@@ -203,7 +203,7 @@ pub(in crate::cpu) fn forward<V: HostVariant>(
 }
 
 /// How a task computes its two products per key block.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy)]
 enum Products {
     /// The tile products ([`matmul`]) over `Kᵀ` and widened blocks.
     Tiles,
@@ -309,28 +309,28 @@ impl<V: HostVariant> Task<'_, V> {
         let s = &mut sc.s[..rows * cols];
         // Where K's block was widened into `k_wide`.
         let mut widened = false;
-        if products == Products::Integer {
-            gemv_i8::scores(&sc.q16, d, k, p.scale, s, ahead);
-        } else if products == Products::Vector {
-            gemv::scores(self.q, d, k, p.scale, s, ahead);
-        } else {
-            let (kf, k_rs) = match k[0].f32() {
-                Some(kf) => kf,
-                None => {
-                    k[0].widen(&mut sc.k_wide[..cols * d]);
-                    widened = true;
-                    (&sc.k_wide[..cols * d], d)
-                }
-            };
-            let st = &mut sc.st[..cols * rows];
-            matmul(
-                MatMut::row_major(st, cols, rows),
-                Write::Overwrite,
-                MatRef::strided(kf, cols, d, k_rs),
-                MatRef::row_major(&sc.qt[..d * rows], d, rows),
-                p.scale,
-            );
-            transpose(st, cols, rows, s, cols);
+        match products {
+            Products::Integer => gemv_i8::scores(&sc.q16, d, k, p.scale, s, ahead),
+            Products::Vector => gemv::scores(self.q, d, k, p.scale, s, ahead),
+            Products::Tiles => {
+                let (kf, k_rs) = match k[0].f32() {
+                    Some(kf) => kf,
+                    None => {
+                        k[0].widen(&mut sc.k_wide[..cols * d]);
+                        widened = true;
+                        (&sc.k_wide[..cols * d], d)
+                    }
+                };
+                let st = &mut sc.st[..cols * rows];
+                matmul(
+                    MatMut::row_major(st, cols, rows),
+                    Write::Overwrite,
+                    MatRef::strided(kf, cols, d, k_rs),
+                    MatRef::row_major(&sc.qt[..d * rows], d, rows),
+                    p.scale,
+                );
+                transpose(st, cols, rows, s, cols);
+            }
         }
         simd::dispatch(BlockSoftmax {
             task: self,
@@ -365,27 +365,27 @@ impl<V: HostVariant> Task<'_, V> {
         } else {
             v
         };
-        if products == Products::Integer {
-            gemv_i8::accumulate(s, v, dv, acc);
-        } else if products == Products::Vector {
-            gemv::accumulate(s, v, dv, acc);
-        } else {
-            let (v, v_rs) = match v[0].f32() {
-                Some(v) => v,
-                // V as a view of K: its leading columns, widened already.
-                None if widened && v[0].leads(k[0]) => (&sc.k_wide[..cols * d], d),
-                None => {
-                    v[0].widen(&mut sc.v_wide[..cols * dv]);
-                    (&sc.v_wide[..cols * dv], dv)
-                }
-            };
-            matmul(
-                MatMut::row_major(acc, rows, dv),
-                Write::Accumulate,
-                MatRef::row_major(s, rows, cols),
-                MatRef::strided(v, cols, dv, v_rs),
-                1.0,
-            );
+        match products {
+            Products::Integer => gemv_i8::accumulate(s, v, dv, acc),
+            Products::Vector => gemv::accumulate(s, v, dv, acc),
+            Products::Tiles => {
+                let (v, v_rs) = match v[0].f32() {
+                    Some(v) => v,
+                    // V as a view of K: its leading columns, widened already.
+                    None if widened && v[0].leads(k[0]) => (&sc.k_wide[..cols * d], d),
+                    None => {
+                        v[0].widen(&mut sc.v_wide[..cols * dv]);
+                        (&sc.v_wide[..cols * dv], dv)
+                    }
+                };
+                matmul(
+                    MatMut::row_major(acc, rows, dv),
+                    Write::Accumulate,
+                    MatRef::row_major(s, rows, cols),
+                    MatRef::strided(v, cols, dv, v_rs),
+                    1.0,
+                );
+            }
         }
     }
 

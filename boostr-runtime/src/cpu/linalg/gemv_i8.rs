@@ -254,7 +254,8 @@ fn mask32(len: usize, at: usize) -> __mmask32 {
     }
 }
 
-/// Sixteen bytes at `at` (the lanes of `m`), sign-extended to int16.
+/// The 32 bytes at `at` (those of `m`'s lanes; 0 elsewhere), sign-extended
+/// to int16.
 ///
 /// # Safety
 /// AVX-512BW enabled in the caller; the bytes of `m`'s lanes readable.
